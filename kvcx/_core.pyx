@@ -1,0 +1,738 @@
+# cython: language_level=3, embedsignature=True, boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
+"""kvcx compute kernels (nogil, OpenMP).
+
+Kernels only: every function here trusts its caller. Dtype, shape, contiguity
+and size checks, output allocation and error messages live in ``kvcx.codec``.
+
+Tensors are seen as ``(N, S, D)``: N slabs (batch x heads), S tokens, D values
+per token (the contiguous last axis). Tokens ``[0, t0)`` of every slab are kept
+exact elsewhere; the kernels quantize tokens ``[t0, S)``.
+
+Code stream: the codes of the quantized part in C order, each slab starting on
+a byte boundary, bits packed LSB-first: with 4 bits, element 2i is the low
+nibble of byte i and element 2i+1 the high nibble. Codes are unsigned:
+symmetric ``q + 2**(bits-1)``, asymmetric ``q`` in ``[0, 2**bits - 1]``.
+
+Groups: ``axis=0`` ("token") groups run along each slab's flattened
+quantized part (``(S - t0) * D`` values, the last group of a slab may be
+partial); ``axis=1`` ("channel") groups run along tokens, one group per
+``(slab, token block, channel)``. Optionally each token's D values are rotated by
+an orthonormal Walsh-Hadamard transform before quantization (the inverse is
+applied on decode).
+"""
+from cython.parallel cimport prange
+from libc.stdint cimport uint8_t, uint16_t, uint32_t, int32_t, int64_t
+from libc.string cimport memcpy
+from libc.stdlib cimport malloc, free
+from libc.math cimport rintf, sqrtf, fabsf, fabs, sqrt
+
+from kvcx._openmp_helpers cimport omp_get_max_threads, KVCX_OPENMP_ENABLED
+
+cdef extern from *:
+    """
+    #include <stdint.h>
+    #include <string.h>
+    #if defined(__F16C__) && defined(__AVX__)
+    #include <immintrin.h>
+    #define KVCX_F16C 1
+    #else
+    #define KVCX_F16C 0
+    #endif
+
+    static inline float kvcx_h2f(uint16_t h) {
+        uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+        uint32_t e = (h >> 10) & 0x1fu, m = h & 0x3ffu, f;
+        if (e == 0x1fu) f = sign | 0x7f800000u | (m << 13);
+        else if (e == 0) {
+            if (m == 0) f = sign;
+            else {
+                int k = -1;
+                do { k++; m <<= 1; } while (!(m & 0x400u));
+                f = sign | ((uint32_t)(112 - k) << 23) | ((m & 0x3ffu) << 13);
+            }
+        } else f = sign | ((e + 112u) << 23) | (m << 13);
+        float r; memcpy(&r, &f, 4); return r;
+    }
+
+    /* Round to nearest even, NaN kept NaN: the same as NumPy's astype. */
+    static inline uint16_t kvcx_f2h(float x) {
+        uint32_t f; memcpy(&f, &x, 4);
+        uint16_t sign = (uint16_t)((f >> 16) & 0x8000u);
+        uint32_t fe = f & 0x7f800000u, fm = f & 0x007fffffu;
+        if (fe == 0x7f800000u) {
+            if (fm == 0) return sign | 0x7c00u;
+            uint16_t r = (uint16_t)(0x7c00u + (fm >> 13));
+            if (r == 0x7c00u) r++;
+            return sign | r;
+        }
+        if (fe >= 0x47800000u) return sign | 0x7c00u;
+        if (fe <= 0x38000000u) {
+            if (fe < 0x33000000u) return sign;
+            uint32_t s = 126u - (fe >> 23);
+            uint32_t man = fm | 0x00800000u;
+            uint32_t h = man >> s, rem = man & ((1u << s) - 1u), half = 1u << (s - 1u);
+            if (rem > half || (rem == half && (h & 1u))) h++;
+            return sign | (uint16_t)h;
+        }
+        uint32_t h = (((fe >> 23) - 112u) << 10) | (fm >> 13);
+        uint32_t rem = fm & 0x1fffu;
+        if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) h++;
+        return sign | (uint16_t)h;
+    }
+
+    static inline float kvcx_b2f(uint16_t b) {
+        uint32_t f = (uint32_t)b << 16; float r; memcpy(&r, &f, 4); return r;
+    }
+
+    static inline uint16_t kvcx_f2b(float x) {
+        uint32_t f; memcpy(&f, &x, 4);
+        if ((f & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((f >> 16) | 0x0040u);
+        return (uint16_t)((f + 0x7fffu + ((f >> 16) & 1u)) >> 16);
+    }
+
+    static inline void kvcx_h2f_n(const uint16_t *s, float *d, int64_t n) {
+        int64_t i = 0;
+    #if KVCX_F16C
+        for (; i + 8 <= n; i += 8)
+            _mm256_storeu_ps(d + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + i))));
+    #endif
+        for (; i < n; i++) d[i] = kvcx_h2f(s[i]);
+    }
+
+    static inline void kvcx_f2h_n(const float *s, uint16_t *d, int64_t n) {
+        int64_t i = 0;
+    #if KVCX_F16C
+        for (; i + 8 <= n; i += 8)
+            _mm_storeu_si128((__m128i *)(d + i),
+                _mm256_cvtps_ph(_mm256_loadu_ps(s + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    #endif
+        for (; i < n; i++) d[i] = kvcx_f2h(s[i]);
+    }
+
+    static inline uint16_t kvcx_f2h_1(float x) {
+    #if KVCX_F16C
+        return (uint16_t)_cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT);
+    #else
+        return kvcx_f2h(x);
+    #endif
+    }
+
+    static inline float kvcx_h2f_1(uint16_t h) {
+    #if KVCX_F16C
+        return _cvtsh_ss(h);
+    #else
+        return kvcx_h2f(h);
+    #endif
+    }
+
+    /* Stages h = 1, 2, 4 of the Walsh-Hadamard butterfly on every 8-value chunk of p[0:n]. */
+    static inline void kvcx_wht8(float *p, int64_t n) {
+        int64_t i = 0;
+    #if defined(__AVX__)
+        const __m256 s1 = _mm256_setr_ps(1, -1, 1, -1, 1, -1, 1, -1);
+        const __m256 s2 = _mm256_setr_ps(1, 1, -1, -1, 1, 1, -1, -1);
+        const __m256 s4 = _mm256_setr_ps(1, 1, 1, 1, -1, -1, -1, -1);
+        for (; i + 8 <= n; i += 8) {
+            __m256 v = _mm256_loadu_ps(p + i);
+            v = _mm256_add_ps(_mm256_mul_ps(v, s1), _mm256_permute_ps(v, 0xB1));
+            v = _mm256_add_ps(_mm256_mul_ps(v, s2), _mm256_permute_ps(v, 0x4E));
+            v = _mm256_add_ps(_mm256_mul_ps(v, s4), _mm256_permute2f128_ps(v, v, 1));
+            _mm256_storeu_ps(p + i, v);
+        }
+    #endif
+        for (; i + 8 <= n; i += 8) {
+            float *q = p + i, a[8], b[8];
+            for (int j = 0; j < 8; j += 2) { a[j] = q[j] + q[j + 1]; a[j + 1] = q[j] - q[j + 1]; }
+            for (int j = 0; j < 8; j += 4) {
+                b[j] = a[j] + a[j + 2]; b[j + 1] = a[j + 1] + a[j + 3];
+                b[j + 2] = a[j] - a[j + 2]; b[j + 3] = a[j + 1] - a[j + 3];
+            }
+            for (int j = 0; j < 4; j++) { q[j] = b[j] + b[j + 4]; q[j + 4] = b[j] - b[j + 4]; }
+        }
+    }
+
+    static const char *kvcx_simd_flags(void) {
+        return ""
+    #ifdef __SSE4_1__
+        "sse4.1 "
+    #endif
+    #ifdef __AVX__
+        "avx "
+    #endif
+    #ifdef __AVX2__
+        "avx2 "
+    #endif
+    #ifdef __FMA__
+        "fma "
+    #endif
+    #ifdef __F16C__
+        "f16c "
+    #endif
+    #ifdef __AVX512F__
+        "avx512f "
+    #endif
+    #ifdef __AVX512BW__
+        "avx512bw "
+    #endif
+    #ifdef __ARM_NEON
+        "neon "
+    #endif
+        ;
+    }
+    """
+    float kvcx_h2f(uint16_t h) noexcept nogil
+    uint16_t kvcx_f2h(float x) noexcept nogil
+    float kvcx_b2f(uint16_t b) noexcept nogil
+    uint16_t kvcx_f2b(float x) noexcept nogil
+    void kvcx_h2f_n(const uint16_t *s, float *d, int64_t n) noexcept nogil
+    void kvcx_f2h_n(const float *s, uint16_t *d, int64_t n) noexcept nogil
+    uint16_t kvcx_f2h_1(float x) noexcept nogil
+    float kvcx_h2f_1(uint16_t h) noexcept nogil
+    const char *kvcx_simd_flags() noexcept nogil
+    void kvcx_wht8(float *p, int64_t n) noexcept nogil
+    const bint KVCX_F16C
+
+# dtype codes shared with kvcx.codec
+DEF DT_F32 = 0
+DEF DT_F16 = 1
+DEF DT_BF16 = 2
+
+# elements converted per parallel task in the conversion kernels
+DEF CONV_CHUNK = 65536
+
+
+def build_info():
+    """Facts about this build of the kernels (for ``kvcx info``)."""
+    return {
+        "openmp": bool(KVCX_OPENMP_ENABLED),
+        "max_threads": int(omp_get_max_threads()),
+        "simd": kvcx_simd_flags().decode().split(),
+        "f16c_kernels": bool(KVCX_F16C),
+    }
+
+
+def max_threads():
+    return int(omp_get_max_threads())
+
+
+# ----------------------------------------------------------------------------
+# element conversion
+# ----------------------------------------------------------------------------
+
+cdef inline void _load(const uint8_t *src, int dt, int64_t start, int64_t n, float *dst) noexcept nogil:
+    """Convert n elements starting at element `start` of src (dtype dt) to float32."""
+    cdef int64_t i
+    cdef const float *pf
+    cdef const uint16_t *ph
+    if dt == DT_F32:
+        pf = <const float *>src + start
+        for i in range(n):
+            dst[i] = pf[i]
+    elif dt == DT_F16:
+        kvcx_h2f_n(<const uint16_t *>src + start, dst, n)
+    else:
+        ph = <const uint16_t *>src + start
+        for i in range(n):
+            dst[i] = kvcx_b2f(ph[i])
+
+
+cdef inline void _store(const float *buf, int dt, int64_t start, int64_t n, uint8_t *dst) noexcept nogil:
+    """Convert n float32 values to dtype dt at element `start` of dst."""
+    cdef int64_t i
+    cdef float *pf
+    cdef uint16_t *ph
+    if dt == DT_F32:
+        pf = <float *>dst + start
+        for i in range(n):
+            pf[i] = buf[i]
+    elif dt == DT_F16:
+        kvcx_f2h_n(buf, <uint16_t *>dst + start, n)
+    else:
+        ph = <uint16_t *>dst + start
+        for i in range(n):
+            ph[i] = kvcx_f2b(buf[i])
+
+
+def convert(const uint8_t[::1] src, int src_dt, uint8_t[::1] dst, int dst_dt, int64_t n, int nthreads):
+    """Convert n elements between float32 / float16 / bfloat16 (RNE, NaN kept)."""
+    cdef int64_t nchunks = (n + CONV_CHUNK - 1) // CONV_CHUNK
+    cdef int64_t c
+    with nogil:
+        for c in prange(nchunks, num_threads=nthreads, schedule="static"):
+            _convert_chunk(&src[0], src_dt, &dst[0], dst_dt, c * CONV_CHUNK,
+                           min(CONV_CHUNK, n - c * CONV_CHUNK))
+
+
+cdef void _convert_chunk(const uint8_t *src, int sdt, uint8_t *dst, int ddt, int64_t start, int64_t n) noexcept nogil:
+    cdef float buf[1024]
+    cdef int64_t off = 0, m
+    while off < n:
+        m = min(<int64_t>1024, n - off)
+        _load(src, sdt, start + off, m, buf)
+        _store(buf, ddt, start + off, m, dst)
+        off += m
+
+
+# ----------------------------------------------------------------------------
+# bit packing
+# ----------------------------------------------------------------------------
+
+cdef inline void _pack(const uint8_t *q, int64_t n, int bits, uint8_t *out) noexcept nogil:
+    """Pack n codes (n a multiple of 8 or the slab's end; q padded with zeros to 8)."""
+    cdef int64_t i, j
+    cdef uint32_t w
+    if bits == 4:
+        for i in range((n + 1) // 2):
+            out[i] = q[2 * i] | (q[2 * i + 1] << 4)
+    elif bits == 8:
+        for i in range(n):
+            out[i] = q[i]
+    elif bits == 2:
+        for i in range((n + 3) // 4):
+            out[i] = q[4 * i] | (q[4 * i + 1] << 2) | (q[4 * i + 2] << 4) | (q[4 * i + 3] << 6)
+    else:  # 3 bits: 8 codes in 3 bytes
+        for i in range((n + 7) // 8):
+            w = 0
+            for j in range(8):
+                w = w | (<uint32_t>q[8 * i + j] << (3 * j))
+            j = 3 * i
+            out[j] = w & 0xff
+            if (3 * n + 7) // 8 > j + 1:
+                out[j + 1] = (w >> 8) & 0xff
+            if (3 * n + 7) // 8 > j + 2:
+                out[j + 2] = (w >> 16) & 0xff
+
+
+cdef inline void _unpack(const uint8_t *p, int64_t n, int bits, uint8_t *q) noexcept nogil:
+    cdef int64_t i, j, nb
+    cdef uint32_t w
+    if bits == 4:
+        for i in range(n // 2):
+            q[2 * i] = p[i] & 0x0f
+            q[2 * i + 1] = p[i] >> 4
+        if n & 1:
+            q[n - 1] = p[n // 2] & 0x0f
+    elif bits == 8:
+        for i in range(n):
+            q[i] = p[i]
+    elif bits == 2:
+        for i in range(n):
+            q[i] = (p[i >> 2] >> (2 * (i & 3))) & 3
+    else:
+        nb = (3 * n + 7) // 8
+        for i in range((n + 7) // 8):
+            j = 3 * i
+            w = p[j]
+            if j + 1 < nb:
+                w = w | (<uint32_t>p[j + 1] << 8)
+            if j + 2 < nb:
+                w = w | (<uint32_t>p[j + 2] << 16)
+            for j in range(8):
+                q[8 * i + j] = (w >> (3 * j)) & 7
+
+
+# ----------------------------------------------------------------------------
+# Walsh-Hadamard rotation (orthonormal, its own inverse)
+# ----------------------------------------------------------------------------
+
+cdef inline void _fwht_rows(float *x, int64_t rows, int64_t d) noexcept nogil:
+    """In-place orthonormal fast Walsh-Hadamard transform of `rows` rows of length d (a power of two >= 8)."""
+    cdef int64_t r, i, j, h
+    cdef float u, v
+    cdef float norm = 1.0 / sqrtf(<float>d)
+    cdef float *p
+    kvcx_wht8(x, rows * d)
+    for r in range(rows):
+        p = x + r * d
+        h = 8
+        while h < d:
+            i = 0
+            while i < d:
+                for j in range(i, i + h):
+                    u = p[j]
+                    v = p[j + h]
+                    p[j] = u + v
+                    p[j + h] = u - v
+                i += 2 * h
+            h *= 2
+        for j in range(d):
+            p[j] = p[j] * norm
+
+
+# ----------------------------------------------------------------------------
+# group parameters and (de)quantization
+#
+# Min / max / max|x| run on the float bits as integers: for finite floats the
+# order of (bits & 0x7fffffff) is the order of |x|, and the key
+# bits ^ ((bits >> 31) & 0x7fffffff) orders signed values; both reductions
+# vectorize without -ffast-math, and max(bits & 0x7fffffff) >= 0x7f800000
+# flags NaN/Inf in the same pass.
+# ----------------------------------------------------------------------------
+
+cdef inline float _f_from_bits(int32_t b) noexcept nogil:
+    cdef float f
+    memcpy(&f, &b, 4)
+    return f
+
+
+cdef inline int32_t _key_to_bits(int32_t k) noexcept nogil:
+    return k ^ ((k >> 31) & 0x7fffffff)
+
+
+cdef inline int _params(float lo, float hi, int bits, bint asym, uint16_t *s_out, uint16_t *z_out,
+                        float *scale, float *zero) noexcept nogil:
+    """FP16 scale (and zero point) of a group from its min/max (or 0/max|x| when symmetric)."""
+    cdef uint16_t hs, hz
+    if asym:
+        hs = kvcx_f2h_1((hi - lo) / <float>((1 << bits) - 1))
+        hz = kvcx_f2h_1(lo)
+        z_out[0] = hz
+        zero[0] = kvcx_h2f_1(hz)
+        if (hz & 0x7c00u) == 0x7c00u:
+            s_out[0] = hs
+            return 2
+    else:
+        hs = kvcx_f2h_1(hi / <float>((1 << (bits - 1)) - 1))
+        zero[0] = 0.0
+    s_out[0] = hs
+    scale[0] = kvcx_h2f_1(hs)
+    return 2 if (hs & 0x7c00u) == 0x7c00u else 0
+
+
+cdef inline int _quant_contig(const float *x, int64_t n, int bits, bint asym,
+                              uint8_t *q, uint16_t *s_out, uint16_t *z_out) noexcept nogil:
+    """Quantize one contiguous group. Returns 1 on NaN/Inf, 2 on FP16 scale overflow, else 0."""
+    cdef const int32_t *xi = <const int32_t *>x
+    cdef int64_t i
+    cdef int32_t a, k, amax = 0, kmin = 0x7fffffff, kmax = -0x7fffffff - 1
+    cdef float scale, zero, t, qmax, qmin, off
+    cdef int st
+    if asym:
+        for i in range(n):
+            a = xi[i] & 0x7fffffff
+            k = xi[i] ^ ((xi[i] >> 31) & 0x7fffffff)
+            amax = a if a > amax else amax
+            kmin = k if k < kmin else kmin
+            kmax = k if k > kmax else kmax
+        if amax >= 0x7f800000:
+            return 1
+        st = _params(_f_from_bits(_key_to_bits(kmin)), _f_from_bits(_key_to_bits(kmax)), bits, 1,
+                     s_out, z_out, &scale, &zero)
+        qmin = 0.0
+        qmax = <float>((1 << bits) - 1)
+        off = 0.0
+    else:
+        for i in range(n):
+            a = xi[i] & 0x7fffffff
+            amax = a if a > amax else amax
+        if amax >= 0x7f800000:
+            return 1
+        st = _params(0.0, _f_from_bits(amax), bits, 0, s_out, z_out, &scale, &zero)
+        qmax = <float>((1 << (bits - 1)) - 1)
+        qmin = -qmax - 1.0
+        off = qmax + 1.0
+    if st:
+        return st
+    if scale == 0.0:
+        for i in range(n):
+            q[i] = <uint8_t>off
+        return 0
+    for i in range(n):
+        t = rintf((x[i] - zero) / scale)
+        t = qmin if t < qmin else t
+        t = qmax if t > qmax else t
+        q[i] = <uint8_t>(<int32_t>(t + off))
+    return 0
+
+
+cdef int _quant_cols(const float *x, int64_t rows, int64_t D, int bits, bint asym, uint8_t *q,
+                     uint16_t *s_out, uint16_t *z_out, float *tmp) noexcept nogil:
+    """Quantize a [rows, D] block with one group per column (tmp: 5*D floats of scratch)."""
+    cdef const int32_t *xi = <const int32_t *>x
+    cdef int32_t *amax = <int32_t *>tmp
+    cdef int32_t *kmin = <int32_t *>(tmp + D)
+    cdef int32_t *kmax = <int32_t *>(tmp + 2 * D)
+    cdef float *scale = tmp + 3 * D
+    cdef float *zero = tmp + 4 * D
+    cdef int64_t r, d
+    cdef int32_t a, k, bad = 0
+    cdef float t, qmax, qmin, off, sc, zr
+    cdef int st = 0
+    for d in range(D):
+        amax[d] = 0
+        kmin[d] = 0x7fffffff
+        kmax[d] = -0x7fffffff - 1
+    for r in range(rows):
+        for d in range(D):
+            a = xi[r * D + d] & 0x7fffffff
+            k = xi[r * D + d] ^ ((xi[r * D + d] >> 31) & 0x7fffffff)
+            amax[d] = a if a > amax[d] else amax[d]
+            kmin[d] = k if k < kmin[d] else kmin[d]
+            kmax[d] = k if k > kmax[d] else kmax[d]
+    for d in range(D):
+        bad = amax[d] if amax[d] > bad else bad
+    if bad >= 0x7f800000:
+        return 1
+    if asym:
+        qmin = 0.0
+        qmax = <float>((1 << bits) - 1)
+        off = 0.0
+    else:
+        qmax = <float>((1 << (bits - 1)) - 1)
+        qmin = -qmax - 1.0
+        off = qmax + 1.0
+    for d in range(D):
+        if asym:
+            st = st | _params(_f_from_bits(_key_to_bits(kmin[d])), _f_from_bits(_key_to_bits(kmax[d])), bits, 1,
+                              s_out + d, z_out + d, &sc, &zr)
+        else:
+            st = st | _params(0.0, _f_from_bits(amax[d]), bits, 0, s_out + d, z_out + d, &sc, &zr)
+        scale[d] = sc
+        zero[d] = zr
+    if st:
+        return st
+    for r in range(rows):
+        for d in range(D):
+            t = rintf((x[r * D + d] - zero[d]) / (scale[d] if scale[d] != 0.0 else 1.0))
+            t = qmin if t < qmin else t
+            t = qmax if t > qmax else t
+            t = t if scale[d] != 0.0 else 0.0
+            q[r * D + d] = <uint8_t>(<int32_t>(t + off))
+    return 0
+
+
+cdef inline void _dequant_contig(const uint8_t *q, int64_t n, int bits, bint asym, uint16_t hs, uint16_t hz,
+                                 float *x) noexcept nogil:
+    cdef int64_t i
+    cdef float scale = kvcx_h2f_1(hs), zero, off
+    if asym:
+        zero = kvcx_h2f_1(hz)
+        for i in range(n):
+            x[i] = <float>q[i] * scale + zero
+    else:
+        off = <float>(1 << (bits - 1))
+        for i in range(n):
+            x[i] = (<float>q[i] - off) * scale
+
+
+cdef inline void _dequant_cols(const uint8_t *q, int64_t rows, int64_t D, int bits, bint asym,
+                               const uint16_t *hs, const uint16_t *hz, float *x, float *tmp) noexcept nogil:
+    cdef int64_t r, d
+    cdef float off = 0.0 if asym else <float>(1 << (bits - 1))
+    cdef float *scale = tmp
+    cdef float *zero = tmp + D
+    for d in range(D):
+        scale[d] = kvcx_h2f_1(hs[d])
+        zero[d] = kvcx_h2f_1(hz[d]) if asym else 0.0
+    for r in range(rows):
+        for d in range(D):
+            x[r * D + d] = (<float>q[r * D + d] - off) * scale[d] + zero[d]
+
+
+# ----------------------------------------------------------------------------
+# encode / decode
+# ----------------------------------------------------------------------------
+
+DEF TASK_VALUES = 32768   # values per parallel task (blocks are grouped up to this)
+
+
+cdef int _enc_block(const uint8_t *src, int dt, int64_t S, int64_t D, int64_t t0,
+                    int64_t G, int bits, bint asym, int axis, bint rotate, int64_t blk_tokens,
+                    int64_t slab, int64_t blk, int64_t row_bytes,
+                    uint8_t *codes, uint16_t *scales, uint16_t *zeros,
+                    float *buf, uint8_t *q, float *tmp) noexcept nogil:
+    """Encode one block: a group (token mode) or whole tokens [t_a, t_b) of one slab."""
+    cdef int64_t L = (S - t0) * D
+    cdef int64_t t_a = t0 + blk * blk_tokens
+    cdef int64_t t_b = min(S, t_a + blk_tokens)
+    cdef int64_t n = (t_b - t_a) * D
+    cdef int64_t g, start, m, k, ngroups, nblk
+    cdef int status = 0
+    if axis == 0 and not rotate:
+        start = blk * blk_tokens
+        n = min(blk_tokens, L - start)
+        _load(src, dt, slab * S * D + t0 * D + start, n, buf)
+    else:
+        start = (t_a - t0) * D
+        _load(src, dt, slab * S * D + t_a * D, n, buf)
+        if rotate:
+            _fwht_rows(buf, t_b - t_a, D)
+    for k in range(n, ((n + 7) // 8) * 8):
+        q[k] = 0
+    if axis == 0:
+        ngroups = (L + G - 1) // G
+        g = 0
+        while g * G < n:
+            m = min(G, n - g * G)
+            k = slab * ngroups + (start + g * G) // G
+            status = status | _quant_contig(buf + g * G, m, bits, asym, q + g * G, scales + k, zeros + k)
+            g += 1
+    else:
+        nblk = (S - t0 + G - 1) // G
+        k = (slab * nblk + blk) * D
+        status = _quant_cols(buf, t_b - t_a, D, bits, asym, q, scales + k, zeros + k, tmp)
+    _pack(q, n, bits, codes + slab * row_bytes + (start * bits) // 8)
+    return status
+
+
+cdef int64_t _blocking(int64_t S, int64_t D, int64_t t0, int64_t G, int axis, bint rotate,
+                       int64_t *blk_tokens, int64_t *bufn) noexcept nogil:
+    """Block geometry; returns the number of blocks per slab."""
+    cdef int64_t L = (S - t0) * D
+    if axis == 0 and not rotate:
+        blk_tokens[0] = G * max(<int64_t>1, 4096 // G)   # element blocks of whole groups
+        bufn[0] = blk_tokens[0]
+        return (L + blk_tokens[0] - 1) // blk_tokens[0]
+    if axis == 0:
+        blk_tokens[0] = (max(G, D) // D) * max(<int64_t>1, 4096 // max(G, D))   # whole tokens, whole groups
+        bufn[0] = blk_tokens[0] * D
+        return (S - t0 + blk_tokens[0] - 1) // blk_tokens[0]
+    blk_tokens[0] = G
+    bufn[0] = G * D
+    return (S - t0 + G - 1) // G
+
+
+def encode(const uint8_t[::1] src, int dt, int64_t N, int64_t S, int64_t D, int64_t t0,
+           int64_t G, int bits, bint asym, int axis, bint rotate,
+           uint8_t[::1] codes, uint16_t[::1] scales, uint16_t[::1] zeros, int nthreads):
+    """Quantize and pack. Returns a status: 0 ok, bit 1 NaN/Inf seen, bit 2 FP16 scale overflow, 4 no memory."""
+    cdef int64_t L = (S - t0) * D
+    cdef int64_t row_bytes = (L * bits + 7) // 8
+    cdef int64_t blk_tokens, bufn, nblk, nall, bpt, task, ntasks, b
+    cdef int status = 0
+    cdef float *buf
+    cdef uint16_t *zp = &zeros[0] if zeros.shape[0] > 0 else &scales[0]
+    nblk = _blocking(S, D, t0, G, axis, rotate, &blk_tokens, &bufn)
+    nall = N * nblk
+    bpt = max(<int64_t>1, TASK_VALUES // bufn)
+    ntasks = (nall + bpt - 1) // bpt
+    with nogil:
+        for task in prange(ntasks, num_threads=nthreads, schedule="static"):
+            buf = <float *>malloc((bufn + 5 * D) * sizeof(float) + bufn + 8)
+            if buf == NULL:
+                status |= 4
+            else:
+                for b in range(task * bpt, min(nall, task * bpt + bpt)):
+                    status |= _enc_block(&src[0], dt, S, D, t0, G, bits, asym, axis, rotate, blk_tokens,
+                                         b // nblk, b % nblk, row_bytes, &codes[0], &scales[0], zp,
+                                         buf, <uint8_t *>(buf + bufn + 5 * D), buf + bufn)
+                free(buf)
+    return status
+
+
+cdef void _dec_block(const uint8_t *codes, const uint16_t *scales, const uint16_t *zeros,
+                     int64_t S, int64_t D, int64_t t0, int64_t G, int bits, bint asym, int axis,
+                     bint rotate, int64_t blk_tokens, int64_t slab, int64_t blk, int64_t row_bytes,
+                     uint8_t *out, int dt, float *buf, uint8_t *q, float *tmp) noexcept nogil:
+    cdef int64_t L = (S - t0) * D
+    cdef int64_t t_a = t0 + blk * blk_tokens
+    cdef int64_t t_b = min(S, t_a + blk_tokens)
+    cdef int64_t n = (t_b - t_a) * D
+    cdef int64_t g, start, m, k, ngroups, nblk
+    if axis == 0 and not rotate:
+        start = blk * blk_tokens
+        n = min(blk_tokens, L - start)
+    else:
+        start = (t_a - t0) * D
+    _unpack(codes + slab * row_bytes + (start * bits) // 8, n, bits, q)
+    if axis == 0:
+        ngroups = (L + G - 1) // G
+        g = 0
+        while g * G < n:
+            m = min(G, n - g * G)
+            k = slab * ngroups + (start + g * G) // G
+            _dequant_contig(q + g * G, m, bits, asym, scales[k], zeros[k], buf + g * G)
+            g += 1
+    else:
+        nblk = (S - t0 + G - 1) // G
+        k = (slab * nblk + blk) * D
+        _dequant_cols(q, t_b - t_a, D, bits, asym, scales + k, zeros + k, buf, tmp)
+    if rotate:
+        _fwht_rows(buf, t_b - t_a, D)
+    _store(buf, dt, slab * S * D + t0 * D + start, n, out)
+
+
+def decode(const uint8_t[::1] codes, const uint16_t[::1] scales, const uint16_t[::1] zeros,
+           int64_t N, int64_t S, int64_t D, int64_t t0, int64_t G, int bits, bint asym, int axis,
+           bint rotate, uint8_t[::1] out, int dt, int nthreads):
+    """Unpack and dequantize into out (tokens [t0, S) of every slab). Returns 0, or 4 on malloc failure."""
+    cdef int64_t L = (S - t0) * D
+    cdef int64_t row_bytes = (L * bits + 7) // 8
+    cdef int64_t blk_tokens, bufn, nblk, nall, bpt, task, ntasks, b
+    cdef int status = 0
+    cdef float *buf
+    cdef const uint16_t *zp = &zeros[0] if zeros.shape[0] > 0 else &scales[0]
+    nblk = _blocking(S, D, t0, G, axis, rotate, &blk_tokens, &bufn)
+    nall = N * nblk
+    bpt = max(<int64_t>1, TASK_VALUES // bufn)
+    ntasks = (nall + bpt - 1) // bpt
+    with nogil:
+        for task in prange(ntasks, num_threads=nthreads, schedule="static"):
+            buf = <float *>malloc((bufn + 5 * D) * sizeof(float) + bufn + 8)
+            if buf == NULL:
+                status |= 4
+            else:
+                for b in range(task * bpt, min(nall, task * bpt + bpt)):
+                    _dec_block(&codes[0], &scales[0], zp, S, D, t0, G, bits, asym, axis, rotate, blk_tokens,
+                               b // nblk, b % nblk, row_bytes, &out[0], dt, buf,
+                               <uint8_t *>(buf + bufn + 5 * D), buf + bufn)
+                free(buf)
+    return status
+
+
+# ----------------------------------------------------------------------------
+# quality metrics: fixed chunks, float64 partials, combined in a fixed order so
+# the result does not depend on the number of threads
+# ----------------------------------------------------------------------------
+
+DEF MET_CHUNK = 16384
+
+cdef void _metrics_chunk(const uint8_t *a, int adt, const uint8_t *b, int bdt, int64_t start, int64_t n,
+                         double *res) noexcept nogil:
+    cdef float xa[512]
+    cdef float xb[512]
+    cdef int64_t off = 0, m, i
+    cdef double sxx = 0, see = 0, syy = 0, sxy = 0, mx = 0, d, x, y, bad = 0
+    while off < n:
+        m = min(<int64_t>512, n - off)
+        _load(a, adt, start + off, m, xa)
+        _load(b, bdt, start + off, m, xb)
+        for i in range(m):
+            x = xa[i]
+            y = xb[i]
+            bad = bad + (x - x) + (y - y)
+            d = x - y
+            sxx = sxx + x * x
+            syy = syy + y * y
+            sxy = sxy + x * y
+            see = see + d * d
+            d = fabs(d)
+            mx = d if d > mx else mx
+        off += m
+    res[0] = sxx
+    res[1] = see
+    res[2] = syy
+    res[3] = sxy
+    res[4] = mx
+    res[5] = 0.0 if bad == 0.0 else 1.0
+
+
+def metrics(const uint8_t[::1] a, int adt, const uint8_t[::1] b, int bdt, int64_t n,
+            double[:, ::1] partials, double[::1] out, int nthreads):
+    """out = [sum x^2, sum (x-y)^2, sum y^2, sum x*y, max |x-y|, nonfinite flag]."""
+    cdef int64_t nchunks = (n + MET_CHUNK - 1) // MET_CHUNK
+    cdef int64_t c
+    cdef int k
+    with nogil:
+        for c in prange(nchunks, num_threads=nthreads, schedule="static"):
+            _metrics_chunk(&a[0], adt, &b[0], bdt, c * MET_CHUNK, min(<int64_t>MET_CHUNK, n - c * MET_CHUNK),
+                           &partials[c, 0])
+        for k in range(6):
+            out[k] = 0.0
+        for c in range(nchunks):
+            out[0] += partials[c, 0]
+            out[1] += partials[c, 1]
+            out[2] += partials[c, 2]
+            out[3] += partials[c, 3]
+            out[4] = partials[c, 4] if partials[c, 4] > out[4] else out[4]
+            out[5] = out[5] + partials[c, 5]

@@ -1,0 +1,438 @@
+"""The INT4 (and 2/3/8-bit) group codec: checks, allocation, and calls into ``kvcx._core``.
+
+>>> codec = IntCodec(group_size=64, scheme="symmetric")
+>>> packed = codec.encode(x)              # x: float16 / bfloat16 / float32 ndarray
+>>> y = codec.decode(packed)              # same shape and dtype as x
+
+The reference design is ``IntCodec(bits=4, group_size=64, scheme="symmetric")``:
+per group of 64 consecutive values ``scale = fp16(max|x| / 7)``,
+``q = clamp(round(x / scale), -8, 7)`` (round half to even), codes packed two per
+byte (element 2i in the low nibble). See docs/FORMAT.md for every option.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+
+from kvcx import _core
+from kvcx.errors import CodecError
+
+try:  # bfloat16 as a NumPy dtype
+    import ml_dtypes
+
+    BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+except ImportError:  # pragma: no cover - ml_dtypes is a dependency
+    BFLOAT16 = None
+
+SCHEMES = ("symmetric", "asymmetric")
+AXES = ("token", "channel")
+GROUP_SIZES = (16, 32, 64, 128, 256)
+BITS = (2, 3, 4, 8)
+MAX_ROTATE_DIM = 1024
+
+# dtype codes understood by the kernels, and the safetensors names
+_DT_F32, _DT_F16, _DT_BF16 = 0, 1, 2
+DTYPE_NAMES = {"F32": _DT_F32, "F16": _DT_F16, "BF16": _DT_BF16}
+
+
+def dtype_name(dtype: np.dtype) -> Optional[str]:
+    """'F16' / 'BF16' / 'F32' for the float dtypes the kernels handle, else None."""
+    dtype = np.dtype(dtype)
+    if dtype == np.float16:
+        return "F16"
+    if dtype == np.float32:
+        return "F32"
+    if BFLOAT16 is not None and dtype == BFLOAT16:
+        return "BF16"
+    return None
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    return {"F16": np.dtype(np.float16), "F32": np.dtype(np.float32), "BF16": BFLOAT16}[name]
+
+
+def resolve_threads(n_threads: Optional[int]) -> int:
+    """Effective thread count: None = all (OMP_NUM_THREADS honoured), >= 1 as given."""
+    if n_threads is None:
+        return max(1, _core.max_threads())
+    if isinstance(n_threads, bool) or not isinstance(n_threads, (int, np.integer)) or n_threads < 1:
+        raise CodecError(f"n_threads must be a positive integer or None (all cores), got {n_threads!r}")
+    return int(n_threads)
+
+
+def _raw(arr: np.ndarray) -> np.ndarray:
+    """A flat uint8 view of a C-contiguous array (read-only arrays stay read-only)."""
+    return arr.reshape(-1).view(np.uint8)
+
+
+def _check_float(arr: Any, name: str) -> np.ndarray:
+    if not isinstance(arr, np.ndarray):
+        try:
+            arr = np.asarray(arr)
+        except Exception as exc:  # noqa: BLE001 - anything that is not array-like
+            raise CodecError(f"tensor {name!r}: expected a NumPy array, got {type(arr).__name__}") from exc
+    if dtype_name(arr.dtype) is None:
+        raise CodecError(
+            f"tensor {name!r} has dtype {arr.dtype}; kvcx handles float16, bfloat16 and float32 "
+            "(cast it with .astype(np.float32) first)"
+        )
+    return np.ascontiguousarray(arr)
+
+
+# ----------------------------------------------------------------------------
+# precision conversion (bit-exact with NumPy's astype, NaN stays NaN)
+# ----------------------------------------------------------------------------
+
+def convert(arr: np.ndarray, dtype, out: Optional[np.ndarray] = None, n_threads: Optional[int] = None) -> np.ndarray:
+    """Convert between float16, bfloat16 and float32 with the parallel kernels (round to nearest even)."""
+    arr = _check_float(arr, "input")
+    target = np.dtype(dtype)
+    tname = dtype_name(target)
+    if tname is None:
+        raise CodecError(f"convert: target dtype {target} is not float16, bfloat16 or float32")
+    if out is None:
+        out = np.empty(arr.shape, dtype=target)
+    elif out.dtype != target or out.shape != arr.shape or not out.flags.c_contiguous or not out.flags.writeable:
+        raise CodecError(
+            f"convert: out must be a writeable C-contiguous {target} array of shape {arr.shape}, "
+            f"got {out.dtype} {out.shape}"
+        )
+    if arr.size:
+        _core.convert(_raw(arr), DTYPE_NAMES[dtype_name(arr.dtype)], _raw(out), DTYPE_NAMES[tname], arr.size,
+                      resolve_threads(n_threads))
+    return out
+
+
+def to_float32(arr, out=None, n_threads=None):
+    return convert(arr, np.float32, out=out, n_threads=n_threads)
+
+
+def to_float16(arr, out=None, n_threads=None):
+    return convert(arr, np.float16, out=out, n_threads=n_threads)
+
+
+# ----------------------------------------------------------------------------
+# packed representation
+# ----------------------------------------------------------------------------
+
+@dataclass
+class Packed:
+    """One encoded tensor: packed codes, FP16 scales (+ zero points), exact sink tokens."""
+
+    codes: np.ndarray                 # uint8, 1-D
+    scales: np.ndarray                # float16
+    zeros: Optional[np.ndarray]       # float16 (asymmetric) or None
+    sinks: Optional[np.ndarray]       # original dtype, [..., sinks, D] or None
+    shape: tuple
+    dtype: str                        # 'F16' | 'BF16' | 'F32'
+    config: dict                      # codec config actually used for this tensor
+    meta: dict = field(default_factory=dict)  # layout facts (view, partial group)
+
+    @property
+    def numel(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def nbytes(self) -> int:
+        n = self.codes.nbytes + self.scales.nbytes
+        n += self.zeros.nbytes if self.zeros is not None else 0
+        n += self.sinks.nbytes if self.sinks is not None else 0
+        return int(n)
+
+    @property
+    def bits_per_value(self) -> float:
+        return 8.0 * self.nbytes / max(1, self.numel)
+
+
+def _view3(shape: tuple) -> tuple:
+    """(N, S, D): slabs, tokens, values per token (the last axis)."""
+    if len(shape) == 0:
+        return 1, 1, 1
+    if len(shape) == 1:
+        return 1, 1, int(shape[0])
+    return int(np.prod(shape[:-2], dtype=np.int64)), int(shape[-2]), int(shape[-1])
+
+
+class IntCodec:
+    """Per-group integer quantization with packed codes and FP16 scales.
+
+    Parameters
+    ----------
+    group_size: values per group (16, 32, 64, 128 or 256).
+    scheme: ``"symmetric"`` (``scale = max|x| / (2**(bits-1) - 1)``, no zero point) or
+        ``"asymmetric"`` (``scale = (max - min) / (2**bits - 1)``, FP16 zero point = min).
+    bits: 4 (two codes per byte), 3 or 2 (densely packed), 8 (reference).
+    axis: ``"token"`` groups run along each slab's values in C order (a KV head's
+        tokens one after another, ``head_dim`` values each); ``"channel"`` groups run
+        along tokens, one group per channel (KIVI's key quantization).
+    rotate: apply an orthonormal Walsh-Hadamard rotation to each token's values
+        (last axis, a power of two) before quantizing; decode applies the inverse.
+    sinks: keep the first ``sinks`` tokens (axis -2) of tensors with 2+ dims exact.
+    n_threads: OpenMP threads (None = all).
+    """
+
+    codec_id = "kvcx.int"
+
+    def __init__(self, group_size: int = 64, scheme: str = "symmetric", bits: int = 4, axis: str = "token",
+                 rotate: bool = False, sinks: int = 0, n_threads: Optional[int] = None):
+        if isinstance(group_size, bool) or group_size not in GROUP_SIZES:
+            raise CodecError(f"group size {group_size!r} is not supported; use one of {', '.join(map(str, GROUP_SIZES))}")
+        if scheme not in SCHEMES:
+            raise CodecError(f"scheme {scheme!r} is not supported; use one of {', '.join(SCHEMES)}")
+        if isinstance(bits, bool) or bits not in BITS:
+            raise CodecError(f"bits {bits!r} is not supported; use one of {', '.join(map(str, BITS))}")
+        if axis not in AXES:
+            raise CodecError(f"axis {axis!r} is not supported; use one of {', '.join(AXES)}")
+        if isinstance(sinks, bool) or not isinstance(sinks, (int, np.integer)) or sinks < 0:
+            raise CodecError(f"sinks must be a non-negative integer (tokens kept exact), got {sinks!r}")
+        self.group_size = int(group_size)
+        self.scheme = scheme
+        self.bits = int(bits)
+        self.axis = axis
+        self.rotate = bool(rotate)
+        self.sinks = int(sinks)
+        self.n_threads = resolve_threads(n_threads) if n_threads is not None else None
+
+    # -- config ------------------------------------------------------------
+    def get_config(self) -> dict:
+        return {
+            "id": self.codec_id,
+            "bits": self.bits,
+            "group_size": self.group_size,
+            "scheme": self.scheme,
+            "axis": self.axis,
+            "rotate": self.rotate,
+            "sinks": self.sinks,
+        }
+
+    @classmethod
+    def from_config(cls, config: dict) -> "IntCodec":
+        config = dict(config)
+        codec_id = config.pop("id", cls.codec_id)
+        if codec_id != cls.codec_id:
+            raise CodecError(f"codec id {codec_id!r} is not {cls.codec_id!r}; this file was not written by kvcx")
+        known = {"bits", "group_size", "scheme", "axis", "rotate", "sinks", "n_threads"}
+        unknown = set(config) - known
+        if unknown:
+            raise CodecError(f"unknown codec settings {sorted(unknown)}; known: {sorted(known)}")
+        return cls(**config)
+
+    def __repr__(self) -> str:
+        return (f"IntCodec(group_size={self.group_size}, scheme={self.scheme!r}, bits={self.bits}, "
+                f"axis={self.axis!r}, rotate={self.rotate}, sinks={self.sinks})")
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, IntCodec) and self.get_config() == other.get_config()
+
+    def __hash__(self):
+        return hash(tuple(sorted(self.get_config().items())))
+
+    @property
+    def asym(self) -> bool:
+        return self.scheme == "asymmetric"
+
+    def bits_per_value(self) -> float:
+        """Nominal bits per value (codes + FP16 scale/zero per group), without sinks or partial groups."""
+        return self.bits + (32 if self.asym else 16) / self.group_size
+
+    # -- layout ------------------------------------------------------------
+    def _layout(self, shape: tuple, name: str) -> dict:
+        N, S, D = _view3(shape)
+        t0 = min(self.sinks, S) if len(shape) >= 2 else 0
+        G, bits = self.group_size, self.bits
+        if self.axis == "channel" and len(shape) < 2:
+            raise CodecError(f"tensor {name!r} of shape {list(shape)}: channel grouping needs at least 2 dims "
+                             "(tokens x channels); use axis='token' for it")
+        if self.axis == "channel" and (D * bits) % 8:
+            raise CodecError(f"tensor {name!r}: channel grouping at {bits} bits needs the last dim ({D}) to fill "
+                             f"whole bytes (a multiple of {8 // math.gcd(8, bits)}); use axis='token'")
+        if self.rotate and (D < 8 or D > MAX_ROTATE_DIM or D & (D - 1)):
+            raise CodecError(f"tensor {name!r}: the Hadamard rotation needs the last dim to be a power of two "
+                             f"between 8 and {MAX_ROTATE_DIM}, got {D}; pass rotate=False (--no-rotate)")
+        L = (S - t0) * D
+        if self.axis == "token":
+            scale_shape = (N, -(-L // G))
+            partial = L % G
+        else:
+            scale_shape = (N, -(-(S - t0) // G), D)
+            partial = (S - t0) % G
+        row_bytes = (L * bits + 7) // 8
+        return {"N": N, "S": S, "D": D, "t0": t0, "scale_shape": scale_shape, "codes_nbytes": N * row_bytes,
+                "partial_group": partial}
+
+    def packed_config(self, shape: tuple, name: str = "tensor") -> dict:
+        """The config recorded for a tensor of this shape (sinks capped to its token count)."""
+        cfg = self.get_config()
+        cfg["sinks"] = self._layout(tuple(shape), name)["t0"]
+        return cfg
+
+    # -- encode / decode -----------------------------------------------------
+    def encode(self, arr, name: str = "tensor") -> Packed:
+        """Quantize ``arr`` (float16/bfloat16/float32) into a :class:`Packed`."""
+        x = _check_float(arr, name)
+        if x.size == 0:
+            raise CodecError(f"tensor {name!r} is empty (shape {list(x.shape)}); there is nothing to compress")
+        lay = self._layout(x.shape, name)
+        N, S, D, t0 = lay["N"], lay["S"], lay["D"], lay["t0"]
+        codes = np.empty(lay["codes_nbytes"], dtype=np.uint8)
+        scales = np.empty(lay["scale_shape"], dtype=np.float16)
+        zeros = np.empty(lay["scale_shape"], dtype=np.float16) if self.asym else np.empty(0, dtype=np.float16)
+        axis = 0 if self.axis == "token" else 1
+        status = 0
+        if S > t0:
+            status = _core.encode(_raw(x), DTYPE_NAMES[dtype_name(x.dtype)], N, S, D, t0, self.group_size,
+                                  self.bits, self.asym, axis, self.rotate, codes, scales.reshape(-1).view(np.uint16),
+                                  zeros.reshape(-1).view(np.uint16), resolve_threads(self.n_threads))
+        if status & 4:
+            raise MemoryError(f"kvcx: out of memory while encoding tensor {name!r}")
+        if status & 1:
+            bad = int(np.count_nonzero(~np.isfinite(x.astype(np.float32, copy=False))))
+            raise CodecError(f"tensor {name!r} contains {bad} NaN/Inf value(s) out of {x.size}; "
+                             "kvcx cannot quantize non-finite values, clean the tensor first")
+        if status & 2:
+            raise CodecError(f"tensor {name!r} has values too large for FP16 scales (|x| up to "
+                             f"{float(np.max(np.abs(x.astype(np.float32)))):.3g}); rescale the tensor first")
+        sinks = None
+        if t0:
+            sinks = np.ascontiguousarray(x.reshape(N, S, D)[:, :t0, :]).reshape(*x.shape[:-2], t0, D)
+        cfg = self.get_config()
+        cfg["sinks"] = t0
+        return Packed(codes=codes, scales=scales, zeros=zeros if self.asym else None, sinks=sinks,
+                      shape=tuple(int(s) for s in x.shape), dtype=dtype_name(x.dtype), config=cfg,
+                      meta={"partial_group": lay["partial_group"]})
+
+    def decode(self, packed: Packed, out: Optional[np.ndarray] = None, name: str = "tensor") -> np.ndarray:
+        """Unpack and dequantize; ``out`` (optional) must match the packed shape and dtype."""
+        return decode_packed(packed, out=out, name=name, n_threads=self.n_threads)
+
+
+# a readable alias for the 4-bit use
+Int4Codec = IntCodec
+
+
+def decode_packed(packed: Packed, out: Optional[np.ndarray] = None, name: str = "tensor",
+                  n_threads: Optional[int] = None) -> np.ndarray:
+    """Decode with the settings recorded in the packed tensor itself."""
+    codec = IntCodec.from_config(packed.config)
+    shape = tuple(packed.shape)
+    lay = codec._layout(shape, name)
+    N, S, D, t0 = lay["N"], lay["S"], lay["D"], lay["t0"]
+    if t0 != packed.config.get("sinks", 0):
+        raise CodecError(f"tensor {name!r}: recorded sinks {packed.config.get('sinks')} do not fit shape {list(shape)}")
+    dtype = numpy_dtype(packed.dtype)
+    if out is None:
+        out = np.empty(shape, dtype=dtype)
+    elif (not isinstance(out, np.ndarray) or out.dtype != dtype or tuple(out.shape) != shape
+          or not out.flags.c_contiguous or not out.flags.writeable):
+        got = f"{out.dtype} {list(out.shape)}" if isinstance(out, np.ndarray) else type(out).__name__
+        raise CodecError(f"tensor {name!r}: out must be a writeable C-contiguous {dtype} array of shape "
+                         f"{list(shape)}, got {got}")
+    codes = np.ascontiguousarray(packed.codes, dtype=np.uint8).reshape(-1)
+    scales = np.ascontiguousarray(packed.scales, dtype=np.float16)
+    if codes.size != lay["codes_nbytes"]:
+        raise CodecError(f"tensor {name!r}: expected {lay['codes_nbytes']} bytes of packed codes, got {codes.size}")
+    if scales.size != int(np.prod(lay["scale_shape"])):
+        raise CodecError(f"tensor {name!r}: expected {int(np.prod(lay['scale_shape']))} scales, got {scales.size}")
+    if codec.asym:
+        if packed.zeros is None or packed.zeros.size != scales.size:
+            raise CodecError(f"tensor {name!r}: the asymmetric scheme needs {scales.size} zero points")
+        zeros = np.ascontiguousarray(packed.zeros, dtype=np.float16)
+    else:
+        zeros = np.empty(0, dtype=np.float16)
+    if S > t0:
+        status = _core.decode(codes, scales.reshape(-1).view(np.uint16), zeros.reshape(-1).view(np.uint16),
+                              N, S, D, t0, codec.group_size, codec.bits, codec.asym,
+                              0 if codec.axis == "token" else 1, codec.rotate, _raw(out),
+                              DTYPE_NAMES[packed.dtype], resolve_threads(n_threads))
+        if status & 4:
+            raise MemoryError(f"kvcx: out of memory while decoding tensor {name!r}")
+    if t0:
+        if packed.sinks is None or packed.sinks.size != N * t0 * D:
+            raise CodecError(f"tensor {name!r}: {t0} exact sink tokens are recorded but their values are missing")
+        out.reshape(N, S, D)[:, :t0, :] = np.asarray(packed.sinks).astype(dtype, copy=False).reshape(N, t0, D)
+    return out
+
+
+# ----------------------------------------------------------------------------
+# quality metrics
+# ----------------------------------------------------------------------------
+
+@dataclass
+class ErrorStats:
+    """Sums from which RMSE / SNR / cosine / max error follow; add them across tensors."""
+
+    n: int = 0
+    sum_xx: float = 0.0
+    sum_ee: float = 0.0
+    sum_yy: float = 0.0
+    sum_xy: float = 0.0
+    max_error: float = 0.0
+
+    def __iadd__(self, other: "ErrorStats") -> "ErrorStats":
+        self.n += other.n
+        self.sum_xx += other.sum_xx
+        self.sum_ee += other.sum_ee
+        self.sum_yy += other.sum_yy
+        self.sum_xy += other.sum_xy
+        self.max_error = max(self.max_error, other.max_error)
+        return self
+
+    @property
+    def rmse(self) -> float:
+        return math.sqrt(self.sum_ee / self.n) if self.n else 0.0
+
+    @property
+    def snr_db(self) -> float:
+        if self.sum_ee == 0.0:
+            return math.inf
+        if self.sum_xx == 0.0:
+            return -math.inf
+        return 10.0 * math.log10(self.sum_xx / self.sum_ee)
+
+    @property
+    def cosine_similarity(self) -> float:
+        if self.sum_xx == 0.0 and self.sum_yy == 0.0:
+            return 1.0
+        if self.sum_xx == 0.0 or self.sum_yy == 0.0:
+            return 0.0
+        return self.sum_xy / math.sqrt(self.sum_xx * self.sum_yy)
+
+    def as_dict(self) -> dict:
+        return {"rmse": self.rmse, "snr_db": self.snr_db, "cosine_similarity": self.cosine_similarity,
+                "max_error": self.max_error}
+
+
+def error_stats(original, reconstructed, name: str = "tensor", n_threads: Optional[int] = None) -> ErrorStats:
+    """Parallel float64 reductions over two same-shape float arrays (thread-count independent)."""
+    a = _check_float(original, name)
+    b = _check_float(reconstructed, name)
+    if a.shape != b.shape:
+        raise CodecError(f"tensor {name!r}: shapes differ ({list(a.shape)} vs {list(b.shape)})")
+    n = a.size
+    if n == 0:
+        return ErrorStats()
+    chunk = 16384
+    partials = np.empty(((n + chunk - 1) // chunk, 6), dtype=np.float64)
+    res = np.empty(6, dtype=np.float64)
+    _core.metrics(_raw(a), DTYPE_NAMES[dtype_name(a.dtype)], _raw(b), DTYPE_NAMES[dtype_name(b.dtype)], n,
+                  partials, res, resolve_threads(n_threads))
+    if res[5]:
+        raise CodecError(f"tensor {name!r} contains NaN/Inf values; metrics need finite inputs")
+    return ErrorStats(n=int(n), sum_xx=float(res[0]), sum_ee=float(res[1]), sum_yy=float(res[2]),
+                      sum_xy=float(res[3]), max_error=float(res[4]))
+
+
+def quality_metrics(original, reconstructed, n_threads: Optional[int] = None) -> dict:
+    """RMSE, SNR (dB), cosine similarity and max abs error of ``reconstructed`` vs ``original``."""
+    return error_stats(original, reconstructed, n_threads=n_threads).as_dict()
+
+
+def build_info() -> dict:
+    info = dict(_core.build_info())
+    info["threads_used"] = resolve_threads(None)
+    info["omp_num_threads_env"] = os.environ.get("OMP_NUM_THREADS")
+    return info
