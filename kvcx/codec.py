@@ -264,6 +264,10 @@ class IntCodec:
         return {"N": N, "S": S, "D": D, "t0": t0, "scale_shape": scale_shape, "codes_nbytes": N * row_bytes,
                 "partial_group": partial}
 
+    def codes_nbytes(self, shape: tuple, name: str = "tensor") -> int:
+        """Bytes of packed codes for a tensor of this shape."""
+        return self._layout(tuple(shape), name)["codes_nbytes"]
+
     def packed_config(self, shape: tuple, name: str = "tensor") -> dict:
         """The config recorded for a tensor of this shape (sinks capped to its token count)."""
         cfg = self.get_config()
@@ -289,6 +293,8 @@ class IntCodec:
                                   zeros.reshape(-1).view(np.uint16), resolve_threads(self.n_threads))
         if status & 4:
             raise MemoryError(f"kvcx: out of memory while encoding tensor {name!r}")
+        if t0 and not status & 1 and not np.isfinite(x.reshape(N, S, D)[:, :t0, :].astype(np.float32)).all():
+            status |= 1  # the exact sink tokens must be finite too
         if status & 1:
             bad = int(np.count_nonzero(~np.isfinite(x.astype(np.float32, copy=False))))
             raise CodecError(f"tensor {name!r} contains {bad} NaN/Inf value(s) out of {x.size}; "

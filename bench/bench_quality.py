@@ -1,0 +1,138 @@
+"""Quality of kvcx codec settings on the real embedded model (SmolLM2-135M) and WikiText-2.
+
+For every window the context cache is built once and scored exactly once; each
+setting then compresses that same cache (through the packed file format) and
+scores the same continuation tokens, so all rows share windows and tokens.
+
+    python bench/bench_quality.py --max-windows 64 --markdown quality.md
+
+Columns: bits/value (codes + scales + zero points + exact sink tokens, from the
+packed tensors' bytes), compression ratio vs FP16, RMSE / SNR of the cache
+values, perplexity delta vs the exact cache.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kvcx.codec import ErrorStats, IntCodec, error_stats  # noqa: E402
+from kvcx.kvconfig import KVConfig  # noqa: E402
+
+DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared/data/wikitext-2-raw/wiki.test.raw"
+
+
+def custom(name, key, value):
+    return name, KVConfig(key=IntCodec(**key), value=IntCodec(**value), scheme=name)
+
+
+def settings(full: bool):
+    asym_ch = dict(scheme="asymmetric", axis="channel")
+    rows = [
+        ("reference: sym g64 per-token", KVConfig.from_scheme("reference")),
+        ("sym g64 per-token + hadamard", KVConfig.from_scheme("symmetric", rotate=True)),
+        ("asym g64 per-token", KVConfig.from_scheme("asymmetric")),
+        ("asym g64 per-token + hadamard", KVConfig.from_scheme("asymmetric", rotate=True)),
+        ("kivi: K asym per-channel g64, V asym per-token g64", KVConfig.from_scheme("kivi")),
+        ("kivi + 1 sink token", KVConfig.from_scheme("kivi", sinks=1)),
+        custom("K asym per-channel g64 + sink, V asym g64 + hadamard",
+               dict(asym_ch, sinks=1), dict(scheme="asymmetric", rotate=True)),
+        custom("K asym per-channel g128, V sym g64 + hadamard",
+               dict(asym_ch, group_size=128), dict(scheme="symmetric", rotate=True)),
+        custom("K asym per-channel g128 + sink, V sym g64 + hadamard",
+               dict(asym_ch, group_size=128, sinks=1), dict(scheme="symmetric", rotate=True)),
+        custom("K sym per-channel g64, V sym g64 + hadamard",
+               dict(scheme="symmetric", axis="channel"), dict(scheme="symmetric", rotate=True)),
+        custom("K asym per-channel g128 + sink, V asym g128 + hadamard",
+               dict(asym_ch, group_size=128, sinks=1), dict(scheme="asymmetric", rotate=True, group_size=128)),
+        custom("3-bit: K asym per-channel g64 + sink, V asym g64 + hadamard",
+               dict(asym_ch, sinks=1, bits=3), dict(scheme="asymmetric", rotate=True, bits=3)),
+        ("3-bit: kivi + sink", KVConfig.from_scheme("kivi", sinks=1, bits=3)),
+        ("8-bit: sym g64 per-token", KVConfig.from_scheme("symmetric", bits=8)),
+    ]
+    if full:
+        rows += [
+            ("2-bit: kivi + sink", KVConfig.from_scheme("kivi", sinks=1, bits=2)),
+            ("3-bit: reference layout", KVConfig.from_scheme("symmetric", bits=3)),
+        ]
+    return rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--max-windows", type=int, default=64, help="windows of 1024 tokens, stride 512 (0 = all)")
+    ap.add_argument("--dataset-file", type=Path, default=DEFAULT_DATA)
+    ap.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M GGUF")
+    ap.add_argument("--window", type=int, default=1024)
+    ap.add_argument("--stride", type=int, default=512)
+    ap.add_argument("--full", action="store_true", help="also 2-bit and g32 rows")
+    ap.add_argument("--markdown", type=Path, default=None, help="also write the table to this file")
+    args = ap.parse_args(argv)
+
+    import torch
+
+    from kvcx.kv_cache import cache_to_tensors, make_dynamic_cache, tensors_to_layers
+    from kvcx.packed import compress_tensors, decompress_tensors
+    from kvcx import safetensors_io as st
+    from kvcx.validation import _nll, _windows, load_dataset_text, load_model_and_tokenizer
+
+    t0 = time.perf_counter()
+    model, tok, name = load_model_and_tokenizer(args.model, cpu=True)
+    text = load_dataset_text(args.dataset_file)
+    ids = torch.tensor(tok(text)["input_ids"], dtype=torch.long)
+    starts = _windows(ids.numel(), args.window, args.stride, args.max_windows)
+    rows = settings(args.full)
+    base_nll, tokens = 0.0, 0
+    acc = {label: {"nll": 0.0, "stats": ErrorStats(), "payload": 0, "values": 0} for label, _ in rows}
+    ctx_len = args.window - args.stride
+    print(f"# {name}: {len(starts)} windows of {args.window} (stride {args.stride}), {len(rows)} settings",
+          file=sys.stderr)
+    with torch.inference_mode():
+        for w, a in enumerate(starts):
+            ctx = ids[a:a + ctx_len][None]
+            cont = ids[a + ctx_len:a + args.window][None]
+            targets = cont[0, 1:]
+            cache = model(ctx, use_cache=True).past_key_values
+            tensors = cache_to_tensors(cache)
+            base_nll += _nll(model(cont, past_key_values=cache).logits[0, :-1], targets)
+            tokens += targets.numel()
+            for label, cfg in rows:
+                packed, meta = compress_tensors(tensors, cfg)
+                decoded = decompress_tensors(*st.load_with_metadata(st.save(packed, meta)))
+                r = acc[label]
+                for k, v in tensors.items():
+                    r["stats"] += error_stats(v, decoded[k])
+                r["payload"] += sum(x.nbytes for x in packed.values())
+                r["values"] += sum(x.size for x in tensors.values())
+                comp = make_dynamic_cache(tensors_to_layers(decoded))
+                r["nll"] += _nll(model(cont, past_key_values=comp).logits[0, :-1], targets)
+            print(f"window {w + 1}/{len(starts)} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
+    base_ppl = math.exp(base_nll / tokens)
+    lines = [
+        f"Embedded SmolLM2-135M, WikiText-2 raw test, {len(starts)} windows of {args.window} (stride "
+        f"{args.stride}), {tokens:,} tokens scored; baseline perplexity {base_ppl:.4f}.",
+        "",
+        "| setting | bits/value | ratio vs FP16 | RMSE | SNR dB | perplexity | delta |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for label, _ in rows:
+        r = acc[label]
+        bpv = 8.0 * r["payload"] / r["values"]
+        ppl = math.exp(r["nll"] / tokens)
+        lines.append(f"| {label} | {bpv:.3f} | {16.0 / bpv:.2f}x | {r['stats'].rmse:.4f} | "
+                     f"{r['stats'].snr_db:.2f} | {ppl:.4f} | {ppl - base_ppl:+.4f} |")
+    table = "\n".join(lines)
+    print(table)
+    print(f"\n(total {time.perf_counter() - t0:.0f} s)")
+    if args.markdown:
+        args.markdown.write_text(table + "\n")
+
+
+if __name__ == "__main__":
+    main()

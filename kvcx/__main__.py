@@ -1,0 +1,3 @@
+from kvcx.cli import main
+
+main()

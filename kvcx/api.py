@@ -1,0 +1,230 @@
+"""File-level Python API (the reference design's bridge, in-process, no torch).
+
+>>> m = compress_kv_cache("cache.safetensors", "cache.kvcx.safetensors", group_size=64)
+>>> m.compression_ratio, m.snr_db, m.passed
+>>> decompress_kv_cache("cache.kvcx.safetensors", "restored.safetensors")
+>>> get_compression_metrics("cache.safetensors")          # quality only, no file written
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Dict, List, Optional
+
+import numpy as np
+
+from kvcx import safetensors_io as st
+from kvcx.codec import ErrorStats
+from kvcx.errors import FormatError, KvcxError
+from kvcx.kvconfig import DEFAULT_SCHEME, KVConfig
+from kvcx.packed import compress_tensors, decompress_tensors, is_packed, original_metadata, settings_of
+
+# the reference design's thresholds
+RMSE_THRESHOLD = 0.10
+SNR_THRESHOLD_DB = 18.0
+COSINE_THRESHOLD = 0.99
+
+
+@dataclass
+class Thresholds:
+    rmse: float = RMSE_THRESHOLD
+    snr_db: float = SNR_THRESHOLD_DB
+    cosine: float = COSINE_THRESHOLD
+
+
+def quality_level(rmse: float, snr_db: float) -> str:
+    """EXCELLENT (RMSE<0.01, SNR>40 dB), GOOD (<0.05, >30), ACCEPTABLE (<0.10, >18), POOR otherwise."""
+    if rmse < 0.01 and snr_db > 40:
+        return "EXCELLENT"
+    if rmse < 0.05 and snr_db > 30:
+        return "GOOD"
+    if rmse < 0.10 and snr_db > 18:
+        return "ACCEPTABLE"
+    return "POOR"
+
+
+def check_thresholds(stats: ErrorStats, thresholds: Thresholds) -> List[str]:
+    v = []
+    if not stats.rmse < thresholds.rmse:
+        v.append(f"RMSE {stats.rmse:.4f} >= {thresholds.rmse}")
+    if not stats.snr_db > thresholds.snr_db:
+        v.append(f"SNR {stats.snr_db:.2f} dB <= {thresholds.snr_db} dB")
+    if not stats.cosine_similarity > thresholds.cosine:
+        v.append(f"cosine {stats.cosine_similarity:.5f} <= {thresholds.cosine}")
+    return v
+
+
+@dataclass
+class TensorMetrics:
+    name: str
+    shape: list
+    dtype: str
+    rmse: float
+    snr_db: float
+    cosine_similarity: float
+    max_error: float
+
+
+@dataclass
+class CompressionMetrics:
+    compression_ratio: float
+    original_size_bytes: int
+    compressed_size_bytes: int
+    rmse: float
+    snr_db: float
+    cosine_similarity: float
+    max_error: float
+    quality_level: str
+    processing_time_ms: float
+    passed: bool
+    violations: List[str]
+    bits_per_value: float
+    num_values: int
+    config: dict
+    tensors: List[TensorMetrics] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return json_safe(asdict(self))
+
+
+def json_safe(obj):
+    """Replace non-finite floats (JSON has none) with None, recursively."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
+
+
+def sidecar_path(path) -> str:
+    return os.fspath(path) + ".metadata.json"
+
+
+def read_sidecar(path) -> Optional[dict]:
+    p = sidecar_path(path)
+    if not os.path.exists(p):
+        return None
+    try:
+        with open(p, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except (OSError, ValueError) as exc:
+        raise FormatError(f"{p}: cannot read the metadata sidecar ({exc}); fix or remove it") from None
+    if not isinstance(data, dict):
+        raise FormatError(f"{p}: the metadata sidecar must be a JSON object; fix or remove it")
+    return data
+
+
+def write_sidecar(path, data: dict) -> None:
+    with st.atomic_output(sidecar_path(path)) as tmp:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            json.dump(data, fh, indent=2, sort_keys=True)
+
+
+def _same_file(a, b) -> bool:
+    try:
+        return os.path.exists(b) and os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def _open_plain(input_path) -> st.SafeFile:
+    f = st.SafeFile(input_path)
+    if is_packed(f.metadata):
+        raise FormatError(f"{input_path}: is already a kvcx packed file; `kvcx decompress` it first")
+    return f
+
+
+def _metrics(stats: Dict[str, ErrorStats], tensors, original_size: int, compressed_size: int, seconds: float,
+             config: dict, thresholds: Thresholds) -> CompressionMetrics:
+    total = ErrorStats()
+    per = []
+    for name, s in stats.items():
+        total += s
+        a = tensors[name]
+        per.append(TensorMetrics(name=name, shape=list(a.shape), dtype=str(a.dtype), rmse=s.rmse, snr_db=s.snr_db,
+                                 cosine_similarity=s.cosine_similarity, max_error=s.max_error))
+    violations = check_thresholds(total, thresholds) if total.n else ["no float tensors to compress"]
+    return CompressionMetrics(
+        compression_ratio=original_size / compressed_size if compressed_size else 0.0,
+        original_size_bytes=int(original_size), compressed_size_bytes=int(compressed_size),
+        rmse=total.rmse, snr_db=total.snr_db, cosine_similarity=total.cosine_similarity,
+        max_error=total.max_error, quality_level=quality_level(total.rmse, total.snr_db) if total.n else "POOR",
+        processing_time_ms=seconds * 1000.0, passed=not violations, violations=violations,
+        bits_per_value=8.0 * compressed_size / total.n if total.n else 0.0, num_values=int(total.n),
+        config=config, tensors=per)
+
+
+def _config(config: Optional[KVConfig], scheme: Optional[str], group_size: int, n_threads) -> KVConfig:
+    if config is not None:
+        return config
+    return KVConfig.from_scheme(scheme or DEFAULT_SCHEME, group_size=group_size, n_threads=n_threads)
+
+
+def compress_kv_cache(input_path, output_path, group_size: int = 64, sparsity: float = 0.0, verbose: bool = False,
+                      scheme: Optional[str] = None, config: Optional[KVConfig] = None, lz4: bool = False,
+                      n_threads: Optional[int] = None, thresholds: Optional[Thresholds] = None,
+                      progress: Optional[Callable[[str], None]] = None) -> CompressionMetrics:
+    """Compress a safetensors KV cache into a packed kvcx file (written atomically)."""
+    t = time.perf_counter()
+    cfg = _config(config, scheme, group_size, n_threads)
+    if _same_file(input_path, output_path):
+        raise KvcxError(f"{output_path}: output is the input file; choose another output path")
+    f = _open_plain(input_path)
+    tensors = {k: f.get_tensor(k) for k in f.keys()}
+    sidecar = read_sidecar(input_path)
+    stats: Dict[str, ErrorStats] = {}
+    out, meta = compress_tensors(tensors, cfg, sparsity=sparsity, lz4=lz4, source_metadata=f.metadata or None,
+                                 sidecar=sidecar, stats=stats, progress=progress)
+    st.save_file(out, output_path, meta)
+    if sidecar is not None:
+        write_sidecar(output_path, sidecar)
+    m = _metrics(stats, tensors, os.path.getsize(input_path), os.path.getsize(output_path),
+                 time.perf_counter() - t, settings_of(meta), thresholds or Thresholds())
+    if verbose:
+        print(f"kvcx: {input_path} -> {output_path}: {m.compression_ratio:.2f}x, RMSE {m.rmse:.4f}, "
+              f"SNR {m.snr_db:.1f} dB, {m.quality_level}")
+    return m
+
+
+def decompress_kv_cache(input_path, output_path, n_threads: Optional[int] = None,
+                        progress: Optional[Callable[[str], None]] = None) -> dict:
+    """Restore a packed kvcx file to a plain safetensors file (names, shapes, dtypes)."""
+    t = time.perf_counter()
+    if _same_file(input_path, output_path):
+        raise KvcxError(f"{output_path}: output is the input file; choose another output path")
+    f = st.SafeFile(input_path)
+    if not is_packed(f.metadata):
+        raise FormatError(f"{input_path}: is a plain safetensors file, not a kvcx packed file; "
+                          "`kvcx compress` makes packed files")
+    tensors = {k: f.get_tensor(k) for k in f.keys()}
+    out = decompress_tensors(tensors, f.metadata, source=os.fspath(input_path), n_threads=n_threads,
+                             progress=progress)
+    src_meta, sidecar = original_metadata(f.metadata)
+    st.save_file(out, output_path, src_meta)
+    if sidecar is not None:
+        write_sidecar(output_path, sidecar)
+    return {"input": os.fspath(input_path), "output": os.fspath(output_path), "tensors": len(out),
+            "compressed_size_bytes": os.path.getsize(input_path), "restored_size_bytes": os.path.getsize(output_path),
+            "processing_time_ms": (time.perf_counter() - t) * 1000.0}
+
+
+def get_compression_metrics(input_path, group_size: int = 64, scheme: Optional[str] = None,
+                            config: Optional[KVConfig] = None, sparsity: float = 0.0, lz4: bool = False,
+                            n_threads: Optional[int] = None, thresholds: Optional[Thresholds] = None,
+                            progress: Optional[Callable[[str], None]] = None) -> CompressionMetrics:
+    """Quality and size of compressing a file, without writing one (sizes are the real serialized bytes)."""
+    t = time.perf_counter()
+    cfg = _config(config, scheme, group_size, n_threads)
+    f = _open_plain(input_path)
+    tensors = {k: f.get_tensor(k) for k in f.keys()}
+    stats: Dict[str, ErrorStats] = {}
+    out, meta = compress_tensors(tensors, cfg, sparsity=sparsity, lz4=lz4, source_metadata=f.metadata or None,
+                                 sidecar=read_sidecar(input_path), stats=stats, progress=progress)
+    size = len(st.save(out, meta))
+    return _metrics(stats, tensors, os.path.getsize(input_path), size, time.perf_counter() - t,
+                    settings_of(meta), thresholds or Thresholds())

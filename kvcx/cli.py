@@ -1,0 +1,298 @@
+"""The ``kvcx`` command line: thin Typer commands over the library.
+
+Exit codes: 0 success, 1 error (bad input; one red line, no traceback),
+2 usage error (unknown option, bad value), 3 quality check failed
+(thresholds of ``metrics`` / ``compress``, perplexity delta of ``validate``).
+"""
+from __future__ import annotations
+
+import json
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+from typing import Annotated
+
+from kvcx import __version__
+from kvcx.errors import KvcxError
+
+EXIT_ERROR = 1
+EXIT_QUALITY = 3
+
+app = typer.Typer(rich_markup_mode="rich", add_completion=False, no_args_is_help=True,
+                  context_settings={"help_option_names": ["-h", "--help"]},
+                  help="Compress LLM KV caches to packed INT4 and prove with perplexity that they still serve the model.")
+out = Console(highlight=False, soft_wrap=True)
+err = Console(stderr=True, highlight=False)
+
+
+def _version(value: bool):
+    if value:
+        typer.echo(f"kvcx {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(version: Annotated[Optional[bool], typer.Option("--version", callback=_version, is_eager=True,
+                                                          help="Print the version and exit.")] = None):
+    pass
+
+
+@contextmanager
+def _errors():
+    """Turn kvcx's own errors (and a few OS ones) into a red line and exit code 1."""
+    try:
+        yield
+    except KvcxError as exc:
+        err.print(f"[bold red]Error:[/] {exc}", markup=True, highlight=False)
+        raise typer.Exit(code=EXIT_ERROR) from None
+    except MemoryError as exc:
+        err.print(f"[bold red]Error:[/] out of memory: {exc}")
+        raise typer.Exit(code=EXIT_ERROR) from None
+    except OSError as exc:
+        err.print(f"[bold red]Error:[/] {exc.filename or ''}: {exc.strerror or exc}")
+        raise typer.Exit(code=EXIT_ERROR) from None
+
+
+def _emit_json(obj) -> None:
+    from kvcx.api import json_safe
+
+    sys.stdout.write(json.dumps(json_safe(obj), indent=2) + "\n")
+    sys.stdout.flush()
+
+
+@contextmanager
+def _progress(total: int, label: str, quiet: bool = False):
+    """A rich progress bar on stderr; yields a callback that advances it by one."""
+    if quiet or total == 0:
+        yield lambda *_: None
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=err, transient=True) as p:
+        task = p.add_task(label, total=total)
+        yield lambda *_: p.advance(task)
+
+
+def _count_tensors(path: Path) -> int:
+    from kvcx.safetensors_io import SafeFile
+
+    return len(SafeFile(path).keys())
+
+
+def _kv_config(scheme, group_size, bits, sinks, rotate, threads):
+    from kvcx.kvconfig import KVConfig
+
+    return KVConfig.from_scheme(scheme, group_size=group_size, bits=bits, sinks=sinks, rotate=rotate,
+                                n_threads=threads)
+
+
+def _metrics_table(m, title: str) -> Table:
+    t = Table(title=title, show_header=True, header_style="bold")
+    t.add_column("metric")
+    t.add_column("value", justify="right")
+    rows = [
+        ("compression ratio", f"{m.compression_ratio:.2f}x"),
+        ("original size", f"{m.original_size_bytes:,} B"),
+        ("compressed size", f"{m.compressed_size_bytes:,} B"),
+        ("bits / value", f"{m.bits_per_value:.3f}"),
+        ("RMSE", f"{m.rmse:.5f}"),
+        ("SNR", f"{m.snr_db:.2f} dB"),
+        ("cosine similarity", f"{m.cosine_similarity:.6f}"),
+        ("max abs error", f"{m.max_error:.5f}"),
+        ("quality level", m.quality_level),
+        ("processing time", f"{m.processing_time_ms:.1f} ms"),
+    ]
+    for r in rows:
+        t.add_row(*r)
+    return t
+
+
+def _tensor_table(m, limit: int = 12) -> Table:
+    t = Table(title="per tensor", header_style="bold")
+    for c in ("tensor", "shape", "dtype", "RMSE", "SNR dB", "cosine", "max err"):
+        t.add_column(c, justify="left" if c in ("tensor", "shape", "dtype") else "right")
+    for tm in m.tensors[:limit]:
+        t.add_row(tm.name, "x".join(map(str, tm.shape)), tm.dtype, f"{tm.rmse:.5f}", f"{tm.snr_db:.2f}",
+                  f"{tm.cosine_similarity:.6f}", f"{tm.max_error:.4f}")
+    if len(m.tensors) > limit:
+        t.add_row(f"... {len(m.tensors) - limit} more", "", "", "", "", "", "")
+    return t
+
+
+def _report(m, json_out: bool, title: str) -> None:
+    if json_out:
+        _emit_json(m.to_dict())
+    else:
+        out.print(_metrics_table(m, title))
+        out.print(_tensor_table(m))
+        if m.passed:
+            out.print("[bold green]PASSED[/] quality thresholds")
+        else:
+            out.print("[bold red]FAILED[/] quality thresholds: " + "; ".join(m.violations))
+    if not m.passed:
+        raise typer.Exit(code=EXIT_QUALITY)
+
+
+# shared options
+SchemeOpt = Annotated[str, typer.Option("--scheme", help="reference | symmetric | asymmetric | kivi | kvcx (default).")]
+GroupOpt = Annotated[int, typer.Option("--group-size", "-g", help="Values per group: 16, 32, 64, 128 or 256.")]
+BitsOpt = Annotated[Optional[int], typer.Option("--bits", help="Code width: 4 (default), 3, 2 or 8.")]
+SinksOpt = Annotated[Optional[int], typer.Option("--sinks", help="Leading tokens kept exact (scheme default if unset).")]
+RotateOpt = Annotated[Optional[bool], typer.Option("--rotate/--no-rotate", help="Hadamard-rotate head_dim first.")]
+ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", help="OpenMP threads (default: all cores).")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable JSON on stdout, nothing else there.")]
+RmseOpt = Annotated[float, typer.Option("--max-rmse", help="Fail (exit 3) unless RMSE is below this.")]
+SnrOpt = Annotated[float, typer.Option("--min-snr", help="Fail (exit 3) unless SNR (dB) is above this.")]
+CosOpt = Annotated[float, typer.Option("--min-cosine", help="Fail (exit 3) unless cosine is above this.")]
+
+
+@app.command()
+def compress(
+    input: Annotated[Path, typer.Argument(help="Input .safetensors KV cache.")],
+    output: Annotated[Path, typer.Argument(help="Output packed .safetensors file (written atomically).")],
+    group_size: GroupOpt = 64,
+    scheme: SchemeOpt = "kvcx",
+    bits: BitsOpt = None,
+    sinks: SinksOpt = None,
+    rotate: RotateOpt = None,
+    sparsity: Annotated[float, typer.Option(help="Fraction of smallest-magnitude values zeroed first (0 = off).")] = 0.0,
+    lz4: Annotated[bool, typer.Option("--lz4", help="LZ4-compress the packed codes.")] = False,
+    threads: ThreadsOpt = None,
+    max_rmse: RmseOpt = 0.10,
+    min_snr: SnrOpt = 18.0,
+    min_cosine: CosOpt = 0.99,
+    json_out: JsonOpt = False,
+):
+    """Compress a safetensors KV cache into a packed INT4 kvcx file."""
+    with _errors():
+        from kvcx.api import Thresholds, compress_kv_cache
+
+        cfg = _kv_config(scheme, group_size, bits, sinks, rotate, threads)
+        with _progress(_count_tensors(input), "compressing", quiet=False) as step:
+            m = compress_kv_cache(input, output, config=cfg, sparsity=sparsity, lz4=lz4,
+                                  thresholds=Thresholds(max_rmse, min_snr, min_cosine), progress=step)
+    _report(m, json_out, f"kvcx compress → {output}")
+
+
+@app.command()
+def decompress(
+    input: Annotated[Path, typer.Argument(help="Packed kvcx .safetensors file.")],
+    output: Annotated[Path, typer.Argument(help="Output plain .safetensors file (written atomically).")],
+    threads: ThreadsOpt = None,
+    json_out: JsonOpt = False,
+):
+    """Restore a packed kvcx file to plain safetensors (original names, shapes and dtypes)."""
+    with _errors():
+        from kvcx.api import decompress_kv_cache
+
+        with _progress(_count_tensors(input), "decompressing") as step:
+            r = decompress_kv_cache(input, output, n_threads=threads, progress=step)
+    if json_out:
+        _emit_json(r)
+    else:
+        out.print(f"[green]restored[/] {r['tensors']} tensors → {output} ({r['restored_size_bytes']:,} B, "
+                  f"{r['processing_time_ms']:.1f} ms)")
+
+
+@app.command()
+def metrics(
+    input: Annotated[Path, typer.Argument(help="Input .safetensors KV cache.")],
+    group_size: GroupOpt = 64,
+    scheme: SchemeOpt = "kvcx",
+    bits: BitsOpt = None,
+    sinks: SinksOpt = None,
+    rotate: RotateOpt = None,
+    sparsity: Annotated[float, typer.Option(help="Fraction of smallest-magnitude values zeroed first.")] = 0.0,
+    lz4: Annotated[bool, typer.Option("--lz4", help="LZ4-compress the packed codes.")] = False,
+    threads: ThreadsOpt = None,
+    max_rmse: RmseOpt = 0.10,
+    min_snr: SnrOpt = 18.0,
+    min_cosine: CosOpt = 0.99,
+    json_out: JsonOpt = False,
+):
+    """Quality and size of compressing a file (no file written)."""
+    with _errors():
+        from kvcx.api import Thresholds, get_compression_metrics
+
+        cfg = _kv_config(scheme, group_size, bits, sinks, rotate, threads)
+        with _progress(_count_tensors(input), "measuring") as step:
+            m = get_compression_metrics(input, config=cfg, sparsity=sparsity, lz4=lz4,
+                                        thresholds=Thresholds(max_rmse, min_snr, min_cosine), progress=step)
+    _report(m, json_out, f"kvcx metrics: {input}")
+
+
+@app.command()
+def info(json_out: JsonOpt = False):
+    """Show how the kernels were built: OpenMP, threads, SIMD flags."""
+    from kvcx.codec import build_info
+
+    i = build_info()
+    i["version"] = __version__
+    if json_out:
+        _emit_json(i)
+        return
+    t = Table(title="kvcx build", header_style="bold")
+    t.add_column("item")
+    t.add_column("value")
+    for k in ("version", "openmp", "max_threads", "threads_used", "omp_num_threads_env", "simd", "f16c_kernels"):
+        v = i[k]
+        t.add_row(k, " ".join(v) if isinstance(v, list) else str(v))
+    out.print(t)
+
+
+@app.command()
+def validate(
+    threshold: Annotated[float, typer.Option(help="PASS when the perplexity delta is below this (KVQuant: 0.5).")] = 0.5,
+    model: Annotated[Optional[str], typer.Option(help="HF id, local dir or .gguf (default: embedded SmolLM2-135M).")] = None,
+    dataset_file: Annotated[Optional[Path], typer.Option("--dataset-file", help="WikiText-2 raw test text file.")] = None,
+    window: Annotated[Optional[int], typer.Option(help="Tokens per window (default 1024 or the model's context).")] = None,
+    stride: Annotated[int, typer.Option(help="Tokens scored per window; the rest is the compressed context.")] = 512,
+    max_windows: Annotated[int, typer.Option("--max-windows", help="Windows to evaluate (0 = whole test set).")] = 32,
+    group_size: GroupOpt = 64,
+    scheme: SchemeOpt = "kvcx",
+    bits: BitsOpt = None,
+    sinks: SinksOpt = None,
+    rotate: RotateOpt = None,
+    mode: Annotated[str, typer.Option(help="prefix: compress the context cache once; generation: every key/value "
+                                           "goes through KvcxCache as the model runs.")] = "prefix",
+    cpu: Annotated[bool, typer.Option("--cpu", help="Force CPU even when CUDA is available.")] = False,
+    threads: ThreadsOpt = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Only the verdict line.")] = False,
+    quick_test: Annotated[bool, typer.Option("--quick-test", help="No model: a synthetic TinyLlama-shaped cache, "
+                                                                  "judged on RMSE/SNR/cosine.")] = False,
+    json_out: JsonOpt = False,
+):
+    """Perplexity with the exact vs the kvcx-compressed KV cache on WikiText-2 (exit 3 when delta >= threshold)."""
+    with _errors():
+        from kvcx import validation
+
+        cfg = _kv_config(scheme, group_size, bits, sinks, rotate, threads)
+        if quick_test:
+            result = validation.quick_test(cfg, console=None if (json_out or quiet) else out)
+        else:
+            result = validation.run_validation(
+                config=cfg, threshold=threshold, model=model, dataset_file=dataset_file, window=window,
+                stride=stride, max_windows=max_windows, mode=mode, cpu=cpu,
+                console=None if (json_out or quiet) else out, progress_console=None if quiet else err)
+    if json_out:
+        _emit_json(result.to_dict())
+    elif quiet:
+        out.print(result.verdict_line())
+    else:
+        validation.print_result(result, out)
+    if not result.passed:
+        raise typer.Exit(code=EXIT_QUALITY)
+
+
+def main():  # console-script entry point
+    app()
+
+
+if __name__ == "__main__":
+    main()
