@@ -43,6 +43,10 @@ def settings(full: bool):
         ("kivi + 1 sink token", KVConfig.from_scheme("kivi", sinks=1)),
         custom("K asym per-channel g64 + sink, V asym g64 + hadamard",
                dict(asym_ch, sinks=1), dict(scheme="asymmetric", rotate=True)),
+        custom("K asym per-channel g64 + sink, V sym g64 + hadamard",
+               dict(asym_ch, sinks=1), dict(scheme="symmetric", rotate=True)),
+        custom("K asym per-channel g64, V sym g64 + hadamard",
+               asym_ch, dict(scheme="symmetric", rotate=True)),
         custom("K asym per-channel g128, V sym g64 + hadamard",
                dict(asym_ch, group_size=128), dict(scheme="symmetric", rotate=True)),
         custom("K asym per-channel g128 + sink, V sym g64 + hadamard",
@@ -56,12 +60,28 @@ def settings(full: bool):
         ("3-bit: kivi + sink", KVConfig.from_scheme("kivi", sinks=1, bits=3)),
         ("8-bit: sym g64 per-token", KVConfig.from_scheme("symmetric", bits=8)),
     ]
+    try:  # the peer users would pick instead, measured on the same windows
+        import optimum.quanto  # noqa: F401
+
+        rows.append(("peer: transformers QuantizedCache quanto int4 g64 (nominal 4.5)", "quanto"))
+    except ImportError:
+        pass
     if full:
         rows += [
             ("2-bit: kivi + sink", KVConfig.from_scheme("kivi", sinks=1, bits=2)),
             ("3-bit: reference layout", KVConfig.from_scheme("symmetric", bits=3)),
         ]
     return rows
+
+
+def quanto_roundtrip(tensors):
+    """transformers' QuantoQuantizedLayer (int4, groups of 64, axis 0: its defaults) on the same cache."""
+    import torch
+    from transformers.cache_utils import QuantoQuantizedLayer
+
+    layer = QuantoQuantizedLayer(nbits=4, axis_key=0, axis_value=0, q_group_size=64, residual_length=128)
+    return {k: layer._dequantize(layer._quantize(torch.from_numpy(v).contiguous(), axis=0)).numpy()
+            for k, v in tensors.items()}
 
 
 def main(argv=None):
@@ -73,6 +93,7 @@ def main(argv=None):
     ap.add_argument("--stride", type=int, default=512)
     ap.add_argument("--full", action="store_true", help="also 2-bit and g32 rows")
     ap.add_argument("--markdown", type=Path, default=None, help="also write the table to this file")
+    ap.add_argument("--only", nargs="+", default=None, help="run only the rows whose label contains one of these")
     args = ap.parse_args(argv)
 
     import torch
@@ -88,6 +109,8 @@ def main(argv=None):
     ids = torch.tensor(tok(text)["input_ids"], dtype=torch.long)
     starts = _windows(ids.numel(), args.window, args.stride, args.max_windows)
     rows = settings(args.full)
+    if args.only:
+        rows = [r for r in rows if any(o in r[0] for o in args.only)]
     base_nll, tokens = 0.0, 0
     acc = {label: {"nll": 0.0, "stats": ErrorStats(), "payload": 0, "values": 0} for label, _ in rows}
     ctx_len = args.window - args.stride
@@ -103,12 +126,16 @@ def main(argv=None):
             base_nll += _nll(model(cont, past_key_values=cache).logits[0, :-1], targets)
             tokens += targets.numel()
             for label, cfg in rows:
-                packed, meta = compress_tensors(tensors, cfg)
-                decoded = decompress_tensors(*st.load_with_metadata(st.save(packed, meta)))
                 r = acc[label]
+                if cfg == "quanto":
+                    decoded = quanto_roundtrip(tensors)
+                    r["payload"] += sum(x.size for x in tensors.values()) * 4.5 / 8
+                else:
+                    packed, meta = compress_tensors(tensors, cfg)
+                    decoded = decompress_tensors(*st.load_with_metadata(st.save(packed, meta)))
+                    r["payload"] += sum(x.nbytes for x in packed.values())
                 for k, v in tensors.items():
                     r["stats"] += error_stats(v, decoded[k])
-                r["payload"] += sum(x.nbytes for x in packed.values())
                 r["values"] += sum(x.size for x in tensors.values())
                 comp = make_dynamic_cache(tensors_to_layers(decoded))
                 r["nll"] += _nll(model(cont, past_key_values=comp).logits[0, :-1], targets)

@@ -32,6 +32,7 @@ cdef extern from *:
     """
     #include <stdint.h>
     #include <string.h>
+    #include <math.h>
     #if defined(__F16C__) && defined(__AVX__)
     #include <immintrin.h>
     #define KVCX_F16C 1
@@ -151,6 +152,76 @@ cdef extern from *:
         }
     }
 
+    /* Orthonormal fast Walsh-Hadamard transform of `rows` rows of length d (a power of two >= 8):
+       stages h = 1, 2, 4 by kvcx_wht8, then h = 8 .. d/2, each row scaled by 1/sqrt(d) at the end. */
+    #if defined(__AVX__)
+    static inline __m256 kvcx_wht8_reg(__m256 v) {
+        const __m256 s1 = _mm256_setr_ps(1, -1, 1, -1, 1, -1, 1, -1);
+        const __m256 s2 = _mm256_setr_ps(1, 1, -1, -1, 1, 1, -1, -1);
+        const __m256 s4 = _mm256_setr_ps(1, 1, 1, 1, -1, -1, -1, -1);
+        v = _mm256_add_ps(_mm256_mul_ps(v, s1), _mm256_permute_ps(v, 0xB1));
+        v = _mm256_add_ps(_mm256_mul_ps(v, s2), _mm256_permute_ps(v, 0x4E));
+        return _mm256_add_ps(_mm256_mul_ps(v, s4), _mm256_permute2f128_ps(v, v, 1));
+    }
+    #if defined(__GNUC__) && !defined(__clang__)
+    #define KVCX_UNROLL _Pragma("GCC unroll 16")
+    #elif defined(__clang__)
+    #define KVCX_UNROLL _Pragma("unroll")
+    #else
+    #define KVCX_UNROLL
+    #endif
+    /* One row of D values entirely in registers: the same stages and roundings as the generic path. */
+    #define KVCX_FWHT_ROW(D) \
+    static inline void kvcx_fwht_row##D(float *p, float norm) { \
+        __m256 v[D / 8]; \
+        KVCX_UNROLL for (int k = 0; k < D / 8; k++) v[k] = kvcx_wht8_reg(_mm256_loadu_ps(p + 8 * k)); \
+        KVCX_UNROLL for (int h = 1; h < D / 8; h *= 2) \
+            KVCX_UNROLL for (int m = 0; m < D / 16; m++) { \
+                const int j = (m / h) * 2 * h + m % h; /* the D/16 butterfly pairs (j, j + h) */ \
+                __m256 a = v[j], b = v[j + h]; \
+                v[j] = _mm256_add_ps(a, b); \
+                v[j + h] = _mm256_sub_ps(a, b); \
+            } \
+        const __m256 n8 = _mm256_set1_ps(norm); \
+        KVCX_UNROLL for (int k = 0; k < D / 8; k++) _mm256_storeu_ps(p + 8 * k, _mm256_mul_ps(v[k], n8)); \
+    }
+    KVCX_FWHT_ROW(32)
+    KVCX_FWHT_ROW(64)
+    KVCX_FWHT_ROW(128)
+    #endif
+
+    static inline void kvcx_fwht_rows(float *x, int64_t rows, int64_t d) {
+        const float norm = 1.0 / sqrtf((float)d);
+    #if defined(__AVX__)
+        if (d == 64) { for (int64_t r = 0; r < rows; r++) kvcx_fwht_row64(x + r * 64, norm); return; }
+        if (d == 128) { for (int64_t r = 0; r < rows; r++) kvcx_fwht_row128(x + r * 128, norm); return; }
+        if (d == 32) { for (int64_t r = 0; r < rows; r++) kvcx_fwht_row32(x + r * 32, norm); return; }
+    #endif
+        kvcx_wht8(x, rows * d);
+        for (int64_t r = 0; r < rows; r++) {
+            float *p = x + r * d;
+            for (int64_t h = 8; h < d; h *= 2) {
+                for (int64_t i = 0; i < d; i += 2 * h) {
+    #if defined(__AVX__)
+                    for (int64_t j = i; j < i + h; j += 8) {
+                        __m256 a = _mm256_loadu_ps(p + j), b = _mm256_loadu_ps(p + j + h);
+                        _mm256_storeu_ps(p + j, _mm256_add_ps(a, b));
+                        _mm256_storeu_ps(p + j + h, _mm256_sub_ps(a, b));
+                    }
+    #else
+                    for (int64_t j = i; j < i + h; j++) {
+                        float a = p[j], b = p[j + h];
+                        p[j] = a + b;
+                        p[j + h] = a - b;
+                    }
+    #endif
+                }
+            }
+            /* same width as the stores above (no store-forwarding stalls) */
+            for (int64_t j = 0; j < d; j++) p[j] *= norm;
+        }
+    }
+
     static const char *kvcx_simd_flags(void) {
         return ""
     #ifdef __SSE4_1__
@@ -190,6 +261,7 @@ cdef extern from *:
     float kvcx_h2f_1(uint16_t h) noexcept nogil
     const char *kvcx_simd_flags() noexcept nogil
     void kvcx_wht8(float *p, int64_t n) noexcept nogil
+    void kvcx_fwht_rows(float *x, int64_t rows, int64_t d) noexcept nogil
     const bint KVCX_F16C
 
 # dtype codes shared with kvcx.codec
@@ -337,26 +409,7 @@ cdef inline void _unpack(const uint8_t *p, int64_t n, int bits, uint8_t *q) noex
 
 cdef inline void _fwht_rows(float *x, int64_t rows, int64_t d) noexcept nogil:
     """In-place orthonormal fast Walsh-Hadamard transform of `rows` rows of length d (a power of two >= 8)."""
-    cdef int64_t r, i, j, h
-    cdef float u, v
-    cdef float norm = 1.0 / sqrtf(<float>d)
-    cdef float *p
-    kvcx_wht8(x, rows * d)
-    for r in range(rows):
-        p = x + r * d
-        h = 8
-        while h < d:
-            i = 0
-            while i < d:
-                for j in range(i, i + h):
-                    u = p[j]
-                    v = p[j + h]
-                    p[j] = u + v
-                    p[j + h] = u - v
-                i += 2 * h
-            h *= 2
-        for j in range(d):
-            p[j] = p[j] * norm
+    kvcx_fwht_rows(x, rows, d)
 
 
 # ----------------------------------------------------------------------------
@@ -368,6 +421,10 @@ cdef inline void _fwht_rows(float *x, int64_t rows, int64_t d) noexcept nogil:
 # vectorize without -ffast-math, and max(bits & 0x7fffffff) >= 0x7f800000
 # flags NaN/Inf in the same pass.
 # ----------------------------------------------------------------------------
+
+# the order key of -inf (0xff800000 ^ 0x7fffffff); -NaN keys are smaller
+DEF KEY_NEG_INF = -2139095041
+
 
 cdef inline float _f_from_bits(int32_t b) noexcept nogil:
     cdef float f
@@ -409,12 +466,11 @@ cdef inline int _quant_contig(const float *x, int64_t n, int bits, bint asym,
     cdef int st
     if asym:
         for i in range(n):
-            a = xi[i] & 0x7fffffff
             k = xi[i] ^ ((xi[i] >> 31) & 0x7fffffff)
-            amax = a if a > amax else amax
             kmin = k if k < kmin else kmin
             kmax = k if k > kmax else kmax
-        if amax >= 0x7f800000:
+        # +inf/+NaN have keys >= 0x7f800000, -inf/-NaN keys <= key(-inf)
+        if kmax >= 0x7f800000 or kmin <= KEY_NEG_INF:
             return 1
         st = _params(_f_from_bits(_key_to_bits(kmin)), _f_from_bits(_key_to_bits(kmax)), bits, 1,
                      s_out, z_out, &scale, &zero)
@@ -455,24 +511,50 @@ cdef int _quant_cols(const float *x, int64_t rows, int64_t D, int bits, bint asy
     cdef float *scale = tmp + 3 * D
     cdef float *zero = tmp + 4 * D
     cdef int64_t r, d
-    cdef int32_t a, k, bad = 0
-    cdef float t, qmax, qmin, off, sc, zr
+    cdef int32_t a, k
+    cdef float t, qmax, qmin, off, sc = 0.0, zr = 0.0
     cdef int st = 0
+    cdef int64_t d0, w, j
+    cdef int32_t lo[64]
+    cdef int32_t hi[64]
+    # column statistics in chunks of 64 columns held in local arrays (which the compiler knows
+    # do not alias the input, so the loops vectorize)
+    for d0 in range(0, D, 64):
+        w = min(<int64_t>64, D - d0)
+        for j in range(64):
+            lo[j] = 0x7fffffff
+            hi[j] = -0x7fffffff - 1
+        if asym and w == 64:
+            for r in range(rows):
+                for j in range(64):
+                    k = xi[r * D + d0 + j] ^ ((xi[r * D + d0 + j] >> 31) & 0x7fffffff)
+                    lo[j] = k if k < lo[j] else lo[j]
+                    hi[j] = k if k > hi[j] else hi[j]
+        elif asym:
+            for r in range(rows):
+                for j in range(w):
+                    k = xi[r * D + d0 + j] ^ ((xi[r * D + d0 + j] >> 31) & 0x7fffffff)
+                    lo[j] = k if k < lo[j] else lo[j]
+                    hi[j] = k if k > hi[j] else hi[j]
+        elif w == 64:
+            for r in range(rows):
+                for j in range(64):
+                    a = xi[r * D + d0 + j] & 0x7fffffff
+                    hi[j] = a if a > hi[j] else hi[j]
+        else:
+            for r in range(rows):
+                for j in range(w):
+                    a = xi[r * D + d0 + j] & 0x7fffffff
+                    hi[j] = a if a > hi[j] else hi[j]
+        for j in range(w):
+            kmin[d0 + j] = lo[j]
+            kmax[d0 + j] = hi[j]
+            amax[d0 + j] = hi[j]
     for d in range(D):
-        amax[d] = 0
-        kmin[d] = 0x7fffffff
-        kmax[d] = -0x7fffffff - 1
-    for r in range(rows):
-        for d in range(D):
-            a = xi[r * D + d] & 0x7fffffff
-            k = xi[r * D + d] ^ ((xi[r * D + d] >> 31) & 0x7fffffff)
-            amax[d] = a if a > amax[d] else amax[d]
-            kmin[d] = k if k < kmin[d] else kmin[d]
-            kmax[d] = k if k > kmax[d] else kmax[d]
-    for d in range(D):
-        bad = amax[d] if amax[d] > bad else bad
-    if bad >= 0x7f800000:
-        return 1
+        if asym and (kmax[d] >= 0x7f800000 or kmin[d] <= KEY_NEG_INF):
+            return 1
+        if not asym and amax[d] >= 0x7f800000:
+            return 1
     if asym:
         qmin = 0.0
         qmax = <float>((1 << bits) - 1)
@@ -623,7 +705,8 @@ def encode(const uint8_t[::1] src, int dt, int64_t N, int64_t S, int64_t D, int6
 cdef void _dec_block(const uint8_t *codes, const uint16_t *scales, const uint16_t *zeros,
                      int64_t S, int64_t D, int64_t t0, int64_t G, int bits, bint asym, int axis,
                      bint rotate, int64_t blk_tokens, int64_t slab, int64_t blk, int64_t row_bytes,
-                     uint8_t *out, int dt, float *buf, uint8_t *q, float *tmp) noexcept nogil:
+                     uint8_t *out, int64_t out_S, int64_t out_off, int dt, float *buf, uint8_t *q,
+                     float *tmp) noexcept nogil:
     cdef int64_t L = (S - t0) * D
     cdef int64_t t_a = t0 + blk * blk_tokens
     cdef int64_t t_b = min(S, t_a + blk_tokens)
@@ -649,13 +732,14 @@ cdef void _dec_block(const uint8_t *codes, const uint16_t *scales, const uint16_
         _dequant_cols(q, t_b - t_a, D, bits, asym, scales + k, zeros + k, buf, tmp)
     if rotate:
         _fwht_rows(buf, t_b - t_a, D)
-    _store(buf, dt, slab * S * D + t0 * D + start, n, out)
+    _store(buf, dt, slab * out_S * D + (out_off + t0) * D + start, n, out)
 
 
 def decode(const uint8_t[::1] codes, const uint16_t[::1] scales, const uint16_t[::1] zeros,
            int64_t N, int64_t S, int64_t D, int64_t t0, int64_t G, int bits, bint asym, int axis,
-           bint rotate, uint8_t[::1] out, int dt, int nthreads):
-    """Unpack and dequantize into out (tokens [t0, S) of every slab). Returns 0, or 4 on malloc failure."""
+           bint rotate, uint8_t[::1] out, int64_t out_S, int64_t out_off, int dt, int nthreads):
+    """Unpack and dequantize tokens [t0, S) of every slab into out, seen as (N, out_S, D), at token
+    offset out_off (out_S = S, out_off = 0 for a tensor of its own). Returns 0, or 4 on malloc failure."""
     cdef int64_t L = (S - t0) * D
     cdef int64_t row_bytes = (L * bits + 7) // 8
     cdef int64_t blk_tokens, bufn, nblk, nall, bpt, task, ntasks, b
@@ -674,7 +758,7 @@ def decode(const uint8_t[::1] codes, const uint16_t[::1] scales, const uint16_t[
             else:
                 for b in range(task * bpt, min(nall, task * bpt + bpt)):
                     _dec_block(&codes[0], &scales[0], zp, S, D, t0, G, bits, asym, axis, rotate, blk_tokens,
-                               b // nblk, b % nblk, row_bytes, &out[0], dt, buf,
+                               b // nblk, b % nblk, row_bytes, &out[0], out_S, out_off, dt, buf,
                                <uint8_t *>(buf + bufn + 5 * D), buf + bufn)
                 free(buf)
     return status

@@ -62,6 +62,7 @@ class TensorMetrics:
     name: str
     shape: list
     dtype: str
+    codec: str
     rmse: float
     snr_db: float
     cosine_similarity: float
@@ -140,13 +141,15 @@ def _open_plain(input_path) -> st.SafeFile:
 
 
 def _metrics(stats: Dict[str, ErrorStats], tensors, original_size: int, compressed_size: int, seconds: float,
-             config: dict, thresholds: Thresholds) -> CompressionMetrics:
+             meta: Dict[str, str], thresholds: Thresholds) -> CompressionMetrics:
     total = ErrorStats()
     per = []
+    kinds = json.loads(meta["kvcx.tensors"])
     for name, s in stats.items():
         total += s
         a = tensors[name]
-        per.append(TensorMetrics(name=name, shape=list(a.shape), dtype=str(a.dtype), rmse=s.rmse, snr_db=s.snr_db,
+        per.append(TensorMetrics(name=name, shape=list(a.shape), dtype=str(a.dtype), codec=kinds[name]["codec"],
+                                 rmse=s.rmse, snr_db=s.snr_db,
                                  cosine_similarity=s.cosine_similarity, max_error=s.max_error))
     violations = check_thresholds(total, thresholds) if total.n else ["no float tensors to compress"]
     return CompressionMetrics(
@@ -156,7 +159,7 @@ def _metrics(stats: Dict[str, ErrorStats], tensors, original_size: int, compress
         max_error=total.max_error, quality_level=quality_level(total.rmse, total.snr_db) if total.n else "POOR",
         processing_time_ms=seconds * 1000.0, passed=not violations, violations=violations,
         bits_per_value=8.0 * compressed_size / total.n if total.n else 0.0, num_values=int(total.n),
-        config=config, tensors=per)
+        config=settings_of(meta), tensors=per)
 
 
 def _config(config: Optional[KVConfig], scheme: Optional[str], group_size: int, n_threads) -> KVConfig:
@@ -184,7 +187,7 @@ def compress_kv_cache(input_path, output_path, group_size: int = 64, sparsity: f
     if sidecar is not None:
         write_sidecar(output_path, sidecar)
     m = _metrics(stats, tensors, os.path.getsize(input_path), os.path.getsize(output_path),
-                 time.perf_counter() - t, settings_of(meta), thresholds or Thresholds())
+                 time.perf_counter() - t, meta, thresholds or Thresholds())
     if verbose:
         print(f"kvcx: {input_path} -> {output_path}: {m.compression_ratio:.2f}x, RMSE {m.rmse:.4f}, "
               f"SNR {m.snr_db:.1f} dB, {m.quality_level}")
@@ -225,6 +228,6 @@ def get_compression_metrics(input_path, group_size: int = 64, scheme: Optional[s
     stats: Dict[str, ErrorStats] = {}
     out, meta = compress_tensors(tensors, cfg, sparsity=sparsity, lz4=lz4, source_metadata=f.metadata or None,
                                  sidecar=read_sidecar(input_path), stats=stats, progress=progress)
-    size = len(st.save(out, meta))
+    size = st.serialized_size(out, meta)
     return _metrics(stats, tensors, os.path.getsize(input_path), size, time.perf_counter() - t,
-                    settings_of(meta), thresholds or Thresholds())
+                    meta, thresholds or Thresholds())

@@ -14,6 +14,7 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 from typing import Annotated
 
@@ -26,8 +27,8 @@ EXIT_QUALITY = 3
 app = typer.Typer(rich_markup_mode="rich", add_completion=False, no_args_is_help=True,
                   context_settings={"help_option_names": ["-h", "--help"]},
                   help="Compress LLM KV caches to packed INT4 and prove with perplexity that they still serve the model.")
-out = Console(highlight=False, soft_wrap=True)
-err = Console(stderr=True, highlight=False)
+out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 120)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
 def _version(value: bool):
@@ -48,13 +49,13 @@ def _errors():
     try:
         yield
     except KvcxError as exc:
-        err.print(f"[bold red]Error:[/] {exc}", markup=True, highlight=False)
+        err.print(f"[bold red]Error:[/] [red]{escape(str(exc))}[/]")
         raise typer.Exit(code=EXIT_ERROR) from None
     except MemoryError as exc:
-        err.print(f"[bold red]Error:[/] out of memory: {exc}")
+        err.print(f"[bold red]Error:[/] [red]out of memory: {escape(str(exc))}[/]")
         raise typer.Exit(code=EXIT_ERROR) from None
     except OSError as exc:
-        err.print(f"[bold red]Error:[/] {exc.filename or ''}: {exc.strerror or exc}")
+        err.print(f"[bold red]Error:[/] [red]{escape(str(exc.filename or ''))}: {escape(str(exc.strerror or exc))}[/]")
         raise typer.Exit(code=EXIT_ERROR) from None
 
 
@@ -115,13 +116,13 @@ def _metrics_table(m, title: str) -> Table:
 
 def _tensor_table(m, limit: int = 12) -> Table:
     t = Table(title="per tensor", header_style="bold")
-    for c in ("tensor", "shape", "dtype", "RMSE", "SNR dB", "cosine", "max err"):
-        t.add_column(c, justify="left" if c in ("tensor", "shape", "dtype") else "right")
+    for c in ("tensor", "shape", "dtype", "codec", "RMSE", "SNR dB", "cosine", "max err"):
+        t.add_column(c, justify="left" if c in ("tensor", "shape", "dtype", "codec") else "right")
     for tm in m.tensors[:limit]:
-        t.add_row(tm.name, "x".join(map(str, tm.shape)), tm.dtype, f"{tm.rmse:.5f}", f"{tm.snr_db:.2f}",
+        t.add_row(tm.name, "x".join(map(str, tm.shape)), tm.dtype, tm.codec, f"{tm.rmse:.5f}", f"{tm.snr_db:.2f}",
                   f"{tm.cosine_similarity:.6f}", f"{tm.max_error:.4f}")
     if len(m.tensors) > limit:
-        t.add_row(f"... {len(m.tensors) - limit} more", "", "", "", "", "", "")
+        t.add_row(f"... {len(m.tensors) - limit} more", "", "", "", "", "", "", "")
     return t
 
 

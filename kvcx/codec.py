@@ -264,6 +264,14 @@ class IntCodec:
         return {"N": N, "S": S, "D": D, "t0": t0, "scale_shape": scale_shape, "codes_nbytes": N * row_bytes,
                 "partial_group": partial}
 
+    def supports(self, shape: tuple) -> bool:
+        """Whether this codec can encode a tensor of this shape (see the layout rules)."""
+        try:
+            self._layout(tuple(shape), "tensor")
+        except CodecError:
+            return False
+        return True
+
     def codes_nbytes(self, shape: tuple, name: str = "tensor") -> int:
         """Bytes of packed codes for a tensor of this shape."""
         return self._layout(tuple(shape), name)["codes_nbytes"]
@@ -321,8 +329,12 @@ Int4Codec = IntCodec
 
 
 def decode_packed(packed: Packed, out: Optional[np.ndarray] = None, name: str = "tensor",
-                  n_threads: Optional[int] = None) -> np.ndarray:
-    """Decode with the settings recorded in the packed tensor itself."""
+                  n_threads: Optional[int] = None, token_offset: int = 0) -> np.ndarray:
+    """Decode with the settings recorded in the packed tensor itself.
+
+    ``out`` may be larger along the token axis (-2): the tensor is then written at
+    ``out[..., token_offset:token_offset + S, :]`` (used to assemble a KV cache from chunks).
+    """
     codec = IntCodec.from_config(packed.config)
     shape = tuple(packed.shape)
     lay = codec._layout(shape, name)
@@ -331,12 +343,22 @@ def decode_packed(packed: Packed, out: Optional[np.ndarray] = None, name: str = 
         raise CodecError(f"tensor {name!r}: recorded sinks {packed.config.get('sinks')} do not fit shape {list(shape)}")
     dtype = numpy_dtype(packed.dtype)
     if out is None:
+        if token_offset:
+            raise CodecError("token_offset needs an out= array")
         out = np.empty(shape, dtype=dtype)
-    elif (not isinstance(out, np.ndarray) or out.dtype != dtype or tuple(out.shape) != shape
-          or not out.flags.c_contiguous or not out.flags.writeable):
-        got = f"{out.dtype} {list(out.shape)}" if isinstance(out, np.ndarray) else type(out).__name__
-        raise CodecError(f"tensor {name!r}: out must be a writeable C-contiguous {dtype} array of shape "
-                         f"{list(shape)}, got {got}")
+        out_S = S
+    else:
+        ok = (isinstance(out, np.ndarray) and out.dtype == dtype and out.ndim == len(shape)
+              and out.flags.c_contiguous and out.flags.writeable)
+        if ok and token_offset == 0 and tuple(out.shape) == shape:
+            out_S = S
+        elif ok and len(shape) >= 2 and out.shape[:-2] == shape[:-2] and out.shape[-1] == D \
+                and 0 <= token_offset and token_offset + S <= out.shape[-2]:
+            out_S = int(out.shape[-2])
+        else:
+            got = f"{out.dtype} {list(out.shape)}" if isinstance(out, np.ndarray) else type(out).__name__
+            raise CodecError(f"tensor {name!r}: out must be a writeable C-contiguous {dtype} array of shape "
+                             f"{list(shape)} (or longer on axis -2 with token_offset), got {got}")
     codes = np.ascontiguousarray(packed.codes, dtype=np.uint8).reshape(-1)
     scales = np.ascontiguousarray(packed.scales, dtype=np.float16)
     if codes.size != lay["codes_nbytes"]:
@@ -352,14 +374,15 @@ def decode_packed(packed: Packed, out: Optional[np.ndarray] = None, name: str = 
     if S > t0:
         status = _core.decode(codes, scales.reshape(-1).view(np.uint16), zeros.reshape(-1).view(np.uint16),
                               N, S, D, t0, codec.group_size, codec.bits, codec.asym,
-                              0 if codec.axis == "token" else 1, codec.rotate, _raw(out),
+                              0 if codec.axis == "token" else 1, codec.rotate, _raw(out), out_S, token_offset,
                               DTYPE_NAMES[packed.dtype], resolve_threads(n_threads))
         if status & 4:
             raise MemoryError(f"kvcx: out of memory while decoding tensor {name!r}")
     if t0:
         if packed.sinks is None or packed.sinks.size != N * t0 * D:
             raise CodecError(f"tensor {name!r}: {t0} exact sink tokens are recorded but their values are missing")
-        out.reshape(N, S, D)[:, :t0, :] = np.asarray(packed.sinks).astype(dtype, copy=False).reshape(N, t0, D)
+        out.reshape(N, out_S, D)[:, token_offset:token_offset + t0, :] = \
+            np.asarray(packed.sinks).astype(dtype, copy=False).reshape(N, t0, D)
     return out
 
 

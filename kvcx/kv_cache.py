@@ -60,10 +60,12 @@ def torch_to_numpy(t) -> np.ndarray:
 def numpy_to_torch(a: np.ndarray, device=None):
     torch = _torch()
     a = np.ascontiguousarray(a)
+    if not a.flags.writeable:  # torch tensors must own writable memory
+        a = a.copy()
     if BFLOAT16 is not None and a.dtype == BFLOAT16:
         t = torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
     else:
-        t = torch.from_numpy(a if a.flags.writeable else a.copy())
+        t = torch.from_numpy(a)
     return t.to(device) if device is not None else t
 
 

@@ -6,13 +6,19 @@ Schemes (``--scheme``):
   each token's values, FP16 scale (4.25 bits/value at groups of 64).
 - ``symmetric`` / ``asymmetric``: that scheme on keys and values, groups along tokens' values.
 - ``kivi``: keys asymmetric per channel (groups along tokens), values asymmetric per token.
-- ``kvcx`` (default): chosen from bench/bench_quality.py; see README "Choosing the default".
+- ``kvcx`` (default): keys asymmetric per channel (groups of 64 tokens) with the first token (the
+  attention sink) kept exact; values symmetric per token after a Hadamard rotation of head_dim.
+  Chosen from bench/bench_quality.py; see README "Choosing the default".
+
+A tensor that a codec cannot take (channel grouping of a 1-D tensor, a rotation of a last dim that is
+not a power of two) gets the ``fallback`` codec instead: the value codec's scheme, bits and group size,
+grouped per token, without rotation or sinks. The packed file records which codec each tensor used.
 """
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 from kvcx.codec import IntCodec
 from kvcx.errors import CodecError
@@ -25,7 +31,8 @@ _SCHEMES = {
     "symmetric": (dict(scheme="symmetric", axis="token"), dict(scheme="symmetric", axis="token")),
     "asymmetric": (dict(scheme="asymmetric", axis="token"), dict(scheme="asymmetric", axis="token")),
     "kivi": (dict(scheme="asymmetric", axis="channel"), dict(scheme="asymmetric", axis="token")),
-    "kvcx": (dict(scheme="asymmetric", axis="channel", sinks=1), dict(scheme="asymmetric", axis="token")),
+    # chosen from bench/bench_quality.py (README "Choosing the default"): 4.40 bits/value at groups of 64
+    "kvcx": (dict(scheme="asymmetric", axis="channel", sinks=1), dict(scheme="symmetric", axis="token", rotate=True)),
 }
 SCHEME_NAMES = tuple(_SCHEMES)
 
@@ -65,8 +72,22 @@ class KVConfig:
             codecs.append(IntCodec(n_threads=n_threads, **kw))
         return cls(key=codecs[0], value=codecs[1], scheme=scheme)
 
-    def codec_for(self, name: str) -> IntCodec:
-        return self.key if is_key_tensor(name) else self.value
+    @property
+    def fallback(self) -> IntCodec:
+        v = self.value
+        return IntCodec(group_size=v.group_size, scheme=v.scheme, bits=v.bits, axis="token", rotate=False, sinks=0,
+                        n_threads=v.n_threads)
+
+    def codecs(self) -> dict:
+        return {"key": self.key, "value": self.value, "fallback": self.fallback}
+
+    def codec_for(self, name: str, shape=None) -> Tuple[str, IntCodec]:
+        """(kind, codec) for a tensor: 'key' or 'value' by name, 'fallback' where that codec cannot take the shape."""
+        kind = "key" if is_key_tensor(name) else "value"
+        codec = self.key if kind == "key" else self.value
+        if shape is not None and not codec.supports(shape):
+            return "fallback", self.fallback
+        return kind, codec
 
     def get_config(self) -> dict:
         return {"scheme": self.scheme, "key": self.key.get_config(), "value": self.value.get_config()}

@@ -76,8 +76,7 @@ def compress_tensors(tensors: Dict[str, np.ndarray], config: KVConfig, sparsity:
             if progress:
                 progress(name)
             continue
-        kind = "key" if config.codec_for(name) is config.key else "value"
-        codec: IntCodec = config.codec_for(name)
+        kind, codec = config.codec_for(name, arr.shape)
         src = sparsify(arr, sparsity, name).astype(arr.dtype) if sparsity else arr
         packed = codec.encode(src, name=name)
         codes = packed.codes
@@ -99,7 +98,7 @@ def compress_tensors(tensors: Dict[str, np.ndarray], config: KVConfig, sparsity:
         "kvcx.format_version": FORMAT_VERSION,
         "kvcx.config": json.dumps({"scheme": config.scheme, "sparsity": float(sparsity), "lz4": bool(lz4)},
                                   sort_keys=True, separators=(",", ":")),
-        "kvcx.codecs": json.dumps({"key": config.key.get_config(), "value": config.value.get_config()},
+        "kvcx.codecs": json.dumps({k: c.get_config() for k, c in config.codecs().items()},
                                   sort_keys=True, separators=(",", ":")),
         "kvcx.tensors": json.dumps(info, sort_keys=True, separators=(",", ":")),
         "kvcx.passthrough": json.dumps(passthrough, separators=(",", ":")),

@@ -251,6 +251,12 @@ def _write(fh, hb, arrays):
         fh.write(memoryview(a.reshape(-1).view(np.uint8)))
 
 
+def serialized_size(tensors: Dict[str, np.ndarray], metadata: Optional[Dict[str, str]] = None) -> int:
+    """Bytes ``save`` would produce, without building them."""
+    hb, arrays = _header_and_order(tensors, metadata)
+    return 8 + len(hb) + sum(a.nbytes for a in arrays)
+
+
 def save(tensors: Dict[str, np.ndarray], metadata: Optional[Dict[str, str]] = None) -> bytes:
     import io
 

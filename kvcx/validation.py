@@ -304,7 +304,7 @@ def perplexity_generation(model, ids, starts: List[int], window: int, stride: in
         for a in starts:
             win = ids[a:a + window][None].to(dev)
             base = model(win, use_cache=False).logits[0, ctx_len:-1]
-            cache = KvcxCache(model.config, config=config, residual_length=residual_length)
+            cache = KvcxCache(model.config, kv_config=config, residual_length=residual_length)
             chunks = []
             for c0 in range(0, window, residual_length):
                 chunks.append(model(win[:, c0:c0 + residual_length], past_key_values=cache, use_cache=True).logits[0])

