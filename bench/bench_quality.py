@@ -41,10 +41,9 @@ def settings(full: bool):
         ("asym g64 per-token + hadamard", KVConfig.from_scheme("asymmetric", rotate=True)),
         ("kivi: K asym per-channel g64, V asym per-token g64", KVConfig.from_scheme("kivi")),
         ("kivi + 1 sink token", KVConfig.from_scheme("kivi", sinks=1)),
+        ("kvcx default: K asym per-channel g64 + sink, V sym g64 + hadamard", KVConfig.from_scheme("kvcx")),
         custom("K asym per-channel g64 + sink, V asym g64 + hadamard",
                dict(asym_ch, sinks=1), dict(scheme="asymmetric", rotate=True)),
-        custom("K asym per-channel g64 + sink, V sym g64 + hadamard",
-               dict(asym_ch, sinks=1), dict(scheme="symmetric", rotate=True)),
         custom("K asym per-channel g64, V sym g64 + hadamard",
                asym_ch, dict(scheme="symmetric", rotate=True)),
         custom("K asym per-channel g128, V sym g64 + hadamard",
@@ -112,7 +111,7 @@ def main(argv=None):
     if args.only:
         rows = [r for r in rows if any(o in r[0] for o in args.only)]
     base_nll, tokens = 0.0, 0
-    acc = {label: {"nll": 0.0, "stats": ErrorStats(), "payload": 0, "values": 0} for label, _ in rows}
+    acc = {label: {"nll": 0.0, "stats": ErrorStats(), "payload": 0, "values": 0, "codec_s": 0.0} for label, _ in rows}
     ctx_len = args.window - args.stride
     print(f"# {name}: {len(starts)} windows of {args.window} (stride {args.stride}), {len(rows)} settings",
           file=sys.stderr)
@@ -127,12 +126,15 @@ def main(argv=None):
             tokens += targets.numel()
             for label, cfg in rows:
                 r = acc[label]
+                t = time.process_time()  # CPU time of the round trip (all threads)
                 if cfg == "quanto":
                     decoded = quanto_roundtrip(tensors)
+                    r["codec_s"] += time.process_time() - t
                     r["payload"] += sum(x.size for x in tensors.values()) * 4.5 / 8
                 else:
                     packed, meta = compress_tensors(tensors, cfg)
                     decoded = decompress_tensors(*st.load_with_metadata(st.save(packed, meta)))
+                    r["codec_s"] += time.process_time() - t
                     r["payload"] += sum(x.nbytes for x in packed.values())
                 for k, v in tensors.items():
                     r["stats"] += error_stats(v, decoded[k])
@@ -145,15 +147,16 @@ def main(argv=None):
         f"Embedded SmolLM2-135M, WikiText-2 raw test, {len(starts)} windows of {args.window} (stride "
         f"{args.stride}), {tokens:,} tokens scored; baseline perplexity {base_ppl:.4f}.",
         "",
-        "| setting | bits/value | ratio vs FP16 | RMSE | SNR dB | perplexity | delta |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| setting | bits/value | ratio vs FP16 | RMSE | SNR dB | perplexity | delta | codec CPU ms / window |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for label, _ in rows:
         r = acc[label]
         bpv = 8.0 * r["payload"] / r["values"]
         ppl = math.exp(r["nll"] / tokens)
         lines.append(f"| {label} | {bpv:.3f} | {16.0 / bpv:.2f}x | {r['stats'].rmse:.4f} | "
-                     f"{r['stats'].snr_db:.2f} | {ppl:.4f} | {ppl - base_ppl:+.4f} |")
+                     f"{r['stats'].snr_db:.2f} | {ppl:.4f} | {ppl - base_ppl:+.4f} | "
+                     f"{1000 * r['codec_s'] / len(starts):.1f} |")
     table = "\n".join(lines)
     print(table)
     print(f"\n(total {time.perf_counter() - t0:.0f} s)")

@@ -232,6 +232,7 @@ class PerplexityRun:
     windows: int = 0
     original_bytes: int = 0
     packed_bytes: int = 0
+    values: int = 0
     stats: ErrorStats = field(default_factory=ErrorStats)
     codec_time_s: float = 0.0
 
@@ -280,6 +281,7 @@ def perplexity_prefix(model, ids, starts: List[int], window: int, stride: int, r
             run.windows += 1
             run.original_bytes += original_nbytes(tensors)
             run.packed_bytes += nbytes
+            run.values += sum(a.size for a in tensors.values())
             run.stats += stats
             if advance:
                 advance()
@@ -316,8 +318,9 @@ def perplexity_generation(model, ids, starts: List[int], window: int, stride: in
             run.windows += 1
             run.codec_time_s += cache.kernel_time_s
             mem = cache.memory_report()
-            run.original_bytes += mem["fp16_equivalent_bytes"]
+            run.original_bytes += mem["model_dtype_equivalent_bytes"]
             run.packed_bytes += mem["total_bytes"]
+            run.values += mem["fp16_equivalent_bytes"] // 2
             if advance:
                 advance()
     return run
@@ -354,7 +357,8 @@ def run_validation(config: KVConfig, threshold: float = DEFAULT_THRESHOLD, model
     starts = _windows(ids.numel(), window, stride, max_windows)
     _log(console, f"      {ids.numel():,} tokens, {len(starts)} windows of {window} (stride {stride})")
     _log(console, f"[bold][4/6][/] codec: {config.describe()}")
-    _log(console, f"[bold][5/6][/] baseline and [bold][6/6][/] compressed perplexity ({mode} mode)")
+    _log(console, f"[bold][5/6][/] baseline perplexity and [bold][6/6][/] compressed perplexity, window by window "
+                  f"on the same tokens ({mode} mode)")
     from contextlib import nullcontext
 
     if progress_console is not None:
@@ -375,6 +379,8 @@ def run_validation(config: KVConfig, threshold: float = DEFAULT_THRESHOLD, model
         else:
             run = perplexity_generation(m, ids, starts, window, stride, config, advance=advance)
     base, comp = run.baseline_ppl, run.compressed_ppl
+    _log(console, f"[bold][5/6][/] baseline perplexity   {base:.4f} ({run.tokens:,} tokens)")
+    _log(console, f"[bold][6/6][/] compressed perplexity {comp:.4f}")
     delta = comp - base
     s = run.stats
     return ValidationResult(
@@ -382,7 +388,7 @@ def run_validation(config: KVConfig, threshold: float = DEFAULT_THRESHOLD, model
         compression_ratio=run.original_bytes / run.packed_bytes if run.packed_bytes else 0.0,
         rmse=s.rmse, snr_db=s.snr_db, cosine_similarity=s.cosine_similarity, max_error=s.max_error,
         quality_level=quality_level(s.rmse, s.snr_db) if s.n else "", passed=delta < threshold, threshold=threshold,
-        bits_per_value=8.0 * run.packed_bytes / s.n if s.n else 16.0 * run.packed_bytes / max(1, run.original_bytes),
+        bits_per_value=8.0 * run.packed_bytes / run.values if run.values else 0.0,
         tokens_scored=run.tokens, windows=run.windows, window=window, stride=stride, mode=mode, model=name,
         device=str(dev), config=config.get_config(), wall_time_s=time.perf_counter() - t_start,
         codec_time_s=run.codec_time_s)

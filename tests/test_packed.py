@@ -232,3 +232,21 @@ def test_fuzzed_packed_file_never_crashes():
 def test_compress_tensors_reserved_names():
     with pytest.raises(FormatError, match="kvcx-reserved suffix"):
         compress_tensors({"x.kvcx.codes": np.zeros(4, np.float32)}, KVConfig.from_scheme())
+
+
+def test_fallback_codec_for_tensors_the_kv_codecs_cannot_take(tmp_path):
+    t = {"layer_0_key": random_array((1, 2, 64, 64), np.float16),
+         "layer_0_value": random_array((1, 2, 64, 64), np.float16),
+         "norm_weight": random_array((100,), np.float32),      # 1-D
+         "proj_value": random_array((1, 2, 10, 48), np.float16)}  # 48 is not a power of two: no rotation
+    src, p, r = tmp_path / "in.safetensors", tmp_path / "p.safetensors", tmp_path / "r.safetensors"
+    kst.save_file(t, src)
+    m = compress_kv_cache(src, p)
+    assert {tm.name: tm.codec for tm in m.tensors} == {"layer_0_key": "key", "layer_0_value": "value",
+                                                       "norm_weight": "fallback", "proj_value": "fallback"}
+    meta = kst.read_metadata(p)
+    assert json.loads(meta["kvcx.codecs"])["fallback"]["rotate"] is False
+    decompress_kv_cache(p, r)
+    back = kst.load_file(r)
+    for k, v in t.items():
+        assert back[k].shape == v.shape and back[k].dtype == v.dtype

@@ -108,3 +108,12 @@ def test_cli_unknown_model(wikitext_path, tmp_path):
     assert r.exit_code == 1 and "no such GGUF file" in r.output and "Traceback" not in r.output
     r = CliRunner().invoke(app, ["validate", "--model", str(tmp_path), "--dataset-file", str(wikitext_path)])
     assert r.exit_code == 1 and "cannot load model" in r.output, r.output
+
+
+def test_generation_mode_runs_through_kvcx_cache(loaded, wikitext_path):
+    r = run_validation(KVConfig.from_scheme(), dataset_file=wikitext_path, max_windows=1, loaded=loaded,
+                       mode="generation")
+    assert r.mode == "generation" and r.tokens_scored == 511
+    assert math.isfinite(r.compressed_perplexity) and r.compressed_perplexity != r.baseline_perplexity
+    assert abs(r.delta) < 1.0
+    assert r.compression_ratio > 5  # FP16-equivalent bytes / packed + FP32 residual bytes
