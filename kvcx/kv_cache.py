@@ -15,7 +15,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from kvcx import safetensors_io as st
-from kvcx.codec import BFLOAT16, ErrorStats, dtype_name, error_stats
+from kvcx.codec import BFLOAT16, ErrorStats, error_stats
 from kvcx.errors import KvcxError
 
 # TinyLlama-1.1B, the model the reference design names
@@ -239,4 +239,4 @@ def original_nbytes(tensors: Dict[str, np.ndarray]) -> int:
 
 __all__ = ["KVCacheMetadata", "extract_kv_cache", "save_kv_cache", "load_kv_cache", "validate_kv_cache_shape",
            "compute_kv_cache_stats", "roundtrip_tensors", "TINYLLAMA_NUM_LAYERS", "TINYLLAMA_NUM_KV_HEADS",
-           "TINYLLAMA_HEAD_DIM", "dtype_name", "error_stats"]
+           "TINYLLAMA_HEAD_DIM"]

@@ -62,6 +62,8 @@ def compress_tensors(tensors: Dict[str, np.ndarray], config: KVConfig, sparsity:
     If ``stats`` is a dict, it receives each compressed tensor's :class:`ErrorStats`
     (original vs decoded), computed in the same pass.
     """
+    if not 0.0 <= sparsity < 1.0:
+        raise CodecError(f"sparsity must be in [0, 1), got {sparsity}")
     out: Dict[str, np.ndarray] = {}
     info: Dict[str, dict] = {}
     passthrough = []
