@@ -283,16 +283,33 @@ class IntCodec:
         return cfg
 
     # -- encode / decode -----------------------------------------------------
-    def encode(self, arr, name: str = "tensor") -> Packed:
-        """Quantize ``arr`` (float16/bfloat16/float32) into a :class:`Packed`."""
+    def encode(self, arr, name: str = "tensor", out: Optional[Packed] = None) -> Packed:
+        """Quantize ``arr`` (float16/bfloat16/float32) into a :class:`Packed`.
+
+        ``out``: a Packed from an earlier encode of the same shape with this codec; its code,
+        scale and zero-point buffers are reused (and returned, updated).
+        """
         x = _check_float(arr, name)
         if x.size == 0:
             raise CodecError(f"tensor {name!r} is empty (shape {list(x.shape)}); there is nothing to compress")
         lay = self._layout(x.shape, name)
         N, S, D, t0 = lay["N"], lay["S"], lay["D"], lay["t0"]
-        codes = np.empty(lay["codes_nbytes"], dtype=np.uint8)
-        scales = np.empty(lay["scale_shape"], dtype=np.float16)
-        zeros = np.empty(lay["scale_shape"], dtype=np.float16) if self.asym else np.empty(0, dtype=np.float16)
+        if out is None:
+            codes = np.empty(lay["codes_nbytes"], dtype=np.uint8)
+            scales = np.empty(lay["scale_shape"], dtype=np.float16)
+            zeros = np.empty(lay["scale_shape"], dtype=np.float16) if self.asym else np.empty(0, dtype=np.float16)
+        else:
+            def ok(a, shape, dtype):
+                return (isinstance(a, np.ndarray) and a.shape == tuple(shape) and a.dtype == dtype
+                        and a.flags.c_contiguous and a.flags.writeable)
+            if not (isinstance(out, Packed) and ok(out.codes, (lay["codes_nbytes"],), np.uint8)
+                    and ok(out.scales, lay["scale_shape"], np.float16)
+                    and (not self.asym or ok(out.zeros, lay["scale_shape"], np.float16))):
+                raise CodecError(f"tensor {name!r}: out must be a Packed from encoding a tensor of shape "
+                                 f"{list(x.shape)} with this codec (writeable buffers: {lay['codes_nbytes']} code "
+                                 f"bytes, scales {list(lay['scale_shape'])})")
+            codes, scales = out.codes, out.scales
+            zeros = out.zeros if self.asym else np.empty(0, dtype=np.float16)
         axis = 0 if self.axis == "token" else 1
         status = 0
         if S > t0:
@@ -315,9 +332,13 @@ class IntCodec:
             sinks = np.ascontiguousarray(x.reshape(N, S, D)[:, :t0, :]).reshape(*x.shape[:-2], t0, D)
         cfg = self.get_config()
         cfg["sinks"] = t0
-        return Packed(codes=codes, scales=scales, zeros=zeros if self.asym else None, sinks=sinks,
+        fields = dict(codes=codes, scales=scales, zeros=zeros if self.asym else None, sinks=sinks,
                       shape=tuple(int(s) for s in x.shape), dtype=dtype_name(x.dtype), config=cfg,
                       meta={"partial_group": lay["partial_group"]})
+        if out is None:
+            return Packed(**fields)
+        out.__dict__.update(fields)
+        return out
 
     def decode(self, packed: Packed, out: Optional[np.ndarray] = None, name: str = "tensor") -> np.ndarray:
         """Unpack and dequantize; ``out`` (optional) must match the packed shape and dtype."""

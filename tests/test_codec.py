@@ -149,6 +149,21 @@ def test_out_parameter():
         c.decode(p, out=np.empty_like(x, dtype=np.float16))
 
 
+def test_encode_out_reuses_buffers():
+    x = random_array((1, 2, 64, 64), np.float16, seed=1)
+    y = random_array((1, 2, 64, 64), np.float16, seed=2)
+    c = IntCodec(scheme="asymmetric", axis="channel", sinks=1)
+    p = c.encode(x)
+    codes_buf = p.codes
+    q = c.encode(y, out=p)
+    assert q is p and q.codes is codes_buf
+    fresh = c.encode(y)
+    assert np.array_equal(q.codes, fresh.codes) and np.array_equal(q.zeros, fresh.zeros)
+    assert np.array_equal(c.decode(q), c.decode(fresh))
+    with pytest.raises(CodecError, match="out must be a Packed from encoding a tensor of shape"):
+        c.encode(random_array((1, 2, 32, 64), np.float16), out=p)
+
+
 def test_config_round_trip_and_repr():
     c = IntCodec(group_size=128, scheme="asymmetric", bits=3, axis="channel", rotate=True, sinks=2)
     assert IntCodec.from_config(c.get_config()) == c
