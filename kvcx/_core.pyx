@@ -376,8 +376,10 @@ cdef inline void _pack(const uint8_t *q, int64_t n, int bits, uint8_t *out) noex
 
 
 cdef inline void _unpack(const uint8_t *p, int64_t n, int bits, uint8_t *q) noexcept nogil:
-    cdef int64_t i, j, nb
+    """Unpack n codes into q (q has room for n rounded up to a multiple of 8)."""
+    cdef int64_t i, j, nb, full
     cdef uint32_t w
+    cdef uint8_t b
     if bits == 4:
         for i in range(n // 2):
             q[2 * i] = p[i] & 0x0f
@@ -388,19 +390,36 @@ cdef inline void _unpack(const uint8_t *p, int64_t n, int bits, uint8_t *q) noex
         for i in range(n):
             q[i] = p[i]
     elif bits == 2:
-        for i in range(n):
+        for i in range(n // 4):
+            b = p[i]
+            q[4 * i] = b & 3
+            q[4 * i + 1] = (b >> 2) & 3
+            q[4 * i + 2] = (b >> 4) & 3
+            q[4 * i + 3] = b >> 6
+        for i in range((n // 4) * 4, n):
             q[i] = (p[i >> 2] >> (2 * (i & 3))) & 3
     else:
-        nb = (3 * n + 7) // 8
-        for i in range((n + 7) // 8):
-            j = 3 * i
+        full = n // 8                      # whole 3-byte groups
+        for i in range(full):
+            w = p[3 * i] | (<uint32_t>p[3 * i + 1] << 8) | (<uint32_t>p[3 * i + 2] << 16)
+            q[8 * i] = w & 7
+            q[8 * i + 1] = (w >> 3) & 7
+            q[8 * i + 2] = (w >> 6) & 7
+            q[8 * i + 3] = (w >> 9) & 7
+            q[8 * i + 4] = (w >> 12) & 7
+            q[8 * i + 5] = (w >> 15) & 7
+            q[8 * i + 6] = (w >> 18) & 7
+            q[8 * i + 7] = w >> 21
+        if n > 8 * full:                   # a partial last group: only its bytes exist
+            nb = (3 * n + 7) // 8
+            j = 3 * full
             w = p[j]
             if j + 1 < nb:
                 w = w | (<uint32_t>p[j + 1] << 8)
             if j + 2 < nb:
                 w = w | (<uint32_t>p[j + 2] << 16)
-            for j in range(8):
-                q[8 * i + j] = (w >> (3 * j)) & 7
+            for i in range(8):
+                q[8 * full + i] = (w >> (3 * i)) & 7
 
 
 # ----------------------------------------------------------------------------
