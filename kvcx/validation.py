@@ -120,7 +120,10 @@ def load_model_and_tokenizer(model: Optional[str] = None, device=None, cpu: bool
 
 
 def load_dataset_text(dataset_file: Optional[os.PathLike] = None) -> str:
-    """WikiText-2 raw test text: from a file, else from the `datasets` library, else a clear error."""
+    """WikiText-2 raw test text: from a file (or $KVCX_DATASET_FILE), else from the `datasets` library,
+    else a clear error."""
+    if dataset_file is None and os.environ.get("KVCX_DATASET_FILE"):
+        dataset_file = os.environ["KVCX_DATASET_FILE"]
     if dataset_file is not None:
         p = Path(dataset_file)
         if not p.is_file():
@@ -133,8 +136,9 @@ def load_dataset_text(dataset_file: Optional[os.PathLike] = None) -> str:
     try:
         import datasets
     except ImportError:
-        raise DatasetError("no evaluation text: pass --dataset-file PATH/wiki.test.raw, or pip install datasets "
-                           "for datasets.load_dataset('wikitext', 'wikitext-2-raw-v1') (needs internet)") from None
+        raise DatasetError("no evaluation text: pass --dataset-file PATH/wiki.test.raw (or set KVCX_DATASET_FILE), "
+                           "or pip install datasets for datasets.load_dataset('wikitext', 'wikitext-2-raw-v1') "
+                           "(needs internet)") from None
     try:
         ds = datasets.load_dataset("wikitext", "wikitext-2-raw-v1", split="test")
     except Exception as exc:  # noqa: BLE001 - the hub raises many kinds
@@ -338,7 +342,7 @@ def run_validation(config: KVConfig, threshold: float = DEFAULT_THRESHOLD, model
         raise KvcxError(f"--threshold must be a positive number, got {threshold}")
     # check cheap inputs before the slow model load
     text = None
-    if dataset_file is not None:
+    if dataset_file is not None or os.environ.get("KVCX_DATASET_FILE"):
         text = load_dataset_text(dataset_file)
     _log(console, "[bold][1/6][/] loading model")
     m, tok, name = loaded if loaded is not None else load_model_and_tokenizer(model, device=device, cpu=cpu)

@@ -144,3 +144,9 @@ def test_light_commands_do_not_import_torch(cache, tmp_path):
 def test_python_dash_m():
     r = subprocess.run([sys.executable, "-m", "kvcx", "--version"], capture_output=True, text=True)
     assert r.returncode == 0 and __version__ in r.stdout
+
+
+def test_dataset_from_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("KVCX_DATASET_FILE", str(tmp_path / "missing.raw"))
+    r = run("validate", "--max-windows", "1")
+    assert r.exit_code == 1 and "missing.raw: dataset file not found" in r.output
