@@ -361,8 +361,7 @@ def run_validation(config: KVConfig, threshold: float = DEFAULT_THRESHOLD, model
     starts = _windows(ids.numel(), window, stride, max_windows)
     _log(console, f"      {ids.numel():,} tokens, {len(starts)} windows of {window} (stride {stride})")
     _log(console, f"[bold][4/6][/] codec: {config.describe()}")
-    _log(console, f"[bold][5/6][/] baseline perplexity and [bold][6/6][/] compressed perplexity, window by window "
-                  f"on the same tokens ({mode} mode)")
+    _log(console, f"      scoring each window with the exact and with the compressed cache, same tokens ({mode} mode)")
     from contextlib import nullcontext
 
     if progress_console is not None:
