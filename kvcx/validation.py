@@ -340,7 +340,8 @@ def run_validation(config: KVConfig, threshold: float = DEFAULT_THRESHOLD, model
         raise KvcxError(f"--mode must be 'prefix' or 'generation', got {mode!r}")
     if not (threshold > 0 and math.isfinite(threshold)):
         raise KvcxError(f"--threshold must be a positive number, got {threshold}")
-    # check cheap inputs before the slow model load
+    # check cheap inputs before the slow model load (the context limit is checked once the model is known)
+    check_window(window or DEFAULT_WINDOW, stride, max_windows, context_limit=1 << 62)
     text = None
     if dataset_file is not None or os.environ.get("KVCX_DATASET_FILE"):
         text = load_dataset_text(dataset_file)

@@ -150,3 +150,9 @@ def test_dataset_from_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("KVCX_DATASET_FILE", str(tmp_path / "missing.raw"))
     r = run("validate", "--max-windows", "1")
     assert r.exit_code == 1 and "missing.raw: dataset file not found" in r.output
+
+
+def test_window_errors_come_before_loading_the_model(tmp_path):
+    r = run("validate", "--window", "512", "--stride", "600", "--dataset-file", str(tmp_path / "x.raw"))
+    assert r.exit_code == 1 and "--stride (600) must be smaller than --window (512)" in r.output
+    assert "[1/6]" not in r.output
