@@ -151,6 +151,8 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable JSON on 
 RmseOpt = Annotated[float, typer.Option("--max-rmse", help="Fail (exit 3) unless RMSE is below this.")]
 SnrOpt = Annotated[float, typer.Option("--min-snr", help="Fail (exit 3) unless SNR (dB) is above this.")]
 CosOpt = Annotated[float, typer.Option("--min-cosine", help="Fail (exit 3) unless cosine is above this.")]
+SparsityOpt = Annotated[float, typer.Option(help="Fraction of smallest-magnitude values zeroed first (0 = off).")]
+Lz4Opt = Annotated[bool, typer.Option("--lz4", help="LZ4-compress the packed codes.")]
 
 
 @app.command()
@@ -162,8 +164,8 @@ def compress(
     bits: BitsOpt = None,
     sinks: SinksOpt = None,
     rotate: RotateOpt = None,
-    sparsity: Annotated[float, typer.Option(help="Fraction of smallest-magnitude values zeroed first (0 = off).")] = 0.0,
-    lz4: Annotated[bool, typer.Option("--lz4", help="LZ4-compress the packed codes.")] = False,
+    sparsity: SparsityOpt = 0.0,
+    lz4: Lz4Opt = False,
     threads: ThreadsOpt = None,
     max_rmse: RmseOpt = 0.10,
     min_snr: SnrOpt = 18.0,
@@ -209,8 +211,8 @@ def metrics(
     bits: BitsOpt = None,
     sinks: SinksOpt = None,
     rotate: RotateOpt = None,
-    sparsity: Annotated[float, typer.Option(help="Fraction of smallest-magnitude values zeroed first.")] = 0.0,
-    lz4: Annotated[bool, typer.Option("--lz4", help="LZ4-compress the packed codes.")] = False,
+    sparsity: SparsityOpt = 0.0,
+    lz4: Lz4Opt = False,
     threads: ThreadsOpt = None,
     max_rmse: RmseOpt = 0.10,
     min_snr: SnrOpt = 18.0,

@@ -36,7 +36,7 @@ _SCHEMES = {
 }
 SCHEME_NAMES = tuple(_SCHEMES)
 
-_KEY_RE = re.compile(r"(^|[^a-z])(key|keys|k)([^a-z]|$)|key", re.IGNORECASE)
+_KEY_RE = re.compile(r"key|(^|[^a-z])k([^a-z]|$)", re.IGNORECASE)
 
 
 def is_key_tensor(name: str) -> bool:

@@ -240,6 +240,20 @@ class PerplexityRun:
     stats: ErrorStats = field(default_factory=ErrorStats)
     codec_time_s: float = 0.0
 
+    def add_window(self, base_logits, comp_logits, targets, original_bytes: int, packed_bytes: int, values: int,
+                   codec_time_s: float, stats: Optional[ErrorStats] = None) -> None:
+        """Score one window's continuation on both caches and add its sizes."""
+        self.baseline_nll += _nll(base_logits, targets)
+        self.compressed_nll += _nll(comp_logits, targets)
+        self.tokens += int(targets.numel())
+        self.windows += 1
+        self.original_bytes += original_bytes
+        self.packed_bytes += packed_bytes
+        self.values += values
+        self.codec_time_s += codec_time_s
+        if stats is not None:
+            self.stats += stats
+
     @property
     def baseline_ppl(self) -> float:
         return math.exp(self.baseline_nll / self.tokens)
@@ -275,18 +289,11 @@ def perplexity_prefix(model, ids, starts: List[int], window: int, stride: int, r
             t = time.perf_counter()
             decoded, nbytes, stats = roundtrip(tensors)
             comp_cache = make_dynamic_cache(tensors_to_layers(decoded, dev))
-            run.codec_time_s += time.perf_counter() - t
-            targets = cont[0, 1:]
+            codec_s = time.perf_counter() - t
             logits_e = model(cont, past_key_values=cache, use_cache=True).logits[0, :-1]
             logits_c = model(cont, past_key_values=comp_cache, use_cache=True).logits[0, :-1]
-            run.baseline_nll += _nll(logits_e, targets)
-            run.compressed_nll += _nll(logits_c, targets)
-            run.tokens += int(targets.numel())
-            run.windows += 1
-            run.original_bytes += original_nbytes(tensors)
-            run.packed_bytes += nbytes
-            run.values += sum(a.size for a in tensors.values())
-            run.stats += stats
+            run.add_window(logits_e, logits_c, cont[0, 1:], original_nbytes(tensors), nbytes,
+                           sum(a.size for a in tensors.values()), codec_s, stats)
             if advance:
                 advance()
     return run
@@ -315,16 +322,9 @@ def perplexity_generation(model, ids, starts: List[int], window: int, stride: in
             for c0 in range(0, window, residual_length):
                 chunks.append(model(win[:, c0:c0 + residual_length], past_key_values=cache, use_cache=True).logits[0])
             logits_c = torch.cat(chunks)[ctx_len:-1]
-            targets = win[0, ctx_len + 1:]
-            run.baseline_nll += _nll(base, targets)
-            run.compressed_nll += _nll(logits_c, targets)
-            run.tokens += int(targets.numel())
-            run.windows += 1
-            run.codec_time_s += cache.kernel_time_s
             mem = cache.memory_report()
-            run.original_bytes += mem["model_dtype_equivalent_bytes"]
-            run.packed_bytes += mem["total_bytes"]
-            run.values += mem["fp16_equivalent_bytes"] // 2
+            run.add_window(base, logits_c, win[0, ctx_len + 1:], mem["model_dtype_equivalent_bytes"],
+                           mem["total_bytes"], mem["fp16_equivalent_bytes"] // 2, cache.kernel_time_s)
             if advance:
                 advance()
     return run
