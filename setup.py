@@ -80,7 +80,8 @@ extensions = [
     Extension(
         "kvcx._core",
         ["kvcx/_core.pyx"],
-        include_dirs=[np.get_include()],
+        include_dirs=[np.get_include(), "kvcx"],
+        depends=["kvcx/_kernels.h", "kvcx/_kernels.pxd", "kvcx/_openmp_helpers.pxd"],
         extra_compile_args=compile_args,
         extra_link_args=link_args,
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],

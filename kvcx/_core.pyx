@@ -28,249 +28,49 @@ from libc.math cimport rintf, sqrtf, fabsf, fabs, sqrt
 
 from kvcx._openmp_helpers cimport omp_get_max_threads, KVCX_OPENMP_ENABLED
 
-cdef extern from *:
+from kvcx._kernels cimport *
+
+
+# ----------------------------------------------------------------------------
+# constants shared with the Python layer (defined once, in _kernels.h)
+# ----------------------------------------------------------------------------
+
+DT_F32 = KVCX_DT_F32
+DT_F16 = KVCX_DT_F16
+DT_BF16 = KVCX_DT_BF16
+AXIS_TOKEN = KVCX_AXIS_TOKEN
+AXIS_CHANNEL = KVCX_AXIS_CHANNEL
+STATUS_OK = KVCX_OK
+STATUS_NONFINITE = KVCX_ST_NONFINITE
+STATUS_SCALE_OVERFLOW = KVCX_ST_SCALE_OVERFLOW
+STATUS_NOMEM = KVCX_ST_NOMEM
+METRICS_CHUNK = KVCX_METRICS_CHUNK
+METRICS_FIELDS = KVCX_METRICS_FIELDS
+
+
+cdef class Layout:
+    """The geometry of one tensor as the encode/decode kernels see it (a ``kvcx_layout``).
+
+    Built by ``kvcx.codec`` after its checks; the kernels trust every field.
     """
-    #include <stdint.h>
-    #include <string.h>
-    #include <math.h>
-    #if defined(__F16C__) && defined(__AVX__)
-    #include <immintrin.h>
-    #define KVCX_F16C 1
-    #else
-    #define KVCX_F16C 0
-    #endif
+    cdef kvcx_layout c
 
-    static inline float kvcx_h2f(uint16_t h) {
-        uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
-        uint32_t e = (h >> 10) & 0x1fu, m = h & 0x3ffu, f;
-        if (e == 0x1fu) f = sign | 0x7f800000u | (m << 13);
-        else if (e == 0) {
-            if (m == 0) f = sign;
-            else {
-                int k = -1;
-                do { k++; m <<= 1; } while (!(m & 0x400u));
-                f = sign | ((uint32_t)(112 - k) << 23) | ((m & 0x3ffu) << 13);
-            }
-        } else f = sign | ((e + 112u) << 23) | (m << 13);
-        float r; memcpy(&r, &f, 4); return r;
-    }
+    def __init__(self, *, int64_t N, int64_t S, int64_t D, int64_t t0, int64_t group_size, int bits,
+                 bint asym, int axis, bint rotate):
+        self.c.N = N
+        self.c.S = S
+        self.c.D = D
+        self.c.t0 = t0
+        self.c.group_size = group_size
+        self.c.bits = bits
+        self.c.asym = asym
+        self.c.axis = axis
+        self.c.rotate = rotate
 
-    /* Round to nearest even, NaN kept NaN: the same as NumPy's astype. */
-    static inline uint16_t kvcx_f2h(float x) {
-        uint32_t f; memcpy(&f, &x, 4);
-        uint16_t sign = (uint16_t)((f >> 16) & 0x8000u);
-        uint32_t fe = f & 0x7f800000u, fm = f & 0x007fffffu;
-        if (fe == 0x7f800000u) {
-            if (fm == 0) return sign | 0x7c00u;
-            uint16_t r = (uint16_t)(0x7c00u + (fm >> 13));
-            if (r == 0x7c00u) r++;
-            return sign | r;
-        }
-        if (fe >= 0x47800000u) return sign | 0x7c00u;
-        if (fe <= 0x38000000u) {
-            if (fe < 0x33000000u) return sign;
-            uint32_t s = 126u - (fe >> 23);
-            uint32_t man = fm | 0x00800000u;
-            uint32_t h = man >> s, rem = man & ((1u << s) - 1u), half = 1u << (s - 1u);
-            if (rem > half || (rem == half && (h & 1u))) h++;
-            return sign | (uint16_t)h;
-        }
-        uint32_t h = (((fe >> 23) - 112u) << 10) | (fm >> 13);
-        uint32_t rem = fm & 0x1fffu;
-        if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) h++;
-        return sign | (uint16_t)h;
-    }
-
-    static inline float kvcx_b2f(uint16_t b) {
-        uint32_t f = (uint32_t)b << 16; float r; memcpy(&r, &f, 4); return r;
-    }
-
-    static inline uint16_t kvcx_f2b(float x) {
-        uint32_t f; memcpy(&f, &x, 4);
-        if ((f & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((f >> 16) | 0x0040u);
-        return (uint16_t)((f + 0x7fffu + ((f >> 16) & 1u)) >> 16);
-    }
-
-    static inline void kvcx_h2f_n(const uint16_t *s, float *d, int64_t n) {
-        int64_t i = 0;
-    #if KVCX_F16C
-        for (; i + 8 <= n; i += 8)
-            _mm256_storeu_ps(d + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + i))));
-    #endif
-        for (; i < n; i++) d[i] = kvcx_h2f(s[i]);
-    }
-
-    static inline void kvcx_f2h_n(const float *s, uint16_t *d, int64_t n) {
-        int64_t i = 0;
-    #if KVCX_F16C
-        for (; i + 8 <= n; i += 8)
-            _mm_storeu_si128((__m128i *)(d + i),
-                _mm256_cvtps_ph(_mm256_loadu_ps(s + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-    #endif
-        for (; i < n; i++) d[i] = kvcx_f2h(s[i]);
-    }
-
-    static inline uint16_t kvcx_f2h_1(float x) {
-    #if KVCX_F16C
-        return (uint16_t)_cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT);
-    #else
-        return kvcx_f2h(x);
-    #endif
-    }
-
-    static inline float kvcx_h2f_1(uint16_t h) {
-    #if KVCX_F16C
-        return _cvtsh_ss(h);
-    #else
-        return kvcx_h2f(h);
-    #endif
-    }
-
-    /* Stages h = 1, 2, 4 of the Walsh-Hadamard butterfly on every 8-value chunk of p[0:n]. */
-    static inline void kvcx_wht8(float *p, int64_t n) {
-        int64_t i = 0;
-    #if defined(__AVX__)
-        const __m256 s1 = _mm256_setr_ps(1, -1, 1, -1, 1, -1, 1, -1);
-        const __m256 s2 = _mm256_setr_ps(1, 1, -1, -1, 1, 1, -1, -1);
-        const __m256 s4 = _mm256_setr_ps(1, 1, 1, 1, -1, -1, -1, -1);
-        for (; i + 8 <= n; i += 8) {
-            __m256 v = _mm256_loadu_ps(p + i);
-            v = _mm256_add_ps(_mm256_mul_ps(v, s1), _mm256_permute_ps(v, 0xB1));
-            v = _mm256_add_ps(_mm256_mul_ps(v, s2), _mm256_permute_ps(v, 0x4E));
-            v = _mm256_add_ps(_mm256_mul_ps(v, s4), _mm256_permute2f128_ps(v, v, 1));
-            _mm256_storeu_ps(p + i, v);
-        }
-    #endif
-        for (; i + 8 <= n; i += 8) {
-            float *q = p + i, a[8], b[8];
-            for (int j = 0; j < 8; j += 2) { a[j] = q[j] + q[j + 1]; a[j + 1] = q[j] - q[j + 1]; }
-            for (int j = 0; j < 8; j += 4) {
-                b[j] = a[j] + a[j + 2]; b[j + 1] = a[j + 1] + a[j + 3];
-                b[j + 2] = a[j] - a[j + 2]; b[j + 3] = a[j + 1] - a[j + 3];
-            }
-            for (int j = 0; j < 4; j++) { q[j] = b[j] + b[j + 4]; q[j + 4] = b[j] - b[j + 4]; }
-        }
-    }
-
-    /* Orthonormal fast Walsh-Hadamard transform of `rows` rows of length d (a power of two >= 8):
-       stages h = 1, 2, 4 by kvcx_wht8, then h = 8 .. d/2, each row scaled by 1/sqrt(d) at the end. */
-    #if defined(__AVX__)
-    static inline __m256 kvcx_wht8_reg(__m256 v) {
-        const __m256 s1 = _mm256_setr_ps(1, -1, 1, -1, 1, -1, 1, -1);
-        const __m256 s2 = _mm256_setr_ps(1, 1, -1, -1, 1, 1, -1, -1);
-        const __m256 s4 = _mm256_setr_ps(1, 1, 1, 1, -1, -1, -1, -1);
-        v = _mm256_add_ps(_mm256_mul_ps(v, s1), _mm256_permute_ps(v, 0xB1));
-        v = _mm256_add_ps(_mm256_mul_ps(v, s2), _mm256_permute_ps(v, 0x4E));
-        return _mm256_add_ps(_mm256_mul_ps(v, s4), _mm256_permute2f128_ps(v, v, 1));
-    }
-    #if defined(__GNUC__) && !defined(__clang__)
-    #define KVCX_UNROLL _Pragma("GCC unroll 16")
-    #elif defined(__clang__)
-    #define KVCX_UNROLL _Pragma("unroll")
-    #else
-    #define KVCX_UNROLL
-    #endif
-    /* One row of D values entirely in registers: the same stages and roundings as the generic path. */
-    #define KVCX_FWHT_ROW(D) \
-    static inline void kvcx_fwht_row##D(float *p, float norm) { \
-        __m256 v[D / 8]; \
-        KVCX_UNROLL for (int k = 0; k < D / 8; k++) v[k] = kvcx_wht8_reg(_mm256_loadu_ps(p + 8 * k)); \
-        KVCX_UNROLL for (int h = 1; h < D / 8; h *= 2) \
-            KVCX_UNROLL for (int m = 0; m < D / 16; m++) { \
-                const int j = (m / h) * 2 * h + m % h; /* the D/16 butterfly pairs (j, j + h) */ \
-                __m256 a = v[j], b = v[j + h]; \
-                v[j] = _mm256_add_ps(a, b); \
-                v[j + h] = _mm256_sub_ps(a, b); \
-            } \
-        const __m256 n8 = _mm256_set1_ps(norm); \
-        KVCX_UNROLL for (int k = 0; k < D / 8; k++) _mm256_storeu_ps(p + 8 * k, _mm256_mul_ps(v[k], n8)); \
-    }
-    KVCX_FWHT_ROW(32)
-    KVCX_FWHT_ROW(64)
-    KVCX_FWHT_ROW(128)
-    #endif
-
-    static inline void kvcx_fwht_rows(float *x, int64_t rows, int64_t d) {
-        const float norm = 1.0 / sqrtf((float)d);
-    #if defined(__AVX__)
-        if (d == 64) { for (int64_t r = 0; r < rows; r++) kvcx_fwht_row64(x + r * 64, norm); return; }
-        if (d == 128) { for (int64_t r = 0; r < rows; r++) kvcx_fwht_row128(x + r * 128, norm); return; }
-        if (d == 32) { for (int64_t r = 0; r < rows; r++) kvcx_fwht_row32(x + r * 32, norm); return; }
-    #endif
-        kvcx_wht8(x, rows * d);
-        for (int64_t r = 0; r < rows; r++) {
-            float *p = x + r * d;
-            for (int64_t h = 8; h < d; h *= 2) {
-                for (int64_t i = 0; i < d; i += 2 * h) {
-    #if defined(__AVX__)
-                    for (int64_t j = i; j < i + h; j += 8) {
-                        __m256 a = _mm256_loadu_ps(p + j), b = _mm256_loadu_ps(p + j + h);
-                        _mm256_storeu_ps(p + j, _mm256_add_ps(a, b));
-                        _mm256_storeu_ps(p + j + h, _mm256_sub_ps(a, b));
-                    }
-    #else
-                    for (int64_t j = i; j < i + h; j++) {
-                        float a = p[j], b = p[j + h];
-                        p[j] = a + b;
-                        p[j + h] = a - b;
-                    }
-    #endif
-                }
-            }
-            /* same width as the stores above (no store-forwarding stalls) */
-            for (int64_t j = 0; j < d; j++) p[j] *= norm;
-        }
-    }
-
-    static const char *kvcx_simd_flags(void) {
-        return ""
-    #ifdef __SSE4_1__
-        "sse4.1 "
-    #endif
-    #ifdef __AVX__
-        "avx "
-    #endif
-    #ifdef __AVX2__
-        "avx2 "
-    #endif
-    #ifdef __FMA__
-        "fma "
-    #endif
-    #ifdef __F16C__
-        "f16c "
-    #endif
-    #ifdef __AVX512F__
-        "avx512f "
-    #endif
-    #ifdef __AVX512BW__
-        "avx512bw "
-    #endif
-    #ifdef __ARM_NEON
-        "neon "
-    #endif
-        ;
-    }
-    """
-    float kvcx_h2f(uint16_t h) noexcept nogil
-    uint16_t kvcx_f2h(float x) noexcept nogil
-    float kvcx_b2f(uint16_t b) noexcept nogil
-    uint16_t kvcx_f2b(float x) noexcept nogil
-    void kvcx_h2f_n(const uint16_t *s, float *d, int64_t n) noexcept nogil
-    void kvcx_f2h_n(const float *s, uint16_t *d, int64_t n) noexcept nogil
-    uint16_t kvcx_f2h_1(float x) noexcept nogil
-    float kvcx_h2f_1(uint16_t h) noexcept nogil
-    const char *kvcx_simd_flags() noexcept nogil
-    void kvcx_wht8(float *p, int64_t n) noexcept nogil
-    void kvcx_fwht_rows(float *x, int64_t rows, int64_t d) noexcept nogil
-    const bint KVCX_F16C
-
-# dtype codes shared with kvcx.codec
-DEF DT_F32 = 0
-DEF DT_F16 = 1
-DEF DT_BF16 = 2
-
-# elements converted per parallel task in the conversion kernels
-DEF CONV_CHUNK = 65536
+    def __repr__(self):
+        c = self.c
+        return (f"Layout(N={c.N}, S={c.S}, D={c.D}, t0={c.t0}, group_size={c.group_size}, bits={c.bits}, "
+                f"asym={bool(c.asym)}, axis={c.axis}, rotate={bool(c.rotate)})")
 
 
 def build_info():
@@ -296,11 +96,11 @@ cdef inline void _load(const uint8_t *src, int dt, int64_t start, int64_t n, flo
     cdef int64_t i
     cdef const float *pf
     cdef const uint16_t *ph
-    if dt == DT_F32:
+    if dt == KVCX_DT_F32:
         pf = <const float *>src + start
         for i in range(n):
             dst[i] = pf[i]
-    elif dt == DT_F16:
+    elif dt == KVCX_DT_F16:
         kvcx_h2f_n(<const uint16_t *>src + start, dst, n)
     else:
         ph = <const uint16_t *>src + start
@@ -313,11 +113,11 @@ cdef inline void _store(const float *buf, int dt, int64_t start, int64_t n, uint
     cdef int64_t i
     cdef float *pf
     cdef uint16_t *ph
-    if dt == DT_F32:
+    if dt == KVCX_DT_F32:
         pf = <float *>dst + start
         for i in range(n):
             pf[i] = buf[i]
-    elif dt == DT_F16:
+    elif dt == KVCX_DT_F16:
         kvcx_f2h_n(buf, <uint16_t *>dst + start, n)
     else:
         ph = <uint16_t *>dst + start
@@ -327,12 +127,12 @@ cdef inline void _store(const float *buf, int dt, int64_t start, int64_t n, uint
 
 def convert(const uint8_t[::1] src, int src_dt, uint8_t[::1] dst, int dst_dt, int64_t n, int nthreads):
     """Convert n elements between float32 / float16 / bfloat16 (RNE, NaN kept)."""
-    cdef int64_t nchunks = (n + CONV_CHUNK - 1) // CONV_CHUNK
+    cdef int64_t nchunks = (n + KVCX_CONV_CHUNK - 1) // KVCX_CONV_CHUNK
     cdef int64_t c
     with nogil:
         for c in prange(nchunks, num_threads=nthreads, schedule="static"):
-            _convert_chunk(&src[0], src_dt, &dst[0], dst_dt, c * CONV_CHUNK,
-                           min(CONV_CHUNK, n - c * CONV_CHUNK))
+            _convert_chunk(&src[0], src_dt, &dst[0], dst_dt, c * KVCX_CONV_CHUNK,
+                           min(KVCX_CONV_CHUNK, n - c * KVCX_CONV_CHUNK))
 
 
 cdef void _convert_chunk(const uint8_t *src, int sdt, uint8_t *dst, int ddt, int64_t start, int64_t n) noexcept nogil:
@@ -441,10 +241,6 @@ cdef inline void _fwht_rows(float *x, int64_t rows, int64_t d) noexcept nogil:
 # flags NaN/Inf in the same pass.
 # ----------------------------------------------------------------------------
 
-# the order key of -inf (0xff800000 ^ 0x7fffffff); -NaN keys are smaller
-DEF KEY_NEG_INF = -2139095041
-
-
 cdef inline float _f_from_bits(int32_t b) noexcept nogil:
     cdef float f
     memcpy(&f, &b, 4)
@@ -466,18 +262,18 @@ cdef inline int _params(float lo, float hi, int bits, bint asym, uint16_t *s_out
         zero[0] = kvcx_h2f_1(hz)
         if (hz & 0x7c00u) == 0x7c00u:
             s_out[0] = hs
-            return 2
+            return KVCX_ST_SCALE_OVERFLOW
     else:
         hs = kvcx_f2h_1(hi / <float>((1 << (bits - 1)) - 1))
         zero[0] = 0.0
     s_out[0] = hs
     scale[0] = kvcx_h2f_1(hs)
-    return 2 if (hs & 0x7c00u) == 0x7c00u else 0
+    return KVCX_ST_SCALE_OVERFLOW if (hs & 0x7c00u) == 0x7c00u else KVCX_OK
 
 
 cdef inline int _quant_contig(const float *x, int64_t n, int bits, bint asym,
                               uint8_t *q, uint16_t *s_out, uint16_t *z_out) noexcept nogil:
-    """Quantize one contiguous group. Returns 1 on NaN/Inf, 2 on FP16 scale overflow, else 0."""
+    """Quantize one contiguous group; returns a kvcx_status."""
     cdef const int32_t *xi = <const int32_t *>x
     cdef int64_t i
     cdef int32_t a, k, amax = 0, kmin = 0x7fffffff, kmax = -0x7fffffff - 1
@@ -489,8 +285,8 @@ cdef inline int _quant_contig(const float *x, int64_t n, int bits, bint asym,
             kmin = k if k < kmin else kmin
             kmax = k if k > kmax else kmax
         # +inf/+NaN have keys >= 0x7f800000, -inf/-NaN keys <= key(-inf)
-        if kmax >= 0x7f800000 or kmin <= KEY_NEG_INF:
-            return 1
+        if kmax >= 0x7f800000 or kmin <= KVCX_KEY_NEG_INF:
+            return KVCX_ST_NONFINITE
         st = _params(_f_from_bits(_key_to_bits(kmin)), _f_from_bits(_key_to_bits(kmax)), bits, 1,
                      s_out, z_out, &scale, &zero)
         qmin = 0.0
@@ -501,7 +297,7 @@ cdef inline int _quant_contig(const float *x, int64_t n, int bits, bint asym,
             a = xi[i] & 0x7fffffff
             amax = a if a > amax else amax
         if amax >= 0x7f800000:
-            return 1
+            return KVCX_ST_NONFINITE
         st = _params(0.0, _f_from_bits(amax), bits, 0, s_out, z_out, &scale, &zero)
         qmax = <float>((1 << (bits - 1)) - 1)
         qmin = -qmax - 1.0
@@ -511,7 +307,7 @@ cdef inline int _quant_contig(const float *x, int64_t n, int bits, bint asym,
     if scale == 0.0:
         for i in range(n):
             q[i] = <uint8_t>off
-        return 0
+        return KVCX_OK
     for i in range(n):
         t = rintf((x[i] - zero) / scale)
         t = qmin if t < qmin else t
@@ -570,10 +366,10 @@ cdef int _quant_cols(const float *x, int64_t rows, int64_t D, int bits, bint asy
             kmax[d0 + j] = hi[j]
             amax[d0 + j] = hi[j]
     for d in range(D):
-        if asym and (kmax[d] >= 0x7f800000 or kmin[d] <= KEY_NEG_INF):
-            return 1
+        if asym and (kmax[d] >= 0x7f800000 or kmin[d] <= KVCX_KEY_NEG_INF):
+            return KVCX_ST_NONFINITE
         if not asym and amax[d] >= 0x7f800000:
-            return 1
+            return KVCX_ST_NONFINITE
     if asym:
         qmin = 0.0
         qmax = <float>((1 << bits) - 1)
@@ -634,57 +430,53 @@ cdef inline void _dequant_cols(const uint8_t *q, int64_t rows, int64_t D, int bi
 # encode / decode
 # ----------------------------------------------------------------------------
 
-DEF TASK_VALUES = 32768   # values per parallel task (blocks are grouped up to this)
-
-
-cdef int _enc_block(const uint8_t *src, int dt, int64_t S, int64_t D, int64_t t0,
-                    int64_t G, int bits, bint asym, int axis, bint rotate, int64_t blk_tokens,
-                    int64_t slab, int64_t blk, int64_t row_bytes,
-                    uint8_t *codes, uint16_t *scales, uint16_t *zeros,
+cdef int _enc_block(const uint8_t *src, int dt, const kvcx_layout *L, int64_t blk_tokens, int64_t slab,
+                    int64_t blk, int64_t row_bytes, uint8_t *codes, uint16_t *scales, uint16_t *zeros,
                     float *buf, uint8_t *q, float *tmp) noexcept nogil:
     """Encode one block: a group (token mode) or whole tokens [t_a, t_b) of one slab."""
-    cdef int64_t L = (S - t0) * D
+    cdef int64_t S = L.S, D = L.D, t0 = L.t0, G = L.group_size
+    cdef int64_t Lq = (S - t0) * D
     cdef int64_t t_a = t0 + blk * blk_tokens
     cdef int64_t t_b = min(S, t_a + blk_tokens)
     cdef int64_t n = (t_b - t_a) * D
     cdef int64_t g, start, m, k, ngroups, nblk
-    cdef int status = 0
-    if axis == 0 and not rotate:
+    cdef int status = KVCX_OK
+    if L.axis == KVCX_AXIS_TOKEN and not L.rotate:
         start = blk * blk_tokens
-        n = min(blk_tokens, L - start)
+        n = min(blk_tokens, Lq - start)
         _load(src, dt, slab * S * D + t0 * D + start, n, buf)
     else:
         start = (t_a - t0) * D
         _load(src, dt, slab * S * D + t_a * D, n, buf)
-        if rotate:
+        if L.rotate:
             _fwht_rows(buf, t_b - t_a, D)
     for k in range(n, ((n + 7) // 8) * 8):
         q[k] = 0
-    if axis == 0:
-        ngroups = (L + G - 1) // G
+    if L.axis == KVCX_AXIS_TOKEN:
+        ngroups = (Lq + G - 1) // G
         g = 0
         while g * G < n:
             m = min(G, n - g * G)
             k = slab * ngroups + (start + g * G) // G
-            status = status | _quant_contig(buf + g * G, m, bits, asym, q + g * G, scales + k, zeros + k)
+            status = status | _quant_contig(buf + g * G, m, L.bits, L.asym, q + g * G, scales + k, zeros + k)
             g += 1
     else:
         nblk = (S - t0 + G - 1) // G
         k = (slab * nblk + blk) * D
-        status = _quant_cols(buf, t_b - t_a, D, bits, asym, q, scales + k, zeros + k, tmp)
-    _pack(q, n, bits, codes + slab * row_bytes + (start * bits) // 8)
+        status = _quant_cols(buf, t_b - t_a, D, L.bits, L.asym, q, scales + k, zeros + k, tmp)
+    _pack(q, n, L.bits, codes + slab * row_bytes + (start * L.bits) // 8)
     return status
 
 
-cdef int64_t _blocking(int64_t S, int64_t D, int64_t t0, int64_t G, int axis, bint rotate,
-                       int64_t *blk_tokens, int64_t *bufn) noexcept nogil:
-    """Block geometry; returns the number of blocks per slab."""
-    cdef int64_t L = (S - t0) * D
-    if axis == 0 and not rotate:
+cdef int64_t _blocking(const kvcx_layout *L, int64_t *blk_tokens, int64_t *bufn) noexcept nogil:
+    """Block geometry; returns the number of blocks per slab (the caller checked G, D >= 1 and t0 < S)."""
+    cdef int64_t S = L.S, D = L.D, t0 = L.t0, G = L.group_size
+    cdef int64_t Lq = (S - t0) * D
+    if L.axis == KVCX_AXIS_TOKEN and not L.rotate:
         blk_tokens[0] = G * max(<int64_t>1, 4096 // G)   # element blocks of whole groups
         bufn[0] = blk_tokens[0]
-        return (L + blk_tokens[0] - 1) // blk_tokens[0]
-    if axis == 0:
+        return (Lq + blk_tokens[0] - 1) // blk_tokens[0]
+    if L.axis == KVCX_AXIS_TOKEN:
         blk_tokens[0] = (max(G, D) // D) * max(<int64_t>1, 4096 // max(G, D))   # whole tokens, whole groups
         bufn[0] = blk_tokens[0] * D
         return (S - t0 + blk_tokens[0] - 1) // blk_tokens[0]
@@ -693,92 +485,91 @@ cdef int64_t _blocking(int64_t S, int64_t D, int64_t t0, int64_t G, int axis, bi
     return (S - t0 + G - 1) // G
 
 
-def encode(const uint8_t[::1] src, int dt, int64_t N, int64_t S, int64_t D, int64_t t0,
-           int64_t G, int bits, bint asym, int axis, bint rotate,
-           uint8_t[::1] codes, uint16_t[::1] scales, uint16_t[::1] zeros, int nthreads):
-    """Quantize and pack. Returns a status: 0 ok, bit 1 NaN/Inf seen, bit 2 FP16 scale overflow, 4 no memory."""
-    cdef int64_t L = (S - t0) * D
-    cdef int64_t row_bytes = (L * bits + 7) // 8
+def encode(const uint8_t[::1] src, int dt, Layout layout, uint8_t[::1] codes, uint16_t[::1] scales,
+           uint16_t[::1] zeros, int nthreads):
+    """Quantize tokens [t0, S) of every slab and pack them. Returns a kvcx_status (bits OR-ed).
+
+    zeros may be empty (symmetric scheme)."""
+    cdef const kvcx_layout *L = &layout.c
+    cdef int64_t row_bytes = ((L.S - L.t0) * L.D * L.bits + 7) // 8
     cdef int64_t blk_tokens, bufn, nblk, nall, bpt, task, ntasks, b
-    cdef int status = 0
+    cdef int status = KVCX_OK
     cdef float *buf
     cdef uint16_t *zp = &zeros[0] if zeros.shape[0] > 0 else &scales[0]
-    nblk = _blocking(S, D, t0, G, axis, rotate, &blk_tokens, &bufn)
-    nall = N * nblk
-    bpt = max(<int64_t>1, TASK_VALUES // bufn)
+    nblk = _blocking(L, &blk_tokens, &bufn)
+    nall = L.N * nblk
+    bpt = max(<int64_t>1, KVCX_TASK_VALUES // bufn)
     ntasks = (nall + bpt - 1) // bpt
     with nogil:
         for task in prange(ntasks, num_threads=nthreads, schedule="static"):
-            buf = <float *>malloc((bufn + 5 * D) * sizeof(float) + bufn + 8)
+            buf = <float *>malloc((bufn + 5 * L.D) * sizeof(float) + bufn + 8)
             if buf == NULL:
-                status |= 4
+                status |= KVCX_ST_NOMEM
             else:
                 for b in range(task * bpt, min(nall, task * bpt + bpt)):
-                    status |= _enc_block(&src[0], dt, S, D, t0, G, bits, asym, axis, rotate, blk_tokens,
-                                         b // nblk, b % nblk, row_bytes, &codes[0], &scales[0], zp,
-                                         buf, <uint8_t *>(buf + bufn + 5 * D), buf + bufn)
+                    status |= _enc_block(&src[0], dt, L, blk_tokens, b // nblk, b % nblk, row_bytes,
+                                         &codes[0], &scales[0], zp,
+                                         buf, <uint8_t *>(buf + bufn + 5 * L.D), buf + bufn)
                 free(buf)
     return status
 
 
-cdef void _dec_block(const uint8_t *codes, const uint16_t *scales, const uint16_t *zeros,
-                     int64_t S, int64_t D, int64_t t0, int64_t G, int bits, bint asym, int axis,
-                     bint rotate, int64_t blk_tokens, int64_t slab, int64_t blk, int64_t row_bytes,
+cdef void _dec_block(const uint8_t *codes, const uint16_t *scales, const uint16_t *zeros, const kvcx_layout *L,
+                     int64_t blk_tokens, int64_t slab, int64_t blk, int64_t row_bytes,
                      uint8_t *out, int64_t out_S, int64_t out_off, int dt, float *buf, uint8_t *q,
                      float *tmp) noexcept nogil:
-    cdef int64_t L = (S - t0) * D
+    cdef int64_t S = L.S, D = L.D, t0 = L.t0, G = L.group_size
+    cdef int64_t Lq = (S - t0) * D
     cdef int64_t t_a = t0 + blk * blk_tokens
     cdef int64_t t_b = min(S, t_a + blk_tokens)
     cdef int64_t n = (t_b - t_a) * D
     cdef int64_t g, start, m, k, ngroups, nblk
-    if axis == 0 and not rotate:
+    if L.axis == KVCX_AXIS_TOKEN and not L.rotate:
         start = blk * blk_tokens
-        n = min(blk_tokens, L - start)
+        n = min(blk_tokens, Lq - start)
     else:
         start = (t_a - t0) * D
-    _unpack(codes + slab * row_bytes + (start * bits) // 8, n, bits, q)
-    if axis == 0:
-        ngroups = (L + G - 1) // G
+    _unpack(codes + slab * row_bytes + (start * L.bits) // 8, n, L.bits, q)
+    if L.axis == KVCX_AXIS_TOKEN:
+        ngroups = (Lq + G - 1) // G
         g = 0
         while g * G < n:
             m = min(G, n - g * G)
             k = slab * ngroups + (start + g * G) // G
-            _dequant_contig(q + g * G, m, bits, asym, scales[k], zeros[k], buf + g * G)
+            _dequant_contig(q + g * G, m, L.bits, L.asym, scales[k], zeros[k], buf + g * G)
             g += 1
     else:
         nblk = (S - t0 + G - 1) // G
         k = (slab * nblk + blk) * D
-        _dequant_cols(q, t_b - t_a, D, bits, asym, scales + k, zeros + k, buf, tmp)
-    if rotate:
+        _dequant_cols(q, t_b - t_a, D, L.bits, L.asym, scales + k, zeros + k, buf, tmp)
+    if L.rotate:
         _fwht_rows(buf, t_b - t_a, D)
     _store(buf, dt, slab * out_S * D + (out_off + t0) * D + start, n, out)
 
 
-def decode(const uint8_t[::1] codes, const uint16_t[::1] scales, const uint16_t[::1] zeros,
-           int64_t N, int64_t S, int64_t D, int64_t t0, int64_t G, int bits, bint asym, int axis,
-           bint rotate, uint8_t[::1] out, int64_t out_S, int64_t out_off, int dt, int nthreads):
+def decode(const uint8_t[::1] codes, const uint16_t[::1] scales, const uint16_t[::1] zeros, Layout layout,
+           uint8_t[::1] out, int64_t out_S, int64_t out_off, int dt, int nthreads):
     """Unpack and dequantize tokens [t0, S) of every slab into out, seen as (N, out_S, D), at token
-    offset out_off (out_S = S, out_off = 0 for a tensor of its own). Returns 0, or 4 on malloc failure."""
-    cdef int64_t L = (S - t0) * D
-    cdef int64_t row_bytes = (L * bits + 7) // 8
+    offset out_off (out_S = S, out_off = 0 for a tensor of its own). Returns a kvcx_status."""
+    cdef const kvcx_layout *L = &layout.c
+    cdef int64_t row_bytes = ((L.S - L.t0) * L.D * L.bits + 7) // 8
     cdef int64_t blk_tokens, bufn, nblk, nall, bpt, task, ntasks, b
-    cdef int status = 0
+    cdef int status = KVCX_OK
     cdef float *buf
     cdef const uint16_t *zp = &zeros[0] if zeros.shape[0] > 0 else &scales[0]
-    nblk = _blocking(S, D, t0, G, axis, rotate, &blk_tokens, &bufn)
-    nall = N * nblk
-    bpt = max(<int64_t>1, TASK_VALUES // bufn)
+    nblk = _blocking(L, &blk_tokens, &bufn)
+    nall = L.N * nblk
+    bpt = max(<int64_t>1, KVCX_TASK_VALUES // bufn)
     ntasks = (nall + bpt - 1) // bpt
     with nogil:
         for task in prange(ntasks, num_threads=nthreads, schedule="static"):
-            buf = <float *>malloc((bufn + 5 * D) * sizeof(float) + bufn + 8)
+            buf = <float *>malloc((bufn + 5 * L.D) * sizeof(float) + bufn + 8)
             if buf == NULL:
-                status |= 4
+                status |= KVCX_ST_NOMEM
             else:
                 for b in range(task * bpt, min(nall, task * bpt + bpt)):
-                    _dec_block(&codes[0], &scales[0], zp, S, D, t0, G, bits, asym, axis, rotate, blk_tokens,
-                               b // nblk, b % nblk, row_bytes, &out[0], out_S, out_off, dt, buf,
-                               <uint8_t *>(buf + bufn + 5 * D), buf + bufn)
+                    _dec_block(&codes[0], &scales[0], zp, L, blk_tokens, b // nblk, b % nblk, row_bytes,
+                               &out[0], out_S, out_off, dt, buf, <uint8_t *>(buf + bufn + 5 * L.D), buf + bufn)
                 free(buf)
     return status
 
@@ -787,8 +578,6 @@ def decode(const uint8_t[::1] codes, const uint16_t[::1] scales, const uint16_t[
 # quality metrics: fixed chunks, float64 partials, combined in a fixed order so
 # the result does not depend on the number of threads
 # ----------------------------------------------------------------------------
-
-DEF MET_CHUNK = 16384
 
 cdef void _metrics_chunk(const uint8_t *a, int adt, const uint8_t *b, int bdt, int64_t start, int64_t n,
                          double *res) noexcept nogil:
@@ -822,15 +611,17 @@ cdef void _metrics_chunk(const uint8_t *a, int adt, const uint8_t *b, int bdt, i
 
 def metrics(const uint8_t[::1] a, int adt, const uint8_t[::1] b, int bdt, int64_t n,
             double[:, ::1] partials, double[::1] out, int nthreads):
-    """out = [sum x^2, sum (x-y)^2, sum y^2, sum x*y, max |x-y|, nonfinite flag]."""
-    cdef int64_t nchunks = (n + MET_CHUNK - 1) // MET_CHUNK
+    """out = [sum x^2, sum (x-y)^2, sum y^2, sum x*y, max |x-y|, nonfinite flag].
+
+    partials: (ceil(n / METRICS_CHUNK), METRICS_FIELDS) float64, sized by the caller."""
+    cdef int64_t nchunks = (n + KVCX_METRICS_CHUNK - 1) // KVCX_METRICS_CHUNK
     cdef int64_t c
     cdef int k
     with nogil:
         for c in prange(nchunks, num_threads=nthreads, schedule="static"):
-            _metrics_chunk(&a[0], adt, &b[0], bdt, c * MET_CHUNK, min(<int64_t>MET_CHUNK, n - c * MET_CHUNK),
+            _metrics_chunk(&a[0], adt, &b[0], bdt, c * KVCX_METRICS_CHUNK, min(<int64_t>KVCX_METRICS_CHUNK, n - c * KVCX_METRICS_CHUNK),
                            &partials[c, 0])
-        for k in range(6):
+        for k in range(KVCX_METRICS_FIELDS):
             out[k] = 0.0
         for c in range(nchunks):
             out[0] += partials[c, 0]

@@ -12,107 +12,45 @@ byte (element 2i in the low nibble). See docs/FORMAT.md for every option.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
 import numpy as np
 
 from kvcx import _core
+from kvcx.convert import convert, to_float16, to_float32  # noqa: F401 - re-exported
+from kvcx.dtypes import (BFLOAT16, DTYPE_NAMES, check_float, dtype_name, kernel_dtype,  # noqa: F401
+                         numpy_dtype, raw)
 from kvcx.errors import CodecError
-
-try:  # bfloat16 as a NumPy dtype
-    import ml_dtypes
-
-    BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
-except ImportError:  # pragma: no cover - ml_dtypes is a dependency
-    BFLOAT16 = None
+from kvcx.metrics import ErrorStats, error_stats, quality_metrics  # noqa: F401 - re-exported
+from kvcx.runtime import build_info, resolve_threads  # noqa: F401 - re-exported
 
 SCHEMES = ("symmetric", "asymmetric")
 AXES = ("token", "channel")
 GROUP_SIZES = (16, 32, 64, 128, 256)
 BITS = (2, 3, 4, 8)
 MAX_ROTATE_DIM = 1024
-
-# dtype codes understood by the kernels, and the safetensors names
-_DT_F32, _DT_F16, _DT_BF16 = 0, 1, 2
-DTYPE_NAMES = {"F32": _DT_F32, "F16": _DT_F16, "BF16": _DT_BF16}
-
-
-def dtype_name(dtype: np.dtype) -> Optional[str]:
-    """'F16' / 'BF16' / 'F32' for the float dtypes the kernels handle, else None."""
-    dtype = np.dtype(dtype)
-    if dtype == np.float16:
-        return "F16"
-    if dtype == np.float32:
-        return "F32"
-    if BFLOAT16 is not None and dtype == BFLOAT16:
-        return "BF16"
-    return None
+# elements of one tensor at most: byte offsets of a float32 copy must fit an int64 with room to spare
+MAX_ELEMENTS = 1 << 56
+_AXIS_CODES = {"token": _core.AXIS_TOKEN, "channel": _core.AXIS_CHANNEL}
 
 
-def numpy_dtype(name: str) -> np.dtype:
-    return {"F16": np.dtype(np.float16), "F32": np.dtype(np.float32), "BF16": BFLOAT16}[name]
-
-
-def resolve_threads(n_threads: Optional[int]) -> int:
-    """Effective thread count: None = all (OMP_NUM_THREADS honoured), >= 1 as given."""
-    if n_threads is None:
-        return max(1, _core.max_threads())
-    if isinstance(n_threads, bool) or not isinstance(n_threads, (int, np.integer)) or n_threads < 1:
-        raise CodecError(f"n_threads must be a positive integer or None (all cores), got {n_threads!r}")
-    return int(n_threads)
-
-
-def _raw(arr: np.ndarray) -> np.ndarray:
-    """A flat uint8 view of a C-contiguous array (read-only arrays stay read-only)."""
-    return arr.reshape(-1).view(np.uint8)
-
-
-def _check_float(arr: Any, name: str) -> np.ndarray:
-    if not isinstance(arr, np.ndarray):
-        try:
-            arr = np.asarray(arr)
-        except Exception as exc:  # noqa: BLE001 - anything that is not array-like
-            raise CodecError(f"tensor {name!r}: expected a NumPy array, got {type(arr).__name__}") from exc
-    if dtype_name(arr.dtype) is None:
-        raise CodecError(
-            f"tensor {name!r} has dtype {arr.dtype}; kvcx handles float16, bfloat16 and float32 "
-            "(cast it with .astype(np.float32) first)"
-        )
-    return np.ascontiguousarray(arr)
-
-
-# ----------------------------------------------------------------------------
-# precision conversion (bit-exact with NumPy's astype, NaN stays NaN)
-# ----------------------------------------------------------------------------
-
-def convert(arr: np.ndarray, dtype, out: Optional[np.ndarray] = None, n_threads: Optional[int] = None) -> np.ndarray:
-    """Convert between float16, bfloat16 and float32 with the parallel kernels (round to nearest even)."""
-    arr = _check_float(arr, "input")
-    target = np.dtype(dtype)
-    tname = dtype_name(target)
-    if tname is None:
-        raise CodecError(f"convert: target dtype {target} is not float16, bfloat16 or float32")
-    if out is None:
-        out = np.empty(arr.shape, dtype=target)
-    elif out.dtype != target or out.shape != arr.shape or not out.flags.c_contiguous or not out.flags.writeable:
-        raise CodecError(
-            f"convert: out must be a writeable C-contiguous {target} array of shape {arr.shape}, "
-            f"got {out.dtype} {out.shape}"
-        )
-    if arr.size:
-        _core.convert(_raw(arr), DTYPE_NAMES[dtype_name(arr.dtype)], _raw(out), DTYPE_NAMES[tname], arr.size,
-                      resolve_threads(n_threads))
-    return out
-
-
-def to_float32(arr, out=None, n_threads=None):
-    return convert(arr, np.float32, out=out, n_threads=n_threads)
-
-
-def to_float16(arr, out=None, n_threads=None):
-    return convert(arr, np.float16, out=out, n_threads=n_threads)
+def check_status(status: int, name: str, x: Optional[np.ndarray] = None, what: str = "encoding") -> None:
+    """Turn a kernel status (kvcx_status bits) into the exception it means; the one place that does."""
+    if status == _core.STATUS_OK:
+        return
+    if status & _core.STATUS_NOMEM:
+        raise MemoryError(f"kvcx: out of memory while {what} tensor {name!r}")
+    if status & _core.STATUS_NONFINITE:
+        bad = int(np.count_nonzero(~np.isfinite(x.astype(np.float32, copy=False)))) if x is not None else "some"
+        size = x.size if x is not None else "?"
+        raise CodecError(f"tensor {name!r} contains {bad} NaN/Inf value(s) out of {size}; "
+                         "kvcx cannot quantize non-finite values, clean the tensor first")
+    if status & _core.STATUS_SCALE_OVERFLOW:
+        top = f" (|x| up to {float(np.max(np.abs(x.astype(np.float32)))):.3g})" if x is not None else ""
+        raise CodecError(f"tensor {name!r} has values too large for FP16 scales{top}; rescale the tensor first "
+                         "(FP16 scales hold up to 65504)")
+    raise CodecError(f"tensor {name!r}: the kernels returned an unknown status {status} while {what}")
 
 
 # ----------------------------------------------------------------------------
@@ -149,12 +87,12 @@ class Packed:
 
 
 def _view3(shape: tuple) -> tuple:
-    """(N, S, D): slabs, tokens, values per token (the last axis)."""
+    """(N, S, D): slabs, tokens, values per token (the last axis); Python ints, no overflow."""
     if len(shape) == 0:
         return 1, 1, 1
     if len(shape) == 1:
         return 1, 1, int(shape[0])
-    return int(np.prod(shape[:-2], dtype=np.int64)), int(shape[-2]), int(shape[-1])
+    return math.prod(int(s) for s in shape[:-2]), int(shape[-2]), int(shape[-1])
 
 
 class IntCodec:
@@ -241,6 +179,13 @@ class IntCodec:
 
     # -- layout ------------------------------------------------------------
     def _layout(self, shape: tuple, name: str) -> dict:
+        """The geometry the kernels get, after every check they rely on (sizes, divisors, overflow)."""
+        if any(isinstance(s, bool) or not isinstance(s, (int, np.integer)) or s < 0 for s in shape):
+            raise CodecError(f"tensor {name!r}: shape {list(shape)} must be a list of non-negative integers")
+        if any(s == 0 for s in shape):
+            raise CodecError(f"tensor {name!r} is empty (shape {list(shape)}); there is nothing to compress")
+        if math.prod(int(s) for s in shape) > MAX_ELEMENTS:
+            raise CodecError(f"tensor {name!r}: shape {list(shape)} has more than 2**56 elements; split it")
         N, S, D = _view3(shape)
         t0 = min(self.sinks, S) if len(shape) >= 2 else 0
         G, bits = self.group_size, self.bits
@@ -263,6 +208,10 @@ class IntCodec:
         row_bytes = (L * bits + 7) // 8
         return {"N": N, "S": S, "D": D, "t0": t0, "scale_shape": scale_shape, "codes_nbytes": N * row_bytes,
                 "partial_group": partial}
+
+    def _kernel_layout(self, lay: dict) -> "_core.Layout":
+        return _core.Layout(N=lay["N"], S=lay["S"], D=lay["D"], t0=lay["t0"], group_size=self.group_size,
+                            bits=self.bits, asym=self.asym, axis=_AXIS_CODES[self.axis], rotate=self.rotate)
 
     def supports(self, shape: tuple) -> bool:
         """Whether this codec can encode a tensor of this shape (see the layout rules)."""
@@ -289,9 +238,7 @@ class IntCodec:
         ``out``: a Packed from an earlier encode of the same shape with this codec; its code,
         scale and zero-point buffers are reused (and returned, updated).
         """
-        x = _check_float(arr, name)
-        if x.size == 0:
-            raise CodecError(f"tensor {name!r} is empty (shape {list(x.shape)}); there is nothing to compress")
+        x = check_float(arr, name)
         lay = self._layout(x.shape, name)
         N, S, D, t0 = lay["N"], lay["S"], lay["D"], lay["t0"]
         if out is None:
@@ -310,23 +257,14 @@ class IntCodec:
                                  f"bytes, scales {list(lay['scale_shape'])})")
             codes, scales = out.codes, out.scales
             zeros = out.zeros if self.asym else np.empty(0, dtype=np.float16)
-        axis = 0 if self.axis == "token" else 1
-        status = 0
+        status = _core.STATUS_OK
         if S > t0:
-            status = _core.encode(_raw(x), DTYPE_NAMES[dtype_name(x.dtype)], N, S, D, t0, self.group_size,
-                                  self.bits, self.asym, axis, self.rotate, codes, scales.reshape(-1).view(np.uint16),
-                                  zeros.reshape(-1).view(np.uint16), resolve_threads(self.n_threads))
-        if status & 4:
-            raise MemoryError(f"kvcx: out of memory while encoding tensor {name!r}")
-        if t0 and not status & 1 and not np.isfinite(x.reshape(N, S, D)[:, :t0, :].astype(np.float32)).all():
-            status |= 1  # the exact sink tokens must be finite too
-        if status & 1:
-            bad = int(np.count_nonzero(~np.isfinite(x.astype(np.float32, copy=False))))
-            raise CodecError(f"tensor {name!r} contains {bad} NaN/Inf value(s) out of {x.size}; "
-                             "kvcx cannot quantize non-finite values, clean the tensor first")
-        if status & 2:
-            raise CodecError(f"tensor {name!r} has values too large for FP16 scales (|x| up to "
-                             f"{float(np.max(np.abs(x.astype(np.float32)))):.3g}); rescale the tensor first")
+            status = _core.encode(raw(x), kernel_dtype(x.dtype), self._kernel_layout(lay), codes,
+                                  scales.reshape(-1).view(np.uint16), zeros.reshape(-1).view(np.uint16),
+                                  resolve_threads(self.n_threads))
+        if t0 and not status and not np.isfinite(x.reshape(N, S, D)[:, :t0, :].astype(np.float32)).all():
+            status = _core.STATUS_NONFINITE  # the exact sink tokens must be finite too
+        check_status(status, name, x)
         sinks = None
         if t0:
             sinks = np.ascontiguousarray(x.reshape(N, S, D)[:, :t0, :]).reshape(*x.shape[:-2], t0, D)
@@ -394,95 +332,12 @@ def decode_packed(packed: Packed, out: Optional[np.ndarray] = None, name: str = 
         zeros = np.empty(0, dtype=np.float16)
     if S > t0:
         status = _core.decode(codes, scales.reshape(-1).view(np.uint16), zeros.reshape(-1).view(np.uint16),
-                              N, S, D, t0, codec.group_size, codec.bits, codec.asym,
-                              0 if codec.axis == "token" else 1, codec.rotate, _raw(out), out_S, token_offset,
-                              DTYPE_NAMES[packed.dtype], resolve_threads(n_threads))
-        if status & 4:
-            raise MemoryError(f"kvcx: out of memory while decoding tensor {name!r}")
+                              codec._kernel_layout(lay), raw(out), out_S, token_offset, DTYPE_NAMES[packed.dtype],
+                              resolve_threads(n_threads))
+        check_status(status, name, what="decoding")
     if t0:
         if packed.sinks is None or packed.sinks.size != N * t0 * D:
             raise CodecError(f"tensor {name!r}: {t0} exact sink tokens are recorded but their values are missing")
         out.reshape(N, out_S, D)[:, token_offset:token_offset + t0, :] = \
             np.asarray(packed.sinks).astype(dtype, copy=False).reshape(N, t0, D)
     return out
-
-
-# ----------------------------------------------------------------------------
-# quality metrics
-# ----------------------------------------------------------------------------
-
-@dataclass
-class ErrorStats:
-    """Sums from which RMSE / SNR / cosine / max error follow; add them across tensors."""
-
-    n: int = 0
-    sum_xx: float = 0.0
-    sum_ee: float = 0.0
-    sum_yy: float = 0.0
-    sum_xy: float = 0.0
-    max_error: float = 0.0
-
-    def __iadd__(self, other: "ErrorStats") -> "ErrorStats":
-        self.n += other.n
-        self.sum_xx += other.sum_xx
-        self.sum_ee += other.sum_ee
-        self.sum_yy += other.sum_yy
-        self.sum_xy += other.sum_xy
-        self.max_error = max(self.max_error, other.max_error)
-        return self
-
-    @property
-    def rmse(self) -> float:
-        return math.sqrt(self.sum_ee / self.n) if self.n else 0.0
-
-    @property
-    def snr_db(self) -> float:
-        if self.sum_ee == 0.0:
-            return math.inf
-        if self.sum_xx == 0.0:
-            return -math.inf
-        return 10.0 * math.log10(self.sum_xx / self.sum_ee)
-
-    @property
-    def cosine_similarity(self) -> float:
-        if self.sum_xx == 0.0 and self.sum_yy == 0.0:
-            return 1.0
-        if self.sum_xx == 0.0 or self.sum_yy == 0.0:
-            return 0.0
-        return self.sum_xy / math.sqrt(self.sum_xx * self.sum_yy)
-
-    def as_dict(self) -> dict:
-        return {"rmse": self.rmse, "snr_db": self.snr_db, "cosine_similarity": self.cosine_similarity,
-                "max_error": self.max_error}
-
-
-def error_stats(original, reconstructed, name: str = "tensor", n_threads: Optional[int] = None) -> ErrorStats:
-    """Parallel float64 reductions over two same-shape float arrays (thread-count independent)."""
-    a = _check_float(original, name)
-    b = _check_float(reconstructed, name)
-    if a.shape != b.shape:
-        raise CodecError(f"tensor {name!r}: shapes differ ({list(a.shape)} vs {list(b.shape)})")
-    n = a.size
-    if n == 0:
-        return ErrorStats()
-    chunk = 16384
-    partials = np.empty(((n + chunk - 1) // chunk, 6), dtype=np.float64)
-    res = np.empty(6, dtype=np.float64)
-    _core.metrics(_raw(a), DTYPE_NAMES[dtype_name(a.dtype)], _raw(b), DTYPE_NAMES[dtype_name(b.dtype)], n,
-                  partials, res, resolve_threads(n_threads))
-    if res[5]:
-        raise CodecError(f"tensor {name!r} contains NaN/Inf values; metrics need finite inputs")
-    return ErrorStats(n=int(n), sum_xx=float(res[0]), sum_ee=float(res[1]), sum_yy=float(res[2]),
-                      sum_xy=float(res[3]), max_error=float(res[4]))
-
-
-def quality_metrics(original, reconstructed, n_threads: Optional[int] = None) -> dict:
-    """RMSE, SNR (dB), cosine similarity and max abs error of ``reconstructed`` vs ``original``."""
-    return error_stats(original, reconstructed, n_threads=n_threads).as_dict()
-
-
-def build_info() -> dict:
-    info = dict(_core.build_info())
-    info["threads_used"] = resolve_threads(None)
-    info["omp_num_threads_env"] = os.environ.get("OMP_NUM_THREADS")
-    return info

@@ -1,0 +1,262 @@
+/* kvcx kernel helpers in C: the constants shared with Python, the layout struct the
+   kernels take, FP16/BF16 conversion (bit-exact with NumPy), and the Walsh-Hadamard
+   transform. Included by kvcx/_core.pyx through kvcx/_kernels.pxd; the Python side
+   reads every constant from kvcx._core, never restates one. */
+#ifndef KVCX_KERNELS_H
+#define KVCX_KERNELS_H
+
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
+
+/* element dtypes the kernels read and write */
+enum kvcx_dtype { KVCX_DT_F32 = 0, KVCX_DT_F16 = 1, KVCX_DT_BF16 = 2 };
+
+/* grouping axis: groups along each slab's values in C order, or along tokens per channel */
+enum kvcx_axis { KVCX_AXIS_TOKEN = 0, KVCX_AXIS_CHANNEL = 1 };
+
+/* kernel status bits (OR-ed across parallel tasks) */
+enum kvcx_status {
+    KVCX_OK = 0,
+    KVCX_ST_NONFINITE = 1,       /* a NaN/Inf input value */
+    KVCX_ST_SCALE_OVERFLOW = 2,  /* a scale or zero point that FP16 cannot hold */
+    KVCX_ST_NOMEM = 4            /* malloc failed */
+};
+
+enum {
+    KVCX_CONV_CHUNK = 65536,     /* elements converted per parallel task */
+    KVCX_TASK_VALUES = 32768,    /* values per parallel encode/decode task (blocks grouped up to this) */
+    KVCX_METRICS_CHUNK = 16384,  /* elements per metrics partial: sizes the caller's partials buffer */
+    KVCX_METRICS_FIELDS = 6      /* sum x^2, sum e^2, sum y^2, sum xy, max |e|, non-finite flag */
+};
+
+/* the order key of -inf (0xff800000 ^ 0x7fffffff); -NaN keys are smaller */
+#define KVCX_KEY_NEG_INF ((int32_t)-2139095041)
+
+/* One tensor seen as (N, S, D): N slabs, S tokens, D values per token. Tokens [0, t0) are
+   kept exact elsewhere; the kernels quantize tokens [t0, S). Checked by kvcx.codec before
+   any kernel sees it: N, S, D >= 1, 0 <= t0 < S, group_size >= 1, bits in {2, 3, 4, 8}. */
+typedef struct {
+    int64_t N, S, D, t0, group_size;
+    int bits, asym, axis, rotate;
+} kvcx_layout;
+
+#if defined(__F16C__) && defined(__AVX__)
+#include <immintrin.h>
+#define KVCX_F16C 1
+#else
+#define KVCX_F16C 0
+#endif
+
+static inline float kvcx_h2f(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t e = (h >> 10) & 0x1fu, m = h & 0x3ffu, f;
+    if (e == 0x1fu) f = sign | 0x7f800000u | (m << 13);
+    else if (e == 0) {
+        if (m == 0) f = sign;
+        else {
+            int k = -1;
+            do { k++; m <<= 1; } while (!(m & 0x400u));
+            f = sign | ((uint32_t)(112 - k) << 23) | ((m & 0x3ffu) << 13);
+        }
+    } else f = sign | ((e + 112u) << 23) | (m << 13);
+    float r; memcpy(&r, &f, 4); return r;
+}
+
+/* Round to nearest even, NaN kept NaN: the same as NumPy's astype. */
+static inline uint16_t kvcx_f2h(float x) {
+    uint32_t f; memcpy(&f, &x, 4);
+    uint16_t sign = (uint16_t)((f >> 16) & 0x8000u);
+    uint32_t fe = f & 0x7f800000u, fm = f & 0x007fffffu;
+    if (fe == 0x7f800000u) {
+        if (fm == 0) return sign | 0x7c00u;
+        uint16_t r = (uint16_t)(0x7c00u + (fm >> 13));
+        if (r == 0x7c00u) r++;
+        return sign | r;
+    }
+    if (fe >= 0x47800000u) return sign | 0x7c00u;
+    if (fe <= 0x38000000u) {
+        if (fe < 0x33000000u) return sign;
+        uint32_t s = 126u - (fe >> 23);
+        uint32_t man = fm | 0x00800000u;
+        uint32_t h = man >> s, rem = man & ((1u << s) - 1u), half = 1u << (s - 1u);
+        if (rem > half || (rem == half && (h & 1u))) h++;
+        return sign | (uint16_t)h;
+    }
+    uint32_t h = (((fe >> 23) - 112u) << 10) | (fm >> 13);
+    uint32_t rem = fm & 0x1fffu;
+    if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) h++;
+    return sign | (uint16_t)h;
+}
+
+static inline float kvcx_b2f(uint16_t b) {
+    uint32_t f = (uint32_t)b << 16; float r; memcpy(&r, &f, 4); return r;
+}
+
+static inline uint16_t kvcx_f2b(float x) {
+    uint32_t f; memcpy(&f, &x, 4);
+    if ((f & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((f >> 16) | 0x0040u);
+    return (uint16_t)((f + 0x7fffu + ((f >> 16) & 1u)) >> 16);
+}
+
+static inline void kvcx_h2f_n(const uint16_t *s, float *d, int64_t n) {
+    int64_t i = 0;
+#if KVCX_F16C
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(d + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + i))));
+#endif
+    for (; i < n; i++) d[i] = kvcx_h2f(s[i]);
+}
+
+static inline void kvcx_f2h_n(const float *s, uint16_t *d, int64_t n) {
+    int64_t i = 0;
+#if KVCX_F16C
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(d + i),
+            _mm256_cvtps_ph(_mm256_loadu_ps(s + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
+    for (; i < n; i++) d[i] = kvcx_f2h(s[i]);
+}
+
+static inline uint16_t kvcx_f2h_1(float x) {
+#if KVCX_F16C
+    return (uint16_t)_cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT);
+#else
+    return kvcx_f2h(x);
+#endif
+}
+
+static inline float kvcx_h2f_1(uint16_t h) {
+#if KVCX_F16C
+    return _cvtsh_ss(h);
+#else
+    return kvcx_h2f(h);
+#endif
+}
+
+/* Stages h = 1, 2, 4 of the Walsh-Hadamard butterfly on every 8-value chunk of p[0:n]. */
+static inline void kvcx_wht8(float *p, int64_t n) {
+    int64_t i = 0;
+#if defined(__AVX__)
+    const __m256 s1 = _mm256_setr_ps(1, -1, 1, -1, 1, -1, 1, -1);
+    const __m256 s2 = _mm256_setr_ps(1, 1, -1, -1, 1, 1, -1, -1);
+    const __m256 s4 = _mm256_setr_ps(1, 1, 1, 1, -1, -1, -1, -1);
+    for (; i + 8 <= n; i += 8) {
+        __m256 v = _mm256_loadu_ps(p + i);
+        v = _mm256_add_ps(_mm256_mul_ps(v, s1), _mm256_permute_ps(v, 0xB1));
+        v = _mm256_add_ps(_mm256_mul_ps(v, s2), _mm256_permute_ps(v, 0x4E));
+        v = _mm256_add_ps(_mm256_mul_ps(v, s4), _mm256_permute2f128_ps(v, v, 1));
+        _mm256_storeu_ps(p + i, v);
+    }
+#endif
+    for (; i + 8 <= n; i += 8) {
+        float *q = p + i, a[8], b[8];
+        for (int j = 0; j < 8; j += 2) { a[j] = q[j] + q[j + 1]; a[j + 1] = q[j] - q[j + 1]; }
+        for (int j = 0; j < 8; j += 4) {
+            b[j] = a[j] + a[j + 2]; b[j + 1] = a[j + 1] + a[j + 3];
+            b[j + 2] = a[j] - a[j + 2]; b[j + 3] = a[j + 1] - a[j + 3];
+        }
+        for (int j = 0; j < 4; j++) { q[j] = b[j] + b[j + 4]; q[j + 4] = b[j] - b[j + 4]; }
+    }
+}
+
+/* Orthonormal fast Walsh-Hadamard transform of `rows` rows of length d (a power of two >= 8):
+   stages h = 1, 2, 4 by kvcx_wht8, then h = 8 .. d/2, each row scaled by 1/sqrt(d) at the end. */
+#if defined(__AVX__)
+static inline __m256 kvcx_wht8_reg(__m256 v) {
+    const __m256 s1 = _mm256_setr_ps(1, -1, 1, -1, 1, -1, 1, -1);
+    const __m256 s2 = _mm256_setr_ps(1, 1, -1, -1, 1, 1, -1, -1);
+    const __m256 s4 = _mm256_setr_ps(1, 1, 1, 1, -1, -1, -1, -1);
+    v = _mm256_add_ps(_mm256_mul_ps(v, s1), _mm256_permute_ps(v, 0xB1));
+    v = _mm256_add_ps(_mm256_mul_ps(v, s2), _mm256_permute_ps(v, 0x4E));
+    return _mm256_add_ps(_mm256_mul_ps(v, s4), _mm256_permute2f128_ps(v, v, 1));
+}
+#if defined(__GNUC__) && !defined(__clang__)
+#define KVCX_UNROLL _Pragma("GCC unroll 16")
+#elif defined(__clang__)
+#define KVCX_UNROLL _Pragma("unroll")
+#else
+#define KVCX_UNROLL
+#endif
+/* One row of D values entirely in registers: the same stages and roundings as the generic path. */
+#define KVCX_FWHT_ROW(D) \
+static inline void kvcx_fwht_row##D(float *p, float norm) { \
+    __m256 v[D / 8]; \
+    KVCX_UNROLL for (int k = 0; k < D / 8; k++) v[k] = kvcx_wht8_reg(_mm256_loadu_ps(p + 8 * k)); \
+    KVCX_UNROLL for (int h = 1; h < D / 8; h *= 2) \
+        KVCX_UNROLL for (int m = 0; m < D / 16; m++) { \
+            const int j = (m / h) * 2 * h + m % h; /* the D/16 butterfly pairs (j, j + h) */ \
+            __m256 a = v[j], b = v[j + h]; \
+            v[j] = _mm256_add_ps(a, b); \
+            v[j + h] = _mm256_sub_ps(a, b); \
+        } \
+    const __m256 n8 = _mm256_set1_ps(norm); \
+    KVCX_UNROLL for (int k = 0; k < D / 8; k++) _mm256_storeu_ps(p + 8 * k, _mm256_mul_ps(v[k], n8)); \
+}
+KVCX_FWHT_ROW(32)
+KVCX_FWHT_ROW(64)
+KVCX_FWHT_ROW(128)
+#endif
+
+static inline void kvcx_fwht_rows(float *x, int64_t rows, int64_t d) {
+    const float norm = 1.0 / sqrtf((float)d);
+#if defined(__AVX__)
+    if (d == 64) { for (int64_t r = 0; r < rows; r++) kvcx_fwht_row64(x + r * 64, norm); return; }
+    if (d == 128) { for (int64_t r = 0; r < rows; r++) kvcx_fwht_row128(x + r * 128, norm); return; }
+    if (d == 32) { for (int64_t r = 0; r < rows; r++) kvcx_fwht_row32(x + r * 32, norm); return; }
+#endif
+    kvcx_wht8(x, rows * d);
+    for (int64_t r = 0; r < rows; r++) {
+        float *p = x + r * d;
+        for (int64_t h = 8; h < d; h *= 2) {
+            for (int64_t i = 0; i < d; i += 2 * h) {
+#if defined(__AVX__)
+                for (int64_t j = i; j < i + h; j += 8) {
+                    __m256 a = _mm256_loadu_ps(p + j), b = _mm256_loadu_ps(p + j + h);
+                    _mm256_storeu_ps(p + j, _mm256_add_ps(a, b));
+                    _mm256_storeu_ps(p + j + h, _mm256_sub_ps(a, b));
+                }
+#else
+                for (int64_t j = i; j < i + h; j++) {
+                    float a = p[j], b = p[j + h];
+                    p[j] = a + b;
+                    p[j + h] = a - b;
+                }
+#endif
+            }
+        }
+        /* same width as the stores above (no store-forwarding stalls) */
+        for (int64_t j = 0; j < d; j++) p[j] *= norm;
+    }
+}
+
+static const char *kvcx_simd_flags(void) {
+    return ""
+#ifdef __SSE4_1__
+    "sse4.1 "
+#endif
+#ifdef __AVX__
+    "avx "
+#endif
+#ifdef __AVX2__
+    "avx2 "
+#endif
+#ifdef __FMA__
+    "fma "
+#endif
+#ifdef __F16C__
+    "f16c "
+#endif
+#ifdef __AVX512F__
+    "avx512f "
+#endif
+#ifdef __AVX512BW__
+    "avx512bw "
+#endif
+#ifdef __ARM_NEON
+    "neon "
+#endif
+    ;
+}
+
+#endif /* KVCX_KERNELS_H */

@@ -1,0 +1,41 @@
+# cython: language_level=3
+# Declarations of kvcx/_kernels.h: the one place the constants shared by the kernels and
+# the Python layer are defined (kvcx._core re-exports them as Python names).
+from libc.stdint cimport uint16_t, int32_t, int64_t
+
+cdef extern from "_kernels.h" nogil:
+    enum kvcx_dtype:
+        KVCX_DT_F32
+        KVCX_DT_F16
+        KVCX_DT_BF16
+    enum kvcx_axis:
+        KVCX_AXIS_TOKEN
+        KVCX_AXIS_CHANNEL
+    enum kvcx_status:
+        KVCX_OK
+        KVCX_ST_NONFINITE
+        KVCX_ST_SCALE_OVERFLOW
+        KVCX_ST_NOMEM
+    enum:
+        KVCX_CONV_CHUNK
+        KVCX_TASK_VALUES
+        KVCX_METRICS_CHUNK
+        KVCX_METRICS_FIELDS
+    const int32_t KVCX_KEY_NEG_INF
+    const bint KVCX_F16C
+
+    ctypedef struct kvcx_layout:
+        int64_t N, S, D, t0, group_size
+        int bits, asym, axis, rotate
+
+    float kvcx_h2f(uint16_t h) noexcept
+    uint16_t kvcx_f2h(float x) noexcept
+    float kvcx_b2f(uint16_t b) noexcept
+    uint16_t kvcx_f2b(float x) noexcept
+    void kvcx_h2f_n(const uint16_t *s, float *d, int64_t n) noexcept
+    void kvcx_f2h_n(const float *s, uint16_t *d, int64_t n) noexcept
+    uint16_t kvcx_f2h_1(float x) noexcept
+    float kvcx_h2f_1(uint16_t h) noexcept
+    const char *kvcx_simd_flags() noexcept
+    void kvcx_wht8(float *p, int64_t n) noexcept
+    void kvcx_fwht_rows(float *x, int64_t rows, int64_t d) noexcept
