@@ -98,7 +98,7 @@ def main(argv=None):
 
     import torch
 
-    from kvcx.validation import load_dataset_text, load_model_and_tokenizer
+    from kvcx.models import load_dataset_text, load_model_and_tokenizer
 
     model, tok, name = load_model_and_tokenizer(cpu=True)
     text = load_dataset_text(args.dataset_file)

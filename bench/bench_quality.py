@@ -22,7 +22,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvcx.codec import ErrorStats, IntCodec, error_stats  # noqa: E402
+from kvcx.codec import IntCodec  # noqa: E402
+from kvcx.metrics import ErrorStats, error_stats  # noqa: E402
 from kvcx.kvconfig import KVConfig  # noqa: E402
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared/data/wikitext-2-raw/wiki.test.raw"
@@ -73,6 +74,13 @@ def settings(full: bool):
     return rows
 
 
+def _stats(tensors, decoded) -> ErrorStats:
+    total = ErrorStats()
+    for k, v in tensors.items():
+        total += error_stats(v, decoded[k])
+    return total
+
+
 def quanto_roundtrip(tensors):
     """transformers' QuantoQuantizedLayer (int4, groups of 64, axis 0: its defaults) on the same cache."""
     import torch
@@ -97,51 +105,40 @@ def main(argv=None):
 
     import torch
 
-    from kvcx.kv_cache import cache_to_tensors, make_dynamic_cache, tensors_to_layers
-    from kvcx.packed import compress_tensors, decompress_tensors
     from kvcx import safetensors_io as st
-    from kvcx.validation import _nll, _windows, load_dataset_text, load_model_and_tokenizer
+    from kvcx.models import load_dataset_text, load_model_and_tokenizer
+    from kvcx.packed import compress_tensors, decompress_tensors
+    from kvcx.validation import compare_prefix, window_starts
 
     t0 = time.perf_counter()
     model, tok, name = load_model_and_tokenizer(args.model, cpu=True)
     text = load_dataset_text(args.dataset_file)
     ids = torch.tensor(tok(text)["input_ids"], dtype=torch.long)
-    starts = _windows(ids.numel(), args.window, args.stride, args.max_windows)
+    starts = window_starts(ids.numel(), args.window, args.stride, args.max_windows)
     rows = settings(args.full)
     if args.only:
         rows = [r for r in rows if any(o in r[0] for o in args.only)]
-    base_nll, tokens = 0.0, 0
-    acc = {label: {"nll": 0.0, "stats": ErrorStats(), "payload": 0, "values": 0, "codec_s": 0.0} for label, _ in rows}
-    ctx_len = args.window - args.stride
     print(f"# {name}: {len(starts)} windows of {args.window} (stride {args.stride}), {len(rows)} settings",
           file=sys.stderr)
-    with torch.inference_mode():
-        for w, a in enumerate(starts):
-            ctx = ids[a:a + ctx_len][None]
-            cont = ids[a + ctx_len:a + args.window][None]
-            targets = cont[0, 1:]
-            cache = model(ctx, use_cache=True).past_key_values
-            tensors = cache_to_tensors(cache)
-            base_nll += _nll(model(cont, past_key_values=cache).logits[0, :-1], targets)
-            tokens += targets.numel()
-            for label, cfg in rows:
-                r = acc[label]
-                t = time.process_time()  # CPU time of the round trip (all threads)
-                if cfg == "quanto":
-                    decoded = quanto_roundtrip(tensors)
-                    r["codec_s"] += time.process_time() - t
-                    r["payload"] += sum(x.size for x in tensors.values()) * 4.5 / 8
-                else:
-                    packed, meta = compress_tensors(tensors, cfg)
-                    decoded = decompress_tensors(*st.load_with_metadata(st.save(packed, meta)))
-                    r["codec_s"] += time.process_time() - t
-                    r["payload"] += sum(x.nbytes for x in packed.values())
-                for k, v in tensors.items():
-                    r["stats"] += error_stats(v, decoded[k])
-                r["values"] += sum(x.size for x in tensors.values())
-                comp = make_dynamic_cache(tensors_to_layers(decoded))
-                r["nll"] += _nll(model(cont, past_key_values=comp).logits[0, :-1], targets)
-            print(f"window {w + 1}/{len(starts)} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
+
+    def kvcx_rt(cfg):
+        """Packed file round trip; bytes = the packed tensors' payload (codes, scales, zeros, sinks)."""
+        def rt(tensors):
+            packed, meta = compress_tensors(tensors, cfg)
+            decoded = decompress_tensors(*st.load_with_metadata(st.save(packed, meta)))
+            return decoded, sum(x.nbytes for x in packed.values()), _stats(tensors, decoded)
+        return rt
+
+    def quanto_rt(tensors):
+        decoded = quanto_roundtrip(tensors)
+        return decoded, sum(x.size for x in tensors.values()) * 4.5 / 8, _stats(tensors, decoded)
+
+    roundtrips = {label: quanto_rt if cfg == "quanto" else kvcx_rt(cfg) for label, cfg in rows}
+    runs = compare_prefix(model, ids, starts, args.window, args.stride, roundtrips,
+                          on_window=lambda done, total: print(f"window {done}/{total} "
+                                                              f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr))
+    first = next(iter(runs.values()))
+    base_nll, tokens = first.baseline_nll, first.tokens
     base_ppl = math.exp(base_nll / tokens)
     lines = [
         f"Embedded SmolLM2-135M, WikiText-2 raw test, {len(starts)} windows of {args.window} (stride "
@@ -151,12 +148,12 @@ def main(argv=None):
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for label, _ in rows:
-        r = acc[label]
-        bpv = 8.0 * r["payload"] / r["values"]
-        ppl = math.exp(r["nll"] / tokens)
-        lines.append(f"| {label} | {bpv:.3f} | {16.0 / bpv:.2f}x | {r['stats'].rmse:.4f} | "
-                     f"{r['stats'].snr_db:.2f} | {ppl:.4f} | {ppl - base_ppl:+.4f} | "
-                     f"{1000 * r['codec_s'] / len(starts):.1f} |")
+        r = runs[label]
+        bpv = r.bits_per_value
+        ppl = r.compressed_ppl
+        lines.append(f"| {label} | {bpv:.3f} | {16.0 / bpv:.2f}x | {r.stats.rmse:.4f} | "
+                     f"{r.stats.snr_db:.2f} | {ppl:.4f} | {ppl - base_ppl:+.4f} | "
+                     f"{1000 * r.codec_cpu_s / len(starts):.1f} |")
     table = "\n".join(lines)
     print(table)
     print(f"\n(total {time.perf_counter() - t0:.0f} s)")

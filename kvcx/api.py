@@ -8,53 +8,21 @@
 from __future__ import annotations
 
 import json
-import math
+import logging
 import os
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Dict, List, Optional
 
-import numpy as np
-
 from kvcx import safetensors_io as st
-from kvcx.codec import ErrorStats
+from kvcx.dtypes import dtype_name
 from kvcx.errors import FormatError, KvcxError
 from kvcx.kvconfig import DEFAULT_SCHEME, KVConfig
+from kvcx.metrics import (COSINE_THRESHOLD, RMSE_THRESHOLD, SNR_THRESHOLD_DB, ErrorStats,  # noqa: F401 (re-exported)
+                          Thresholds, check_thresholds, json_safe, quality_level)
 from kvcx.packed import compress_tensors, decompress_tensors, is_packed, original_metadata, settings_of
 
-# the reference design's thresholds
-RMSE_THRESHOLD = 0.10
-SNR_THRESHOLD_DB = 18.0
-COSINE_THRESHOLD = 0.99
-
-
-@dataclass
-class Thresholds:
-    rmse: float = RMSE_THRESHOLD
-    snr_db: float = SNR_THRESHOLD_DB
-    cosine: float = COSINE_THRESHOLD
-
-
-def quality_level(rmse: float, snr_db: float) -> str:
-    """EXCELLENT (RMSE<0.01, SNR>40 dB), GOOD (<0.05, >30), ACCEPTABLE (<0.10, >18), POOR otherwise."""
-    if rmse < 0.01 and snr_db > 40:
-        return "EXCELLENT"
-    if rmse < 0.05 and snr_db > 30:
-        return "GOOD"
-    if rmse < 0.10 and snr_db > 18:
-        return "ACCEPTABLE"
-    return "POOR"
-
-
-def check_thresholds(stats: ErrorStats, thresholds: Thresholds) -> List[str]:
-    v = []
-    if not stats.rmse < thresholds.rmse:
-        v.append(f"RMSE {stats.rmse:.4f} >= {thresholds.rmse}")
-    if not stats.snr_db > thresholds.snr_db:
-        v.append(f"SNR {stats.snr_db:.2f} dB <= {thresholds.snr_db} dB")
-    if not stats.cosine_similarity > thresholds.cosine:
-        v.append(f"cosine {stats.cosine_similarity:.5f} <= {thresholds.cosine}")
-    return v
+log = logging.getLogger("kvcx")
 
 
 @dataclass
@@ -64,6 +32,7 @@ class TensorMetrics:
     dtype: str
     codec: str
     rmse: float
+    relative_rmse: float
     snr_db: float
     cosine_similarity: float
     max_error: float
@@ -71,6 +40,11 @@ class TensorMetrics:
 
 @dataclass
 class CompressionMetrics:
+    """Size and quality of one compression. ``compression_ratio`` is against FP16 (the FP16 bytes of the
+    float tensors plus any pass-through tensors, over the packed file's bytes); ``file_size_ratio`` is
+    input file bytes over output file bytes, in the input's own dtype. ``passed``/``violations`` are the
+    reference design's verdict on absolute RMSE, SNR and cosine."""
+
     compression_ratio: float
     original_size_bytes: int
     compressed_size_bytes: int
@@ -85,21 +59,13 @@ class CompressionMetrics:
     bits_per_value: float
     num_values: int
     config: dict
+    relative_rmse: float = 0.0
+    fp16_size_bytes: int = 0
+    file_size_ratio: float = 0.0
     tensors: List[TensorMetrics] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return json_safe(asdict(self))
-
-
-def json_safe(obj):
-    """Replace non-finite floats (JSON has none) with None, recursively."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [json_safe(v) for v in obj]
-    return obj
 
 
 def sidecar_path(path) -> str:
@@ -149,11 +115,14 @@ def _metrics(stats: Dict[str, ErrorStats], tensors, original_size: int, compress
         total += s
         a = tensors[name]
         per.append(TensorMetrics(name=name, shape=list(a.shape), dtype=str(a.dtype), codec=kinds[name]["codec"],
-                                 rmse=s.rmse, snr_db=s.snr_db,
+                                 rmse=s.rmse, relative_rmse=s.relative_rmse, snr_db=s.snr_db,
                                  cosine_similarity=s.cosine_similarity, max_error=s.max_error))
     violations = check_thresholds(total, thresholds) if total.n else ["no float tensors to compress"]
+    fp16 = sum(2 * a.size if dtype_name(a.dtype) else a.nbytes for a in tensors.values())
     return CompressionMetrics(
-        compression_ratio=original_size / compressed_size if compressed_size else 0.0,
+        compression_ratio=fp16 / compressed_size if compressed_size else 0.0,
+        fp16_size_bytes=int(fp16), file_size_ratio=original_size / compressed_size if compressed_size else 0.0,
+        relative_rmse=total.relative_rmse,
         original_size_bytes=int(original_size), compressed_size_bytes=int(compressed_size),
         rmse=total.rmse, snr_db=total.snr_db, cosine_similarity=total.cosine_similarity,
         max_error=total.max_error, quality_level=quality_level(total.rmse, total.snr_db) if total.n else "POOR",
@@ -188,9 +157,9 @@ def compress_kv_cache(input_path, output_path, group_size: int = 64, sparsity: f
         write_sidecar(output_path, sidecar)
     m = _metrics(stats, tensors, os.path.getsize(input_path), os.path.getsize(output_path),
                  time.perf_counter() - t, meta, thresholds or Thresholds())
-    if verbose:
-        print(f"kvcx: {input_path} -> {output_path}: {m.compression_ratio:.2f}x, RMSE {m.rmse:.4f}, "
-              f"SNR {m.snr_db:.1f} dB, {m.quality_level}")
+    if verbose:  # the library logs; rendering is the CLI's
+        log.info("%s -> %s: %.2fx vs FP16, relative RMSE %.4f, SNR %.1f dB", input_path, output_path,
+                 m.compression_ratio, m.relative_rmse, m.snr_db)
     return m
 
 

@@ -18,12 +18,13 @@ from typing import Optional
 import numpy as np
 
 from kvcx import _core
-from kvcx.convert import convert, to_float16, to_float32  # noqa: F401 - re-exported
+# re-exported: these lived here before kvcx.dtypes / convert / metrics / runtime existed
+from kvcx.convert import convert, to_float16, to_float32  # noqa: F401
 from kvcx.dtypes import (BFLOAT16, DTYPE_NAMES, check_float, dtype_name, kernel_dtype,  # noqa: F401
                          numpy_dtype, raw)
 from kvcx.errors import CodecError
-from kvcx.metrics import ErrorStats, error_stats, quality_metrics  # noqa: F401 - re-exported
-from kvcx.runtime import build_info, resolve_threads  # noqa: F401 - re-exported
+from kvcx.metrics import ErrorStats, error_stats, quality_metrics  # noqa: F401
+from kvcx.runtime import build_info, resolve_threads  # noqa: F401
 
 SCHEMES = ("symmetric", "asymmetric")
 AXES = ("token", "channel")

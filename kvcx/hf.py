@@ -30,10 +30,10 @@ import transformers
 from transformers.cache_utils import Cache, DynamicLayer
 
 from kvcx.codec import IntCodec, Packed, decode_packed
+from kvcx.deps import check_transformers_version
 from kvcx.errors import KvcxError
 from kvcx.kv_cache import torch_to_numpy
 from kvcx.kvconfig import DEFAULT_SCHEME, KVConfig
-from kvcx.validation import check_transformers_version
 
 check_transformers_version(transformers.__version__)
 

@@ -15,7 +15,8 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from kvcx import safetensors_io as st
-from kvcx.codec import BFLOAT16, ErrorStats, error_stats
+from kvcx.dtypes import BFLOAT16
+from kvcx.metrics import ErrorStats, error_stats
 from kvcx.errors import KvcxError
 
 # TinyLlama-1.1B, the model the reference design names

@@ -94,3 +94,56 @@ def error_stats(original, reconstructed, name: str = "tensor", n_threads: Option
 def quality_metrics(original, reconstructed, n_threads: Optional[int] = None) -> dict:
     """RMSE, relative RMSE, SNR (dB), cosine similarity and max abs error of ``reconstructed`` vs ``original``."""
     return error_stats(original, reconstructed, n_threads=n_threads).as_dict()
+
+
+# ----------------------------------------------------------------------------
+# the reference design's verdict on absolute RMSE / SNR / cosine
+# ----------------------------------------------------------------------------
+
+# the reference design's thresholds (absolute RMSE: calibrated on TinyLlama's cache scale)
+RMSE_THRESHOLD = 0.10
+SNR_THRESHOLD_DB = 18.0
+COSINE_THRESHOLD = 0.99
+
+
+@dataclass
+class Thresholds:
+    rmse: float = RMSE_THRESHOLD
+    snr_db: float = SNR_THRESHOLD_DB
+    cosine: float = COSINE_THRESHOLD
+
+
+def quality_level(rmse: float, snr_db: float) -> str:
+    """The reference design's level on absolute RMSE and SNR: EXCELLENT (RMSE<0.01, SNR>40 dB),
+    GOOD (<0.05, >30), ACCEPTABLE (<0.10, >18), POOR otherwise. Absolute RMSE depends on the
+    model's cache scale; read ``relative_rmse`` / SNR (scale-free) and perplexity first."""
+    if rmse < 0.01 and snr_db > 40:
+        return "EXCELLENT"
+    if rmse < 0.05 and snr_db > 30:
+        return "GOOD"
+    if rmse < 0.10 and snr_db > 18:
+        return "ACCEPTABLE"
+    return "POOR"
+
+
+def check_thresholds(stats: ErrorStats, thresholds: Thresholds) -> list:
+    """The thresholds ``stats`` misses, as readable strings (empty when it meets them all)."""
+    v = []
+    if not stats.rmse < thresholds.rmse:
+        v.append(f"RMSE {stats.rmse:.4f} >= {thresholds.rmse}")
+    if not stats.snr_db > thresholds.snr_db:
+        v.append(f"SNR {stats.snr_db:.2f} dB <= {thresholds.snr_db} dB")
+    if not stats.cosine_similarity > thresholds.cosine:
+        v.append(f"cosine {stats.cosine_similarity:.5f} <= {thresholds.cosine}")
+    return v
+
+
+def json_safe(obj):
+    """Replace non-finite floats (JSON has none) with None, recursively."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj

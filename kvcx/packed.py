@@ -19,9 +19,11 @@ from typing import Callable, Dict, Optional, Tuple
 
 import numpy as np
 
-from kvcx.codec import (ErrorStats, IntCodec, Packed, decode_packed, dtype_name, error_stats, numpy_dtype)
+from kvcx.codec import IntCodec, Packed, decode_packed
+from kvcx.dtypes import dtype_name, numpy_dtype
 from kvcx.errors import CodecError, FormatError
 from kvcx.kvconfig import KVConfig
+from kvcx.metrics import ErrorStats, error_stats
 
 FORMAT_KEY = "kvcx.format"
 FORMAT_NAME = "kvcx.packed"

@@ -20,7 +20,7 @@ from typing import Dict, Iterator, Optional
 
 import numpy as np
 
-from kvcx.codec import BFLOAT16
+from kvcx.dtypes import BFLOAT16
 from kvcx.errors import FormatError
 
 MAX_HEADER_SIZE = 100_000_000  # the cap Hugging Face's implementation uses

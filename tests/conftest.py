@@ -22,7 +22,7 @@ def loaded():
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
     from kvcx.errors import ModelError
-    from kvcx.validation import embedded_model_path, load_model_and_tokenizer
+    from kvcx.models import embedded_model_path, load_model_and_tokenizer
 
     try:
         embedded_model_path()

@@ -8,7 +8,7 @@ pytest.importorskip("transformers")
 from transformers import DynamicCache  # noqa: E402
 
 from kvcx.errors import KvcxError, ModelError  # noqa: E402
-from kvcx.validation import check_transformers_version  # noqa: E402
+from kvcx.deps import check_transformers_version  # noqa: E402
 
 pytestmark = pytest.mark.model
 
