@@ -16,11 +16,13 @@ from typing import Callable, Dict, List, Optional
 
 from kvcx import safetensors_io as st
 from kvcx.dtypes import dtype_name
-from kvcx.errors import FormatError, KvcxError
+from kvcx.errors import FormatError
+from kvcx.fileio import OutputSet, check_distinct, check_output_path, write_bytes_to
 from kvcx.kvconfig import DEFAULT_SCHEME, KVConfig
 from kvcx.metrics import (COSINE_THRESHOLD, RMSE_THRESHOLD, SNR_THRESHOLD_DB, ErrorStats,  # noqa: F401 (re-exported)
                           Thresholds, check_thresholds, json_safe, quality_level)
-from kvcx.packed import compress_tensors, decompress_tensors, is_packed, original_metadata, settings_of
+from kvcx.packed import (compress_tensors, decompress_tensors, is_packed, original_metadata,
+                         loads_strict, settings_of)
 
 log = logging.getLogger("kvcx")
 
@@ -78,25 +80,41 @@ def read_sidecar(path) -> Optional[dict]:
         return None
     try:
         with open(p, encoding="utf-8") as fh:
-            data = json.load(fh)
-    except (OSError, ValueError) as exc:
+            text = fh.read()
+    except (OSError, UnicodeDecodeError) as exc:
         raise FormatError(f"{p}: cannot read the metadata sidecar ({exc}); fix or remove it") from None
+    data = loads_strict(text, f"{p}: the metadata sidecar", "fix or remove it")
     if not isinstance(data, dict):
         raise FormatError(f"{p}: the metadata sidecar must be a JSON object; fix or remove it")
     return data
 
 
 def write_sidecar(path, data: dict) -> None:
-    with st.atomic_output(sidecar_path(path)) as tmp:
-        with open(tmp, "w", encoding="utf-8") as fh:
-            json.dump(data, fh, indent=2, sort_keys=True)
+    """Write ``<path>.metadata.json`` on its own (atomically)."""
+    with OutputSet([sidecar_path(path)]) as tmp:
+        _write_json(tmp[sidecar_path(path)], sidecar_path(path), data)
 
 
-def _same_file(a, b) -> bool:
-    try:
-        return os.path.exists(b) and os.path.samefile(a, b)
-    except OSError:
-        return False
+def _write_json(tmp: str, target: str, data: dict) -> None:
+    write_bytes_to(tmp, target, [json.dumps(data, indent=2, sort_keys=True).encode("utf-8")])
+
+
+def plan_outputs(input_path, output_path, with_sidecar: bool) -> OutputSet:
+    """The outputs of one command (the file, and its sidecar or the removal of a stale one), checked
+    before any work: none of them is an input (main file or sidecar), and each can be written."""
+    inputs = [input_path] + ([sidecar_path(input_path)] if os.path.lexists(sidecar_path(input_path)) else [])
+    check_distinct(inputs, [output_path, sidecar_path(output_path)])
+    side = sidecar_path(output_path)
+    outs = OutputSet([output_path, side] if with_sidecar else [output_path], remove=[] if with_sidecar else [side])
+    check_output_path(side)
+    return outs.check()
+
+
+def _commit(outs: OutputSet, output_path, tensors, meta, sidecar: Optional[dict]) -> None:
+    with outs as tmp:
+        st.write_to(tmp[os.fspath(output_path)], output_path, tensors, meta)
+        if sidecar is not None:
+            _write_json(tmp[sidecar_path(output_path)], sidecar_path(output_path), sidecar)
 
 
 def _open_plain(input_path) -> st.SafeFile:
@@ -144,17 +162,14 @@ def compress_kv_cache(input_path, output_path, group_size: int = 64, sparsity: f
     """Compress a safetensors KV cache into a packed kvcx file (written atomically)."""
     t = time.perf_counter()
     cfg = _config(config, scheme, group_size, n_threads)
-    if _same_file(input_path, output_path):
-        raise KvcxError(f"{output_path}: output is the input file; choose another output path")
     f = _open_plain(input_path)
-    tensors = {k: f.get_tensor(k) for k in f.keys()}
     sidecar = read_sidecar(input_path)
+    outs = plan_outputs(input_path, output_path, with_sidecar=sidecar is not None)
+    tensors = {k: f.get_tensor(k) for k in f.keys()}
     stats: Dict[str, ErrorStats] = {}
     out, meta = compress_tensors(tensors, cfg, sparsity=sparsity, lz4=lz4, source_metadata=f.metadata or None,
                                  sidecar=sidecar, stats=stats, progress=progress)
-    st.save_file(out, output_path, meta)
-    if sidecar is not None:
-        write_sidecar(output_path, sidecar)
+    _commit(outs, output_path, out, meta, sidecar)
     m = _metrics(stats, tensors, os.path.getsize(input_path), os.path.getsize(output_path),
                  time.perf_counter() - t, meta, thresholds or Thresholds())
     if verbose:  # the library logs; rendering is the CLI's
@@ -167,19 +182,16 @@ def decompress_kv_cache(input_path, output_path, n_threads: Optional[int] = None
                         progress: Optional[Callable[[str], None]] = None) -> dict:
     """Restore a packed kvcx file to a plain safetensors file (names, shapes, dtypes)."""
     t = time.perf_counter()
-    if _same_file(input_path, output_path):
-        raise KvcxError(f"{output_path}: output is the input file; choose another output path")
     f = st.SafeFile(input_path)
     if not is_packed(f.metadata):
         raise FormatError(f"{input_path}: is a plain safetensors file, not a kvcx packed file; "
                           "`kvcx compress` makes packed files")
+    src_meta, sidecar = original_metadata(f.metadata, source=os.fspath(input_path))
+    outs = plan_outputs(input_path, output_path, with_sidecar=sidecar is not None)
     tensors = {k: f.get_tensor(k) for k in f.keys()}
     out = decompress_tensors(tensors, f.metadata, source=os.fspath(input_path), n_threads=n_threads,
                              progress=progress)
-    src_meta, sidecar = original_metadata(f.metadata)
-    st.save_file(out, output_path, src_meta)
-    if sidecar is not None:
-        write_sidecar(output_path, sidecar)
+    _commit(outs, output_path, out, src_meta, sidecar)
     return {"input": os.fspath(input_path), "output": os.fspath(output_path), "tensors": len(out),
             "compressed_size_bytes": os.path.getsize(input_path), "restored_size_bytes": os.path.getsize(output_path),
             "processing_time_ms": (time.perf_counter() - t) * 1000.0}

@@ -318,7 +318,7 @@ def _print_validation(r) -> None:
         t.add_row("SNR", f"{r.snr_db:.2f} dB")
         t.add_row("cosine similarity", f"{r.cosine_similarity:.6f}")
         t.add_row("RMSE (absolute)", f"{r.rmse:.5f}")
-        t.add_row(REFERENCE_LEVEL + (" (informational)" if not r.quick_test else ""), r.quality_level)
+        t.add_row(REFERENCE_LEVEL, r.quality_level)
     t.add_row("wall time", f"{r.wall_time_s:.1f} s (codec {r.codec_time_s:.2f} s)")
     out.print(t)
 

@@ -33,7 +33,13 @@ BITS = (2, 3, 4, 8)
 MAX_ROTATE_DIM = 1024
 # elements of one tensor at most: byte offsets of a float32 copy must fit an int64 with room to spare
 MAX_ELEMENTS = 1 << 56
+MAX_SINKS = 2 ** 31 - 1
 _AXIS_CODES = {"token": _core.AXIS_TOKEN, "channel": _core.AXIS_CHANNEL}
+
+
+def _is_int(v) -> bool:
+    """A true integer (Python or NumPy), not a bool and not a float that happens to be whole."""
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
 
 
 def check_status(status: int, name: str, x: Optional[np.ndarray] = None, what: str = "encoding") -> None:
@@ -118,16 +124,19 @@ class IntCodec:
 
     def __init__(self, group_size: int = 64, scheme: str = "symmetric", bits: int = 4, axis: str = "token",
                  rotate: bool = False, sinks: int = 0, n_threads: Optional[int] = None):
-        if isinstance(group_size, bool) or group_size not in GROUP_SIZES:
+        if not _is_int(group_size) or group_size not in GROUP_SIZES:
             raise CodecError(f"group size {group_size!r} is not supported; use one of {', '.join(map(str, GROUP_SIZES))}")
-        if scheme not in SCHEMES:
+        if not isinstance(scheme, str) or scheme not in SCHEMES:
             raise CodecError(f"scheme {scheme!r} is not supported; use one of {', '.join(SCHEMES)}")
-        if isinstance(bits, bool) or bits not in BITS:
+        if not _is_int(bits) or bits not in BITS:
             raise CodecError(f"bits {bits!r} is not supported; use one of {', '.join(map(str, BITS))}")
-        if axis not in AXES:
+        if not isinstance(axis, str) or axis not in AXES:
             raise CodecError(f"axis {axis!r} is not supported; use one of {', '.join(AXES)}")
-        if isinstance(sinks, bool) or not isinstance(sinks, (int, np.integer)) or sinks < 0:
-            raise CodecError(f"sinks must be a non-negative integer (tokens kept exact), got {sinks!r}")
+        if not isinstance(rotate, (bool, np.bool_)):
+            raise CodecError(f"rotate must be true or false, got {rotate!r}")
+        if not _is_int(sinks) or not 0 <= sinks <= MAX_SINKS:
+            raise CodecError(f"sinks must be a non-negative integer up to {MAX_SINKS} (tokens kept exact), "
+                             f"got {sinks!r}")
         self.group_size = int(group_size)
         self.scheme = scheme
         self.bits = int(bits)
@@ -150,6 +159,8 @@ class IntCodec:
 
     @classmethod
     def from_config(cls, config: dict) -> "IntCodec":
+        if not isinstance(config, dict):
+            raise CodecError(f"a codec config must be an object, got {type(config).__name__}")
         config = dict(config)
         codec_id = config.pop("id", cls.codec_id)
         if codec_id != cls.codec_id:

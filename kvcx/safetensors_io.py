@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from contextlib import contextmanager
 from typing import Dict, Iterator, Optional
 
@@ -22,6 +21,7 @@ import numpy as np
 
 from kvcx.dtypes import BFLOAT16
 from kvcx.errors import FormatError
+from kvcx.fileio import OutputSet, write_bytes_to
 
 MAX_HEADER_SIZE = 100_000_000  # the cap Hugging Face's implementation uses
 
@@ -227,11 +227,14 @@ def _header_and_order(tensors: Dict[str, np.ndarray], metadata: Optional[Dict[st
         if not isinstance(k, str) or k == "__metadata__":
             raise FormatError(f"invalid tensor name {k!r}; names are strings other than '__metadata__'")
         a = np.asarray(v)
-        arrays[k] = (dtype_to_name(a.dtype, k), np.ascontiguousarray(a))
+        if not a.flags.c_contiguous:
+            a = np.ascontiguousarray(a).reshape(a.shape)  # ascontiguousarray alone turns 0-d into 1-d
+        arrays[k] = (dtype_to_name(a.dtype, k), a)
     order = sorted(arrays, key=lambda k: (-_RANK[arrays[k][0]], k))
     header = {}
     if metadata:
-        header["__metadata__"] = metadata
+        # keys in byte order: deterministic bytes (Hugging Face's writer uses its map's order)
+        header["__metadata__"] = {k: metadata[k] for k in sorted(metadata)}
     off = 0
     for k in order:
         name, a = arrays[k]
@@ -240,15 +243,6 @@ def _header_and_order(tensors: Dict[str, np.ndarray], metadata: Optional[Dict[st
     hb = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     hb += b" " * (-len(hb) % 8)
     return hb, [arrays[k][1] for k in order]
-
-
-def _write(fh, hb, arrays):
-    fh.write(len(hb).to_bytes(8, "little"))
-    fh.write(hb)
-    for a in arrays:
-        if a.dtype.byteorder == ">":
-            a = a.astype(a.dtype.newbyteorder("<"))
-        fh.write(memoryview(a.reshape(-1).view(np.uint8)))
 
 
 def serialized_size(tensors: Dict[str, np.ndarray], metadata: Optional[Dict[str, str]] = None) -> int:
@@ -261,40 +255,36 @@ def save(tensors: Dict[str, np.ndarray], metadata: Optional[Dict[str, str]] = No
     import io
 
     buf = io.BytesIO()
-    _write(buf, *_header_and_order(tensors, metadata))
+    for c in _chunks(*_header_and_order(tensors, metadata)):
+        buf.write(c)
     return buf.getvalue()
 
 
 @contextmanager
 def atomic_output(path) -> Iterator[str]:
-    """Yield a temporary path beside ``path``; rename it over ``path`` only if the block succeeds."""
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(directory):
-        raise FormatError(f"{path}: the output directory {directory} does not exist; create it first")
-    if os.path.isdir(path):
-        raise FormatError(f"{path}: is a directory; give an output file name")
-    fd, tmp = tempfile.mkstemp(prefix=".kvcx-", suffix=".tmp", dir=directory)
-    os.close(fd)
-    try:
-        yield tmp
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    """Yield a temporary path beside ``path``; it replaces ``path`` only if the block succeeds
+    (see :class:`kvcx.fileio.OutputSet`: mode as ``open()`` gives, signals cleaned up)."""
+    with OutputSet([path]) as tmp:
+        yield tmp[os.fspath(path)]
+
+
+def write_to(tmp: str, target, tensors: Dict[str, np.ndarray], metadata: Optional[Dict[str, str]] = None) -> None:
+    """Write a safetensors file to the temporary path ``tmp`` of ``target`` (part of an OutputSet)."""
+    hb, arrays = _header_and_order(tensors, metadata)
+    write_bytes_to(tmp, os.fspath(target), _chunks(hb, arrays))
+
+
+def _chunks(hb, arrays):
+    yield len(hb).to_bytes(8, "little")
+    yield hb
+    for a in arrays:
+        if a.dtype.byteorder == ">":
+            a = a.astype(a.dtype.newbyteorder("<"))
+        yield memoryview(a.reshape(-1).view(np.uint8))
 
 
 def save_file(tensors: Dict[str, np.ndarray], path, metadata: Optional[Dict[str, str]] = None) -> None:
     """Write a safetensors file atomically (temp file + rename)."""
     hb, arrays = _header_and_order(tensors, metadata)  # validate before touching the disk
     with atomic_output(path) as tmp:
-        try:
-            with open(tmp, "wb") as fh:
-                _write(fh, hb, arrays)
-                fh.flush()
-                os.fsync(fh.fileno())
-        except OSError as exc:
-            raise FormatError(f"{path}: cannot write ({exc.strerror or exc})") from None
+        write_bytes_to(tmp, os.fspath(path), _chunks(hb, arrays))

@@ -21,8 +21,8 @@ def golden_tensors():
 
 
 CASES = {
-    "packed_reference_v1.safetensors": dict(scheme="reference", group_size=16),
-    "packed_kvcx_v1.safetensors": dict(scheme="kvcx", group_size=16),
+    "packed_reference_v2.safetensors": dict(scheme="reference", group_size=16),
+    "packed_kvcx_v2.safetensors": dict(scheme="kvcx", group_size=16),
 }
 
 
