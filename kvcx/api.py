@@ -106,8 +106,9 @@ def plan_outputs(input_path, output_path, with_sidecar: bool) -> OutputSet:
     check_distinct(inputs, [output_path, sidecar_path(output_path)])
     side = sidecar_path(output_path)
     outs = OutputSet([output_path, side] if with_sidecar else [output_path], remove=[] if with_sidecar else [side])
-    check_output_path(side)
-    return outs.check()
+    outs.check()
+    check_output_path(side)  # a directory in the sidecar's place blocks the command before any work
+    return outs
 
 
 def _commit(outs: OutputSet, output_path, tensors, meta, sidecar: Optional[dict]) -> None:

@@ -72,7 +72,7 @@ def _emit_json(obj) -> None:
 @contextmanager
 def _progress(total: int, label: str, quiet: bool = False):
     """A rich progress bar on stderr; yields a callback that advances it by one."""
-    if quiet or total == 0:
+    if quiet or total == 0 or not err.is_terminal:  # a bar drawn into a pipe or log is noise (and a stray newline)
         yield lambda *_: None
         return
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -272,7 +272,7 @@ def _print_phase(step: int, total: int, message: str) -> None:
 @contextmanager
 def _window_bar(quiet: bool):
     """A transient progress bar over the evaluation windows, on stderr; yields the on_window callback."""
-    if quiet:
+    if quiet or not err.is_terminal:
         yield None
         return
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \

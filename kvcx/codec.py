@@ -171,6 +171,10 @@ class IntCodec:
             raise CodecError(f"unknown codec settings {sorted(unknown)}; known: {sorted(known)}")
         return cls(**config)
 
+    def with_threads(self, n_threads: Optional[int]) -> "IntCodec":
+        """The same codec running on ``n_threads`` threads."""
+        return IntCodec.from_config({**self.get_config(), "n_threads": n_threads})
+
     def __repr__(self) -> str:
         return (f"IntCodec(group_size={self.group_size}, scheme={self.scheme!r}, bits={self.bits}, "
                 f"axis={self.axis!r}, rotate={self.rotate}, sinks={self.sinks})")

@@ -221,7 +221,9 @@ class OutputSet:
             for t, bak in reversed(done):
                 try:
                     if bak is not None:
-                        os.replace(bak, t)
+                        os.replace(bak, t)  # a no-op when both are links to one file (t never replaced) ...
+                        if os.path.lexists(bak):
+                            os.unlink(bak)  # ... so drop the backup name then
                     elif os.path.lexists(t):
                         os.unlink(t)
                 except OSError:

@@ -77,7 +77,10 @@ class KvcxLayer(DynamicLayer):
         self._owner = owner
         first = {"key": kv_config.key, "value": kv_config.value}
         self._codecs_first = first
-        self._codecs_next = {k: IntCodec.from_config({**c.get_config(), "sinks": 0}) for k, c in first.items()}
+        # later chunks: the same codecs without sinks, and with the same threads
+        self._codecs_next = {k: IntCodec.from_config({**c.get_config(), "sinks": 0}).with_threads(c.n_threads)
+                             for k, c in first.items()}
+        self.n_threads = kv_config.value.n_threads
         self.chunks: List[Tuple[Packed, Packed]] = []
         self.quantized_length = 0
         self.cumulative_length = 0
@@ -105,7 +108,7 @@ class KvcxLayer(DynamicLayer):
             off = 0
             for chunk in self.chunks:
                 p = chunk[idx]
-                decode_packed(p, out=arr, token_offset=off, name=kind)
+                decode_packed(p, out=arr, token_offset=off, name=kind, n_threads=self.n_threads)
                 off += p.shape[-2]
             self._owner.kernel_time_s += time.perf_counter() - t
             if dev is not host:
@@ -193,7 +196,9 @@ class KvcxCache(Cache):
                  kv_config: Optional[KVConfig] = None, n_threads: Optional[int] = None):
         kv = kv_config or KVConfig.from_scheme(scheme, group_size=group_size, bits=bits, sinks=sinks, rotate=rotate,
                                                n_threads=n_threads)
-        if not isinstance(residual_length, int) or residual_length < 1:
+        if kv_config is not None and n_threads is not None:  # n_threads applies to a ready config too
+            kv = KVConfig(key=kv.key.with_threads(n_threads), value=kv.value.with_threads(n_threads), scheme=kv.scheme)
+        if isinstance(residual_length, bool) or not isinstance(residual_length, int) or residual_length < 1:
             raise KvcxError(f"residual_length must be a positive integer, got {residual_length!r}")
         for c in (kv.key, kv.value):
             if c.axis == "channel" and residual_length % c.group_size:

@@ -101,12 +101,21 @@ def tensors_to_layers(tensors: Dict[str, np.ndarray], device=None):
     n = len([k for k in tensors if k.endswith("_key") and k.startswith("layer_")])
     layers = []
     for i in range(n):
-        try:
-            layers.append((numpy_to_torch(tensors[f"layer_{i}_key"], device),
-                           numpy_to_torch(tensors[f"layer_{i}_value"], device)))
-        except KeyError as exc:
-            raise KvcxError(f"KV cache is missing tensor {exc.args[0]!r}; expected layer_{{i}}_key / "
-                            f"layer_{{i}}_value for i in 0..{n - 1}") from None
+        pair = []
+        for kind in ("key", "value"):
+            name = f"layer_{i}_{kind}"
+            if name not in tensors:
+                raise KvcxError(f"KV cache is missing tensor {name!r}; expected layer_{{i}}_key / "
+                                f"layer_{{i}}_value for i in 0..{n - 1}")
+            a = tensors[name]
+            if np.ndim(a) != 4 or 0 in np.shape(a):
+                raise KvcxError(f"KV cache tensor {name!r} has shape {list(np.shape(a))}; expected "
+                                "[batch, kv_heads, seq_len, head_dim] with no empty dimension")
+            pair.append(a)
+        if pair[0].shape != pair[1].shape:
+            raise KvcxError(f"KV cache layer {i}: key {list(pair[0].shape)} and value {list(pair[1].shape)} "
+                            "shapes differ")
+        layers.append(tuple(numpy_to_torch(a, device) for a in pair))
     return layers
 
 
@@ -161,7 +170,10 @@ def load_kv_cache(path, device=None):
     tensors = {k: f.get_tensor(k) for k in f.keys()}
     if is_packed(f.metadata):
         tensors = decompress_tensors(tensors, f.metadata, source=os.fspath(path))
-    layers = tensors_to_layers(tensors, device)
+    try:
+        layers = tensors_to_layers(tensors, device)
+    except KvcxError as exc:
+        raise KvcxError(f"{path}: {exc}") from None
     if not layers:
         raise KvcxError(f"{path}: no layer_{{i}}_key / layer_{{i}}_value tensors; not a kvcx KV-cache file")
     side = read_sidecar(path) or {}

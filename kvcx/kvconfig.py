@@ -36,12 +36,29 @@ _SCHEMES = {
 }
 SCHEME_NAMES = tuple(_SCHEMES)
 
-_KEY_RE = re.compile(r"key|(^|[^a-z])k([^a-z]|$)", re.IGNORECASE)
+_KEY_WORDS = {"key", "keys", "k"}
+_VALUE_WORDS = {"value", "values", "v"}
+# transformers' legacy tuples: past_key_values.<layer>.<0 = key | 1 = value>
+_LEGACY_RE = re.compile(r"(^|[._])past_key_values?[._](\d+)[._]([01])$", re.IGNORECASE)
 
 
 def is_key_tensor(name: str) -> bool:
-    """Tensors whose name says 'key' (``layer_3_key``, ``k_cache.0``) get the key codec."""
-    return bool(_KEY_RE.search(name))
+    """Whether a tensor gets the key codec, from its name's words (split on anything not a letter).
+
+    The last word that names a kind decides: ``layer_3_key``, ``k_cache.0``, ``model.k_proj`` are keys;
+    ``layer_3_value``, ``monkey_value``, ``v_cache`` are values; ``past_key_values.0.0`` / ``.0.1`` (the
+    legacy tuple layout) is a key / a value by its last index. Names without such a word get the value codec.
+    """
+    m = _LEGACY_RE.search(name)
+    if m:
+        return m.group(3) == "0"
+    words = [w for w in re.split(r"[^a-z]+", name.lower()) if w]
+    for w in reversed(words):
+        if w in _KEY_WORDS or (w.startswith("k") and w[1:] in ("proj", "cache")):
+            return True
+        if w in _VALUE_WORDS or (w.startswith("v") and w[1:] in ("proj", "cache")):
+            return False
+    return False
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ For each compressed tensor ``NAME`` the file holds
 - ``NAME.kvcx.sinks``  original dtype, the exact first tokens (when sinks > 0),
 
 and ``__metadata__`` records the format marker, version, the codec settings, every tensor's
-original dtype and shape, and (version 2) a CRC-32 over all stored tensors, so a file always
+original dtype and shape, and (version 2) a CRC-32 over the metadata and all stored tensors, so a file always
 decodes with the settings it was written with and a damaged one is refused. Other tensors pass
 through unchanged under their own names. The file stays a valid safetensors file.
 
@@ -54,10 +54,14 @@ def _lz4():
     return lz4.frame
 
 
-def crc32(tensors: Dict[str, np.ndarray]) -> str:
-    """CRC-32 (zlib's) over every stored tensor in name order: its UTF-8 name, then its bytes as stored.
-    8 lowercase hex digits."""
+def crc32(tensors: Dict[str, np.ndarray], metadata: Optional[Dict[str, str]] = None) -> str:
+    """The file's CRC-32 (zlib's), 8 lowercase hex digits. It covers every ``__metadata__`` entry but
+    ``kvcx.crc32`` itself (key, NUL, value, NUL, in key order), then every stored tensor (UTF-8 name,
+    then its bytes as stored, in name order): a changed setting is caught like a changed code."""
     crc = 0
+    for key in sorted(metadata or {}):
+        if key != "kvcx.crc32":
+            crc = zlib.crc32(key.encode("utf-8") + b"\0" + metadata[key].encode("utf-8") + b"\0", crc)
     for name in sorted(tensors):
         a = np.ascontiguousarray(tensors[name]).reshape(-1)
         crc = zlib.crc32(name.encode("utf-8"), crc)
@@ -153,12 +157,12 @@ def compress_tensors(tensors: Dict[str, np.ndarray], config: KVConfig, sparsity:
         "kvcx.codecs": _dumps({k: c.get_config() for k, c in config.codecs().items()}),
         "kvcx.tensors": _dumps(info),
         "kvcx.passthrough": json.dumps(passthrough, separators=(",", ":")),
-        "kvcx.crc32": crc32(out),
     }
     if source_metadata:
         meta["kvcx.source_metadata"] = _dumps(source_metadata)
     if sidecar is not None:
         meta["kvcx.sidecar"] = _dumps(sidecar)
+    meta["kvcx.crc32"] = crc32(out, meta)
     return out, meta
 
 
@@ -290,6 +294,9 @@ def packed_tensors(tensors: Dict[str, np.ndarray], metadata: Dict[str, str],
     """The :class:`Packed` records of a packed file (codes LZ4-decompressed), every stored tensor checked."""
     s = read_settings(metadata, source)
     info, codecs = s["tensors"], s["codecs"]
+    if s["crc32"] is not None and crc32(tensors, metadata) != s["crc32"]:
+        raise FormatError(f"{source}: the file fails its CRC-32 check (kvcx.crc32); it is damaged or was edited: "
+                          "copy or create it again")
     # every stored tensor accounted for, and no more
     expected = set(s["passthrough"])
     for name, rec in info.items():
@@ -307,9 +314,6 @@ def packed_tensors(tensors: Dict[str, np.ndarray], metadata: Dict[str, str],
         raise FormatError(f"{source}: {what}; the packed file is damaged")
     extra = sorted(set(tensors) - expected)
     _expect(not extra, source, f"stored tensor {extra[0]!r} is not accounted for by the metadata" if extra else "")
-    if s["crc32"] is not None and crc32(tensors) != s["crc32"]:
-        raise FormatError(f"{source}: the stored tensors fail the file's CRC-32 check (kvcx.crc32); the file is "
-                          "damaged: copy or create it again")
     lz4 = s["config"]["lz4"]
     result = {}
     for name, rec in info.items():

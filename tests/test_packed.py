@@ -74,7 +74,7 @@ def test_reference_layout_in_golden_file():
     assert meta["kvcx.format"] == "kvcx.packed" and meta["kvcx.format_version"] == "2"
     from kvcx.packed import crc32
 
-    assert meta["kvcx.crc32"] == crc32(tensors) and len(meta["kvcx.crc32"]) == 8
+    assert meta["kvcx.crc32"] == crc32(tensors, meta) and len(meta["kvcx.crc32"]) == 8
     assert list(meta) == sorted(meta)  # __metadata__ keys in byte order
     assert json.loads(meta["kvcx.tensors"])["layer_0_key"] == {"codec": "key", "dtype": "F16", "shape": [1, 2, 5, 16]}
     assert json.loads(meta["kvcx.codecs"])["key"] == {"axis": "token", "bits": 4, "group_size": 16, "id": "kvcx.int",
