@@ -125,17 +125,6 @@ cdef inline void _store(const float *buf, int dt, int64_t start, int64_t n, uint
             ph[i] = kvcx_f2b(buf[i])
 
 
-cdef inline void _clamp_f16(float *buf, int64_t n) noexcept nogil:
-    """Saturate decoded values to FP16's finite range: a finite input never decodes to +-inf (a group
-    whose max is near 65504 can reconstruct a hair above it, e.g. 7 * fp16(65504 / 7) = 65520)."""
-    cdef int64_t i
-    cdef float v
-    for i in range(n):
-        v = buf[i]
-        v = 65504.0 if v > 65504.0 else v
-        buf[i] = -65504.0 if v < -65504.0 else v
-
-
 def convert(const uint8_t[::1] src, int src_dt, uint8_t[::1] dst, int dst_dt, int64_t n, int nthreads):
     """Convert n elements between float32 / float16 / bfloat16 (RNE, NaN kept)."""
     cdef int64_t nchunks = (n + KVCX_CONV_CHUNK - 1) // KVCX_CONV_CHUNK
@@ -555,9 +544,10 @@ cdef void _dec_block(const uint8_t *codes, const uint16_t *scales, const uint16_
         _dequant_cols(q, t_b - t_a, D, L.bits, L.asym, scales + k, zeros + k, buf, tmp)
     if L.rotate:
         _fwht_rows(buf, t_b - t_a, D)
-    if dt == KVCX_DT_F16:
-        _clamp_f16(buf, n)
-    _store(buf, dt, slab * out_S * D + (out_off + t0) * D + start, n, out)
+    if dt == KVCX_DT_F16:  # saturating: a finite input never decodes to +-inf (7 * fp16(65504 / 7) = 65520)
+        kvcx_f2h_sat_n(buf, <uint16_t *>out + slab * out_S * D + (out_off + t0) * D + start, n)
+    else:
+        _store(buf, dt, slab * out_S * D + (out_off + t0) * D + start, n, out)
 
 
 def decode(const uint8_t[::1] codes, const uint16_t[::1] scales, const uint16_t[::1] zeros, Layout layout,

@@ -118,6 +118,22 @@ static inline void kvcx_f2h_n(const float *s, uint16_t *d, int64_t n) {
     for (; i < n; i++) d[i] = kvcx_f2h(s[i]);
 }
 
+/* As kvcx_f2h_n, saturating at +-65504 first: decoded values never become +-inf (NaN never occurs there). */
+static inline void kvcx_f2h_sat_n(const float *s, uint16_t *d, int64_t n) {
+    int64_t i = 0;
+#if KVCX_F16C
+    const __m256 hi = _mm256_set1_ps(65504.0f), lo = _mm256_set1_ps(-65504.0f);
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(d + i),
+            _mm256_cvtps_ph(_mm256_min_ps(_mm256_max_ps(_mm256_loadu_ps(s + i), lo), hi),
+                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
+    for (; i < n; i++) {
+        float v = s[i] > 65504.0f ? 65504.0f : s[i];
+        d[i] = kvcx_f2h(v < -65504.0f ? -65504.0f : v);
+    }
+}
+
 static inline uint16_t kvcx_f2h_1(float x) {
 #if KVCX_F16C
     return (uint16_t)_cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT);

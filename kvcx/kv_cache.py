@@ -150,15 +150,19 @@ def extract_kv_cache(model, tokenizer, prompt: str, max_length: Optional[int] = 
 
 def save_kv_cache(cache, path, metadata: Optional[KVCacheMetadata] = None) -> str:
     """Write ``layer_{i}_key/value`` to a safetensors file (atomically) and the metadata sidecar."""
+    from kvcx.fileio import OutputSet, write_bytes_to
+
+    path = os.fspath(path)
+    side = path + ".metadata.json"
+    outs = OutputSet([path, side]).check()
     tensors = cache_to_tensors(cache)
     if not tensors:
         raise KvcxError("the KV cache is empty; nothing to save")
-    st.save_file(tensors, path)
     meta = metadata or _metadata(cache_layers(cache), "unknown")
-    with st.atomic_output(os.fspath(path) + ".metadata.json") as tmp:
-        with open(tmp, "w", encoding="utf-8") as fh:
-            json.dump(meta.to_dict(), fh, indent=2)
-    return os.fspath(path)
+    with outs as tmp:  # the file and its sidecar land together or not at all
+        st.write_to(tmp[path], path, tensors)
+        write_bytes_to(tmp[side], side, [json.dumps(meta.to_dict(), indent=2).encode("utf-8")])
+    return path
 
 
 def load_kv_cache(path, device=None):
