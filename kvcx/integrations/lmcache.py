@@ -1,0 +1,166 @@
+"""kvcx as an LMCache serde: KV chunks compressed by the Cython kernels on their way to a shared store.
+
+    import kvcx.integrations.lmcache as kvcx_lmcache
+    kvcx_lmcache.register()          # once per process, before LMCache builds its L2 adapters
+
+then, in an L2 adapter's config::
+
+    {"type": "fs", "base_path": "/cache",
+     "serde": {"type": "kvcx", "scheme": "kvcx", "group_size": 64, "head_dim": 64}}
+
+Options (all optional but ``head_dim`` when the model's head size is not 64): ``scheme`` (kvcx,
+reference, symmetric, asymmetric, kivi), ``group_size``, ``bits``, ``sinks``, ``rotate``, ``head_dim``,
+``threads`` (OpenMP threads per chunk; default all cores) and ``max_workers`` (LMCache's serde
+worker threads, default 1).
+
+The pair is pure and synchronous, as LMCache's serdes are: ``serialize`` views the source memory
+object's bytes as a NumPy array (no copy) and runs the kernels from it straight into the destination
+buffer; ``deserialize`` decodes straight into the destination object. The size is exact
+(``estimate_serialized_size``), as LMCache's FS and RESP adapters require. Every chunk carries a
+magic, a wire version, its shape, dtype and codec settings and a CRC-32 (see :mod:`kvcx.chunk`), so
+it always decodes with what wrote it, and a foreign or damaged payload is refused with an error.
+
+Needs ``lmcache==0.5.6`` and torch (``pip install kvcx[lmcache]``); torch is used only to view
+memory objects' buffers, never for math.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+from kvcx.chunk import ChunkCodec
+from kvcx.dtypes import BFLOAT16
+from kvcx.errors import KvcxError
+from kvcx.kvconfig import SCHEME_NAMES, KVConfig
+
+try:
+    import torch
+    from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
+    from lmcache.v1.distributed.serde.async_processor import AsyncSerdeProcessor
+    from lmcache.v1.distributed.serde.base import Deserializer, SerdeProcessor, Serializer
+    from lmcache.v1.distributed.serde.factory import get_registered_serde_types, register_serde_factory
+    from lmcache.v1.memory_management import MemoryObj
+except ImportError as exc:  # pragma: no cover - exercised without the extra installed
+    raise KvcxError(f"kvcx.integrations.lmcache needs LMCache and torch ({exc.name} is missing): "
+                    "pip install torch==2.13.0 lmcache==0.5.6 (or kvcx[lmcache])") from None
+
+SERDE_NAME = "kvcx"
+_OPTIONS = {"scheme", "group_size", "bits", "sinks", "rotate", "head_dim", "threads", "max_workers"}
+_TORCH_TO_NUMPY = {torch.float32: np.dtype(np.float32), torch.float16: np.dtype(np.float16),
+                   torch.bfloat16: BFLOAT16}
+
+
+class KvcxSerdeError(KvcxError):
+    """A chunk, buffer or serde option LMCache handed to kvcx that it cannot take."""
+
+
+def _int_option(opts: dict, name: str, lo: int, hi: int, default=None):
+    v = opts.get(name, default)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise KvcxSerdeError(f"serde option {name!r} must be an integer from {lo} to {hi}, got {v!r}")
+    return v
+
+
+def chunk_codec_from_options(options: dict) -> tuple:
+    """(ChunkCodec, max_workers) from a serde config's options (``"type"`` already removed)."""
+    if not isinstance(options, dict):
+        raise KvcxSerdeError(f"the kvcx serde options must be an object, got {type(options).__name__}")
+    unknown = sorted(set(options) - _OPTIONS - {"type"})
+    if unknown:
+        raise KvcxSerdeError(f"unknown kvcx serde options {unknown}; known: {sorted(_OPTIONS)}")
+    scheme = options.get("scheme", "kvcx")
+    if scheme not in SCHEME_NAMES:
+        raise KvcxSerdeError(f"serde option 'scheme' must be one of {', '.join(SCHEME_NAMES)}, got {scheme!r}")
+    rotate = options.get("rotate")
+    if rotate is not None and not isinstance(rotate, bool):
+        raise KvcxSerdeError(f"serde option 'rotate' must be true or false, got {rotate!r}")
+    try:
+        cfg = KVConfig.from_scheme(scheme, group_size=_int_option(options, "group_size", 1, 1 << 16),
+                                   bits=_int_option(options, "bits", 1, 64), sinks=_int_option(options, "sinks", 0, 2 ** 31 - 1),
+                                   rotate=rotate, n_threads=_int_option(options, "threads", 1, 1024))
+        codec = ChunkCodec(cfg, head_dim=_int_option(options, "head_dim", 1, 65535, default=64))
+    except KvcxError as exc:
+        raise KvcxSerdeError(f"kvcx serde options: {exc}") from None
+    return codec, _int_option(options, "max_workers", 1, 64, default=1)
+
+
+def _layout_of(shapes, dtypes, where: str):
+    if len(shapes) != 1 or len(dtypes) != 1:
+        raise KvcxSerdeError(f"{where}: the kvcx serde takes single-tensor KV_2LTD chunks, got {len(shapes)} tensors")
+    if dtypes[0] not in _TORCH_TO_NUMPY:
+        raise KvcxSerdeError(f"{where}: dtype {dtypes[0]} is not bfloat16, float16 or float32")
+    return tuple(int(s) for s in shapes[0]), _TORCH_TO_NUMPY[dtypes[0]]
+
+
+def _bytes_of(obj: MemoryObj, where: str) -> np.ndarray:
+    """The memory object's bytes as a writeable uint8 NumPy view (no copy)."""
+    t = obj.tensor
+    if t is None or t.device.type != "cpu":
+        raise KvcxSerdeError(f"{where}: the kvcx serde needs a CPU memory object with a tensor")
+    if not t.is_contiguous():
+        raise KvcxSerdeError(f"{where}: the memory object's tensor is not contiguous")
+    return t.view(torch.uint8).reshape(-1).numpy()
+
+
+def _kv_view(obj: MemoryObj, where: str) -> np.ndarray:
+    shapes = obj.get_shapes() if obj.meta.shapes is not None else [obj.get_shape()]
+    dtypes = obj.get_dtypes() if obj.meta.dtypes is not None else [obj.get_dtype()]
+    shape, dtype = _layout_of(shapes, dtypes, where)
+    raw = _bytes_of(obj, where)
+    n = int(np.prod(shape)) * dtype.itemsize
+    if raw.size < n:
+        raise KvcxSerdeError(f"{where}: the memory object holds {raw.size} bytes, its layout needs {n}")
+    return raw[:n].view(dtype).reshape(shape)
+
+
+def _where(key: Optional[ObjectKey]) -> str:
+    if key is None:
+        return "KV chunk"
+    return f"KV chunk {key.chunk_hash.hex()[:16]} of {key.model_name!r}"
+
+
+class KvcxSerializer(Serializer):
+    """Packs an LMCache KV_2LTD chunk with kvcx (see :class:`kvcx.chunk.ChunkCodec`)."""
+
+    def __init__(self, codec: Optional[ChunkCodec] = None):
+        self.codec = codec or ChunkCodec()
+
+    def serialize(self, src: MemoryObj, dst: MemoryObj, key: ObjectKey) -> int:
+        where = _where(key)
+        return self.codec.encode_into(_kv_view(src, where), _bytes_of(dst, where), where)
+
+    def estimate_serialized_size(self, layout_desc: MemoryLayoutDesc) -> int:
+        shape, dtype = _layout_of(layout_desc.shapes, layout_desc.dtypes, "layout")
+        return self.codec.serialized_size(shape, dtype)
+
+
+class KvcxDeserializer(Deserializer):
+    """Decodes a kvcx chunk into an LMCache KV_2LTD memory object (settings from the chunk itself)."""
+
+    def __init__(self, codec: Optional[ChunkCodec] = None):
+        self.codec = codec or ChunkCodec()
+
+    def deserialize(self, src: MemoryObj, dst: MemoryObj, key: ObjectKey) -> None:
+        where = _where(key)
+        self.codec.decode_into(_bytes_of(src, where), _kv_view(dst, where), where)
+
+
+def create_serde(options: dict) -> SerdeProcessor:
+    """LMCache's factory signature: the serde config's options -> an async serde processor."""
+    codec, workers = chunk_codec_from_options({k: v for k, v in options.items() if k != "type"})
+    return AsyncSerdeProcessor(KvcxSerializer(codec), KvcxDeserializer(codec), max_workers=workers)
+
+
+def register(name: str = SERDE_NAME) -> str:
+    """Register the kvcx serde with LMCache under ``name`` (idempotent for kvcx's own factory)."""
+    if name in get_registered_serde_types():
+        from lmcache.v1.distributed.serde.factory import _SERDE_FACTORY_REGISTRY
+
+        if _SERDE_FACTORY_REGISTRY.get(name) is create_serde:
+            return name
+        raise KvcxSerdeError(f"an LMCache serde named {name!r} is already registered; pass another name")
+    register_serde_factory(name, create_serde)
+    return name
