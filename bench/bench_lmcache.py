@@ -8,8 +8,9 @@ chunks through LMCache's serializer interface (CPU memory objects):
 
 - bytes stored per chunk, and the ratio vs BF16;
 - RMSE, relative RMSE and SNR of the decoded chunk vs the original;
-- serialize and deserialize GB/s (of BF16 chunk bytes), best of --repeat, on 1 and 2 threads
-  (kvcx: its ``threads`` option; fp8: torch.set_num_threads);
+- serialize and deserialize GB/s (of BF16 chunk bytes), best of --repeat rounds in which every
+  serde and thread count is timed in turn, on 1 and 2 threads (kvcx: its ``threads`` option; fp8:
+  torch.set_num_threads);
 - a store + load round trip of all chunks through LMCache's SerdeL2AdapterWrapper over a real
   CPU L1 manager and the FS adapter (wall time, files' bytes on disk).
 
@@ -55,16 +56,6 @@ def real_chunks(n: int, dataset_file):
     return chunks, name
 
 
-def best(fn, repeat):
-    fn()
-    times = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--chunks", type=int, default=8)
@@ -74,7 +65,6 @@ def main(argv=None):
     args = ap.parse_args(argv)
 
     import torch
-    from lmcache.v1.distributed.serde import SerdeConfig, create_serde_processor
     from lmcache.v1.distributed.serde.fp8 import Fp8QuantizationDeserializer, Fp8QuantizationSerializer
 
     import kvcx.integrations.lmcache as kl
@@ -94,34 +84,53 @@ def main(argv=None):
     ]
     rows = []
     torch_threads = torch.get_num_threads()
+    # every (serde, threads) pair set up first, then timed in interleaved rounds (best of --repeat each),
+    # so that a noisy moment of this shared machine does not favour one row
+    runs = []
     for label, kind, opts in serdes:
-        r = {"label": label}
+        r = {"label": label, "kind": kind, "opts": opts}
+        rows.append(r)
         for th in (1, 2):
             if kind == "kvcx":
                 codec, _ = kl.chunk_codec_from_options({**opts, "threads": th})
                 ser, de = kl.KvcxSerializer(codec), kl.KvcxDeserializer(codec)
             else:
-                torch.set_num_threads(th)
                 ser, de = Fp8QuantizationSerializer(torch.float8_e4m3fn), Fp8QuantizationDeserializer(torch.float8_e4m3fn)
             n = ser.estimate_serialized_size(lay)
-            srcs = [memobj(c) for c in chunks]
             bufs = [np.zeros(n, np.uint8) for _ in chunks]
-            dsts = [memobj(b) for b in bufs]
             outs = [np.zeros_like(c) for c in chunks]
-            outobjs = [memobj(o) for o in outs]
-            written = []
+            r["outs"] = outs
+            run = {"row": r, "th": th, "ser": ser, "de": de, "srcs": [memobj(c) for c in chunks],
+                   "dsts": [memobj(b) for b in bufs], "outobjs": [memobj(o) for o in outs], "fp8": kind != "kvcx"}
+            runs.append(run)
 
-            def serialize():
-                written[:] = [ser.serialize(s, d, k) for s, d, k in zip(srcs, dsts, keys)]
+    def serialize(run):
+        if run["fp8"]:
+            torch.set_num_threads(run["th"])
+        run["row"]["bytes"] = [run["ser"].serialize(s, d, k) for s, d, k in zip(run["srcs"], run["dsts"], keys)][0]
 
-            def deserialize():
-                for s, d, k in zip(dsts, outobjs, keys):
-                    de.deserialize(s, d, k)
+    def deserialize(run):
+        if run["fp8"]:
+            torch.set_num_threads(run["th"])
+        for s, d, k in zip(run["dsts"], run["outobjs"], keys):
+            run["de"].deserialize(s, d, k)
 
-            r[("ser", th)] = total / best(serialize, args.repeat) / 1e9
-            r[("de", th)] = total / best(deserialize, args.repeat) / 1e9
-            r["bytes"] = written[0]
-        torch.set_num_threads(torch_threads)
+    for run in runs:  # warm up, and fill every output once
+        serialize(run)
+        deserialize(run)
+    for what, fn in (("ser", serialize), ("de", deserialize)):
+        best_t = {id(run): math.inf for run in runs}
+        for _ in range(args.repeat):
+            for run in runs:
+                t = time.perf_counter()
+                fn(run)
+                best_t[id(run)] = min(best_t[id(run)], time.perf_counter() - t)
+        for run in runs:
+            run["row"][(what, run["th"])] = total / best_t[id(run)] / 1e9
+    torch.set_num_threads(torch_threads)
+
+    for r in rows:
+        label, kind, opts, outs = r["label"], r["kind"], r["opts"], r["outs"]
         ss = se = 0.0
         for c, o in zip(chunks, outs):
             x, y = c.astype(np.float64), o.astype(np.float64)
@@ -148,7 +157,6 @@ def main(argv=None):
             disk = sum(p.stat().st_size for p in Path(d).rglob("*") if p.is_file())
         assert ok and hits == len(keys), (label, ok, hits)
         r["fs"] = (t_store, t_load, disk)
-        rows.append(r)
         print(f"{label}: done", file=sys.stderr)
 
     lines = [f"{len(chunks)} real KV chunks of {model_name}: KV_2LTD {list(shape)} BF16, {chunks[0].nbytes:,} B each "

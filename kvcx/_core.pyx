@@ -83,6 +83,14 @@ def build_info():
     }
 
 
+def crc32c(const uint8_t[::1] data, uint32_t crc=0):
+    """CRC-32C (Castagnoli) of ``data``, continuing from ``crc`` (GIL released)."""
+    cdef uint32_t r
+    with nogil:
+        r = kvcx_crc32c(crc, &data[0], data.shape[0]) if data.shape[0] else crc
+    return r
+
+
 def max_threads():
     return int(omp_get_max_threads())
 
@@ -272,18 +280,16 @@ cdef inline int _params(float lo, float hi, int bits, bint asym, uint16_t *s_out
 
 
 cdef inline int _quant_contig(const float *x, int64_t n, int bits, bint asym,
-                              uint8_t *q, uint16_t *s_out, uint16_t *z_out) noexcept nogil:
-    """Quantize one contiguous group; returns a kvcx_status."""
+                              uint8_t *q, uint16_t *s_out, uint16_t *z_out, uint8_t *packed) noexcept nogil:
+    """Quantize one contiguous group; returns a kvcx_status. With ``packed`` (4 bits only) the codes go
+    straight to their packed bytes there and q is not written."""
     cdef const int32_t *xi = <const int32_t *>x
     cdef int64_t i
     cdef int32_t a, k, amax = 0, kmin = 0x7fffffff, kmax = -0x7fffffff - 1
     cdef float scale, zero, t, qmax, qmin, off
     cdef int st
     if asym:
-        for i in range(n):
-            k = xi[i] ^ ((xi[i] >> 31) & 0x7fffffff)
-            kmin = k if k < kmin else kmin
-            kmax = k if k > kmax else kmax
+        kvcx_minmax_keys(x, n, &kmin, &kmax)
         # +inf/+NaN have keys >= 0x7f800000, -inf/-NaN keys <= key(-inf)
         if kmax >= 0x7f800000 or kmin <= KVCX_KEY_NEG_INF:
             return KVCX_ST_NONFINITE
@@ -293,9 +299,7 @@ cdef inline int _quant_contig(const float *x, int64_t n, int bits, bint asym,
         qmax = <float>((1 << bits) - 1)
         off = 0.0
     else:
-        for i in range(n):
-            a = xi[i] & 0x7fffffff
-            amax = a if a > amax else amax
+        amax = kvcx_absmax_bits(x, n)
         if amax >= 0x7f800000:
             return KVCX_ST_NONFINITE
         st = _params(0.0, _f_from_bits(amax), bits, 0, s_out, z_out, &scale, &zero)
@@ -304,6 +308,15 @@ cdef inline int _quant_contig(const float *x, int64_t n, int bits, bint asym,
         off = qmax + 1.0
     if st:
         return st
+    if packed != NULL:
+        if scale == 0.0:
+            for i in range(n // 2):
+                packed[i] = <uint8_t>(<int32_t>off | (<int32_t>off << 4))
+            if n & 1:
+                packed[n // 2] = <uint8_t>off
+        else:
+            kvcx_q4_pack_contig(x, n, scale, zero, qmin, qmax, off, packed)
+        return KVCX_OK
     if scale == 0.0:
         for i in range(n):
             q[i] = <uint8_t>off
@@ -317,8 +330,9 @@ cdef inline int _quant_contig(const float *x, int64_t n, int bits, bint asym,
 
 
 cdef int _quant_cols(const float *x, int64_t rows, int64_t D, int bits, bint asym, uint8_t *q,
-                     uint16_t *s_out, uint16_t *z_out, float *tmp) noexcept nogil:
-    """Quantize a [rows, D] block with one group per column (tmp: 5*D floats of scratch)."""
+                     uint16_t *s_out, uint16_t *z_out, float *tmp, uint8_t *packed) noexcept nogil:
+    """Quantize a [rows, D] block with one group per column (tmp: 5*D floats of scratch). With
+    ``packed`` (4 bits only) the codes go straight to their packed bytes there and q is not written."""
     cdef const int32_t *xi = <const int32_t *>x
     cdef int32_t *amax = <int32_t *>tmp
     cdef int32_t *kmin = <int32_t *>(tmp + D)
@@ -388,6 +402,12 @@ cdef int _quant_cols(const float *x, int64_t rows, int64_t D, int bits, bint asy
         zero[d] = zr
     if st:
         return st
+    if packed != NULL:
+        for d in range(D):  # the statistics are done: tmp[0:2D] becomes the divisors and the keep mask
+            (<uint32_t *>tmp)[D + d] = 0xffffffffu if scale[d] != 0.0 else 0u
+            tmp[d] = scale[d] if scale[d] != 0.0 else 1.0
+        kvcx_q4_pack_cols(x, rows, D, tmp, zero, tmp + D, qmin, qmax, off, packed)
+        return KVCX_OK
     for r in range(rows):
         for d in range(D):
             t = rintf((x[r * D + d] - zero[d]) / (scale[d] if scale[d] != 0.0 else 1.0))
@@ -450,21 +470,27 @@ cdef int _enc_block(const uint8_t *src, int dt, const kvcx_layout *L, int64_t bl
         _load(src, dt, slab * S * D + t_a * D, n, buf)
         if L.rotate:
             _fwht_rows(buf, t_b - t_a, D)
-    for k in range(n, ((n + 7) // 8) * 8):
-        q[k] = 0
+    cdef uint8_t *dest = codes + slab * row_bytes + (start * L.bits) // 8
+    cdef bint fused = L.bits == 4   # quantize + pack in one pass
+    if not fused:
+        for k in range(n, ((n + 7) // 8) * 8):
+            q[k] = 0
     if L.axis == KVCX_AXIS_TOKEN:
         ngroups = (Lq + G - 1) // G
         g = 0
         while g * G < n:
             m = min(G, n - g * G)
             k = slab * ngroups + (start + g * G) // G
-            status = status | _quant_contig(buf + g * G, m, L.bits, L.asym, q + g * G, scales + k, zeros + k)
+            status = status | _quant_contig(buf + g * G, m, L.bits, L.asym, q + g * G, scales + k, zeros + k,
+                                            dest + (g * G) // 2 if fused else NULL)
             g += 1
     else:
         nblk = (S - t0 + G - 1) // G
         k = (slab * nblk + blk) * D
-        status = _quant_cols(buf, t_b - t_a, D, L.bits, L.asym, q, scales + k, zeros + k, tmp)
-    _pack(q, n, L.bits, codes + slab * row_bytes + (start * L.bits) // 8)
+        status = _quant_cols(buf, t_b - t_a, D, L.bits, L.asym, q, scales + k, zeros + k, tmp,
+                             dest if fused else NULL)
+    if not fused:
+        _pack(q, n, L.bits, dest)
     return status
 
 

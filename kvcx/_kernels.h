@@ -134,6 +134,162 @@ static inline void kvcx_f2h_sat_n(const float *s, uint16_t *d, int64_t n) {
     }
 }
 
+/* CRC-32C (Castagnoli, the iSCSI polynomial), continuing from crc (0 to start): the SSE4.2 instruction
+   where the build has it (about 8 bytes per 3 cycles), else bit by bit. */
+#if defined(__SSE4_2__)
+#include <nmmintrin.h>
+#endif
+static inline uint32_t kvcx_crc32c(uint32_t crc, const uint8_t *p, int64_t n) {
+    crc = ~crc;
+#if defined(__SSE4_2__)
+    uint64_t c = crc;
+    for (; n >= 8; n -= 8, p += 8) {
+        uint64_t v;
+        memcpy(&v, p, 8);
+        c = _mm_crc32_u64(c, v);
+    }
+    crc = (uint32_t)c;
+    for (; n > 0; n--)
+        crc = _mm_crc32_u8(crc, *p++);
+#else
+    for (; n > 0; n--) {
+        crc ^= *p++;
+        for (int k = 0; k < 8; k++)
+            crc = (crc >> 1) ^ (0x82F63B78u & (0u - (crc & 1u)));
+    }
+#endif
+    return ~crc;
+}
+
+/* ---- 4-bit quantize + pack in one pass --------------------------------------------------
+   code = clamp(rint((x - zero) / scale), qmin, qmax) + off (0 where scale == 0 before the offset),
+   element 2i in the low nibble of byte i: the same arithmetic, in the same order, as the scalar
+   quantize-then-pack path, so the codes are identical. The caller checked that x is finite. */
+
+static inline uint8_t kvcx_q4_1(float x, float sdiv, float zero, int keep, float qmin, float qmax, float off) {
+    float t = rintf((x - zero) / sdiv);
+    t = t < qmin ? qmin : t;
+    t = t > qmax ? qmax : t;
+    t = keep ? t : 0.0f;
+    return (uint8_t)(int32_t)(t + off);
+}
+
+#if defined(__AVX2__)
+/* 16 values -> 8 packed bytes (in the low half of the result) */
+static inline __m128i kvcx_q4_16(const float *x, __m256 z0, __m256 z1, __m256 s0, __m256 s1, __m256 m0,
+                                 __m256 m1, __m256 lo, __m256 hi, __m256 off) {
+    const int rnd = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    __m256 t0 = _mm256_round_ps(_mm256_div_ps(_mm256_sub_ps(_mm256_loadu_ps(x), z0), s0), rnd);
+    __m256 t1 = _mm256_round_ps(_mm256_div_ps(_mm256_sub_ps(_mm256_loadu_ps(x + 8), z1), s1), rnd);
+    t0 = _mm256_and_ps(_mm256_min_ps(_mm256_max_ps(t0, lo), hi), m0);
+    t1 = _mm256_and_ps(_mm256_min_ps(_mm256_max_ps(t1, lo), hi), m1);
+    __m256i c = _mm256_packs_epi32(_mm256_cvttps_epi32(_mm256_add_ps(t0, off)),
+                                   _mm256_cvttps_epi32(_mm256_add_ps(t1, off)));
+    c = _mm256_permute4x64_epi64(c, 0xD8);
+    __m128i b = _mm_packus_epi16(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
+    __m128i w = _mm_maddubs_epi16(b, _mm_set1_epi16(0x1001));  /* b[2i] + 16 * b[2i+1] */
+    return _mm_packus_epi16(w, w);
+}
+#endif
+
+/* max over i of (bits(x[i]) & 0x7fffffff): the bits of max|x|, >= 0x7f800000 when a NaN/Inf is present */
+static inline int32_t kvcx_absmax_bits(const float *x, int64_t n) {
+    const int32_t *xi = (const int32_t *)x;
+    int32_t m = 0;
+    int64_t i = 0;
+#if defined(__AVX2__)
+    const __m256i mask = _mm256_set1_epi32(0x7fffffff);
+    __m256i a = _mm256_setzero_si256(), b = _mm256_setzero_si256();
+    for (; i + 16 <= n; i += 16) {
+        a = _mm256_max_epi32(a, _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(xi + i)), mask));
+        b = _mm256_max_epi32(b, _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(xi + i + 8)), mask));
+    }
+    a = _mm256_max_epi32(a, b);
+    __m128i c = _mm_max_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+    c = _mm_max_epi32(c, _mm_shuffle_epi32(c, 0x4E));
+    c = _mm_max_epi32(c, _mm_shuffle_epi32(c, 0xB1));
+    m = _mm_cvtsi128_si32(c);
+#endif
+    for (; i < n; i++) {
+        int32_t v = xi[i] & 0x7fffffff;
+        m = v > m ? v : m;
+    }
+    return m;
+}
+
+/* min and max over i of the order keys bits ^ ((bits >> 31) & 0x7fffffff) (signed order of floats) */
+static inline void kvcx_minmax_keys(const float *x, int64_t n, int32_t *kmin, int32_t *kmax) {
+    const int32_t *xi = (const int32_t *)x;
+    int32_t lo = 0x7fffffff, hi = -0x7fffffff - 1;
+    int64_t i = 0;
+#if defined(__AVX2__)
+    const __m256i mask = _mm256_set1_epi32(0x7fffffff);
+    __m256i vlo = _mm256_set1_epi32(lo), vhi = _mm256_set1_epi32(hi);
+    for (; i + 8 <= n; i += 8) {
+        __m256i v = _mm256_loadu_si256((const __m256i *)(xi + i));
+        __m256i k = _mm256_xor_si256(v, _mm256_and_si256(_mm256_srai_epi32(v, 31), mask));
+        vlo = _mm256_min_epi32(vlo, k);
+        vhi = _mm256_max_epi32(vhi, k);
+    }
+    __m128i a = _mm_min_epi32(_mm256_castsi256_si128(vlo), _mm256_extracti128_si256(vlo, 1));
+    a = _mm_min_epi32(a, _mm_shuffle_epi32(a, 0x4E));
+    a = _mm_min_epi32(a, _mm_shuffle_epi32(a, 0xB1));
+    __m128i b = _mm_max_epi32(_mm256_castsi256_si128(vhi), _mm256_extracti128_si256(vhi, 1));
+    b = _mm_max_epi32(b, _mm_shuffle_epi32(b, 0x4E));
+    b = _mm_max_epi32(b, _mm_shuffle_epi32(b, 0xB1));
+    lo = _mm_cvtsi128_si32(a);
+    hi = _mm_cvtsi128_si32(b);
+#endif
+    for (; i < n; i++) {
+        int32_t k = xi[i] ^ ((xi[i] >> 31) & 0x7fffffff);
+        lo = k < lo ? k : lo;
+        hi = k > hi ? k : hi;
+    }
+    *kmin = lo;
+    *kmax = hi;
+}
+
+/* rows x D values (D even), one scale/zero per column; sdiv = scale or 1 where scale == 0, and
+   keep[d] all ones where scale != 0 (zero bits elsewhere). Row r lands at out + r * D / 2. */
+static inline void kvcx_q4_pack_cols(const float *x, int64_t rows, int64_t D, const float *sdiv,
+                                     const float *zero, const float *keep, float qmin, float qmax, float off,
+                                     uint8_t *out) {
+    const uint32_t *kb = (const uint32_t *)keep;
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * D;
+        uint8_t *o = out + r * (D / 2);
+        int64_t d = 0;
+#if defined(__AVX2__)
+        const __m256 lo = _mm256_set1_ps(qmin), hi = _mm256_set1_ps(qmax), of = _mm256_set1_ps(off);
+        for (; d + 16 <= D; d += 16)
+            _mm_storel_epi64((__m128i *)(o + d / 2),
+                kvcx_q4_16(xr + d, _mm256_loadu_ps(zero + d), _mm256_loadu_ps(zero + d + 8), _mm256_loadu_ps(sdiv + d),
+                           _mm256_loadu_ps(sdiv + d + 8), _mm256_loadu_ps(keep + d), _mm256_loadu_ps(keep + d + 8),
+                           lo, hi, of));
+#endif
+        for (; d < D; d += 2)
+            o[d / 2] = kvcx_q4_1(xr[d], sdiv[d], zero[d], kb[d] != 0, qmin, qmax, off)
+                     | (uint8_t)(kvcx_q4_1(xr[d + 1], sdiv[d + 1], zero[d + 1], kb[d + 1] != 0, qmin, qmax, off) << 4);
+    }
+}
+
+/* n contiguous values with one scale (!= 0) and zero; an odd last value leaves its high nibble 0 */
+static inline void kvcx_q4_pack_contig(const float *x, int64_t n, float scale, float zero, float qmin, float qmax,
+                                       float off, uint8_t *out) {
+    int64_t i = 0;
+#if defined(__AVX2__)
+    const __m256 z = _mm256_set1_ps(zero), s = _mm256_set1_ps(scale), m = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+    const __m256 lo = _mm256_set1_ps(qmin), hi = _mm256_set1_ps(qmax), of = _mm256_set1_ps(off);
+    for (; i + 16 <= n; i += 16)
+        _mm_storel_epi64((__m128i *)(out + i / 2), kvcx_q4_16(x + i, z, z, s, s, m, m, lo, hi, of));
+#endif
+    for (; i + 2 <= n; i += 2)
+        out[i / 2] = kvcx_q4_1(x[i], scale, zero, 1, qmin, qmax, off)
+                   | (uint8_t)(kvcx_q4_1(x[i + 1], scale, zero, 1, qmin, qmax, off) << 4);
+    if (i < n)
+        out[i / 2] = kvcx_q4_1(x[i], scale, zero, 1, qmin, qmax, off);
+}
+
 static inline uint16_t kvcx_f2h_1(float x) {
 #if KVCX_F16C
     return (uint16_t)_cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT);

@@ -1,7 +1,7 @@
 # cython: language_level=3
 # Declarations of kvcx/_kernels.h: the one place the constants shared by the kernels and
 # the Python layer are defined (kvcx._core re-exports them as Python names).
-from libc.stdint cimport uint16_t, int32_t, int64_t
+from libc.stdint cimport uint8_t, uint16_t, uint32_t, int32_t, int64_t
 
 cdef extern from "_kernels.h" nogil:
     enum kvcx_dtype:
@@ -39,4 +39,11 @@ cdef extern from "_kernels.h" nogil:
     float kvcx_h2f_1(uint16_t h) noexcept
     const char *kvcx_simd_flags() noexcept
     void kvcx_wht8(float *p, int64_t n) noexcept
+    uint32_t kvcx_crc32c(uint32_t crc, const uint8_t *p, int64_t n) noexcept
+    int32_t kvcx_absmax_bits(const float *x, int64_t n) noexcept
+    void kvcx_minmax_keys(const float *x, int64_t n, int32_t *kmin, int32_t *kmax) noexcept
+    void kvcx_q4_pack_cols(const float *x, int64_t rows, int64_t D, const float *sdiv, const float *zero,
+                           const float *keep, float qmin, float qmax, float off, uint8_t *out) noexcept
+    void kvcx_q4_pack_contig(const float *x, int64_t n, float scale, float zero, float qmin, float qmax,
+                             float off, uint8_t *out) noexcept
     void kvcx_fwht_rows(float *x, int64_t rows, int64_t d) noexcept

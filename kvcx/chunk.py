@@ -14,7 +14,7 @@ Byte layout (all integers little-endian; every section starts on an 8-byte bound
     28  key codec:   u8 bits, u8 asymmetric, u8 axis (0 token, 1 channel), u8 rotate,
                      u16 group_size, u16 reserved (0), u32 sinks
     40  value codec: the same 12 bytes
-    52  u32 CRC-32 of the whole buffer with these 4 bytes as zero
+    52  u32 CRC-32C (Castagnoli) of the whole buffer with these 4 bytes as zero
     56  u32 payload bytes (after the header)      60  u32 reserved (0)
     64  key sections: codes, scales, zeros (asymmetric), sinks (sinks > 0), each padded to 8
         value sections: the same
@@ -22,19 +22,19 @@ Byte layout (all integers little-endian; every section starts on an 8-byte bound
 Keys are seen as ``(layers, tokens, kv_heads * head_dim)``: per-channel groups run along tokens
 for every (head, dim) channel, and sink tokens are the chunk's first tokens, exactly as
 ``kvcx compress`` does on ``[1, kv_heads, tokens, head_dim]`` tensors. A codec that rotates is
-applied per head, seen as ``(layers * tokens, kv_heads, head_dim)``; it can then use neither
-sinks nor per-channel groups. Token-axis groups of at most ``head_dim`` values that divide it are
+applied per head, each layer seen as ``(tokens * kv_heads, head_dim)`` rows; it can then use
+neither sinks nor per-channel groups. Token-axis groups of at most ``head_dim`` values that divide it are
 the same groups as in a file; the default scheme decodes bit for bit as ``kvcx compress`` does.
 """
 from __future__ import annotations
 
 import struct
-import zlib
 from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
 
+from kvcx import _core
 from kvcx.codec import IntCodec, Packed, decode_packed
 from kvcx.dtypes import DTYPE_NAMES, dtype_name, numpy_dtype
 from kvcx.errors import CodecError, FormatError, KvcxError
@@ -104,7 +104,8 @@ class ChunkCodec:
         return shape
 
     def _plan(self, codec: IntCodec, L: int, T: int, HD: int, itemsize: int, start: int) -> _Plan:
-        view = (L * T, HD // self.head_dim, self.head_dim) if codec.rotate else (L, T, HD)
+        # a rotation works per head: each layer as (tokens * heads) rows of head_dim (no sinks: checked)
+        view = (L, T * (HD // self.head_dim), self.head_dim) if codec.rotate else (L, T, HD)
         lay = codec._layout(view, "chunk")
         off = start
         codes = (off, lay["codes_nbytes"])
@@ -160,7 +161,7 @@ class ChunkCodec:
                               self.head_dim, *self._codec_fields(self.config.key),
                               *self._codec_fields(self.config.value), 0, total - HEADER_BYTES, 0)
         buf[:HEADER_BYTES] = np.frombuffer(header, dtype=np.uint8)
-        crc = zlib.crc32(memoryview(buf)) & 0xffffffff
+        crc = _core.crc32c(buf)
         buf[_CRC_OFFSET:_CRC_OFFSET + 4] = np.frombuffer(struct.pack("<I", crc), dtype=np.uint8)
         return total
 
@@ -206,11 +207,11 @@ class ChunkCodec:
             raise FormatError(f"{where}: the payload is {hdr['payload']} bytes in a {data.size}-byte buffer; a chunk "
                               f"of this shape and these settings has {vp.end - HEADER_BYTES}: it is damaged")
         body = data[:vp.end]
-        crc = zlib.crc32(memoryview(body[:_CRC_OFFSET]))
-        crc = zlib.crc32(b"\0\0\0\0", crc)
-        crc = zlib.crc32(memoryview(body[_CRC_OFFSET + 4:]), crc) & 0xffffffff
+        crc = _core.crc32c(body[:_CRC_OFFSET])
+        crc = _core.crc32c(np.zeros(4, np.uint8), crc)
+        crc = _core.crc32c(body[_CRC_OFFSET + 4:], crc)
         if crc != hdr["crc32"]:
-            raise FormatError(f"{where}: the chunk fails its CRC-32 check; the stored bytes are damaged")
+            raise FormatError(f"{where}: the chunk fails its CRC-32C check; the stored bytes are damaged")
         for plan, codec, dst in ((kp, hdr["key"], out[0]), (vp, hdr["value"], out[1])):
             codes = body[plan.codes[0]:plan.codes[0] + plan.codes[1]]
             scales = self._section(body, plan.scales, np.float16, plan.scales[2])

@@ -7,7 +7,6 @@ import os
 import struct
 import subprocess
 import sys
-import zlib
 from pathlib import Path
 
 import numpy as np
@@ -228,10 +227,21 @@ def _small_chunk(seed=0):
 
 
 def _reseal(buf):
+    from kvcx import _core
+
     b = buf.copy()
     b[52:56] = 0
-    b[52:56] = np.frombuffer(struct.pack("<I", zlib.crc32(memoryview(b)) & 0xffffffff), np.uint8)
+    b[52:56] = np.frombuffer(struct.pack("<I", _core.crc32c(b)), np.uint8)
     return b
+
+
+def test_crc32c_known_values():
+    from kvcx import _core
+
+    assert _core.crc32c(np.frombuffer(b"123456789", np.uint8)) == 0xE3069283  # the standard check value
+    assert _core.crc32c(np.zeros(32, np.uint8)) == 0x8A9136AA  # RFC 3720 B.4
+    data = np.random.default_rng(0).integers(0, 256, 1001, dtype=np.uint8)
+    assert _core.crc32c(data[500:], _core.crc32c(data[:500])) == _core.crc32c(data)
 
 
 def test_foreign_and_damaged_payloads():
