@@ -9,7 +9,9 @@ comes from this run, like compared with like:
   is involved), so "x NumPy" is kvcx on 1 thread over NumPy on 1 thread;
 - the memory-bandwidth reference is a copy of the same buffer at the same thread
   count: ``np.copyto`` on 1 thread, and on T threads ``np.copyto`` of T slices in
-  T Python threads (NumPy releases the GIL while it copies).
+  T Python threads (NumPy releases the GIL while it copies);
+- every figure is the best of --repeat rounds in which all of them are timed in
+  turn, so noise on a shared machine hits every row alike.
 
 Targets on a 2-core machine: encode and decode >= 10x NumPy, >= 0.4x copy, all
 threads >= 1.6x one thread.
@@ -93,22 +95,30 @@ def main(argv=None):
     x = (np.random.default_rng(0).standard_normal((1, 8, tokens, 64)) * 0.5).astype(np.float16)
     gb = x.nbytes / 1e9
     dst = np.empty_like(x)
-    copy = {1: gb / best(lambda: np.copyto(dst, x), args.repeat)}
-    copy[nthreads] = gb / best(lambda: threaded_copy(dst, x, nthreads), args.repeat)
     info = _core.build_info()
-    results = []
     for th in (1, nthreads):  # warm up the OpenMP thread pool and the allocator before measuring
         w = IntCodec(n_threads=th)
         w.decode(w.encode(x), out=dst)
+    # every measurement (the copies, and each option's encode and decode at 1 and all threads) is timed
+    # once per round, in turn, and keeps its best round: a noisy moment of a shared machine then hits
+    # all of them alike instead of one row
+    jobs = {("copy", 1): lambda: np.copyto(dst, x), ("copy", nthreads): lambda: threaded_copy(dst, x, nthreads)}
     for label, opts in OPTIONS:
-        r = {}
         for th in (1, nthreads):
             c = IntCodec(n_threads=th, **opts)
             p = c.encode(x)
             out = np.empty_like(x)
-            r[("enc", th)] = gb / best(lambda: c.encode(x), args.repeat)
-            r[("dec", th)] = gb / best(lambda: c.decode(p, out=out), args.repeat)
-        results.append((label, r))
+            jobs[(label, "enc", th)] = (lambda c=c: c.encode(x))
+            jobs[(label, "dec", th)] = (lambda c=c, p=p, out=out: c.decode(p, out=out))
+    best_t = {k: float("inf") for k in jobs}
+    for _ in range(args.repeat):
+        for k, fn in jobs.items():
+            t = time.perf_counter()
+            fn()
+            best_t[k] = min(best_t[k], time.perf_counter() - t)
+    copy = {th: gb / best_t[("copy", th)] for th in (1, nthreads)}
+    results = [(label, {(what, th): gb / best_t[(label, what, th)] for what in ("enc", "dec") for th in (1, nthreads)})
+               for label, _ in OPTIONS]
     # the NumPy baseline last: its large temporaries must not disturb the kvcx measurements
     codes, s16 = numpy_encode(x)
     np_enc = gb / best(lambda: numpy_encode(x), max(1, args.repeat // 2))

@@ -91,6 +91,17 @@ def crc32c(const uint8_t[::1] data, uint32_t crc=0):
     return r
 
 
+def crc32c_blocks(const uint8_t[::1] data, int64_t block, uint32_t[::1] out, int nthreads):
+    """out[i] = CRC-32C of data[i * block:(i + 1) * block] (the last block may be short), in parallel.
+    The caller sized out to ceil(len(data) / block) and checked block >= 1."""
+    cdef int64_t n = data.shape[0]
+    cdef int64_t nb = (n + block - 1) // block
+    cdef int64_t i
+    with nogil:
+        for i in prange(nb, num_threads=nthreads, schedule="static"):
+            out[i] = kvcx_crc32c(0, &data[0] + i * block, min(block, n - i * block))
+
+
 def max_threads():
     return int(omp_get_max_threads())
 
@@ -103,7 +114,6 @@ cdef inline void _load(const uint8_t *src, int dt, int64_t start, int64_t n, flo
     """Convert n elements starting at element `start` of src (dtype dt) to float32."""
     cdef int64_t i
     cdef const float *pf
-    cdef const uint16_t *ph
     if dt == KVCX_DT_F32:
         pf = <const float *>src + start
         for i in range(n):
@@ -111,16 +121,13 @@ cdef inline void _load(const uint8_t *src, int dt, int64_t start, int64_t n, flo
     elif dt == KVCX_DT_F16:
         kvcx_h2f_n(<const uint16_t *>src + start, dst, n)
     else:
-        ph = <const uint16_t *>src + start
-        for i in range(n):
-            dst[i] = kvcx_b2f(ph[i])
+        kvcx_b2f_n(<const uint16_t *>src + start, dst, n)
 
 
 cdef inline void _store(const float *buf, int dt, int64_t start, int64_t n, uint8_t *dst) noexcept nogil:
     """Convert n float32 values to dtype dt at element `start` of dst."""
     cdef int64_t i
     cdef float *pf
-    cdef uint16_t *ph
     if dt == KVCX_DT_F32:
         pf = <float *>dst + start
         for i in range(n):
@@ -128,9 +135,7 @@ cdef inline void _store(const float *buf, int dt, int64_t start, int64_t n, uint
     elif dt == KVCX_DT_F16:
         kvcx_f2h_n(buf, <uint16_t *>dst + start, n)
     else:
-        ph = <uint16_t *>dst + start
-        for i in range(n):
-            ph[i] = kvcx_f2b(buf[i])
+        kvcx_f2b_n(buf, <uint16_t *>dst + start, n)
 
 
 def convert(const uint8_t[::1] src, int src_dt, uint8_t[::1] dst, int dst_dt, int64_t n, int nthreads):

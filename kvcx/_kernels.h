@@ -99,6 +99,37 @@ static inline uint16_t kvcx_f2b(float x) {
     return (uint16_t)((f + 0x7fffu + ((f >> 16) & 1u)) >> 16);
 }
 
+static inline void kvcx_b2f_n(const uint16_t *s, float *d, int64_t n) {
+    int64_t i = 0;
+#if defined(__AVX2__)
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_si256((__m256i *)(d + i),
+            _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(s + i))), 16));
+#endif
+    for (; i < n; i++) d[i] = kvcx_b2f(s[i]);
+}
+
+/* float32 -> bfloat16, round to nearest even, NaN kept NaN (quiet): the same as kvcx_f2b */
+static inline void kvcx_f2b_n(const float *s, uint16_t *d, int64_t n) {
+    int64_t i = 0;
+#if defined(__AVX2__)
+    const __m256i abs = _mm256_set1_epi32(0x7fffffff), inf = _mm256_set1_epi32(0x7f800000);
+    const __m256i one = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(0x7fff), q = _mm256_set1_epi32(0x0040);
+    for (; i + 8 <= n; i += 8) {
+        __m256i f = _mm256_loadu_si256((const __m256i *)(s + i));
+        __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(f, bias),
+                                      _mm256_and_si256(_mm256_srli_epi32(f, 16), one)), 16);
+        __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(f, abs), inf);
+        __m256i qn = _mm256_or_si256(_mm256_srli_epi32(f, 16), q);
+        r = _mm256_blendv_epi8(r, qn, nan);
+        /* 8 x u32 (each < 65536) -> 8 x u16 */
+        __m128i lo = _mm256_castsi256_si128(r), hi = _mm256_extracti128_si256(r, 1);
+        _mm_storeu_si128((__m128i *)(d + i), _mm_packus_epi32(lo, hi));
+    }
+#endif
+    for (; i < n; i++) d[i] = kvcx_f2b(s[i]);
+}
+
 static inline void kvcx_h2f_n(const uint16_t *s, float *d, int64_t n) {
     int64_t i = 0;
 #if KVCX_F16C

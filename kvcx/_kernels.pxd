@@ -33,6 +33,8 @@ cdef extern from "_kernels.h" nogil:
     float kvcx_b2f(uint16_t b) noexcept
     uint16_t kvcx_f2b(float x) noexcept
     void kvcx_h2f_n(const uint16_t *s, float *d, int64_t n) noexcept
+    void kvcx_b2f_n(const uint16_t *s, float *d, int64_t n) noexcept
+    void kvcx_f2b_n(const float *s, uint16_t *d, int64_t n) noexcept
     void kvcx_f2h_n(const float *s, uint16_t *d, int64_t n) noexcept
     void kvcx_f2h_sat_n(const float *s, uint16_t *d, int64_t n) noexcept
     uint16_t kvcx_f2h_1(float x) noexcept

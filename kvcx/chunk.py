@@ -14,7 +14,8 @@ Byte layout (all integers little-endian; every section starts on an 8-byte bound
     28  key codec:   u8 bits, u8 asymmetric, u8 axis (0 token, 1 channel), u8 rotate,
                      u16 group_size, u16 reserved (0), u32 sinks
     40  value codec: the same 12 bytes
-    52  u32 CRC-32C (Castagnoli) of the whole buffer with these 4 bytes as zero
+    52  u32 checksum: CRC-32C (Castagnoli) over header bytes 0..51 and 56..63, then the little-endian
+        u32 CRC-32C of each 64 KiB block of the payload in order (blocks are checked in parallel)
     56  u32 payload bytes (after the header)      60  u32 reserved (0)
     64  key sections: codes, scales, zeros (asymmetric), sinks (sinks > 0), each padded to 8
         value sections: the same
@@ -39,6 +40,7 @@ from kvcx.codec import IntCodec, Packed, decode_packed
 from kvcx.dtypes import DTYPE_NAMES, dtype_name, numpy_dtype
 from kvcx.errors import CodecError, FormatError, KvcxError
 from kvcx.kvconfig import KVConfig
+from kvcx.runtime import resolve_threads
 
 MAGIC = b"KVCX"
 WIRE_VERSION = 1
@@ -50,6 +52,22 @@ _DT_BY_CODE = {code: name for name, code in DTYPE_NAMES.items()}
 _AXES = {"token": 0, "channel": 1}
 _AXIS_NAMES = {v: k for k, v in _AXES.items()}
 MAX_DIM = 2 ** 31 - 1
+
+
+CRC_BLOCK = 1 << 16
+
+
+def checksum(buf: np.ndarray, n_threads: Optional[int] = None) -> int:
+    """The chunk checksum of a serialized buffer (header field excluded); see the module docstring."""
+    payload = buf[HEADER_BYTES:]
+    blocks = np.empty(max(1, -(-payload.size // CRC_BLOCK)), dtype="<u4")
+    if payload.size:
+        _core.crc32c_blocks(payload, CRC_BLOCK, blocks, resolve_threads(n_threads))
+    else:
+        blocks[0] = 0
+    crc = _core.crc32c(buf[:_CRC_OFFSET])
+    crc = _core.crc32c(buf[_CRC_OFFSET + 4:HEADER_BYTES], crc)
+    return _core.crc32c(blocks.view(np.uint8), crc)
 
 
 def _pad8(n: int) -> int:
@@ -80,6 +98,7 @@ class ChunkCodec:
             raise CodecError(f"head_dim must be an integer from 1 to 65535, got {head_dim!r}")
         self.config = config or KVConfig.from_scheme()
         self.head_dim = head_dim
+        self._plan_cache: dict = {}
         for kind, c in (("key", self.config.key), ("value", self.config.value)):
             if c.rotate and (c.sinks or c.axis == "channel"):
                 raise CodecError(f"the {kind} codec rotates and also uses "
@@ -125,10 +144,16 @@ class ChunkCodec:
         return _Plan(view=view, codes=codes, scales=scales, zeros=zeros, sinks=sinks, end=off)
 
     def _plans(self, shape, itemsize: int):
-        _, L, T, HD = shape
-        kp = self._plan(self.config.key, L, T, HD, itemsize, HEADER_BYTES)
-        vp = self._plan(self.config.value, L, T, HD, itemsize, kp.end)
-        return kp, vp
+        """Both kinds' section plans for a chunk shape (computed once per shape and dtype size)."""
+        k = (tuple(shape), itemsize)
+        if k not in self._plan_cache:
+            _, L, T, HD = shape
+            kp = self._plan(self.config.key, L, T, HD, itemsize, HEADER_BYTES)
+            vp = self._plan(self.config.value, L, T, HD, itemsize, kp.end)
+            if len(self._plan_cache) > 64:
+                self._plan_cache.clear()
+            self._plan_cache[k] = (kp, vp)
+        return self._plan_cache[k]
 
     def serialized_size(self, shape, dtype) -> int:
         """Exact bytes of a serialized chunk of this shape and dtype."""
@@ -161,7 +186,7 @@ class ChunkCodec:
                               self.head_dim, *self._codec_fields(self.config.key),
                               *self._codec_fields(self.config.value), 0, total - HEADER_BYTES, 0)
         buf[:HEADER_BYTES] = np.frombuffer(header, dtype=np.uint8)
-        crc = _core.crc32c(buf)
+        crc = checksum(buf, self.config.value.n_threads)
         buf[_CRC_OFFSET:_CRC_OFFSET + 4] = np.frombuffer(struct.pack("<I", crc), dtype=np.uint8)
         return total
 
@@ -207,10 +232,7 @@ class ChunkCodec:
             raise FormatError(f"{where}: the payload is {hdr['payload']} bytes in a {data.size}-byte buffer; a chunk "
                               f"of this shape and these settings has {vp.end - HEADER_BYTES}: it is damaged")
         body = data[:vp.end]
-        crc = _core.crc32c(body[:_CRC_OFFSET])
-        crc = _core.crc32c(np.zeros(4, np.uint8), crc)
-        crc = _core.crc32c(body[_CRC_OFFSET + 4:], crc)
-        if crc != hdr["crc32"]:
+        if checksum(body, self.config.value.n_threads) != hdr["crc32"]:
             raise FormatError(f"{where}: the chunk fails its CRC-32C check; the stored bytes are damaged")
         for plan, codec, dst in ((kp, hdr["key"], out[0]), (vp, hdr["value"], out[1])):
             codes = body[plan.codes[0]:plan.codes[0] + plan.codes[1]]

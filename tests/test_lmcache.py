@@ -227,11 +227,10 @@ def _small_chunk(seed=0):
 
 
 def _reseal(buf):
-    from kvcx import _core
+    from kvcx.chunk import checksum
 
     b = buf.copy()
-    b[52:56] = 0
-    b[52:56] = np.frombuffer(struct.pack("<I", _core.crc32c(b)), np.uint8)
+    b[52:56] = np.frombuffer(struct.pack("<I", checksum(b)), np.uint8)
     return b
 
 
@@ -242,6 +241,9 @@ def test_crc32c_known_values():
     assert _core.crc32c(np.zeros(32, np.uint8)) == 0x8A9136AA  # RFC 3720 B.4
     data = np.random.default_rng(0).integers(0, 256, 1001, dtype=np.uint8)
     assert _core.crc32c(data[500:], _core.crc32c(data[:500])) == _core.crc32c(data)
+    blocks = np.empty(4, np.uint32)
+    _core.crc32c_blocks(data, 256, blocks, 2)
+    assert blocks.tolist() == [_core.crc32c(data[i:i + 256]) for i in range(0, 1001, 256)]
 
 
 def test_foreign_and_damaged_payloads():
