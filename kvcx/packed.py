@@ -28,6 +28,7 @@ from kvcx.dtypes import dtype_name, numpy_dtype
 from kvcx.errors import CodecError, FormatError
 from kvcx.kvconfig import KVConfig
 from kvcx.metrics import ErrorStats, error_stats
+from kvcx.safetensors_io import no_duplicate_keys
 
 FORMAT_KEY = "kvcx.format"
 FORMAT_NAME = "kvcx.packed"
@@ -170,15 +171,6 @@ def compress_tensors(tensors: Dict[str, np.ndarray], config: KVConfig, sparsity:
 # reading: a strict schema for every metadata field
 # ----------------------------------------------------------------------------
 
-def _no_duplicates(pairs):
-    out = {}
-    for k, v in pairs:
-        if k in out:
-            raise ValueError(f"duplicate key {k!r}")
-        out[k] = v
-    return out
-
-
 def _depth(obj, limit: int) -> bool:
     """Whether obj nests no deeper than ``limit`` (iterative: deep input cannot exhaust the stack)."""
     stack = [(obj, 1)]
@@ -196,7 +188,7 @@ def _depth(obj, limit: int) -> bool:
 def loads_strict(text: str, where: str, fix: str):
     """JSON with no duplicate keys and bounded nesting, else FormatError('{where} ...; {fix}')."""
     try:
-        value = json.loads(text, object_pairs_hook=_no_duplicates)
+        value = json.loads(text, object_pairs_hook=no_duplicate_keys)
     except RecursionError:
         raise FormatError(f"{where} nests too deeply; {fix}") from None
     except ValueError as exc:

@@ -57,11 +57,12 @@ def dtype_to_name(dtype: np.dtype, key: str = "tensor") -> str:
                       f"supported: {', '.join(_TYPES)}")
 
 
-def _no_duplicates(pairs):
+def no_duplicate_keys(pairs):
+    """``object_pairs_hook`` for json.loads: a dict, or FormatError on a repeated key."""
     out = {}
     for k, v in pairs:
         if k in out:
-            raise FormatError(f"duplicate key {k!r} in the header")
+            raise FormatError(f"duplicate key {k!r}")
         out[k] = v
     return out
 
@@ -89,9 +90,9 @@ def parse_header(prefix: bytes, file_size: int, source: str = "<bytes>"):
     if not text.startswith("{"):
         raise FormatError(f"{source}: header must be a JSON object starting with '{{'; not a safetensors file")
     try:
-        header = json.loads(text, object_pairs_hook=_no_duplicates)
+        header = json.loads(text, object_pairs_hook=no_duplicate_keys)
     except FormatError as exc:
-        raise FormatError(f"{source}: {exc}") from None
+        raise FormatError(f"{source}: {exc} in the header") from None
     except (ValueError, RecursionError) as exc:
         raise FormatError(f"{source}: header is not valid JSON ({str(exc)[:80]})") from None
     if not isinstance(header, dict):

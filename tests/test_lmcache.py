@@ -138,24 +138,30 @@ def test_factory_and_async_processor(chunks):
 # through LMCache's L1 manager and L2 adapters
 # ---------------------------------------------------------------------------------------------
 
+def _store_lookup_load(l1, w, chunks):
+    """Store chunks through the wrapper, look them up, load them: each exact to the codec's output."""
+    keys = [ls.key(i) for i in range(len(chunks))]
+    ok, nbytes = ls.store(l1, w, keys, chunks)
+    assert ok and nbytes == ChunkCodec().serialized_size(chunks[0].shape, BFLOAT16) * len(chunks)
+    assert ls.lookup(w, keys, ls.layout(chunks[0].shape)) == len(keys)
+    w.submit_unlock(keys)
+    hits, got = ls.load(w, keys, chunks[0].shape)
+    assert hits == len(keys)
+    for g, c in zip(got, chunks):
+        assert np.array_equal(g.view(np.uint16), codec_roundtrip(ChunkCodec(), c)[1].view(np.uint16))
+    return keys
+
+
 @pytest.mark.model
 def test_serde_wrapper_with_fs_adapter(chunks, tmp_path):
     l1 = ls.make_l1()
     w = ls.make_wrapper(l1, "fs", base_path=tmp_path)
-    keys = [ls.key(i) for i in range(len(chunks))]
     try:
-        ok, nbytes = ls.store(l1, w, keys, chunks)
+        keys = _store_lookup_load(l1, w, chunks)
         n = ChunkCodec().serialized_size(chunks[0].shape, BFLOAT16)
-        assert ok and nbytes == n * len(chunks)
         files = sorted(p for p in tmp_path.rglob("*") if p.is_file())
         assert len(files) == len(chunks) and all(f.stat().st_size == n for f in files)
         assert read_header(np.fromfile(files[0], np.uint8))["layers"] == 30
-        assert ls.lookup(w, keys, ls.layout(chunks[0].shape)) == len(keys)
-        w.submit_unlock(keys)
-        hits, got = ls.load(w, keys, chunks[0].shape)
-        assert hits == len(keys)
-        for g, c in zip(got, chunks):
-            assert np.array_equal(g.view(np.uint16), codec_roundtrip(ChunkCodec(), c)[1].view(np.uint16))
         # a file damaged on disk is refused: the load misses, nothing is decoded from it
         raw = bytearray(files[0].read_bytes())
         raw[5000] ^= 1
@@ -181,16 +187,8 @@ def valkey():
 def test_serde_wrapper_with_resp_adapter(chunks, valkey):
     l1 = ls.make_l1()
     w = ls.make_wrapper(l1, "resp", port=valkey)
-    keys = [ls.key(i) for i in range(len(chunks))]
     try:
-        ok, nbytes = ls.store(l1, w, keys, chunks)
-        assert ok and nbytes == ChunkCodec().serialized_size(chunks[0].shape, BFLOAT16) * len(chunks)
-        assert ls.lookup(w, keys, ls.layout(chunks[0].shape)) == len(keys)
-        w.submit_unlock(keys)
-        hits, got = ls.load(w, keys, chunks[0].shape)
-        assert hits == len(keys)
-        for g, c in zip(got, chunks):
-            assert np.array_equal(g.view(np.uint16), codec_roundtrip(ChunkCodec(), c)[1].view(np.uint16))
+        _store_lookup_load(l1, w, chunks)
     finally:
         w.close()
         l1.close()
