@@ -8,7 +8,8 @@ scores the same continuation tokens, so all rows share windows and tokens.
 
 Columns: bits/value (codes + scales + zero points + exact sink tokens, from the
 packed tensors' bytes), compression ratio vs FP16, RMSE / SNR of the cache
-values, perplexity delta vs the exact cache.
+values, perplexity delta vs the exact cache, and on the same scored tokens the
+mean KL divergence of the next-token distributions and the top-1 agreement.
 """
 from __future__ import annotations
 
@@ -144,16 +145,17 @@ def main(argv=None):
         f"Embedded SmolLM2-135M, WikiText-2 raw test, {len(starts)} windows of {args.window} (stride "
         f"{args.stride}), {tokens:,} tokens scored; baseline perplexity {base_ppl:.4f}.",
         "",
-        "| setting | bits/value | ratio vs FP16 | RMSE | SNR dB | perplexity | delta | codec CPU ms / window |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| setting | bits/value | ratio vs FP16 | RMSE | SNR dB | perplexity | delta | KLD (nats/token) | top-1 agreement | "
+        "codec CPU ms / window |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for label, _ in rows:
         r = runs[label]
         bpv = r.bits_per_value
         ppl = r.compressed_ppl
         lines.append(f"| {label} | {bpv:.3f} | {16.0 / bpv:.2f}x | {r.stats.rmse:.4f} | "
-                     f"{r.stats.snr_db:.2f} | {ppl:.4f} | {ppl - base_ppl:+.4f} | "
-                     f"{1000 * r.codec_cpu_s / len(starts):.1f} |")
+                     f"{r.stats.snr_db:.2f} | {ppl:.4f} | {ppl - base_ppl:+.4f} | {r.mean_kld:.5f} | "
+                     f"{100 * r.top1_agreement:.2f}% | {1000 * r.codec_cpu_s / len(starts):.1f} |")
     table = "\n".join(lines)
     print(table)
     print(f"\n(total {time.perf_counter() - t0:.0f} s)")

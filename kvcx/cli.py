@@ -308,6 +308,8 @@ def _print_validation(r) -> None:
         t.add_row("perplexity delta (the verdict)", f"{r.delta:+.4f} ({r.delta_percent:+.3f}%), threshold {r.threshold}")
         t.add_row("baseline perplexity", f"{r.baseline_perplexity:.4f}")
         t.add_row("compressed perplexity", f"{r.compressed_perplexity:.4f}")
+        t.add_row("next-token KL divergence", f"{r.kld:.5f} nats / token")
+        t.add_row("top-1 agreement", f"{100 * r.top1_agreement:.2f}%")
         t.add_row("tokens scored", f"{r.tokens_scored:,} in {r.windows} windows ({r.mode} mode)")
     t.add_row("compression ratio vs FP16", f"{r.compression_ratio:.2f}x")
     t.add_row("bits / value", f"{r.bits_per_value:.3f}")

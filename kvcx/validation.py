@@ -8,7 +8,9 @@ read -> decode). The window's last ``s`` tokens are then scored twice, attending
 to the exact cache and to the decoded cache: token ``j`` of the continuation is
 predicted from the continuation's position ``j - 1`` (``s - 1`` tokens per
 window, every one of them attending to the compressed context). Windows never
-overlap in scored tokens, and both perplexities come from the same tokens.
+overlap in scored tokens, and both perplexities come from the same tokens. On the same
+tokens it also measures the mean KL divergence between the exact and the compressed
+model's next-token distributions and how often their most likely next token agrees.
 
 This module computes; it prints nothing. Progress reaches the caller through two
 callbacks: ``on_phase(step, total, message)`` and ``on_window(done, total)``.
@@ -54,6 +56,8 @@ class ValidationResult:
     threshold: float
     bits_per_value: float = 0.0
     relative_rmse: float = 0.0        # RMSE / RMS of the exact cache: scale-free
+    kld: float = 0.0                  # mean KL(exact || compressed) of the next-token distributions, nats/token
+    top1_agreement: float = 0.0       # fraction of scored tokens with the same most likely next token
     compression_ratio_vs_cache_dtype: float = 0.0   # vs the cache as the model holds it (FP32 on CPU)
     cache_dtype: str = ""
     max_error: float = 0.0
@@ -125,6 +129,17 @@ def sequence_nll(logits, targets) -> float:
     return float(-lp.gather(-1, targets[:, None]).double().sum())
 
 
+def next_token_divergence(base_logits, comp_logits) -> tuple:
+    """(summed KL(exact || compressed) of the next-token distributions in nats, top-1 matches) over the
+    rows of two [T, vocab] logit tensors: the sensitive measures beside perplexity (llama.cpp's KLD)."""
+    import torch
+
+    lp = torch.log_softmax(base_logits.float(), dim=-1)
+    lq = torch.log_softmax(comp_logits.float(), dim=-1)
+    kl = (lp.exp() * (lp - lq)).sum(-1).clamp_min(0.0)
+    return float(kl.double().sum()), int((base_logits.argmax(-1) == comp_logits.argmax(-1)).sum())
+
+
 @dataclass
 class PerplexityRun:
     """Summed NLLs and sizes of one compressed setting over the scored windows."""
@@ -139,11 +154,15 @@ class PerplexityRun:
     stats: ErrorStats = field(default_factory=ErrorStats)
     codec_time_s: float = 0.0   # wall time of the round trips
     codec_cpu_s: float = 0.0    # CPU time of the round trips (all threads)
+    kl_sum: float = 0.0         # summed KL(exact || compressed) over the scored tokens, nats
+    top1_matches: int = 0       # scored tokens whose most likely next token is the same on both caches
 
     def add_window(self, base_nll: float, comp_nll: float, tokens: int, original_bytes: int, packed_bytes: int,
                    values: int, codec_time_s: float, stats: Optional[ErrorStats] = None,
-                   codec_cpu_s: float = 0.0) -> None:
+                   codec_cpu_s: float = 0.0, divergence: tuple = (0.0, 0)) -> None:
         """Add one window's scores and sizes."""
+        self.kl_sum += divergence[0]
+        self.top1_matches += divergence[1]
         self.baseline_nll += base_nll
         self.compressed_nll += comp_nll
         self.tokens += int(tokens)
@@ -163,6 +182,14 @@ class PerplexityRun:
     @property
     def compressed_ppl(self) -> float:
         return math.exp(self.compressed_nll / self.tokens)
+
+    @property
+    def mean_kld(self) -> float:
+        return self.kl_sum / self.tokens if self.tokens else 0.0
+
+    @property
+    def top1_agreement(self) -> float:
+        return self.top1_matches / self.tokens if self.tokens else 0.0
 
     @property
     def bits_per_value(self) -> float:
@@ -191,15 +218,17 @@ def compare_prefix(model, ids, starts: List[int], window: int, stride: int, roun
             targets = cont[0, 1:]
             cache = model(ctx, use_cache=True).past_key_values
             tensors = cache_to_tensors(cache)
-            base = sequence_nll(model(cont, past_key_values=cache, use_cache=True).logits[0, :-1], targets)
+            base_logits = model(cont, past_key_values=cache, use_cache=True).logits[0, :-1]
+            base = sequence_nll(base_logits, targets)
             for label, roundtrip in roundtrips.items():
                 t, c = time.perf_counter(), time.process_time()
                 decoded, nbytes, stats = roundtrip(tensors)
                 comp_cache = make_dynamic_cache(tensors_to_layers(decoded, dev))
                 codec_s, codec_cpu = time.perf_counter() - t, time.process_time() - c
-                comp = sequence_nll(model(cont, past_key_values=comp_cache, use_cache=True).logits[0, :-1], targets)
-                runs[label].add_window(base, comp, targets.numel(), original_nbytes(tensors), nbytes,
-                                       sum(x.size for x in tensors.values()), codec_s, stats, codec_cpu)
+                comp_logits = model(cont, past_key_values=comp_cache, use_cache=True).logits[0, :-1]
+                runs[label].add_window(base, sequence_nll(comp_logits, targets), targets.numel(),
+                                       original_nbytes(tensors), nbytes, sum(x.size for x in tensors.values()),
+                                       codec_s, stats, codec_cpu, next_token_divergence(base_logits, comp_logits))
             if on_window:
                 on_window(w + 1, len(starts))
     return runs
@@ -229,15 +258,16 @@ def perplexity_generation(model, ids, starts: List[int], window: int, stride: in
         for w, a in enumerate(starts):
             win = ids[a:a + window][None].to(dev)
             targets = win[0, ctx_len + 1:]
-            base = sequence_nll(model(win, use_cache=False).logits[0, ctx_len:-1], targets)
+            base_logits = model(win, use_cache=False).logits[0, ctx_len:-1]
             cache = KvcxCache(model.config, kv_config=config, residual_length=residual_length)
             chunks = []
             for c0 in range(0, window, residual_length):
                 chunks.append(model(win[:, c0:c0 + residual_length], past_key_values=cache, use_cache=True).logits[0])
-            comp = sequence_nll(torch.cat(chunks)[ctx_len:-1], targets)
+            comp_logits = torch.cat(chunks)[ctx_len:-1]
             mem = cache.memory_report()
-            run.add_window(base, comp, targets.numel(), mem["model_dtype_equivalent_bytes"], mem["total_bytes"],
-                           mem["fp16_equivalent_bytes"] // 2, cache.kernel_time_s)
+            run.add_window(sequence_nll(base_logits, targets), sequence_nll(comp_logits, targets), targets.numel(),
+                           mem["model_dtype_equivalent_bytes"], mem["total_bytes"], mem["fp16_equivalent_bytes"] // 2,
+                           cache.kernel_time_s, divergence=next_token_divergence(base_logits, comp_logits))
             if on_window:
                 on_window(w + 1, len(starts))
     return run
@@ -295,6 +325,7 @@ def run_validation(config: KVConfig, threshold: float = DEFAULT_THRESHOLD, model
         compression_ratio_vs_cache_dtype=run.original_bytes / run.packed_bytes if run.packed_bytes else 0.0,
         cache_dtype=str(next(m.parameters()).dtype).replace("torch.", ""),
         rmse=s.rmse, relative_rmse=s.relative_rmse, snr_db=s.snr_db, cosine_similarity=s.cosine_similarity,
+        kld=run.mean_kld, top1_agreement=run.top1_agreement,
         max_error=s.max_error, quality_level=quality_level(s.rmse, s.snr_db) if s.n else "",
         passed=delta < threshold, threshold=threshold,
         tokens_scored=run.tokens, windows=run.windows, window=window, stride=stride, mode=mode, model=name,

@@ -78,6 +78,7 @@ def test_identity_codec_gives_zero_delta(loaded, wikitext_path):
                        roundtrip=identity_roundtrip)
     assert r.delta == 0.0 and r.baseline_perplexity == r.compressed_perplexity
     assert r.tokens_scored == 2 * 511
+    assert r.kld == 0.0 and r.top1_agreement == 1.0  # the same logits: no divergence at all
 
 
 def test_validate_default_scheme(loaded, wikitext_path):
@@ -86,11 +87,13 @@ def test_validate_default_scheme(loaded, wikitext_path):
     assert 5 < r.baseline_perplexity < 60 and math.isfinite(r.compressed_perplexity)
     assert r.compressed_perplexity != r.baseline_perplexity  # the codec really ran
     assert abs(r.delta) < 0.5 and r.passed
+    assert 0.0 < r.kld < 0.1 and 0.9 < r.top1_agreement < 1.0  # sensitive measures, same scored tokens
     assert 3.3 < r.compression_ratio < 4 and r.snr_db > 18  # vs FP16
     assert r.cache_dtype == "float32" and r.compression_ratio_vs_cache_dtype == pytest.approx(2 * r.compression_ratio)
     ref = run_validation(KVConfig.from_scheme("reference"), dataset_file=wikitext_path, max_windows=3, loaded=loaded)
     assert ref.baseline_perplexity == r.baseline_perplexity
     assert ref.delta > r.delta  # the default beats the reference design
+    assert ref.kld > r.kld and ref.top1_agreement <= r.top1_agreement
 
 
 def test_cli_validate_end_to_end_json(wikitext_path):
@@ -101,6 +104,7 @@ def test_cli_validate_end_to_end_json(wikitext_path):
     assert v["windows"] == 2 and v["threshold"] == 0.3 and v["passed"] == (v["delta"] < 0.3)
     # the ratio is against FP16 (bits/value beside it); the FP32 figure only under its own label
     assert 3.3 < v["compression_ratio"] < 4.0
+    assert v["kld"] > 0 and 0 < v["top1_agreement"] <= 1
     assert v["compression_ratio"] == pytest.approx(16 / v["bits_per_value"])
     assert v["cache_dtype"] == "float32" and v["compression_ratio_vs_cache_dtype"] > 6
     assert r.exit_code == (0 if v["passed"] else 3)
@@ -118,6 +122,7 @@ def test_generation_mode_runs_through_kvcx_cache(loaded, wikitext_path):
     r = run_validation(KVConfig.from_scheme(), dataset_file=wikitext_path, max_windows=1, loaded=loaded,
                        mode="generation")
     assert r.mode == "generation" and r.tokens_scored == 511
+    assert 0.0 < r.kld < 0.5 and 0.8 < r.top1_agreement <= 1.0
     assert math.isfinite(r.compressed_perplexity) and r.compressed_perplexity != r.baseline_perplexity
     assert abs(r.delta) < 1.0
     assert r.compression_ratio > 2.5  # FP16-equivalent bytes / packed + FP32 residual bytes
