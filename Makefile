@@ -43,6 +43,7 @@ bench: build
 	$(PY) bench/bench_codec.py
 	$(PY) bench/bench_quality.py --max-windows 64 $(DATASET_ARG)
 	$(PY) bench/bench_generate.py $(DATASET_ARG)
+	$(PY) bench/bench_lmcache.py
 
 clean:
 	rm -rf build kvcx/_core.c kvcx/*.so kvcx/.built *.egg-info
