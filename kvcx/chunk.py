@@ -36,8 +36,8 @@ from typing import Optional
 import numpy as np
 
 from kvcx import _core
-from kvcx.codec import IntCodec, Packed, decode_packed
-from kvcx.dtypes import DTYPE_NAMES, dtype_name, numpy_dtype
+from kvcx.codec import IntCodec, check_status
+from kvcx.dtypes import DTYPE_NAMES, dtype_name, kernel_dtype, numpy_dtype, raw
 from kvcx.errors import CodecError, FormatError, KvcxError
 from kvcx.kvconfig import KVConfig
 from kvcx.runtime import resolve_threads
@@ -52,6 +52,7 @@ _DT_BY_CODE = {code: name for name, code in DTYPE_NAMES.items()}
 _AXES = {"token": 0, "channel": 1}
 _AXIS_NAMES = {v: k for k, v in _AXES.items()}
 MAX_DIM = 2 ** 31 - 1
+_NO_ZEROS = np.empty(0, dtype=np.uint16)
 
 
 CRC_BLOCK = 1 << 16
@@ -84,6 +85,8 @@ class _Plan:
     zeros: Optional[tuple]
     sinks: Optional[tuple]
     end: int
+    layout: object = None  # the kernels' view of the tensor (_core.Layout)
+    t0: int = 0            # exact sink tokens per layer
 
 
 class ChunkCodec:
@@ -141,7 +144,8 @@ class ChunkCodec:
             n = L * lay["t0"] * HD * itemsize
             sinks = (off, n, (L, lay["t0"], HD))
             off = _pad8(off + n)
-        return _Plan(view=view, codes=codes, scales=scales, zeros=zeros, sinks=sinks, end=off)
+        return _Plan(view=view, codes=codes, scales=scales, zeros=zeros, sinks=sinks, end=off,
+                     layout=codec._kernel_layout(lay), t0=lay["t0"])
 
     def _plans(self, shape, itemsize: int):
         """Both kinds' section plans for a chunk shape (computed once per shape and dtype size)."""
@@ -200,14 +204,21 @@ class ChunkCodec:
         return buf[off:off + n].view(dtype).reshape(shape)
 
     def _encode_kind(self, plan: _Plan, codec: IntCodec, x: np.ndarray, buf: np.ndarray, where: str) -> None:
+        # the kernels straight into the buffer's sections: every size was checked when the plan was made
         view = x.reshape(plan.view)
-        target = Packed(codes=buf[plan.codes[0]:plan.codes[0] + plan.codes[1]],
-                        scales=self._section(buf, plan.scales, np.float16, plan.scales[2]),
-                        zeros=self._section(buf, plan.zeros, np.float16, plan.zeros[2]) if plan.zeros else None,
-                        sinks=None, shape=plan.view, dtype="", config={})
-        p = codec.encode(view, name=where, out=target)  # codes, scales, zeros written in place
+        status = _core.STATUS_OK
+        if plan.view[1] > plan.t0:
+            zeros = buf[plan.zeros[0]:plan.zeros[0] + plan.zeros[1]].view(np.uint16) if plan.zeros else _NO_ZEROS
+            status = _core.encode(raw(view), kernel_dtype(view.dtype), plan.layout,
+                                  buf[plan.codes[0]:plan.codes[0] + plan.codes[1]],
+                                  buf[plan.scales[0]:plan.scales[0] + plan.scales[1]].view(np.uint16), zeros,
+                                  resolve_threads(codec.n_threads))
         if plan.sinks:
-            self._section(buf, plan.sinks, x.dtype, plan.sinks[2])[...] = p.sinks.reshape(plan.sinks[2])
+            sinks = view[:, :plan.t0, :]
+            if not status and not np.isfinite(sinks.astype(np.float32)).all():
+                status = _core.STATUS_NONFINITE  # the exact sink tokens must be finite too
+            self._section(buf, plan.sinks, x.dtype, plan.sinks[2])[...] = sinks
+        check_status(status, where, view)
 
     # -- decode -------------------------------------------------------------------
     def decode_into(self, data: np.ndarray, out: np.ndarray, where: str = "chunk") -> None:
@@ -241,10 +252,15 @@ class ChunkCodec:
             for part in (scales, zeros):
                 if part is not None and not np.isfinite(part).all():
                     raise FormatError(f"{where}: the chunk holds non-finite scales; it is damaged")
-            sinks = self._section(body, plan.sinks, out.dtype, plan.sinks[2]) if plan.sinks else None
-            p = Packed(codes=codes, scales=scales, zeros=zeros, sinks=sinks, shape=plan.view, dtype=name,
-                       config=codec.packed_config(plan.view))
-            decode_packed(p, out=dst.reshape(plan.view), name=where, n_threads=self.config.value.n_threads)
+            target = dst.reshape(plan.view)
+            if plan.view[1] > plan.t0:
+                status = _core.decode(codes, scales.reshape(-1).view(np.uint16),
+                                      zeros.reshape(-1).view(np.uint16) if zeros is not None else _NO_ZEROS, plan.layout,
+                                      raw(target), plan.view[1], 0, DTYPE_NAMES[name],
+                                      resolve_threads(self.config.value.n_threads))
+                check_status(status, where, what="decoding")
+            if plan.sinks:
+                target[:, :plan.t0, :] = self._section(body, plan.sinks, out.dtype, plan.sinks[2])
 
 
 def read_header(data: np.ndarray, where: str = "chunk") -> dict:
