@@ -200,6 +200,11 @@ def test_kernel_constants_are_defined_once():
     assert len({_core.STATUS_NONFINITE, _core.STATUS_SCALE_OVERFLOW, _core.STATUS_NOMEM}) == 3
     pyx = (ROOT / "kvcx/_core.pyx").read_text()
     assert "DEF " not in pyx and 'cdef extern from *' not in pyx
-    for path in (ROOT / "kvcx").glob("*.py"):
+    for path in (ROOT / "kvcx").rglob("*.py"):
         src = path.read_text()
-        assert "16384" not in src and "_core.encode(" not in src or path.name == "codec.py", path.name
+        assert "16384" not in src and "32768" not in src and "65536" not in src, path.name
+        # the encode/decode kernels are called only where the layout comes from IntCodec's checks
+        # (``_kernel_layout`` after ``_layout``) and the status goes through ``check_status``
+        if "_core.encode(" in src or "_core.decode(" in src:
+            assert path.name in ("codec.py", "chunk.py"), path.name
+            assert "_kernel_layout(" in src and "check_status(" in src, path.name
