@@ -37,7 +37,7 @@ import numpy as np
 
 from kvcx import _core
 from kvcx.codec import IntCodec, check_status
-from kvcx.dtypes import DTYPE_NAMES, dtype_name, kernel_dtype, numpy_dtype, raw
+from kvcx.dtypes import DTYPE_NAMES, dtype_name, is_int, kernel_dtype, numpy_dtype, raw
 from kvcx.errors import CodecError, FormatError, KvcxError
 from kvcx.kvconfig import KVConfig
 from kvcx.runtime import resolve_threads
@@ -97,11 +97,12 @@ class ChunkCodec:
     """
 
     def __init__(self, config: Optional[KVConfig] = None, head_dim: int = 64):
-        if isinstance(head_dim, bool) or not isinstance(head_dim, int) or not 1 <= head_dim <= 65535:
+        if not is_int(head_dim) or not 1 <= head_dim <= 65535:
             raise CodecError(f"head_dim must be an integer from 1 to 65535, got {head_dim!r}")
         self.config = config or KVConfig.from_scheme()
         self.head_dim = head_dim
         self._plan_cache: dict = {}
+        self._stored_cache: dict = {}
         for kind, c in (("key", self.config.key), ("value", self.config.value)):
             if c.rotate and (c.sinks or c.axis == "channel"):
                 raise CodecError(f"the {kind} codec rotates and also uses "
@@ -146,6 +147,17 @@ class ChunkCodec:
             off = _pad8(off + n)
         return _Plan(view=view, codes=codes, scales=scales, zeros=zeros, sinks=sinks, end=off,
                      layout=codec._kernel_layout(lay), t0=lay["t0"])
+
+    def _stored(self, hdr: dict) -> "ChunkCodec":
+        """A codec with the settings a chunk header records (one per distinct settings; their plans cached)."""
+        k = (tuple(sorted(hdr["key"].get_config().items())), tuple(sorted(hdr["value"].get_config().items())),
+             hdr["head_dim"])
+        if k not in self._stored_cache:
+            if len(self._stored_cache) > 16:
+                self._stored_cache.clear()
+            self._stored_cache[k] = ChunkCodec(KVConfig(key=hdr["key"], value=hdr["value"], scheme="stored"),
+                                               hdr["head_dim"])
+        return self._stored_cache[k]
 
     def _plans(self, shape, itemsize: int):
         """Both kinds' section plans for a chunk shape (computed once per shape and dtype size)."""
@@ -235,8 +247,7 @@ class ChunkCodec:
             raise FormatError(f"{where}: the stored chunk is {hdr['dtype']} {list(shape)}, the destination is "
                               f"{name} {list(out.shape)}; it was written for another model or layout")
         try:
-            stored = ChunkCodec(KVConfig(key=hdr["key"], value=hdr["value"], scheme="stored"), hdr["head_dim"])
-            kp, vp = stored._plans(shape, out.dtype.itemsize)
+            kp, vp = self._stored(hdr)._plans(shape, out.dtype.itemsize)
         except CodecError as exc:
             raise FormatError(f"{where}: the chunk header describes settings kvcx cannot decode ({exc})") from None
         if vp.end - HEADER_BYTES != hdr["payload"] or data.size < vp.end:

@@ -20,7 +20,7 @@ import numpy as np
 from kvcx import _core
 # re-exported: these lived here before kvcx.dtypes / convert / metrics / runtime existed
 from kvcx.convert import convert, to_float16, to_float32  # noqa: F401
-from kvcx.dtypes import (BFLOAT16, DTYPE_NAMES, check_float, dtype_name, kernel_dtype,  # noqa: F401
+from kvcx.dtypes import (BFLOAT16, DTYPE_NAMES, check_float, dtype_name, is_int, kernel_dtype,  # noqa: F401
                          numpy_dtype, raw)
 from kvcx.errors import CodecError
 from kvcx.metrics import ErrorStats, error_stats, quality_metrics  # noqa: F401
@@ -35,11 +35,6 @@ MAX_ROTATE_DIM = 1024
 MAX_ELEMENTS = 1 << 56
 MAX_SINKS = 2 ** 31 - 1
 _AXIS_CODES = {"token": _core.AXIS_TOKEN, "channel": _core.AXIS_CHANNEL}
-
-
-def _is_int(v) -> bool:
-    """A true integer (Python or NumPy), not a bool and not a float that happens to be whole."""
-    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
 
 
 def check_status(status: int, name: str, x: Optional[np.ndarray] = None, what: str = "encoding") -> None:
@@ -124,17 +119,17 @@ class IntCodec:
 
     def __init__(self, group_size: int = 64, scheme: str = "symmetric", bits: int = 4, axis: str = "token",
                  rotate: bool = False, sinks: int = 0, n_threads: Optional[int] = None):
-        if not _is_int(group_size) or group_size not in GROUP_SIZES:
+        if not is_int(group_size) or group_size not in GROUP_SIZES:
             raise CodecError(f"group size {group_size!r} is not supported; use one of {', '.join(map(str, GROUP_SIZES))}")
         if not isinstance(scheme, str) or scheme not in SCHEMES:
             raise CodecError(f"scheme {scheme!r} is not supported; use one of {', '.join(SCHEMES)}")
-        if not _is_int(bits) or bits not in BITS:
+        if not is_int(bits) or bits not in BITS:
             raise CodecError(f"bits {bits!r} is not supported; use one of {', '.join(map(str, BITS))}")
         if not isinstance(axis, str) or axis not in AXES:
             raise CodecError(f"axis {axis!r} is not supported; use one of {', '.join(AXES)}")
         if not isinstance(rotate, (bool, np.bool_)):
             raise CodecError(f"rotate must be true or false, got {rotate!r}")
-        if not _is_int(sinks) or not 0 <= sinks <= MAX_SINKS:
+        if not is_int(sinks) or not 0 <= sinks <= MAX_SINKS:
             raise CodecError(f"sinks must be a non-negative integer up to {MAX_SINKS} (tokens kept exact), "
                              f"got {sinks!r}")
         self.group_size = int(group_size)

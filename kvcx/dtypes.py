@@ -19,6 +19,11 @@ except ImportError:  # pragma: no cover - ml_dtypes is a dependency
 DTYPE_NAMES = {"F32": _core.DT_F32, "F16": _core.DT_F16, "BF16": _core.DT_BF16}
 
 
+def is_int(v) -> bool:
+    """A true integer (Python or NumPy), not a bool and not a float that happens to be whole."""
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
 def dtype_name(dtype: np.dtype) -> Optional[str]:
     """'F16' / 'BF16' / 'F32' for the float dtypes the kernels handle, else None."""
     dtype = np.dtype(dtype)

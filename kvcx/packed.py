@@ -24,7 +24,7 @@ from typing import Callable, Dict, Optional, Tuple
 import numpy as np
 
 from kvcx.codec import IntCodec, Packed, decode_packed
-from kvcx.dtypes import dtype_name, numpy_dtype
+from kvcx.dtypes import dtype_name, is_int, numpy_dtype
 from kvcx.errors import CodecError, FormatError
 from kvcx.kvconfig import KVConfig
 from kvcx.metrics import ErrorStats, error_stats
@@ -212,10 +212,6 @@ def _expect(cond: bool, source: str, what: str) -> None:
         raise FormatError(f"{source}: {what}; the packed file is damaged or was not written by kvcx")
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def read_settings(metadata: Dict[str, str], source: str = "<packed>") -> dict:
     """Validate the file-level metadata; returns version, config, codecs, tensors, passthrough, checksums."""
     if not is_packed(metadata):
@@ -261,7 +257,7 @@ def read_settings(metadata: Dict[str, str], source: str = "<packed>") -> dict:
         _expect(rec["dtype"] in ("F16", "BF16", "F32"), source, f"tensor {name!r} has dtype {rec['dtype']!r}; "
                 "packed tensors are F16, BF16 or F32")
         shape = rec["shape"]
-        _expect(isinstance(shape, list) and len(shape) <= 64 and all(_is_int(s) and 1 <= s < 2 ** 62 for s in shape),
+        _expect(isinstance(shape, list) and len(shape) <= 64 and all(is_int(s) and 1 <= s < 2 ** 62 for s in shape),
                 source, f"tensor {name!r} has shape {str(shape)[:60]}; expected a list of positive integers")
         _expect(isinstance(rec["codec"], str) and rec["codec"] in codecs, source,
                 f"metadata for tensor {name!r} is incomplete or invalid (codec {str(rec['codec'])[:40]!r} is not "
@@ -284,6 +280,11 @@ def read_settings(metadata: Dict[str, str], source: str = "<packed>") -> dict:
 def packed_tensors(tensors: Dict[str, np.ndarray], metadata: Dict[str, str],
                    source: str = "<packed>") -> Dict[str, Packed]:
     """The :class:`Packed` records of a packed file (codes LZ4-decompressed), every stored tensor checked."""
+    return _read_packed(tensors, metadata, source)[1]
+
+
+def _read_packed(tensors, metadata, source) -> Tuple[dict, Dict[str, Packed]]:
+    """(the checked settings, the Packed records) of a packed file."""
     s = read_settings(metadata, source)
     info, codecs = s["tensors"], s["codecs"]
     if s["crc32"] is not None and crc32(tensors, metadata) != s["crc32"]:
@@ -340,16 +341,16 @@ def packed_tensors(tensors: Dict[str, np.ndarray], metadata: Dict[str, str],
                     f"{name}.kvcx.sinks must be {dtype} {list(want)}, got {sinks.dtype} {list(sinks.shape)}")
         result[name] = Packed(codes=codes, scales=scales, zeros=zeros, sinks=sinks, shape=shape, dtype=dtype,
                               config=cfg)
-    return result
+    return s, result
 
 
 def decompress_tensors(tensors: Dict[str, np.ndarray], metadata: Dict[str, str], source: str = "<packed>",
                        n_threads: Optional[int] = None,
                        progress: Optional[Callable[[str], None]] = None) -> Dict[str, np.ndarray]:
     """Restore every tensor (names, shapes, dtypes) of a packed file."""
-    packed = packed_tensors(tensors, metadata, source)
+    settings, packed = _read_packed(tensors, metadata, source)
     out: Dict[str, np.ndarray] = {}
-    for name in read_settings(metadata, source)["passthrough"]:
+    for name in settings["passthrough"]:
         out[name] = tensors[name]
     for name, p in packed.items():
         try:

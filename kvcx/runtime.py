@@ -4,9 +4,8 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-import numpy as np
-
 from kvcx import _core
+from kvcx.dtypes import is_int
 from kvcx.errors import CodecError
 
 # more threads than this is a typo, not a machine (OpenMP would try to start them all)
@@ -17,8 +16,7 @@ def resolve_threads(n_threads: Optional[int]) -> int:
     """Effective thread count: None = all (OMP_NUM_THREADS honoured), 1..MAX_THREADS as given."""
     if n_threads is None:
         return max(1, min(MAX_THREADS, _core.max_threads()))
-    if isinstance(n_threads, bool) or not isinstance(n_threads, (int, np.integer)) or n_threads < 1 \
-            or n_threads > MAX_THREADS:
+    if not is_int(n_threads) or not 1 <= n_threads <= MAX_THREADS:
         raise CodecError(f"n_threads must be a positive integer up to {MAX_THREADS}, or None (all cores); "
                          f"got {n_threads!r}")
     return int(n_threads)

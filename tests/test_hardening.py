@@ -1,5 +1,4 @@
 """No crash, no lost file, no silently wrong data: crafted files, signals, paths, modes, extreme values."""
-import copy
 import json
 import os
 import signal

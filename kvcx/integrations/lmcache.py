@@ -30,7 +30,7 @@ from typing import Optional
 import numpy as np
 
 from kvcx.chunk import ChunkCodec
-from kvcx.dtypes import BFLOAT16
+from kvcx.dtypes import BFLOAT16, is_int
 from kvcx.errors import KvcxError
 from kvcx.kvconfig import SCHEME_NAMES, KVConfig
 
@@ -59,7 +59,7 @@ def _int_option(opts: dict, name: str, lo: int, hi: int, default=None):
     v = opts.get(name, default)
     if v is None:
         return None
-    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+    if not is_int(v) or not lo <= v <= hi:
         raise KvcxSerdeError(f"serde option {name!r} must be an integer from {lo} to {hi}, got {v!r}")
     return v
 
