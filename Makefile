@@ -23,7 +23,7 @@ $(VENV)/.installed: pyproject.toml setup.py
 venv: $(VENV)/.installed
 
 # rebuild the extension in place whenever the kernels change
-kvcx/.built: $(VENV)/.installed kvcx/_core.pyx kvcx/_kernels.h kvcx/_kernels.pxd kvcx/_openmp_helpers.pxd setup.py
+kvcx/.built: $(VENV)/.installed kvcx/_core.pyx kvcx/_kernels.h kvcx/_attn.h kvcx/_kernels.pxd kvcx/_openmp_helpers.pxd setup.py
 	$(PY) setup.py -q build_ext --inplace
 	touch $@
 

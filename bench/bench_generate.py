@@ -1,19 +1,30 @@
-"""KvcxCache in generation on the embedded SmolLM2-135M: token agreement, memory and speed.
+"""KvcxCache in generation on the embedded SmolLM2-135M: agreement, memory held, decode speed, peak RSS.
 
-    python bench/bench_generate.py [--prompt 4000] [--steps 64] [--contexts 512 4096]
+    python bench/bench_generate.py [--prompt 4000] [--steps 64] [--contexts 16 512 4096 8000]
 
-1. Token agreement: after a WikiText-2 prompt of --prompt tokens, the next --steps tokens of the
-   text are fed one at a time (teacher-forced) through DynamicCache, KvcxCache (defaults) and,
-   when optimum-quanto is installed, transformers' QuantizedCache (quanto, int4, groups of 64,
-   residual 128); the top-1 predictions are compared with DynamicCache's. Greedy generation from
-   the same prompt is also run and the first diverging position reported (not a gate).
-2. Memory: bytes held by each cache after the prompt and the steps.
-3. Speed: decode tokens/s with DynamicCache vs KvcxCache after a context of each length, and the
-   time spent in kvcx kernels (all in this run, on this machine).
+Caches compared in one run, on the same text: DynamicCache (FP32, SDPA), KvcxCache with the fused
+attention kernel (the model's attention set to "kvcx"), KvcxCache materialising (fused=False: packed
+chunks decoded into an FP32 scratch, then SDPA) and, when optimum-quanto is installed, transformers'
+QuantizedCache (quanto, int4, groups of 64, residual 128).
+
+1. Agreement: after a WikiText-2 prompt of --prompt tokens the next --steps tokens are fed one at a
+   time (teacher-forced); top-1 predictions are compared with DynamicCache's, and the fused path's
+   logits with the materialising path's (max |difference|). Greedy generation from the same prompt
+   reports the first diverging position (not a gate). Bytes held: every array the cache keeps alive.
+2. Decode speed after a context of each length: the context is prefilled once (DynamicCache) and
+   copied into every cache, then the caches decode in interleaved rounds (median step). Per step:
+   tokens/s and ratio vs DynamicCache, the attention part (all layers: the attention functions timed
+   apart, SDPA for DynamicCache), the bytes the attention reads, and the kvcx kernel share.
+3. Peak RSS while decoding after an 8,000-token context, each cache in a fresh process: the growth of
+   the resident set during the decode steps (VmHWM after a reset minus VmRSS before).
+Threads: torch and kvcx both on torch.get_num_threads() (printed).
 """
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -21,6 +32,27 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared/data/wikitext-2-raw/wiki.test.raw"
+QUANTO = "QuantizedCache (quanto int4 g64)"
+ATTN_TIME = {"s": 0.0}
+
+
+def timed_attention():
+    """Wrap kvcx's attention function (SDPA for every cache but KvcxCache's fused steps, which run the
+    kernel) so that its time adds up in ATTN_TIME (bench only)."""
+    from transformers.modeling_utils import AttentionInterface
+
+    import kvcx.hf
+
+    def wrap(fn):
+        def timed(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                ATTN_TIME["s"] += time.perf_counter() - t
+        return timed
+
+    AttentionInterface.register(kvcx.hf.ATTN_IMPLEMENTATION, wrap(kvcx.hf.kvcx_attention_forward))
 
 
 def make_caches(model, with_quanto=True):
@@ -28,14 +60,16 @@ def make_caches(model, with_quanto=True):
 
     from kvcx.hf import KvcxCache
 
-    caches = {"DynamicCache": lambda: DynamicCache(), "KvcxCache": lambda: KvcxCache(model.config)}
+    caches = {"DynamicCache": DynamicCache,
+              "KvcxCache fused": lambda: KvcxCache(model.config, fused=True),
+              "KvcxCache materialising": lambda: KvcxCache(model.config, fused=False)}
     if with_quanto:
         try:
             import optimum.quanto  # noqa: F401
             from transformers import QuantizedCache
 
-            caches["QuantizedCache (quanto int4 g64)"] = lambda: QuantizedCache(
-                "quanto", model.config, nbits=4, q_group_size=64, residual_length=128)
+            caches[QUANTO] = lambda: QuantizedCache("quanto", model.config, nbits=4, q_group_size=64,
+                                                    residual_length=128)
         except ImportError:
             print("optimum-quanto not installed: pip install optimum-quanto to compare with it", file=sys.stderr)
     return caches
@@ -54,13 +88,13 @@ def cache_bytes(cache):
 def teacher_forced(model, ids, prompt, steps, cache):
     import torch
 
+    logits = []
     with torch.inference_mode():
         out = model(ids[:, :prompt], past_key_values=cache, use_cache=True)
-        preds = [int(out.logits[0, -1].argmax())]
+        logits.append(out.logits[0, -1].clone())
         for j in range(prompt, prompt + steps - 1):
-            out = model(ids[:, j:j + 1], past_key_values=cache, use_cache=True)
-            preds.append(int(out.logits[0, -1].argmax()))
-    return preds
+            logits.append(model(ids[:, j:j + 1], past_key_values=cache, use_cache=True).logits[0, -1].clone())
+    return torch.stack(logits)
 
 
 def greedy(model, ids, prompt, steps, cache):
@@ -72,76 +106,201 @@ def greedy(model, ids, prompt, steps, cache):
     return g[0, prompt:].tolist()
 
 
-def decode_speed(model, ids, context, steps, cache):
+def copy_cache(src, mk):
+    """A new cache of kind mk holding src's context (what the model's layers do during a prefill)."""
+    from kvcx.kv_cache import cache_layers
+
+    cache = mk()
+    for i, (k, v) in enumerate(cache_layers(src)):
+        cache.update(k.clone(), v.clone(), i)
+    return cache
+
+
+def read_bytes(label, cache, layers, kv_heads, head_dim, tokens):
+    """Bytes the attention reads in one decode step (all layers)."""
+    fp32 = 2 * layers * kv_heads * tokens * head_dim * 4
+    if label == "DynamicCache":
+        return fp32
+    if label.startswith("KvcxCache"):
+        rep = cache.memory_report()
+        held = rep["packed_bytes"] + rep["residual_bytes"]
+        return held if "fused" in label else held + 2 * fp32  # decode writes the FP32 scratch, SDPA reads it
+    return None
+
+
+def decode_rounds(model, caches, start_tok, rounds, per_round):
+    """Interleaved rounds: each cache decodes per_round steps in turn; per-step times, attention and kernel."""
     import torch
 
+    stats = {k: {"step": [], "attn": 0.0, "kernel": 0.0, "n": 0} for k in caches}
+    tok = {k: start_tok for k in caches}
+    with torch.inference_mode():
+        for _ in range(rounds):
+            for label, cache in caches.items():
+                for _ in range(per_round):
+                    a0, k0 = ATTN_TIME["s"], getattr(cache, "kernel_time_s", 0.0)
+                    t = time.perf_counter()
+                    tok[label] = model(tok[label], past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+                    s = stats[label]
+                    s["step"].append(time.perf_counter() - t)
+                    s["attn"] += ATTN_TIME["s"] - a0
+                    s["kernel"] += getattr(cache, "kernel_time_s", 0.0) - k0
+                    s["n"] += 1
+    return stats
+
+
+def rss_child(kind, context, steps, dataset_file):
+    """In a fresh process: prefill `context` tokens into one cache, then decode; print the RSS figures."""
+    import gc
+
+    import torch
+    from transformers import DynamicCache
+
+    from kvcx.hf import KvcxCache
+    from kvcx.models import load_dataset_text, load_model_and_tokenizer
+
+    def status(field):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+        return None
+
+    model, tok, _ = load_model_and_tokenizer(cpu=True)
+    model.set_attn_implementation("kvcx")
+    ids = torch.tensor(tok(load_dataset_text(dataset_file)[: context * 12])["input_ids"][:context + 1])[None]
+    cache = DynamicCache() if kind == "dynamic" else KvcxCache(model.config, fused=True)
     with torch.inference_mode():
         out = model(ids[:, :context], past_key_values=cache, use_cache=True)
-        tok = out.logits[:, -1:].argmax(-1)
-        k0 = getattr(cache, "kernel_time_s", 0.0)
-        t = time.perf_counter()
+        t = out.logits[:, -1:].argmax(-1)
+        del out
+        gc.collect()
+        t = model(t, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)  # first step outside
+        gc.collect()
+        before = status("VmRSS")
+        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
         for _ in range(steps):
-            tok = model(tok, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
-        dt = time.perf_counter() - t
-    return steps / dt, getattr(cache, "kernel_time_s", 0.0) - k0, dt
+            t = model(t, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+    peak = status("VmHWM")
+    held = cache_bytes(cache)
+    print(json.dumps({"kind": kind, "rss_before": before, "peak": peak, "growth": peak - before, "held": held}))
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompt", type=int, default=4000)
     ap.add_argument("--steps", type=int, default=64)
-    ap.add_argument("--contexts", type=int, nargs="+", default=[512, 4096])
-    ap.add_argument("--speed-steps", type=int, default=32)
+    ap.add_argument("--contexts", type=int, nargs="+", default=[16, 512, 4096, 8000])
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--per-round", type=int, default=4)
+    ap.add_argument("--rss-context", type=int, default=8000)
     ap.add_argument("--dataset-file", type=Path, default=DEFAULT_DATA)  # the Makefile passes it explicitly
     ap.add_argument("--no-quanto", action="store_true")
+    ap.add_argument("--skip", nargs="*", default=[], choices=["agreement", "speed", "rss"])
+    ap.add_argument("--rss-child", nargs=2, metavar=("KIND", "STEPS"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.rss_child:
+        return rss_child(args.rss_child[0], args.rss_context, int(args.rss_child[1]), args.dataset_file)
 
+    import numpy as np
     import torch
 
     from kvcx.models import load_dataset_text, load_model_and_tokenizer
 
     model, tok, name = load_model_and_tokenizer(cpu=True)
+    timed_attention()
+    model.set_attn_implementation("kvcx")  # SDPA for everything but KvcxCache's fused steps
+    cfg = model.config
+    L, Hkv, D = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
     text = load_dataset_text(args.dataset_file)
     need = max(args.prompt + args.steps, max(args.contexts) + 1)
     ids = torch.tensor(tok(text[: need * 12])["input_ids"][:need])[None]
-    print(f"# {name}, torch threads {torch.get_num_threads()}")
-
+    print(f"# {name}: {L} layers, {Hkv} KV heads of {D}, {cfg.num_attention_heads} query heads; FP32 on CPU; "
+          f"torch threads {torch.get_num_threads()}, kvcx threads {torch.get_num_threads()}")
     caches = make_caches(model, not args.no_quanto)
-    print(f"\n## Token agreement: {args.prompt}-token prompt, next {args.steps} tokens teacher-forced\n")
-    print("| cache | top-1 agreement with DynamicCache | greedy: first divergence | bytes held | vs FP16 |")
-    print("|---|---:|---:|---:|---:|")
-    ref_tf = ref_greedy = None
-    fp16 = None
-    for label, mk in caches.items():
-        cache = mk()
-        tf = teacher_forced(model, ids, args.prompt, args.steps, cache)
-        held = cache_bytes(cache)
-        if label == "DynamicCache":
-            fp16 = held // 2  # the CPU cache is FP32
-        g = greedy(model, ids, args.prompt, args.steps, mk())
-        if ref_tf is None:
-            ref_tf, ref_greedy = tf, g
-        agree = sum(a == b for a, b in zip(ref_tf, tf)) / len(ref_tf)
-        div = next((i for i, (a, b) in enumerate(zip(ref_greedy, g)) if a != b), None)
-        held_s = f"{held:,}" if held is not None else "n/a"
-        ratio = f"{held / fp16:.3f}x" if held is not None and fp16 else "n/a"
-        print(f"| {label} | {agree:.1%} ({sum(a == b for a, b in zip(ref_tf, tf))}/{len(tf)}) | "
-              f"{'none' if div is None else div} | {held_s} | {ratio} |", flush=True)
 
-    print(f"\n## Decode speed ({args.speed_steps} greedy steps after the context)\n")
-    quanto = [k for k in caches if k.startswith("QuantizedCache")]
-    print("| context | DynamicCache tok/s | KvcxCache tok/s | ratio | kvcx kernel time / step |"
-          + "".join(f" {q} tok/s | ratio |" for q in quanto))
-    print("|---:|---:|---:|---:|---:|" + "---:|---:|" * len(quanto))
-    for ctx in args.contexts:
-        dyn, _, _ = decode_speed(model, ids, ctx, args.speed_steps, caches["DynamicCache"]())
-        kv, kt, dt = decode_speed(model, ids, ctx, args.speed_steps, caches["KvcxCache"]())
-        row = (f"| {ctx} | {dyn:.1f} | {kv:.1f} | {kv / dyn:.2f} | {1000 * kt / args.speed_steps:.1f} ms "
-               f"({kt / dt:.0%}) |")
-        for q in quanto:
-            qs, _, _ = decode_speed(model, ids, ctx, args.speed_steps, caches[q]())
-            row += f" {qs:.1f} | {qs / dyn:.2f} |"
-        print(row, flush=True)
+    if "agreement" not in args.skip:
+        print(f"\n## Agreement: {args.prompt}-token prompt, next {args.steps} tokens teacher-forced\n")
+        print("| cache | top-1 agreement with DynamicCache | greedy: first divergence | bytes held (everything) "
+              "| vs FP16 DynamicCache |")
+        print("|---|---:|---:|---:|---:|")
+        ref = ref_greedy = None
+        logits = {}
+        fp16 = None
+        for label, mk in caches.items():
+            cache = mk()
+            lg = teacher_forced(model, ids, args.prompt, args.steps, cache)
+            logits[label] = lg
+            held = cache_bytes(cache)
+            if label == "DynamicCache":
+                fp16 = held // 2  # the CPU cache is FP32
+            g = greedy(model, ids, args.prompt, args.steps, mk())
+            if ref is None:
+                ref, ref_greedy = lg.argmax(-1), g
+            agree = int((lg.argmax(-1) == ref).sum())
+            div = next((i for i, (a, b) in enumerate(zip(ref_greedy, g)) if a != b), None)
+            held_s = f"{held:,}" if held is not None else "n/a"
+            ratio = f"{held / fp16:.3f}x" if held is not None and fp16 else "n/a"
+            print(f"| {label} | {agree / len(ref):.1%} ({agree}/{len(ref)}) | {'none' if div is None else div} | "
+                  f"{held_s} | {ratio} |", flush=True)
+        if "KvcxCache fused" in logits and "KvcxCache materialising" in logits:
+            d = (logits["KvcxCache fused"] - logits["KvcxCache materialising"]).abs().max().item()
+            m = logits["KvcxCache materialising"].abs().max().item()
+            print(f"\nfused vs materialising logits over the {args.steps} steps: max |difference| {d:.2e} "
+                  f"(max |logit| {m:.1f})")
+
+    if "speed" not in args.skip:
+        from transformers import DynamicCache
+
+        print(f"\n## Decode speed: {args.rounds} interleaved rounds of {args.per_round} greedy steps per cache\n")
+        labels = list(caches)
+        print("| context | cache | tok/s | vs DynamicCache | step ms | attention ms / step (all layers) "
+              "| attention vs SDPA | attention reads / step | kvcx kernel share |")
+        print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+        for ctx in args.contexts:
+            base = DynamicCache()
+            with torch.inference_mode():
+                out = model(ids[:, :ctx], past_key_values=base, use_cache=True)
+            start = out.logits[:, -1:].argmax(-1)
+            del out
+            live = {label: copy_cache(base, caches[label]) for label in labels}
+            del base
+            stats = decode_rounds(model, live, start, args.rounds, args.per_round)
+            dyn = stats["DynamicCache"]
+            dyn_step = float(np.median(dyn["step"]))
+            dyn_attn = dyn["attn"] / dyn["n"]
+            for label in labels:
+                s = stats[label]
+                step = float(np.median(s["step"]))
+                attn = s["attn"] / s["n"]
+                rb = read_bytes(label, live[label], L, Hkv, D, ctx + args.rounds * args.per_round // 2)
+                share = f"{s['kernel'] / sum(s['step']):.0%}" if label.startswith("KvcxCache") else ""
+                print(f"| {ctx} | {label} | {1 / step:.2f} | {dyn_step / step:.2f}x | {1000 * step:.1f} | "
+                      f"{1000 * attn:.2f} | {dyn_attn / attn:.2f}x | "
+                      f"{f'{rb / 1e6:.1f} MB' if rb is not None else 'n/a'} | {share} |", flush=True)
+            fused = live.get("KvcxCache fused")
+            if fused is not None:
+                steps = fused.memory_report()["attention_steps"]
+                print(f"|  | (KvcxCache fused: layer steps fused {steps['fused']}, materialised "
+                      f"{steps['materialised']}, full precision {steps['full_precision']}) |||||||| ")
+            del live
+
+    if "rss" not in args.skip:
+        print(f"\n## Peak RSS while decoding 32 steps after a {args.rss_context}-token context (fresh process "
+              "each)\n")
+        print("| cache | RSS before decode | peak during decode | growth | bytes held |")
+        print("|---|---:|---:|---:|---:|")
+        for kind in ("dynamic", "kvcx"):
+            r = subprocess.run([sys.executable, __file__, "--rss-child", kind, "32", "--rss-context",
+                                str(args.rss_context), "--dataset-file", str(args.dataset_file)],
+                               capture_output=True, text=True, env={**os.environ, "TQDM_DISABLE": "1"})
+            line = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
+            if r.returncode or not line:
+                print(f"| {kind} | failed: {r.stderr.strip().splitlines()[-1:]} |||")
+                continue
+            d = json.loads(line[-1])
+            label = "DynamicCache" if kind == "dynamic" else "KvcxCache fused"
+            print(f"| {label} | {d['rss_before'] / 2**20:.0f} MiB | {d['peak'] / 2**20:.0f} MiB | "
+                  f"{d['growth'] / 2**20:.1f} MiB | {d['held'] / 2**20:.1f} MiB |", flush=True)
 
 
 if __name__ == "__main__":

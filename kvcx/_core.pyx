@@ -664,3 +664,110 @@ def metrics(const uint8_t[::1] a, int adt, const uint8_t[::1] b, int bdt, int64_
             out[3] += partials[c, 3]
             out[4] = partials[c, 4] if partials[c, 4] > out[4] else out[4]
             out[5] = out[5] + partials[c, 5]
+
+
+# ----------------------------------------------------------------------------
+# fused decode attention over packed 4-bit keys and values (kvcx/_attn.h)
+# ----------------------------------------------------------------------------
+
+ATTN_TILE = KVCX_ATTN_TILE
+ATTN_MAX_GROUP = KVCX_ATTN_MAX_GROUP
+ATTN_MAX_D = KVCX_ATTN_MAX_D
+ATTN_SIMD = bool(KVCX_ATTN_AVX2)
+
+
+def attn_work_floats(int64_t R, int64_t D):
+    """Floats of workspace one attention task needs (the caller allocates tasks x this)."""
+    return int(kvcx_attn_work_floats(R, D))
+
+
+cdef class AttnPlan:
+    """One layer's fused attention: the settings, the packed stores bound once per change of the
+    stores, then one :meth:`run` per decode step (a ``kvcx_attn_layout`` + ``kvcx_attn_args``).
+
+    Built and bound by ``kvcx.attention`` after its checks; the kernel trusts every field. The plan
+    keeps the bound arrays alive."""
+    cdef kvcx_attn_layout c
+    cdef kvcx_attn_args a
+    cdef object _keep
+
+    def __init__(self, *, int64_t B, int64_t Hkv, int64_t R, int64_t D, int k_axis, bint k_asym, bint k_rotate,
+                 int64_t k_group, bint v_asym, bint v_rotate, int64_t v_group):
+        self.c.B = B
+        self.c.Hkv = Hkv
+        self.c.R = R
+        self.c.D = D
+        self.c.k_axis = k_axis
+        self.c.k_asym = k_asym
+        self.c.k_rotate = k_rotate
+        self.c.k_group = k_group
+        self.c.v_asym = v_asym
+        self.c.v_rotate = v_rotate
+        self.c.v_group = v_group
+        self.c.nsplit = 1
+        self._keep = ()
+
+    def bind(self, kc, ks, kz, kblk, vc, vs, vz, hk, hv, int64_t Tq, work, int64_t nsplit):
+        """Bind the stores: codes [B * Hkv, tokens * D / 2] (uint8), scales / zero points [B * Hkv, n]
+        (FP16 bits; zero points empty when symmetric), key block starts (int64; empty unless keys are
+        grouped per channel), head rows hk/hv [B * Hkv, nh, D] (float32), Tq packed positions after
+        them, the workspace [B * Hkv * nsplit, attn_work_floats(R, D)] (float32)."""
+        cdef const uint8_t[:, ::1] kc_ = kc
+        cdef const uint16_t[:, ::1] ks_ = ks
+        cdef const uint16_t[:, ::1] kz_ = kz
+        cdef const int64_t[::1] kblk_ = kblk
+        cdef const uint8_t[:, ::1] vc_ = vc
+        cdef const uint16_t[:, ::1] vs_ = vs
+        cdef const uint16_t[:, ::1] vz_ = vz
+        cdef const float[:, :, ::1] hk_ = hk
+        cdef const float[:, :, ::1] hv_ = hv
+        cdef float[:, ::1] work_ = work
+        D = self.c.D
+        self.c.Tq = Tq
+        self.c.pos_q = hk_.shape[1]
+        self.c.ns = hk_.shape[1]
+        self.c.pos_s = 0
+        self.c.k_tokens = kc_.shape[1] // (D // 2) if D else 0
+        self.c.v_tokens = vc_.shape[1] // (D // 2) if D else 0
+        self.c.k_nscale = ks_.shape[1]
+        self.c.v_nscale = vs_.shape[1]
+        self.c.nsplit = nsplit
+        self.a.kc = &kc_[0, 0] if kc_.shape[1] > 0 else NULL
+        self.a.ks = &ks_[0, 0] if ks_.shape[1] > 0 else NULL
+        self.a.kz = &kz_[0, 0] if kz_.shape[0] > 0 and kz_.shape[1] > 0 else NULL
+        self.a.kblk = &kblk_[0] if kblk_.shape[0] > 0 else NULL
+        self.a.vc = &vc_[0, 0] if vc_.shape[1] > 0 else NULL
+        self.a.vs = &vs_[0, 0] if vs_.shape[1] > 0 else NULL
+        self.a.vz = &vz_[0, 0] if vz_.shape[0] > 0 and vz_.shape[1] > 0 else NULL
+        self.a.sk = &hk_[0, 0, 0] if hk_.shape[1] > 0 else NULL
+        self.a.sv = &hv_[0, 0, 0] if hv_.shape[1] > 0 else NULL
+        self.a.work = &work_[0, 0]
+        self._keep = (kc, ks, kz, kblk, vc, vs, vz, hk, hv, work)
+
+    @property
+    def tasks(self):
+        return int(self.c.B * self.c.Hkv * self.c.nsplit)
+
+    def run(self, const float[:, :, ::1] q, const float[:, :, ::1] rk, const float[:, :, ::1] rv,
+            const float[:, ::1] mask, float[:, :, ::1] out, float scaling, int nthreads):
+        """One step: q, out [B, Hkv * R, D]; rk/rv [B * Hkv, nr, D] the residual after the bound tokens
+        (nr may be 0); mask [B, kv_len] added to the scores (empty: none)."""
+        cdef kvcx_attn_layout L = self.c
+        cdef kvcx_attn_args A = self.a
+        cdef int64_t ntasks = L.B * L.Hkv * L.nsplit
+        cdef int64_t nrows = L.B * L.Hkv * L.R
+        cdef int64_t i
+        L.nr = rk.shape[1]
+        L.pos_r = L.ns + L.Tq
+        L.kv_len = L.pos_r + L.nr
+        L.scaling = scaling
+        A.q = &q[0, 0, 0]
+        A.rk = &rk[0, 0, 0] if L.nr > 0 else NULL
+        A.rv = &rv[0, 0, 0] if L.nr > 0 else NULL
+        A.mask = &mask[0, 0] if mask.shape[0] > 0 else NULL
+        A.out = &out[0, 0, 0]
+        with nogil:
+            for i in prange(ntasks, num_threads=nthreads, schedule="static"):
+                kvcx_attn_task(&L, &A, i)
+            for i in prange(nrows, num_threads=nthreads, schedule="static"):
+                kvcx_attn_merge(&L, &A, i)

@@ -49,3 +49,39 @@ cdef extern from "_kernels.h" nogil:
     void kvcx_q4_pack_contig(const float *x, int64_t n, float scale, float zero, float qmin, float qmax,
                              float off, uint8_t *out) noexcept
     void kvcx_fwht_rows(float *x, int64_t rows, int64_t d) noexcept
+
+cdef extern from "_attn.h" nogil:
+    enum:
+        KVCX_ATTN_TILE
+        KVCX_ATTN_MAX_GROUP
+        KVCX_ATTN_MAX_D
+    const bint KVCX_ATTN_AVX2
+
+    ctypedef struct kvcx_attn_layout:
+        int64_t B, Hkv, R, D, Tq, pos_q, k_tokens, v_tokens, ns, pos_s, nr, pos_r, nsplit, kv_len
+        float scaling
+        int k_axis, k_asym, k_rotate
+        int64_t k_group, k_nscale
+        int v_asym, v_rotate
+        int64_t v_group, v_nscale
+
+    ctypedef struct kvcx_attn_args:
+        const float *q
+        const uint8_t *kc
+        const uint16_t *ks
+        const uint16_t *kz
+        const int64_t *kblk
+        const uint8_t *vc
+        const uint16_t *vs
+        const uint16_t *vz
+        const float *sk
+        const float *sv
+        const float *rk
+        const float *rv
+        const float *mask
+        float *work
+        float *out
+
+    int64_t kvcx_attn_work_floats(int64_t R, int64_t D) noexcept
+    void kvcx_attn_task(const kvcx_attn_layout *L, const kvcx_attn_args *A, int64_t task) noexcept
+    void kvcx_attn_merge(const kvcx_attn_layout *L, const kvcx_attn_args *A, int64_t i) noexcept

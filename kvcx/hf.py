@@ -29,13 +29,21 @@ import torch
 import transformers
 from transformers.cache_utils import Cache, DynamicLayer
 
-from kvcx.codec import IntCodec, Packed, decode_packed
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.modeling_utils import AttentionInterface
+
+from kvcx.attention import PackedKV
+from kvcx.codec import IntCodec, decode_packed
 from kvcx.deps import check_transformers_version
 from kvcx.errors import KvcxError
 from kvcx.kv_cache import torch_to_numpy
 from kvcx.kvconfig import DEFAULT_SCHEME, KVConfig
 
 check_transformers_version(transformers.__version__)
+
+# the attention implementation this module registers with transformers
+ATTN_IMPLEMENTATION = "kvcx"
 
 class _Scratch:
     """Growable full-precision buffers, one for keys and one for values, shared by every layer."""
@@ -63,6 +71,11 @@ class _Scratch:
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for d in (self.host, self.device) for b in d.values())
 
+    def release(self) -> None:
+        if self.host or self.device:
+            self.host.clear()
+            self.device.clear()
+
 
 class KvcxLayer(DynamicLayer):
     """One layer of a :class:`KvcxCache`."""
@@ -81,40 +94,57 @@ class KvcxLayer(DynamicLayer):
         self._codecs_next = {k: IntCodec.from_config({**c.get_config(), "sinks": 0}).with_threads(c.n_threads)
                              for k, c in first.items()}
         self.n_threads = kv_config.value.n_threads
-        self.chunks: List[Tuple[Packed, Packed]] = []
-        self.quantized_length = 0
+        self.store: Optional[PackedKV] = None
         self.cumulative_length = 0
+        self.steps = {"fused": 0, "materialised": 0, "full_precision": 0}
+        self._unsupported: Optional[str] = None
+
+    @property
+    def quantized_length(self) -> int:
+        """Tokens held packed (exact sink tokens included)."""
+        return self.store.tokens if self.store is not None else 0
 
     # -- storage -------------------------------------------------------------
     def _encode(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        codecs = self._codecs_first if not self.chunks else self._codecs_next
+        codecs = self._codecs_first if not len(self.store) else self._codecs_next
         t = time.perf_counter()
         pk = codecs["key"].encode(torch_to_numpy(keys), name="key")
         pv = codecs["value"].encode(torch_to_numpy(values), name="value")
+        self.store.append(pk, pv)
         self._owner.kernel_time_s += time.perf_counter() - t
-        self.chunks.append((pk, pv))
-        self.quantized_length += keys.shape[-2]
+        self._unsupported = self.store.unsupported(self.store.keys.D, self._owner.query_group)
 
-    def _materialize(self, new_k: torch.Tensor, new_v: torch.Tensor):
-        """[dequantized chunks, residual, new tokens] for attention, in the shared scratch buffers."""
-        B, H, _, D = new_k.shape
+    def _flush(self) -> None:
+        """Pack the residual's whole multiples of residual_length tokens."""
         n_res = self.keys.shape[-2]
-        total = self.quantized_length + n_res + new_k.shape[-2]
+        if n_res >= self.residual_length:
+            n_flush = (n_res // self.residual_length) * self.residual_length
+            self._encode(self.keys[:, :, :n_flush], self.values[:, :, :n_flush])
+            self.keys = self.keys[:, :, n_flush:].contiguous()
+            self.values = self.values[:, :, n_flush:].contiguous()
+
+    def _materialize(self, new_k: Optional[torch.Tensor], new_v: Optional[torch.Tensor]):
+        """[dequantized chunks, residual, new tokens] for attention, in the shared scratch buffers."""
+        B, H, _, D = self.keys.shape
+        n_res = self.keys.shape[-2]
+        n_new = new_k.shape[-2] if new_k is not None else 0
+        total = self.quantized_length + n_res + n_new
         out = []
-        for idx, (kind, res, new) in enumerate((("key", self.keys, new_k), ("value", self.values, new_v))):
+        for kind, res, new in (("key", self.keys, new_k), ("value", self.values, new_v)):
+            store = self.store.keys if kind == "key" else self.store.values
             host, dev = self._scratch.get(kind, (B, H, total, D), self.dtype, self.device)
             arr = torch_to_numpy(host)  # a view: decoding writes straight into the scratch
             t = time.perf_counter()
             off = 0
-            for chunk in self.chunks:
-                p = chunk[idx]
+            for p in store.spans():
                 decode_packed(p, out=arr, token_offset=off, name=kind, n_threads=self.n_threads)
                 off += p.shape[-2]
             self._owner.kernel_time_s += time.perf_counter() - t
             if dev is not host:
                 dev[:, :, :off].copy_(host[:, :, :off])
             dev[:, :, off:off + n_res] = res
-            dev[:, :, off + n_res:] = new
+            if n_new:
+                dev[:, :, off + n_res:] = new
             out.append(dev)
         return out[0], out[1]
 
@@ -126,34 +156,77 @@ class KvcxLayer(DynamicLayer):
         B, H, _, D = key_states.shape
         self.keys = key_states.new_empty((B, H, 0, D))
         self.values = value_states.new_empty((B, H, 0, D))
+        self.store = PackedKV(B * H, D, self._codecs_first["key"], self._codecs_first["value"])
+        self._unsupported = self.store.unsupported(D, self._owner.query_group)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        self._flush()  # a fused step packs after its attention; anything left over goes now
         self.cumulative_length += key_states.shape[-2]
-        if self.chunks:
+        if key_states.shape[-2] == 1 and self._owner._fused_step(self, key_states):
+            self.keys = torch.cat([self.keys, key_states], dim=-2)
+            self.values = torch.cat([self.values, value_states], dim=-2)
+            self.steps["fused"] += 1
+            marker = key_states.view_as(key_states)  # kvcx attention finds this layer on it and reads the store
+            marker._kvcx_layer = self
+            return marker, value_states
+        if len(self.store):
             keys_out, values_out = self._materialize(key_states, value_states)
+            self.steps["materialised"] += 1
         else:
             keys_out = torch.cat([self.keys, key_states], dim=-2)
             values_out = torch.cat([self.values, value_states], dim=-2)
+            self.steps["full_precision"] += 1
         self.keys = torch.cat([self.keys, key_states], dim=-2)
         self.values = torch.cat([self.values, value_states], dim=-2)
-        n_res = self.keys.shape[-2]
-        if n_res >= self.residual_length:
-            n_flush = (n_res // self.residual_length) * self.residual_length
-            self._encode(self.keys[:, :, :n_flush], self.values[:, :, :n_flush])
-            self.keys = self.keys[:, :, n_flush:].contiguous()
-            self.values = self.values[:, :, n_flush:].contiguous()
+        self._flush()
         return keys_out, values_out
+
+    def attend(self, query: torch.Tensor, attention_mask: Optional[torch.Tensor], scaling: float) -> torch.Tensor:
+        """The fused step: one query token per row against the packed store and the residual.
+
+        Returns the attention output as transformers' attention functions do: [B, 1, Hq, D]."""
+        B, Hq, _, D = query.shape
+        q = query.reshape(B, Hq, D)
+        q = (q if q.dtype == torch.float32 else q.float()).contiguous().numpy()
+        if self.keys.dtype == torch.float32:
+            rk, rv = self.keys.numpy(), self.values.numpy()
+        else:
+            rk, rv = self.keys.float().numpy(), self.values.float().numpy()
+        mask = None
+        if attention_mask is not None:
+            m = attention_mask.detach()
+            if m.dim() == 4:
+                m = m[:, 0, -1]
+            elif m.dim() == 3:
+                m = m[:, -1]
+            if m.shape[0] != B:
+                m = m.expand(B, m.shape[-1])
+            if m.dtype == torch.bool:
+                m = torch.zeros(m.shape, dtype=torch.float32).masked_fill_(~m, float("-inf"))
+            mask = m.to(torch.float32).contiguous().numpy()
+            if mask.shape[-1] != self.cumulative_length:
+                raise KvcxError(f"the attention mask covers {mask.shape[-1]} tokens but the cache holds "
+                                f"{self.cumulative_length}; pass the mask generate() builds")
+        t = time.perf_counter()
+        out = self.store.attend(q, rk, rv, mask, scaling, n_threads=self.n_threads)
+        self._owner.kernel_time_s += time.perf_counter() - t
+        self._flush()
+        out = torch.from_numpy(out).view(B, 1, Hq, D)
+        return out if query.dtype == torch.float32 else out.to(query.dtype)
+
+    def full_states(self):
+        """Keys and values of every held token, materialised (for attention features the kernel lacks)."""
+        return self._materialize(None, None)
 
     def get_seq_length(self) -> int:
         return self.cumulative_length
 
     def reset(self) -> None:
         super().reset()
-        self.chunks = []
-        self.quantized_length = 0
+        self.store = None
         self.cumulative_length = 0
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -171,12 +244,42 @@ class KvcxLayer(DynamicLayer):
 
     # -- accounting -----------------------------------------------------------
     def packed_bytes(self) -> int:
-        return sum(pk.nbytes + pv.nbytes for pk, pv in self.chunks)
+        """Bytes of the packed store (codes, scales, zero points, sinks, the head rows attention reads)."""
+        return self.store.nbytes if self.store is not None else 0
 
     def residual_bytes(self) -> int:
         if not self.is_initialized:
             return 0
         return (self.keys.numel() + self.values.numel()) * self.keys.element_size()
+
+
+# attention arguments the fused kernel does not implement: those steps run SDPA over the materialised cache
+_NOT_FUSED = ("softcap", "sliding_window", "s_aux", "position_bias")
+
+
+def kvcx_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+                           is_causal=None, **kwargs):
+    """transformers attention implementation ``"kvcx"``: SDPA, except on a KvcxCache's single-token steps,
+    where the fused kernel reads the packed cache (the cache marks those steps' key states)."""
+    layer = getattr(key, "_kvcx_layer", None)
+    if layer is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    if (kwargs and any(kwargs.get(k) is not None for k in _NOT_FUSED)) or (dropout and module.training):  # what the kernel does not do: SDPA over the materialised cache
+        layer.steps["fused"] -= 1
+        layer.steps["materialised"] += 1
+        k, v = layer.full_states()
+        out = sdpa_attention_forward(module, query, k, v, attention_mask, dropout=dropout, scaling=scaling,
+                                     is_causal=is_causal, **kwargs)
+        layer._flush()
+        return out
+    return layer.attend(query, attention_mask, scaling), None
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, kvcx_attention_forward)
+AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
 
 
 class KvcxCache(Cache):
@@ -191,9 +294,10 @@ class KvcxCache(Cache):
     kv_config: a ready :class:`kvcx.kvconfig.KVConfig` instead of the options above.
     """
 
-    def __init__(self, config, group_size: int = 64, scheme: str = DEFAULT_SCHEME, residual_length: int = 128,
+    def __init__(self, config, group_size: int = 64, scheme: str = DEFAULT_SCHEME, residual_length: int = 64,
                  bits: Optional[int] = None, sinks: Optional[int] = None, rotate: Optional[bool] = None,
-                 kv_config: Optional[KVConfig] = None, n_threads: Optional[int] = None):
+                 kv_config: Optional[KVConfig] = None, n_threads: Optional[int] = None,
+                 fused: Optional[bool] = None):
         kv = kv_config or KVConfig.from_scheme(scheme, group_size=group_size, bits=bits, sinks=sinks, rotate=rotate,
                                                n_threads=n_threads)
         if kv_config is not None and n_threads is not None:  # n_threads applies to a ready config too
@@ -209,24 +313,54 @@ class KvcxCache(Cache):
         bad = set(layer_types) - {"full_attention"}
         if bad:
             raise KvcxError(f"KvcxCache supports full-attention models only; this model has {sorted(bad)} layers")
+        if fused not in (None, True, False):
+            raise KvcxError(f"fused must be None (automatic), True or False, got {fused!r}")
+        heads = getattr(text, "num_attention_heads", None)
+        kv_heads = getattr(text, "num_key_value_heads", None) or heads
         self.kv_config = kv
         self.residual_length = residual_length
+        self.fused = fused
+        self.query_group = heads // kv_heads if heads and kv_heads and heads % kv_heads == 0 else 0
+        self._config = text
         self.kernel_time_s = 0.0
         self._scratch = _Scratch()
         super().__init__(layers=[KvcxLayer(kv, residual_length, self._scratch, self)
                                  for _ in range(text.num_hidden_layers)])
 
+    def _fused_step(self, layer: KvcxLayer, key_states: torch.Tensor) -> bool:
+        """Whether this single-token step of `layer` runs the fused kernel (the model's attention is kvcx's)."""
+        if self.fused is False:
+            return False
+        uses_kvcx = getattr(self._config, "_attn_implementation", None) == ATTN_IMPLEMENTATION
+        why = layer._unsupported or (None if key_states.device.type == "cpu" else
+                                     "fused attention runs on CPU tensors")
+        if self.fused and not uses_kvcx:
+            raise KvcxError(f"KvcxCache(fused=True) needs the model's attention to be {ATTN_IMPLEMENTATION!r}: "
+                            f"load it with attn_implementation={ATTN_IMPLEMENTATION!r} or call "
+                            f"model.set_attn_implementation({ATTN_IMPLEMENTATION!r}) (after importing kvcx.hf)")
+        if self.fused and why:
+            raise KvcxError(f"KvcxCache(fused=True): {why}; pass fused=None to fall back to materialising")
+        if not uses_kvcx or why:
+            return False
+        self._scratch.release()  # fused steps need no full-precision copy of the context
+        return True
+
     def memory_report(self) -> dict:
-        """Bytes the cache holds: packed chunks + full-precision residual (scratch reported apart)."""
+        """Bytes the cache holds, counted whole: packed stores + full-precision residual + scratch.
+
+        ``attention_steps``: layer steps per path (fused kernel, materialised scratch, or all full precision)."""
         packed = sum(layer.packed_bytes() for layer in self.layers)
         residual = sum(layer.residual_bytes() for layer in self.layers)
+        scratch = self._scratch.nbytes()
         values = 0
         for layer in self.layers:
             if layer.is_initialized:
                 B, H, _, D = layer.keys.shape
                 values += 2 * B * H * layer.cumulative_length * D
-        return {"packed_bytes": packed, "residual_bytes": residual, "total_bytes": packed + residual,
-                "scratch_bytes": self._scratch.nbytes(), "tokens": self.get_seq_length(),
+        steps = {k: sum(layer.steps[k] for layer in self.layers) for k in ("fused", "materialised", "full_precision")}
+        return {"packed_bytes": packed, "residual_bytes": residual, "scratch_bytes": scratch,
+                "total_bytes": packed + residual + scratch, "tokens": self.get_seq_length(),
+                "attention_steps": steps,
                 "fp16_equivalent_bytes": 2 * values,
                 "model_dtype_equivalent_bytes": values * (self.layers[0].keys.element_size()
                                                           if self.layers and self.layers[0].is_initialized else 2),

@@ -511,7 +511,7 @@ def test_kvcx_cache_honours_n_threads_for_every_chunk():
         k = torch.randn(1, 2, 256, 64)
         cache.update(k, k.clone(), 0)
         cache.update(k[:, :, :128], k[:, :, :128].clone(), 0)
-        assert len(layer.chunks) == 2
+        assert len(layer.store) == 2
 
 
 # ---------------------------------------------------------------------------------------------

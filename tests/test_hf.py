@@ -40,7 +40,7 @@ def test_memory_at_4096_tokens(loaded, wiki_ids):
     assert rep["total_bytes"] <= 0.30 * fp16, rep
     assert rep["total_bytes"] <= 0.15 * fp32, rep
     layer = kv.layers[0]
-    assert layer.chunks and layer.chunks[0][0].codes.dtype == np.uint8  # really packed, not dequantized copies
+    assert len(layer.store) and layer.store.keys.codes.dtype == np.uint8  # really packed, not dequantized copies
     assert layer.quantized_length == 4096 and layer.keys.shape[-2] == 0
 
 
@@ -107,7 +107,7 @@ def test_half_precision_caches(loaded, wiki_ids, dtype):
             ko, vo = cache.update(k, v, i)
             assert ko.dtype == dtype and ko.shape[-2] == cache.layers[i].cumulative_length
     assert cache.layers[0].quantized_length == 128
-    assert cache.layers[0].chunks[0][0].dtype == ("BF16" if dtype == torch.bfloat16 else "F16")
+    assert cache.layers[0].store.keys.chunk(0).dtype == ("BF16" if dtype == torch.bfloat16 else "F16")
 
 
 def test_errors():
