@@ -186,6 +186,23 @@ def _splits(slabs: int, tokens: int, threads: int) -> int:
     return max(1, min(n, tokens // _MIN_SPLIT_TOKENS))
 
 
+class Workspace:
+    """The fused kernel's scratch floats, which the layers of one cache can share (one runs at a time)."""
+
+    def __init__(self):
+        self.array = _EMPTY_F32_2
+
+    def get(self, rows: int, cols: int) -> np.ndarray:
+        if self.array.shape[0] < rows or self.array.shape[1] != cols:
+            self.array = np.empty((max(rows, self.array.shape[0] if self.array.shape[1] == cols else 0), cols),
+                                  dtype=np.float32)
+        return self.array
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.array.nbytes)
+
+
 class PackedKV:
     """One layer's packed keys and values, and the fused decode step over them.
 
@@ -195,13 +212,16 @@ class PackedKV:
     where packed: the same values the materialising path decodes), and the packed stores from there on.
     """
 
-    def __init__(self, N: int, D: int, key_codec: IntCodec, value_codec: IntCodec):
+    def __init__(self, N: int, D: int, key_codec: IntCodec, value_codec: IntCodec,
+                 workspace: Optional[Workspace] = None):
         self.keys = PackedStore(N, D)
         self.values = PackedStore(N, D)
         self.key_codec, self.value_codec = key_codec, value_codec
         self._head = None
         self._why = {}          # (head dim, group) -> why the kernel cannot read the stores (None: it can)
-        self._work = _EMPTY_F32_2  # the kernel's workspace, kept between steps (counted in nbytes)
+        # the kernel's workspace, kept between steps: this store's own (counted in nbytes) or a shared one
+        self._own_workspace = workspace is None
+        self.workspace = workspace if workspace is not None else Workspace()
         self._plan_obj, self._plan_key = None, None
 
     def __len__(self) -> int:
@@ -248,7 +268,7 @@ class PackedKV:
     @property
     def nbytes(self) -> int:
         """Every array held: both stores and the cached head rows."""
-        n = self.keys.nbytes + self.values.nbytes + self._work.nbytes
+        n = self.keys.nbytes + self.values.nbytes + (self.workspace.nbytes if self._own_workspace else 0)
         if self._head is not None:
             for a, store in zip(self._head, (self.keys, self.values)):
                 if store.sinks is None or not np.shares_memory(a, store.sinks):
@@ -257,7 +277,10 @@ class PackedKV:
 
     def _plan(self, B: int, Hkv: int, R: int, D: int, threads: int):
         """The kernel's plan for this geometry, bound to the stores as they are now (rebuilt on change)."""
-        key = (B, Hkv, R, D, threads, len(self))
+        hn = self._head[0].shape[1] if self._head is not None and len(self) else 0
+        nsplit = _splits(B * Hkv, self.tokens - hn, threads)
+        work = self.workspace.get(B * Hkv * nsplit, _core.attn_work_floats(R, D))
+        key = (B, Hkv, R, D, threads, len(self), work.__array_interface__["data"][0])
         if self._plan_key != key:
             kc, vc = self.key_codec, self.value_codec
             plan = _core.AttnPlan(B=B, Hkv=Hkv, R=R, D=D,
@@ -269,16 +292,14 @@ class PackedKV:
                 hk = hv = np.empty((B * Hkv, 0, D), dtype=np.float32)
             Tq = self.tokens - hk.shape[1]
             nsplit = _splits(B * Hkv, Tq, threads)
-            shape = (B * Hkv * nsplit, _core.attn_work_floats(R, D))
-            if self._work.shape != shape:
-                self._work = np.empty(shape, dtype=np.float32)
+            work = self.workspace.get(B * Hkv * nsplit, _core.attn_work_floats(R, D))
             keys, values = self.keys, self.values
             plan.bind(keys.codes, keys.scales.view(np.uint16),
                       keys.zeros.view(np.uint16) if keys.zeros is not None else _EMPTY_U16,
                       keys.block_starts if kc.axis == "channel" else _EMPTY_I64,
                       values.codes, values.scales.view(np.uint16),
                       values.zeros.view(np.uint16) if values.zeros is not None else _EMPTY_U16,
-                      hk, hv, Tq, self._work, nsplit)
+                      hk, hv, Tq, work, nsplit)
             self._plan_obj, self._plan_key = plan, key
         return self._plan_obj
 

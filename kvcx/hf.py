@@ -33,7 +33,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
-from kvcx.attention import PackedKV
+from kvcx.attention import PackedKV, Workspace
 from kvcx.codec import IntCodec, decode_packed
 from kvcx.deps import check_transformers_version
 from kvcx.errors import KvcxError
@@ -156,7 +156,8 @@ class KvcxLayer(DynamicLayer):
         B, H, _, D = key_states.shape
         self.keys = key_states.new_empty((B, H, 0, D))
         self.values = value_states.new_empty((B, H, 0, D))
-        self.store = PackedKV(B * H, D, self._codecs_first["key"], self._codecs_first["value"])
+        self.store = PackedKV(B * H, D, self._codecs_first["key"], self._codecs_first["value"],
+                              workspace=self._owner._workspace)
         self._unsupported = self.store.unsupported(D, self._owner.query_group)
         self.is_initialized = True
 
@@ -324,6 +325,7 @@ class KvcxCache(Cache):
         self._config = text
         self.kernel_time_s = 0.0
         self._scratch = _Scratch()
+        self._workspace = Workspace()  # the fused kernel's scratch, one for all layers
         super().__init__(layers=[KvcxLayer(kv, residual_length, self._scratch, self)
                                  for _ in range(text.num_hidden_layers)])
 
@@ -346,12 +348,15 @@ class KvcxCache(Cache):
         return True
 
     def memory_report(self) -> dict:
-        """Bytes the cache holds, counted whole: packed stores + full-precision residual + scratch.
+        """Bytes the cache holds, counted whole: packed stores + full-precision residual + the
+        materialising path's full-precision scratch (released by fused steps) + the fused kernel's
+        workspace (a few KiB per task, shared by the layers).
 
         ``attention_steps``: layer steps per path (fused kernel, materialised scratch, or all full precision)."""
         packed = sum(layer.packed_bytes() for layer in self.layers)
         residual = sum(layer.residual_bytes() for layer in self.layers)
         scratch = self._scratch.nbytes()
+        workspace = self._workspace.nbytes
         values = 0
         for layer in self.layers:
             if layer.is_initialized:
@@ -359,7 +364,8 @@ class KvcxCache(Cache):
                 values += 2 * B * H * layer.cumulative_length * D
         steps = {k: sum(layer.steps[k] for layer in self.layers) for k in ("fused", "materialised", "full_precision")}
         return {"packed_bytes": packed, "residual_bytes": residual, "scratch_bytes": scratch,
-                "total_bytes": packed + residual + scratch, "tokens": self.get_seq_length(),
+                "workspace_bytes": workspace, "total_bytes": packed + residual + scratch + workspace,
+                "tokens": self.get_seq_length(),
                 "attention_steps": steps,
                 "fp16_equivalent_bytes": 2 * values,
                 "model_dtype_equivalent_bytes": values * (self.layers[0].keys.element_size()

@@ -122,3 +122,193 @@ def test_errors():
     cache = KvcxCache(cfg)
     with pytest.raises(KvcxError, match="beam search"):
         cache.layers[0].reorder_cache(torch.tensor([0]))
+
+
+# ---------------------------------------------------------------------------------------------
+# the fused attention path (kvcx.attention through the "kvcx" attention implementation)
+# ---------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def kvcx_attention(loaded):
+    """The model with kvcx's attention implementation (SDPA but for KvcxCache's fused steps), restored after."""
+    import kvcx.hf  # noqa: F401  (registers "kvcx")
+
+    model = loaded[0]
+    before = model.config._attn_implementation
+    model.set_attn_implementation("kvcx")
+    try:
+        yield model
+    finally:
+        model.set_attn_implementation(before)
+
+
+def _copy_into(src, cache):
+    from kvcx.kv_cache import cache_layers
+
+    for i, (k, v) in enumerate(cache_layers(src)):  # what the layers do with a prefill's keys and values
+        cache.update(k.clone(), v.clone(), i)
+    return cache
+
+
+def _decode(model, cache, tokens, mask, positions):
+    """Teacher-forced single-token steps; every layer's attention output and the logits of each step."""
+    outs, hooks = [], []
+    for layer in model.model.layers:
+        hooks.append(layer.self_attn.register_forward_hook(lambda m, a, o: outs.append(o[0].detach().clone())))
+    logits = []
+    try:
+        with torch.inference_mode():
+            for j in range(tokens.shape[1]):
+                mask = torch.cat([mask, torch.ones(mask.shape[0], 1, dtype=mask.dtype)], dim=1)
+                positions = positions[:, -1:] + 1
+                out = model(tokens[:, j:j + 1], attention_mask=mask, position_ids=positions, past_key_values=cache)
+                logits.append(out.logits[:, -1].clone())
+    finally:
+        for h in hooks:
+            h.remove()
+    return torch.stack(outs), torch.stack(logits)
+
+
+@pytest.fixture
+def checked_attention(kvcx_attention):
+    """kvcx's attention, also computing SDPA over the materialised cache on each fused step from the same
+    query: records (layer, max |fused - materialised|, max |materialised|)."""
+    import kvcx.hf as kh
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.modeling_utils import AttentionInterface
+
+    records = []
+
+    def checking(module, query, key, value, attention_mask, **kwargs):
+        layer = getattr(key, "_kvcx_layer", None)
+        if layer is not None:  # before the step: after it, a full residual is packed
+            k, v = (t.clone() for t in layer.full_states())
+        out = kh.kvcx_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        if layer is not None:
+            ref = sdpa_attention_forward(module, query, k, v, attention_mask, scaling=kwargs.get("scaling"))[0]
+            records.append((module.layer_idx, (out[0] - ref).abs().max().item(), ref.abs().max().item()))
+        return out
+
+    AttentionInterface.register("kvcx", checking)
+    try:
+        yield records
+    finally:
+        AttentionInterface.register("kvcx", kh.kvcx_attention_forward)
+
+
+@pytest.mark.parametrize("scheme", ["kvcx", "reference"])
+def test_fused_attention_equals_materialised_every_layer_batch_with_left_padding(checked_attention, loaded,
+                                                                                 wiki_ids, scheme):
+    """A real 1,020-token context, batch 2 (row 1 left-padded by 60), 6 decode steps crossing a packing
+    boundary. Every layer, every step: the fused kernel's attention output equals SDPA over the
+    materialised cache (decoded to FP32) from the same query within FP32 rounding; end to end, the
+    logits of a fused run and a materialising run agree to FP32 rounding amplified by 30 layers."""
+    from kvcx.hf import KvcxCache
+
+    model, tok, _ = loaded
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    n, padn, steps = 1020, 60, 6
+    ids = torch.full((2, n + steps), pad)
+    ids[0] = wiki_ids[0, :n + steps]
+    ids[1, padn:] = wiki_ids[0, 2000:2000 + n + steps - padn]
+    mask = torch.ones(2, n, dtype=torch.long)
+    mask[1, :padn] = 0
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    base = DynamicCache()
+    with torch.inference_mode():
+        model(ids[:, :n], attention_mask=mask, position_ids=positions, past_key_values=base)
+    fused = _copy_into(base, KvcxCache(model.config, scheme=scheme, fused=True))
+    mat = _copy_into(base, KvcxCache(model.config, scheme=scheme, fused=False))
+    a_f, l_f = _decode(model, fused, ids[:, n:], mask, positions)
+    a_m, l_m = _decode(model, mat, ids[:, n:], mask, positions)
+    layers = model.config.num_hidden_layers
+    steps_f, steps_m = fused.memory_report()["attention_steps"], mat.memory_report()["attention_steps"]
+    assert steps_f["fused"] == steps * layers and steps_f["materialised"] == 0, steps_f
+    assert steps_m["fused"] == 0 and steps_m["materialised"] == steps * layers, steps_m
+    assert fused.layers[0].quantized_length == mat.layers[0].quantized_length == 1024  # packed mid-way
+    assert len(checked_attention) == steps * layers
+    assert sorted({r[0] for r in checked_attention}) == list(range(layers))
+    worst = max(checked_attention, key=lambda r: r[1] / r[2])
+    assert worst[1] <= 1e-5 * worst[2], worst  # FP32 rounding, every layer and step
+    assert a_f.shape == (steps * layers, 2, 1, model.config.hidden_size)
+    assert (l_f - l_m).abs().max() <= 1e-2, (l_f - l_m).abs().max()
+
+
+def test_generate_uses_the_fused_path(kvcx_attention, loaded, wiki_ids):
+    from kvcx.hf import KvcxCache
+
+    model, _, _ = loaded
+    prompt, new = wiki_ids[:, :300], 12
+    with torch.inference_mode():
+        fused = KvcxCache(model.config)
+        g_f = model.generate(prompt, past_key_values=fused, max_new_tokens=new, do_sample=False)
+        mat = KvcxCache(model.config, fused=False)
+        g_m = model.generate(prompt, past_key_values=mat, max_new_tokens=new, do_sample=False)
+    rep = fused.memory_report()
+    layers = model.config.num_hidden_layers
+    assert rep["attention_steps"] == {"fused": (new - 1) * layers, "materialised": 0, "full_precision": layers}
+    assert rep["scratch_bytes"] == 0  # nothing proportional to the context kept in full precision
+    assert mat.memory_report()["attention_steps"]["materialised"] == (new - 1) * layers
+    assert g_f.tolist() == g_m.tolist()
+
+
+def _reachable_bytes(root) -> int:
+    """Bytes of every NumPy array and torch tensor reachable from root (each buffer counted once)."""
+    import gc
+
+    seen, buffers, stack = set(), {}, [root]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, (type, str, bytes, int, float, bool)) or obj is None:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, np.ndarray):
+            base = obj
+            while isinstance(base.base, np.ndarray):
+                base = base.base
+            buffers[("np", base.__array_interface__["data"][0])] = base.nbytes
+            continue
+        if isinstance(obj, torch.Tensor):
+            st = obj.untyped_storage()
+            buffers[("t", st.data_ptr())] = st.nbytes()
+            continue
+        if isinstance(obj, torch.nn.Module) or type(obj).__module__.startswith("transformers.models"):
+            continue
+        stack.extend(gc.get_referents(obj))
+    return sum(buffers.values())
+
+
+def test_memory_held_after_decode_steps_counted_whole(kvcx_attention, loaded, wiki_ids):
+    """4,000-token prompt + 64 fused decode steps: everything reachable from the cache (packed stores,
+    residual, head rows, workspace, any scratch) <= 0.30x an FP16 DynamicCache of the same tokens, and
+    memory_report()'s total_bytes counts all of it."""
+    from kvcx.hf import KvcxCache
+
+    model, _, _ = loaded
+    cache = KvcxCache(model.config)
+    with torch.inference_mode():
+        out = model(wiki_ids[:, :4000], past_key_values=cache)
+        tok_ = out.logits[:, -1:].argmax(-1)
+        for _ in range(64):
+            tok_ = model(tok_, past_key_values=cache).logits[:, -1:].argmax(-1)
+    rep = cache.memory_report()
+    assert rep["tokens"] == 4064 and rep["attention_steps"]["fused"] == 64 * model.config.num_hidden_layers
+    cfg = model.config
+    fp16 = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * 4064 * cfg.head_dim * 2
+    reach = _reachable_bytes(cache)
+    assert reach <= rep["total_bytes"], (reach, rep)
+    assert rep["total_bytes"] <= 0.30 * fp16, (rep["total_bytes"] / fp16, rep)
+
+
+def test_fused_true_needs_the_kvcx_attention(loaded):
+    from kvcx.hf import KvcxCache
+
+    model, _, _ = loaded
+    assert model.config._attn_implementation != "kvcx"
+    with pytest.raises(KvcxError, match="set_attn_implementation\\('kvcx'\\)"):
+        with torch.inference_mode():
+            cache = KvcxCache(model.config, fused=True)
+            model(torch.tensor([[1, 2, 3]]), past_key_values=cache)
+            model(torch.tensor([[4]]), past_key_values=cache)
+    with pytest.raises(KvcxError, match="fused must be None"):
+        KvcxCache(model.config, fused="yes")
