@@ -483,6 +483,11 @@ cdef int _enc_block(const uint8_t *src, int dt, const kvcx_layout *L, int64_t bl
     if L.axis == KVCX_AXIS_TOKEN:
         ngroups = (Lq + G - 1) // G
         g = 0
+        if fused and G % 16 == 0:  # whole groups in a batch (start is a multiple of G here)
+            k = slab * ngroups + start // G
+            g = kvcx_q4_groups(buf, n // G, G, L.asym, scales + k, zeros + k, dest, &status)
+            if status:
+                return status
         while g * G < n:
             m = min(G, n - g * G)
             k = slab * ngroups + (start + g * G) // G

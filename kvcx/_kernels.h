@@ -206,12 +206,27 @@ static inline uint8_t kvcx_q4_1(float x, float sdiv, float zero, int keep, float
 }
 
 #if defined(__AVX2__)
-/* 16 values -> 8 packed bytes (in the low half of the result) */
-static inline __m128i kvcx_q4_16(const float *x, __m256 z0, __m256 z1, __m256 s0, __m256 s1, __m256 m0,
-                                 __m256 m1, __m256 lo, __m256 hi, __m256 off) {
-    const int rnd = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-    __m256 t0 = _mm256_round_ps(_mm256_div_ps(_mm256_sub_ps(_mm256_loadu_ps(x), z0), s0), rnd);
-    __m256 t1 = _mm256_round_ps(_mm256_div_ps(_mm256_sub_ps(_mm256_loadu_ps(x + 8), z1), s1), rnd);
+/* t = rint((x - zero) / sdiv), computed as (x - zero) * (1 / sdiv): the product is within 3.2e-6 of the
+   correctly rounded quotient for |t| < 16 (2 roundings of 2^-24 each, relative), so its rint is the
+   quotient's unless the quotient lies within 1e-5 of a half-integer; those rare lanes (about 2e-5 of
+   values) take the division itself. Codes are therefore identical to the division's. Values of |t| >= 16
+   are clamped to the code range whichever way they round. */
+static inline __m256 kvcx_rdiv8(__m256 d, __m256 sdiv, __m256 inv) {
+    const __m256 half = _mm256_set1_ps(0.5f), eps = _mm256_set1_ps(1e-5f);
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 t = _mm256_mul_ps(d, inv);
+    __m256 f = _mm256_sub_ps(_mm256_sub_ps(t, _mm256_floor_ps(t)), half);
+    __m256 near = _mm256_cmp_ps(_mm256_and_ps(f, absmask), eps, _CMP_LT_OQ);
+    if (_mm256_movemask_ps(near))
+        t = _mm256_blendv_ps(t, _mm256_div_ps(d, sdiv), near);
+    return _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+
+/* 16 values -> 8 packed bytes (in the low half of the result); i0/i1 = 1 / s0, 1 / s1 */
+static inline __m128i kvcx_q4_16(const float *x, __m256 z0, __m256 z1, __m256 s0, __m256 s1, __m256 i0,
+                                 __m256 i1, __m256 m0, __m256 m1, __m256 lo, __m256 hi, __m256 off) {
+    __m256 t0 = kvcx_rdiv8(_mm256_sub_ps(_mm256_loadu_ps(x), z0), s0, i0);
+    __m256 t1 = kvcx_rdiv8(_mm256_sub_ps(_mm256_loadu_ps(x + 8), z1), s1, i1);
     t0 = _mm256_and_ps(_mm256_min_ps(_mm256_max_ps(t0, lo), hi), m0);
     t1 = _mm256_and_ps(_mm256_min_ps(_mm256_max_ps(t1, lo), hi), m1);
     __m256i c = _mm256_packs_epi32(_mm256_cvttps_epi32(_mm256_add_ps(t0, off)),
@@ -286,19 +301,24 @@ static inline void kvcx_q4_pack_cols(const float *x, int64_t rows, int64_t D, co
                                      const float *zero, const float *keep, float qmin, float qmax, float off,
                                      uint8_t *out) {
     const uint32_t *kb = (const uint32_t *)keep;
+    int64_t d0 = 0;
+#if defined(__AVX2__)
+    const __m256 lo = _mm256_set1_ps(qmin), hi = _mm256_set1_ps(qmax), of = _mm256_set1_ps(off);
+    const __m256 one = _mm256_set1_ps(1.0f);
+    for (; d0 + 16 <= D; d0 += 16) {   /* 16 columns at a time: their reciprocals once, then every row */
+        const __m256 z0 = _mm256_loadu_ps(zero + d0), z1 = _mm256_loadu_ps(zero + d0 + 8);
+        const __m256 s0 = _mm256_loadu_ps(sdiv + d0), s1 = _mm256_loadu_ps(sdiv + d0 + 8);
+        const __m256 i0 = _mm256_div_ps(one, s0), i1 = _mm256_div_ps(one, s1);
+        const __m256 m0 = _mm256_loadu_ps(keep + d0), m1 = _mm256_loadu_ps(keep + d0 + 8);
+        for (int64_t r = 0; r < rows; r++)
+            _mm_storel_epi64((__m128i *)(out + r * (D / 2) + d0 / 2),
+                             kvcx_q4_16(x + r * D + d0, z0, z1, s0, s1, i0, i1, m0, m1, lo, hi, of));
+    }
+#endif
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * D;
         uint8_t *o = out + r * (D / 2);
-        int64_t d = 0;
-#if defined(__AVX2__)
-        const __m256 lo = _mm256_set1_ps(qmin), hi = _mm256_set1_ps(qmax), of = _mm256_set1_ps(off);
-        for (; d + 16 <= D; d += 16)
-            _mm_storel_epi64((__m128i *)(o + d / 2),
-                kvcx_q4_16(xr + d, _mm256_loadu_ps(zero + d), _mm256_loadu_ps(zero + d + 8), _mm256_loadu_ps(sdiv + d),
-                           _mm256_loadu_ps(sdiv + d + 8), _mm256_loadu_ps(keep + d), _mm256_loadu_ps(keep + d + 8),
-                           lo, hi, of));
-#endif
-        for (; d < D; d += 2)
+        for (int64_t d = d0; d < D; d += 2)
             o[d / 2] = kvcx_q4_1(xr[d], sdiv[d], zero[d], kb[d] != 0, qmin, qmax, off)
                      | (uint8_t)(kvcx_q4_1(xr[d + 1], sdiv[d + 1], zero[d + 1], kb[d + 1] != 0, qmin, qmax, off) << 4);
     }
@@ -310,15 +330,101 @@ static inline void kvcx_q4_pack_contig(const float *x, int64_t n, float scale, f
     int64_t i = 0;
 #if defined(__AVX2__)
     const __m256 z = _mm256_set1_ps(zero), s = _mm256_set1_ps(scale), m = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+    const __m256 inv = _mm256_div_ps(_mm256_set1_ps(1.0f), s);
     const __m256 lo = _mm256_set1_ps(qmin), hi = _mm256_set1_ps(qmax), of = _mm256_set1_ps(off);
     for (; i + 16 <= n; i += 16)
-        _mm_storel_epi64((__m128i *)(out + i / 2), kvcx_q4_16(x + i, z, z, s, s, m, m, lo, hi, of));
+        _mm_storel_epi64((__m128i *)(out + i / 2), kvcx_q4_16(x + i, z, z, s, s, inv, inv, m, m, lo, hi, of));
 #endif
     for (; i + 2 <= n; i += 2)
         out[i / 2] = kvcx_q4_1(x[i], scale, zero, 1, qmin, qmax, off)
                    | (uint8_t)(kvcx_q4_1(x[i + 1], scale, zero, 1, qmin, qmax, off) << 4);
     if (i < n)
         out[i / 2] = kvcx_q4_1(x[i], scale, zero, 1, qmin, qmax, off);
+}
+
+/* Quantize + pack `ng` whole groups of G contiguous values (G a multiple of 16) at 4 bits, one FP16 scale
+   (and zero point) per group, group i's codes at out + i * G / 2: statistics of every group first, then
+   the scales 8 groups at a time, then the codes, so the groups' serial chains (max -> scale -> FP16 ->
+   reciprocal) overlap instead of following one another. Same arithmetic, same codes and scales as
+   quantizing group by group (kvcx._core._quant_contig). Returns the groups done (0 without AVX2 + F16C:
+   the caller then quantizes them one by one); ORs kvcx_status bits into *status (the caller checked
+   nothing). At most KVCX_Q4_MAX_GROUPS groups per call. */
+enum { KVCX_Q4_MAX_GROUPS = 256 };
+static inline int64_t kvcx_q4_groups(const float *x, int64_t ng, int64_t G, int asym, uint16_t *s_out,
+                                     uint16_t *z_out, uint8_t *out, int *status) {
+#if defined(__AVX2__) && KVCX_F16C
+    int32_t lo[KVCX_Q4_MAX_GROUPS + 8], hi[KVCX_Q4_MAX_GROUPS + 8];
+    float sc[KVCX_Q4_MAX_GROUPS + 8], inv[KVCX_Q4_MAX_GROUPS + 8], zr[KVCX_Q4_MAX_GROUPS + 8];
+    uint32_t keep[KVCX_Q4_MAX_GROUPS + 8];
+    if (ng > KVCX_Q4_MAX_GROUPS) ng = KVCX_Q4_MAX_GROUPS;
+    for (int64_t g = 0; g < ng; g++) {
+        if (asym) kvcx_minmax_keys(x + g * G, G, lo + g, hi + g);
+        else { lo[g] = 0; hi[g] = kvcx_absmax_bits(x + g * G, G); }
+    }
+    for (int64_t g = ng; g < ng + 8; g++) { lo[g] = 0; hi[g] = 0; }
+    const __m256i mask = _mm256_set1_epi32(0x7fffffff), inf = _mm256_set1_epi32(0x7f800000);
+    const __m256i exp16 = _mm256_set1_epi32(0x7c00), ones = _mm256_set1_epi32(-1);
+    const int rnd = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    const __m256 one = _mm256_set1_ps(1.0f);
+    int st = 0;
+    for (int64_t g = 0; g < ng; g += 8) {
+        __m256i l = _mm256_loadu_si256((const __m256i *)(lo + g)), h = _mm256_loadu_si256((const __m256i *)(hi + g));
+        __m256 scale, zero;
+        __m128i hs, hz;
+        if (asym) {  /* keys back to float bits; NaN/Inf where max key >= +inf or min key <= -inf */
+            __m256i bad = _mm256_or_si256(_mm256_cmpgt_epi32(h, _mm256_sub_epi32(inf, _mm256_set1_epi32(1))),
+                                          _mm256_cmpgt_epi32(_mm256_set1_epi32(KVCX_KEY_NEG_INF + 1), l));
+            if (_mm256_movemask_epi8(bad)) st |= KVCX_ST_NONFINITE;
+            __m256 fl = _mm256_castsi256_ps(_mm256_xor_si256(l, _mm256_and_si256(_mm256_srai_epi32(l, 31), mask)));
+            __m256 fh = _mm256_castsi256_ps(_mm256_xor_si256(h, _mm256_and_si256(_mm256_srai_epi32(h, 31), mask)));
+            hs = _mm256_cvtps_ph(_mm256_div_ps(_mm256_sub_ps(fh, fl), _mm256_set1_ps(15.0f)), rnd);
+            hz = _mm256_cvtps_ph(fl, rnd);
+            zero = _mm256_cvtph_ps(hz);
+            if (_mm_movemask_epi8(_mm_cmpeq_epi16(_mm_and_si128(hz, _mm_set1_epi16(0x7c00)), _mm_set1_epi16(0x7c00))))
+                st |= KVCX_ST_SCALE_OVERFLOW;
+        } else {
+            if (_mm256_movemask_epi8(_mm256_cmpgt_epi32(h, _mm256_sub_epi32(inf, _mm256_set1_epi32(1)))))
+                st |= KVCX_ST_NONFINITE;
+            hs = _mm256_cvtps_ph(_mm256_div_ps(_mm256_castsi256_ps(h), _mm256_set1_ps(7.0f)), rnd);
+            hz = _mm_setzero_si128();
+            zero = _mm256_setzero_ps();
+        }
+        if (_mm_movemask_epi8(_mm_cmpeq_epi16(_mm_and_si128(hs, _mm_set1_epi16(0x7c00)), _mm_set1_epi16(0x7c00))))
+            st |= KVCX_ST_SCALE_OVERFLOW;
+        scale = _mm256_cvtph_ps(hs);
+        __m256 z0 = _mm256_cmp_ps(scale, _mm256_setzero_ps(), _CMP_EQ_OQ);
+        __m256 sdiv = _mm256_blendv_ps(scale, one, z0);
+        _mm256_storeu_ps(sc + g, sdiv);
+        _mm256_storeu_ps(inv + g, _mm256_div_ps(one, sdiv));
+        _mm256_storeu_ps(zr + g, zero);
+        _mm256_storeu_si256((__m256i *)(keep + g), _mm256_xor_si256(_mm256_castps_si256(z0), ones));
+        uint16_t t16[8];
+        int64_t m = ng - g < 8 ? ng - g : 8;
+        _mm_storeu_si128((__m128i *)t16, hs);
+        memcpy(s_out + g, t16, (size_t)m * 2);
+        if (asym) {
+            _mm_storeu_si128((__m128i *)t16, hz);
+            memcpy(z_out + g, t16, (size_t)m * 2);
+        }
+        (void)exp16;
+    }
+    *status |= st;
+    if (st) return ng;
+    const float qmin = asym ? 0.0f : -8.0f, qmax = asym ? 15.0f : 7.0f, off = asym ? 0.0f : 8.0f;
+    const __m256 vlo = _mm256_set1_ps(qmin), vhi = _mm256_set1_ps(qmax), vof = _mm256_set1_ps(off);
+    for (int64_t g = 0; g < ng; g++) {
+        const __m256 z = _mm256_set1_ps(zr[g]), s = _mm256_set1_ps(sc[g]), iv = _mm256_set1_ps(inv[g]);
+        const __m256 k = _mm256_castsi256_ps(_mm256_set1_epi32((int32_t)keep[g]));
+        const float *xg = x + g * G;
+        uint8_t *o = out + g * (G / 2);
+        for (int64_t i = 0; i < G; i += 16)
+            _mm_storel_epi64((__m128i *)(o + i / 2), kvcx_q4_16(xg + i, z, z, s, s, iv, iv, k, k, vlo, vhi, vof));
+    }
+    return ng;
+#else
+    (void)x; (void)ng; (void)G; (void)asym; (void)s_out; (void)z_out; (void)out; (void)status;
+    return 0;
+#endif
 }
 
 static inline uint16_t kvcx_f2h_1(float x) {

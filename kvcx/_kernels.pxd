@@ -49,6 +49,8 @@ cdef extern from "_kernels.h" nogil:
     void kvcx_q4_pack_contig(const float *x, int64_t n, float scale, float zero, float qmin, float qmax,
                              float off, uint8_t *out) noexcept
     void kvcx_fwht_rows(float *x, int64_t rows, int64_t d) noexcept
+    int64_t kvcx_q4_groups(const float *x, int64_t ng, int64_t G, int asym, uint16_t *s_out, uint16_t *z_out,
+                           uint8_t *out, int *status) noexcept
 
 cdef extern from "_attn.h" nogil:
     enum:
