@@ -1,23 +1,33 @@
 """KvcxCache: a transformers cache that keeps the KV cache packed in kvcx's INT4 format.
 
+    import kvcx.hf                              # registers the "kvcx" attention implementation
     from kvcx.hf import KvcxCache
-    cache = KvcxCache(model.config, group_size=64, residual_length=128)
+    model.set_attn_implementation("kvcx")      # decode steps read the packed codes (the fused kernel)
+    cache = KvcxCache(model.config, group_size=64, residual_length=64)
     out = model.generate(**inputs, past_key_values=cache, max_new_tokens=64)
     cache.memory_report()
 
 Design (transformers' quantized-cache design, with appending instead of re-quantizing):
 each layer keeps a short full-precision residual of at most ``residual_length``
 tokens. When it fills, whole multiples of ``residual_length`` tokens are encoded
-by the Cython kernels into a new packed chunk (codes + FP16 scales + zero points,
-the first chunk also holds the exact sink tokens) and dropped from the residual.
-Chunks are never dequantized into stored copies: at every step the layer decodes
-its chunks straight into one scratch buffer shared by all layers (one layer's
-keys and values in full precision), appends the residual and the new tokens, and
-hands that to attention. Packed data lives on the CPU; on CUDA the decoded
-scratch is copied to the device (the kernels are CPU kernels).
+by the Cython kernels and appended to the layer's packed store
+(:class:`kvcx.attention.PackedKV`: codes + FP16 scales + zero points, the exact
+sink tokens) and dropped from the residual. Nothing is stored dequantized.
 
-torch and transformers are imported when this module is imported; the rest of
-kvcx never imports it unless asked.
+Attention over the store takes one of two paths per layer step:
+
+- fused (single-token steps on CPU, the model's attention set to ``"kvcx"``): the
+  cache returns the new token's keys marked with the layer, and the ``"kvcx"``
+  attention function runs the fused kernel over the packed store, the sinks and
+  the residual (kvcx/_attn.h); no full-precision copy of the context exists;
+- materialising (prefill chunks, ``fused=False``, other attention implementations,
+  CUDA): the layer decodes its packed store into one scratch buffer shared by all
+  layers and hands ``[decoded, residual, new]`` to attention (on CUDA the decoded
+  scratch is copied to the device; the kernels are CPU kernels).
+
+The ``"kvcx"`` attention implementation is SDPA for every call that is not a
+KvcxCache fused step. torch and transformers are imported when this module is
+imported; the rest of kvcx never imports it unless asked.
 """
 from __future__ import annotations
 
@@ -293,6 +303,10 @@ class KvcxCache(Cache):
     residual_length: tokens kept in full precision before they are packed (a multiple of the
         group size when keys are grouped per channel).
     kv_config: a ready :class:`kvcx.kvconfig.KVConfig` instead of the options above.
+    n_threads: OpenMP threads of the kernels (None = all).
+    fused: None (default): single-token steps run the fused kernel when the model's attention is
+        ``"kvcx"`` and the codecs allow it, else the materialising path; False: always materialise;
+        True: a step that cannot run fused is an error.
     """
 
     def __init__(self, config, group_size: int = 64, scheme: str = DEFAULT_SCHEME, residual_length: int = 64,
@@ -368,7 +382,7 @@ class KvcxCache(Cache):
                 "tokens": self.get_seq_length(),
                 "attention_steps": steps,
                 "fp16_equivalent_bytes": 2 * values,
-                "model_dtype_equivalent_bytes": values * (self.layers[0].keys.element_size()
+                "model_dtype_equivalent_bytes": values * (self.layers[0].dtype.itemsize
                                                           if self.layers and self.layers[0].is_initialized else 2),
                 "bits_per_value": 8.0 * (packed + residual) / values if values else 0.0}
 
