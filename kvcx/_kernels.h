@@ -206,31 +206,38 @@ static inline uint8_t kvcx_q4_1(float x, float sdiv, float zero, int keep, float
 }
 
 #if defined(__AVX2__)
-/* t = rint((x - zero) / sdiv), computed as (x - zero) * (1 / sdiv): the product is within 3.2e-6 of the
-   correctly rounded quotient for |t| < 16 (2 roundings of 2^-24 each, relative), so its rint is the
-   quotient's unless the quotient lies within 1e-5 of a half-integer; those rare lanes (about 2e-5 of
-   values) take the division itself. Codes are therefore identical to the division's. Values of |t| >= 16
-   are clamped to the code range whichever way they round. */
-static inline __m256 kvcx_rdiv8(__m256 d, __m256 sdiv, __m256 inv) {
-    const __m256 half = _mm256_set1_ps(0.5f), eps = _mm256_set1_ps(1e-5f);
+/* t = rint((x - zero) / sdiv) for 2 x 8 values, computed as rint((x - zero) * (1 / sdiv)): the product
+   is within 3.2e-6 of the correctly rounded quotient for |t| < 16 (2 roundings of 2^-24 each, relative),
+   so its rint is the quotient's unless the product lies within 1e-5 of a half-integer; those rare lanes
+   (about 2e-5 of values) take the division itself. Codes are therefore identical to the division's.
+   Values of |t| >= 16 are clamped to the code range whichever way they round. */
+static inline void kvcx_rdiv16(__m256 d0, __m256 d1, __m256 s0, __m256 s1, __m256 i0, __m256 i1, __m256 *r0,
+                               __m256 *r1) {
+    const int rnd = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    const __m256 lim = _mm256_set1_ps(0.5f - 1e-5f);
     const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    __m256 t = _mm256_mul_ps(d, inv);
-    __m256 f = _mm256_sub_ps(_mm256_sub_ps(t, _mm256_floor_ps(t)), half);
-    __m256 near = _mm256_cmp_ps(_mm256_and_ps(f, absmask), eps, _CMP_LT_OQ);
-    if (_mm256_movemask_ps(near))
-        t = _mm256_blendv_ps(t, _mm256_div_ps(d, sdiv), near);
-    return _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 t0 = _mm256_mul_ps(d0, i0), t1 = _mm256_mul_ps(d1, i1);
+    __m256 q0 = _mm256_round_ps(t0, rnd), q1 = _mm256_round_ps(t1, rnd);
+    __m256 n0 = _mm256_cmp_ps(_mm256_and_ps(_mm256_sub_ps(t0, q0), absmask), lim, _CMP_GT_OQ);
+    __m256 n1 = _mm256_cmp_ps(_mm256_and_ps(_mm256_sub_ps(t1, q1), absmask), lim, _CMP_GT_OQ);
+    if (_mm256_movemask_ps(_mm256_or_ps(n0, n1))) {
+        q0 = _mm256_blendv_ps(q0, _mm256_round_ps(_mm256_div_ps(d0, s0), rnd), n0);
+        q1 = _mm256_blendv_ps(q1, _mm256_round_ps(_mm256_div_ps(d1, s1), rnd), n1);
+    }
+    *r0 = q0;
+    *r1 = q1;
 }
 
-/* 16 values -> 8 packed bytes (in the low half of the result); i0/i1 = 1 / s0, 1 / s1 */
+/* 16 values -> 8 packed bytes (in the low half of the result): i0/i1 = 1 / s0, 1 / s1; keep16 = the keep
+   mask of the 16 values as int16 lanes in _mm256_packs_epi32 order (0 where the scale is 0); clamping to
+   [lo, hi] and the offset in int16 */
 static inline __m128i kvcx_q4_16(const float *x, __m256 z0, __m256 z1, __m256 s0, __m256 s1, __m256 i0,
-                                 __m256 i1, __m256 m0, __m256 m1, __m256 lo, __m256 hi, __m256 off) {
-    __m256 t0 = kvcx_rdiv8(_mm256_sub_ps(_mm256_loadu_ps(x), z0), s0, i0);
-    __m256 t1 = kvcx_rdiv8(_mm256_sub_ps(_mm256_loadu_ps(x + 8), z1), s1, i1);
-    t0 = _mm256_and_ps(_mm256_min_ps(_mm256_max_ps(t0, lo), hi), m0);
-    t1 = _mm256_and_ps(_mm256_min_ps(_mm256_max_ps(t1, lo), hi), m1);
-    __m256i c = _mm256_packs_epi32(_mm256_cvttps_epi32(_mm256_add_ps(t0, off)),
-                                   _mm256_cvttps_epi32(_mm256_add_ps(t1, off)));
+                                 __m256 i1, __m256i keep16, __m256i lo, __m256i hi, __m256i off) {
+    __m256 r0, r1;
+    kvcx_rdiv16(_mm256_sub_ps(_mm256_loadu_ps(x), z0), _mm256_sub_ps(_mm256_loadu_ps(x + 8), z1), s0, s1, i0, i1,
+                &r0, &r1);
+    __m256i c = _mm256_packs_epi32(_mm256_cvttps_epi32(r0), _mm256_cvttps_epi32(r1));
+    c = _mm256_add_epi16(_mm256_and_si256(_mm256_min_epi16(_mm256_max_epi16(c, lo), hi), keep16), off);
     c = _mm256_permute4x64_epi64(c, 0xD8);
     __m128i b = _mm_packus_epi16(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
     __m128i w = _mm_maddubs_epi16(b, _mm_set1_epi16(0x1001));  /* b[2i] + 16 * b[2i+1] */
@@ -303,16 +310,18 @@ static inline void kvcx_q4_pack_cols(const float *x, int64_t rows, int64_t D, co
     const uint32_t *kb = (const uint32_t *)keep;
     int64_t d0 = 0;
 #if defined(__AVX2__)
-    const __m256 lo = _mm256_set1_ps(qmin), hi = _mm256_set1_ps(qmax), of = _mm256_set1_ps(off);
+    const __m256i lo = _mm256_set1_epi16((int16_t)qmin), hi = _mm256_set1_epi16((int16_t)qmax);
+    const __m256i of = _mm256_set1_epi16((int16_t)off);
     const __m256 one = _mm256_set1_ps(1.0f);
     for (; d0 + 16 <= D; d0 += 16) {   /* 16 columns at a time: their reciprocals once, then every row */
         const __m256 z0 = _mm256_loadu_ps(zero + d0), z1 = _mm256_loadu_ps(zero + d0 + 8);
         const __m256 s0 = _mm256_loadu_ps(sdiv + d0), s1 = _mm256_loadu_ps(sdiv + d0 + 8);
         const __m256 i0 = _mm256_div_ps(one, s0), i1 = _mm256_div_ps(one, s1);
-        const __m256 m0 = _mm256_loadu_ps(keep + d0), m1 = _mm256_loadu_ps(keep + d0 + 8);
+        const __m256i k16 = _mm256_packs_epi32(_mm256_loadu_si256((const __m256i *)(keep + d0)),
+                                               _mm256_loadu_si256((const __m256i *)(keep + d0 + 8)));
         for (int64_t r = 0; r < rows; r++)
             _mm_storel_epi64((__m128i *)(out + r * (D / 2) + d0 / 2),
-                             kvcx_q4_16(x + r * D + d0, z0, z1, s0, s1, i0, i1, m0, m1, lo, hi, of));
+                             kvcx_q4_16(x + r * D + d0, z0, z1, s0, s1, i0, i1, k16, lo, hi, of));
     }
 #endif
     for (int64_t r = 0; r < rows; r++) {
@@ -329,11 +338,12 @@ static inline void kvcx_q4_pack_contig(const float *x, int64_t n, float scale, f
                                        float off, uint8_t *out) {
     int64_t i = 0;
 #if defined(__AVX2__)
-    const __m256 z = _mm256_set1_ps(zero), s = _mm256_set1_ps(scale), m = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+    const __m256 z = _mm256_set1_ps(zero), s = _mm256_set1_ps(scale);
     const __m256 inv = _mm256_div_ps(_mm256_set1_ps(1.0f), s);
-    const __m256 lo = _mm256_set1_ps(qmin), hi = _mm256_set1_ps(qmax), of = _mm256_set1_ps(off);
+    const __m256i lo = _mm256_set1_epi16((int16_t)qmin), hi = _mm256_set1_epi16((int16_t)qmax);
+    const __m256i of = _mm256_set1_epi16((int16_t)off), m = _mm256_set1_epi32(-1);
     for (; i + 16 <= n; i += 16)
-        _mm_storel_epi64((__m128i *)(out + i / 2), kvcx_q4_16(x + i, z, z, s, s, inv, inv, m, m, lo, hi, of));
+        _mm_storel_epi64((__m128i *)(out + i / 2), kvcx_q4_16(x + i, z, z, s, s, inv, inv, m, lo, hi, of));
 #endif
     for (; i + 2 <= n; i += 2)
         out[i / 2] = kvcx_q4_1(x[i], scale, zero, 1, qmin, qmax, off)
@@ -342,88 +352,130 @@ static inline void kvcx_q4_pack_contig(const float *x, int64_t n, float scale, f
         out[i / 2] = kvcx_q4_1(x[i], scale, zero, 1, qmin, qmax, off);
 }
 
-/* Quantize + pack `ng` whole groups of G contiguous values (G a multiple of 16) at 4 bits, one FP16 scale
-   (and zero point) per group, group i's codes at out + i * G / 2: statistics of every group first, then
-   the scales 8 groups at a time, then the codes, so the groups' serial chains (max -> scale -> FP16 ->
-   reciprocal) overlap instead of following one another. Same arithmetic, same codes and scales as
-   quantizing group by group (kvcx._core._quant_contig). Returns the groups done (0 without AVX2 + F16C:
-   the caller then quantizes them one by one); ORs kvcx_status bits into *status (the caller checked
-   nothing). At most KVCX_Q4_MAX_GROUPS groups per call. */
-enum { KVCX_Q4_MAX_GROUPS = 256 };
-static inline int64_t kvcx_q4_groups(const float *x, int64_t ng, int64_t G, int asym, uint16_t *s_out,
-                                     uint16_t *z_out, uint8_t *out, int *status) {
+/* Group parameters of n groups from their statistics (asym: min/max order keys, see kvcx_minmax_keys;
+   sym: lo ignored, hi = bits of max |x|), 8 groups at a time: FP16 scale (and zero point) bits into
+   s_out / z_out, and for quantizing: sdiv = scale (1 where the scale is 0), inv = 1 / sdiv, zero (as
+   float), keep = all ones where the scale is not 0. The same arithmetic as the per-group scalar path
+   (_params in kvcx/_core.pyx: scale = max|x| / 7 or (max - min) / 15, then FP16, round to nearest even).
+   Returns kvcx_status bits (NaN/Inf statistics, a scale or zero point FP16 cannot hold). */
 #if defined(__AVX2__) && KVCX_F16C
-    int32_t lo[KVCX_Q4_MAX_GROUPS + 8], hi[KVCX_Q4_MAX_GROUPS + 8];
-    float sc[KVCX_Q4_MAX_GROUPS + 8], inv[KVCX_Q4_MAX_GROUPS + 8], zr[KVCX_Q4_MAX_GROUPS + 8];
-    uint32_t keep[KVCX_Q4_MAX_GROUPS + 8];
-    if (ng > KVCX_Q4_MAX_GROUPS) ng = KVCX_Q4_MAX_GROUPS;
-    for (int64_t g = 0; g < ng; g++) {
-        if (asym) kvcx_minmax_keys(x + g * G, G, lo + g, hi + g);
-        else { lo[g] = 0; hi[g] = kvcx_absmax_bits(x + g * G, G); }
-    }
-    for (int64_t g = ng; g < ng + 8; g++) { lo[g] = 0; hi[g] = 0; }
-    const __m256i mask = _mm256_set1_epi32(0x7fffffff), inf = _mm256_set1_epi32(0x7f800000);
-    const __m256i exp16 = _mm256_set1_epi32(0x7c00), ones = _mm256_set1_epi32(-1);
+#define KVCX_Q4_PARAMS 1
+static inline int kvcx_q4_params(const int32_t *lo, const int32_t *hi, int64_t n, int asym, uint16_t *s_out,
+                                 uint16_t *z_out, float *sdiv, float *inv, float *zero, uint32_t *keep) {
+    const __m256i mask = _mm256_set1_epi32(0x7fffffff), infm1 = _mm256_set1_epi32(0x7f800000 - 1);
     const int rnd = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
     const __m256 one = _mm256_set1_ps(1.0f);
+    const __m128i e16 = _mm_set1_epi16(0x7c00);
     int st = 0;
-    for (int64_t g = 0; g < ng; g += 8) {
-        __m256i l = _mm256_loadu_si256((const __m256i *)(lo + g)), h = _mm256_loadu_si256((const __m256i *)(hi + g));
-        __m256 scale, zero;
-        __m128i hs, hz;
-        if (asym) {  /* keys back to float bits; NaN/Inf where max key >= +inf or min key <= -inf */
-            __m256i bad = _mm256_or_si256(_mm256_cmpgt_epi32(h, _mm256_sub_epi32(inf, _mm256_set1_epi32(1))),
+    for (int64_t g = 0; g < n; g += 8) {
+        const int64_t m = n - g < 8 ? n - g : 8;
+        int32_t l8[8] = {0, 0, 0, 0, 0, 0, 0, 0}, h8[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        memcpy(h8, hi + g, (size_t)m * 4);
+        if (asym) memcpy(l8, lo + g, (size_t)m * 4);
+        __m256i l = _mm256_loadu_si256((const __m256i *)l8), h = _mm256_loadu_si256((const __m256i *)h8);
+        __m128i hs, hz = _mm_setzero_si128();
+        __m256 z = _mm256_setzero_ps();
+        if (asym) {  /* keys back to float bits; NaN/Inf where max key >= +inf or min key <= key(-inf) */
+            __m256i bad = _mm256_or_si256(_mm256_cmpgt_epi32(h, infm1),
                                           _mm256_cmpgt_epi32(_mm256_set1_epi32(KVCX_KEY_NEG_INF + 1), l));
             if (_mm256_movemask_epi8(bad)) st |= KVCX_ST_NONFINITE;
             __m256 fl = _mm256_castsi256_ps(_mm256_xor_si256(l, _mm256_and_si256(_mm256_srai_epi32(l, 31), mask)));
             __m256 fh = _mm256_castsi256_ps(_mm256_xor_si256(h, _mm256_and_si256(_mm256_srai_epi32(h, 31), mask)));
             hs = _mm256_cvtps_ph(_mm256_div_ps(_mm256_sub_ps(fh, fl), _mm256_set1_ps(15.0f)), rnd);
             hz = _mm256_cvtps_ph(fl, rnd);
-            zero = _mm256_cvtph_ps(hz);
-            if (_mm_movemask_epi8(_mm_cmpeq_epi16(_mm_and_si128(hz, _mm_set1_epi16(0x7c00)), _mm_set1_epi16(0x7c00))))
+            z = _mm256_cvtph_ps(hz);
+            if (_mm_movemask_epi8(_mm_cmpeq_epi16(_mm_and_si128(hz, e16), e16)) & ((1 << (2 * m)) - 1))
                 st |= KVCX_ST_SCALE_OVERFLOW;
         } else {
-            if (_mm256_movemask_epi8(_mm256_cmpgt_epi32(h, _mm256_sub_epi32(inf, _mm256_set1_epi32(1)))))
-                st |= KVCX_ST_NONFINITE;
+            if (_mm256_movemask_epi8(_mm256_cmpgt_epi32(h, infm1))) st |= KVCX_ST_NONFINITE;
             hs = _mm256_cvtps_ph(_mm256_div_ps(_mm256_castsi256_ps(h), _mm256_set1_ps(7.0f)), rnd);
-            hz = _mm_setzero_si128();
-            zero = _mm256_setzero_ps();
         }
-        if (_mm_movemask_epi8(_mm_cmpeq_epi16(_mm_and_si128(hs, _mm_set1_epi16(0x7c00)), _mm_set1_epi16(0x7c00))))
+        if (_mm_movemask_epi8(_mm_cmpeq_epi16(_mm_and_si128(hs, e16), e16)) & ((1 << (2 * m)) - 1))
             st |= KVCX_ST_SCALE_OVERFLOW;
-        scale = _mm256_cvtph_ps(hs);
-        __m256 z0 = _mm256_cmp_ps(scale, _mm256_setzero_ps(), _CMP_EQ_OQ);
-        __m256 sdiv = _mm256_blendv_ps(scale, one, z0);
-        _mm256_storeu_ps(sc + g, sdiv);
-        _mm256_storeu_ps(inv + g, _mm256_div_ps(one, sdiv));
-        _mm256_storeu_ps(zr + g, zero);
-        _mm256_storeu_si256((__m256i *)(keep + g), _mm256_xor_si256(_mm256_castps_si256(z0), ones));
+        __m256 scale = _mm256_cvtph_ps(hs);
+        __m256 isz = _mm256_cmp_ps(scale, _mm256_setzero_ps(), _CMP_EQ_OQ);
+        __m256 sd = _mm256_blendv_ps(scale, one, isz);
+        float f8[8];
+        uint32_t k8[8];
         uint16_t t16[8];
-        int64_t m = ng - g < 8 ? ng - g : 8;
+        _mm256_storeu_ps(f8, sd);
+        memcpy(sdiv + g, f8, (size_t)m * 4);
+        _mm256_storeu_ps(f8, _mm256_div_ps(one, sd));
+        memcpy(inv + g, f8, (size_t)m * 4);
+        _mm256_storeu_ps(f8, z);
+        memcpy(zero + g, f8, (size_t)m * 4);
+        _mm256_storeu_si256((__m256i *)k8, _mm256_xor_si256(_mm256_castps_si256(isz), _mm256_set1_epi32(-1)));
+        memcpy(keep + g, k8, (size_t)m * 4);
         _mm_storeu_si128((__m128i *)t16, hs);
         memcpy(s_out + g, t16, (size_t)m * 2);
         if (asym) {
             _mm_storeu_si128((__m128i *)t16, hz);
             memcpy(z_out + g, t16, (size_t)m * 2);
         }
-        (void)exp16;
     }
+    return st;
+}
+#else
+#define KVCX_Q4_PARAMS 0
+#endif
+
+/* Quantize + pack `ng` whole groups of G contiguous values (G a multiple of 16) at 4 bits, one FP16 scale
+   (and zero point) per group, group i's codes at out + i * G / 2: statistics of every group first, then
+   the scales 8 groups at a time (kvcx_q4_params), then the codes, so the groups' serial chains (max ->
+   scale -> FP16 -> reciprocal) overlap instead of following one another. Same arithmetic, same codes and
+   scales as quantizing group by group (kvcx._core._quant_contig). Returns the groups done (0 without
+   AVX2 + F16C: the caller then quantizes them one by one); ORs kvcx_status bits into *status. At most
+   KVCX_Q4_MAX_GROUPS groups per call. */
+enum { KVCX_Q4_MAX_GROUPS = 256 };
+static inline int64_t kvcx_q4_groups(const float *x, int64_t ng, int64_t G, int asym, uint16_t *s_out,
+                                     uint16_t *z_out, uint8_t *out, int *status) {
+#if KVCX_Q4_PARAMS
+    int32_t lo[KVCX_Q4_MAX_GROUPS], hi[KVCX_Q4_MAX_GROUPS];
+    float sc[KVCX_Q4_MAX_GROUPS], inv[KVCX_Q4_MAX_GROUPS], zr[KVCX_Q4_MAX_GROUPS];
+    uint32_t keep[KVCX_Q4_MAX_GROUPS];
+    if (ng > KVCX_Q4_MAX_GROUPS) ng = KVCX_Q4_MAX_GROUPS;
+    for (int64_t g = 0; g < ng; g++) {
+        if (asym) kvcx_minmax_keys(x + g * G, G, lo + g, hi + g);
+        else { lo[g] = 0; hi[g] = kvcx_absmax_bits(x + g * G, G); }
+    }
+    const int st = kvcx_q4_params(lo, hi, ng, asym, s_out, z_out, sc, inv, zr, keep);
     *status |= st;
     if (st) return ng;
-    const float qmin = asym ? 0.0f : -8.0f, qmax = asym ? 15.0f : 7.0f, off = asym ? 0.0f : 8.0f;
-    const __m256 vlo = _mm256_set1_ps(qmin), vhi = _mm256_set1_ps(qmax), vof = _mm256_set1_ps(off);
+    const __m256i vlo = _mm256_set1_epi16(asym ? 0 : -8), vhi = _mm256_set1_epi16(asym ? 15 : 7);
+    const __m256i vof = _mm256_set1_epi16(asym ? 0 : 8);
     for (int64_t g = 0; g < ng; g++) {
         const __m256 z = _mm256_set1_ps(zr[g]), s = _mm256_set1_ps(sc[g]), iv = _mm256_set1_ps(inv[g]);
-        const __m256 k = _mm256_castsi256_ps(_mm256_set1_epi32((int32_t)keep[g]));
+        const __m256i k = _mm256_set1_epi32((int32_t)keep[g]);
         const float *xg = x + g * G;
         uint8_t *o = out + g * (G / 2);
         for (int64_t i = 0; i < G; i += 16)
-            _mm_storel_epi64((__m128i *)(o + i / 2), kvcx_q4_16(xg + i, z, z, s, s, iv, iv, k, k, vlo, vhi, vof));
+            _mm_storel_epi64((__m128i *)(o + i / 2), kvcx_q4_16(xg + i, z, z, s, s, iv, iv, k, vlo, vhi, vof));
     }
     return ng;
 #else
     (void)x; (void)ng; (void)G; (void)asym; (void)s_out; (void)z_out; (void)out; (void)status;
     return 0;
+#endif
+}
+
+/* rows x D values with one group per column (4 bits), the column statistics done (kmin / kmax as in
+   kvcx_q4_params): the parameters of all columns 8 at a time, then the codes. The outputs may alias the
+   statistics index for index (each 8 are read before they are written). Returns kvcx_status bits; -1
+   without AVX2 + F16C (nothing done: the caller takes the scalar path). */
+static inline int kvcx_q4_cols_params_pack(const float *x, int64_t rows, int64_t D, const int32_t *kmin,
+                                           const int32_t *kmax, int asym, uint16_t *s_out, uint16_t *z_out,
+                                           float *sdiv, float *inv, float *zero, uint32_t *keep, uint8_t *out) {
+#if KVCX_Q4_PARAMS
+    const int st = kvcx_q4_params(kmin, kmax, D, asym, s_out, z_out, sdiv, inv, zero, keep);
+    if (st) return st;
+    (void)inv;
+    kvcx_q4_pack_cols(x, rows, D, sdiv, zero, (const float *)keep, asym ? 0.0f : -8.0f, asym ? 15.0f : 7.0f,
+                      asym ? 0.0f : 8.0f, out);
+    return KVCX_OK;
+#else
+    (void)x; (void)rows; (void)D; (void)kmin; (void)kmax; (void)asym; (void)s_out; (void)z_out;
+    (void)sdiv; (void)inv; (void)zero; (void)keep; (void)out;
+    return -1;
 #endif
 }
 
