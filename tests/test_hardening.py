@@ -203,7 +203,12 @@ def test_signal_mid_write_leaves_no_temp_and_the_old_output(tmp_path, sig):
         st.write_bytes_to = slow
         st.save_file({{"b": np.ones(1 << 20, np.float32)}}, {str(out)!r})
     """)
-    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    def default_signals():  # a runner under nohup or in the background ignores SIGHUP / SIGINT, and kvcx
+        for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):  # rightly leaves ignored signals ignored
+            signal.signal(s, signal.SIG_DFL)
+
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=default_signals)
     assert p.stdout.readline().strip() == "WRITING"
     assert list(tmp_path.glob(".kvcx-*.tmp"))  # mid-write: the temporary file exists
     p.send_signal(sig)
