@@ -469,8 +469,29 @@ cdef int _enc_block(const uint8_t *src, int dt, const kvcx_layout *L, int64_t bl
     cdef int64_t t_a = t0 + blk * blk_tokens
     cdef int64_t t_b = min(S, t_a + blk_tokens)
     cdef int64_t n = (t_b - t_a) * D
-    cdef int64_t g, start, m, k, ngroups, nblk
+    cdef int64_t g, g0, start, m, k, ngroups, nblk
     cdef int status = KVCX_OK
+    cdef uint8_t *dest
+    if L.axis == KVCX_AXIS_TOKEN and not L.rotate and L.bits == 4 and dt == KVCX_DT_F16 and G % 16 == 0:
+        # FP16 input, 4 bits: whole groups straight from the input, no FP32 copy (0 done without AVX2)
+        start = blk * blk_tokens
+        n = min(blk_tokens, Lq - start)
+        dest = codes + slab * row_bytes + start // 2
+        ngroups = (Lq + G - 1) // G
+        k = slab * ngroups + start // G
+        g = kvcx_q4_groups_f16(<const uint16_t *>src + slab * S * D + t0 * D + start, n // G, G, L.asym,
+                               scales + k, zeros + k, dest, &status)
+        if status:
+            return status
+        if g * G < n:  # the rest (a partial last group; every group without AVX2) through the FP32 path
+            g0 = g
+            _load(src, dt, slab * S * D + t0 * D + start + g0 * G, n - g0 * G, buf)
+            while g * G < n:
+                m = min(G, n - g * G)
+                status = status | _quant_contig(buf + (g - g0) * G, m, L.bits, L.asym, q, scales + k + g,
+                                                zeros + k + g, dest + (g * G) // 2)
+                g += 1
+        return status
     if L.axis == KVCX_AXIS_TOKEN and not L.rotate:
         start = blk * blk_tokens
         n = min(blk_tokens, Lq - start)
@@ -480,7 +501,7 @@ cdef int _enc_block(const uint8_t *src, int dt, const kvcx_layout *L, int64_t bl
         _load(src, dt, slab * S * D + t_a * D, n, buf)
         if L.rotate:
             _fwht_rows(buf, t_b - t_a, D)
-    cdef uint8_t *dest = codes + slab * row_bytes + (start * L.bits) // 8
+    dest = codes + slab * row_bytes + (start * L.bits) // 8
     cdef bint fused = L.bits == 4   # quantize + pack in one pass
     if not fused:
         for k in range(n, ((n + 7) // 8) * 8):

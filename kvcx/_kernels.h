@@ -231,17 +231,21 @@ static inline void kvcx_rdiv16(__m256 d0, __m256 d1, __m256 s0, __m256 s1, __m25
 /* 16 values -> 8 packed bytes (in the low half of the result): i0/i1 = 1 / s0, 1 / s1; keep16 = the keep
    mask of the 16 values as int16 lanes in _mm256_packs_epi32 order (0 where the scale is 0); clamping to
    [lo, hi] and the offset in int16 */
-static inline __m128i kvcx_q4_16(const float *x, __m256 z0, __m256 z1, __m256 s0, __m256 s1, __m256 i0,
-                                 __m256 i1, __m256i keep16, __m256i lo, __m256i hi, __m256i off) {
+static inline __m128i kvcx_q4_16v(__m256 x0, __m256 x1, __m256 z0, __m256 z1, __m256 s0, __m256 s1, __m256 i0,
+                                  __m256 i1, __m256i keep16, __m256i lo, __m256i hi, __m256i off) {
     __m256 r0, r1;
-    kvcx_rdiv16(_mm256_sub_ps(_mm256_loadu_ps(x), z0), _mm256_sub_ps(_mm256_loadu_ps(x + 8), z1), s0, s1, i0, i1,
-                &r0, &r1);
+    kvcx_rdiv16(_mm256_sub_ps(x0, z0), _mm256_sub_ps(x1, z1), s0, s1, i0, i1, &r0, &r1);
     __m256i c = _mm256_packs_epi32(_mm256_cvttps_epi32(r0), _mm256_cvttps_epi32(r1));
     c = _mm256_add_epi16(_mm256_and_si256(_mm256_min_epi16(_mm256_max_epi16(c, lo), hi), keep16), off);
     c = _mm256_permute4x64_epi64(c, 0xD8);
     __m128i b = _mm_packus_epi16(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
     __m128i w = _mm_maddubs_epi16(b, _mm_set1_epi16(0x1001));  /* b[2i] + 16 * b[2i+1] */
     return _mm_packus_epi16(w, w);
+}
+
+static inline __m128i kvcx_q4_16(const float *x, __m256 z0, __m256 z1, __m256 s0, __m256 s1, __m256 i0,
+                                 __m256 i1, __m256i keep16, __m256i lo, __m256i hi, __m256i off) {
+    return kvcx_q4_16v(_mm256_loadu_ps(x), _mm256_loadu_ps(x + 8), z0, z1, s0, s1, i0, i1, keep16, lo, hi, off);
 }
 #endif
 
@@ -450,6 +454,83 @@ static inline int64_t kvcx_q4_groups(const float *x, int64_t ng, int64_t G, int 
         uint8_t *o = out + g * (G / 2);
         for (int64_t i = 0; i < G; i += 16)
             _mm_storel_epi64((__m128i *)(o + i / 2), kvcx_q4_16(xg + i, z, z, s, s, iv, iv, k, vlo, vhi, vof));
+    }
+    return ng;
+#else
+    (void)x; (void)ng; (void)G; (void)asym; (void)s_out; (void)z_out; (void)out; (void)status;
+    return 0;
+#endif
+}
+
+/* kvcx_q4_groups straight from FP16 input, without the FP32 copy: the statistics run on the FP16 bits
+   (16 lanes per instruction; their integer order is the values' order, as for float32 bits), the
+   extremes are converted exactly, and the values are converted on the fly for the codes. Same codes
+   and scales as converting first. */
+#if KVCX_Q4_PARAMS
+static inline uint16_t kvcx_hmax_epu16(__m256i v) {
+    __m128i m = _mm_max_epu16(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    m = _mm_minpos_epu16(_mm_xor_si128(m, _mm_set1_epi16(-1)));
+    return (uint16_t)~_mm_extract_epi16(m, 0);
+}
+static inline uint16_t kvcx_hmin_epu16(__m256i v) {
+    __m128i m = _mm_min_epu16(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    return (uint16_t)_mm_extract_epi16(_mm_minpos_epu16(m), 0);
+}
+/* FP16 bits -> the float32 order key of the same value (NaN/Inf stay beyond the finite keys) */
+static inline int32_t kvcx_h_key32(uint16_t h) {
+    float f = _cvtsh_ss(h);
+    int32_t b;
+    memcpy(&b, &f, 4);
+    return b ^ ((b >> 31) & 0x7fffffff);
+}
+#endif
+static inline int64_t kvcx_q4_groups_f16(const uint16_t *x, int64_t ng, int64_t G, int asym, uint16_t *s_out,
+                                         uint16_t *z_out, uint8_t *out, int *status) {
+#if KVCX_Q4_PARAMS
+    int32_t lo[KVCX_Q4_MAX_GROUPS], hi[KVCX_Q4_MAX_GROUPS];
+    float sc[KVCX_Q4_MAX_GROUPS], inv[KVCX_Q4_MAX_GROUPS], zr[KVCX_Q4_MAX_GROUPS];
+    uint32_t keep[KVCX_Q4_MAX_GROUPS];
+    if (ng > KVCX_Q4_MAX_GROUPS) ng = KVCX_Q4_MAX_GROUPS;
+    const __m256i m7fff = _mm256_set1_epi16(0x7fff), sgn = _mm256_set1_epi16((short)0x8000);
+    for (int64_t g = 0; g < ng; g++) {
+        const uint16_t *xg = x + g * G;
+        if (asym) {  /* order keys k = h ^ ((h >> 15) & 0x7fff) as int16, compared unsigned after ^ 0x8000 */
+            __m256i kmin = _mm256_set1_epi16(-1), kmax = _mm256_setzero_si256();
+            for (int64_t i = 0; i < G; i += 16) {
+                __m256i h = _mm256_loadu_si256((const __m256i *)(xg + i));
+                __m256i k = _mm256_xor_si256(h, _mm256_and_si256(_mm256_srai_epi16(h, 15), m7fff));
+                k = _mm256_xor_si256(k, sgn);
+                kmin = _mm256_min_epu16(kmin, k);
+                kmax = _mm256_max_epu16(kmax, k);
+            }
+            int16_t a = (int16_t)(kvcx_hmin_epu16(kmin) ^ 0x8000), b = (int16_t)(kvcx_hmax_epu16(kmax) ^ 0x8000);
+            lo[g] = kvcx_h_key32((uint16_t)(a ^ ((a >> 15) & 0x7fff)));
+            hi[g] = kvcx_h_key32((uint16_t)(b ^ ((b >> 15) & 0x7fff)));
+        } else {
+            __m256i m = _mm256_setzero_si256();
+            for (int64_t i = 0; i < G; i += 16)
+                m = _mm256_max_epu16(m, _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(xg + i)), m7fff));
+            lo[g] = 0;
+            hi[g] = kvcx_h_key32(kvcx_hmax_epu16(m));  /* non-negative: the key is the bits */
+        }
+    }
+    const int st = kvcx_q4_params(lo, hi, ng, asym, s_out, z_out, sc, inv, zr, keep);
+    *status |= st;
+    if (st) return ng;
+    const __m256i vlo = _mm256_set1_epi16(asym ? 0 : -8), vhi = _mm256_set1_epi16(asym ? 15 : 7);
+    const __m256i vof = _mm256_set1_epi16(asym ? 0 : 8);
+    for (int64_t g = 0; g < ng; g++) {
+        const __m256 z = _mm256_set1_ps(zr[g]), s = _mm256_set1_ps(sc[g]), iv = _mm256_set1_ps(inv[g]);
+        const __m256i k = _mm256_set1_epi32((int32_t)keep[g]);
+        const uint16_t *xg = x + g * G;
+        uint8_t *o = out + g * (G / 2);
+        for (int64_t i = 0; i < G; i += 16) {
+            __m256i h = _mm256_loadu_si256((const __m256i *)(xg + i));
+            _mm_storel_epi64((__m128i *)(o + i / 2),
+                             kvcx_q4_16v(_mm256_cvtph_ps(_mm256_castsi256_si128(h)),
+                                         _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)),
+                                         z, z, s, s, iv, iv, k, vlo, vhi, vof));
+        }
     }
     return ng;
 #else

@@ -242,3 +242,29 @@ def test_codes_exact_where_values_sit_on_rounding_ties(scheme, axis, rotate):
     codes, scales, zeros = ref.encode(x, 64, scheme, axis=axis, rotate=rotate)
     assert np.array_equal(p.codes, codes)
     assert np.array_equal(p.scales.reshape(-1).view(np.uint16), scales.view(np.uint16))
+
+
+@pytest.mark.parametrize("scheme", ["symmetric", "asymmetric"])
+@pytest.mark.parametrize("group_size", [16, 64, 256])
+@pytest.mark.parametrize("sinks", [0, 3])
+def test_fp16_input_encodes_as_its_float32_values(scheme, group_size, sinks):
+    """FP16 input takes a path without an FP32 copy (statistics on the FP16 bits): codes, scales and zero
+    points equal those of the same values given as float32, signed zeros, subnormals, a partial last
+    group and sinks included; NaN/Inf fail the same way."""
+    rng = np.random.default_rng(group_size + sinks)
+    x = (rng.standard_normal((2, 3, 77, 64)) * rng.choice([1e-6, 1e-3, 1, 300], size=(2, 3, 77, 1)))
+    x = x.astype(np.float16)
+    x[0, 0, 5, :7] = -0.0
+    x[0, 1, 9:12, :] = np.float16(6e-8)  # subnormal
+    x[1, 2, 20:30, :] = 0  # an all-zero stretch
+    codec = IntCodec(group_size=group_size, scheme=scheme, sinks=sinks)
+    a, b = codec.encode(x), codec.encode(x.astype(np.float32))
+    assert np.array_equal(a.codes, b.codes)
+    assert np.array_equal(a.scales.view(np.uint16), b.scales.view(np.uint16))
+    if scheme == "asymmetric":
+        assert np.array_equal(a.zeros.view(np.uint16), b.zeros.view(np.uint16))
+    for bad in (np.inf, -np.inf, np.nan):
+        y = x.copy()
+        y[1, 1, 40, 3] = bad
+        with pytest.raises(CodecError, match="NaN/Inf"):
+            codec.encode(y)
