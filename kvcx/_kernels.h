@@ -431,17 +431,14 @@ static inline int kvcx_q4_params(const int32_t *lo, const int32_t *hi, int64_t n
    AVX2 + F16C: the caller then quantizes them one by one); ORs kvcx_status bits into *status. At most
    KVCX_Q4_MAX_GROUPS groups per call. */
 enum { KVCX_Q4_MAX_GROUPS = 256 };
-static inline int64_t kvcx_q4_groups(const float *x, int64_t ng, int64_t G, int asym, uint16_t *s_out,
-                                     uint16_t *z_out, uint8_t *out, int *status) {
 #if KVCX_Q4_PARAMS
-    int32_t lo[KVCX_Q4_MAX_GROUPS], hi[KVCX_Q4_MAX_GROUPS];
+/* The second half of kvcx_q4_groups / kvcx_q4_groups_f16: the parameters of the ng groups from their
+   statistics, then the codes, reading the values as float32 (xf) or as FP16 converted on the fly (xh). */
+static inline int64_t kvcx_q4_groups_codes(const float *xf, const uint16_t *xh, int64_t ng, int64_t G, int asym,
+                                           const int32_t *lo, const int32_t *hi, uint16_t *s_out,
+                                           uint16_t *z_out, uint8_t *out, int *status) {
     float sc[KVCX_Q4_MAX_GROUPS], inv[KVCX_Q4_MAX_GROUPS], zr[KVCX_Q4_MAX_GROUPS];
     uint32_t keep[KVCX_Q4_MAX_GROUPS];
-    if (ng > KVCX_Q4_MAX_GROUPS) ng = KVCX_Q4_MAX_GROUPS;
-    for (int64_t g = 0; g < ng; g++) {
-        if (asym) kvcx_minmax_keys(x + g * G, G, lo + g, hi + g);
-        else { lo[g] = 0; hi[g] = kvcx_absmax_bits(x + g * G, G); }
-    }
     const int st = kvcx_q4_params(lo, hi, ng, asym, s_out, z_out, sc, inv, zr, keep);
     *status |= st;
     if (st) return ng;
@@ -450,12 +447,33 @@ static inline int64_t kvcx_q4_groups(const float *x, int64_t ng, int64_t G, int 
     for (int64_t g = 0; g < ng; g++) {
         const __m256 z = _mm256_set1_ps(zr[g]), s = _mm256_set1_ps(sc[g]), iv = _mm256_set1_ps(inv[g]);
         const __m256i k = _mm256_set1_epi32((int32_t)keep[g]);
-        const float *xg = x + g * G;
         uint8_t *o = out + g * (G / 2);
-        for (int64_t i = 0; i < G; i += 16)
-            _mm_storel_epi64((__m128i *)(o + i / 2), kvcx_q4_16(xg + i, z, z, s, s, iv, iv, k, vlo, vhi, vof));
+        for (int64_t i = 0; i < G; i += 16) {
+            __m256 x0, x1;
+            if (xh) {
+                __m256i h = _mm256_loadu_si256((const __m256i *)(xh + g * G + i));
+                x0 = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+                x1 = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+            } else {
+                x0 = _mm256_loadu_ps(xf + g * G + i);
+                x1 = _mm256_loadu_ps(xf + g * G + i + 8);
+            }
+            _mm_storel_epi64((__m128i *)(o + i / 2), kvcx_q4_16v(x0, x1, z, z, s, s, iv, iv, k, vlo, vhi, vof));
+        }
     }
     return ng;
+}
+#endif
+static inline int64_t kvcx_q4_groups(const float *x, int64_t ng, int64_t G, int asym, uint16_t *s_out,
+                                     uint16_t *z_out, uint8_t *out, int *status) {
+#if KVCX_Q4_PARAMS
+    int32_t lo[KVCX_Q4_MAX_GROUPS], hi[KVCX_Q4_MAX_GROUPS];
+    if (ng > KVCX_Q4_MAX_GROUPS) ng = KVCX_Q4_MAX_GROUPS;
+    for (int64_t g = 0; g < ng; g++) {
+        if (asym) kvcx_minmax_keys(x + g * G, G, lo + g, hi + g);
+        else { lo[g] = 0; hi[g] = kvcx_absmax_bits(x + g * G, G); }
+    }
+    return kvcx_q4_groups_codes(x, NULL, ng, G, asym, lo, hi, s_out, z_out, out, status);
 #else
     (void)x; (void)ng; (void)G; (void)asym; (void)s_out; (void)z_out; (void)out; (void)status;
     return 0;
@@ -488,8 +506,6 @@ static inline int64_t kvcx_q4_groups_f16(const uint16_t *x, int64_t ng, int64_t 
                                          uint16_t *z_out, uint8_t *out, int *status) {
 #if KVCX_Q4_PARAMS
     int32_t lo[KVCX_Q4_MAX_GROUPS], hi[KVCX_Q4_MAX_GROUPS];
-    float sc[KVCX_Q4_MAX_GROUPS], inv[KVCX_Q4_MAX_GROUPS], zr[KVCX_Q4_MAX_GROUPS];
-    uint32_t keep[KVCX_Q4_MAX_GROUPS];
     if (ng > KVCX_Q4_MAX_GROUPS) ng = KVCX_Q4_MAX_GROUPS;
     const __m256i m7fff = _mm256_set1_epi16(0x7fff), sgn = _mm256_set1_epi16((short)0x8000);
     for (int64_t g = 0; g < ng; g++) {
@@ -514,25 +530,7 @@ static inline int64_t kvcx_q4_groups_f16(const uint16_t *x, int64_t ng, int64_t 
             hi[g] = kvcx_h_key32(kvcx_hmax_epu16(m));  /* non-negative: the key is the bits */
         }
     }
-    const int st = kvcx_q4_params(lo, hi, ng, asym, s_out, z_out, sc, inv, zr, keep);
-    *status |= st;
-    if (st) return ng;
-    const __m256i vlo = _mm256_set1_epi16(asym ? 0 : -8), vhi = _mm256_set1_epi16(asym ? 15 : 7);
-    const __m256i vof = _mm256_set1_epi16(asym ? 0 : 8);
-    for (int64_t g = 0; g < ng; g++) {
-        const __m256 z = _mm256_set1_ps(zr[g]), s = _mm256_set1_ps(sc[g]), iv = _mm256_set1_ps(inv[g]);
-        const __m256i k = _mm256_set1_epi32((int32_t)keep[g]);
-        const uint16_t *xg = x + g * G;
-        uint8_t *o = out + g * (G / 2);
-        for (int64_t i = 0; i < G; i += 16) {
-            __m256i h = _mm256_loadu_si256((const __m256i *)(xg + i));
-            _mm_storel_epi64((__m128i *)(o + i / 2),
-                             kvcx_q4_16v(_mm256_cvtph_ps(_mm256_castsi256_si128(h)),
-                                         _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)),
-                                         z, z, s, s, iv, iv, k, vlo, vhi, vof));
-        }
-    }
-    return ng;
+    return kvcx_q4_groups_codes(NULL, x, ng, G, asym, lo, hi, s_out, z_out, out, status);
 #else
     (void)x; (void)ng; (void)G; (void)asym; (void)s_out; (void)z_out; (void)out; (void)status;
     return 0;
