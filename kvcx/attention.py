@@ -20,7 +20,7 @@ from typing import List, Optional
 import numpy as np
 
 from kvcx import _core
-from kvcx.codec import IntCodec, Packed
+from kvcx.codec import IntCodec, Packed, decode_packed
 from kvcx.errors import CodecError
 from kvcx.runtime import resolve_threads
 
@@ -251,8 +251,6 @@ class PackedKV:
         """(keys, values) of the leading tokens either kind keeps exact, float32 [N, n, D] (cached)."""
         n = max(self.keys.sink_tokens, self.values.sink_tokens)
         if self._head is None or self._head[0].shape[1] != n:
-            from kvcx.codec import decode_packed
-
             rows = []
             for store in (self.keys, self.values):
                 if n == 0:
@@ -277,8 +275,9 @@ class PackedKV:
 
     def _plan(self, B: int, Hkv: int, R: int, D: int, threads: int):
         """The kernel's plan for this geometry, bound to the stores as they are now (rebuilt on change)."""
-        hn = self._head[0].shape[1] if self._head is not None and len(self) else 0
-        nsplit = _splits(B * Hkv, self.tokens - hn, threads)
+        nh = max(self.keys.sink_tokens, self.values.sink_tokens)  # the head rows: exact in either kind
+        Tq = self.tokens - nh                                       # positions read from the packed codes
+        nsplit = _splits(B * Hkv, Tq, threads)
         work = self.workspace.get(B * Hkv * nsplit, _core.attn_work_floats(R, D))
         key = (B, Hkv, R, D, threads, len(self), work.__array_interface__["data"][0])
         if self._plan_key != key:
@@ -287,12 +286,7 @@ class PackedKV:
                                   k_axis=_core.AXIS_CHANNEL if kc.axis == "channel" else _core.AXIS_TOKEN,
                                   k_asym=kc.asym, k_rotate=kc.rotate, k_group=kc.group_size,
                                   v_asym=vc.asym, v_rotate=vc.rotate, v_group=vc.group_size)
-            hk, hv = self.head() if len(self) else (_EMPTY_F32_3, _EMPTY_F32_3)
-            if hk.shape[0] != B * Hkv:
-                hk = hv = np.empty((B * Hkv, 0, D), dtype=np.float32)
-            Tq = self.tokens - hk.shape[1]
-            nsplit = _splits(B * Hkv, Tq, threads)
-            work = self.workspace.get(B * Hkv * nsplit, _core.attn_work_floats(R, D))
+            hk, hv = self.head()
             keys, values = self.keys, self.values
             plan.bind(keys.codes, keys.scales.view(np.uint16),
                       keys.zeros.view(np.uint16) if keys.zeros is not None else _EMPTY_U16,
