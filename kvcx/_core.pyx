@@ -390,7 +390,7 @@ cdef int _quant_cols(const float *x, int64_t rows, int64_t D, int bits, bint asy
         if not asym and amax[d] >= 0x7f800000:
             return KVCX_ST_NONFINITE
     if packed != NULL:  # 4 bits: the parameters of all columns at once (vectorized), then the codes
-        st = kvcx_q4_cols_params_pack(x, rows, D, kmin, kmax, asym, s_out, z_out, tmp + 3 * D, tmp, tmp + 4 * D,
+        st = kvcx_q4_cols_params_pack(x, rows, D, kmin, kmax, asym, s_out, z_out, tmp + 3 * D, tmp + 4 * D,
                                       <uint32_t *>(tmp + D), packed)
         if st >= 0:
             return st

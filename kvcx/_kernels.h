@@ -361,7 +361,7 @@ static inline void kvcx_q4_pack_contig(const float *x, int64_t n, float scale, f
    s_out / z_out, and for quantizing: sdiv = scale (1 where the scale is 0), inv = 1 / sdiv, zero (as
    float), keep = all ones where the scale is not 0. The same arithmetic as the per-group scalar path
    (_params in kvcx/_core.pyx: scale = max|x| / 7 or (max - min) / 15, then FP16, round to nearest even).
-   Returns kvcx_status bits (NaN/Inf statistics, a scale or zero point FP16 cannot hold). */
+   inv may be NULL (not wanted). Returns kvcx_status bits (NaN/Inf statistics, a scale or zero point FP16 cannot hold). */
 #if defined(__AVX2__) && KVCX_F16C
 #define KVCX_Q4_PARAMS 1
 static inline int kvcx_q4_params(const int32_t *lo, const int32_t *hi, int64_t n, int asym, uint16_t *s_out,
@@ -404,8 +404,10 @@ static inline int kvcx_q4_params(const int32_t *lo, const int32_t *hi, int64_t n
         uint16_t t16[8];
         _mm256_storeu_ps(f8, sd);
         memcpy(sdiv + g, f8, (size_t)m * 4);
-        _mm256_storeu_ps(f8, _mm256_div_ps(one, sd));
-        memcpy(inv + g, f8, (size_t)m * 4);
+        if (inv) {
+            _mm256_storeu_ps(f8, _mm256_div_ps(one, sd));
+            memcpy(inv + g, f8, (size_t)m * 4);
+        }
         _mm256_storeu_ps(f8, z);
         memcpy(zero + g, f8, (size_t)m * 4);
         _mm256_storeu_si256((__m256i *)k8, _mm256_xor_si256(_mm256_castps_si256(isz), _mm256_set1_epi32(-1)));
@@ -543,17 +545,16 @@ static inline int64_t kvcx_q4_groups_f16(const uint16_t *x, int64_t ng, int64_t 
    without AVX2 + F16C (nothing done: the caller takes the scalar path). */
 static inline int kvcx_q4_cols_params_pack(const float *x, int64_t rows, int64_t D, const int32_t *kmin,
                                            const int32_t *kmax, int asym, uint16_t *s_out, uint16_t *z_out,
-                                           float *sdiv, float *inv, float *zero, uint32_t *keep, uint8_t *out) {
-#if KVCX_Q4_PARAMS
-    const int st = kvcx_q4_params(kmin, kmax, D, asym, s_out, z_out, sdiv, inv, zero, keep);
+                                           float *sdiv, float *zero, uint32_t *keep, uint8_t *out) {
+#if KVCX_Q4_PARAMS  /* kvcx_q4_pack_cols takes the reciprocals of 16 columns at a time itself */
+    const int st = kvcx_q4_params(kmin, kmax, D, asym, s_out, z_out, sdiv, NULL, zero, keep);
     if (st) return st;
-    (void)inv;
     kvcx_q4_pack_cols(x, rows, D, sdiv, zero, (const float *)keep, asym ? 0.0f : -8.0f, asym ? 15.0f : 7.0f,
                       asym ? 0.0f : 8.0f, out);
     return KVCX_OK;
 #else
     (void)x; (void)rows; (void)D; (void)kmin; (void)kmax; (void)asym; (void)s_out; (void)z_out;
-    (void)sdiv; (void)inv; (void)zero; (void)keep; (void)out;
+    (void)sdiv; (void)zero; (void)keep; (void)out;
     return -1;
 #endif
 }

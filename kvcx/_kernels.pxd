@@ -51,7 +51,7 @@ cdef extern from "_kernels.h" nogil:
     void kvcx_fwht_rows(float *x, int64_t rows, int64_t d) noexcept
     int kvcx_q4_cols_params_pack(const float *x, int64_t rows, int64_t D, const int32_t *kmin,
                                  const int32_t *kmax, int asym, uint16_t *s_out, uint16_t *z_out, float *sdiv,
-                                 float *inv, float *zero, uint32_t *keep, uint8_t *out) noexcept
+                                 float *zero, uint32_t *keep, uint8_t *out) noexcept
     int64_t kvcx_q4_groups_f16(const uint16_t *x, int64_t ng, int64_t G, int asym, uint16_t *s_out,
                                uint16_t *z_out, uint8_t *out, int *status) noexcept
     int64_t kvcx_q4_groups(const float *x, int64_t ng, int64_t G, int asym, uint16_t *s_out, uint16_t *z_out,

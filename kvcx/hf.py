@@ -206,18 +206,8 @@ class KvcxLayer(DynamicLayer):
             rk, rv = self.keys.numpy(), self.values.numpy()
         else:
             rk, rv = self.keys.float().numpy(), self.values.float().numpy()
-        mask = None
-        if attention_mask is not None:
-            m = attention_mask.detach()
-            if m.dim() == 4:
-                m = m[:, 0, -1]
-            elif m.dim() == 3:
-                m = m[:, -1]
-            if m.shape[0] != B:
-                m = m.expand(B, m.shape[-1])
-            if m.dtype == torch.bool:
-                m = torch.zeros(m.shape, dtype=torch.float32).masked_fill_(~m, float("-inf"))
-            mask = m.to(torch.float32).contiguous().numpy()
+        mask = None if attention_mask is None else self._owner._additive_mask(attention_mask, B)
+        if mask is not None:
             if mask.shape[-1] != self.cumulative_length:
                 raise KvcxError(f"the attention mask covers {mask.shape[-1]} tokens but the cache holds "
                                 f"{self.cumulative_length}; pass the mask generate() builds")
@@ -340,8 +330,27 @@ class KvcxCache(Cache):
         self.kernel_time_s = 0.0
         self._scratch = _Scratch()
         self._workspace = Workspace()  # the fused kernel's scratch, one for all layers
+        self._mask_cache = None         # (the step's mask tensor, its additive float32 form)
         super().__init__(layers=[KvcxLayer(kv, residual_length, self._scratch, self)
                                  for _ in range(text.num_hidden_layers)])
+
+    def _additive_mask(self, attention_mask: torch.Tensor, B: int) -> np.ndarray:
+        """The last query row of transformers' mask as float32 [B, kv_len] added to the scores (0 or -inf):
+        converted once per step, as every layer of a step gets the same mask tensor."""
+        if self._mask_cache is not None and self._mask_cache[0] is attention_mask:
+            return self._mask_cache[1]
+        m = attention_mask.detach()
+        if m.dim() == 4:
+            m = m[:, 0, -1]
+        elif m.dim() == 3:
+            m = m[:, -1]
+        if m.shape[0] != B:
+            m = m.expand(B, m.shape[-1])
+        if m.dtype == torch.bool:
+            m = torch.zeros(m.shape, dtype=torch.float32).masked_fill_(~m, float("-inf"))
+        mask = m.to(torch.float32).contiguous().numpy()
+        self._mask_cache = (attention_mask, mask)  # holds the tensor, so its identity stays its own
+        return mask
 
     def _fused_step(self, layer: KvcxLayer, key_states: torch.Tensor) -> bool:
         """Whether this single-token step of `layer` runs the fused kernel (the model's attention is kvcx's)."""
@@ -363,13 +372,17 @@ class KvcxCache(Cache):
 
     def memory_report(self) -> dict:
         """Bytes the cache holds, counted whole: packed stores + full-precision residual + the
-        materialising path's full-precision scratch (released by fused steps) + the fused kernel's
-        workspace (a few KiB per task, shared by the layers).
+        materialising path's full-precision scratch (released by fused steps) and the last step's
+        attention mask (scratch_bytes) + the fused kernel's workspace (a few KiB per task, shared by
+        the layers).
 
         ``attention_steps``: layer steps per path (fused kernel, materialised scratch, or all full precision)."""
         packed = sum(layer.packed_bytes() for layer in self.layers)
         residual = sum(layer.residual_bytes() for layer in self.layers)
         scratch = self._scratch.nbytes()
+        if self._mask_cache is not None:  # the last step's mask and its float form
+            t, m = self._mask_cache
+            scratch += m.nbytes + t.numel() * t.element_size()
         workspace = self._workspace.nbytes
         values = 0
         for layer in self.layers:
