@@ -14,10 +14,13 @@ mean KL divergence of the next-token distributions and the top-1 agreement.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import sys
 import time
 from pathlib import Path
+
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -28,49 +31,62 @@ from kvcx.kvconfig import KVConfig  # noqa: E402
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared/data/wikitext-2-raw/wiki.test.raw"
 
 
+PLANS = Path(__file__).resolve().parent / "plans"
+
+
 def custom(name, key, value):
     return name, KVConfig(key=IntCodec(**key), value=IntCodec(**value), scheme=name)
 
 
-def settings(full: bool):
+def settings(full: bool, plans):
     asym_ch = dict(scheme="asymmetric", axis="channel")
     rows = [
         ("reference: sym g64 per-token", KVConfig.from_scheme("reference")),
-        ("sym g64 per-token + hadamard", KVConfig.from_scheme("symmetric", rotate=True)),
-        ("asym g64 per-token", KVConfig.from_scheme("asymmetric")),
-        ("asym g64 per-token + hadamard", KVConfig.from_scheme("asymmetric", rotate=True)),
-        ("kivi: K asym per-channel g64, V asym per-token g64", KVConfig.from_scheme("kivi")),
-        ("kivi + 1 sink token", KVConfig.from_scheme("kivi", sinks=1)),
         ("kvcx default: K asym per-channel g64 + sink, V sym g64 + hadamard", KVConfig.from_scheme("kvcx")),
-        custom("K asym per-channel g64 + sink, V asym g64 + hadamard",
-               dict(asym_ch, sinks=1), dict(scheme="asymmetric", rotate=True)),
-        custom("K asym per-channel g64, V sym g64 + hadamard",
-               asym_ch, dict(scheme="symmetric", rotate=True)),
-        custom("K asym per-channel g128, V sym g64 + hadamard",
-               dict(asym_ch, group_size=128), dict(scheme="symmetric", rotate=True)),
-        custom("K asym per-channel g128 + sink, V sym g64 + hadamard",
-               dict(asym_ch, group_size=128, sinks=1), dict(scheme="symmetric", rotate=True)),
-        custom("K sym per-channel g64, V sym g64 + hadamard",
-               dict(scheme="symmetric", axis="channel"), dict(scheme="symmetric", rotate=True)),
-        custom("K asym per-channel g128 + sink, V asym g128 + hadamard",
-               dict(asym_ch, group_size=128, sinks=1), dict(scheme="asymmetric", rotate=True, group_size=128)),
-        custom("3-bit: K asym per-channel g64 + sink, V asym g64 + hadamard",
-               dict(asym_ch, sinks=1, bits=3), dict(scheme="asymmetric", rotate=True, bits=3)),
-        ("3-bit: kivi + sink", KVConfig.from_scheme("kivi", sinks=1, bits=3)),
-        ("8-bit: sym g64 per-token", KVConfig.from_scheme("symmetric", bits=8)),
+        custom("K4 V3: kvcx layout, 3-bit values", dict(asym_ch, sinks=1),
+               dict(scheme="symmetric", rotate=True, bits=3)),
+        custom("K4 V2: kvcx layout, 2-bit asym values", dict(asym_ch, sinks=1),
+               dict(scheme="asymmetric", rotate=True, bits=2)),
+        ("kvcx3 preset (every layer 3-bit)", KVConfig.from_scheme("kvcx3")),
+        ("kvcx2 preset (every layer 2-bit)", KVConfig.from_scheme("kvcx2")),
     ]
-    try:  # the peer users would pick instead, measured on the same windows
+    from kvcx.api import load_plan
+
+    for path in plans:
+        cfg = load_plan(path)
+        rows.append((f"{cfg.scheme} + per-layer plan {Path(path).stem}", cfg))
+    rows += [
+        ("KIVI-style 3-bit: K asym per-channel g64, V asym per-token g64", KVConfig.from_scheme("kivi", bits=3)),
+        ("KIVI-style 2-bit", KVConfig.from_scheme("kivi", bits=2)),
+        ("candidate, dropped: K4, V3 Lloyd-Max levels + per-vector norm after hadamard", "lloyd-v3"),
+        ("candidate, dropped: K3 + 1 exact outlier per group (dense-and-sparse), V4", "outlier-k3"),
+    ]
+    try:  # the peers users would pick instead, measured on the same windows
         import optimum.quanto  # noqa: F401
 
-        rows.append(("peer: transformers QuantizedCache quanto int4 g64 (nominal 4.5)", "quanto"))
+        rows += [("peer: quanto int4 g64 (transformers QuantizedCache)", ("quanto", 4)),
+                 ("peer: quanto int2 g64 (transformers QuantizedCache)", ("quanto", 2))]
+    except ImportError:
+        pass
+    try:
+        import fused_turboquant  # noqa: F401
+
+        rows += [("peer: TurboQuant 4-bit (fused-turboquant, CPU path)", ("turboquant", 4)),
+                 ("peer: TurboQuant 3-bit (fused-turboquant, CPU path)", ("turboquant", 3))]
     except ImportError:
         pass
     if full:
-        rows += [
-            ("2-bit: kivi + sink", KVConfig.from_scheme("kivi", sinks=1, bits=2)),
-            ("3-bit: reference layout", KVConfig.from_scheme("symmetric", bits=3)),
-        ]
+        rows += [("8-bit: sym g64 per-token", KVConfig.from_scheme("symmetric", bits=8)),
+                 ("3-bit: reference layout", KVConfig.from_scheme("symmetric", bits=3))]
     return rows
+
+
+def _short(label: str) -> str:
+    """A row's name on the Pareto chart."""
+    for prefix in ("peer: ", "candidate, dropped: "):
+        if label.startswith(prefix):
+            return ("(dropped) " if "dropped" in prefix else "") + label[len(prefix):].split(" (")[0].split(":")[0]
+    return label.split(":")[0].split(" (")[0]
 
 
 def _stats(tensors, decoded) -> ErrorStats:
@@ -80,14 +96,117 @@ def _stats(tensors, decoded) -> ErrorStats:
     return total
 
 
-def quanto_roundtrip(tensors):
-    """transformers' QuantoQuantizedLayer (int4, groups of 64, axis 0: its defaults) on the same cache."""
+def quanto_roundtrip(tensors, nbits):
+    """transformers' QuantoQuantizedLayer (groups of 64, axis 0: its defaults) on the same cache.
+    Bytes: nominal, nbits per value + an FP16 scale and shift per group of 64 (on a CPU FP32 cache quanto keeps
+    them in FP32, which would add another 0.5 bit/value)."""
     import torch
     from transformers.cache_utils import QuantoQuantizedLayer
 
-    layer = QuantoQuantizedLayer(nbits=4, axis_key=0, axis_value=0, q_group_size=64, residual_length=128)
-    return {k: layer._dequantize(layer._quantize(torch.from_numpy(v).contiguous(), axis=0)).numpy()
-            for k, v in tensors.items()}
+    layer = QuantoQuantizedLayer(nbits=nbits, axis_key=0, axis_value=0, q_group_size=64, residual_length=128)
+    dec = {k: layer._dequantize(layer._quantize(torch.from_numpy(v).contiguous(), axis=0)).numpy()
+           for k, v in tensors.items()}
+    return dec, sum(x.size for x in tensors.values()) * (nbits + 32 / 64) / 8
+
+
+def turboquant_roundtrip(tensors, bits):
+    """fused-turboquant's TurboQuantMSE (random Hadamard rotation, Lloyd-Max levels, one FP32 norm per
+    vector) on its CPU path; bytes = its packed indices + norms, as it stores them."""
+    import torch
+
+    dec, nbytes = {}, 0
+    for k, v in tensors.items():
+        q = _turboquant(v.shape[-1], bits)
+        c = q.encode(torch.from_numpy(v).float())
+        nbytes += c.indices.numel() * c.indices.element_size() + c.norms.numel() * c.norms.element_size()
+        dec[k] = q.decode(c).float().numpy().astype(v.dtype)
+    return dec, nbytes
+
+
+@functools.lru_cache(maxsize=None)
+def _turboquant(head_dim, bits):
+    """One TurboQuantMSE per shape, built once (its Lloyd-Max codebook takes seconds: not codec time)."""
+    from fused_turboquant.core.quantizer import TurboQuantMSE
+
+    return TurboQuantMSE(head_dim=head_dim, bits=bits)
+
+
+def _hadamard(d):
+    h = np.array([[1.0]])
+    while h.shape[0] < d:
+        h = np.block([[h, h], [h, -h]])
+    return (h / np.sqrt(d)).astype(np.float32)
+
+
+@functools.lru_cache(maxsize=None)
+def _lloyd_gauss(bits, n=200_000, iters=100):
+    z = np.sort(np.random.default_rng(0).standard_normal(n))
+    lv = np.quantile(z, (np.arange(1 << bits) + 0.5) / (1 << bits))
+    for _ in range(iters):
+        idx = np.searchsorted((lv[1:] + lv[:-1]) / 2, z)
+        lv = np.array([z[idx == i].mean() for i in range(1 << bits)])
+    return lv.astype(np.float32)
+
+
+def lloyd_values(v, bits=3):
+    """Candidate (NumPy): Hadamard, per-vector FP16 scale refit by least squares, Lloyd-Max Gaussian levels."""
+    x = v.astype(np.float32)
+    h = _hadamard(x.shape[-1])
+    y = x @ h
+    lv = _lloyd_gauss(bits)
+    bounds = (lv[1:] + lv[:-1]) / 2
+    s = np.sqrt((y * y).mean(-1, keepdims=True)) + 1e-12
+    for _ in range(2):
+        q = lv[np.searchsorted(bounds, y / s)]
+        s = (y * q).sum(-1, keepdims=True) / np.maximum((q * q).sum(-1, keepdims=True), 1e-20)
+        s = np.where(s > 0, s, 1e-12)
+    q = lv[np.searchsorted(bounds, y / s)]
+    return ((q * s.astype(np.float16).astype(np.float32)) @ h.T).astype(v.dtype)
+
+
+def outlier_keys(k, bits=3, group=64, sinks=1):
+    """Candidate (NumPy): KIVI keys (asym per channel, groups of 64 tokens) with the one entry per group
+    farthest from the group's median kept exact (FP16 value + 6-bit index: 22 bits per group)."""
+    x = k.astype(np.float32)
+    out = x.copy()
+    top = (1 << bits) - 1
+    for a in range(sinks, x.shape[-2], group):
+        blk = x[..., a:a + group, :]
+        dev = np.abs(blk - np.median(blk, axis=-2, keepdims=True))
+        keep = dev == dev.max(axis=-2, keepdims=True)
+        lo = np.where(keep, np.inf, blk).min(-2, keepdims=True)
+        hi = np.where(keep, -np.inf, blk).max(-2, keepdims=True)
+        lo = np.where(np.isfinite(lo), lo, 0).astype(np.float16).astype(np.float32)
+        hi = np.where(np.isfinite(hi), hi, 0)
+        s = np.maximum((hi - lo) / top, 1e-8).astype(np.float16).astype(np.float32)
+        r = lo + s * np.clip(np.round((blk - lo) / s), 0, top)
+        out[..., a:a + group, :] = np.where(keep, blk, r)
+    return out
+
+
+def candidate_roundtrip(which, tensors):
+    from kvcx.packed import compress_tensors
+
+    base = KVConfig.from_scheme("kvcx")
+    dec, nbytes = {}, 0
+    for name, a in tensors.items():
+        key = name.endswith("key")
+        if which == "lloyd-v3" and not key:
+            dec[name] = lloyd_values(a, 3)
+            nbytes += a.size * 3 / 8 + a.size // a.shape[-1] * 2   # codes + one FP16 scale per vector
+        elif which == "outlier-k3" and key:
+            dec[name] = outlier_keys(a, 3)
+            S, D = a.shape[-2], a.shape[-1]
+            slabs, groups = a.size // (S * D), -(-(S - 1) // 64)
+            # codes + FP16 scale and zero per channel group + the exact sink token + 22 bits per outlier
+            nbytes += slabs * ((S - 1) * D * 3 / 8 + groups * D * (4 + 22 / 8) + D * a.itemsize)
+        else:
+            from kvcx.packed import decompress_tensors
+
+            packed, meta = compress_tensors({name: a}, base)
+            dec[name] = decompress_tensors(packed, meta)[name]
+            nbytes += sum(x.nbytes for x in packed.values())
+    return dec, nbytes
 
 
 def main(argv=None):
@@ -100,6 +219,9 @@ def main(argv=None):
     ap.add_argument("--full", action="store_true", help="also 2-bit and g32 rows")
     ap.add_argument("--markdown", type=Path, default=None, help="also write the table to this file")
     ap.add_argument("--only", nargs="+", default=None, help="run only the rows whose label contains one of these")
+    ap.add_argument("--plan", nargs="*", type=Path, default=None,
+                    help="per-layer plans from `kvcx calibrate` (default: bench/plans/*.json)")
+    ap.add_argument("--pareto", type=Path, default=None, help="also draw the Pareto chart to this PNG")
     args = ap.parse_args(argv)
 
     import torch
@@ -114,7 +236,8 @@ def main(argv=None):
     text = load_dataset_text(args.dataset_file)
     ids = torch.tensor(tok(text)["input_ids"], dtype=torch.long)
     starts = window_starts(ids.numel(), args.window, args.stride, args.max_windows)
-    rows = settings(args.full)
+    plans = sorted(PLANS.glob("*.json")) if args.plan is None else args.plan
+    rows = settings(args.full, plans)
     if args.only:
         rows = [r for r in rows if any(o in r[0] for o in args.only)]
     print(f"# {name}: {len(starts)} windows of {args.window} (stride {args.stride}), {len(rows)} settings",
@@ -128,11 +251,17 @@ def main(argv=None):
             return decoded, sum(x.nbytes for x in packed.values()), _stats(tensors, decoded)
         return rt
 
-    def quanto_rt(tensors):
-        decoded = quanto_roundtrip(tensors)
-        return decoded, sum(x.size for x in tensors.values()) * 4.5 / 8, _stats(tensors, decoded)
+    def other_rt(cfg):
+        def rt(tensors):
+            if isinstance(cfg, tuple):
+                fn = quanto_roundtrip if cfg[0] == "quanto" else turboquant_roundtrip
+                decoded, nbytes = fn(tensors, cfg[1])
+            else:
+                decoded, nbytes = candidate_roundtrip(cfg, tensors)
+            return decoded, nbytes, _stats(tensors, decoded)
+        return rt
 
-    roundtrips = {label: quanto_rt if cfg == "quanto" else kvcx_rt(cfg) for label, cfg in rows}
+    roundtrips = {label: kvcx_rt(cfg) if isinstance(cfg, KVConfig) else other_rt(cfg) for label, cfg in rows}
     runs = compare_prefix(model, ids, starts, args.window, args.stride, roundtrips,
                           on_window=lambda done, total: print(f"window {done}/{total} "
                                                               f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr))
@@ -159,6 +288,15 @@ def main(argv=None):
     print(f"\n(total {time.perf_counter() - t0:.0f} s)")
     if args.markdown:
         args.markdown.write_text(table + "\n")
+    if args.pareto:
+        from kvcx.plotting import pareto_png
+
+        pts = [{"bits": runs[label].bits_per_value, "delta": runs[label].compressed_ppl - base_ppl,
+                "label": _short(label),
+                "kind": "peer" if label.startswith("peer") else "dropped" if label.startswith("candidate") else "kvcx"} for label, _ in rows]
+        args.pareto.write_bytes(pareto_png(pts, title=f"SmolLM2-135M, WikiText-2, {len(starts)} windows: "
+                                                      f"perplexity delta vs bits/value"))
+        print(f"wrote {args.pareto}", file=sys.stderr)
 
 
 if __name__ == "__main__":

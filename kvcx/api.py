@@ -16,7 +16,7 @@ from typing import Callable, Dict, List, Optional
 
 from kvcx import safetensors_io as st
 from kvcx.dtypes import dtype_name
-from kvcx.errors import FormatError
+from kvcx.errors import CodecError, FormatError
 from kvcx.fileio import OutputSet, check_distinct, check_output_path, write_bytes_to
 from kvcx.kvconfig import DEFAULT_SCHEME, KVConfig
 from kvcx.metrics import (COSINE_THRESHOLD, RMSE_THRESHOLD, SNR_THRESHOLD_DB, ErrorStats,  # noqa: F401 (re-exported)
@@ -213,3 +213,49 @@ def get_compression_metrics(input_path, group_size: int = 64, scheme: Optional[s
     size = st.serialized_size(out, meta)
     return _metrics(stats, tensors, os.path.getsize(input_path), size, time.perf_counter() - t,
                     meta, thresholds or Thresholds())
+
+
+def save_plan(path, calibration) -> None:
+    """Write a ``kvcx calibrate`` result (the plan's config, sensitivities, budget) as JSON, atomically."""
+    with OutputSet([path]) as tmp:
+        _write_json(tmp[os.fspath(path)], os.fspath(path), calibration.to_dict())
+
+
+def load_plan(path, n_threads: Optional[int] = None) -> KVConfig:
+    """The KVConfig of a plan file written by ``kvcx calibrate`` (or any JSON object with a ``config``)."""
+    p = os.fspath(path)
+    try:
+        with open(p, encoding="utf-8") as fh:
+            text = fh.read()
+    except FileNotFoundError:
+        raise FormatError(f"{p}: no such plan file; write one with `kvcx calibrate --out {p}`") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise FormatError(f"{p}: cannot read the plan ({exc})") from None
+    data = loads_strict(text, f"{p}: the plan", "write it again with `kvcx calibrate`")
+    cfg = data.get("config", data) if isinstance(data, dict) else None
+    try:
+        return KVConfig.from_config(cfg, n_threads=n_threads)
+    except CodecError as exc:
+        raise FormatError(f"{p}: {exc}") from None
+
+
+def snr_heatmap(input_path, config: KVConfig, output_path, n_threads: Optional[int] = None) -> dict:
+    """Compress ``input_path`` in memory and draw its per-layer x per-head SNR (keys | values) to a PNG,
+    written atomically. Returns the grids (see :func:`kvcx.metrics.head_snr_grid`)."""
+    from kvcx.metrics import head_snr_grid
+    from kvcx.plotting import heatmap_png
+
+    f = _open_plain(input_path)
+    tensors = {k: f.get_tensor(k) for k in f.keys()}
+    out, meta = compress_tensors(tensors, config)
+    decoded = decompress_tensors(out, meta, n_threads=n_threads)
+    grids = head_snr_grid({k: v for k, v in tensors.items() if k in decoded and dtype_name(v.dtype)}, decoded,
+                          n_threads=n_threads)
+    if not grids:
+        raise FormatError(f"{input_path}: no tensor name carries a layer index (layer_<i>_key, past_key_values.<i>.0"
+                          ", layers.<i>...) with [.., heads, tokens, head_dim] shape; --plot needs them")
+    png = heatmap_png(grids, title=f"{os.path.basename(os.fspath(input_path))}: {config.describe()}")
+    check_distinct([input_path], [output_path])
+    with OutputSet([output_path]) as tmp:
+        write_bytes_to(tmp[os.fspath(output_path)], os.fspath(output_path), [png])
+    return grids

@@ -100,6 +100,9 @@ class ChunkCodec:
         if not is_int(head_dim) or not 1 <= head_dim <= 65535:
             raise CodecError(f"head_dim must be an integer from 1 to 65535, got {head_dim!r}")
         self.config = config or KVConfig.from_scheme()
+        if self.config.layer_bits:
+            raise CodecError("a KV chunk holds every layer in one code stream with one width for keys and one for "
+                             "values; per-layer widths (a --plan / layer_bits) are not supported here: use a scheme")
         self.head_dim = head_dim
         self._plan_cache: dict = {}
         self._stored_cache: dict = {}

@@ -89,9 +89,13 @@ def _count_tensors(path: Path) -> int:
     return len(SafeFile(path).keys())
 
 
-def _kv_config(scheme, group_size, bits, sinks, rotate, threads):
+def _kv_config(scheme, group_size, bits, sinks, rotate, threads, plan=None):
     from kvcx.kvconfig import KVConfig
 
+    if plan is not None:
+        from kvcx.api import load_plan
+
+        return load_plan(plan, n_threads=threads)
     return KVConfig.from_scheme(scheme, group_size=group_size, bits=bits, sinks=sinks, rotate=rotate,
                                 n_threads=threads)
 
@@ -154,7 +158,10 @@ def _report(m, json_out: bool, title: str, check: bool, wrote: Optional[Path] = 
 
 
 # shared options
-SchemeOpt = Annotated[str, typer.Option("--scheme", help="reference | symmetric | asymmetric | kivi | kvcx (default).")]
+SchemeOpt = Annotated[str, typer.Option("--scheme", help="reference | symmetric | asymmetric | kivi | kvcx (default) "
+                                                         "| kvcx3 | kvcx2 (low-bit presets).")]
+PlanOpt = Annotated[Optional[Path], typer.Option("--plan", help="Per-layer widths from `kvcx calibrate --out` "
+                                                                "(replaces --scheme/--bits/--group-size).")]
 GroupOpt = Annotated[int, typer.Option("--group-size", "-g", help="Values per group: 16, 32, 64, 128 or 256.")]
 BitsOpt = Annotated[Optional[int], typer.Option("--bits", help="Code width: 4 (default), 3, 2 or 8.")]
 SinksOpt = Annotated[Optional[int], typer.Option("--sinks", help="Leading tokens kept exact (scheme default if unset).")]
@@ -181,6 +188,7 @@ def compress(
     rotate: RotateOpt = None,
     sparsity: SparsityOpt = 0.0,
     lz4: Lz4Opt = False,
+    plan: PlanOpt = None,
     threads: ThreadsOpt = None,
     max_rmse: RmseOpt = 0.10,
     min_snr: SnrOpt = 18.0,
@@ -192,7 +200,7 @@ def compress(
     with _errors():
         from kvcx.api import Thresholds, compress_kv_cache
 
-        cfg = _kv_config(scheme, group_size, bits, sinks, rotate, threads)
+        cfg = _kv_config(scheme, group_size, bits, sinks, rotate, threads, plan)
         with _progress(_count_tensors(input), "compressing", quiet=False) as step:
             m = compress_kv_cache(input, output, config=cfg, sparsity=sparsity, lz4=lz4,
                                   thresholds=Thresholds(max_rmse, min_snr, min_cosine), progress=step)
@@ -229,20 +237,29 @@ def metrics(
     rotate: RotateOpt = None,
     sparsity: SparsityOpt = 0.0,
     lz4: Lz4Opt = False,
+    plan: PlanOpt = None,
     threads: ThreadsOpt = None,
     max_rmse: RmseOpt = 0.10,
     min_snr: SnrOpt = 18.0,
     min_cosine: CosOpt = 0.99,
+    plot: Annotated[Optional[Path], typer.Option("--plot", help="Also draw per-layer x per-head SNR (keys | values) "
+                                                              "to this PNG (needs kvcx[plot]).")] = None,
     json_out: JsonOpt = False,
 ):
     """Quality and size of compressing a file (no file written); exit 3 when a threshold is missed."""
     with _errors():
         from kvcx.api import Thresholds, get_compression_metrics
 
-        cfg = _kv_config(scheme, group_size, bits, sinks, rotate, threads)
+        cfg = _kv_config(scheme, group_size, bits, sinks, rotate, threads, plan)
         with _progress(_count_tensors(input), "measuring") as step:
             m = get_compression_metrics(input, config=cfg, sparsity=sparsity, lz4=lz4,
                                         thresholds=Thresholds(max_rmse, min_snr, min_cosine), progress=step)
+        if plot is not None:
+            from kvcx.api import snr_heatmap
+
+            snr_heatmap(input, cfg, plot, n_threads=threads)
+            if not json_out:
+                err.print(f"[green]heatmap[/] → {escape(str(plot))}")
     _report(m, json_out, f"kvcx metrics: {input}", check=True)
 
 
@@ -341,6 +358,7 @@ def validate(
     mode: Annotated[str, typer.Option(help="prefix: compress the context cache once; generation: every key/value "
                                            "goes through KvcxCache as the model runs.")] = "prefix",
     cpu: Annotated[bool, typer.Option("--cpu", help="Force CPU even when CUDA is available.")] = False,
+    plan: PlanOpt = None,
     threads: ThreadsOpt = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Only the verdict line.")] = False,
     quick_test: Annotated[bool, typer.Option("--quick-test", help="No model: a synthetic TinyLlama-shaped cache, "
@@ -351,7 +369,7 @@ def validate(
     with _errors():
         from kvcx import validation
 
-        cfg = _kv_config(scheme, group_size, bits, sinks, rotate, threads)
+        cfg = _kv_config(scheme, group_size, bits, sinks, rotate, threads, plan)
         on_phase = None if (json_out or quiet) else _print_phase
         if quick_test:
             result = validation.quick_test(cfg, on_phase=on_phase)
@@ -369,6 +387,53 @@ def validate(
         _print_validation(result)
     if not result.passed:
         raise typer.Exit(code=EXIT_QUALITY)
+
+
+@app.command()
+def calibrate(
+    out_path: Annotated[Path, typer.Option("--out", "-o", help="Plan file to write (JSON, atomically); pass it to "
+                                                                "compress/metrics/validate --plan.")],
+    budget: Annotated[float, typer.Option(help="Nominal bits per value to spend (codes, scales, zero points).")],
+    scheme: SchemeOpt = "kvcx3",
+    group_size: GroupOpt = 64,
+    bits: BitsOpt = None,
+    model: Annotated[Optional[str], typer.Option(help="HF id, local dir or .gguf (default: embedded SmolLM2-135M).")] = None,
+    dataset_file: Annotated[Optional[Path], typer.Option("--dataset-file", help="Calibration text (WikiText-2 raw).")] = None,
+    windows: Annotated[int, typer.Option(help="Windows of 1,024 tokens to measure on.")] = 4,
+    offset: Annotated[int, typer.Option(help="Windows skipped first (validate scores the first 32, the bench 64).")] = 128,
+    cpu: Annotated[bool, typer.Option("--cpu", help="Force CPU even when CUDA is available.")] = False,
+    threads: ThreadsOpt = None,
+    json_out: JsonOpt = False,
+):
+    """Per-layer bit widths: measure each layer's sensitivity (KL divergence) and spend --budget bits/value."""
+    with _errors():
+        from kvcx import calibrate as cal
+        from kvcx.api import save_plan
+        from kvcx.fileio import check_output_path
+
+        check_output_path(out_path)
+        cfg = _kv_config(scheme, group_size, bits, None, None, threads)
+        on_phase = None if json_out else _print_phase
+        with _window_bar(json_out) as on_window:
+            result = cal.run_calibration(cfg, budget, model=model, dataset_file=dataset_file, windows=windows,
+                                         offset=offset, cpu=cpu, on_phase=on_phase, on_window=on_window)
+        save_plan(out_path, result)
+    if json_out:
+        _emit_json(result.to_dict())
+        return
+    t = Table(title=f"most sensitive layers (mean KLD, nats/token, {result.config.key.bits}/{result.config.value.bits}"
+                    f"-bit base)", header_style="bold")
+    for c in ("kind", "layer", "KLD", "bits in the plan"):
+        t.add_column(c, justify="left" if c == "kind" else "right")
+    planned = {L: (kb, vb) for L, kb, vb in result.config.layer_bits}
+    ranked = sorted(result.sensitivity.items(), key=lambda kv: -kv[1])[:10]
+    for (kind, L), v in ranked:
+        b = planned.get(L, (result.config.key.bits, result.config.value.bits))[0 if kind == "key" else 1]
+        t.add_row(kind, str(L), f"{v:.5f}", str(b))
+    out.print(t)
+    out.print(f"[green]plan[/] → {out_path}: {result.bits_per_value:.3f} bits/value nominal (budget {budget}), "
+              f"{len(result.config.layer_bits)} of {result.n_layers} layers raised; {result.tokens:,} tokens, "
+              f"{result.wall_time_s:.0f} s")
 
 
 def main():  # console-script entry point

@@ -306,7 +306,7 @@ class KvcxCache(Cache):
         kv = kv_config or KVConfig.from_scheme(scheme, group_size=group_size, bits=bits, sinks=sinks, rotate=rotate,
                                                n_threads=n_threads)
         if kv_config is not None and n_threads is not None:  # n_threads applies to a ready config too
-            kv = KVConfig(key=kv.key.with_threads(n_threads), value=kv.value.with_threads(n_threads), scheme=kv.scheme)
+            kv = kv.with_threads(n_threads)
         if isinstance(residual_length, bool) or not isinstance(residual_length, int) or residual_length < 1:
             raise KvcxError(f"residual_length must be a positive integer, got {residual_length!r}")
         for c in (kv.key, kv.value):
@@ -331,8 +331,8 @@ class KvcxCache(Cache):
         self._scratch = _Scratch()
         self._workspace = Workspace()  # the fused kernel's scratch, one for all layers
         self._mask_cache = None         # (the step's mask tensor, its additive float32 form)
-        super().__init__(layers=[KvcxLayer(kv, residual_length, self._scratch, self)
-                                 for _ in range(text.num_hidden_layers)])
+        super().__init__(layers=[KvcxLayer(kv.for_layer(i), residual_length, self._scratch, self)
+                                 for i in range(text.num_hidden_layers)])
 
     def _additive_mask(self, attention_mask: torch.Tensor, B: int) -> np.ndarray:
         """The last query row of transformers' mask as float32 [B, kv_len] added to the scores (0 or -inf):

@@ -1,0 +1,90 @@
+"""Pictures (matplotlib, an optional extra: ``pip install kvcx[plot]``): the per-layer x per-head error
+heatmap of ``kvcx metrics --plot`` and the bits/value vs perplexity-delta Pareto chart of
+``bench/bench_quality.py``. Each function returns PNG bytes; the caller writes them (atomically)."""
+from __future__ import annotations
+
+import io
+from typing import Iterable, Optional
+
+import numpy as np
+
+from kvcx.errors import KvcxError
+
+
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError:
+        raise KvcxError("drawing pictures needs matplotlib: pip install 'kvcx[plot]'") from None
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _png(fig) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight", metadata={"Software": None})
+    _pyplot().close(fig)
+    return buf.getvalue()
+
+
+def heatmap_png(grids: dict, title: str = "") -> bytes:
+    """Keys and values side by side: SNR (dB) per layer (rows) x KV head (columns), one shared colour scale."""
+    plt = _pyplot()
+    kinds = [k for k in ("key", "value") if k in grids]
+    finite = np.concatenate([g[np.isfinite(g)].ravel() for _, g in (grids[k] for k in kinds)])
+    lo, hi = (float(finite.min()), float(finite.max())) if finite.size else (0.0, 1.0)
+    n_layers = max(len(grids[k][0]) for k in kinds)
+    fig, axes = plt.subplots(1, len(kinds), figsize=(2.2 + 1.6 * len(kinds) + 0.25 * max(g.shape[1] for _, g in
+                                                                                        grids.values()) * len(kinds),
+                                                      1.2 + 0.22 * n_layers), squeeze=False)
+    im = None
+    for ax, kind in zip(axes[0], kinds):
+        layers, grid = grids[kind]
+        im = ax.imshow(grid, aspect="auto", cmap="viridis", vmin=lo, vmax=hi, interpolation="nearest")
+        ax.set_title(f"{kind}s")
+        ax.set_xlabel("KV head")
+        ax.set_xticks(range(grid.shape[1]))
+        step = max(1, len(layers) // 16)
+        ax.set_yticks(range(0, len(layers), step))
+        ax.set_yticklabels([str(layers[i]) for i in range(0, len(layers), step)])
+        ax.set_ylabel("layer")
+    fig.colorbar(im, ax=list(axes[0]), label="SNR (dB), higher is better")
+    if title:
+        fig.suptitle(title, fontsize=9)
+    return _png(fig)
+
+
+def pareto_png(points: Iterable[dict], thresholds: Iterable[tuple] = ((0.5, "0.5 (KVQuant, validate default)"),
+                                                                       (0.3, "0.3 (users' CI threshold)")),
+               title: Optional[str] = None) -> bytes:
+    """Bits/value (x) vs perplexity delta (log y); ``points``: dicts with bits, delta, label and kind
+    ("kvcx", "peer" or "dropped": a candidate measured and not shipped).
+    Settings whose delta is <= 0 are drawn at the axis floor (a log scale has no room for them)."""
+    plt = _pyplot()
+    pts = list(points)
+    pos = [p["delta"] for p in pts if p["delta"] > 0]
+    floor = min(pos) / 2 if pos else 1e-3
+    fig, ax = plt.subplots(figsize=(8.5, 5.5))
+    for kind, colour, marker, name in (("kvcx", "tab:blue", "o", "kvcx"), ("peer", "tab:red", "s", "peers"),
+                                       ("dropped", "tab:grey", "x", "kvcx candidates not shipped")):
+        sel = [p for p in pts if p.get("kind", "kvcx") == kind]
+        if not sel:
+            continue
+        ax.scatter([p["bits"] for p in sel], [max(p["delta"], floor) for p in sel], c=colour, marker=marker,
+                   label=name, zorder=3)
+        for p in sel:
+            ax.annotate(p["label"], (p["bits"], max(p["delta"], floor)), fontsize=6.5, xytext=(4, 3),
+                        textcoords="offset points", color=colour)
+    for y, text in thresholds:
+        ax.axhline(y, ls="--", lw=0.8, color="grey")
+        ax.text(min(p["bits"] for p in pts), y * 1.06, text, fontsize=7, color="grey")
+    ax.set_yscale("log")
+    ax.set_xlabel("bits per value (everything stored)")
+    ax.set_ylabel("perplexity delta vs the exact cache (log)")
+    ax.grid(True, which="both", lw=0.3, alpha=0.5)
+    ax.legend(loc="upper right")
+    if title:
+        ax.set_title(title, fontsize=9)
+    return _png(fig)

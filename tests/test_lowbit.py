@@ -1,0 +1,235 @@
+"""The low-bit frontier: kvcx3/kvcx2 presets, per-layer widths (layer_bits), plans from `kvcx calibrate`,
+the per-head SNR heatmap of `kvcx metrics --plot`."""
+import json
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from kvcx import safetensors_io as kst
+from kvcx.api import load_plan
+from kvcx.calibrate import allocate
+from kvcx.cli import app
+from kvcx.codec import IntCodec
+from kvcx.errors import CodecError, KvcxError
+from kvcx.kvconfig import KVConfig, layer_of
+from kvcx.metrics import error_stats, head_snr_grid
+from kvcx.packed import compress_tensors, decompress_tensors, packed_tensors
+from test_packed import tinyllama_cache
+
+runner = CliRunner()
+
+
+def run(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+@pytest.fixture
+def cache(tmp_path):
+    p = tmp_path / "cache.safetensors"
+    kst.save_file(tinyllama_cache(seq=128), p)
+    return p
+
+
+def plan_config(scheme="kvcx3", layer_bits=((2, 4, 4), (5, 4, 3), (7, 3, 2))):
+    base = KVConfig.from_scheme(scheme)
+    return KVConfig(key=base.key, value=base.value, scheme=scheme, layer_bits=layer_bits)
+
+
+def test_layer_of_names():
+    assert layer_of("layer_12_key") == 12
+    assert layer_of("past_key_values.3.0") == 3
+    assert layer_of("model.layers.7.self_attn.v_cache") == 7
+    assert layer_of("blocks.2.k") == 2
+    assert layer_of("key") is None and layer_of("player9_key") is None
+
+
+@pytest.mark.parametrize("scheme,bits", [("kvcx3", 3), ("kvcx2", 2)])
+def test_presets_roundtrip_through_the_file_format(scheme, bits):
+    cfg = KVConfig.from_scheme(scheme)
+    assert cfg.key.bits == bits and cfg.value.bits == bits and cfg.key.sinks == 1 and cfg.value.rotate
+    tensors = tinyllama_cache(seq=128)
+    packed, meta = compress_tensors(tensors, cfg)
+    blob = kst.save(packed, meta)
+    loaded, loaded_meta = kst.load_with_metadata(blob)
+    out = decompress_tensors(loaded, loaded_meta)
+    n = sum(a.size for a in tensors.values())
+    bpv = 8.0 * sum(a.nbytes for a in packed.values()) / n
+    # codes + scales + zero points (+ the FP16 sink token of 128): nominal bits plus the sinks' share
+    assert cfg.bits_per_value(22) <= bpv <= cfg.bits_per_value(22) + 16 / 128 + 1e-9
+    for name, a in tensors.items():
+        assert out[name].shape == a.shape and out[name].dtype == a.dtype
+        s = error_stats(a, out[name])
+        assert s.snr_db > (10.0 if bits == 3 else 5.0), (name, s.snr_db)
+        if name.endswith("key"):  # the sink token is exact
+            np.testing.assert_array_equal(out[name][..., :1, :], a[..., :1, :])
+
+
+def test_layer_bits_give_each_layer_its_width():
+    cfg = plan_config()
+    tensors = tinyllama_cache(seq=128)
+    packed, meta = compress_tensors(tensors, cfg)
+    info = json.loads(meta["kvcx.tensors"])
+    codecs = json.loads(meta["kvcx.codecs"])
+    assert info["layer_2_key"]["codec"] == "key.b4" and info["layer_2_value"]["codec"] == "value.b4"
+    assert info["layer_5_value"]["codec"] == "value" and info["layer_7_value"]["codec"] == "value.b2"
+    assert info["layer_0_key"]["codec"] == "key" and codecs["key.b4"]["bits"] == 4
+    recs = packed_tensors(packed, meta)
+    assert recs["layer_2_key"].config["bits"] == 4 and recs["layer_0_key"].config["bits"] == 3
+    # a 4-bit layer holds 4/3 the code bytes of a 3-bit one
+    assert packed["layer_2_key.kvcx.codes"].size * 3 == packed["layer_0_key.kvcx.codes"].size * 4
+    out = decompress_tensors(packed, meta)
+    err = {n: error_stats(tensors[n], out[n]).snr_db for n in ("layer_2_key", "layer_0_key", "layer_7_value",
+                                                              "layer_0_value")}
+    assert err["layer_2_key"] > err["layer_0_key"] + 3 and err["layer_7_value"] < err["layer_0_value"] - 3
+    # the same tensors under the uniform preset decode to the same values where the widths agree
+    base = decompress_tensors(*compress_tensors(tensors, KVConfig.from_scheme("kvcx3")))
+    np.testing.assert_array_equal(base["layer_0_key"], out["layer_0_key"])
+
+
+def test_layer_bits_config_errors_and_json_round_trip():
+    cfg = plan_config()
+    assert KVConfig.from_config(json.loads(json.dumps(cfg.get_config()))) == cfg
+    assert cfg.for_layer(5).value.bits == 3 and cfg.for_layer(5).key.bits == 4 and cfg.for_layer(0).key.bits == 3
+    assert "5:4/3" in cfg.describe()
+    assert abs(cfg.bits_per_value(22) - (22 * 3.375 + 1) / 22) < 1e-9
+    base = KVConfig.from_scheme("kvcx3")
+    for bad, msg in [([(1, 4)], "layer, key_bits, value_bits"), ([(1, 5, 3)], "not one of"),
+                     ([(-1, 4, 4)], "layer -1"), ([(1, 4, 4), (1, 3, 3)], "twice"), (7, "must be a list"),
+                     ([(1.5, 4, 4)], "layer 1.5")]:
+        with pytest.raises(CodecError, match=msg):
+            KVConfig(key=base.key, value=base.value, layer_bits=bad)
+    for bad, msg in [({"key": {}}, "'key' and 'value'"), ({**cfg.get_config(), "extra": 1}, "unknown kvcx config"),
+                     ({**cfg.get_config(), "scheme": 3}, "scheme must be a string")]:
+        with pytest.raises(CodecError, match=msg):
+            KVConfig.from_config(bad)
+
+
+def test_allocate_spends_the_budget_where_sensitivity_is():
+    base = KVConfig.from_scheme("kvcx3")
+    sens = {(k, L): 1e-4 for L in range(10) for k in ("key", "value")}
+    sens[("key", 4)] = 0.05
+    sens[("value", 8)] = 0.02
+    plan, steps = allocate(sens, base, 10, budget=3.375 + 3 / 20)   # room for exactly 3 one-bit steps
+    assert steps[0] == ("key", 4, 4) and ("value", 8, 4) in steps and len(steps) == 3
+    assert plan.bits_per_value(10) <= 3.375 + 3 / 20 + 1e-9
+    assert dict((L, (kb, vb)) for L, kb, vb in plan.layer_bits)[4][0] == 4
+    same, none = allocate(sens, base, 10, budget=3.375)
+    assert none == [] and same.layer_bits == ()
+    with pytest.raises(KvcxError, match="below the base config"):
+        allocate(sens, base, 10, budget=3.0)
+
+
+def test_cli_plan_files_compress_decompress_metrics(cache, tmp_path):
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"config": plan_config().get_config(), "budget": 3.5}))
+    packed_path, restored = tmp_path / "p.safetensors", tmp_path / "r.safetensors"
+    r = run("compress", cache, packed_path, "--plan", plan, "--json")
+    assert r.exit_code == 0, r.output
+    m = json.loads(r.stdout)
+    assert set(m["config"]["codecs"]) >= {"key", "value", "key.b4", "value.b2"}
+    assert run("decompress", packed_path, restored).exit_code == 0
+    orig, back = kst.load_file(cache), kst.load_file(restored)
+    assert set(orig) == set(back) and all(back[k].shape == orig[k].shape for k in orig)
+    # Hugging Face's reader sees plain tensors
+    safetensors = pytest.importorskip("safetensors.numpy")
+    assert "layer_2_key.kvcx.codes" in safetensors.load_file(str(packed_path))
+    for scheme in ("kvcx3", "kvcx2"):
+        r = run("metrics", cache, "--scheme", scheme, "--json", "--min-snr", "0", "--max-rmse", "10",
+                "--min-cosine", "0")
+        assert r.exit_code == 0, r.output
+        assert json.loads(r.stdout)["config"]["scheme"] == scheme
+    # bad plans: one red line, exit 1
+    for text, msg in [(None, "no such plan file"), ("{", "not valid JSON"),
+                      (json.dumps({"config": {"key": {}, "value": {}, "layer_bits": [[1, 9, 4]]}}), "not one of")]:
+        p = tmp_path / "bad.json"
+        if text is not None:
+            p.write_text(text)
+        elif p.exists():
+            p.unlink()
+        r = run("compress", cache, tmp_path / "x.safetensors", "--plan", p)
+        assert r.exit_code == 1 and msg in r.output and "Traceback" not in r.output, r.output
+    assert isinstance(load_plan(plan), KVConfig)
+
+
+def test_metrics_plot_draws_the_per_head_heatmap(cache, tmp_path):
+    pytest.importorskip("matplotlib")
+    import matplotlib.image as mpimg
+
+    png = tmp_path / "heat.png"
+    r = run("metrics", cache, "--scheme", "kvcx2", "--plot", png, "--json", "--min-snr", "0", "--max-rmse", "10",
+            "--min-cosine", "0")
+    assert r.exit_code == 0, r.output
+    json.loads(r.stdout)  # --json keeps stdout machine-readable
+    img = mpimg.imread(png)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and img.shape[0] > 100 and img.shape[1] > 200
+    tensors = tinyllama_cache(seq=128)
+    grids = head_snr_grid(tensors, decompress_tensors(*compress_tensors(tensors, plan_config())))
+    layers, grid = grids["key"]
+    assert layers == list(range(22)) and grid.shape == (22, 4) and np.isfinite(grid).all()
+    # layer 2's keys are 4-bit in the plan: every head better than layer 0's 3-bit keys
+    assert (grid[2] > grid[0] + 3).all()
+    # names without a layer index: a clear error
+    flat = tmp_path / "flat.safetensors"
+    kst.save_file({"k": tensors["layer_0_key"], "v": tensors["layer_0_value"]}, flat)
+    r = run("metrics", flat, "--plot", tmp_path / "x.png")
+    assert r.exit_code == 1 and "layer index" in r.output
+
+
+def test_kv_chunks_refuse_per_layer_widths():
+    from kvcx.chunk import ChunkCodec
+
+    with pytest.raises(CodecError, match="per-layer widths"):
+        ChunkCodec(plan_config())
+
+
+@pytest.mark.model
+def test_kvcx_cache_with_presets_and_a_plan(loaded, wikitext_path):
+    torch = pytest.importorskip("torch")
+    from transformers import DynamicCache
+
+    from kvcx.hf import KvcxCache
+
+    model, tok, _ = loaded
+    ids = torch.tensor(tok(wikitext_path.read_text(encoding="utf-8")[:8000])["input_ids"][:300])[None]
+    n_layers = model.config.num_hidden_layers
+    plan = plan_config("kvcx2", layer_bits=[(L, 4, 4) for L in range(0, n_layers, 2)])
+    with torch.inference_mode():
+        ref = model(ids, past_key_values=DynamicCache()).logits[0, -1]
+        for cfg in (KVConfig.from_scheme("kvcx3"), KVConfig.from_scheme("kvcx2"), plan):
+            cache = KvcxCache(model.config, kv_config=cfg)
+            model(ids[:, :256], past_key_values=cache)
+            logits = model(ids[:, 256:], past_key_values=cache).logits[0, -1]
+            layer0, layer1 = cache.layers[0], cache.layers[1]
+            want0 = 4 if cfg is plan else cfg.key.bits
+            assert layer0.store.keys.chunk(0).config["bits"] == want0
+            assert layer1.store.keys.chunk(0).config["bits"] == cfg.key.bits
+            assert layer0.store.keys.chunk(0).codes.nbytes * cfg.key.bits == \
+                layer1.store.keys.chunk(0).codes.nbytes * want0
+            cos = torch.nn.functional.cosine_similarity(ref, logits, dim=0)
+            assert cos > 0.9, (cfg.describe(), float(cos))
+        g = model.generate(ids[:, :200], past_key_values=KvcxCache(model.config, kv_config=plan),
+                           max_new_tokens=6, do_sample=False)
+    assert g.shape[1] == 206
+
+
+@pytest.mark.model
+def test_calibrate_measures_every_layer_and_writes_a_plan(loaded, wikitext_path, tmp_path):
+    from kvcx import calibrate as cal
+    from kvcx.api import save_plan
+
+    res = cal.run_calibration(KVConfig.from_scheme("kvcx2"), budget=2.7, dataset_file=wikitext_path, windows=1,
+                              offset=3, window=192, stride=64, loaded=loaded)
+    n = res.n_layers
+    assert set(res.sensitivity) == {(k, L) for L in range(n) for k in ("key", "value")}
+    assert all(v >= 0 for v in res.sensitivity.values()) and max(res.sensitivity.values()) > 0
+    assert res.tokens == 63 and res.bits_per_value <= 2.7 + 1e-9 and res.config.layer_bits
+    # the first step went to the most sensitive (kind, layer)
+    top = max(res.sensitivity, key=res.sensitivity.get)
+    assert res.steps[0][:2] == top
+    path = tmp_path / "plan.json"
+    save_plan(path, res)
+    assert load_plan(path) == res.config
+    assert json.loads(path.read_text())["sensitivity"][0].keys() == {"kind", "layer", "kld"}
+    with pytest.raises(KvcxError, match="not a --plan"):
+        cal.run_calibration(res.config, budget=3.0, dataset_file=wikitext_path, loaded=loaded)
