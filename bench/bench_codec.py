@@ -80,6 +80,10 @@ OPTIONS = [
     ("3-bit asym g64", dict(scheme="asymmetric", bits=3)),
     ("2-bit asym g64", dict(scheme="asymmetric", bits=2)),
     ("8-bit sym g64", dict(scheme="symmetric", bits=8)),
+    ("kvcx3 keys: 3-bit asym per-channel + sink", dict(scheme="asymmetric", axis="channel", sinks=1, bits=3)),
+    ("kvcx3 values: 3-bit sym + hadamard", dict(scheme="symmetric", rotate=True, bits=3)),
+    ("kvcx2 keys: 2-bit asym per-channel + sink", dict(scheme="asymmetric", axis="channel", sinks=1, bits=2)),
+    ("kvcx2 values: 2-bit asym + hadamard", dict(scheme="asymmetric", rotate=True, bits=2)),
 ]
 
 

@@ -38,15 +38,13 @@ def custom(name, key, value):
     return name, KVConfig(key=IntCodec(**key), value=IntCodec(**value), scheme=name)
 
 
-def settings(full: bool, plans):
+def settings(full: bool, plans, candidates: bool = False):
     asym_ch = dict(scheme="asymmetric", axis="channel")
     rows = [
         ("reference: sym g64 per-token", KVConfig.from_scheme("reference")),
         ("kvcx default: K asym per-channel g64 + sink, V sym g64 + hadamard", KVConfig.from_scheme("kvcx")),
         custom("K4 V3: kvcx layout, 3-bit values", dict(asym_ch, sinks=1),
                dict(scheme="symmetric", rotate=True, bits=3)),
-        custom("K4 V2: kvcx layout, 2-bit asym values", dict(asym_ch, sinks=1),
-               dict(scheme="asymmetric", rotate=True, bits=2)),
         ("kvcx3 preset (every layer 3-bit)", KVConfig.from_scheme("kvcx3")),
         ("kvcx2 preset (every layer 2-bit)", KVConfig.from_scheme("kvcx2")),
     ]
@@ -58,9 +56,12 @@ def settings(full: bool, plans):
     rows += [
         ("KIVI-style 3-bit: K asym per-channel g64, V asym per-token g64", KVConfig.from_scheme("kivi", bits=3)),
         ("KIVI-style 2-bit", KVConfig.from_scheme("kivi", bits=2)),
-        ("candidate, dropped: K4, V3 Lloyd-Max levels + per-vector norm after hadamard", "lloyd-v3"),
-        ("candidate, dropped: K3 + 1 exact outlier per group (dense-and-sparse), V4", "outlier-k3"),
     ]
+    if candidates:  # measured and not shipped (README "Low bits"); slow NumPy prototypes, so not by default
+        rows += [("candidate, dropped: K4, V3 Lloyd-Max levels + per-vector norm after hadamard", "lloyd-v3"),
+                 ("candidate, dropped: K3 + 1 exact outlier per group (dense-and-sparse), V4", "outlier-k3"),
+                 custom("K4 V2: kvcx layout, 2-bit asym values", dict(asym_ch, sinks=1),
+                        dict(scheme="asymmetric", rotate=True, bits=2))]
     try:  # the peers users would pick instead, measured on the same windows
         import optimum.quanto  # noqa: F401
 
@@ -216,7 +217,8 @@ def main(argv=None):
     ap.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M GGUF")
     ap.add_argument("--window", type=int, default=1024)
     ap.add_argument("--stride", type=int, default=512)
-    ap.add_argument("--full", action="store_true", help="also 2-bit and g32 rows")
+    ap.add_argument("--full", action="store_true", help="also 8-bit and 3-bit reference-layout rows")
+    ap.add_argument("--candidates", action="store_true", help="also the candidates measured and dropped (slow)")
     ap.add_argument("--markdown", type=Path, default=None, help="also write the table to this file")
     ap.add_argument("--only", nargs="+", default=None, help="run only the rows whose label contains one of these")
     ap.add_argument("--plan", nargs="*", type=Path, default=None,
@@ -237,7 +239,7 @@ def main(argv=None):
     ids = torch.tensor(tok(text)["input_ids"], dtype=torch.long)
     starts = window_starts(ids.numel(), args.window, args.stride, args.max_windows)
     plans = sorted(PLANS.glob("*.json")) if args.plan is None else args.plan
-    rows = settings(args.full, plans)
+    rows = settings(args.full, plans, args.candidates)
     if args.only:
         rows = [r for r in rows if any(o in r[0] for o in args.only)]
     print(f"# {name}: {len(starts)} windows of {args.window} (stride {args.stride}), {len(rows)} settings",

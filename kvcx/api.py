@@ -14,13 +14,15 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Dict, List, Optional
 
+import numpy as np
+
 from kvcx import safetensors_io as st
 from kvcx.dtypes import dtype_name
 from kvcx.errors import CodecError, FormatError
 from kvcx.fileio import OutputSet, check_distinct, check_output_path, write_bytes_to
-from kvcx.kvconfig import DEFAULT_SCHEME, KVConfig
+from kvcx.kvconfig import DEFAULT_SCHEME, KVConfig, is_key_tensor, layer_of
 from kvcx.metrics import (COSINE_THRESHOLD, RMSE_THRESHOLD, SNR_THRESHOLD_DB, ErrorStats,  # noqa: F401 (re-exported)
-                          Thresholds, check_thresholds, json_safe, quality_level)
+                          Thresholds, check_thresholds, error_stats, json_safe, quality_level)
 from kvcx.packed import (compress_tensors, decompress_tensors, is_packed, original_metadata,
                          loads_strict, settings_of)
 
@@ -221,8 +223,8 @@ def save_plan(path, calibration) -> None:
         _write_json(tmp[os.fspath(path)], os.fspath(path), calibration.to_dict())
 
 
-def load_plan(path, n_threads: Optional[int] = None) -> KVConfig:
-    """The KVConfig of a plan file written by ``kvcx calibrate`` (or any JSON object with a ``config``)."""
+def read_plan(path) -> dict:
+    """The JSON object of a plan file, parsed strictly."""
     p = os.fspath(path)
     try:
         with open(p, encoding="utf-8") as fh:
@@ -232,17 +234,55 @@ def load_plan(path, n_threads: Optional[int] = None) -> KVConfig:
     except (OSError, UnicodeDecodeError) as exc:
         raise FormatError(f"{p}: cannot read the plan ({exc})") from None
     data = loads_strict(text, f"{p}: the plan", "write it again with `kvcx calibrate`")
-    cfg = data.get("config", data) if isinstance(data, dict) else None
+    if not isinstance(data, dict):
+        raise FormatError(f"{p}: a plan must be a JSON object; write it again with `kvcx calibrate`")
+    return data
+
+
+def load_plan(path, n_threads: Optional[int] = None) -> KVConfig:
+    """The KVConfig of a plan file written by ``kvcx calibrate`` (or any JSON object with a ``config``)."""
+    p = os.fspath(path)
+    data = read_plan(path)
+    cfg = data.get("config", data)
     try:
         return KVConfig.from_config(cfg, n_threads=n_threads)
     except CodecError as exc:
         raise FormatError(f"{p}: {exc}") from None
 
 
+def head_snr_grid(original: dict, decoded: dict, n_threads: Optional[int] = None) -> dict:
+    """SNR (dB) per layer x KV head, keys and values apart: ``{"key": (layers, grid), "value": (layers, grid)}``
+    with ``grid[i, h]`` the SNR of layer ``layers[i]``'s head ``h`` (axis -3 of a [..., heads, tokens, head_dim]
+    tensor). Tensors whose name carries no layer index are left out."""
+    rows: dict = {"key": {}, "value": {}}
+    for name, a in original.items():
+        layer = layer_of(name)
+        if layer is None or name not in decoded or np.asarray(a).ndim < 3:
+            continue
+        a, b = np.asarray(a), np.asarray(decoded[name])
+        heads = a.shape[-3]
+        snr = []
+        for h in range(heads):
+            s = error_stats(np.ascontiguousarray(a[..., h, :, :]), np.ascontiguousarray(b[..., h, :, :]),
+                            name=f"{name}[head {h}]", n_threads=n_threads)
+            snr.append(min(s.snr_db, 99.0))   # exact heads (infinite SNR) drawn at the top of the scale
+        rows["key" if is_key_tensor(name) else "value"][layer] = snr
+    out = {}
+    for kind, by_layer in rows.items():
+        if not by_layer:
+            continue
+        width = max(len(v) for v in by_layer.values())
+        layers = sorted(by_layer)
+        grid = np.full((len(layers), width), np.nan)
+        for i, L in enumerate(layers):
+            grid[i, :len(by_layer[L])] = by_layer[L]
+        out[kind] = (layers, grid)
+    return out
+
+
 def snr_heatmap(input_path, config: KVConfig, output_path, n_threads: Optional[int] = None) -> dict:
     """Compress ``input_path`` in memory and draw its per-layer x per-head SNR (keys | values) to a PNG,
     written atomically. Returns the grids (see :func:`kvcx.metrics.head_snr_grid`)."""
-    from kvcx.metrics import head_snr_grid
     from kvcx.plotting import heatmap_png
 
     f = _open_plain(input_path)

@@ -401,6 +401,8 @@ def calibrate(
     dataset_file: Annotated[Optional[Path], typer.Option("--dataset-file", help="Calibration text (WikiText-2 raw).")] = None,
     windows: Annotated[int, typer.Option(help="Windows of 1,024 tokens to measure on.")] = 4,
     offset: Annotated[int, typer.Option(help="Windows skipped first (validate scores the first 32, the bench 64).")] = 128,
+    reuse: Annotated[Optional[Path], typer.Option("--reuse", help="Reuse the sensitivities of an earlier plan file "
+                                                                  "(no model run): only allocate --budget.")] = None,
     cpu: Annotated[bool, typer.Option("--cpu", help="Force CPU even when CUDA is available.")] = False,
     threads: ThreadsOpt = None,
     json_out: JsonOpt = False,
@@ -412,11 +414,16 @@ def calibrate(
         from kvcx.fileio import check_output_path
 
         check_output_path(out_path)
-        cfg = _kv_config(scheme, group_size, bits, None, None, threads)
-        on_phase = None if json_out else _print_phase
-        with _window_bar(json_out) as on_window:
-            result = cal.run_calibration(cfg, budget, model=model, dataset_file=dataset_file, windows=windows,
-                                         offset=offset, cpu=cpu, on_phase=on_phase, on_window=on_window)
+        if reuse is not None:
+            from kvcx.api import read_plan
+
+            result = cal.reallocate(read_plan(reuse), budget, source=str(reuse))
+        else:
+            cfg = _kv_config(scheme, group_size, bits, None, None, threads)
+            on_phase = None if json_out else _print_phase
+            with _window_bar(json_out) as on_window:
+                result = cal.run_calibration(cfg, budget, model=model, dataset_file=dataset_file, windows=windows,
+                                             offset=offset, cpu=cpu, on_phase=on_phase, on_window=on_window)
         save_plan(out_path, result)
     if json_out:
         _emit_json(result.to_dict())

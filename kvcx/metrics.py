@@ -148,34 +148,3 @@ def json_safe(obj):
         return [json_safe(v) for v in obj]
     return obj
 
-
-def head_snr_grid(original: dict, decoded: dict, n_threads: Optional[int] = None) -> dict:
-    """SNR (dB) per layer x KV head, keys and values apart: ``{"key": (layers, grid), "value": (layers, grid)}``
-    with ``grid[i, h]`` the SNR of layer ``layers[i]``'s head ``h`` (axis -3 of a [..., heads, tokens, head_dim]
-    tensor). Tensors whose name carries no layer index are left out."""
-    from kvcx.kvconfig import is_key_tensor, layer_of
-
-    rows: dict = {"key": {}, "value": {}}
-    for name, a in original.items():
-        layer = layer_of(name)
-        if layer is None or name not in decoded or np.asarray(a).ndim < 3:
-            continue
-        a, b = np.asarray(a), np.asarray(decoded[name])
-        heads = a.shape[-3]
-        snr = []
-        for h in range(heads):
-            s = error_stats(np.ascontiguousarray(a[..., h, :, :]), np.ascontiguousarray(b[..., h, :, :]),
-                            name=f"{name}[head {h}]", n_threads=n_threads)
-            snr.append(min(s.snr_db, 99.0))   # exact heads (infinite SNR) drawn at the top of the scale
-        rows["key" if is_key_tensor(name) else "value"][layer] = snr
-    out = {}
-    for kind, by_layer in rows.items():
-        if not by_layer:
-            continue
-        width = max(len(v) for v in by_layer.values())
-        layers = sorted(by_layer)
-        grid = np.full((len(layers), width), np.nan)
-        for i, L in enumerate(layers):
-            grid[i, :len(by_layer[L])] = by_layer[L]
-        out[kind] = (layers, grid)
-    return out

@@ -125,7 +125,7 @@ def test_validate_missing_text_is_reported_before_a_missing_model(tmp_path):
 # import layers: no cycles; torch and rich only where they belong
 # ---------------------------------------------------------------------------------------------
 
-TORCH_MODULES = {"kvcx.hf", "kvcx.kv_cache", "kvcx.validation", "kvcx.models", "kvcx.deps"}
+TORCH_MODULES = {"kvcx.hf", "kvcx.kv_cache", "kvcx.validation", "kvcx.models", "kvcx.deps", "kvcx.calibrate"}
 RICH_MODULES = {"kvcx.cli"}
 
 
@@ -177,6 +177,10 @@ def test_torch_and_rich_stay_in_their_modules():
             assert mod in TORCH_MODULES or mod.startswith("kvcx.integrations."), mod
         if "rich" in tops:
             assert mod in RICH_MODULES, f"{mod} renders with rich; rendering belongs in kvcx.cli"
+        # matplotlib (the optional plot extra) only in kvcx.plotting, and only when a picture is drawn
+        if "matplotlib" in tops:
+            assert mod == "kvcx.plotting", mod
+            assert not any(n.split(".")[0] == "matplotlib" and top for n, top in deps), mod
         # torch is never imported at module level outside the cache module
         if mod != "kvcx.hf" and not mod.startswith("kvcx.integrations."):
             assert not any(n.split(".")[0] in ("torch", "transformers") and top for n, top in deps), mod

@@ -7,13 +7,13 @@ import pytest
 from typer.testing import CliRunner
 
 from kvcx import safetensors_io as kst
-from kvcx.api import load_plan
+from kvcx.api import head_snr_grid, load_plan
 from kvcx.calibrate import allocate
 from kvcx.cli import app
 from kvcx.codec import IntCodec
 from kvcx.errors import CodecError, KvcxError
 from kvcx.kvconfig import KVConfig, layer_of
-from kvcx.metrics import error_stats, head_snr_grid
+from kvcx.metrics import error_stats
 from kvcx.packed import compress_tensors, decompress_tensors, packed_tensors
 from test_packed import tinyllama_cache
 
@@ -233,3 +233,29 @@ def test_calibrate_measures_every_layer_and_writes_a_plan(loaded, wikitext_path,
     assert json.loads(path.read_text())["sensitivity"][0].keys() == {"kind", "layer", "kld"}
     with pytest.raises(KvcxError, match="not a --plan"):
         cal.run_calibration(res.config, budget=3.0, dataset_file=wikitext_path, loaded=loaded)
+
+
+def test_calibrate_reuse_reallocates_without_a_model(tmp_path):
+    from kvcx.calibrate import reallocate
+
+    base = KVConfig.from_scheme("kvcx2")
+    sens = [{"kind": k, "layer": L, "kld": (0.05 if (k, L) == ("key", 3) else 1e-4)} for L in range(6)
+            for k in ("key", "value")]
+    saved = {"config": base.get_config(), "sensitivity": sens, "n_layers": 6, "windows": 4, "tokens": 2044}
+    src = tmp_path / "measured.json"
+    src.write_text(json.dumps(saved))
+    out = tmp_path / "plan.json"
+    r = run("calibrate", "--reuse", src, "--budget", 2.5 + 2 / 12, "--out", out)
+    assert r.exit_code == 0, r.output
+    plan = load_plan(out)
+    assert plan.layer_bits[0] == (3, 4, 2) and plan.bits_per_value(6) <= 2.5 + 2 / 12 + 1e-9
+    again = reallocate(json.loads(out.read_text()), 2.5 + 2 / 12)
+    assert again.config == plan     # a plan file is itself a source: its base config has no layer widths
+    assert reallocate(saved, 3.5).config.bits_per_value(6) == pytest.approx(3.5, abs=1 / 12)
+    for bad, msg in [({"config": base.get_config()}, "not a plan written"),
+                     ({**saved, "n_layers": 7}, "do not cover")]:
+        src.write_text(json.dumps(bad))
+        r = run("calibrate", "--reuse", src, "--budget", 3, "--out", out)
+        assert r.exit_code == 1 and msg in r.output, r.output
+    r = run("calibrate", "--reuse", tmp_path / "missing.json", "--budget", 3, "--out", out)
+    assert r.exit_code == 1 and "no such plan file" in r.output
