@@ -76,19 +76,24 @@ def sidecar_path(path) -> str:
     return os.fspath(path) + ".metadata.json"
 
 
-def read_sidecar(path) -> Optional[dict]:
-    p = sidecar_path(path)
-    if not os.path.exists(p):
-        return None
+def _read_json_object(p: str, what: str, fix: str) -> dict:
+    """A JSON object from file ``p``, parsed strictly; FormatError('{p}: {what} ...; {fix}') otherwise."""
     try:
         with open(p, encoding="utf-8") as fh:
             text = fh.read()
     except (OSError, UnicodeDecodeError) as exc:
-        raise FormatError(f"{p}: cannot read the metadata sidecar ({exc}); fix or remove it") from None
-    data = loads_strict(text, f"{p}: the metadata sidecar", "fix or remove it")
+        raise FormatError(f"{p}: cannot read {what} ({exc}); {fix}") from None
+    data = loads_strict(text, f"{p}: {what}", fix)
     if not isinstance(data, dict):
-        raise FormatError(f"{p}: the metadata sidecar must be a JSON object; fix or remove it")
+        raise FormatError(f"{p}: {what} must be a JSON object; {fix}")
     return data
+
+
+def read_sidecar(path) -> Optional[dict]:
+    p = sidecar_path(path)
+    if not os.path.exists(p):
+        return None
+    return _read_json_object(p, "the metadata sidecar", "fix or remove it")
 
 
 def write_sidecar(path, data: dict) -> None:
@@ -226,17 +231,9 @@ def save_plan(path, calibration) -> None:
 def read_plan(path) -> dict:
     """The JSON object of a plan file, parsed strictly."""
     p = os.fspath(path)
-    try:
-        with open(p, encoding="utf-8") as fh:
-            text = fh.read()
-    except FileNotFoundError:
-        raise FormatError(f"{p}: no such plan file; write one with `kvcx calibrate --out {p}`") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise FormatError(f"{p}: cannot read the plan ({exc})") from None
-    data = loads_strict(text, f"{p}: the plan", "write it again with `kvcx calibrate`")
-    if not isinstance(data, dict):
-        raise FormatError(f"{p}: a plan must be a JSON object; write it again with `kvcx calibrate`")
-    return data
+    if not os.path.exists(p):
+        raise FormatError(f"{p}: no such plan file; write one with `kvcx calibrate --out {p}`")
+    return _read_json_object(p, "the plan", "write it again with `kvcx calibrate`")
 
 
 def load_plan(path, n_threads: Optional[int] = None) -> KVConfig:

@@ -4,6 +4,7 @@ heatmap of ``kvcx metrics --plot`` and the bits/value vs perplexity-delta Pareto
 from __future__ import annotations
 
 import io
+import textwrap
 from typing import Iterable, Optional
 
 import numpy as np
@@ -36,9 +37,8 @@ def heatmap_png(grids: dict, title: str = "") -> bytes:
     finite = np.concatenate([g[np.isfinite(g)].ravel() for _, g in (grids[k] for k in kinds)])
     lo, hi = (float(finite.min()), float(finite.max())) if finite.size else (0.0, 1.0)
     n_layers = max(len(grids[k][0]) for k in kinds)
-    fig, axes = plt.subplots(1, len(kinds), figsize=(2.2 + 1.6 * len(kinds) + 0.25 * max(g.shape[1] for _, g in
-                                                                                        grids.values()) * len(kinds),
-                                                      1.2 + 0.22 * n_layers), squeeze=False)
+    width = max(6.5, 2.2 + len(kinds) * (1.6 + 0.25 * max(g.shape[1] for _, g in grids.values())))
+    fig, axes = plt.subplots(1, len(kinds), figsize=(width, 1.6 + 0.22 * n_layers), squeeze=False)
     im = None
     for ax, kind in zip(axes[0], kinds):
         layers, grid = grids[kind]
@@ -49,10 +49,10 @@ def heatmap_png(grids: dict, title: str = "") -> bytes:
         step = max(1, len(layers) // 16)
         ax.set_yticks(range(0, len(layers), step))
         ax.set_yticklabels([str(layers[i]) for i in range(0, len(layers), step)])
-        ax.set_ylabel("layer")
+    axes[0][0].set_ylabel("layer")
     fig.colorbar(im, ax=list(axes[0]), label="SNR (dB), higher is better")
     if title:
-        fig.suptitle(title, fontsize=9)
+        fig.suptitle("\n".join(textwrap.wrap(title, 110)[:4]), fontsize=7)
     return _png(fig)
 
 

@@ -4,24 +4,17 @@ import json
 
 import numpy as np
 import pytest
-from typer.testing import CliRunner
 
 from kvcx import safetensors_io as kst
 from kvcx.api import head_snr_grid, load_plan
 from kvcx.calibrate import allocate
-from kvcx.cli import app
 from kvcx.codec import IntCodec
 from kvcx.errors import CodecError, KvcxError
 from kvcx.kvconfig import KVConfig, layer_of
 from kvcx.metrics import error_stats
 from kvcx.packed import compress_tensors, decompress_tensors, packed_tensors
+from test_cli import run
 from test_packed import tinyllama_cache
-
-runner = CliRunner()
-
-
-def run(*args):
-    return runner.invoke(app, [str(a) for a in args])
 
 
 @pytest.fixture
