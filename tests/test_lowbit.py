@@ -252,3 +252,6 @@ def test_calibrate_reuse_reallocates_without_a_model(tmp_path):
         assert r.exit_code == 1 and msg in r.output, r.output
     r = run("calibrate", "--reuse", tmp_path / "missing.json", "--budget", 3, "--out", out)
     assert r.exit_code == 1 and "no such plan file" in r.output
+    # a budget below the scheme's own bits fails before any model is loaded
+    r = run("calibrate", "--scheme", "kvcx3", "--budget", 3.0, "--out", out)
+    assert r.exit_code == 1 and "below the base config's 3.375" in r.output, r.output
