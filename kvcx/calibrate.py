@@ -148,8 +148,8 @@ def run_calibration(config: KVConfig, budget: float, model: Optional[str] = None
     check_window(window, stride, windows, context_limit=1 << 62)
     base_bpv = (config.key.bits_per_value() + config.value.bits_per_value()) / 2
     if not (math.isfinite(budget) and budget >= base_bpv):   # checked before the model runs, not after
-        raise KvcxError(f"--budget {budget} bits/value is below the base config's {base_bpv:.3f}; raise it or pick a "
-                        "scheme with fewer bits (kvcx2, kvcx3)")
+        raise KvcxError(f"--budget {budget} bits/value must be a number at or above the base config's {base_bpv:.3f}; "
+                        "raise it or pick a scheme with fewer bits (kvcx2, kvcx3)")
     text = load_dataset_text(dataset_file)
     source = resolve_model(model) if loaded is None else None
     m, tok, name = loaded if loaded is not None else load_model_and_tokenizer(source, cpu=cpu)

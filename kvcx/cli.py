@@ -250,6 +250,10 @@ def metrics(
     with _errors():
         from kvcx.api import Thresholds, get_compression_metrics
 
+        if plot is not None:  # a picture that cannot be written fails before any work
+            from kvcx.fileio import check_output_path
+
+            check_output_path(plot)
         cfg = _kv_config(scheme, group_size, bits, sinks, rotate, threads, plan)
         with _progress(_count_tensors(input), "measuring") as step:
             m = get_compression_metrics(input, config=cfg, sparsity=sparsity, lz4=lz4,
