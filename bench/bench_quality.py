@@ -45,8 +45,8 @@ def settings(full: bool, plans, candidates: bool = False):
         ("kvcx default: K asym per-channel g64 + sink, V sym g64 + hadamard", KVConfig.from_scheme("kvcx")),
         custom("K4 V3: kvcx layout, 3-bit values", dict(asym_ch, sinks=1),
                dict(scheme="symmetric", rotate=True, bits=3)),
-        ("kvcx3 preset (every layer 3-bit)", KVConfig.from_scheme("kvcx3")),
-        ("kvcx2 preset (every layer 2-bit)", KVConfig.from_scheme("kvcx2")),
+        ("kvcx3 preset (every layer 3-bit, K and V sink exact)", KVConfig.from_scheme("kvcx3")),
+        ("kvcx2 preset (every layer 2-bit, K and V sink exact)", KVConfig.from_scheme("kvcx2")),
     ]
     from kvcx.api import load_plan
 

@@ -10,11 +10,15 @@ Schemes (``--scheme``):
   attention sink) kept exact; values symmetric per token after a Hadamard rotation of head_dim.
   Chosen from bench/bench_quality.py; see README "Choosing the default".
 - ``kvcx3`` / ``kvcx2``: the low-bit presets: the kvcx layout at 3 bits, and at 2 bits with asymmetric
-  values (symmetric 2-bit codes have only 3 useful levels). With a per-layer plan from ``kvcx calibrate`` (``layer_bits``:
+  values (symmetric 2-bit codes have only 3 useful levels); values keep the sink token exact as keys do. With a per-layer plan from ``kvcx calibrate`` (``layer_bits``:
   the layers the model is most sensitive to get more bits) they are the frontier of README "Low bits".
+  Both carry the same *variants*, the codecs a plan may give a layer: keys at 2, 3, 4 bits in groups of
+  64 tokens and at 3, 4 bits in groups of 128; values asymmetric at 2 bits, symmetric or asymmetric at 3 and 4.
 
-Per-layer widths: ``KVConfig(..., layer_bits=((layer, key_bits, value_bits), ...))`` overrides the codecs'
-bits for those layers. A tensor's layer comes from its name (``layer_3_key``, ``past_key_values.3.0``,
+Per-layer widths: ``KVConfig(..., layer_bits=((layer, key_sel, value_sel), ...))`` gives those layers other
+codecs. A selection is a bit width (the base codec with only ``bits`` changed, or the ``variants`` entry
+``bN`` where there is one) or the tag of a variant (``'b3g128'``: ``variants`` ``{"key.b3g128": codec}``).
+The presets kvcx3/kvcx2 define the variants `kvcx calibrate` chooses from (:meth:`KVConfig.options`). A tensor's layer comes from its name (``layer_3_key``, ``past_key_values.3.0``,
 ``model.layers.3.k_cache``: the number after ``layer``/``layers``/``past_key_values``); tensors without one
 get the base codecs. In a packed file each width is a codec of its own (``key.b4``, ``value.b2``), so any
 format-2 reader decodes it.
@@ -43,12 +47,25 @@ _SCHEMES = {
     # chosen from bench/bench_quality.py (README "Choosing the default"): 4.40 bits/value at groups of 64
     "kvcx": (dict(scheme="asymmetric", axis="channel", sinks=1), dict(scheme="symmetric", axis="token", rotate=True)),
     # the low-bit presets (README "Low bits"): measured best layouts at 3 and 2 bits
+    # below 4 bits the values keep the sink token exact too: it halves their KLD (README "Low bits")
     "kvcx3": (dict(scheme="asymmetric", axis="channel", sinks=1, bits=3),
-              dict(scheme="symmetric", axis="token", rotate=True, bits=3)),
+              dict(scheme="symmetric", axis="token", rotate=True, bits=3, sinks=1)),
     "kvcx2": (dict(scheme="asymmetric", axis="channel", sinks=1, bits=2),
-              dict(scheme="asymmetric", axis="token", rotate=True, bits=2)),
+              dict(scheme="asymmetric", axis="token", rotate=True, bits=2, sinks=1)),
 }
 SCHEME_NAMES = tuple(_SCHEMES)
+# the low-bit presets' options: the codecs a plan from `kvcx calibrate` may give a layer's keys or values,
+# each named by a tag (bN = N bits; g128 = groups of 128; a = asymmetric), chosen from all-layer KLD screens
+# (README "Low bits"): finer groups pay better than more bits in places, values at 3 bits pay asymmetric
+_LADDER_SCHEMES = ("kvcx3", "kvcx2")
+_LADDER = {
+    "key": {"b2": dict(bits=2), "b3": dict(bits=3), "b3g128": dict(bits=3, group_size=128), "b4": dict(bits=4),
+            "b4g128": dict(bits=4, group_size=128)},
+    "value": {"b2": dict(bits=2, scheme="asymmetric"), "b3": dict(bits=3, scheme="symmetric"),
+              "b3a": dict(bits=3, scheme="asymmetric"), "b4": dict(bits=4, scheme="symmetric"),
+              "b4a": dict(bits=4, scheme="asymmetric")},
+}
+_TAG_RE = re.compile(r"b(2|3|4|8)[a-z0-9]*")
 
 _KEY_WORDS = {"key", "keys", "k"}
 _VALUE_WORDS = {"value", "values", "v"}
@@ -102,13 +119,46 @@ def _check_layer_bits(layer_bits) -> tuple:
         if not is_int(layer) or not 0 <= layer < MAX_LAYERS:
             raise CodecError(f"layer_bits: layer {layer!r} must be an integer in [0, {MAX_LAYERS})")
         for what, b in (("key", kb), ("value", vb)):
+            if isinstance(b, str) and _TAG_RE.fullmatch(b):
+                continue
             if not is_int(b) or b not in BITS:
-                raise CodecError(f"layer_bits: layer {layer} {what} bits {b!r} is not one of {', '.join(map(str, BITS))}")
+                raise CodecError(f"layer_bits: layer {layer} {what} bits {b!r} is not one of {', '.join(map(str, BITS))} "
+                                 "or the tag of one of the config's variants (e.g. 'b3g128')")
         if layer in seen:
             raise CodecError(f"layer_bits lists layer {layer} twice; give each layer once")
         seen.add(layer)
         out.append((layer, kb, vb))
     return tuple(sorted(out))
+
+
+def _check_variants(variants) -> tuple:
+    """(("key.b3g128" | "value.b3a" ..., IntCodec), ...) sorted by name; each codec's bits match its tag."""
+    if isinstance(variants, dict):
+        variants = list(variants.items())
+    out = {}
+    for row in variants:
+        try:
+            name, codec = row
+        except (TypeError, ValueError):
+            raise CodecError(f"variants must map 'key.TAG' / 'value.TAG' to a codec, got {row!r}") from None
+        m = re.fullmatch(r"(key|value)\.(" + _TAG_RE.pattern + ")", name) if isinstance(name, str) else None
+        if m is None:
+            raise CodecError(f"variants: {name!r} is not a variant name; use 'key.TAG' or 'value.TAG' with TAG = "
+                             "b<bits> and an optional suffix (e.g. 'value.b3', 'key.b3g128')")
+        if isinstance(codec, dict):
+            codec = IntCodec.from_config(codec)
+        if not isinstance(codec, IntCodec) or codec.bits != int(m.group(3)):
+            raise CodecError(f"variants: {name!r} must be a codec of {m.group(3)} bits, got "
+                             f"{getattr(codec, 'bits', codec)!r}")
+        if name in out:
+            raise CodecError(f"variants lists {name!r} twice; give each once")
+        out[name] = codec
+    return tuple(sorted(out.items()))
+
+
+def tag_of(sel) -> str:
+    """A layer's selection as a tag: 3 -> 'b3', 'b3g128' stays."""
+    return sel if isinstance(sel, str) else f"b{sel}"
 
 
 @dataclass(frozen=True)
@@ -117,9 +167,45 @@ class KVConfig:
     value: IntCodec
     scheme: str = "custom"
     layer_bits: tuple = ()   # ((layer, key_bits, value_bits), ...): per-layer widths overriding the codecs' bits
+    variants: tuple = ()     # (("key.b3g128", codec), ...): named codecs a layer may select (the presets' options)
 
     def __post_init__(self):
         object.__setattr__(self, "layer_bits", _check_layer_bits(self.layer_bits))
+        object.__setattr__(self, "variants", _check_variants(self.variants))
+        names = {n for n, _ in self.variants}
+        for L, kb, vb in self.layer_bits:
+            for kind, sel in (("key", kb), ("value", vb)):
+                if isinstance(sel, str) and f"{kind}.{sel}" not in names:
+                    raise CodecError(f"layer_bits: layer {L} selects {kind} variant {sel!r}, which the config does not "
+                                     f"define; defined: {', '.join(sorted(names)) or 'none'}")
+
+    def codec_at(self, kind: str, sel) -> IntCodec:
+        """The codec keys (``kind='key'``) or values get for a selection: a variant's tag (``'b3g128'``), or a
+        bit width: the ``variants`` entry ``bN`` where there is one, the base codec at its own width, else the
+        base codec with only ``bits`` changed."""
+        base = self.key if kind == "key" else self.value
+        name = f"{kind}.{tag_of(sel)}"
+        for n, codec in self.variants:
+            if n == name:
+                return codec.with_threads(base.n_threads) if codec.n_threads != base.n_threads else codec
+        if isinstance(sel, str):
+            raise CodecError(f"no {kind} variant {sel!r} in this config")
+        return base if sel == base.bits else _with_bits(base, sel)
+
+    def options(self, kind: str, max_bits: int = 4) -> list:
+        """The selections a plan may give ``kind``: the variants' tags where the config has some for it,
+        else the widths from the base codec's up to ``max_bits``."""
+        from kvcx.codec import BITS
+
+        tags = [n.split(".", 1)[1] for n, _ in self.variants if n.startswith(kind + ".")]
+        if tags:
+            return tags
+        base = (self.key if kind == "key" else self.value).bits
+        return [f"b{b}" for b in BITS if base <= b <= max(base, max_bits)]
+
+    def base(self) -> "KVConfig":
+        """This config without its per-layer selections (its variants kept)."""
+        return KVConfig(key=self.key, value=self.value, scheme=self.scheme, variants=self.variants)
 
     @classmethod
     def from_scheme(cls, scheme: str = DEFAULT_SCHEME, group_size: Optional[int] = None, bits: Optional[int] = None,
@@ -141,7 +227,13 @@ class KVConfig:
             if rotate is not None:
                 kw["rotate"] = rotate
             codecs.append(IntCodec(n_threads=n_threads, **kw))
-        return cls(key=codecs[0], value=codecs[1], scheme=scheme)
+        variants = []
+        if scheme in _LADDER_SCHEMES:
+            for kind, c in (("key", codecs[0]), ("value", codecs[1])):
+                for tag, diff in _LADDER[kind].items():
+                    variants.append((f"{kind}.{tag}", IntCodec.from_config(
+                        {**c.get_config(), "group_size": c.group_size, **diff, "n_threads": n_threads})))
+        return cls(key=codecs[0], value=codecs[1], scheme=scheme, variants=variants)
 
     @classmethod
     def from_config(cls, config: dict, n_threads: Optional[int] = None) -> "KVConfig":
@@ -149,24 +241,33 @@ class KVConfig:
         if not isinstance(config, dict) or not {"key", "value"} <= set(config):
             raise CodecError("a kvcx config must be an object with 'key' and 'value' codecs "
                              "(and optionally 'scheme' and 'layer_bits'), as `kvcx calibrate` writes")
-        unknown = set(config) - {"scheme", "key", "value", "layer_bits"}
+        unknown = set(config) - {"scheme", "key", "value", "layer_bits", "variants"}
         if unknown:
-            raise CodecError(f"unknown kvcx config fields {sorted(unknown)}; known: scheme, key, value, layer_bits")
+            raise CodecError(f"unknown kvcx config fields {sorted(unknown)}; known: scheme, key, value, layer_bits, "
+                             "variants")
         codecs = [IntCodec.from_config({**config[k], "n_threads": n_threads}) for k in ("key", "value")]
         scheme = config.get("scheme", "custom")
         if not isinstance(scheme, str):
             raise CodecError(f"a kvcx config's scheme must be a string, got {scheme!r}")
-        return cls(key=codecs[0], value=codecs[1], scheme=scheme, layer_bits=config.get("layer_bits", ()))
+        variants = config.get("variants", {})
+        if not isinstance(variants, dict):
+            raise CodecError(f"a kvcx config's variants must be an object of 'key.TAG' / 'value.TAG' codecs, "
+                             f"got {variants!r}")
+        variants = {k: IntCodec.from_config({**v, "n_threads": n_threads}) if isinstance(v, dict) else v
+                    for k, v in variants.items()}
+        return cls(key=codecs[0], value=codecs[1], scheme=scheme, layer_bits=config.get("layer_bits", ()),
+                   variants=variants)
 
     def with_threads(self, n_threads: Optional[int]) -> "KVConfig":
         return KVConfig(key=self.key.with_threads(n_threads), value=self.value.with_threads(n_threads),
-                        scheme=self.scheme, layer_bits=self.layer_bits)
+                        scheme=self.scheme, layer_bits=self.layer_bits,
+                        variants=tuple((n, c.with_threads(n_threads)) for n, c in self.variants))
 
     def for_layer(self, layer: Optional[int]) -> "KVConfig":
         """This config with the key and value bits of ``layer`` (no per-layer widths left)."""
         for L, kb, vb in self.layer_bits:
             if L == layer:
-                return KVConfig(key=_with_bits(self.key, kb), value=_with_bits(self.value, vb), scheme=self.scheme)
+                return KVConfig(key=self.codec_at("key", kb), value=self.codec_at("value", vb), scheme=self.scheme)
         if not self.layer_bits:
             return self
         return KVConfig(key=self.key, value=self.value, scheme=self.scheme)
@@ -185,30 +286,40 @@ class KVConfig:
         return IntCodec(group_size=v.group_size, scheme=v.scheme, bits=v.bits, axis="token", rotate=False, sinks=0,
                         n_threads=v.n_threads)
 
+    def _name(self, kind: str, sel) -> Tuple[str, IntCodec]:
+        codec = self.codec_at(kind, sel)
+        return (kind if codec == (self.key if kind == "key" else self.value) else f"{kind}.{tag_of(sel)}"), codec
+
     def codecs(self) -> dict:
-        """Every codec a tensor may get, by the name a packed file records (``key.b4``: a per-layer width)."""
+        """Every codec a tensor may get, by the name a packed file records (``key.b4``, ``value.b3a``: a
+        layer's selection other than the base codec)."""
         out = {"key": self.key, "value": self.value, "fallback": self.fallback}
         for _, kb, vb in self.layer_bits:
-            for kind, base, b in (("key", self.key, kb), ("value", self.value, vb)):
-                if b != base.bits:
-                    out[f"{kind}.b{b}"] = _with_bits(base, b)
+            for kind, sel in (("key", kb), ("value", vb)):
+                name, codec = self._name(kind, sel)
+                out[name] = codec
         return out
 
     def codec_for(self, name: str, shape=None) -> Tuple[str, IntCodec]:
-        """(kind, codec) for a tensor: 'key' or 'value' by name ('key.b4' where its layer has other bits),
-        'fallback' where that codec cannot take the shape."""
+        """(kind, codec) for a tensor: 'key' or 'value' by name ('key.b4' where its layer selects another
+        codec), 'fallback' where that codec cannot take the shape."""
         kind = "key" if is_key_tensor(name) else "value"
-        layer_cfg = self.for_layer(layer_of(name)) if self.layer_bits else self
-        codec = layer_cfg.key if kind == "key" else layer_cfg.value
+        base = self.key if kind == "key" else self.value
+        label, codec = kind, base
+        layer = layer_of(name) if self.layer_bits else None
+        for L, kb, vb in self.layer_bits:
+            if L == layer:
+                label, codec = self._name(kind, kb if kind == "key" else vb)
         if shape is not None and not codec.supports(shape):
             return "fallback", self.fallback
-        base = self.key if kind == "key" else self.value
-        return (kind if codec.bits == base.bits else f"{kind}.b{codec.bits}"), codec
+        return label, codec
 
     def get_config(self) -> dict:
         cfg = {"scheme": self.scheme, "key": self.key.get_config(), "value": self.value.get_config()}
         if self.layer_bits:
             cfg["layer_bits"] = [list(r) for r in self.layer_bits]
+        if self.variants:
+            cfg["variants"] = {n: c.get_config() for n, c in self.variants}
         return cfg
 
     def describe(self) -> str:
@@ -222,6 +333,9 @@ class KVConfig:
         text = f"{self.scheme}: K {one(self.key)}, V {one(self.value)}"
         if self.layer_bits:
             text += "; per layer K/V bits " + ", ".join(f"{L}:{kb}/{vb}" for L, kb, vb in self.layer_bits)
+            used = {n: c for n, c in self.codecs().items() if "." in n}
+            if used:
+                text += " (" + ", ".join(f"{n} = {one(c)}" for n, c in sorted(used.items())) + ")"
         return text
 
 
