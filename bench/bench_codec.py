@@ -81,15 +81,15 @@ OPTIONS = [
     ("2-bit asym g64", dict(scheme="asymmetric", bits=2)),
     ("8-bit sym g64", dict(scheme="symmetric", bits=8)),
     ("kvcx3 keys: 3-bit asym per-channel + sink", dict(scheme="asymmetric", axis="channel", sinks=1, bits=3)),
-    ("kvcx3 values: 3-bit sym + hadamard", dict(scheme="symmetric", rotate=True, bits=3)),
+    ("kvcx3 values: 3-bit sym + hadamard + sink", dict(scheme="symmetric", rotate=True, bits=3, sinks=1)),
     ("kvcx2 keys: 2-bit asym per-channel + sink", dict(scheme="asymmetric", axis="channel", sinks=1, bits=2)),
-    ("kvcx2 values: 2-bit asym + hadamard", dict(scheme="asymmetric", rotate=True, bits=2)),
+    ("kvcx2 values: 2-bit asym + hadamard + sink", dict(scheme="asymmetric", rotate=True, bits=2, sinks=1)),
     # the presets' other plan options (README "Low bits")
     ("plan option key b3g128: 3-bit asym per-channel g128 + sink",
      dict(scheme="asymmetric", axis="channel", sinks=1, bits=3, group_size=128)),
     ("plan option key b4g128: 4-bit asym per-channel g128 + sink",
      dict(scheme="asymmetric", axis="channel", sinks=1, bits=4, group_size=128)),
-    ("plan option value b3a: 3-bit asym + hadamard", dict(scheme="asymmetric", rotate=True, bits=3)),
+    ("plan option value b3a: 3-bit asym + hadamard + sink", dict(scheme="asymmetric", rotate=True, bits=3, sinks=1)),
 ]
 
 

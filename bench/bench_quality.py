@@ -87,6 +87,9 @@ def _short(label: str) -> str:
     for prefix in ("peer: ", "candidate, dropped: "):
         if label.startswith(prefix):
             return ("(dropped) " if "dropped" in prefix else "") + label[len(prefix):].split(" (")[0].split(":")[0]
+    if " + per-layer plan " in label:   # "kvcx2 + per-layer plan smollm2-kvcx2-3.54" -> "kvcx2 + plan 3.54"
+        head, plan = label.split(" + per-layer plan ")
+        return f"{head} + plan {plan.rsplit('-', 1)[-1]}"
     return label.split(":")[0].split(" (")[0]
 
 
@@ -223,8 +226,14 @@ def main(argv=None):
     ap.add_argument("--only", nargs="+", default=None, help="run only the rows whose label contains one of these")
     ap.add_argument("--plan", nargs="*", type=Path, default=None,
                     help="per-layer plans from `kvcx calibrate` (default: bench/plans/*.json)")
+    ap.add_argument("--redraw", type=Path, default=None,
+                    help="draw --pareto from a table this bench wrote with --markdown, without running the model")
     ap.add_argument("--pareto", type=Path, default=None, help="also draw the Pareto chart to this PNG")
     args = ap.parse_args(argv)
+    if args.redraw is not None:
+        if args.pareto is None:
+            ap.error("--redraw needs --pareto PNG")
+        return redraw(args.redraw, args.pareto)
 
     import torch
 
@@ -291,14 +300,32 @@ def main(argv=None):
     if args.markdown:
         args.markdown.write_text(table + "\n")
     if args.pareto:
-        from kvcx.plotting import pareto_png
+        _draw(args.pareto, [(label, runs[label].bits_per_value, runs[label].compressed_ppl - base_ppl)
+                            for label, _ in rows], len(starts))
 
-        pts = [{"bits": runs[label].bits_per_value, "delta": runs[label].compressed_ppl - base_ppl,
-                "label": _short(label),
-                "kind": "peer" if label.startswith("peer") else "dropped" if label.startswith("candidate") else "kvcx"} for label, _ in rows]
-        args.pareto.write_bytes(pareto_png(pts, title=f"SmolLM2-135M, WikiText-2, {len(starts)} windows: "
-                                                      f"perplexity delta vs bits/value"))
-        print(f"wrote {args.pareto}", file=sys.stderr)
+
+def _draw(path: Path, results, windows: int) -> None:
+    """The Pareto chart of (label, bits/value, delta) rows."""
+    from kvcx.plotting import pareto_png
+
+    pts = [{"bits": bits, "delta": delta, "label": _short(label),
+            "kind": "peer" if label.startswith("peer") else "dropped" if label.startswith("candidate") else "kvcx"}
+           for label, bits, delta in results]
+    path.write_bytes(pareto_png(pts, title=f"SmolLM2-135M, WikiText-2, {windows} windows: perplexity delta vs "
+                                           "bits/value"))
+    print(f"wrote {path}", file=sys.stderr)
+
+
+def redraw(table: Path, path: Path) -> None:
+    """The Pareto chart again from a table this bench wrote (``--markdown``): no model run."""
+    text = table.read_text()
+    windows = int(text.split(" windows of ")[0].rsplit(" ", 1)[-1].replace(",", ""))
+    rows = []
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 10 and cells[1].replace(".", "", 1).isdigit():
+            rows.append((cells[0], float(cells[1]), float(cells[6])))
+    _draw(path, rows, windows)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@ heatmap of ``kvcx metrics --plot`` and the bits/value vs perplexity-delta Pareto
 ``bench/bench_quality.py``. Each function returns PNG bytes; the caller writes them (atomically)."""
 from __future__ import annotations
 
+import math
+
 import io
 import textwrap
 from typing import Iterable, Optional
@@ -67,6 +69,7 @@ def pareto_png(points: Iterable[dict], thresholds: Iterable[tuple] = ((0.5, "0.5
     pos = [p["delta"] for p in pts if p["delta"] > 0]
     floor = min(pos) / 2 if pos else 1e-3
     fig, ax = plt.subplots(figsize=(8.5, 5.5))
+    placed = []
     for kind, colour, marker, name in (("kvcx", "tab:blue", "o", "kvcx"), ("peer", "tab:red", "s", "peers"),
                                        ("dropped", "tab:grey", "x", "kvcx candidates not shipped")):
         sel = [p for p in pts if p.get("kind", "kvcx") == kind]
@@ -74,8 +77,11 @@ def pareto_png(points: Iterable[dict], thresholds: Iterable[tuple] = ((0.5, "0.5
             continue
         ax.scatter([p["bits"] for p in sel], [max(p["delta"], floor) for p in sel], c=colour, marker=marker,
                    label=name, zorder=3)
-        for p in sel:
-            ax.annotate(p["label"], (p["bits"], max(p["delta"], floor)), fontsize=6.5, xytext=(4, 3),
+        for p in sel:   # a label that would sit on an earlier one goes below its point
+            y = max(p["delta"], floor)
+            near = any(abs(q[0] - p["bits"]) < 0.25 and abs(math.log10(q[1] / y)) < 0.12 for q in placed)
+            placed.append((p["bits"], y))
+            ax.annotate(p["label"], (p["bits"], y), fontsize=6.5, xytext=(4, -9 if near else 3),
                         textcoords="offset points", color=colour)
     for y, text in thresholds:
         ax.axhline(y, ls="--", lw=0.8, color="grey")
