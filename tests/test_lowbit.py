@@ -1,6 +1,7 @@
 """The low-bit frontier: kvcx3/kvcx2 presets, per-layer widths (layer_bits), plans from `kvcx calibrate`,
 the per-head SNR heatmap of `kvcx metrics --plot`."""
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,6 +23,9 @@ def cache(tmp_path):
     p = tmp_path / "cache.safetensors"
     kst.save_file(tinyllama_cache(seq=128), p)
     return p
+
+
+PLANS = Path(__file__).resolve().parents[1] / "bench" / "plans"
 
 
 def plan_config(scheme="kvcx3", layer_bits=((2, 4, 4), (5, 4, 3), (7, 3, 2))):
@@ -271,7 +275,22 @@ def test_kvcx_cache_with_presets_and_a_plan(loaded, wikitext_path):
             assert cos > 0.9, (cfg.describe(), float(cos))
         g = model.generate(ids[:, :200], past_key_values=KvcxCache(model.config, kv_config=plan),
                            max_new_tokens=6, do_sample=False)
-    assert g.shape[1] == 206
+        assert g.shape[1] == 206
+        # the shipped plan (README): keys in groups of 128 tokens and asymmetric values with their sinks
+        shipped = load_plan(PLANS / "smollm2-kvcx2-3.54.json")
+        sel = {L: (kb, vb) for L, kb, vb in shipped.layer_bits}
+        L = next(L for L, (kb, vb) in sel.items() if (kb, vb) == ("b3g128", "b3a"))
+        cache = KvcxCache(model.config, kv_config=shipped)
+        model(ids[:, :256], past_key_values=cache)
+        logits = model(ids[:, 256:], past_key_values=cache).logits[0, -1]
+        kc, vc = (getattr(cache.layers[L].store, k).chunk(0).config for k in ("keys", "values"))
+        assert (kc["bits"], kc["group_size"], vc["bits"], vc["scheme"], vc["sinks"]) == (3, 128, 3, "asymmetric", 1)
+        cos = torch.nn.functional.cosine_similarity(ref, logits, dim=0)
+        assert cos > 0.95, float(cos)
+        # decoding past a residual flush (64 tokens) appends chunks to the g128 keys
+        g = model.generate(ids[:, :250], past_key_values=KvcxCache(model.config, kv_config=shipped),
+                           max_new_tokens=80, do_sample=False)
+    assert g.shape[1] == 330
 
 
 @pytest.mark.model
