@@ -129,9 +129,9 @@ def _costs(config: KVConfig) -> Dict[Tuple[str, str], float]:
     return {(k, t): config.codec_at(k, _sel(t)).bits_per_value() for k in KINDS for t in plan_options(config, k)}
 
 
-def check_budget(config: KVConfig, budget: float) -> None:
+def check_budget(config: KVConfig, budget: float, cost: Optional[Dict[Tuple[str, str], float]] = None) -> None:
     """Refuse a budget the config's cheapest options cannot meet (before any model runs)."""
-    cost = _costs(config)
+    cost = cost or _costs(config)
     least = sum(min(c for (k, _), c in cost.items() if k == kind) for kind in KINDS) / 2
     if not (math.isfinite(budget) and budget >= least - 1e-9):
         raise KvcxError(f"--budget {budget} bits/value must be a number at or above the {least:.3f} the config's "
@@ -147,7 +147,7 @@ def allocate(sensitivity, config: KVConfig, n_layers: int, budget: float) -> Tup
     import numpy as np
 
     cost = _costs(config)
-    check_budget(config, budget)
+    check_budget(config, budget, cost)
     measured: Dict[Tuple[str, int], Dict[str, Tuple[float, float]]] = {}
     for key, v in sensitivity.items():
         k, L, t = key if len(key) == 3 else (*key, _base_tag(config, key[0]))
