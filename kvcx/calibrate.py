@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from kvcx.errors import CodecError, KvcxError
-from kvcx.kvconfig import KVConfig, layer_of
+from kvcx.kvconfig import KVConfig, layer_of, tag_of
 
 DEFAULT_WINDOWS = 4
 DEFAULT_OFFSET = 128      # windows skipped: validate scores the first 32, bench_quality the first 64
@@ -151,7 +151,7 @@ def allocate(sensitivity, config: KVConfig, n_layers: int, budget: float) -> Tup
     measured: Dict[Tuple[str, int], Dict[str, Tuple[float, float]]] = {}
     for key, v in sensitivity.items():
         k, L, t = key if len(key) == 3 else (*key, _base_tag(config, key[0]))
-        t = t if isinstance(t, str) else f"b{t}"
+        t = tag_of(t)
         if (k, t) in cost:
             measured.setdefault((k, L), {})[t] = (float(v), cost[(k, t)])
     items = [(k, L) for L in range(n_layers) for k in KINDS]

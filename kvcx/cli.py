@@ -448,6 +448,8 @@ def calibrate(
                   f"`kvcx calibrate --reuse {out_path} --reuse <other measurements> --budget B`; "
                   f"{result.tokens:,} tokens, {result.wall_time_s:.0f} s")
         return
+    from kvcx.kvconfig import tag_of
+
     cfg = result.config
     t = Table(title=f"most sensitive layers (mean KLD, nats/token, at the {cfg.key.bits}/{cfg.value.bits}-bit base)",
               header_style="bold")
@@ -457,7 +459,7 @@ def calibrate(
     ranked = sorted(result.base_sensitivity().items(), key=lambda kv: -kv[1])[:10]
     for (kind, L), v in ranked:
         sel = planned.get(L, (cfg.key.bits, cfg.value.bits))[0 if kind == "key" else 1]
-        tag = sel if isinstance(sel, str) else f"b{sel}"
+        tag = tag_of(sel)
         there = result.sensitivity.get((kind, L, tag))
         t.add_row(kind, str(L), f"{v:.5f}", tag, "estimated" if there is None else f"{there:.5f}")
     out.print(t)
