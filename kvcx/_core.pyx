@@ -173,10 +173,10 @@ cdef inline void _pack(const uint8_t *q, int64_t n, int bits, uint8_t *out) noex
         for i in range(n):
             out[i] = q[i]
     elif bits == 2:
-        for i in range((n + 3) // 4):
+        for i in range(kvcx_pack2_blocks(q, n, out) // 4, (n + 3) // 4):
             out[i] = q[4 * i] | (q[4 * i + 1] << 2) | (q[4 * i + 2] << 4) | (q[4 * i + 3] << 6)
     else:  # 3 bits: 8 codes in 3 bytes
-        for i in range((n + 7) // 8):
+        for i in range(kvcx_pack3_blocks(q, n, out) // 8, (n + 7) // 8):
             w = 0
             for j in range(8):
                 w = w | (<uint32_t>q[8 * i + j] << (3 * j))
@@ -326,12 +326,8 @@ cdef inline int _quant_contig(const float *x, int64_t n, int bits, bint asym,
         for i in range(n):
             q[i] = <uint8_t>off
         return KVCX_OK
-    for i in range(n):
-        t = rintf((x[i] - zero) / scale)
-        t = qmin if t < qmin else t
-        t = qmax if t > qmax else t
-        q[i] = <uint8_t>(<int32_t>(t + off))
-    return 0
+    kvcx_qn_contig(x, n, scale, zero, qmin, qmax, off, q)
+    return KVCX_OK
 
 
 cdef int _quant_cols(const float *x, int64_t rows, int64_t D, int bits, bint asym, uint8_t *q,
@@ -389,11 +385,12 @@ cdef int _quant_cols(const float *x, int64_t rows, int64_t D, int bits, bint asy
             return KVCX_ST_NONFINITE
         if not asym and amax[d] >= 0x7f800000:
             return KVCX_ST_NONFINITE
-    if packed != NULL:  # 4 bits: the parameters of all columns at once (vectorized), then the codes
-        st = kvcx_q4_cols_params_pack(x, rows, D, kmin, kmax, asym, s_out, z_out, tmp + 3 * D, tmp + 4 * D,
-                                      <uint32_t *>(tmp + D), packed)
-        if st >= 0:
-            return st
+    # the parameters of all columns at once (vectorized), then the codes: packed (4 bits) or as bytes
+    st = kvcx_cols_params_quant(x, rows, D, kmin, kmax, bits, asym, s_out, z_out, tmp + 3 * D, tmp + 4 * D,
+                                <uint32_t *>(tmp + D), packed if packed != NULL else q)
+    if st >= 0:
+        return st
+    st = 0
     if asym:
         qmin = 0.0
         qmax = <float>((1 << bits) - 1)
@@ -412,20 +409,14 @@ cdef int _quant_cols(const float *x, int64_t rows, int64_t D, int bits, bint asy
         zero[d] = zr
     if st:
         return st
+    for d in range(D):  # the statistics are done: tmp[0:2D] becomes the divisors and the keep mask
+        (<uint32_t *>tmp)[D + d] = 0xffffffffu if scale[d] != 0.0 else 0u
+        tmp[d] = scale[d] if scale[d] != 0.0 else 1.0
     if packed != NULL:
-        for d in range(D):  # the statistics are done: tmp[0:2D] becomes the divisors and the keep mask
-            (<uint32_t *>tmp)[D + d] = 0xffffffffu if scale[d] != 0.0 else 0u
-            tmp[d] = scale[d] if scale[d] != 0.0 else 1.0
         kvcx_q4_pack_cols(x, rows, D, tmp, zero, tmp + D, qmin, qmax, off, packed)
-        return KVCX_OK
-    for r in range(rows):
-        for d in range(D):
-            t = rintf((x[r * D + d] - zero[d]) / (scale[d] if scale[d] != 0.0 else 1.0))
-            t = qmin if t < qmin else t
-            t = qmax if t > qmax else t
-            t = t if scale[d] != 0.0 else 0.0
-            q[r * D + d] = <uint8_t>(<int32_t>(t + off))
-    return 0
+    else:
+        kvcx_qn_cols(x, rows, D, tmp, zero, tmp + D, qmin, qmax, off, q)
+    return KVCX_OK
 
 
 cdef inline void _dequant_contig(const uint8_t *q, int64_t n, int bits, bint asym, uint16_t hs, uint16_t hz,
@@ -509,9 +500,12 @@ cdef int _enc_block(const uint8_t *src, int dt, const kvcx_layout *L, int64_t bl
     if L.axis == KVCX_AXIS_TOKEN:
         ngroups = (Lq + G - 1) // G
         g = 0
-        if fused and G % 16 == 0:  # whole groups in a batch (start is a multiple of G here)
+        if G % 16 == 0:  # whole groups in a batch (start is a multiple of G here)
             k = slab * ngroups + start // G
-            g = kvcx_q4_groups(buf, n // G, G, L.asym, scales + k, zeros + k, dest, &status)
+            if fused:
+                g = kvcx_q4_groups(buf, n // G, G, L.asym, scales + k, zeros + k, dest, &status)
+            else:
+                g = kvcx_qn_groups(buf, n // G, G, L.bits, L.asym, scales + k, zeros + k, q, &status)
             if status:
                 return status
         while g * G < n:

@@ -231,16 +231,66 @@ static inline void kvcx_rdiv16(__m256 d0, __m256 d1, __m256 s0, __m256 s1, __m25
 /* 16 values -> 8 packed bytes (in the low half of the result): i0/i1 = 1 / s0, 1 / s1; keep16 = the keep
    mask of the 16 values as int16 lanes in _mm256_packs_epi32 order (0 where the scale is 0); clamping to
    [lo, hi] and the offset in int16 */
-static inline __m128i kvcx_q4_16v(__m256 x0, __m256 x1, __m256 z0, __m256 z1, __m256 s0, __m256 s1, __m256 i0,
-                                  __m256 i1, __m256i keep16, __m256i lo, __m256i hi, __m256i off) {
+/* 16 values -> their 16 codes as bytes, in order: clamp(rint((x - z) / s), lo, hi) (0 where keep16 is 0) + off */
+static inline __m128i kvcx_codes16(__m256 x0, __m256 x1, __m256 z0, __m256 z1, __m256 s0, __m256 s1, __m256 i0,
+                                   __m256 i1, __m256i keep16, __m256i lo, __m256i hi, __m256i off) {
     __m256 r0, r1;
     kvcx_rdiv16(_mm256_sub_ps(x0, z0), _mm256_sub_ps(x1, z1), s0, s1, i0, i1, &r0, &r1);
     __m256i c = _mm256_packs_epi32(_mm256_cvttps_epi32(r0), _mm256_cvttps_epi32(r1));
     c = _mm256_add_epi16(_mm256_and_si256(_mm256_min_epi16(_mm256_max_epi16(c, lo), hi), keep16), off);
     c = _mm256_permute4x64_epi64(c, 0xD8);
-    __m128i b = _mm_packus_epi16(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
-    __m128i w = _mm_maddubs_epi16(b, _mm_set1_epi16(0x1001));  /* b[2i] + 16 * b[2i+1] */
+    return _mm_packus_epi16(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
+}
+
+static inline __m128i kvcx_q4_16v(__m256 x0, __m256 x1, __m256 z0, __m256 z1, __m256 s0, __m256 s1, __m256 i0,
+                                  __m256 i1, __m256i keep16, __m256i lo, __m256i hi, __m256i off) {
+    __m128i w = _mm_maddubs_epi16(kvcx_codes16(x0, x1, z0, z1, s0, s1, i0, i1, keep16, lo, hi, off),
+                                  _mm_set1_epi16(0x1001));  /* b[2i] + 16 * b[2i+1] */
     return _mm_packus_epi16(w, w);
+}
+
+/* 16 values -> 16 code bytes in order (any width), arguments as for kvcx_q4_16v */
+static inline __m128i kvcx_codes16_at(const float *x, __m256 z0, __m256 z1, __m256 s0, __m256 s1, __m256 i0,
+                                      __m256 i1, __m256i keep16, __m256i lo, __m256i hi, __m256i off) {
+    return kvcx_codes16(_mm256_loadu_ps(x), _mm256_loadu_ps(x + 8), z0, z1, s0, s1, i0, i1, keep16, lo, hi, off);
+}
+
+/* 32 values of one group (one scale s, reciprocal iv, zero point z; keep all ones, or zero where the scale is 0)
+   -> 16 packed bytes. The same arithmetic and codes as two kvcx_q4_16v calls, with half the shuffles: the
+   four vectors are narrowed together and the nibbles of all 32 combined at once. asym = 0 skips the zero
+   point (0 for symmetric groups). */
+static inline __m128i kvcx_q4_32v(__m256 x0, __m256 x1, __m256 x2, __m256 x3, const int asym, __m256 z, __m256 s,
+                                  __m256 iv, __m256i keep16, __m256i lo, __m256i hi, __m256i off) {
+    const int rnd = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    if (asym) {
+        x0 = _mm256_sub_ps(x0, z);
+        x1 = _mm256_sub_ps(x1, z);
+        x2 = _mm256_sub_ps(x2, z);
+        x3 = _mm256_sub_ps(x3, z);
+    }
+    __m256 t0 = _mm256_mul_ps(x0, iv), t1 = _mm256_mul_ps(x1, iv), t2 = _mm256_mul_ps(x2, iv), t3 = _mm256_mul_ps(x3, iv);
+    __m256 q0 = _mm256_round_ps(t0, rnd), q1 = _mm256_round_ps(t1, rnd);
+    __m256 q2 = _mm256_round_ps(t2, rnd), q3 = _mm256_round_ps(t3, rnd);
+    /* near a half-integer the product may round the other way than the quotient: see kvcx_rdiv16 */
+    __m256 d01 = _mm256_max_ps(_mm256_and_ps(_mm256_sub_ps(t0, q0), absmask), _mm256_and_ps(_mm256_sub_ps(t1, q1), absmask));
+    __m256 d23 = _mm256_max_ps(_mm256_and_ps(_mm256_sub_ps(t2, q2), absmask), _mm256_and_ps(_mm256_sub_ps(t3, q3), absmask));
+    if (_mm256_movemask_ps(_mm256_cmp_ps(_mm256_max_ps(d01, d23), _mm256_set1_ps(0.5f - 1e-5f), _CMP_GT_OQ))) {
+        kvcx_rdiv16(x0, x1, s, s, iv, iv, &q0, &q1);
+        kvcx_rdiv16(x2, x3, s, s, iv, iv, &q2, &q3);
+    }
+    /* int16 lanes: a = values 0-3, 8-11 | 4-7, 12-15; b = 16-19, 24-27 | 20-23, 28-31 */
+    __m256i a = _mm256_packs_epi32(_mm256_cvttps_epi32(q0), _mm256_cvttps_epi32(q1));
+    __m256i b = _mm256_packs_epi32(_mm256_cvttps_epi32(q2), _mm256_cvttps_epi32(q3));
+    a = _mm256_add_epi16(_mm256_and_si256(_mm256_min_epi16(_mm256_max_epi16(a, lo), hi), keep16), off);
+    b = _mm256_add_epi16(_mm256_and_si256(_mm256_min_epi16(_mm256_max_epi16(b, lo), hi), keep16), off);
+    /* bytes: 0-3, 8-11, 16-19, 24-27 | 4-7, 12-15, 20-23, 28-31: pairs (2i, 2i + 1) stay adjacent */
+    __m256i c = _mm256_packus_epi16(a, b);
+    /* packed byte j = value 2j + 16 * value 2j+1: lane 0 holds bytes 0,1,4,5,8,9,12,13, lane 1 bytes 2,3,6,7,... */
+    __m256i w = _mm256_maddubs_epi16(c, _mm256_set1_epi16(0x1001));
+    w = _mm256_packus_epi16(w, w);
+    __m128i v = _mm256_castsi256_si128(_mm256_permute4x64_epi64(w, 0x08));   /* qwords 0 and 2 */
+    return _mm_shuffle_epi8(v, _mm_setr_epi8(0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15));
 }
 
 static inline __m128i kvcx_q4_16(const float *x, __m256 z0, __m256 z1, __m256 s0, __m256 s1, __m256 i0,
@@ -356,6 +406,94 @@ static inline void kvcx_q4_pack_contig(const float *x, int64_t n, float scale, f
         out[i / 2] = kvcx_q4_1(x[i], scale, zero, 1, qmin, qmax, off);
 }
 
+/* Codes as bytes (widths other than 4, which pack in the same pass): the same arithmetic and codes as the
+   scalar loops of kvcx._core (_quant_cols / _quant_contig), 16 values per step with AVX2.
+   kvcx_qn_cols: rows x D values, one scale per column (sdiv, zero, keep as for kvcx_q4_pack_cols);
+   kvcx_qn_contig: n values with one scale (!= 0) and zero. */
+static inline uint8_t kvcx_qn_1(float x, float sdiv, float zero, int keep, float qmin, float qmax, float off) {
+    return kvcx_q4_1(x, sdiv, zero, keep, qmin, qmax, off);
+}
+static inline void kvcx_qn_cols(const float *x, int64_t rows, int64_t D, const float *sdiv, const float *zero,
+                                const float *keep, float qmin, float qmax, float off, uint8_t *q) {
+    const uint32_t *kb = (const uint32_t *)keep;
+    int64_t d0 = 0;
+#if defined(__AVX2__)
+    const __m256i lo = _mm256_set1_epi16((int16_t)qmin), hi = _mm256_set1_epi16((int16_t)qmax);
+    const __m256i of = _mm256_set1_epi16((int16_t)off);
+    const __m256 one = _mm256_set1_ps(1.0f);
+    for (; d0 + 16 <= D; d0 += 16) {
+        const __m256 z0 = _mm256_loadu_ps(zero + d0), z1 = _mm256_loadu_ps(zero + d0 + 8);
+        const __m256 s0 = _mm256_loadu_ps(sdiv + d0), s1 = _mm256_loadu_ps(sdiv + d0 + 8);
+        const __m256 i0 = _mm256_div_ps(one, s0), i1 = _mm256_div_ps(one, s1);
+        const __m256i k16 = _mm256_packs_epi32(_mm256_loadu_si256((const __m256i *)(keep + d0)),
+                                               _mm256_loadu_si256((const __m256i *)(keep + d0 + 8)));
+        for (int64_t r = 0; r < rows; r++)
+            _mm_storeu_si128((__m128i *)(q + r * D + d0),
+                             kvcx_codes16_at(x + r * D + d0, z0, z1, s0, s1, i0, i1, k16, lo, hi, of));
+    }
+#endif
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t d = d0; d < D; d++)
+            q[r * D + d] = kvcx_qn_1(x[r * D + d], sdiv[d], zero[d], kb[d] != 0, qmin, qmax, off);
+}
+static inline void kvcx_qn_contig(const float *x, int64_t n, float scale, float zero, float qmin, float qmax,
+                                  float off, uint8_t *q) {
+    int64_t i = 0;
+#if defined(__AVX2__)
+    const __m256 z = _mm256_set1_ps(zero), s = _mm256_set1_ps(scale);
+    const __m256 inv = _mm256_div_ps(_mm256_set1_ps(1.0f), s);
+    const __m256i lo = _mm256_set1_epi16((int16_t)qmin), hi = _mm256_set1_epi16((int16_t)qmax);
+    const __m256i of = _mm256_set1_epi16((int16_t)off), m = _mm256_set1_epi32(-1);
+    for (; i + 16 <= n; i += 16)
+        _mm_storeu_si128((__m128i *)(q + i), kvcx_codes16_at(x + i, z, z, s, s, inv, inv, m, lo, hi, of));
+#endif
+    for (; i < n; i++)
+        q[i] = kvcx_qn_1(x[i], scale, zero, 1, qmin, qmax, off);
+}
+
+/* Pack codes of 3 bits (8 codes in 3 bytes, code j of each 8 at bits 3j, little-endian) or 2 bits (code j
+   of each 4 at bits 2j) from whole blocks of 32 codes; returns the codes packed (a multiple of 32, at most
+   n); the caller packs the rest. Codes must be below 8 (below 4). */
+static inline int64_t kvcx_pack3_blocks(const uint8_t *q, int64_t n, uint8_t *out) {
+    int64_t i = 0;
+#if defined(__AVX2__)
+    const __m256i m1 = _mm256_set1_epi16(0x0801), m2 = _mm256_set1_epi32(0x00400001);
+    const __m256i low12 = _mm256_set1_epi64x(0xfff);
+    /* per 128-bit lane: the 3 low bytes of each qword to bytes 0-5 */
+    const __m256i sh = _mm256_setr_epi8(0, 1, 2, 8, 9, 10, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                        0, 1, 2, 8, 9, 10, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+    for (; i + 32 <= n; i += 32) {
+        __m256i a = _mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i *)(q + i)), m1); /* 2 codes, 6 bits */
+        __m256i b = _mm256_madd_epi16(a, m2);                                             /* 4 codes, 12 bits */
+        __m256i c = _mm256_or_si256(_mm256_and_si256(b, low12), _mm256_srli_epi64(b, 20)); /* 8 codes, 24 bits */
+        c = _mm256_shuffle_epi8(c, sh);
+        uint8_t t[16];
+        _mm_storel_epi64((__m128i *)t, _mm256_castsi256_si128(c));
+        _mm_storel_epi64((__m128i *)(t + 6), _mm256_extracti128_si256(c, 1));
+        memcpy(out + (i / 8) * 3, t, 12);
+    }
+#endif
+    (void)q; (void)out;
+    return i;
+}
+static inline int64_t kvcx_pack2_blocks(const uint8_t *q, int64_t n, uint8_t *out) {
+    int64_t i = 0;
+#if defined(__AVX2__)
+    const __m256i m1 = _mm256_set1_epi16(0x0401), m2 = _mm256_set1_epi32(0x00100001);
+    const __m256i sh = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                        0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+    for (; i + 32 <= n; i += 32) {
+        __m256i a = _mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i *)(q + i)), m1); /* 2 codes, 4 bits */
+        __m256i c = _mm256_shuffle_epi8(_mm256_madd_epi16(a, m2), sh);                     /* 4 codes, a byte */
+        uint32_t lo = (uint32_t)_mm256_extract_epi32(c, 0), hi = (uint32_t)_mm256_extract_epi32(c, 4);
+        uint64_t w = (uint64_t)lo | ((uint64_t)hi << 32);
+        memcpy(out + i / 4, &w, 8);
+    }
+#endif
+    (void)q; (void)out;
+    return i;
+}
+
 /* Group parameters of n groups from their statistics (asym: min/max order keys, see kvcx_minmax_keys;
    sym: lo ignored, hi = bits of max |x|), 8 groups at a time: FP16 scale (and zero point) bits into
    s_out / z_out, and for quantizing: sdiv = scale (1 where the scale is 0), inv = 1 / sdiv, zero (as
@@ -364,8 +502,10 @@ static inline void kvcx_q4_pack_contig(const float *x, int64_t n, float scale, f
    inv may be NULL (not wanted). Returns kvcx_status bits (NaN/Inf statistics, a scale or zero point FP16 cannot hold). */
 #if defined(__AVX2__) && KVCX_F16C
 #define KVCX_Q4_PARAMS 1
-static inline int kvcx_q4_params(const int32_t *lo, const int32_t *hi, int64_t n, int asym, uint16_t *s_out,
-                                 uint16_t *z_out, float *sdiv, float *inv, float *zero, uint32_t *keep) {
+static inline int kvcx_q4_params(const int32_t *lo, const int32_t *hi, int64_t n, int bits, int asym,
+                                 uint16_t *s_out, uint16_t *z_out, float *sdiv, float *inv, float *zero,
+                                 uint32_t *keep) {
+    const __m256 qdiv = _mm256_set1_ps((float)(asym ? (1 << bits) - 1 : (1 << (bits - 1)) - 1));
     const __m256i mask = _mm256_set1_epi32(0x7fffffff), infm1 = _mm256_set1_epi32(0x7f800000 - 1);
     const int rnd = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
     const __m256 one = _mm256_set1_ps(1.0f);
@@ -385,14 +525,14 @@ static inline int kvcx_q4_params(const int32_t *lo, const int32_t *hi, int64_t n
             if (_mm256_movemask_epi8(bad)) st |= KVCX_ST_NONFINITE;
             __m256 fl = _mm256_castsi256_ps(_mm256_xor_si256(l, _mm256_and_si256(_mm256_srai_epi32(l, 31), mask)));
             __m256 fh = _mm256_castsi256_ps(_mm256_xor_si256(h, _mm256_and_si256(_mm256_srai_epi32(h, 31), mask)));
-            hs = _mm256_cvtps_ph(_mm256_div_ps(_mm256_sub_ps(fh, fl), _mm256_set1_ps(15.0f)), rnd);
+            hs = _mm256_cvtps_ph(_mm256_div_ps(_mm256_sub_ps(fh, fl), qdiv), rnd);
             hz = _mm256_cvtps_ph(fl, rnd);
             z = _mm256_cvtph_ps(hz);
             if (_mm_movemask_epi8(_mm_cmpeq_epi16(_mm_and_si128(hz, e16), e16)) & ((1 << (2 * m)) - 1))
                 st |= KVCX_ST_SCALE_OVERFLOW;
         } else {
             if (_mm256_movemask_epi8(_mm256_cmpgt_epi32(h, infm1))) st |= KVCX_ST_NONFINITE;
-            hs = _mm256_cvtps_ph(_mm256_div_ps(_mm256_castsi256_ps(h), _mm256_set1_ps(7.0f)), rnd);
+            hs = _mm256_cvtps_ph(_mm256_div_ps(_mm256_castsi256_ps(h), qdiv), rnd);
         }
         if (_mm_movemask_epi8(_mm_cmpeq_epi16(_mm_and_si128(hs, e16), e16)) & ((1 << (2 * m)) - 1))
             st |= KVCX_ST_SCALE_OVERFLOW;
@@ -441,7 +581,7 @@ static inline int64_t kvcx_q4_groups_codes(const float *xf, const uint16_t *xh, 
                                            uint16_t *z_out, uint8_t *out, int *status) {
     float sc[KVCX_Q4_MAX_GROUPS], inv[KVCX_Q4_MAX_GROUPS], zr[KVCX_Q4_MAX_GROUPS];
     uint32_t keep[KVCX_Q4_MAX_GROUPS];
-    const int st = kvcx_q4_params(lo, hi, ng, asym, s_out, z_out, sc, inv, zr, keep);
+    const int st = kvcx_q4_params(lo, hi, ng, 4, asym, s_out, z_out, sc, inv, zr, keep);
     *status |= st;
     if (st) return ng;
     const __m256i vlo = _mm256_set1_epi16(asym ? 0 : -8), vhi = _mm256_set1_epi16(asym ? 15 : 7);
@@ -450,7 +590,27 @@ static inline int64_t kvcx_q4_groups_codes(const float *xf, const uint16_t *xh, 
         const __m256 z = _mm256_set1_ps(zr[g]), s = _mm256_set1_ps(sc[g]), iv = _mm256_set1_ps(inv[g]);
         const __m256i k = _mm256_set1_epi32((int32_t)keep[g]);
         uint8_t *o = out + g * (G / 2);
-        for (int64_t i = 0; i < G; i += 16) {
+        int64_t i = 0;
+        for (; i + 32 <= G; i += 32) {
+            __m256 x0, x1, x2, x3;
+            if (xh) {
+                __m256i h0 = _mm256_loadu_si256((const __m256i *)(xh + g * G + i));
+                __m256i h1 = _mm256_loadu_si256((const __m256i *)(xh + g * G + i + 16));
+                x0 = _mm256_cvtph_ps(_mm256_castsi256_si128(h0));
+                x1 = _mm256_cvtph_ps(_mm256_extracti128_si256(h0, 1));
+                x2 = _mm256_cvtph_ps(_mm256_castsi256_si128(h1));
+                x3 = _mm256_cvtph_ps(_mm256_extracti128_si256(h1, 1));
+            } else {
+                x0 = _mm256_loadu_ps(xf + g * G + i);
+                x1 = _mm256_loadu_ps(xf + g * G + i + 8);
+                x2 = _mm256_loadu_ps(xf + g * G + i + 16);
+                x3 = _mm256_loadu_ps(xf + g * G + i + 24);
+            }
+            const __m128i c = asym ? kvcx_q4_32v(x0, x1, x2, x3, 1, z, s, iv, k, vlo, vhi, vof)
+                                   : kvcx_q4_32v(x0, x1, x2, x3, 0, z, s, iv, k, vlo, vhi, vof);
+            _mm_storeu_si128((__m128i *)(o + i / 2), c);
+        }
+        for (; i < G; i += 16) {
             __m256 x0, x1;
             if (xh) {
                 __m256i h = _mm256_loadu_si256((const __m256i *)(xh + g * G + i));
@@ -466,6 +626,40 @@ static inline int64_t kvcx_q4_groups_codes(const float *xf, const uint16_t *xh, 
     return ng;
 }
 #endif
+/* kvcx_q4_groups for the other widths: the codes of the ng groups as bytes at q + i * G (the caller packs
+   them); the same codes and scales as quantizing group by group. Returns the groups done (0 without
+   AVX2 + F16C). */
+static inline int64_t kvcx_qn_groups(const float *x, int64_t ng, int64_t G, int bits, int asym, uint16_t *s_out,
+                                     uint16_t *z_out, uint8_t *q, int *status) {
+#if KVCX_Q4_PARAMS
+    int32_t lo[KVCX_Q4_MAX_GROUPS], hi[KVCX_Q4_MAX_GROUPS];
+    float sc[KVCX_Q4_MAX_GROUPS], inv[KVCX_Q4_MAX_GROUPS], zr[KVCX_Q4_MAX_GROUPS];
+    uint32_t keep[KVCX_Q4_MAX_GROUPS];
+    if (ng > KVCX_Q4_MAX_GROUPS) ng = KVCX_Q4_MAX_GROUPS;
+    for (int64_t g = 0; g < ng; g++) {
+        if (asym) kvcx_minmax_keys(x + g * G, G, lo + g, hi + g);
+        else { lo[g] = 0; hi[g] = kvcx_absmax_bits(x + g * G, G); }
+    }
+    const int st = kvcx_q4_params(lo, hi, ng, bits, asym, s_out, z_out, sc, inv, zr, keep);
+    *status |= st;
+    if (st) return ng;
+    const int qmax = asym ? (1 << bits) - 1 : (1 << (bits - 1)) - 1;
+    const __m256i vlo = _mm256_set1_epi16((int16_t)(asym ? 0 : -qmax - 1)), vhi = _mm256_set1_epi16((int16_t)qmax);
+    const __m256i vof = _mm256_set1_epi16((int16_t)(asym ? 0 : qmax + 1));
+    for (int64_t g = 0; g < ng; g++) {
+        const __m256 z = _mm256_set1_ps(zr[g]), s = _mm256_set1_ps(sc[g]), iv = _mm256_set1_ps(inv[g]);
+        const __m256i k = _mm256_set1_epi32((int32_t)keep[g]);
+        for (int64_t i = 0; i < G; i += 16)
+            _mm_storeu_si128((__m128i *)(q + g * G + i), kvcx_codes16_at(x + g * G + i, z, z, s, s, iv, iv, k, vlo,
+                                                                          vhi, vof));
+    }
+    return ng;
+#else
+    (void)x; (void)ng; (void)G; (void)bits; (void)asym; (void)s_out; (void)z_out; (void)q; (void)status;
+    return 0;
+#endif
+}
+
 static inline int64_t kvcx_q4_groups(const float *x, int64_t ng, int64_t G, int asym, uint16_t *s_out,
                                      uint16_t *z_out, uint8_t *out, int *status) {
 #if KVCX_Q4_PARAMS
@@ -504,6 +698,9 @@ static inline int32_t kvcx_h_key32(uint16_t h) {
     return b ^ ((b >> 31) & 0x7fffffff);
 }
 #endif
+#ifndef KVCX_PREFETCH
+#define KVCX_PREFETCH 1024
+#endif
 static inline int64_t kvcx_q4_groups_f16(const uint16_t *x, int64_t ng, int64_t G, int asym, uint16_t *s_out,
                                          uint16_t *z_out, uint8_t *out, int *status) {
 #if KVCX_Q4_PARAMS
@@ -526,8 +723,10 @@ static inline int64_t kvcx_q4_groups_f16(const uint16_t *x, int64_t ng, int64_t 
             hi[g] = kvcx_h_key32((uint16_t)(b ^ ((b >> 15) & 0x7fff)));
         } else {
             __m256i m = _mm256_setzero_si256();
-            for (int64_t i = 0; i < G; i += 16)
+            for (int64_t i = 0; i < G; i += 16) {
+                _mm_prefetch((const char *)(xg + i + KVCX_PREFETCH), _MM_HINT_T0);
                 m = _mm256_max_epu16(m, _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(xg + i)), m7fff));
+            }
             lo[g] = 0;
             hi[g] = kvcx_h_key32(kvcx_hmax_epu16(m));  /* non-negative: the key is the bits */
         }
@@ -543,17 +742,21 @@ static inline int64_t kvcx_q4_groups_f16(const uint16_t *x, int64_t ng, int64_t 
    kvcx_q4_params): the parameters of all columns 8 at a time, then the codes. The outputs may alias the
    statistics index for index (each 8 are read before they are written). Returns kvcx_status bits; -1
    without AVX2 + F16C (nothing done: the caller takes the scalar path). */
-static inline int kvcx_q4_cols_params_pack(const float *x, int64_t rows, int64_t D, const int32_t *kmin,
-                                           const int32_t *kmax, int asym, uint16_t *s_out, uint16_t *z_out,
-                                           float *sdiv, float *zero, uint32_t *keep, uint8_t *out) {
-#if KVCX_Q4_PARAMS  /* kvcx_q4_pack_cols takes the reciprocals of 16 columns at a time itself */
-    const int st = kvcx_q4_params(kmin, kmax, D, asym, s_out, z_out, sdiv, NULL, zero, keep);
+static inline int kvcx_cols_params_quant(const float *x, int64_t rows, int64_t D, const int32_t *kmin,
+                                         const int32_t *kmax, int bits, int asym, uint16_t *s_out, uint16_t *z_out,
+                                         float *sdiv, float *zero, uint32_t *keep, uint8_t *out) {
+#if KVCX_Q4_PARAMS  /* the quantizers take the reciprocals of 16 columns at a time themselves */
+    const int st = kvcx_q4_params(kmin, kmax, D, bits, asym, s_out, z_out, sdiv, NULL, zero, keep);
     if (st) return st;
-    kvcx_q4_pack_cols(x, rows, D, sdiv, zero, (const float *)keep, asym ? 0.0f : -8.0f, asym ? 15.0f : 7.0f,
-                      asym ? 0.0f : 8.0f, out);
+    const float qmax = (float)(asym ? (1 << bits) - 1 : (1 << (bits - 1)) - 1);
+    const float qmin = asym ? 0.0f : -qmax - 1.0f, off = asym ? 0.0f : qmax + 1.0f;
+    if (bits == 4)
+        kvcx_q4_pack_cols(x, rows, D, sdiv, zero, (const float *)keep, qmin, qmax, off, out);
+    else
+        kvcx_qn_cols(x, rows, D, sdiv, zero, (const float *)keep, qmin, qmax, off, out);
     return KVCX_OK;
 #else
-    (void)x; (void)rows; (void)D; (void)kmin; (void)kmax; (void)asym; (void)s_out; (void)z_out;
+    (void)x; (void)rows; (void)D; (void)kmin; (void)kmax; (void)bits; (void)asym; (void)s_out; (void)z_out;
     (void)sdiv; (void)zero; (void)keep; (void)out;
     return -1;
 #endif

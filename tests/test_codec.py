@@ -223,23 +223,25 @@ def test_property_roundtrip_within_half_step(shape, group_size, scheme, bits, sc
     assert np.array_equal(p.codes, codes)
 
 
+@pytest.mark.parametrize("bits", [4, 3, 2])
 @pytest.mark.parametrize("scheme", ["symmetric", "asymmetric"])
 @pytest.mark.parametrize("axis,rotate", [("token", False), ("token", True), ("channel", False)])
-def test_codes_exact_where_values_sit_on_rounding_ties(scheme, axis, rotate):
+def test_codes_exact_where_values_sit_on_rounding_ties(scheme, axis, rotate, bits):
     """Values at (and a few ulps around) half-integer multiples of their group's scale: the kernels
     quantize with a reciprocal and fall back to the division only near such ties, so these are the
     values where a shortcut would differ from round(x / scale). Codes must equal the reference's."""
     rng = np.random.default_rng(11)
+    qmax = 2 ** (bits - 1) - 1
     s = np.float32(np.float16(0.37))
-    k = rng.integers(-7, 7, size=(2, 4, 256, 64)).astype(np.float32) + np.float32(0.5)
+    k = rng.integers(-qmax, qmax, size=(2, 4, 256, 64)).astype(np.float32) + np.float32(0.5)
     x = k * s
     x = np.where(rng.random(x.shape) < 0.5, np.nextafter(x, np.float32(np.inf)), x)
     x = np.where(rng.random(x.shape) < 0.3, np.nextafter(x, np.float32(-np.inf)), x).astype(np.float32)
-    x[..., 0, :] = 7 * s  # max |x| = 7 s per token group and per channel block: the scale is s
-    x[..., 1, :] = -7 * s
-    codec = IntCodec(group_size=64, scheme=scheme, axis=axis, rotate=rotate)
+    x[..., 0, :] = qmax * s  # max |x| = qmax s per token group and per channel block: the scale is s
+    x[..., 1, :] = -qmax * s
+    codec = IntCodec(group_size=64, scheme=scheme, axis=axis, rotate=rotate, bits=bits)
     p = codec.encode(x)
-    codes, scales, zeros = ref.encode(x, 64, scheme, axis=axis, rotate=rotate)
+    codes, scales, zeros = ref.encode(x, 64, scheme, axis=axis, rotate=rotate, bits=bits)
     assert np.array_equal(p.codes, codes)
     assert np.array_equal(p.scales.reshape(-1).view(np.uint16), scales.view(np.uint16))
 
