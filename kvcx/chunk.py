@@ -23,8 +23,8 @@ Byte layout (all integers little-endian; every section starts on an 8-byte bound
 Keys are seen as ``(layers, tokens, kv_heads * head_dim)``: per-channel groups run along tokens
 for every (head, dim) channel, and sink tokens are the chunk's first tokens, exactly as
 ``kvcx compress`` does on ``[1, kv_heads, tokens, head_dim]`` tensors. A codec that rotates is
-applied per head, each layer seen as ``(tokens * kv_heads, head_dim)`` rows; it can then use
-neither sinks nor per-channel groups. Token-axis groups of at most ``head_dim`` values that divide it are
+applied per head, each layer seen as ``(tokens * kv_heads, head_dim)`` rows (its sink tokens are then
+the first ``sinks * kv_heads`` rows, the same bytes); it cannot use per-channel groups. Token-axis groups of at most ``head_dim`` values that divide it are
 the same groups as in a file; the default scheme decodes bit for bit as ``kvcx compress`` does.
 """
 from __future__ import annotations
@@ -107,10 +107,9 @@ class ChunkCodec:
         self._plan_cache: dict = {}
         self._stored_cache: dict = {}
         for kind, c in (("key", self.config.key), ("value", self.config.value)):
-            if c.rotate and (c.sinks or c.axis == "channel"):
-                raise CodecError(f"the {kind} codec rotates and also uses "
-                                 f"{'sinks' if c.sinks else 'per-channel groups'}; in a KV chunk a rotation is "
-                                 "applied per head, which neither can share: drop one of them")
+            if c.rotate and c.axis == "channel":
+                raise CodecError(f"the {kind} codec rotates and also uses per-channel groups; in a KV chunk a "
+                                 "rotation is applied per head, which per-channel groups cannot share: drop one of them")
             if c.rotate and (head_dim < 8 or head_dim & (head_dim - 1)):
                 raise CodecError(f"the {kind} codec rotates, which needs head_dim to be a power of two >= 8, "
                                  f"got {head_dim}")
@@ -130,8 +129,12 @@ class ChunkCodec:
         return shape
 
     def _plan(self, codec: IntCodec, L: int, T: int, HD: int, itemsize: int, start: int) -> _Plan:
-        # a rotation works per head: each layer as (tokens * heads) rows of head_dim (no sinks: checked)
-        view = (L, T * (HD // self.head_dim), self.head_dim) if codec.rotate else (L, T, HD)
+        # a rotation works per head: each layer as (tokens * heads) rows of head_dim, whose first
+        # sinks * heads rows are the sink tokens
+        H = HD // self.head_dim
+        view = (L, T * H, self.head_dim) if codec.rotate else (L, T, HD)
+        if codec.rotate and codec.sinks:
+            codec = IntCodec.from_config({**codec.get_config(), "sinks": min(codec.sinks, T) * H})
         lay = codec._layout(view, "chunk")
         off = start
         codes = (off, lay["codes_nbytes"])
@@ -145,8 +148,8 @@ class ChunkCodec:
             off = _pad8(off + 2 * nscale)
         sinks = None
         if lay["t0"]:
-            n = L * lay["t0"] * HD * itemsize
-            sinks = (off, n, (L, lay["t0"], HD))
+            n = L * lay["t0"] * view[2] * itemsize
+            sinks = (off, n, (L, lay["t0"], view[2]))
             off = _pad8(off + n)
         return _Plan(view=view, codes=codes, scales=scales, zeros=zeros, sinks=sinks, end=off,
                      layout=codec._kernel_layout(lay), t0=lay["t0"])
@@ -200,6 +203,9 @@ class ChunkCodec:
         buf = out[:total]
         for plan, codec, x in ((kp, self.config.key, chunk[0]), (vp, self.config.value, chunk[1])):
             self._encode_kind(plan, codec, x, buf, where)
+            for sec in (plan.codes, plan.scales, plan.zeros, plan.sinks):  # the padding too: the same chunk
+                if sec:                                                  # gives the same bytes in any buffer
+                    buf[sec[0] + sec[1]:_pad8(sec[0] + sec[1])] = 0
         _, L, T, HD = shape
         header = _HEADER.pack(MAGIC, WIRE_VERSION, HEADER_BYTES, DTYPE_NAMES[name], 0, 0, L, T, HD // self.head_dim,
                               self.head_dim, *self._codec_fields(self.config.key),

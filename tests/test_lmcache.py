@@ -326,6 +326,13 @@ def test_dtypes_schemes_and_exact_sizes(dtype, scheme):
     assert y.dtype == x.dtype and np.isfinite(y.astype(np.float32)).all()
     rel = np.sqrt(((y.astype(np.float32) - x.astype(np.float32)) ** 2).mean() / (x.astype(np.float32) ** 2).mean())
     assert rel < 0.2, rel
+    # the same chunk gives the same bytes in any buffer (section padding written too)
+    dirty = np.full(buf.size, 0xA5, np.uint8)
+    codec.encode_into(x, dirty)
+    assert np.array_equal(dirty, buf)
+    if scheme == "kvcx":  # keys and (rotated) values keep every head's first token exact
+        assert np.array_equal(y[:, :, 0, :].view(np.uint8), x[:, :, 0, :].view(np.uint8))
+        assert not np.array_equal(y[:, :, 1, :].view(np.uint8), x[:, :, 1, :].view(np.uint8))
     # the settings travel with the chunk: a reader configured otherwise still decodes it right
     z = np.empty_like(x)
     ChunkCodec(KVConfig.from_scheme("asymmetric"), head_dim=128).decode_into(buf, z)
