@@ -42,7 +42,9 @@ def settings(full: bool, plans, candidates: bool = False):
     asym_ch = dict(scheme="asymmetric", axis="channel")
     rows = [
         ("reference: sym g64 per-token", KVConfig.from_scheme("reference")),
-        ("kvcx default: K asym per-channel g64 + sink, V sym g64 + hadamard", KVConfig.from_scheme("kvcx")),
+        ("kvcx default: K asym per-channel g64 + sink, V sym g64 + hadamard + sink", KVConfig.from_scheme("kvcx")),
+        custom("previous default: values without the sink", dict(asym_ch, sinks=1),
+               dict(scheme="symmetric", rotate=True)),
         custom("K4 V3: kvcx layout, 3-bit values", dict(asym_ch, sinks=1),
                dict(scheme="symmetric", rotate=True, bits=3)),
         ("kvcx3 preset (every layer 3-bit, K and V sink exact)", KVConfig.from_scheme("kvcx3")),

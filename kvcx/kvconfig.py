@@ -7,10 +7,10 @@ Schemes (``--scheme``):
 - ``symmetric`` / ``asymmetric``: that scheme on keys and values, groups along tokens' values.
 - ``kivi``: keys asymmetric per channel (groups along tokens), values asymmetric per token.
 - ``kvcx`` (default): keys asymmetric per channel (groups of 64 tokens) with the first token (the
-  attention sink) kept exact; values symmetric per token after a Hadamard rotation of head_dim.
-  Chosen from bench/bench_quality.py; see README "Choosing the default".
+  attention sink) kept exact; values symmetric per token after a Hadamard rotation of head_dim, their
+  first token kept exact too. Chosen from bench/bench_quality.py; see README "Choosing the default".
 - ``kvcx3`` / ``kvcx2``: the low-bit presets: the kvcx layout at 3 bits, and at 2 bits with asymmetric
-  values (symmetric 2-bit codes have only 3 useful levels); values keep the sink token exact as keys do. With a per-layer plan from ``kvcx calibrate`` (``layer_bits``:
+  values (symmetric 2-bit codes have only 3 useful levels). With a per-layer plan from ``kvcx calibrate`` (``layer_bits``:
   the layers the model is most sensitive to get more bits) they are the frontier of README "Low bits".
   Both carry the same *variants*, the codecs a plan may give a layer: keys at 2, 3, 4 bits in groups of
   64 tokens and at 3, 4 bits in groups of 128; values asymmetric at 2 bits, symmetric or asymmetric at 3 and 4.
@@ -44,10 +44,12 @@ _SCHEMES = {
     "symmetric": (dict(scheme="symmetric", axis="token"), dict(scheme="symmetric", axis="token")),
     "asymmetric": (dict(scheme="asymmetric", axis="token"), dict(scheme="asymmetric", axis="token")),
     "kivi": (dict(scheme="asymmetric", axis="channel"), dict(scheme="asymmetric", axis="token")),
-    # chosen from bench/bench_quality.py (README "Choosing the default"): 4.40 bits/value at groups of 64
-    "kvcx": (dict(scheme="asymmetric", axis="channel", sinks=1), dict(scheme="symmetric", axis="token", rotate=True)),
-    # the low-bit presets (README "Low bits"): measured best layouts at 3 and 2 bits
-    # below 4 bits the values keep the sink token exact too: it halves their KLD (README "Low bits")
+    # chosen from bench/bench_quality.py (README "Choosing the default"): 4.43 bits/value at groups of 64 on
+    # 512-token contexts; keys and values both keep the sink token exact (values: KLD 0.00365 -> 0.00310)
+    "kvcx": (dict(scheme="asymmetric", axis="channel", sinks=1),
+             dict(scheme="symmetric", axis="token", rotate=True, sinks=1)),
+    # the low-bit presets (README "Low bits"): measured best layouts at 3 and 2 bits; values keep the sink
+    # token exact as in the default (it halves their KLD at 3 and 2 bits)
     "kvcx3": (dict(scheme="asymmetric", axis="channel", sinks=1, bits=3),
               dict(scheme="symmetric", axis="token", rotate=True, bits=3, sinks=1)),
     "kvcx2": (dict(scheme="asymmetric", axis="channel", sinks=1, bits=2),

@@ -41,6 +41,7 @@ def cache_file(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["packed_reference_v2.safetensors", "packed_kvcx_v2.safetensors",
+                                  "packed_kvcx_vsink_v2.safetensors",
                                   "packed_reference_v1.safetensors", "packed_kvcx_v1.safetensors"])
 def test_golden_packed_bytes(name):
     import sys

@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 
 from kvcx import safetensors_io as st
+from kvcx.codec import IntCodec
 from kvcx.kvconfig import KVConfig
 from kvcx.packed import compress_tensors
 
@@ -20,14 +21,21 @@ def golden_tensors():
             "positions": np.arange(5, dtype=np.int64)}
 
 
+def _kvcx_before_value_sinks():
+    """The default scheme as it was when packed_kvcx_v2 was written (values without the sink token)."""
+    cfg = KVConfig.from_scheme("kvcx", group_size=16)
+    return KVConfig(key=cfg.key, value=IntCodec.from_config({**cfg.value.get_config(), "sinks": 0}), scheme="kvcx")
+
+
 CASES = {
-    "packed_reference_v2.safetensors": dict(scheme="reference", group_size=16),
-    "packed_kvcx_v2.safetensors": dict(scheme="kvcx", group_size=16),
+    "packed_reference_v2.safetensors": lambda: KVConfig.from_scheme("reference", group_size=16),
+    "packed_kvcx_v2.safetensors": _kvcx_before_value_sinks,
+    "packed_kvcx_vsink_v2.safetensors": lambda: KVConfig.from_scheme("kvcx", group_size=16),
 }
 
 
 def build(name):
-    packed, meta = compress_tensors(golden_tensors(), KVConfig.from_scheme(**CASES[name]))
+    packed, meta = compress_tensors(golden_tensors(), CASES[name]())
     return st.save(packed, meta)
 
 
