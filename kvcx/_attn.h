@@ -347,6 +347,22 @@ static inline void kvcx_attn_exact(const kvcx_attn_layout *L, const kvcx_attn_ar
 }
 
 /* One task: (row x KV head) `slab`, token range `split`; writes the partial to the task's workspace. */
+/* out[d] = float(h[kvcx_attn_perm(d)]) for d < D (D a multiple of 16): FP16 per-channel parameters in the
+   permuted channel order */
+static inline void kvcx_h2f_perm(const uint16_t *h, int64_t D, float *out) {
+    int64_t k = 0;
+#if KVCX_ATTN_AVX2 && KVCX_F16C
+    for (; k < D; k += 16) {
+        __m256 s0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + k)));
+        __m256 s1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + k + 8)));
+        __m256 ev = _mm256_shuffle_ps(s0, s1, 0x88), od = _mm256_shuffle_ps(s0, s1, 0xDD);
+        _mm256_storeu_ps(out + k, _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(ev), 0xD8)));
+        _mm256_storeu_ps(out + k + 8, _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(od), 0xD8)));
+    }
+#endif
+    for (int64_t d = k; d < D; d++) out[d] = kvcx_h2f_1(h[kvcx_attn_perm(d)]);
+}
+
 static inline void kvcx_attn_task(const kvcx_attn_layout *L, const kvcx_attn_args *A, int64_t task) {
     const int64_t R = L->R, D = L->D, T = KVCX_ATTN_TILE;
     const int64_t slab = task / L->nsplit, split = task % L->nsplit;
@@ -407,11 +423,9 @@ static inline void kvcx_attn_task(const kvcx_attn_layout *L, const kvcx_attn_arg
             if (t >= blk_end) {                          /* next block: scale the query once */
                 blk++;
                 blk_end = A->kblk[blk + 1] - koff;
-                for (int64_t d = 0; d < D; d++) {
-                    int64_t c = kvcx_attn_perm(d);
-                    sp[d] = kvcx_h2f_1(ks[blk * D + c]);
-                    zp[d] = kz ? kvcx_h2f_1(kz[blk * D + c]) : 0.0f;
-                }
+                kvcx_h2f_perm(ks + blk * D, D, sp);
+                if (kz) kvcx_h2f_perm(kz + blk * D, D, zp);
+                else for (int64_t d = 0; d < D; d++) zp[d] = 0.0f;
                 for (int64_t r = 0; r < R; r++) {   /* k = s (c - 8) + (z + 8 s): the bias is q . (z + 8 s) */
                     for (int64_t d = 0; d < D; d++) qs[r * D + d] = qp[r * D + d] * sp[d];
                     bias[r] = kz ? kvcx_dot_f32(qp + r * D, zp, D) + 8.0f * kvcx_dot_f32(qp + r * D, sp, D) : 0.0f;
@@ -420,6 +434,14 @@ static inline void kvcx_attn_task(const kvcx_attn_layout *L, const kvcx_attn_arg
             end = end < blk_end ? end : blk_end;
         }
         const int64_t n = end - t;
+#if KVCX_ATTN_AVX2
+        {   /* the codes come from memory: fetch this tile's values (read after the scores) and the next
+               tile's keys while the scores are computed */
+            const int64_t nn = (tb - end < T ? tb - end : T) * (D / 2);
+            for (int64_t o = 0; o < n * (D / 2); o += 64) _mm_prefetch((const char *)(vc + t * (D / 2) + o), _MM_HINT_T0);
+            for (int64_t o = 0; o < nn; o += 64) _mm_prefetch((const char *)(kc + end * (D / 2) + o), _MM_HINT_T0);
+        }
+#endif
         kvcx_q4_dots(kc + t * (D / 2), n, D, L->k_axis == KVCX_AXIS_CHANNEL ? qs : qp, R, sc, T);
         if (L->k_axis == KVCX_AXIS_CHANNEL) {
             for (int64_t r = 0; r < R; r++)

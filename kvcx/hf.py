@@ -331,6 +331,7 @@ class KvcxCache(Cache):
         self._scratch = _Scratch()
         self._workspace = Workspace()  # the fused kernel's scratch, one for all layers
         self._mask_cache = None         # (the step's mask tensor, its additive float32 form)
+        self._uses_kvcx: Optional[bool] = None  # the model attention is kvcx's (read at each step's first layer)
         super().__init__(layers=[KvcxLayer(kv.for_layer(i), residual_length, self._scratch, self)
                                  for i in range(text.num_hidden_layers)])
 
@@ -356,7 +357,9 @@ class KvcxCache(Cache):
         """Whether this single-token step of `layer` runs the fused kernel (the model's attention is kvcx's)."""
         if self.fused is False:
             return False
-        uses_kvcx = getattr(self._config, "_attn_implementation", None) == ATTN_IMPLEMENTATION
+        if layer is self.layers[0] or self._uses_kvcx is None:  # read once per step (a config attribute is slow)
+            self._uses_kvcx = getattr(self._config, "_attn_implementation", None) == ATTN_IMPLEMENTATION
+        uses_kvcx = self._uses_kvcx
         why = layer._unsupported or (None if key_states.device.type == "cpu" else
                                      "fused attention runs on CPU tensors")
         if self.fused and not uses_kvcx:
