@@ -213,7 +213,7 @@ cdef inline void _unpack(const uint8_t *p, int64_t n, int bits, uint8_t *q) noex
             q[i] = (p[i >> 2] >> (2 * (i & 3))) & 3
     else:
         full = n // 8                      # whole 3-byte groups
-        for i in range(full):
+        for i in range(kvcx_unpack3_blocks(p, n, q) // 8, full):
             w = p[3 * i] | (<uint32_t>p[3 * i + 1] << 8) | (<uint32_t>p[3 * i + 2] << 16)
             q[8 * i] = w & 7
             q[8 * i + 1] = (w >> 3) & 7
@@ -320,13 +320,13 @@ cdef inline int _quant_contig(const float *x, int64_t n, int bits, bint asym,
             if n & 1:
                 packed[n // 2] = <uint8_t>off
         else:
-            kvcx_q4_pack_contig(x, n, scale, zero, qmin, qmax, off, packed)
+            kvcx_quant_contig(x, n, scale, zero, qmin, qmax, off, 1, packed)
         return KVCX_OK
     if scale == 0.0:
         for i in range(n):
             q[i] = <uint8_t>off
         return KVCX_OK
-    kvcx_qn_contig(x, n, scale, zero, qmin, qmax, off, q)
+    kvcx_quant_contig(x, n, scale, zero, qmin, qmax, off, 0, q)
     return KVCX_OK
 
 
@@ -412,10 +412,8 @@ cdef int _quant_cols(const float *x, int64_t rows, int64_t D, int bits, bint asy
     for d in range(D):  # the statistics are done: tmp[0:2D] becomes the divisors and the keep mask
         (<uint32_t *>tmp)[D + d] = 0xffffffffu if scale[d] != 0.0 else 0u
         tmp[d] = scale[d] if scale[d] != 0.0 else 1.0
-    if packed != NULL:
-        kvcx_q4_pack_cols(x, rows, D, tmp, zero, tmp + D, qmin, qmax, off, packed)
-    else:
-        kvcx_qn_cols(x, rows, D, tmp, zero, tmp + D, qmin, qmax, off, q)
+    kvcx_quant_cols(x, rows, D, tmp, zero, tmp + D, qmin, qmax, off, packed != NULL,
+                    packed if packed != NULL else q)
     return KVCX_OK
 
 
@@ -502,10 +500,7 @@ cdef int _enc_block(const uint8_t *src, int dt, const kvcx_layout *L, int64_t bl
         g = 0
         if G % 16 == 0:  # whole groups in a batch (start is a multiple of G here)
             k = slab * ngroups + start // G
-            if fused:
-                g = kvcx_q4_groups(buf, n // G, G, L.asym, scales + k, zeros + k, dest, &status)
-            else:
-                g = kvcx_qn_groups(buf, n // G, G, L.bits, L.asym, scales + k, zeros + k, q, &status)
+            g = kvcx_groups(buf, n // G, G, L.bits, L.asym, scales + k, zeros + k, dest if fused else q, &status)
             if status:
                 return status
         while g * G < n:

@@ -197,7 +197,7 @@ static inline uint32_t kvcx_crc32c(uint32_t crc, const uint8_t *p, int64_t n) {
    element 2i in the low nibble of byte i: the same arithmetic, in the same order, as the scalar
    quantize-then-pack path, so the codes are identical. The caller checked that x is finite. */
 
-static inline uint8_t kvcx_q4_1(float x, float sdiv, float zero, int keep, float qmin, float qmax, float off) {
+static inline uint8_t kvcx_code1(float x, float sdiv, float zero, int keep, float qmin, float qmax, float off) {
     float t = rintf((x - zero) / sdiv);
     t = t < qmin ? qmin : t;
     t = t > qmax ? qmax : t;
@@ -228,10 +228,9 @@ static inline void kvcx_rdiv16(__m256 d0, __m256 d1, __m256 s0, __m256 s1, __m25
     *r1 = q1;
 }
 
-/* 16 values -> 8 packed bytes (in the low half of the result): i0/i1 = 1 / s0, 1 / s1; keep16 = the keep
-   mask of the 16 values as int16 lanes in _mm256_packs_epi32 order (0 where the scale is 0); clamping to
-   [lo, hi] and the offset in int16 */
-/* 16 values -> their 16 codes as bytes, in order: clamp(rint((x - z) / s), lo, hi) (0 where keep16 is 0) + off */
+/* 16 values -> their 16 codes as bytes, in order: clamp(rint((x - z) / s), lo, hi) (0 where keep16 is 0) + off;
+   i0/i1 = 1 / s0, 1 / s1; keep16 = the keep mask of the 16 values as int16 lanes in _mm256_packs_epi32 order;
+   clamping to [lo, hi] and the offset in int16 */
 static inline __m128i kvcx_codes16(__m256 x0, __m256 x1, __m256 z0, __m256 z1, __m256 s0, __m256 s1, __m256 i0,
                                    __m256 i1, __m256i keep16, __m256i lo, __m256i hi, __m256i off) {
     __m256 r0, r1;
@@ -242,23 +241,22 @@ static inline __m128i kvcx_codes16(__m256 x0, __m256 x1, __m256 z0, __m256 z1, _
     return _mm_packus_epi16(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
 }
 
-static inline __m128i kvcx_q4_16v(__m256 x0, __m256 x1, __m256 z0, __m256 z1, __m256 s0, __m256 s1, __m256 i0,
-                                  __m256 i1, __m256i keep16, __m256i lo, __m256i hi, __m256i off) {
-    __m128i w = _mm_maddubs_epi16(kvcx_codes16(x0, x1, z0, z1, s0, s1, i0, i1, keep16, lo, hi, off),
-                                  _mm_set1_epi16(0x1001));  /* b[2i] + 16 * b[2i+1] */
+/* 16 code bytes (< 16) -> 8 packed bytes (in the low half): b[2i] + 16 * b[2i+1] */
+static inline __m128i kvcx_nibbles16(__m128i c) {
+    __m128i w = _mm_maddubs_epi16(c, _mm_set1_epi16(0x1001));
     return _mm_packus_epi16(w, w);
 }
 
-/* 16 values -> 16 code bytes in order (any width), arguments as for kvcx_q4_16v */
+/* 16 values -> 16 code bytes in order (any width), arguments as for kvcx_codes16 */
 static inline __m128i kvcx_codes16_at(const float *x, __m256 z0, __m256 z1, __m256 s0, __m256 s1, __m256 i0,
                                       __m256 i1, __m256i keep16, __m256i lo, __m256i hi, __m256i off) {
     return kvcx_codes16(_mm256_loadu_ps(x), _mm256_loadu_ps(x + 8), z0, z1, s0, s1, i0, i1, keep16, lo, hi, off);
 }
 
 /* 32 values of one group (one scale s, reciprocal iv, zero point z; keep all ones, or zero where the scale is 0)
-   -> 16 packed bytes. The same arithmetic and codes as two kvcx_q4_16v calls, with half the shuffles: the
-   four vectors are narrowed together and the nibbles of all 32 combined at once. asym = 0 skips the zero
-   point (0 for symmetric groups). */
+   -> 16 packed bytes. The same arithmetic and codes as kvcx_codes16 + kvcx_nibbles16 on each half, with
+   half the shuffles: the four vectors are narrowed together and the nibbles of all 32 combined at once.
+   asym = 0 skips the zero point (0 for symmetric groups). */
 static inline __m128i kvcx_q4_32v(__m256 x0, __m256 x1, __m256 x2, __m256 x3, const int asym, __m256 z, __m256 s,
                                   __m256 iv, __m256i keep16, __m256i lo, __m256i hi, __m256i off) {
     const int rnd = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
@@ -293,10 +291,6 @@ static inline __m128i kvcx_q4_32v(__m256 x0, __m256 x1, __m256 x2, __m256 x3, co
     return _mm_shuffle_epi8(v, _mm_setr_epi8(0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15));
 }
 
-static inline __m128i kvcx_q4_16(const float *x, __m256 z0, __m256 z1, __m256 s0, __m256 s1, __m256 i0,
-                                 __m256 i1, __m256i keep16, __m256i lo, __m256i hi, __m256i off) {
-    return kvcx_q4_16v(_mm256_loadu_ps(x), _mm256_loadu_ps(x + 8), z0, z1, s0, s1, i0, i1, keep16, lo, hi, off);
-}
 #endif
 
 /* max over i of (bits(x[i]) & 0x7fffffff): the bits of max|x|, >= 0x7f800000 when a NaN/Inf is present */
@@ -356,11 +350,16 @@ static inline void kvcx_minmax_keys(const float *x, int64_t n, int32_t *kmin, in
     *kmax = hi;
 }
 
-/* rows x D values (D even), one scale/zero per column; sdiv = scale or 1 where scale == 0, and
-   keep[d] all ones where scale != 0 (zero bits elsewhere). Row r lands at out + r * D / 2. */
-static inline void kvcx_q4_pack_cols(const float *x, int64_t rows, int64_t D, const float *sdiv,
-                                     const float *zero, const float *keep, float qmin, float qmax, float off,
-                                     uint8_t *out) {
+/* Quantize with one scale per column or one per run, codes identical to the scalar loops of kvcx._core
+   (clamp(rint((x - zero) / sdiv), qmin, qmax), 0 where keep is 0, + off), 16 values per step with AVX2.
+   pack4: 4-bit codes, two per byte (element 2i in the low nibble of byte i) into out; otherwise one code
+   per byte (other widths: the caller packs them).
+   kvcx_quant_cols: rows x D values (D even), one scale/zero per column; sdiv = scale or 1 where scale == 0,
+   keep[d] all ones where scale != 0 (zero bits elsewhere). Row r lands at out + r * D / 2 (packed) or
+   out + r * D. */
+static inline void kvcx_quant_cols(const float *x, int64_t rows, int64_t D, const float *sdiv,
+                                   const float *zero, const float *keep, float qmin, float qmax, float off,
+                                   int pack4, uint8_t *out) {
     const uint32_t *kb = (const uint32_t *)keep;
     int64_t d0 = 0;
 #if defined(__AVX2__)
@@ -373,82 +372,45 @@ static inline void kvcx_q4_pack_cols(const float *x, int64_t rows, int64_t D, co
         const __m256 i0 = _mm256_div_ps(one, s0), i1 = _mm256_div_ps(one, s1);
         const __m256i k16 = _mm256_packs_epi32(_mm256_loadu_si256((const __m256i *)(keep + d0)),
                                                _mm256_loadu_si256((const __m256i *)(keep + d0 + 8)));
-        for (int64_t r = 0; r < rows; r++)
-            _mm_storel_epi64((__m128i *)(out + r * (D / 2) + d0 / 2),
-                             kvcx_q4_16(x + r * D + d0, z0, z1, s0, s1, i0, i1, k16, lo, hi, of));
+        for (int64_t r = 0; r < rows; r++) {
+            const __m128i c = kvcx_codes16_at(x + r * D + d0, z0, z1, s0, s1, i0, i1, k16, lo, hi, of);
+            if (pack4) _mm_storel_epi64((__m128i *)(out + r * (D / 2) + d0 / 2), kvcx_nibbles16(c));
+            else _mm_storeu_si128((__m128i *)(out + r * D + d0), c);
+        }
     }
 #endif
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * D;
-        uint8_t *o = out + r * (D / 2);
-        for (int64_t d = d0; d < D; d += 2)
-            o[d / 2] = kvcx_q4_1(xr[d], sdiv[d], zero[d], kb[d] != 0, qmin, qmax, off)
-                     | (uint8_t)(kvcx_q4_1(xr[d + 1], sdiv[d + 1], zero[d + 1], kb[d + 1] != 0, qmin, qmax, off) << 4);
+        for (int64_t d = d0; d < D; d += 2) {
+            const uint8_t a = kvcx_code1(xr[d], sdiv[d], zero[d], kb[d] != 0, qmin, qmax, off);
+            const uint8_t b = kvcx_code1(xr[d + 1], sdiv[d + 1], zero[d + 1], kb[d + 1] != 0, qmin, qmax, off);
+            if (pack4) out[r * (D / 2) + d / 2] = a | (uint8_t)(b << 4);
+            else { out[r * D + d] = a; out[r * D + d + 1] = b; }
+        }
     }
 }
 
-/* n contiguous values with one scale (!= 0) and zero; an odd last value leaves its high nibble 0 */
-static inline void kvcx_q4_pack_contig(const float *x, int64_t n, float scale, float zero, float qmin, float qmax,
-                                       float off, uint8_t *out) {
+/* n contiguous values with one scale (!= 0) and zero; packed: an odd last value leaves its high nibble 0 */
+static inline void kvcx_quant_contig(const float *x, int64_t n, float scale, float zero, float qmin, float qmax,
+                                     float off, int pack4, uint8_t *out) {
     int64_t i = 0;
 #if defined(__AVX2__)
     const __m256 z = _mm256_set1_ps(zero), s = _mm256_set1_ps(scale);
     const __m256 inv = _mm256_div_ps(_mm256_set1_ps(1.0f), s);
     const __m256i lo = _mm256_set1_epi16((int16_t)qmin), hi = _mm256_set1_epi16((int16_t)qmax);
     const __m256i of = _mm256_set1_epi16((int16_t)off), m = _mm256_set1_epi32(-1);
-    for (; i + 16 <= n; i += 16)
-        _mm_storel_epi64((__m128i *)(out + i / 2), kvcx_q4_16(x + i, z, z, s, s, inv, inv, m, lo, hi, of));
-#endif
-    for (; i + 2 <= n; i += 2)
-        out[i / 2] = kvcx_q4_1(x[i], scale, zero, 1, qmin, qmax, off)
-                   | (uint8_t)(kvcx_q4_1(x[i + 1], scale, zero, 1, qmin, qmax, off) << 4);
-    if (i < n)
-        out[i / 2] = kvcx_q4_1(x[i], scale, zero, 1, qmin, qmax, off);
-}
-
-/* Codes as bytes (widths other than 4, which pack in the same pass): the same arithmetic and codes as the
-   scalar loops of kvcx._core (_quant_cols / _quant_contig), 16 values per step with AVX2.
-   kvcx_qn_cols: rows x D values, one scale per column (sdiv, zero, keep as for kvcx_q4_pack_cols);
-   kvcx_qn_contig: n values with one scale (!= 0) and zero. */
-static inline uint8_t kvcx_qn_1(float x, float sdiv, float zero, int keep, float qmin, float qmax, float off) {
-    return kvcx_q4_1(x, sdiv, zero, keep, qmin, qmax, off);
-}
-static inline void kvcx_qn_cols(const float *x, int64_t rows, int64_t D, const float *sdiv, const float *zero,
-                                const float *keep, float qmin, float qmax, float off, uint8_t *q) {
-    const uint32_t *kb = (const uint32_t *)keep;
-    int64_t d0 = 0;
-#if defined(__AVX2__)
-    const __m256i lo = _mm256_set1_epi16((int16_t)qmin), hi = _mm256_set1_epi16((int16_t)qmax);
-    const __m256i of = _mm256_set1_epi16((int16_t)off);
-    const __m256 one = _mm256_set1_ps(1.0f);
-    for (; d0 + 16 <= D; d0 += 16) {
-        const __m256 z0 = _mm256_loadu_ps(zero + d0), z1 = _mm256_loadu_ps(zero + d0 + 8);
-        const __m256 s0 = _mm256_loadu_ps(sdiv + d0), s1 = _mm256_loadu_ps(sdiv + d0 + 8);
-        const __m256 i0 = _mm256_div_ps(one, s0), i1 = _mm256_div_ps(one, s1);
-        const __m256i k16 = _mm256_packs_epi32(_mm256_loadu_si256((const __m256i *)(keep + d0)),
-                                               _mm256_loadu_si256((const __m256i *)(keep + d0 + 8)));
-        for (int64_t r = 0; r < rows; r++)
-            _mm_storeu_si128((__m128i *)(q + r * D + d0),
-                             kvcx_codes16_at(x + r * D + d0, z0, z1, s0, s1, i0, i1, k16, lo, hi, of));
+    for (; i + 16 <= n; i += 16) {
+        const __m128i c = kvcx_codes16_at(x + i, z, z, s, s, inv, inv, m, lo, hi, of);
+        if (pack4) _mm_storel_epi64((__m128i *)(out + i / 2), kvcx_nibbles16(c));
+        else _mm_storeu_si128((__m128i *)(out + i), c);
     }
 #endif
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t d = d0; d < D; d++)
-            q[r * D + d] = kvcx_qn_1(x[r * D + d], sdiv[d], zero[d], kb[d] != 0, qmin, qmax, off);
-}
-static inline void kvcx_qn_contig(const float *x, int64_t n, float scale, float zero, float qmin, float qmax,
-                                  float off, uint8_t *q) {
-    int64_t i = 0;
-#if defined(__AVX2__)
-    const __m256 z = _mm256_set1_ps(zero), s = _mm256_set1_ps(scale);
-    const __m256 inv = _mm256_div_ps(_mm256_set1_ps(1.0f), s);
-    const __m256i lo = _mm256_set1_epi16((int16_t)qmin), hi = _mm256_set1_epi16((int16_t)qmax);
-    const __m256i of = _mm256_set1_epi16((int16_t)off), m = _mm256_set1_epi32(-1);
-    for (; i + 16 <= n; i += 16)
-        _mm_storeu_si128((__m128i *)(q + i), kvcx_codes16_at(x + i, z, z, s, s, inv, inv, m, lo, hi, of));
-#endif
-    for (; i < n; i++)
-        q[i] = kvcx_qn_1(x[i], scale, zero, 1, qmin, qmax, off);
+    for (; i < n; i++) {
+        const uint8_t c = kvcx_code1(x[i], scale, zero, 1, qmin, qmax, off);
+        if (!pack4) out[i] = c;
+        else if (i & 1) out[i / 2] |= (uint8_t)(c << 4);
+        else out[i / 2] = c;
+    }
 }
 
 /* Pack codes of 3 bits (8 codes in 3 bytes, code j of each 8 at bits 3j, little-endian) or 2 bits (code j
@@ -491,6 +453,33 @@ static inline int64_t kvcx_pack2_blocks(const uint8_t *q, int64_t n, uint8_t *ou
     }
 #endif
     (void)q; (void)out;
+    return i;
+}
+
+/* Unpack 3-bit codes (the layout of kvcx_pack3_blocks) in whole blocks of 32 codes (12 bytes) while 16 bytes
+   can be read; returns the codes unpacked (a multiple of 32, at most n); the caller unpacks the rest. Each
+   code gets a 16-bit lane holding the two bytes around it, shifted into place by a multiply (AVX2 has no
+   per-lane 16-bit shift): code j of a group sits at bit 3j, in byte 3j / 8 at offset 3j % 8. */
+static inline int64_t kvcx_unpack3_blocks(const uint8_t *p, int64_t n, uint8_t *q) {
+    int64_t i = 0;
+#if defined(__AVX2__)
+    const int64_t nbytes = (3 * n + 7) / 8;
+    /* per lane: the 8 codes of one group of 3 bytes (lane 0: bytes 0-2, lane 1: bytes 3-5) */
+    const __m256i sh = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 1, 2, 1, 2, 1, 2, 2, 3, 2, 3,
+                                        3, 4, 3, 4, 3, 4, 4, 5, 4, 5, 4, 5, 5, 6, 5, 6);
+    /* code j's offset in its 16-bit window is 3j % 8 (0, 3, 6, 1, 4, 7, 2, 5): multiply by 2^(8 - offset) */
+    const __m256i mul = _mm256_setr_epi16(256, 32, 4, 128, 16, 2, 64, 8, 256, 32, 4, 128, 16, 2, 64, 8);
+    const __m256i seven = _mm256_set1_epi16(7);
+    for (; i + 32 <= n && (i / 8) * 3 + 16 <= nbytes; i += 32) {
+        const __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(p + (i / 8) * 3)));
+        __m256i a = _mm256_shuffle_epi8(b, sh);                                          /* groups 0, 1 */
+        __m256i c = _mm256_shuffle_epi8(b, _mm256_add_epi8(sh, _mm256_set1_epi8(6)));    /* groups 2, 3 */
+        a = _mm256_and_si256(_mm256_srli_epi16(_mm256_mullo_epi16(a, mul), 8), seven);
+        c = _mm256_and_si256(_mm256_srli_epi16(_mm256_mullo_epi16(c, mul), 8), seven);
+        _mm256_storeu_si256((__m256i *)(q + i), _mm256_permute4x64_epi64(_mm256_packus_epi16(a, c), 0xD8));
+    }
+#endif
+    (void)p; (void)q; (void)n;
     return i;
 }
 
@@ -565,27 +554,36 @@ static inline int kvcx_q4_params(const int32_t *lo, const int32_t *hi, int64_t n
 #define KVCX_Q4_PARAMS 0
 #endif
 
-/* Quantize + pack `ng` whole groups of G contiguous values (G a multiple of 16) at 4 bits, one FP16 scale
-   (and zero point) per group, group i's codes at out + i * G / 2: statistics of every group first, then
-   the scales 8 groups at a time (kvcx_q4_params), then the codes, so the groups' serial chains (max ->
-   scale -> FP16 -> reciprocal) overlap instead of following one another. Same arithmetic, same codes and
-   scales as quantizing group by group (kvcx._core._quant_contig). Returns the groups done (0 without
-   AVX2 + F16C: the caller then quantizes them one by one); ORs kvcx_status bits into *status. At most
-   KVCX_Q4_MAX_GROUPS groups per call. */
+/* groups per kvcx_groups / kvcx_q4_groups_f16 call, at most */
 enum { KVCX_Q4_MAX_GROUPS = 256 };
 #if KVCX_Q4_PARAMS
-/* The second half of kvcx_q4_groups / kvcx_q4_groups_f16: the parameters of the ng groups from their
-   statistics, then the codes, reading the values as float32 (xf) or as FP16 converted on the fly (xh). */
-static inline int64_t kvcx_q4_groups_codes(const float *xf, const uint16_t *xh, int64_t ng, int64_t G, int asym,
-                                           const int32_t *lo, const int32_t *hi, uint16_t *s_out,
-                                           uint16_t *z_out, uint8_t *out, int *status) {
+/* The second half of kvcx_groups / kvcx_q4_groups_f16: the parameters of the ng groups from their
+   statistics, then the codes (packed at 4 bits, else one byte each for the caller to pack), reading the
+   values as float32 (xf) or as FP16 converted on the fly (xh). */
+static inline __m256 kvcx_load8(const float *xf, const uint16_t *xh, int64_t i) {
+    return xh ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(xh + i))) : _mm256_loadu_ps(xf + i);
+}
+static inline int64_t kvcx_groups_codes(const float *xf, const uint16_t *xh, int64_t ng, int64_t G, int bits,
+                                        int asym, const int32_t *lo, const int32_t *hi, uint16_t *s_out,
+                                        uint16_t *z_out, uint8_t *out, int *status) {
     float sc[KVCX_Q4_MAX_GROUPS], inv[KVCX_Q4_MAX_GROUPS], zr[KVCX_Q4_MAX_GROUPS];
     uint32_t keep[KVCX_Q4_MAX_GROUPS];
-    const int st = kvcx_q4_params(lo, hi, ng, 4, asym, s_out, z_out, sc, inv, zr, keep);
+    const int st = kvcx_q4_params(lo, hi, ng, bits, asym, s_out, z_out, sc, inv, zr, keep);
     *status |= st;
     if (st) return ng;
-    const __m256i vlo = _mm256_set1_epi16(asym ? 0 : -8), vhi = _mm256_set1_epi16(asym ? 15 : 7);
-    const __m256i vof = _mm256_set1_epi16(asym ? 0 : 8);
+    const int qmax = asym ? (1 << bits) - 1 : (1 << (bits - 1)) - 1;
+    const __m256i vlo = _mm256_set1_epi16((int16_t)(asym ? 0 : -qmax - 1)), vhi = _mm256_set1_epi16((int16_t)qmax);
+    const __m256i vof = _mm256_set1_epi16((int16_t)(asym ? 0 : qmax + 1));
+    if (bits != 4) {
+        for (int64_t g = 0; g < ng; g++) {
+            const __m256 z = _mm256_set1_ps(zr[g]), s = _mm256_set1_ps(sc[g]), iv = _mm256_set1_ps(inv[g]);
+            const __m256i k = _mm256_set1_epi32((int32_t)keep[g]);
+            for (int64_t i = g * G; i < (g + 1) * G; i += 16)
+                _mm_storeu_si128((__m128i *)(out + i), kvcx_codes16(kvcx_load8(xf, xh, i), kvcx_load8(xf, xh, i + 8),
+                                                                    z, z, s, s, iv, iv, k, vlo, vhi, vof));
+        }
+        return ng;
+    }
     for (int64_t g = 0; g < ng; g++) {
         const __m256 z = _mm256_set1_ps(zr[g]), s = _mm256_set1_ps(sc[g]), iv = _mm256_set1_ps(inv[g]);
         const __m256i k = _mm256_set1_epi32((int32_t)keep[g]);
@@ -610,58 +608,23 @@ static inline int64_t kvcx_q4_groups_codes(const float *xf, const uint16_t *xh, 
                                    : kvcx_q4_32v(x0, x1, x2, x3, 0, z, s, iv, k, vlo, vhi, vof);
             _mm_storeu_si128((__m128i *)(o + i / 2), c);
         }
-        for (; i < G; i += 16) {
-            __m256 x0, x1;
-            if (xh) {
-                __m256i h = _mm256_loadu_si256((const __m256i *)(xh + g * G + i));
-                x0 = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
-                x1 = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
-            } else {
-                x0 = _mm256_loadu_ps(xf + g * G + i);
-                x1 = _mm256_loadu_ps(xf + g * G + i + 8);
-            }
-            _mm_storel_epi64((__m128i *)(o + i / 2), kvcx_q4_16v(x0, x1, z, z, s, s, iv, iv, k, vlo, vhi, vof));
-        }
+        for (; i < G; i += 16)
+            _mm_storel_epi64((__m128i *)(o + i / 2),
+                             kvcx_nibbles16(kvcx_codes16(kvcx_load8(xf, xh, g * G + i), kvcx_load8(xf, xh, g * G + i + 8),
+                                                         z, z, s, s, iv, iv, k, vlo, vhi, vof)));
     }
     return ng;
 }
 #endif
-/* kvcx_q4_groups for the other widths: the codes of the ng groups as bytes at q + i * G (the caller packs
-   them); the same codes and scales as quantizing group by group. Returns the groups done (0 without
-   AVX2 + F16C). */
-static inline int64_t kvcx_qn_groups(const float *x, int64_t ng, int64_t G, int bits, int asym, uint16_t *s_out,
-                                     uint16_t *z_out, uint8_t *q, int *status) {
-#if KVCX_Q4_PARAMS
-    int32_t lo[KVCX_Q4_MAX_GROUPS], hi[KVCX_Q4_MAX_GROUPS];
-    float sc[KVCX_Q4_MAX_GROUPS], inv[KVCX_Q4_MAX_GROUPS], zr[KVCX_Q4_MAX_GROUPS];
-    uint32_t keep[KVCX_Q4_MAX_GROUPS];
-    if (ng > KVCX_Q4_MAX_GROUPS) ng = KVCX_Q4_MAX_GROUPS;
-    for (int64_t g = 0; g < ng; g++) {
-        if (asym) kvcx_minmax_keys(x + g * G, G, lo + g, hi + g);
-        else { lo[g] = 0; hi[g] = kvcx_absmax_bits(x + g * G, G); }
-    }
-    const int st = kvcx_q4_params(lo, hi, ng, bits, asym, s_out, z_out, sc, inv, zr, keep);
-    *status |= st;
-    if (st) return ng;
-    const int qmax = asym ? (1 << bits) - 1 : (1 << (bits - 1)) - 1;
-    const __m256i vlo = _mm256_set1_epi16((int16_t)(asym ? 0 : -qmax - 1)), vhi = _mm256_set1_epi16((int16_t)qmax);
-    const __m256i vof = _mm256_set1_epi16((int16_t)(asym ? 0 : qmax + 1));
-    for (int64_t g = 0; g < ng; g++) {
-        const __m256 z = _mm256_set1_ps(zr[g]), s = _mm256_set1_ps(sc[g]), iv = _mm256_set1_ps(inv[g]);
-        const __m256i k = _mm256_set1_epi32((int32_t)keep[g]);
-        for (int64_t i = 0; i < G; i += 16)
-            _mm_storeu_si128((__m128i *)(q + g * G + i), kvcx_codes16_at(x + g * G + i, z, z, s, s, iv, iv, k, vlo,
-                                                                          vhi, vof));
-    }
-    return ng;
-#else
-    (void)x; (void)ng; (void)G; (void)bits; (void)asym; (void)s_out; (void)z_out; (void)q; (void)status;
-    return 0;
-#endif
-}
-
-static inline int64_t kvcx_q4_groups(const float *x, int64_t ng, int64_t G, int asym, uint16_t *s_out,
-                                     uint16_t *z_out, uint8_t *out, int *status) {
+/* Quantize `ng` whole groups of G contiguous values (G a multiple of 16) at `bits` bits, one FP16 scale (and
+   zero point) per group: at 4 bits group i's packed codes go to out + i * G / 2, at other widths its codes
+   (one byte each) to out + i * G for the caller to pack. Statistics of every group first, then the scales 8
+   groups at a time (kvcx_q4_params), then the codes, so the groups' serial chains (max -> scale -> FP16 ->
+   reciprocal) overlap instead of following one another. Same codes and scales as quantizing group by group
+   (kvcx._core._quant_contig). Returns the groups done (0 without AVX2 + F16C: the caller then quantizes them
+   one by one); ORs kvcx_status bits into *status. At most KVCX_Q4_MAX_GROUPS groups per call. */
+static inline int64_t kvcx_groups(const float *x, int64_t ng, int64_t G, int bits, int asym, uint16_t *s_out,
+                                  uint16_t *z_out, uint8_t *out, int *status) {
 #if KVCX_Q4_PARAMS
     int32_t lo[KVCX_Q4_MAX_GROUPS], hi[KVCX_Q4_MAX_GROUPS];
     if (ng > KVCX_Q4_MAX_GROUPS) ng = KVCX_Q4_MAX_GROUPS;
@@ -669,14 +632,14 @@ static inline int64_t kvcx_q4_groups(const float *x, int64_t ng, int64_t G, int 
         if (asym) kvcx_minmax_keys(x + g * G, G, lo + g, hi + g);
         else { lo[g] = 0; hi[g] = kvcx_absmax_bits(x + g * G, G); }
     }
-    return kvcx_q4_groups_codes(x, NULL, ng, G, asym, lo, hi, s_out, z_out, out, status);
+    return kvcx_groups_codes(x, NULL, ng, G, bits, asym, lo, hi, s_out, z_out, out, status);
 #else
-    (void)x; (void)ng; (void)G; (void)asym; (void)s_out; (void)z_out; (void)out; (void)status;
+    (void)x; (void)ng; (void)G; (void)bits; (void)asym; (void)s_out; (void)z_out; (void)out; (void)status;
     return 0;
 #endif
 }
 
-/* kvcx_q4_groups straight from FP16 input, without the FP32 copy: the statistics run on the FP16 bits
+/* kvcx_groups at 4 bits straight from FP16 input, without the FP32 copy: the statistics run on the FP16 bits
    (16 lanes per instruction; their integer order is the values' order, as for float32 bits), the
    extremes are converted exactly, and the values are converted on the fly for the codes. Same codes
    and scales as converting first. */
@@ -731,7 +694,7 @@ static inline int64_t kvcx_q4_groups_f16(const uint16_t *x, int64_t ng, int64_t 
             hi[g] = kvcx_h_key32(kvcx_hmax_epu16(m));  /* non-negative: the key is the bits */
         }
     }
-    return kvcx_q4_groups_codes(NULL, x, ng, G, asym, lo, hi, s_out, z_out, out, status);
+    return kvcx_groups_codes(NULL, x, ng, G, 4, asym, lo, hi, s_out, z_out, out, status);
 #else
     (void)x; (void)ng; (void)G; (void)asym; (void)s_out; (void)z_out; (void)out; (void)status;
     return 0;
@@ -750,10 +713,7 @@ static inline int kvcx_cols_params_quant(const float *x, int64_t rows, int64_t D
     if (st) return st;
     const float qmax = (float)(asym ? (1 << bits) - 1 : (1 << (bits - 1)) - 1);
     const float qmin = asym ? 0.0f : -qmax - 1.0f, off = asym ? 0.0f : qmax + 1.0f;
-    if (bits == 4)
-        kvcx_q4_pack_cols(x, rows, D, sdiv, zero, (const float *)keep, qmin, qmax, off, out);
-    else
-        kvcx_qn_cols(x, rows, D, sdiv, zero, (const float *)keep, qmin, qmax, off, out);
+    kvcx_quant_cols(x, rows, D, sdiv, zero, (const float *)keep, qmin, qmax, off, bits == 4, out);
     return KVCX_OK;
 #else
     (void)x; (void)rows; (void)D; (void)kmin; (void)kmax; (void)bits; (void)asym; (void)s_out; (void)z_out;

@@ -44,26 +44,21 @@ cdef extern from "_kernels.h" nogil:
     uint32_t kvcx_crc32c(uint32_t crc, const uint8_t *p, int64_t n) noexcept
     int32_t kvcx_absmax_bits(const float *x, int64_t n) noexcept
     void kvcx_minmax_keys(const float *x, int64_t n, int32_t *kmin, int32_t *kmax) noexcept
-    void kvcx_q4_pack_cols(const float *x, int64_t rows, int64_t D, const float *sdiv, const float *zero,
-                           const float *keep, float qmin, float qmax, float off, uint8_t *out) noexcept
-    void kvcx_q4_pack_contig(const float *x, int64_t n, float scale, float zero, float qmin, float qmax,
-                             float off, uint8_t *out) noexcept
-    void kvcx_qn_cols(const float *x, int64_t rows, int64_t D, const float *sdiv, const float *zero,
-                      const float *keep, float qmin, float qmax, float off, uint8_t *q) noexcept
-    void kvcx_qn_contig(const float *x, int64_t n, float scale, float zero, float qmin, float qmax, float off,
-                        uint8_t *q) noexcept
+    void kvcx_quant_cols(const float *x, int64_t rows, int64_t D, const float *sdiv, const float *zero,
+                         const float *keep, float qmin, float qmax, float off, int pack4, uint8_t *out) noexcept
+    void kvcx_quant_contig(const float *x, int64_t n, float scale, float zero, float qmin, float qmax, float off,
+                           int pack4, uint8_t *out) noexcept
     int64_t kvcx_pack3_blocks(const uint8_t *q, int64_t n, uint8_t *out) noexcept
     int64_t kvcx_pack2_blocks(const uint8_t *q, int64_t n, uint8_t *out) noexcept
+    int64_t kvcx_unpack3_blocks(const uint8_t *p, int64_t n, uint8_t *q) noexcept
     void kvcx_fwht_rows(float *x, int64_t rows, int64_t d) noexcept
     int kvcx_cols_params_quant(const float *x, int64_t rows, int64_t D, const int32_t *kmin,
                                const int32_t *kmax, int bits, int asym, uint16_t *s_out, uint16_t *z_out,
                                float *sdiv, float *zero, uint32_t *keep, uint8_t *out) noexcept
-    int64_t kvcx_qn_groups(const float *x, int64_t ng, int64_t G, int bits, int asym, uint16_t *s_out,
-                           uint16_t *z_out, uint8_t *q, int *status) noexcept
     int64_t kvcx_q4_groups_f16(const uint16_t *x, int64_t ng, int64_t G, int asym, uint16_t *s_out,
                                uint16_t *z_out, uint8_t *out, int *status) noexcept
-    int64_t kvcx_q4_groups(const float *x, int64_t ng, int64_t G, int asym, uint16_t *s_out, uint16_t *z_out,
-                           uint8_t *out, int *status) noexcept
+    int64_t kvcx_groups(const float *x, int64_t ng, int64_t G, int bits, int asym, uint16_t *s_out, uint16_t *z_out,
+                        uint8_t *out, int *status) noexcept
 
 cdef extern from "_attn.h" nogil:
     enum:
