@@ -77,7 +77,8 @@ def pareto_png(points: Iterable[dict], thresholds: Iterable[tuple] = ((0.5, "0.5
             continue
         ax.scatter([p["bits"] for p in sel], [max(p["delta"], floor) for p in sel], c=colour, marker=marker,
                    label=name, zorder=3)
-        for p in sel:   # a label that would sit on an earlier one goes below its point
+        for p in sorted(sel, key=lambda p: -p["delta"]):  # a label that would sit on an earlier (higher) one
+            #                                                  goes below its point
             y = max(p["delta"], floor)
             near = any(abs(q[0] - p["bits"]) < 0.25 and abs(math.log10(q[1] / y)) < 0.12 for q in placed)
             placed.append((p["bits"], y))
