@@ -24,8 +24,9 @@ Keys are seen as ``(layers, tokens, kv_heads * head_dim)``: per-channel groups r
 for every (head, dim) channel, and sink tokens are the chunk's first tokens, exactly as
 ``kvcx compress`` does on ``[1, kv_heads, tokens, head_dim]`` tensors. A codec that rotates is
 applied per head, each layer seen as ``(tokens * kv_heads, head_dim)`` rows (its sink tokens are then
-the first ``sinks * kv_heads`` rows, the same bytes); it cannot use per-channel groups. Token-axis groups of at most ``head_dim`` values that divide it are
-the same groups as in a file; the default scheme decodes bit for bit as ``kvcx compress`` does.
+the first ``sinks * kv_heads`` rows, the same bytes); it cannot use per-channel groups. Token-axis
+groups of at most ``head_dim`` values that divide it are the same groups as in a file; the default
+scheme decodes bit for bit as ``kvcx compress`` does.
 """
 from __future__ import annotations
 
