@@ -291,7 +291,7 @@ cdef inline int _quant_contig(const float *x, int64_t n, int bits, bint asym,
     cdef const int32_t *xi = <const int32_t *>x
     cdef int64_t i
     cdef int32_t a, k, amax = 0, kmin = 0x7fffffff, kmax = -0x7fffffff - 1
-    cdef float scale, zero, t, qmax, qmin, off
+    cdef float scale, zero, qmax, qmin, off
     cdef int st
     if asym:
         kvcx_minmax_keys(x, n, &kmin, &kmax)
@@ -342,7 +342,7 @@ cdef int _quant_cols(const float *x, int64_t rows, int64_t D, int bits, bint asy
     cdef float *zero = tmp + 4 * D
     cdef int64_t r, d
     cdef int32_t a, k
-    cdef float t, qmax, qmin, off, sc = 0.0, zr = 0.0
+    cdef float qmax, qmin, off, sc = 0.0, zr = 0.0
     cdef int st = 0
     cdef int64_t d0, w, j
     cdef int32_t lo[64]
