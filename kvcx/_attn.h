@@ -6,20 +6,26 @@
      - up to two runs of exact float32 tokens (the sinks and the full-precision residual),
    in one softmax (running max and sum, FP32 throughout).
 
-   Codes are read centred, c - 8 (sums of many weighted codes then do not cancel against a large
-   offset term). Keys, per group along tokens and channel (kvcx's default, KIVI's keys):
-       q . k_t = sum_d (q_d s_d) (c_td - 8) + sum_d q_d (z_d + 8 s_d)     (asymmetric: k = s c + z)
-                 sum_d (q_d s_d) (c_td - 8)                               (symmetric: k = s (c - 8))
+   Keys' codes are read as stored, c in 0..15: the offsets are summed once per block or tile, not
+   subtracted per code (a score is one dot product, nothing averages away). Keys, per group along tokens
+   and channel (kvcx's default, KIVI's keys):
+       q . k_t = sum_d (q_d s_d) c_td + sum_d q_d z_d                     (asymmetric: k = s c + z)
+                 sum_d (q_d s_d) c_td - 8 sum_d q_d s_d                   (symmetric: k = s (c - 8))
    so each block of tokens scales the query once and the tokens cost a dot product over codes.
-   Keys grouped per token (one scale per token or per few tokens): s_t (q . (c_t - 8)) [+ (z_t + 8 s_t) sum q].
+   Keys grouped per token (one scale per token or per few tokens): s_t (q . c_t) + z_t sum q (asymmetric),
+   s_t (q . c_t - 8 sum q) (symmetric).
    Rotated keys (stored H k): q . k = (H q) . (stored), so the query is rotated once.
-   Values grouped per token: sum_t p_t v_t accumulates sum_t (p_t s_t) (c_t - 8) [+ sum_t p_t (z_t + 8 s_t)
-   when asymmetric]; with the Hadamard rotation the accumulator stays in the rotated domain and one
-   inverse rotation per output row ends it (sum_t p_t H x_t = H sum_t p_t x_t).
+   Values grouped per token: sum_t p_t v_t accumulates sum_t (p_t s_t) (c_t - 8), centred (the mean of
+   many tokens' values is small against their codes' offset: uncentred sums would cancel), plus
+   sum_t p_t (z_t + 8 s_t) when asymmetric, once per task; with the Hadamard rotation the
+   accumulator stays in the rotated domain and one inverse rotation per output row ends it
+   (sum_t p_t H x_t = H sum_t p_t x_t).
 
    Codes hold element 2i in the low nibble of byte i. The dot products and accumulators run in a
    permuted channel order in which 8 bytes give 16 channels with no shuffle: per 16 channels, the 8
-   even ones (low nibbles) then the 8 odd ones (high nibbles).
+   even ones (low nibbles) then the 8 odd ones (high nibbles). A high nibble is read in place, as 16 c
+   (no shift): the query's odd halves are scaled by 1/16 for the dot products, and the accumulators' odd
+   halves hold 16x their sums until the task ends (powers of two: exact).
 
    Work is split into tasks of (batch row x KV head, token range): each writes a partial
    (max, sum, accumulators) into its workspace, and a second pass merges the partials of a row
@@ -109,17 +115,25 @@ static inline __m256 kvcx_exp8(__m256 x) {
     return _mm256_and_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(e)), keep);
 }
 
-/* 8 code bytes -> the 8 even (low nibble) and 8 odd (high nibble) channels as centred floats c - 8
-   (centred, sums of many weighted codes do not cancel against a large offset term afterwards) */
+/* 8 code bytes -> the 8 even channels' codes c (low nibbles) and the 8 odd channels' 16 c (high nibbles
+   in place), as floats */
 #define KVCX_Q4_UNPACK16(ptr, lo, hi) do { \
     __m256i x_ = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(ptr))); \
-    lo = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(x_, _mm256_set1_epi32(15)), _mm256_set1_epi32(8))); \
-    hi = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(x_, 4), _mm256_set1_epi32(8))); \
+    lo = _mm256_cvtepi32_ps(_mm256_and_si256(x_, _mm256_set1_epi32(0x0F))); \
+    hi = _mm256_cvtepi32_ps(_mm256_and_si256(x_, _mm256_set1_epi32(0xF0))); \
+} while (0)
+/* the same, centred: c - 8 and 16 (c - 8) */
+#define KVCX_Q4_UNPACK16_C(ptr, lo, hi) do { \
+    __m256i x_ = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(ptr))); \
+    lo = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(x_, _mm256_set1_epi32(0x0F)), _mm256_set1_epi32(8))); \
+    hi = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(x_, _mm256_set1_epi32(0xF0)), _mm256_set1_epi32(128))); \
 } while (0)
 
-/* dots[r * ds + j] = qp[r] . codes of token j (permuted order), RB <= 4 heads, n tokens */
+/* dots[r * ds + j] = qh[r] . codes of token j (permuted order, odd halves read as 16 c) + bias[r],
+   RB <= 4 heads, n tokens */
 static inline __attribute__((always_inline)) void kvcx_q4_dots_rb(const uint8_t *c, int64_t n, int64_t D,
-                                                                  const float *qp, const int RB, float *dots,
+                                                                  const float *qp, const float *bias, const int RB,
+                                                                  float *dots,
                                                                   int64_t ds) {
     __m256 part[4][8];
     float tmp[8];
@@ -141,14 +155,19 @@ static inline __attribute__((always_inline)) void kvcx_q4_dots_rb(const uint8_t 
             }
             for (int r = 0; r < RB; r++) part[r][j] = _mm256_add_ps(a[r], b[r]);
         }
-        for (int r = 0; r < RB; r++) {
-            _mm256_storeu_ps(tmp, kvcx_hsum8(part[r]));
-            for (int64_t j = 0; j < nj; j++) dots[r * ds + j0 + j] = tmp[j];
-        }
+        if (nj == 8)   /* (a copy through tmp of a variable count compiles to a slow rep movs) */
+            for (int r = 0; r < RB; r++)
+                _mm256_storeu_ps(dots + r * ds + j0, _mm256_add_ps(kvcx_hsum8(part[r]), _mm256_set1_ps(bias[r])));
+        else
+            for (int r = 0; r < RB; r++) {
+                _mm256_storeu_ps(tmp, _mm256_add_ps(kvcx_hsum8(part[r]), _mm256_set1_ps(bias[r])));
+                for (int64_t j = 0; j < nj; j++) dots[r * ds + j0 + j] = tmp[j];
+            }
     }
 }
 
-/* acc[r] (permuted order) += sum_j w[r * ws + j] * codes of token j, RB <= 4 heads */
+/* acc[r] (permuted order, odd halves 16x) += sum_j w[r * ws + j] * centred codes (c - 8) of token j, RB <= 4
+   heads */
 static inline __attribute__((always_inline)) void kvcx_q4_axpy_rb(const uint8_t *c, int64_t n, int64_t D,
                                                                   const float *w, int64_t ws, const int RB,
                                                                   float *acc) {
@@ -160,7 +179,7 @@ static inline __attribute__((always_inline)) void kvcx_q4_axpy_rb(const uint8_t 
         }
         for (int64_t j = 0; j < n; j++) {
             __m256 lo, hi;
-            KVCX_Q4_UNPACK16(c + j * (D / 2) + 8 * k, lo, hi);
+            KVCX_Q4_UNPACK16_C(c + j * (D / 2) + 8 * k, lo, hi);
             for (int r = 0; r < RB; r++) {
                 __m256 wv = _mm256_broadcast_ss(w + r * ws + j);
                 a[r] = _mm256_fmadd_ps(wv, lo, a[r]);
@@ -218,15 +237,15 @@ static inline float kvcx_dot_f32(const float *a, const float *b, int64_t n) {
 }
 #endif
 
-static inline void kvcx_q4_dots(const uint8_t *c, int64_t n, int64_t D, const float *qp, int64_t R,
+static inline void kvcx_q4_dots(const uint8_t *c, int64_t n, int64_t D, const float *qp, const float *bias, int64_t R,
                                 float *dots, int64_t ds) {
 #if KVCX_ATTN_AVX2
     int64_t r0 = 0;
-    for (; r0 + 4 <= R; r0 += 4) kvcx_q4_dots_rb(c, n, D, qp + r0 * D, 4, dots + r0 * ds, ds);
+    for (; r0 + 4 <= R; r0 += 4) kvcx_q4_dots_rb(c, n, D, qp + r0 * D, bias + r0, 4, dots + r0 * ds, ds);
     switch (R - r0) {
-    case 3: kvcx_q4_dots_rb(c, n, D, qp + r0 * D, 3, dots + r0 * ds, ds); break;
-    case 2: kvcx_q4_dots_rb(c, n, D, qp + r0 * D, 2, dots + r0 * ds, ds); break;
-    case 1: kvcx_q4_dots_rb(c, n, D, qp + r0 * D, 1, dots + r0 * ds, ds); break;
+    case 3: kvcx_q4_dots_rb(c, n, D, qp + r0 * D, bias + r0, 3, dots + r0 * ds, ds); break;
+    case 2: kvcx_q4_dots_rb(c, n, D, qp + r0 * D, bias + r0, 2, dots + r0 * ds, ds); break;
+    case 1: kvcx_q4_dots_rb(c, n, D, qp + r0 * D, bias + r0, 1, dots + r0 * ds, ds); break;
     default: break;
     }
 #else
@@ -237,9 +256,9 @@ static inline void kvcx_q4_dots(const uint8_t *c, int64_t n, int64_t D, const fl
             for (int64_t p = 0; p < D; p++) {
                 int64_t k = p >> 4, i = p & 15;
                 uint8_t byte = cj[8 * k + (i & 7)];
-                s += qp[r * D + p] * (float)((i < 8 ? (byte & 15) : (byte >> 4)) - 8);
+                s += qp[r * D + p] * (float)(i < 8 ? (byte & 0x0F) : (byte & 0xF0));
             }
-            dots[r * ds + j] = s;
+            dots[r * ds + j] = s + bias[r];
         }
 #endif
 }
@@ -263,7 +282,7 @@ static inline void kvcx_q4_axpy(const uint8_t *c, int64_t n, int64_t D, const fl
             for (int64_t p = 0; p < D; p++) {
                 int64_t k = p >> 4, i = p & 15;
                 uint8_t byte = cj[8 * k + (i & 7)];
-                acc[r * D + p] += wj * (float)((i < 8 ? (byte & 15) : (byte >> 4)) - 8);
+                acc[r * D + p] += wj * (float)(i < 8 ? (byte & 0x0F) - 8 : (byte & 0xF0) - 128);
             }
         }
 #endif
@@ -346,7 +365,12 @@ static inline void kvcx_attn_exact(const kvcx_attn_layout *L, const kvcx_attn_ar
     }
 }
 
-/* One task: (row x KV head) `slab`, token range `split`; writes the partial to the task's workspace. */
+/* out = x with the odd half of every 16 (permuted order: the high nibbles' channels) divided by 16; n a
+   multiple of 16, out may be x */
+static inline void kvcx_attn_halve_odd(const float *x, float *out, int64_t n) {
+    for (int64_t i = 0; i < n; i++) out[i] = (i & 8) ? x[i] * 0.0625f : x[i];
+}
+
 /* out[d] = float(h[kvcx_attn_perm(d)]) for d < D (D a multiple of 16): FP16 per-channel parameters in the
    permuted channel order */
 static inline void kvcx_h2f_perm(const uint16_t *h, int64_t D, float *out) {
@@ -363,6 +387,7 @@ static inline void kvcx_h2f_perm(const uint16_t *h, int64_t D, float *out) {
     for (int64_t d = k; d < D; d++) out[d] = kvcx_h2f_1(h[kvcx_attn_perm(d)]);
 }
 
+/* One task: (row x KV head) `slab`, token range `split`; writes the partial to the task's workspace. */
 static inline void kvcx_attn_task(const kvcx_attn_layout *L, const kvcx_attn_args *A, int64_t task) {
     const int64_t R = L->R, D = L->D, T = KVCX_ATTN_TILE;
     const int64_t slab = task / L->nsplit, split = task % L->nsplit;
@@ -370,7 +395,8 @@ static inline void kvcx_attn_task(const kvcx_attn_layout *L, const kvcx_attn_arg
     float *part = A->work + task * kvcx_attn_work_floats(R, D);
     float *qn = part + kvcx_attn_part_floats(R, D);   /* R x D: q * scaling */
     float *qp = qn + R * D;                            /* R x D: keys' rotation applied, permuted */
-    float *qs = qp + R * D;                            /* R x D: qp * a block's key scales */
+    float *qs = qp + R * D;                            /* R x D: what the dot products read: qp (times a
+                                                          block's key scales), odd halves / 16 */
     float *W = qs + R * D, *Z = W + R, *bias = Z + R, *sumq = bias + R;
     float *sc = sumq + R;                              /* R x T scores */
     float *p = sc + R * T;                             /* R x T probabilities, then value weights */
@@ -394,6 +420,10 @@ static inline void kvcx_attn_task(const kvcx_attn_layout *L, const kvcx_attn_arg
             s += qp[r * D + d];
         }
         sumq[r] = s;
+    }
+    if (L->k_axis != KVCX_AXIS_CHANNEL) {  /* keys per token: the dot products read the query itself */
+        kvcx_attn_halve_odd(qp, qs, R * D);
+        for (int64_t r = 0; r < R; r++) bias[r] = 0.0f;
     }
 
     /* this task's packed tokens: splits share the work, an exact token counting as 4 packed ones */
@@ -426,9 +456,10 @@ static inline void kvcx_attn_task(const kvcx_attn_layout *L, const kvcx_attn_arg
                 kvcx_h2f_perm(ks + blk * D, D, sp);
                 if (kz) kvcx_h2f_perm(kz + blk * D, D, zp);
                 else for (int64_t d = 0; d < D; d++) zp[d] = 0.0f;
-                for (int64_t r = 0; r < R; r++) {   /* k = s (c - 8) + (z + 8 s): the bias is q . (z + 8 s) */
+                for (int64_t r = 0; r < R; r++) {   /* k = s c + z, or s (c - 8): the bias is q . z or -8 q . s */
+                    bias[r] = kz ? kvcx_dot_f32(qp + r * D, zp, D) : -8.0f * kvcx_dot_f32(qp + r * D, sp, D);
                     for (int64_t d = 0; d < D; d++) qs[r * D + d] = qp[r * D + d] * sp[d];
-                    bias[r] = kz ? kvcx_dot_f32(qp + r * D, zp, D) + 8.0f * kvcx_dot_f32(qp + r * D, sp, D) : 0.0f;
+                    kvcx_attn_halve_odd(qs + r * D, qs + r * D, D);
                 }
             }
             end = end < blk_end ? end : blk_end;
@@ -442,11 +473,8 @@ static inline void kvcx_attn_task(const kvcx_attn_layout *L, const kvcx_attn_arg
             for (int64_t o = 0; o < nn; o += 64) _mm_prefetch((const char *)(kc + end * (D / 2) + o), _MM_HINT_T0);
         }
 #endif
-        kvcx_q4_dots(kc + t * (D / 2), n, D, L->k_axis == KVCX_AXIS_CHANNEL ? qs : qp, R, sc, T);
-        if (L->k_axis == KVCX_AXIS_CHANNEL) {
-            for (int64_t r = 0; r < R; r++)
-                for (int64_t j = 0; j < n; j++) sc[r * T + j] += bias[r];
-        } else {
+        kvcx_q4_dots(kc + t * (D / 2), n, D, qs, bias, R, sc, T);
+        if (L->k_axis != KVCX_AXIS_CHANNEL) {
             if (L->k_group == D) {               /* one scale per token: convert the tile's at once */
                 kvcx_h2f_n(ks + t + koff, vs, n);
                 if (kz) kvcx_h2f_n(kz + t + koff, vz, n);
@@ -456,13 +484,12 @@ static inline void kvcx_attn_task(const kvcx_attn_layout *L, const kvcx_attn_arg
                     vs[j] = kvcx_h2f_1(ks[g]);
                     if (kz) vz[j] = kvcx_h2f_1(kz[g]);
                 }
-            if (kz) {                            /* k = s (c - 8) + (z + 8 s) */
-                for (int64_t j = 0; j < n; j++) vz[j] += 8.0f * vs[j];
+            if (kz)                              /* k = s c + z */
                 for (int64_t r = 0; r < R; r++)
                     for (int64_t j = 0; j < n; j++) sc[r * T + j] = vs[j] * sc[r * T + j] + vz[j] * sumq[r];
-            } else
+            else                                 /* k = s (c - 8) */
                 for (int64_t r = 0; r < R; r++)
-                    for (int64_t j = 0; j < n; j++) sc[r * T + j] *= vs[j];
+                    for (int64_t j = 0; j < n; j++) sc[r * T + j] = vs[j] * (sc[r * T + j] - 8.0f * sumq[r]);
         }
         if (mrow)
             for (int64_t r = 0; r < R; r++)
@@ -494,12 +521,14 @@ static inline void kvcx_attn_task(const kvcx_attn_layout *L, const kvcx_attn_arg
         if (L->nr) kvcx_attn_exact(L, A, slab, A->rk + slab * L->nr * D, A->rv + slab * L->nr * D, L->nr,
                                    L->pos_r, qn, part, sc, p, W, Z);
     }
-    if (L->v_asym)                           /* the values' sum p (z + 8 s) */
-        for (int64_t r = 0; r < R; r++) {
-            float *accv = part + 2 * R + r * D;
+    for (int64_t r = 0; r < R; r++) {        /* odd halves back from 16x; asymmetric: the values' sum p (z + 8 s) */
+        float *accv = part + 2 * R + r * D;
+        kvcx_attn_halve_odd(accv, accv, D);
+        if (L->v_asym) {
             const float c = Z[r] + 8.0f * W[r];
             for (int64_t d = 0; d < D; d++) accv[d] += c;
         }
+    }
 }
 
 /* Merge the partials of (row x KV head) `slab`, query head r: out = (H(accv) + accp) / l. */
