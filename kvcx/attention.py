@@ -174,6 +174,7 @@ _EMPTY_U16 = np.empty((0, 0), dtype=np.uint16)
 _EMPTY_F32_2 = np.empty((0, 0), dtype=np.float32)
 _EMPTY_F32_3 = np.empty((0, 0, 0), dtype=np.float32)
 _EMPTY_I64 = np.empty(0, dtype=np.int64)
+NO_MASK = _EMPTY_F32_2   # PackedKV.step's mask argument when nothing is masked
 
 
 def _splits(slabs: int, tokens: int, threads: int) -> int:
@@ -222,7 +223,7 @@ class PackedKV:
         # the kernel's workspace, kept between steps: this store's own (counted in nbytes) or a shared one
         self._own_workspace = workspace is None
         self.workspace = workspace if workspace is not None else Workspace()
-        self._plan_obj, self._plan_key = None, None
+        self._plan_obj, self._plan_key, self._plan_work = None, None, None
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -274,27 +275,29 @@ class PackedKV:
         return int(n)
 
     def _plan(self, B: int, Hkv: int, R: int, D: int, threads: int):
-        """The kernel's plan for this geometry, bound to the stores as they are now (rebuilt on change)."""
+        """The kernel's plan for this geometry, bound to the stores as they are now (rebuilt on change: new
+        chunks, another geometry, or the shared workspace reallocated by another layer)."""
+        key = (B, Hkv, R, D, threads, len(self.keys._chunks))
+        if self._plan_key == key and self.workspace.array is self._plan_work:
+            return self._plan_obj
         nh = max(self.keys.sink_tokens, self.values.sink_tokens)  # the head rows: exact in either kind
         Tq = self.tokens - nh                                       # positions read from the packed codes
         nsplit = _splits(B * Hkv, Tq, threads)
         work = self.workspace.get(B * Hkv * nsplit, _core.attn_work_floats(R, D))
-        key = (B, Hkv, R, D, threads, len(self), work.__array_interface__["data"][0])
-        if self._plan_key != key:
-            kc, vc = self.key_codec, self.value_codec
-            plan = _core.AttnPlan(B=B, Hkv=Hkv, R=R, D=D,
-                                  k_axis=_core.AXIS_CHANNEL if kc.axis == "channel" else _core.AXIS_TOKEN,
-                                  k_asym=kc.asym, k_rotate=kc.rotate, k_group=kc.group_size,
-                                  v_asym=vc.asym, v_rotate=vc.rotate, v_group=vc.group_size)
-            hk, hv = self.head()
-            keys, values = self.keys, self.values
-            plan.bind(keys.codes, keys.scales.view(np.uint16),
-                      keys.zeros.view(np.uint16) if keys.zeros is not None else _EMPTY_U16,
-                      keys.block_starts if kc.axis == "channel" else _EMPTY_I64,
-                      values.codes, values.scales.view(np.uint16),
-                      values.zeros.view(np.uint16) if values.zeros is not None else _EMPTY_U16,
-                      hk, hv, Tq, work, nsplit)
-            self._plan_obj, self._plan_key = plan, key
+        kc, vc = self.key_codec, self.value_codec
+        plan = _core.AttnPlan(B=B, Hkv=Hkv, R=R, D=D,
+                              k_axis=_core.AXIS_CHANNEL if kc.axis == "channel" else _core.AXIS_TOKEN,
+                              k_asym=kc.asym, k_rotate=kc.rotate, k_group=kc.group_size,
+                              v_asym=vc.asym, v_rotate=vc.rotate, v_group=vc.group_size)
+        hk, hv = self.head()
+        keys, values = self.keys, self.values
+        plan.bind(keys.codes, keys.scales.view(np.uint16),
+                  keys.zeros.view(np.uint16) if keys.zeros is not None else _EMPTY_U16,
+                  keys.block_starts if kc.axis == "channel" else _EMPTY_I64,
+                  values.codes, values.scales.view(np.uint16),
+                  values.zeros.view(np.uint16) if values.zeros is not None else _EMPTY_U16,
+                  hk, hv, Tq, work, nsplit)
+        self._plan_obj, self._plan_key, self._plan_work = plan, key, work
         return self._plan_obj
 
     def attend(self, q: np.ndarray, residual_k: Optional[np.ndarray], residual_v: Optional[np.ndarray],
@@ -348,8 +351,25 @@ class PackedKV:
         elif not (isinstance(out, np.ndarray) and out.dtype == np.float32 and out.shape == (B, Hq, D)
                   and out.flags.c_contiguous and out.flags.writeable):
             raise CodecError(f"attention: out must be a writeable C-contiguous float32 array of shape {[B, Hq, D]}")
-        threads = resolve_threads(n_threads)
+        return self.step(q, rk, rv, mask, scaling, resolve_threads(n_threads), out)
+
+    def step(self, q: np.ndarray, rk: np.ndarray, rv: np.ndarray, mask: np.ndarray, scaling: float, threads: int,
+             out: np.ndarray) -> np.ndarray:
+        """One decode step for a caller that built every array itself (:meth:`attend` after its checks,
+        :mod:`kvcx.hf` per layer step): q and out [B, Hq, D], rk / rv [N, nr, D] (nr may be 0; ``_EMPTY_F32_3``
+        for none), mask [B, held + nr] or ``NO_MASK``, all float32 and C-contiguous (the kernel's typed
+        arguments refuse anything else). Only the sizes the kernel indexes by are checked here: a decode step
+        runs once per layer and token, and the per-call checks cost as much as the kernel on short contexts."""
+        B, Hq, D = q.shape
+        N = self.keys.N
+        nr = rk.shape[1]
+        held = self.keys.tokens + (0 if self.keys.sinks is None else self.keys.sinks.shape[1])
+        if (not B or D != self.keys.D or N % B or Hq % (N // B) or (nr and rk.shape != (N, nr, D)) or rv.shape != rk.shape
+                or out.shape != q.shape or (mask.shape[0] and mask.shape != (B, held + nr)) or held + nr == 0):
+            raise CodecError(f"attention: q {list(q.shape)}, residual {list(rk.shape)} / {list(rv.shape)}, mask "
+                             f"{list(mask.shape)}, out {list(out.shape)} do not fit the packed stores ({N} rows x KV "
+                             f"heads of head dim {self.keys.D}, {held} tokens)")
         if held + 4 * nr < _MIN_PARALLEL_TOKENS:
             threads = 1
-        self._plan(B, Hkv, R, D, threads).run(q, rk, rv, mask, out, scaling, threads)
+        self._plan(B, N // B, Hq // (N // B), D, threads).run(q, rk, rv, mask, out, scaling, threads)
         return out

@@ -43,12 +43,13 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
-from kvcx.attention import PackedKV, Workspace
+from kvcx.attention import NO_MASK, PackedKV, Workspace
 from kvcx.codec import IntCodec, decode_packed
 from kvcx.deps import check_transformers_version
 from kvcx.errors import KvcxError
 from kvcx.kv_cache import torch_to_numpy
 from kvcx.kvconfig import DEFAULT_SCHEME, KVConfig
+from kvcx.runtime import resolve_threads
 
 check_transformers_version(transformers.__version__)
 
@@ -199,24 +200,30 @@ class KvcxLayer(DynamicLayer):
         """The fused step: one query token per row against the packed store and the residual.
 
         Returns the attention output as transformers' attention functions do: [B, 1, Hq, D]."""
+        # every step of every layer comes here: the arrays are built to the kernel's contract (float32,
+        # C-contiguous, the shapes PackedKV.step checks), so the step skips PackedKV.attend's type checks
         B, Hq, _, D = query.shape
-        q = query.reshape(B, Hq, D)
-        q = (q if q.dtype == torch.float32 else q.float()).contiguous().numpy()
-        if self.keys.dtype == torch.float32:
-            rk, rv = self.keys.numpy(), self.values.numpy()
+        fp32 = query.dtype == torch.float32
+        q = (query if fp32 else query.float()).contiguous().numpy().reshape(B, Hq, D)
+        keys, values = (self.keys, self.values) if self.keys.dtype == torch.float32 else \
+            (self.keys.float(), self.values.float())
+        N, nr = B * keys.shape[1], keys.shape[2]
+        rk, rv = keys.numpy().reshape(N, nr, D), values.numpy().reshape(N, nr, D)
+        if attention_mask is None:
+            mask = NO_MASK
         else:
-            rk, rv = self.keys.float().numpy(), self.values.float().numpy()
-        mask = None if attention_mask is None else self._owner._additive_mask(attention_mask, B)
-        if mask is not None:
+            mask = self._owner._additive_mask(attention_mask, B)
             if mask.shape[-1] != self.cumulative_length:
                 raise KvcxError(f"the attention mask covers {mask.shape[-1]} tokens but the cache holds "
                                 f"{self.cumulative_length}; pass the mask generate() builds")
+        out = np.empty((B, 1, Hq, D), dtype=np.float32)
         t = time.perf_counter()
-        out = self.store.attend(q, rk, rv, mask, scaling, n_threads=self.n_threads)
+        self.store.step(q, rk, rv, mask, scaling, resolve_threads(self.n_threads), out.reshape(B, Hq, D))
         self._owner.kernel_time_s += time.perf_counter() - t
-        self._flush()
-        out = torch.from_numpy(out).view(B, 1, Hq, D)
-        return out if query.dtype == torch.float32 else out.to(query.dtype)
+        if nr >= self.residual_length:
+            self._flush()
+        out = torch.from_numpy(out)
+        return out if fp32 else out.to(query.dtype)
 
     def full_states(self):
         """Keys and values of every held token, materialised (for attention features the kernel lacks)."""
@@ -255,7 +262,7 @@ class KvcxLayer(DynamicLayer):
 
 
 # attention arguments the fused kernel does not implement: those steps run SDPA over the materialised cache
-_NOT_FUSED = ("softcap", "sliding_window", "s_aux", "position_bias")
+_NOT_FUSED = frozenset(("softcap", "sliding_window", "s_aux", "position_bias"))
 
 
 def kvcx_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
@@ -268,7 +275,8 @@ def kvcx_attention_forward(module, query, key, value, attention_mask, dropout: f
                                       is_causal=is_causal, **kwargs)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    if (kwargs and any(kwargs.get(k) is not None for k in _NOT_FUSED)) or (dropout and module.training):  # what the kernel does not do: SDPA over the materialised cache
+    if ((not _NOT_FUSED.isdisjoint(kwargs) and any(kwargs.get(k) is not None for k in _NOT_FUSED))
+            or (dropout and module.training)):  # what the kernel does not do: SDPA over the materialised cache
         layer.steps["fused"] -= 1
         layer.steps["materialised"] += 1
         k, v = layer.full_states()
