@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from kvcx import _core
-from kvcx.attention import PackedKV, fused_unsupported
+from kvcx.attention import NO_MASK, PackedKV, fused_unsupported
 from kvcx.codec import IntCodec, decode_packed
 from kvcx.errors import CodecError
 from kvcx.kvconfig import KVConfig
@@ -161,3 +161,21 @@ def test_bad_inputs_are_clear_errors():
         two.attend(q, None, None, None, 0.125)
     with pytest.raises(CodecError, match="does not fit this store"):
         store.append(kv.key.encode(K[:, :2]), kv.value.encode(V[:, :2]))
+    # step(): the per-layer path for callers that build the arrays (KvcxCache) still refuses sizes the
+    # kernel would index out of bounds, and its typed arguments refuse other dtypes
+    out = np.empty_like(q)
+    r2 = np.zeros((3, 2, 64), np.float32)
+    bad = [(q[:, :8].copy(), r2, r2, NO_MASK, out),                          # query heads
+           (q, r2, np.zeros((3, 3, 64), np.float32), NO_MASK, out),          # residual keys vs values
+           (q, np.zeros((2, 2, 64), np.float32), np.zeros((2, 2, 64), np.float32), NO_MASK, out),
+           (q, r2, r2, np.zeros((1, 129), np.float32), out),                 # mask: 128 held + 2 residual
+           (q, r2, r2, np.zeros((1, 0), np.float32), out),                   # a mask without its columns
+           (q, r2, r2, NO_MASK, np.empty((1, 9, 32), np.float32)),
+           (np.empty((0, 9, 64), np.float32), r2, r2, NO_MASK, out)]
+    for args in bad:
+        with pytest.raises(CodecError, match="do not fit the packed stores"):
+            store.step(args[0], args[1], args[2], args[3], 0.125, 2, args[4])
+    with pytest.raises(ValueError):
+        store.step(q.astype(np.float64), r2, r2, NO_MASK, 0.125, 2, out)
+    ref = store.attend(q, r2.reshape(1, 3, 2, 64), r2.reshape(1, 3, 2, 64), np.zeros((1, 130), np.float32), 0.125)
+    np.testing.assert_array_equal(store.step(q, r2, r2, np.zeros((1, 130), np.float32), 0.125, 2, out), ref)
