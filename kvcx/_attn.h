@@ -343,24 +343,59 @@ static inline void kvcx_attn_softmax(float *part, int64_t R, int64_t D, const fl
 static inline void kvcx_attn_exact(const kvcx_attn_layout *L, const kvcx_attn_args *A, int64_t slab,
                                    const float *ek, const float *ev, int64_t n, int64_t pos, const float *qn,
                                    float *part, float *sc, float *p, float *W, float *Z) {
-    const int64_t R = L->R, D = L->D, b = slab / L->Hkv;
-    for (int64_t t = 0; t < n; t += KVCX_ATTN_TILE) {
-        const int64_t m = n - t < KVCX_ATTN_TILE ? n - t : KVCX_ATTN_TILE;
-        for (int64_t r = 0; r < R; r++)
-            for (int64_t j = 0; j < m; j++) {
-                float s = kvcx_dot_f32(qn + r * D, ek + (t + j) * D, D);
-                if (A->mask) s += A->mask[b * L->kv_len + pos + t + j];
-                sc[r * KVCX_ATTN_TILE + j] = s;
-            }
-        kvcx_attn_softmax(part, R, D, sc, m, p, W, Z);
+    const int64_t R = L->R, D = L->D, b = slab / L->Hkv, T = KVCX_ATTN_TILE;
+    const float *mrow = A->mask ? A->mask + b * L->kv_len + pos : NULL;
+    for (int64_t t = 0; t < n; t += T) {
+        const int64_t m = n - t < T ? n - t : T;
         for (int64_t r = 0; r < R; r++) {
-            float *accp = part + 2 * R + (R + r) * D;
-            for (int64_t j = 0; j < m; j++) {
-                const float w = p[r * KVCX_ATTN_TILE + j];
-                const float *v = ev + (t + j) * D;
-                if (w != 0.0f)
-                    for (int64_t d = 0; d < D; d++) accp[d] += w * v[d];
+            float *s = sc + r * T;
+#if KVCX_ATTN_AVX2
+            for (int64_t j0 = 0; j0 < m; j0 += 8) {   /* 8 tokens' dot products, then one horizontal sum */
+                const int64_t nj = m - j0 < 8 ? m - j0 : 8;
+                __m256 part8[8];
+                for (int64_t j = 0; j < 8; j++) {
+                    __m256 a = _mm256_setzero_ps(), c = _mm256_setzero_ps();
+                    if (j < nj) {
+                        const float *k = ek + (t + j0 + j) * D, *qr = qn + r * D;
+                        for (int64_t d = 0; d < D; d += 16) {
+                            a = _mm256_fmadd_ps(_mm256_loadu_ps(qr + d), _mm256_loadu_ps(k + d), a);
+                            c = _mm256_fmadd_ps(_mm256_loadu_ps(qr + d + 8), _mm256_loadu_ps(k + d + 8), c);
+                        }
+                    }
+                    part8[j] = _mm256_add_ps(a, c);
+                }
+                float tmp[8];
+                _mm256_storeu_ps(tmp, kvcx_hsum8(part8));
+                for (int64_t j = 0; j < nj; j++) s[j0 + j] = tmp[j];
             }
+#else
+            for (int64_t j = 0; j < m; j++) s[j] = kvcx_dot_f32(qn + r * D, ek + (t + j) * D, D);
+#endif
+            if (mrow)
+                for (int64_t j = 0; j < m; j++) s[j] += mrow[t + j];
+        }
+        kvcx_attn_softmax(part, R, D, sc, m, p, W, Z);
+        for (int64_t r = 0; r < R; r++) {   /* masked tokens (weight 0) are skipped, whatever they hold */
+            float *accp = part + 2 * R + (R + r) * D;
+            const float *pr = p + r * T;
+            const float *v = ev + t * D;
+#if KVCX_ATTN_AVX2
+            for (int64_t d = 0; d < D; d += 16) {   /* two accumulators in registers across the tokens */
+                __m256 a = _mm256_loadu_ps(accp + d), c = _mm256_loadu_ps(accp + d + 8);
+                for (int64_t j = 0; j < m; j++)
+                    if (pr[j] != 0.0f) {
+                        const __m256 w = _mm256_set1_ps(pr[j]);
+                        a = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + j * D + d), a);
+                        c = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + j * D + d + 8), c);
+                    }
+                _mm256_storeu_ps(accp + d, a);
+                _mm256_storeu_ps(accp + d + 8, c);
+            }
+#else
+            for (int64_t j = 0; j < m; j++)
+                if (pr[j] != 0.0f)
+                    for (int64_t d = 0; d < D; d++) accp[d] += pr[j] * v[j * D + d];
+#endif
         }
     }
 }
