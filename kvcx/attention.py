@@ -356,16 +356,14 @@ class PackedKV:
     def step(self, q: np.ndarray, rk: np.ndarray, rv: np.ndarray, mask: np.ndarray, scaling: float, threads: int,
              out: np.ndarray) -> np.ndarray:
         """One decode step for a caller that built every array itself (:meth:`attend` after its checks,
-        :mod:`kvcx.hf` per layer step): q and out [B, Hq, D], rk / rv [N, nr, D] (nr may be 0; ``_EMPTY_F32_3``
-        for none), mask [B, held + nr] or ``NO_MASK``, all float32 and C-contiguous (the kernel's typed
+        :mod:`kvcx.hf` per layer step): q and out [B, Hq, D], rk / rv [N, nr, D] (nr may be 0), mask [B, held + nr] or ``NO_MASK``, all float32 and C-contiguous (the kernel's typed
         arguments refuse anything else). Only the sizes the kernel indexes by are checked here: a decode step
         runs once per layer and token, and the per-call checks cost as much as the kernel on short contexts."""
         B, Hq, D = q.shape
-        N = self.keys.N
-        nr = rk.shape[1]
-        held = self.keys.tokens + (0 if self.keys.sinks is None else self.keys.sinks.shape[1])
-        if (not B or D != self.keys.D or N % B or Hq % (N // B) or (nr and rk.shape != (N, nr, D)) or rv.shape != rk.shape
-                or out.shape != q.shape or (mask.shape[0] and mask.shape != (B, held + nr)) or held + nr == 0):
+        N, nr, held = self.keys.N, rk.shape[1], self.tokens
+        if (not B or D != self.keys.D or N % B or Hq % (N // B) or (nr and rk.shape != (N, nr, D))
+                or rv.shape != rk.shape or out.shape != q.shape or (mask.shape[0] and mask.shape != (B, held + nr))
+                or held + nr == 0):
             raise CodecError(f"attention: q {list(q.shape)}, residual {list(rk.shape)} / {list(rv.shape)}, mask "
                              f"{list(mask.shape)}, out {list(out.shape)} do not fit the packed stores ({N} rows x KV "
                              f"heads of head dim {self.keys.D}, {held} tokens)")

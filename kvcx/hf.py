@@ -220,8 +220,7 @@ class KvcxLayer(DynamicLayer):
         t = time.perf_counter()
         self.store.step(q, rk, rv, mask, scaling, resolve_threads(self.n_threads), out.reshape(B, Hq, D))
         self._owner.kernel_time_s += time.perf_counter() - t
-        if nr >= self.residual_length:
-            self._flush()
+        self._flush()
         out = torch.from_numpy(out)
         return out if fp32 else out.to(query.dtype)
 
