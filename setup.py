@@ -81,7 +81,7 @@ extensions = [
         "kvcx._core",
         ["kvcx/_core.pyx"],
         include_dirs=[np.get_include(), "kvcx"],
-        depends=["kvcx/_kernels.h", "kvcx/_attn.h", "kvcx/_kernels.pxd", "kvcx/_openmp_helpers.pxd"],
+        depends=["kvcx/_kernels.h", "kvcx/_attn.h", "kvcx/_widths.h", "kvcx/_kernels.pxd", "kvcx/_openmp_helpers.pxd"],
         extra_compile_args=compile_args,
         extra_link_args=link_args,
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],

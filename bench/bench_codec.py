@@ -30,7 +30,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvcx import _core  # noqa: E402
-from kvcx.codec import IntCodec, resolve_threads  # noqa: E402
+from kvcx.codec import IntCodec, WidthCodec, resolve_threads  # noqa: E402
 
 
 def best(fn, repeat):
@@ -91,6 +91,8 @@ OPTIONS = [
     ("plan option key b4g128: 4-bit asym per-channel g128 + sink",
      dict(scheme="asymmetric", axis="channel", sinks=1, bits=4, group_size=128)),
     ("plan option value b3a: 3-bit asym + hadamard + sink", dict(scheme="asymmetric", rotate=True, bits=3, sinks=1)),
+    # kvcx.codec.WidthCodec: a width per channel (kvcx2w's keys; the 2.47 plan's at 1.9375 bits)
+    ("kvcx2w keys: a width per channel, mean 2 bits, g32 + sink", ("widths", dict(bits=2.0, group_size=32, sinks=1))),
 ]
 
 
@@ -116,7 +118,7 @@ def main(argv=None):
     jobs = {("copy", 1): lambda: np.copyto(dst, x), ("copy", nthreads): lambda: threaded_copy(dst, x, nthreads)}
     for label, opts in OPTIONS:
         for th in (1, nthreads):
-            c = IntCodec(n_threads=th, **opts)
+            c = WidthCodec(n_threads=th, **opts[1]) if isinstance(opts, tuple) else IntCodec(n_threads=th, **opts)
             p, q = c.encode(x), c.encode(x)
             out = np.empty_like(x)
             # into buffers that exist, as the copy and decode write into theirs (out=)

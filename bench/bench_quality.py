@@ -53,12 +53,15 @@ def settings(full: bool, plans, candidates: bool = False):
                dict(scheme="symmetric", rotate=True, bits=3)),
         ("kvcx3 preset (every layer 3-bit, K and V sink exact)", KVConfig.from_scheme("kvcx3")),
         ("kvcx2 preset (every layer 2-bit, K and V sink exact)", KVConfig.from_scheme("kvcx2")),
+        ("kvcx2w preset (keys: a width per channel, 2 bits on average, g32; values as kvcx2)",
+         KVConfig.from_scheme("kvcx2w")),
     ]
     from kvcx.api import load_plan
 
     for path in plans:
         cfg = load_plan(path)
-        rows.append((f"{cfg.scheme} + per-layer plan {Path(path).stem}", cfg))
+        how = "query weights" if cfg.key_weights else "per-layer plan"
+        rows.append((f"{cfg.scheme} + {how} {Path(path).stem}", cfg))
     rows += [
         ("KIVI-style 3-bit: K asym per-channel g64, V asym per-token g64", KVConfig.from_scheme("kivi", bits=3)),
         ("KIVI-style 2-bit", KVConfig.from_scheme("kivi", bits=2)),
@@ -93,9 +96,10 @@ def _short(label: str) -> str:
     for prefix in ("peer: ", "candidate, dropped: "):
         if label.startswith(prefix):
             return ("(dropped) " if "dropped" in prefix else "") + label[len(prefix):].split(" (")[0].split(":")[0]
-    if " + per-layer plan " in label:   # "kvcx2 + per-layer plan smollm2-kvcx2-3.54" -> "kvcx2 + plan 3.54"
-        head, plan = label.split(" + per-layer plan ")
-        return f"{head} + plan {plan.rsplit('-', 1)[-1]}"
+    for how in (" + per-layer plan ", " + query weights "):  # "kvcx2 + per-layer plan smollm2-kvcx2-3.54"
+        if how in label:                                     # -> "kvcx2 + plan 3.54"
+            head, plan = label.split(how)
+            return f"{head} + {'plan' if 'plan' in how else 'q-weights'} {plan.rsplit('-', 1)[-1]}"
     return label.split(":")[0].split(" (")[0]
 
 

@@ -44,6 +44,7 @@ STATUS_OK = KVCX_OK
 STATUS_NONFINITE = KVCX_ST_NONFINITE
 STATUS_SCALE_OVERFLOW = KVCX_ST_SCALE_OVERFLOW
 STATUS_NOMEM = KVCX_ST_NOMEM
+STATUS_CORRUPT = KVCX_ST_CORRUPT
 METRICS_CHUNK = KVCX_METRICS_CHUNK
 METRICS_FIELDS = KVCX_METRICS_FIELDS
 
@@ -625,6 +626,119 @@ def decode(const uint8_t[::1] codes, const uint16_t[::1] scales, const uint16_t[
                     _dec_block(&codes[0], &scales[0], zp, L, blk_tokens, b // nblk, b % nblk, row_bytes,
                                &out[0], out_S, out_off, dt, buf, <uint8_t *>(buf + bufn + 5 * L.D), buf + bufn)
                 free(buf)
+    return status
+
+
+# ----------------------------------------------------------------------------
+# per-channel bit widths for keys (kvcx/_widths.h): groups of gs tokens per channel, one task per
+# (slab, group); the Python layer (kvcx.codec.WidthCodec) turns ranges into parameters and widths
+# ----------------------------------------------------------------------------
+
+W_MAX = KVCX_W_MAX
+W_SIMD = bool(KVCX_W_AVX2)
+
+
+cdef inline void _load_rows(const uint8_t *src, int dt, int64_t S, int64_t D, int64_t slab, int64_t t,
+                            int64_t rows, float *tile) noexcept nogil:
+    _load(src, dt, (slab * S + t) * D, rows * D, tile)
+
+
+def w_minmax(const uint8_t[::1] src, int dt, int64_t N, int64_t S, int64_t D, int64_t t0, int64_t gs,
+             float[::1] mn, float[::1] mx, int nthreads):
+    """Per (slab, group, channel) min and max of tokens [t0, S) in groups of gs tokens ((N, G, D) each)."""
+    cdef int64_t G = (S - t0 + gs - 1) // gs
+    cdef int64_t gpt = max(<int64_t>1, KVCX_TASK_VALUES // (gs * D))   # groups per task
+    cdef int64_t ntasks = (N * G + gpt - 1) // gpt
+    cdef int64_t task, k, n, g, rows
+    cdef float *tile
+    cdef int status = KVCX_OK
+    with nogil:
+        for task in prange(ntasks, num_threads=nthreads, schedule="static"):
+            tile = <float *>malloc(gs * D * sizeof(float))
+            if tile == NULL:
+                status |= KVCX_ST_NOMEM
+            else:
+                for k in range(task * gpt, min(N * G, task * gpt + gpt)):
+                    n = k // G
+                    g = k % G
+                    rows = min(gs, S - t0 - g * gs)
+                    _load_rows(&src[0], dt, S, D, n, t0 + g * gs, rows, tile)
+                    kvcx_w_colminmax(tile, rows, D, &mn[k * D], &mx[k * D])
+                free(tile)
+    return status
+
+
+def w_channels(const float[::1] mn, const float[::1] mx, int64_t N, int64_t G, int64_t D, int64_t gs,
+               int64_t last_rows, float[::1] lo, float[::1] hi, double[::1] spread, int nthreads):
+    """Per (slab, channel) min, max and spread (sum of rows x range^2) from w_minmax's (N, G, D) results."""
+    cdef int64_t n
+    with nogil:
+        for n in prange(N, num_threads=nthreads, schedule="static"):
+            kvcx_w_channels(&mn[n * G * D], &mx[n * G * D], G, D, gs, last_rows, &lo[n * D], &hi[n * D],
+                            &spread[n * D])
+
+
+def w_encode(const uint8_t[::1] src, int dt, int64_t N, int64_t S, int64_t D, int64_t t0, int64_t gs,
+             const float[::1] mn, const float[::1] mx, const float[::1] lo, const float[::1] hi,
+             const uint8_t[::1] widths, const int64_t[::1] off, const int64_t[::1] slab_off,
+             const int64_t[::1] group_bytes, uint8_t[::1] stats, uint8_t[::1] planes, int nthreads):
+    """Range bytes (N, G, D, 2) and bit planes of tokens [t0, S): mn / mx (N, G, D) from w_minmax, lo / hi
+    (N, D) the channels' FP16 ranges, widths / off (N, D); slab n's groups start at slab_off[n],
+    group_bytes[n] apart."""
+    cdef int64_t G = (S - t0 + gs - 1) // gs
+    cdef int64_t gpt = max(<int64_t>1, KVCX_TASK_VALUES // (gs * D))   # groups per task
+    cdef int64_t ntasks = (N * G + gpt - 1) // gpt
+    cdef int64_t task, k, n, g, rows
+    cdef float *tile
+    cdef int status = KVCX_OK
+    with nogil:
+        for task in prange(ntasks, num_threads=nthreads, schedule="static"):
+            tile = <float *>malloc((gs * D + 5 * D) * sizeof(float) + 2 * gs * D)
+            if tile == NULL:
+                status |= KVCX_ST_NOMEM
+            else:
+                for k in range(task * gpt, min(N * G, task * gpt + gpt)):
+                    n = k // G
+                    g = k % G
+                    rows = min(gs, S - t0 - g * gs)
+                    _load_rows(&src[0], dt, S, D, n, t0 + g * gs, rows, tile)
+                    kvcx_w_encode_tile(tile, rows, gs, D, &mn[k * D], &mx[k * D], &lo[n * D], &hi[n * D],
+                                       &widths[n * D], &off[n * D], <uint8_t *>(tile + gs * D + 5 * D),
+                                       tile + gs * D, &stats[k * D * 2], &planes[0] + slab_off[n] + g * group_bytes[n])
+                free(tile)
+    return status
+
+
+def w_decode(const uint8_t[::1] planes, const uint8_t[::1] stats, int64_t N, int64_t S, int64_t D, int64_t t0,
+             int64_t gs, const float[::1] lo, const float[::1] hi, const uint8_t[::1] widths,
+             const int64_t[::1] off, const int64_t[::1] slab_off, const int64_t[::1] group_bytes, uint8_t[::1] out,
+             int64_t out_S, int64_t out_off, int dt, int nthreads):
+    """The inverse of w_encode, into out seen as (N, out_S, D) at token offset out_off."""
+    cdef int64_t G = (S - t0 + gs - 1) // gs
+    cdef int64_t gpt = max(<int64_t>1, KVCX_TASK_VALUES // (gs * D))
+    cdef int64_t ntasks = (N * G + gpt - 1) // gpt
+    cdef int64_t task, k, n, g, rows
+    cdef float *tile
+    cdef int status = KVCX_OK
+    with nogil:
+        for task in prange(ntasks, num_threads=nthreads, schedule="static"):
+            tile = <float *>malloc((gs * D + 2 * D) * sizeof(float) + 2 * gs * D)
+            if tile == NULL:
+                status |= KVCX_ST_NOMEM
+            else:
+                for k in range(task * gpt, min(N * G, task * gpt + gpt)):
+                    n = k // G
+                    g = k % G
+                    rows = min(gs, S - t0 - g * gs)
+                    if kvcx_w_decode_tile(&planes[0] + slab_off[n] + g * group_bytes[n], &stats[k * D * 2], rows,
+                                          gs, D, &lo[n * D], &hi[n * D], &widths[n * D], &off[n * D],
+                                          <uint8_t *>(tile + gs * D + 2 * D), tile + gs * D, tile):
+                        status |= KVCX_ST_CORRUPT
+                    if dt == KVCX_DT_F16:
+                        kvcx_f2h_sat_n(tile, <uint16_t *>&out[0] + (n * out_S + out_off + t0 + g * gs) * D, rows * D)
+                    else:
+                        _store(tile, dt, (n * out_S + out_off + t0 + g * gs) * D, rows * D, &out[0])
+                free(tile)
     return status
 
 

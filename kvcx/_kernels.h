@@ -20,7 +20,8 @@ enum kvcx_status {
     KVCX_OK = 0,
     KVCX_ST_NONFINITE = 1,       /* a NaN/Inf input value */
     KVCX_ST_SCALE_OVERFLOW = 2,  /* a scale or zero point that FP16 cannot hold */
-    KVCX_ST_NOMEM = 4            /* malloc failed */
+    KVCX_ST_NOMEM = 4,           /* malloc failed */
+    KVCX_ST_CORRUPT = 8          /* packed data that no encoder writes (decoding a damaged tensor) */
 };
 
 enum {

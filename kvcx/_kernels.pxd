@@ -16,6 +16,7 @@ cdef extern from "_kernels.h" nogil:
         KVCX_ST_NONFINITE
         KVCX_ST_SCALE_OVERFLOW
         KVCX_ST_NOMEM
+        KVCX_ST_CORRUPT
     enum:
         KVCX_CONV_CHUNK
         KVCX_TASK_VALUES
@@ -95,3 +96,18 @@ cdef extern from "_attn.h" nogil:
     int64_t kvcx_attn_work_floats(int64_t R, int64_t D) noexcept
     void kvcx_attn_task(const kvcx_attn_layout *L, const kvcx_attn_args *A, int64_t task) noexcept
     void kvcx_attn_merge(const kvcx_attn_layout *L, const kvcx_attn_args *A, int64_t i) noexcept
+
+cdef extern from "_widths.h" nogil:
+    enum:
+        KVCX_W_MAX
+    const bint KVCX_W_AVX2
+
+    void kvcx_w_colminmax(const float *x, int64_t rows, int64_t D, float *mn, float *mx) noexcept
+    void kvcx_w_channels(const float *mn, const float *mx, int64_t G, int64_t D, int64_t gs, int64_t last_rows,
+                         float *lo, float *hi, double *spread) noexcept
+    void kvcx_w_encode_tile(const float *x, int64_t rows, int64_t gs, int64_t D, const float *mn,
+                            const float *mx, const float *lo, const float *hi, const uint8_t *w,
+                            const int64_t *off, uint8_t *qt, float *row, uint8_t *stats, uint8_t *out) noexcept
+    int kvcx_w_decode_tile(const uint8_t *planes, const uint8_t *stats, int64_t rows, int64_t gs, int64_t D,
+                           const float *lo, const float *hi, const uint8_t *w, const int64_t *off, uint8_t *qt,
+                           float *row, float *x) noexcept

@@ -35,6 +35,8 @@ _MIN_PARALLEL_TOKENS = 2048
 
 def fused_unsupported(key: IntCodec, value: IntCodec, head_dim: int, group: int) -> Optional[str]:
     """Why the fused kernel cannot serve these codecs (None when it can)."""
+    if not (isinstance(key, IntCodec) and isinstance(value, IntCodec)):
+        return "fused attention reads IntCodec codes (per-channel widths are decoded, then attended)"
     if key.bits != 4 or value.bits != 4:
         return f"fused attention reads 4-bit codes (keys {key.bits}, values {value.bits} bits)"
     if head_dim % 16 or head_dim > ATTN_MAX_D:
@@ -120,6 +122,8 @@ class PackedStore:
     def _mergeable(self, i: int, j: int) -> bool:
         """Whether chunk j can continue chunk i's tensor (same settings, no sinks, groups that end with i)."""
         a, b = self._chunks[i], self._chunks[j]
+        if a["config"].get("id") != IntCodec.codec_id:  # other codecs' chunks are not laid out per slab
+            return False
         if a["config"] != b["config"] or a["dtype"] != b["dtype"] or b["config"].get("sinks", 0):
             return False
         S, D = a["shape"][-2], a["shape"][-1]

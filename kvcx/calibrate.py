@@ -13,7 +13,10 @@ shows can be far off (keys lose ~10x from 3 to 2 bits, values ~3.5x): the plan s
 
 The calibration text comes from windows *after* the ones ``kvcx validate`` and ``bench/bench_quality.py``
 score (``offset``, default 128 windows of 512), so a plan is never judged on the tokens that chose it.
-This module computes; it prints nothing. torch is imported inside the functions that need it.
+For ``--scheme kvcx2w`` (keys with a bit width per channel) calibration measures something else: how much
+the queries weigh each key channel (:func:`query_weights`, the mean square of each query channel, per KV
+head), which the encoder multiplies into each channel's error when it chooses the widths; the budget then
+sets the keys' mean width. This module computes; it prints nothing. torch is imported inside the functions that need it.
 """
 from __future__ import annotations
 
@@ -218,6 +221,74 @@ def _saved_sensitivity(saved: dict, source: str) -> Tuple[KVConfig, Dict[Tuple[s
     return cfg, rows, n_layers
 
 
+def query_weights(model, ids, starts: List[int], window: int,
+                  on_window: Optional[Callable[[int, int], None]] = None) -> Dict[int, list]:
+    """{layer: [[mean q^2 per channel] per KV head]}: each layer's queries (``self_attn.q_proj`` outputs) over
+    the windows, their query heads summed onto the KV head they read (grouped-query attention), and the two
+    channels of each rotary pair (c, c + head_dim / 2) averaged, since RoPE turns one into the other as
+    positions advance. A key channel's quantization error moves the attention logits by q_c * error_c, so
+    these are the weights of the keys' squared errors."""
+    import torch
+
+    cfg = model.config
+    heads = int(cfg.num_attention_heads)
+    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+    try:
+        layers = list(model.model.layers)
+        projs = [layer.self_attn.q_proj for layer in layers]
+    except AttributeError:
+        raise KvcxError("query weights need a Llama-style model (model.model.layers[i].self_attn.q_proj); use "
+                        "--scheme kvcx2w without a plan (the widths then weigh every channel alike)") from None
+    if heads % kv_heads or head_dim % 2:
+        raise KvcxError(f"query weights: {heads} query heads do not group onto {kv_heads} KV heads of even head_dim")
+    sums = [torch.zeros(kv_heads, head_dim, dtype=torch.float64) for _ in projs]
+    count = [0]
+
+    def hook(i):
+        def f(_module, _inputs, out):
+            q = out.detach().double().reshape(-1, kv_heads, heads // kv_heads, head_dim)
+            sums[i] += (q * q).sum(dim=(0, 2))
+            if i == 0:
+                count[0] += q.shape[0]
+        return f
+
+    handles = [m.register_forward_hook(hook(i)) for i, m in enumerate(projs)]
+    dev = next(model.parameters()).device
+    try:
+        with torch.inference_mode():
+            for w, a in enumerate(starts):
+                model(ids[a:a + window][None].to(dev), use_cache=False)
+                if on_window:
+                    on_window(w + 1, len(starts))
+    finally:
+        for h in handles:
+            h.remove()
+    out = {}
+    for i, m in enumerate(sums):
+        m = m / max(1, count[0])
+        m = (m + m.roll(head_dim // 2, dims=-1)) / 2
+        out[i] = [[float(f"{x:.6g}") for x in row] for row in m.tolist()]
+    return out
+
+
+def width_plan(config: KVConfig, budget: float, weights: Dict[int, list]) -> KVConfig:
+    """A per-channel-widths config whose keys spend ``budget`` bits/value (nominal, with the values' own),
+    the queries' ``weights`` attached."""
+    from kvcx.codec import WidthCodec
+
+    key = config.key
+    mean = 2 * budget - config.value.bits_per_value() - 16 / key.group_size
+    mean = math.floor(mean * _UNITS + 1e-6) / _UNITS
+    if not 0 < mean <= 8:
+        raise KvcxError(f"--budget {budget}: the keys would get {mean:g} bits per code on average, outside (0, 8]; "
+                        f"with {config.value.bits_per_value():g}-bit values pick a budget between "
+                        f"{(config.value.bits_per_value() + 16 / key.group_size) / 2 + 1 / 128:.3f} and "
+                        f"{(config.value.bits_per_value() + 8 + 16 / key.group_size) / 2:.3f}")
+    key = WidthCodec(bits=mean, group_size=key.group_size, sinks=key.sinks, n_threads=key.n_threads)
+    return KVConfig(key=key, value=config.value, scheme=config.scheme, key_weights=weights)
+
+
 def reallocate(saved, budget: float, source="<plan>", base: Optional[KVConfig] = None) -> Calibration:
     """A new plan from the sensitivities earlier calibrations measured (plan files' JSON): one measurement,
     any number of budgets. ``saved`` may be one plan or several measured on the same model and text (e.g. one
@@ -227,6 +298,21 @@ def reallocate(saved, budget: float, source="<plan>", base: Optional[KVConfig] =
     sources = [source] * len(plans) if isinstance(source, str) else list(source)
     if not plans:
         raise KvcxError("--reuse needs at least one plan file")
+    from kvcx.codec import WidthCodec
+
+    first_cfg = plans[0].get("config") if isinstance(plans[0], dict) else None
+    try:
+        saved_cfg = KVConfig.from_config(first_cfg) if isinstance(first_cfg, dict) else None
+    except CodecError as exc:
+        raise KvcxError(f"{sources[0]}: {exc}") from None
+    if saved_cfg is not None and isinstance(saved_cfg.key, WidthCodec):   # query weights, no sensitivities
+        start = base if base is not None and isinstance(base.key, WidthCodec) else saved_cfg
+        plan = width_plan(start, budget, {L: [list(r) for r in w] for L, w in saved_cfg.key_weights})
+        n_layers = int(plans[0].get("n_layers", 0))
+        return Calibration(config=plan, sensitivity={}, budget=budget, bits_per_value=plan.bits_per_value(n_layers or 1),
+                           n_layers=n_layers, windows=int(plans[0].get("windows", 0)),
+                           tokens=int(plans[0].get("tokens", 0)), model=str(plans[0].get("model", "")),
+                           estimated_kld=math.nan)
     try:
         parsed = [_saved_sensitivity(p, s) for p, s in zip(plans, sources)]
     except CodecError as exc:
@@ -266,6 +352,13 @@ def run_calibration(config: KVConfig, budget: float, model: Optional[str] = None
     t0 = time.perf_counter()
     if config.layer_bits:
         raise KvcxError("calibrate starts from a config without per-layer widths; pass a --scheme, not a --plan")
+    from kvcx.codec import WidthCodec
+
+    widths = isinstance(config.key, WidthCodec)
+    if widths:
+        if options is not None:
+            raise KvcxError("--options picks codecs to measure per layer; kvcx2w measures the queries instead")
+        width_plan(config, budget, {})  # the budget checked before the model runs
     if windows < 1 or offset < 0:
         raise KvcxError(f"--windows must be >= 1 and --offset >= 0, got {windows} and {offset}")
     check_window(window, stride, windows, context_limit=1 << 62)
@@ -274,7 +367,8 @@ def run_calibration(config: KVConfig, budget: float, model: Optional[str] = None
                                                         for k, a in allowed.items()) for t in options)):
         raise KvcxError(f"--options {','.join(options)}: a plan from {config.scheme} chooses keys from "
                         f"{','.join(allowed['key'])} and values from {','.join(allowed['value'])}; measure some of those")
-    check_budget(config, budget)   # before the model runs, not after
+    if not widths:
+        check_budget(config, budget)   # before the model runs, not after
     text = load_dataset_text(dataset_file)
     source = resolve_model(model) if loaded is None else None
     m, tok, name = loaded if loaded is not None else load_model_and_tokenizer(source, cpu=cpu)
@@ -285,6 +379,16 @@ def run_calibration(config: KVConfig, budget: float, model: Optional[str] = None
         raise KvcxError(f"the calibration text has {len(starts)} windows of {window}; --offset {offset} + --windows "
                         f"{windows} needs more: lower --offset or use a longer text")
     starts = starts[offset:offset + windows]
+    if widths:
+        if on_phase:
+            on_phase(1, 2, f"{name}: the queries of {n_layers} layers, {windows} windows from window {offset}")
+        plan = width_plan(config, budget, query_weights(m, ids, starts, window, on_window))
+        if on_phase:
+            on_phase(2, 2, f"plan: keys {plan.key.bits:g} bits per code on average, "
+                           f"{plan.bits_per_value(n_layers):.3f} bits/value nominal")
+        return Calibration(config=plan, sensitivity={}, budget=budget, bits_per_value=plan.bits_per_value(n_layers),
+                           n_layers=n_layers, windows=windows, tokens=windows * window,
+                           wall_time_s=time.perf_counter() - t0, model=name, estimated_kld=math.nan)
     if on_phase:
         n_opts = sum(len([t for t in a if options is None or t in options or f"{k}.{t}" in options])
                      for k, a in allowed.items())

@@ -104,6 +104,9 @@ class ChunkCodec:
         if self.config.layer_bits:
             raise CodecError("a KV chunk holds every layer in one code stream with one width for keys and one for "
                              "values; per-layer widths (a --plan / layer_bits) are not supported here: use a scheme")
+        if not (isinstance(self.config.key, IntCodec) and isinstance(self.config.value, IntCodec)):
+            raise CodecError(f"the LMCache chunk format holds fixed-width codes; scheme {self.config.scheme!r} "
+                             "(per-channel key widths) is not supported here: use kvcx, kvcx3 or kvcx2")
         self.head_dim = head_dim
         self._plan_cache: dict = {}
         self._stored_cache: dict = {}

@@ -159,7 +159,7 @@ def _report(m, json_out: bool, title: str, check: bool, wrote: Optional[Path] = 
 
 # shared options
 SchemeOpt = Annotated[str, typer.Option("--scheme", help="reference | symmetric | asymmetric | kivi | kvcx (default) "
-                                                         "| kvcx3 | kvcx2 (low-bit presets).")]
+                                                         "| kvcx3 | kvcx2 | kvcx2w (low-bit presets).")]
 PlanOpt = Annotated[Optional[Path], typer.Option("--plan", help="Per-layer widths from `kvcx calibrate --out` "
                                                                 "(replaces --scheme/--bits/--group-size).")]
 GroupOpt = Annotated[int, typer.Option("--group-size", "-g", help="Values per group: 16, 32, 64, 128 or 256.")]
@@ -399,7 +399,8 @@ def calibrate(
                                                                 "compress/metrics/validate --plan.")],
     budget: Annotated[float, typer.Option(help="Nominal bits per value to spend (codes, scales, zero points).")],
     scheme: Annotated[Optional[str], typer.Option("--scheme", help="Base scheme: kvcx3 (default when measuring), "
-                                                  "kvcx2, or any --scheme of compress; with --reuse, default: "
+                                                  "kvcx2, kvcx2w (measures the queries' weights per key "
+                                                  "channel), or any --scheme of compress; with --reuse, default: "
                                                   "the first plan's.")] = None,
     group_size: GroupOpt = 64,
     bits: BitsOpt = None,
@@ -448,9 +449,15 @@ def calibrate(
                   f"`kvcx calibrate --reuse {out_path} --reuse <other measurements> --budget B`; "
                   f"{result.tokens:,} tokens, {result.wall_time_s:.0f} s")
         return
+    from kvcx.codec import WidthCodec
     from kvcx.kvconfig import tag_of
 
     cfg = result.config
+    if isinstance(cfg.key, WidthCodec):
+        out.print(f"[green]plan[/] → {out_path}: keys {cfg.key.bits:g} bits per code on average, a width per channel "
+                  f"weighed by the queries of {len(cfg.key_weights)} layers; {result.bits_per_value:.3f} bits/value "
+                  f"nominal (budget {budget}); {result.tokens:,} tokens, {result.wall_time_s:.0f} s")
+        return
     t = Table(title=f"most sensitive layers (mean KLD, nats/token, at the {cfg.key.bits}/{cfg.value.bits}-bit base)",
               header_style="bold")
     for c in ("kind", "layer", "KLD", "codec in the plan", "KLD there"):

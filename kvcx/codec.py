@@ -43,6 +43,9 @@ def check_status(status: int, name: str, x: Optional[np.ndarray] = None, what: s
         return
     if status & _core.STATUS_NOMEM:
         raise MemoryError(f"kvcx: out of memory while {what} tensor {name!r}")
+    if status & _core.STATUS_CORRUPT:
+        raise CodecError(f"tensor {name!r}: its packed data holds values no kvcx encoder writes (e.g. a group range "
+                         "that ends below its start); the data is damaged: encode it again")
     if status & _core.STATUS_NONFINITE:
         bad = int(np.count_nonzero(~np.isfinite(x.astype(np.float32, copy=False)))) if x is not None else "some"
         size = x.size if x is not None else "?"
@@ -294,6 +297,275 @@ class IntCodec:
         return decode_packed(packed, out=out, name=name, n_threads=self.n_threads)
 
 
+# ----------------------------------------------------------------------------
+# per-channel bit widths for keys
+# ----------------------------------------------------------------------------
+
+_F16_MAX = float(np.finfo(np.float16).max)
+# the error of an endpoint quantizer of w bits relative to one of 0 bits (the range's middle): the range is
+# cut into 2^w - 1 steps, so the error falls as 1 / (2^w - 1)^2; one bit buys nothing over the middle
+_W_ERR = np.array([1.0] + [1.0 / ((1 << w) - 1) ** 2 for w in range(1, _core.W_MAX + 1)])
+# what each channel's k-th bit buys: the first two bits only together (2 bits: 1/9 of the error)
+_W_GAIN = np.array([(1.0 - _W_ERR[2]) / 2] * 2 + [_W_ERR[k] - _W_ERR[k + 1] for k in range(2, _core.W_MAX)])
+
+
+class WidthCodec:
+    """Keys grouped per channel along tokens (as ``IntCodec(axis="channel", scheme="asymmetric")``), each
+    channel with its own bit width, chosen per tensor from the data.
+
+    A tensor's widths sum to ``bits * head_dim`` per slab (a KV head), spent where they cut the error most:
+    a channel whose values spread widely (or that the queries weigh heavily, with ``weights``) gets more
+    bits, a flat one fewer, down to none (it decodes to the middle of its range). Groups of ``group_size`` tokens keep their channel's range as
+    two bytes on a 255-step grid between the channel's FP16 minimum and maximum over the tensor, so the
+    ranges cost 16 / group_size bits per value instead of 32. Codes are stored as bit planes. See
+    docs/FORMAT.md 2.4.
+
+    Parameters
+    ----------
+    bits: mean bits per code over a slab's channels (``bits * head_dim`` must be whole: a multiple of 1/64
+        for head_dim 64), more than 0 and at most 8.
+    group_size: tokens per group (16, 32, 64, 128 or 256).
+    sinks: keep the first ``sinks`` tokens exact.
+    n_threads: OpenMP threads (None = all).
+    """
+
+    codec_id = "kvcx.widths"
+    scheme = "asymmetric"
+    axis = "channel"
+    rotate = False
+    asym = False  # no zero-point tensor: the ranges live in the scales and the code bytes
+
+    def __init__(self, bits: float = 2.25, group_size: int = 64, sinks: int = 0, n_threads: Optional[int] = None):
+        if isinstance(bits, (bool, np.bool_)) or not isinstance(bits, (int, float, np.integer, np.floating)) \
+                or not (0 < float(bits) <= _core.W_MAX):
+            raise CodecError(f"widths codec: mean bits {bits!r} must be a number in (0, {_core.W_MAX}]")
+        if not is_int(group_size) or group_size not in GROUP_SIZES:
+            raise CodecError(f"group size {group_size!r} is not supported; use one of {', '.join(map(str, GROUP_SIZES))}")
+        if not is_int(sinks) or not 0 <= sinks <= MAX_SINKS:
+            raise CodecError(f"sinks must be a non-negative integer up to {MAX_SINKS} (tokens kept exact), "
+                             f"got {sinks!r}")
+        self.bits = float(bits)
+        self.group_size = int(group_size)
+        self.sinks = int(sinks)
+        self.n_threads = resolve_threads(n_threads) if n_threads is not None else None
+
+    def get_config(self) -> dict:
+        return {"id": self.codec_id, "bits": self.bits, "group_size": self.group_size, "sinks": self.sinks}
+
+    @classmethod
+    def from_config(cls, config: dict) -> "WidthCodec":
+        if not isinstance(config, dict):
+            raise CodecError(f"a codec config must be an object, got {type(config).__name__}")
+        config = dict(config)
+        if config.pop("id", cls.codec_id) != cls.codec_id:
+            raise CodecError(f"codec id is not {cls.codec_id!r}")
+        unknown = set(config) - {"bits", "group_size", "sinks", "n_threads"}
+        if unknown:
+            raise CodecError(f"unknown codec settings {sorted(unknown)}; known: bits, group_size, sinks")
+        return cls(**config)
+
+    def with_threads(self, n_threads: Optional[int]) -> "WidthCodec":
+        return WidthCodec.from_config({**self.get_config(), "n_threads": n_threads})
+
+    def __repr__(self) -> str:
+        return f"WidthCodec(bits={self.bits}, group_size={self.group_size}, sinks={self.sinks})"
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, WidthCodec) and self.get_config() == other.get_config()
+
+    def __hash__(self):
+        return hash(tuple(sorted(self.get_config().items())))
+
+    def bits_per_value(self) -> float:
+        """Nominal bits per value: codes + two range bytes per channel group (without sinks, the width table and
+        the channels' FP16 ranges, which do not grow with the tokens)."""
+        return self.bits + 16 / self.group_size
+
+    # -- layout ------------------------------------------------------------
+    def _layout(self, shape: tuple, name: str) -> dict:
+        if any(isinstance(s, bool) or not isinstance(s, (int, np.integer)) or s < 0 for s in shape):
+            raise CodecError(f"tensor {name!r}: shape {list(shape)} must be a list of non-negative integers")
+        if any(s == 0 for s in shape):
+            raise CodecError(f"tensor {name!r} is empty (shape {list(shape)}); there is nothing to compress")
+        if len(shape) < 2:
+            raise CodecError(f"tensor {name!r} of shape {list(shape)}: per-channel widths need at least 2 dims "
+                             "(tokens x channels)")
+        if math.prod(int(s) for s in shape) > MAX_ELEMENTS:
+            raise CodecError(f"tensor {name!r}: shape {list(shape)} has more than 2**56 elements; split it")
+        N, S, D = _view3(shape)
+        if D % 8:
+            raise CodecError(f"tensor {name!r}: per-channel widths need the last dim ({D}) to be a multiple of 8; "
+                             "use --scheme kvcx2")
+        budget = self.bits * D
+        if abs(budget - round(budget)) > 1e-9 or round(budget) < 1:
+            raise CodecError(f"tensor {name!r}: {self.bits} mean bits x {D} channels is not a whole number of "
+                             f"bits; use a mean that is a multiple of 1/{D}")
+        t0 = min(self.sinks, S)
+        gs = self.group_size
+        G = -(-(S - t0) // gs)
+        B = int(round(budget))
+        planes = N * G * (gs // 8) * B
+        return {"N": N, "S": S, "D": D, "t0": t0, "G": G, "B": B,
+                "codes_nbytes": N * D + N * G * D * 2 + planes, "scale_shape": (N, D, 2),
+                "partial_group": (S - t0) % gs}
+
+    def supports(self, shape: tuple) -> bool:
+        try:
+            self._layout(tuple(shape), "tensor")
+        except CodecError:
+            return False
+        return True
+
+    def codes_nbytes(self, shape: tuple, name: str = "tensor") -> int:
+        return self._layout(tuple(shape), name)["codes_nbytes"]
+
+    def packed_config(self, shape: tuple, name: str = "tensor") -> dict:
+        cfg = self.get_config()
+        cfg["sinks"] = self._layout(tuple(shape), name)["t0"]
+        return cfg
+
+    def allocate(self, spread: np.ndarray, budget: int) -> np.ndarray:
+        """Widths (N, D) uint8 from each channel's error at 0 bits (N, D): the ``budget * N`` bits that cut
+        the modelled error most over all the tensor's channels (each channel's error falls as
+        1 / (2^w - 1)^2), so a head whose keys spread (or whose queries weigh) more gets more bits."""
+        N, D = spread.shape
+        gain = (spread[:, :, None] * _W_GAIN[None, None, :]).reshape(-1)
+        total = budget * N
+        if total >= gain.size:
+            return np.full((N, D), _core.W_MAX, dtype=np.uint8)
+        pick = np.argpartition(-gain, total - 1)[:total] // _core.W_MAX
+        return np.bincount(pick, minlength=N * D).reshape(N, D).astype(np.uint8)
+
+    # -- encode / decode -----------------------------------------------------
+    def encode(self, arr, name: str = "tensor", out: Optional[Packed] = None,
+               weights: Optional[np.ndarray] = None) -> Packed:
+        """Quantize ``arr``; ``weights`` (heads x head_dim, e.g. the queries' mean square per channel from
+        ``kvcx calibrate``) weigh each channel's error when the widths are chosen. ``out``: a Packed from an
+        earlier encode of the same shape with this codec; its buffers are reused (and returned, updated)."""
+        x = check_float(arr, name)
+        lay = self._layout(x.shape, name)
+        N, S, D, t0, G, gs = lay["N"], lay["S"], lay["D"], lay["t0"], lay["G"], self.group_size
+        threads = resolve_threads(self.n_threads)
+        if weights is not None:
+            weights = np.asarray(weights, dtype=np.float64)
+            if weights.ndim != 2 or weights.shape[1] != D or N % weights.shape[0] or not np.isfinite(weights).all() \
+                    or (weights < 0).any():
+                raise CodecError(f"tensor {name!r}: key weights must be finite, non-negative, (heads, {D}) with the "
+                                 f"tensor's {N} slabs a multiple of heads; got shape {list(weights.shape)}")
+        if out is None:
+            codes = np.empty(lay["codes_nbytes"], dtype=np.uint8)
+            scales = np.empty(lay["scale_shape"], dtype=np.float16)
+        else:
+            ok = (isinstance(out, Packed) and out.config.get("id") == self.codec_id
+                  and all(isinstance(a, np.ndarray) and a.shape == shape and a.dtype == dt and a.flags.c_contiguous
+                          and a.flags.writeable for a, shape, dt in ((out.codes, (lay["codes_nbytes"],), np.uint8),
+                                                                     (out.scales, lay["scale_shape"], np.float16))))
+            if not ok:
+                raise CodecError(f"tensor {name!r}: out must be a Packed from encoding a tensor of shape "
+                                 f"{list(x.shape)} with this codec ({lay['codes_nbytes']} writeable code bytes, "
+                                 f"ranges {list(lay['scale_shape'])})")
+            codes, scales = out.codes, out.scales
+        if t0 and not np.isfinite(x.reshape(N, S, D)[:, :t0, :].astype(np.float32)).all():
+            check_status(_core.STATUS_NONFINITE, name, x)
+        if G:
+            mn = np.empty((N, G, D), dtype=np.float32)
+            mx = np.empty((N, G, D), dtype=np.float32)
+            dt = kernel_dtype(x.dtype)
+            status = _core.w_minmax(raw(x), dt, N, S, D, t0, gs, mn.reshape(-1), mx.reshape(-1), threads)
+            check_status(status, name, x)
+            lo, hi = np.empty((N, D), dtype=np.float32), np.empty((N, D), dtype=np.float32)
+            spread = np.empty((N, D), dtype=np.float64)
+            _core.w_channels(mn.reshape(-1), mx.reshape(-1), N, G, D, gs, (S - t0) - (G - 1) * gs,
+                             lo.reshape(-1), hi.reshape(-1), spread.reshape(-1), threads)
+            if not (np.isfinite(lo).all() and np.isfinite(hi).all()):   # NaN is sticky in the minima
+                check_status(_core.STATUS_NONFINITE, name, x)
+            if max(-float(lo.min()), float(hi.max())) > _F16_MAX:
+                check_status(_core.STATUS_SCALE_OVERFLOW, name, x)
+            lo16, hi16 = lo.astype(np.float16), hi.astype(np.float16)   # rounded outwards: the range covers all
+            lo16 = np.where(lo16.astype(np.float32) > lo, np.nextafter(lo16, np.float16(-np.inf)), lo16)
+            hi16 = np.where(hi16.astype(np.float32) < hi, np.nextafter(hi16, np.float16(np.inf)), hi16)
+            scales[..., 0], scales[..., 1] = lo16, hi16
+            if weights is not None:
+                spread = spread * np.tile(weights, (N // weights.shape[0], 1))
+            widths = self.allocate(spread, lay["B"])
+            codes[:N * D] = widths.reshape(-1)
+            off, slab_off, gbytes = self._offsets(widths, G)
+            status = _core.w_encode(raw(x), dt, N, S, D, t0, gs, mn.reshape(-1), mx.reshape(-1),
+                                    lo16.astype(np.float32).reshape(-1), hi16.astype(np.float32).reshape(-1),
+                                    widths.reshape(-1), off.reshape(-1), slab_off, gbytes,
+                                    codes[N * D:N * D + N * G * D * 2], codes[N * D + N * G * D * 2:], threads)
+            check_status(status, name, x)
+        else:
+            codes[:] = 0   # no quantized tokens: widths (and nothing else) are stored
+            scales[:] = 0
+        sinks = np.ascontiguousarray(x.reshape(N, S, D)[:, :t0, :]).reshape(*x.shape[:-2], t0, D) if t0 else None
+        cfg = self.get_config()
+        cfg["sinks"] = t0
+        fields = dict(codes=codes, scales=scales, zeros=None, sinks=sinks, shape=tuple(int(s) for s in x.shape),
+                      dtype=dtype_name(x.dtype), config=cfg, meta={"partial_group": lay["partial_group"]})
+        if out is None:
+            return Packed(**fields)
+        out.__dict__.update(fields)
+        return out
+
+    def _offsets(self, widths: np.ndarray, G: int) -> tuple:
+        """(each channel's byte offset inside its group's block (N, D), where each slab's planes start (N),
+        each slab's bytes per group (N)), int64."""
+        w = widths.astype(np.int64)
+        per = self.group_size // 8
+        gbytes = w.sum(axis=1) * per
+        return (np.cumsum(w, axis=1) - w) * per, np.concatenate([[0], np.cumsum(gbytes * G)[:-1]]), gbytes
+
+    def decode(self, packed: Packed, out: Optional[np.ndarray] = None, name: str = "tensor") -> np.ndarray:
+        return self._decode(packed, out, name, self.n_threads, 0)
+
+    def _decode(self, packed: Packed, out, name: str, n_threads, token_offset: int) -> np.ndarray:
+        shape = tuple(packed.shape)
+        lay = self._layout(shape, name)
+        N, S, D, t0, G, gs = lay["N"], lay["S"], lay["D"], lay["t0"], lay["G"], self.group_size
+        if t0 != packed.config.get("sinks", 0):
+            raise CodecError(f"tensor {name!r}: recorded sinks {packed.config.get('sinks')} do not fit shape "
+                             f"{list(shape)}")
+        out, out_S = _decode_out(packed, out, token_offset, name)
+        codes = np.ascontiguousarray(packed.codes, dtype=np.uint8).reshape(-1)
+        scales = np.ascontiguousarray(packed.scales, dtype=np.float16)
+        if codes.size != lay["codes_nbytes"]:
+            raise CodecError(f"tensor {name!r}: expected {lay['codes_nbytes']} bytes of widths, ranges and codes, "
+                             f"got {codes.size}")
+        if scales.size == int(np.prod(lay["scale_shape"])):
+            scales = scales.reshape(lay["scale_shape"])
+        if scales.shape != lay["scale_shape"] or not np.isfinite(scales).all() \
+                or (scales[..., 0] > scales[..., 1]).any():
+            raise CodecError(f"tensor {name!r}: the channel ranges must be finite F16 pairs (lo <= hi) of shape "
+                             f"{list(lay['scale_shape'])}; the data is damaged")
+        widths = codes[:N * D].reshape(N, D)
+        if (widths > _core.W_MAX).any() or widths.sum(dtype=np.int64) != lay["B"] * N:
+            raise CodecError(f"tensor {name!r}: the channel widths must be at most {_core.W_MAX} bits and sum to "
+                             f"{lay['B'] * N} over its {N} slabs; the data is damaged")
+        if G:
+            off, slab_off, gbytes = self._offsets(widths, G)
+            ch = scales.astype(np.float32)
+            status = _core.w_decode(codes[N * D + N * G * D * 2:], codes[N * D:N * D + N * G * D * 2], N, S, D, t0,
+                                    gs, np.ascontiguousarray(ch[..., 0]).reshape(-1),
+                                    np.ascontiguousarray(ch[..., 1]).reshape(-1), widths.reshape(-1).copy(),
+                                    off.reshape(-1), slab_off, gbytes, raw(out), out_S, token_offset,
+                                    DTYPE_NAMES[packed.dtype], resolve_threads(n_threads))
+            check_status(status, name, what="decoding")
+        if t0:
+            if packed.sinks is None or packed.sinks.size != N * t0 * D:
+                raise CodecError(f"tensor {name!r}: {t0} exact sink tokens are recorded but their values are missing")
+            out.reshape(N, out_S, D)[:, token_offset:token_offset + t0, :] = \
+                np.asarray(packed.sinks).astype(out.dtype, copy=False).reshape(N, t0, D)
+        return out
+
+
+def codec_from_config(config: dict):
+    """The codec a config describes: :class:`WidthCodec` for ``id`` ``kvcx.widths``, else :class:`IntCodec`."""
+    if isinstance(config, dict) and config.get("id") == WidthCodec.codec_id:
+        return WidthCodec.from_config(config)
+    return IntCodec.from_config(config)
+
+
 # a readable alias for the 4-bit use
 Int4Codec = IntCodec
 
@@ -305,30 +577,16 @@ def decode_packed(packed: Packed, out: Optional[np.ndarray] = None, name: str = 
     ``out`` may be larger along the token axis (-2): the tensor is then written at
     ``out[..., token_offset:token_offset + S, :]`` (used to assemble a KV cache from chunks).
     """
+    if isinstance(packed.config, dict) and packed.config.get("id") == WidthCodec.codec_id:
+        return WidthCodec.from_config(packed.config)._decode(packed, out, name, n_threads, token_offset)
     codec = IntCodec.from_config(packed.config)
     shape = tuple(packed.shape)
     lay = codec._layout(shape, name)
     N, S, D, t0 = lay["N"], lay["S"], lay["D"], lay["t0"]
     if t0 != packed.config.get("sinks", 0):
         raise CodecError(f"tensor {name!r}: recorded sinks {packed.config.get('sinks')} do not fit shape {list(shape)}")
-    dtype = numpy_dtype(packed.dtype)
-    if out is None:
-        if token_offset:
-            raise CodecError("token_offset needs an out= array")
-        out = np.empty(shape, dtype=dtype)
-        out_S = S
-    else:
-        ok = (isinstance(out, np.ndarray) and out.dtype == dtype and out.ndim == len(shape)
-              and out.flags.c_contiguous and out.flags.writeable)
-        if ok and token_offset == 0 and tuple(out.shape) == shape:
-            out_S = S
-        elif ok and len(shape) >= 2 and out.shape[:-2] == shape[:-2] and out.shape[-1] == D \
-                and 0 <= token_offset and token_offset + S <= out.shape[-2]:
-            out_S = int(out.shape[-2])
-        else:
-            got = f"{out.dtype} {list(out.shape)}" if isinstance(out, np.ndarray) else type(out).__name__
-            raise CodecError(f"tensor {name!r}: out must be a writeable C-contiguous {dtype} array of shape "
-                             f"{list(shape)} (or longer on axis -2 with token_offset), got {got}")
+    out, out_S = _decode_out(packed, out, token_offset, name)
+    dtype = out.dtype
     codes = np.ascontiguousarray(packed.codes, dtype=np.uint8).reshape(-1)
     scales = np.ascontiguousarray(packed.scales, dtype=np.float16)
     if codes.size != lay["codes_nbytes"]:
@@ -352,3 +610,24 @@ def decode_packed(packed: Packed, out: Optional[np.ndarray] = None, name: str = 
         out.reshape(N, out_S, D)[:, token_offset:token_offset + t0, :] = \
             np.asarray(packed.sinks).astype(dtype, copy=False).reshape(N, t0, D)
     return out
+
+
+def _decode_out(packed: Packed, out: Optional[np.ndarray], token_offset: int, name: str) -> tuple:
+    """(out, its token count): a new array, or the caller's ``out`` after every check (same shape and
+    dtype, or longer on axis -2 with ``token_offset``)."""
+    shape = tuple(packed.shape)
+    dtype = numpy_dtype(packed.dtype)
+    if out is None:
+        if token_offset:
+            raise CodecError("token_offset needs an out= array")
+        return np.empty(shape, dtype=dtype), (shape[-2] if len(shape) >= 2 else 1)
+    ok = (isinstance(out, np.ndarray) and out.dtype == dtype and out.ndim == len(shape)
+          and out.flags.c_contiguous and out.flags.writeable)
+    if ok and token_offset == 0 and tuple(out.shape) == shape:
+        return out, (shape[-2] if len(shape) >= 2 else 1)
+    if ok and len(shape) >= 2 and out.shape[:-2] == shape[:-2] and out.shape[-1] == shape[-1] \
+            and 0 <= token_offset and token_offset + shape[-2] <= out.shape[-2]:
+        return out, int(out.shape[-2])
+    got = f"{out.dtype} {list(out.shape)}" if isinstance(out, np.ndarray) else type(out).__name__
+    raise CodecError(f"tensor {name!r}: out must be a writeable C-contiguous {dtype} array of shape "
+                     f"{list(shape)} (or longer on axis -2 with token_offset), got {got}")

@@ -44,7 +44,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
 from kvcx.attention import NO_MASK, PackedKV, Workspace
-from kvcx.codec import IntCodec, decode_packed
+from kvcx.codec import WidthCodec, codec_from_config, decode_packed
 from kvcx.deps import check_transformers_version
 from kvcx.errors import KvcxError
 from kvcx.kv_cache import torch_to_numpy
@@ -93,7 +93,8 @@ class KvcxLayer(DynamicLayer):
 
     is_compileable = False
 
-    def __init__(self, kv_config: KVConfig, residual_length: int, scratch: _Scratch, owner: "KvcxCache"):
+    def __init__(self, kv_config: KVConfig, residual_length: int, scratch: _Scratch, owner: "KvcxCache",
+                 key_weights: Optional[np.ndarray] = None):
         super().__init__()
         self.kv_config = kv_config
         self.residual_length = residual_length
@@ -102,8 +103,9 @@ class KvcxLayer(DynamicLayer):
         first = {"key": kv_config.key, "value": kv_config.value}
         self._codecs_first = first
         # later chunks: the same codecs without sinks, and with the same threads
-        self._codecs_next = {k: IntCodec.from_config({**c.get_config(), "sinks": 0}).with_threads(c.n_threads)
+        self._codecs_next = {k: codec_from_config({**c.get_config(), "sinks": 0}).with_threads(c.n_threads)
                              for k, c in first.items()}
+        self._key_weights = key_weights  # per-channel widths: how much the queries weigh each key channel
         self.n_threads = kv_config.value.n_threads
         self.store: Optional[PackedKV] = None
         self.cumulative_length = 0
@@ -119,7 +121,10 @@ class KvcxLayer(DynamicLayer):
     def _encode(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         codecs = self._codecs_first if not len(self.store) else self._codecs_next
         t = time.perf_counter()
-        pk = codecs["key"].encode(torch_to_numpy(keys), name="key")
+        if isinstance(codecs["key"], WidthCodec):
+            pk = codecs["key"].encode(torch_to_numpy(keys), name="key", weights=self._key_weights)
+        else:
+            pk = codecs["key"].encode(torch_to_numpy(keys), name="key")
         pv = codecs["value"].encode(torch_to_numpy(values), name="value")
         self.store.append(pk, pv)
         self._owner.kernel_time_s += time.perf_counter() - t
@@ -339,7 +344,8 @@ class KvcxCache(Cache):
         self._workspace = Workspace()  # the fused kernel's scratch, one for all layers
         self._mask_cache = None         # (the step's mask tensor, its additive float32 form)
         self._uses_kvcx: Optional[bool] = None  # the model attention is kvcx's (read at each step's first layer)
-        super().__init__(layers=[KvcxLayer(kv.for_layer(i), residual_length, self._scratch, self)
+        super().__init__(layers=[KvcxLayer(kv.for_layer(i), residual_length, self._scratch, self,
+                                           kv.weights_for(f"layer_{i}_key"))
                                  for i in range(text.num_hidden_layers)])
 
     def _additive_mask(self, attention_mask: torch.Tensor, B: int) -> np.ndarray:

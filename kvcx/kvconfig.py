@@ -9,6 +9,10 @@ Schemes (``--scheme``):
 - ``kvcx`` (default): keys asymmetric per channel (groups of 64 tokens) with the first token (the
   attention sink) kept exact; values symmetric per token after a Hadamard rotation of head_dim, their
   first token kept exact too. Chosen from bench/bench_quality.py; see README "Choosing the default".
+- ``kvcx2w``: kvcx2's values; keys with a bit width per channel (2 bits on average, chosen per tensor from
+  each channel's spread, weighed by the queries where a plan gives ``key_weights``), in groups of 32 tokens
+  whose ranges are stored as two bytes (``--group-size`` sets the values' groups only): 2.5 bits/value
+  nominal, README "Low bits".
 - ``kvcx3`` / ``kvcx2``: the low-bit presets: the kvcx layout at 3 bits, and at 2 bits with asymmetric
   values (symmetric 2-bit codes have only 3 useful levels). With a per-layer plan from ``kvcx calibrate`` (``layer_bits``:
   the layers the model is most sensitive to get more bits) they are the frontier of README "Low bits".
@@ -33,7 +37,7 @@ import re
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
-from kvcx.codec import IntCodec
+from kvcx.codec import IntCodec, WidthCodec, codec_from_config
 from kvcx.errors import CodecError
 
 DEFAULT_SCHEME = "kvcx"
@@ -55,7 +59,11 @@ _SCHEMES = {
     "kvcx2": (dict(scheme="asymmetric", axis="channel", sinks=1, bits=2),
               dict(scheme="asymmetric", axis="token", rotate=True, bits=2, sinks=1)),
 }
-SCHEME_NAMES = tuple(_SCHEMES)
+# keys with per-channel widths (kvcx.codec.WidthCodec: 2 bits per code on average, groups of 32 tokens whose
+# ranges are two bytes) and kvcx2's values: 2.5 bits/value nominal, the 2.6-bit frontier point (README "Low
+# bits"); with a plan's key_weights (`kvcx calibrate --scheme kvcx2w`) the widths follow the queries
+_WIDTH_SCHEMES = {"kvcx2w": (dict(bits=2.0, group_size=32, sinks=1), _SCHEMES["kvcx2"][1])}
+SCHEME_NAMES = tuple(_SCHEMES) + tuple(_WIDTH_SCHEMES)
 # the low-bit presets' options: the codecs a plan from `kvcx calibrate` may give a layer's keys or values,
 # each named by a tag (bN = N bits; g128 = groups of 128; a = asymmetric), chosen from all-layer KLD screens
 # (README "Low bits"): finer groups pay better than more bits in places, values at 3 bits pay asymmetric
@@ -158,6 +166,39 @@ def _check_variants(variants) -> tuple:
     return tuple(sorted(out.items()))
 
 
+def _check_key_weights(key_weights) -> tuple:
+    """((layer, ((w, ...), ...)), ...) sorted by layer: finite non-negative floats, heads x channels per layer."""
+    import math
+
+    from kvcx.dtypes import is_int
+
+    if isinstance(key_weights, dict):
+        items = []
+        for k, v in key_weights.items():
+            if not (isinstance(k, str) and k.isdigit()) and not is_int(k):
+                raise CodecError(f"key_weights: {k!r} is not a layer number")
+            items.append((int(k), v))
+    else:
+        items = list(key_weights)
+    out, seen = [], set()
+    for row in items:
+        try:
+            layer, w = row
+            w = tuple(tuple(float(x) for x in head) for head in w)
+        except (TypeError, ValueError):
+            raise CodecError(f"key_weights: each entry must be layer -> [[weight per channel] per KV head], got "
+                             f"{str(row)[:60]}") from None
+        if not is_int(layer) or not 0 <= int(layer) < MAX_LAYERS or int(layer) in seen:
+            raise CodecError(f"key_weights: layer {layer!r} must be an integer in [0, {MAX_LAYERS}), given once")
+        if not w or len({len(h) for h in w}) != 1 or not w[0] \
+                or not all(math.isfinite(x) and x >= 0 for h in w for x in h):
+            raise CodecError(f"key_weights: layer {layer} must list, per KV head, the same number of finite "
+                             "non-negative weights (one per channel)")
+        seen.add(int(layer))
+        out.append((int(layer), w))
+    return tuple(sorted(out))
+
+
 def tag_of(sel) -> str:
     """A layer's selection as a tag: 3 -> 'b3', 'b3g128' stays."""
     return sel if isinstance(sel, str) else f"b{sel}"
@@ -170,9 +211,20 @@ class KVConfig:
     scheme: str = "custom"
     layer_bits: tuple = ()   # ((layer, key_bits, value_bits), ...): per-layer widths overriding the codecs' bits
     variants: tuple = ()     # (("key.b3g128", codec), ...): named codecs a layer may select (the presets' options)
+    key_weights: tuple = ()  # ((layer, ((w, ...), ...)), ...): per KV head and channel, how much the queries
+    #                          weigh a key channel's error (``kvcx calibrate --key-weights``); WidthCodec keys only
 
     def __post_init__(self):
         object.__setattr__(self, "layer_bits", _check_layer_bits(self.layer_bits))
+        object.__setattr__(self, "key_weights", _check_key_weights(self.key_weights))
+        if self.key_weights and not isinstance(self.key, WidthCodec):
+            raise CodecError("key_weights choose per-channel widths; they need a widths key codec "
+                             "(--scheme kvcx2w), not " + repr(self.key))
+        if isinstance(self.key, WidthCodec) and (self.layer_bits or self.variants):
+            raise CodecError("a widths key codec (kvcx2w) takes no per-layer bits or variants; its widths are "
+                             "chosen per channel from the data")
+        if isinstance(self.value, WidthCodec):
+            raise CodecError("per-channel widths are for keys; give values an IntCodec")
         object.__setattr__(self, "variants", _check_variants(self.variants))
         names = {n for n, _ in self.variants}
         for L, kb, vb in self.layer_bits:
@@ -205,6 +257,18 @@ class KVConfig:
         base = (self.key if kind == "key" else self.value).bits
         return [f"b{b}" for b in BITS if base <= b <= max(base, max_bits)]
 
+    def weights_for(self, name: str):
+        """The key weights (heads x head_dim float64 array) for a tensor, or None."""
+        if not self.key_weights or not is_key_tensor(name):
+            return None
+        import numpy as np
+
+        layer = layer_of(name)
+        for L, w in self.key_weights:
+            if L == layer:
+                return np.asarray(w, dtype=np.float64)
+        return None
+
     def base(self) -> "KVConfig":
         """This config without its per-layer selections (its variants kept)."""
         return KVConfig(key=self.key, value=self.value, scheme=self.scheme, variants=self.variants)
@@ -213,6 +277,17 @@ class KVConfig:
     def from_scheme(cls, scheme: str = DEFAULT_SCHEME, group_size: Optional[int] = None, bits: Optional[int] = None,
                     sinks: Optional[int] = None, rotate: Optional[bool] = None,
                     n_threads: Optional[int] = None) -> "KVConfig":
+        if scheme in _WIDTH_SCHEMES:
+            if bits is not None or rotate is not None:
+                raise CodecError(f"scheme {scheme!r} sets its own bits and rotation; use --scheme kvcx2 to change "
+                                 "them")
+            kw, vkw = (dict(d) for d in _WIDTH_SCHEMES[scheme])
+            vkw["group_size"] = group_size if group_size is not None else 64   # the keys keep their groups
+            for d in (kw, vkw):
+                if sinks is not None:
+                    d["sinks"] = sinks
+            return cls(key=WidthCodec(n_threads=n_threads, **kw), value=IntCodec(n_threads=n_threads, **vkw),
+                       scheme=scheme)
         if scheme not in _SCHEMES:
             raise CodecError(f"unknown scheme {scheme!r}; use one of {', '.join(SCHEME_NAMES)}")
         if scheme == "reference" and (bits not in (None, 4) or sinks or rotate):
@@ -243,11 +318,14 @@ class KVConfig:
         if not isinstance(config, dict) or not {"key", "value"} <= set(config):
             raise CodecError("a kvcx config must be an object with 'key' and 'value' codecs "
                              "(and optionally 'scheme' and 'layer_bits'), as `kvcx calibrate` writes")
-        unknown = set(config) - {"scheme", "key", "value", "layer_bits", "variants"}
+        unknown = set(config) - {"scheme", "key", "value", "layer_bits", "variants", "key_weights"}
         if unknown:
             raise CodecError(f"unknown kvcx config fields {sorted(unknown)}; known: scheme, key, value, layer_bits, "
-                             "variants")
-        codecs = [IntCodec.from_config({**config[k], "n_threads": n_threads}) for k in ("key", "value")]
+                             "variants, key_weights")
+        for k in ("key", "value"):
+            if not isinstance(config[k], dict):
+                raise CodecError(f"a kvcx config's {k} codec must be an object, got {config[k]!r}")
+        codecs = [codec_from_config({**config[k], "n_threads": n_threads}) for k in ("key", "value")]
         scheme = config.get("scheme", "custom")
         if not isinstance(scheme, str):
             raise CodecError(f"a kvcx config's scheme must be a string, got {scheme!r}")
@@ -258,12 +336,13 @@ class KVConfig:
         variants = {k: IntCodec.from_config({**v, "n_threads": n_threads}) if isinstance(v, dict) else v
                     for k, v in variants.items()}
         return cls(key=codecs[0], value=codecs[1], scheme=scheme, layer_bits=config.get("layer_bits", ()),
-                   variants=variants)
+                   variants=variants, key_weights=config.get("key_weights", ()))
 
     def with_threads(self, n_threads: Optional[int]) -> "KVConfig":
         return KVConfig(key=self.key.with_threads(n_threads), value=self.value.with_threads(n_threads),
                         scheme=self.scheme, layer_bits=self.layer_bits,
-                        variants=tuple((n, c.with_threads(n_threads)) for n, c in self.variants))
+                        variants=tuple((n, c.with_threads(n_threads)) for n, c in self.variants),
+                        key_weights=self.key_weights)
 
     def for_layer(self, layer: Optional[int]) -> "KVConfig":
         """This config with the key and value bits of ``layer`` (no per-layer widths left)."""
@@ -322,10 +401,15 @@ class KVConfig:
             cfg["layer_bits"] = [list(r) for r in self.layer_bits]
         if self.variants:
             cfg["variants"] = {n: c.get_config() for n, c in self.variants}
+        if self.key_weights:
+            cfg["key_weights"] = {str(L): [list(r) for r in w] for L, w in self.key_weights}
         return cfg
 
     def describe(self) -> str:
-        def one(c: IntCodec) -> str:
+        def one(c) -> str:
+            if isinstance(c, WidthCodec):
+                return (f"{c.bits:g}-bit mean, a width per channel, g{c.group_size} per-channel" +
+                        (f" +{c.sinks} sink" if c.sinks else "") + (" (query-weighted)" if self.key_weights else ""))
             s = f"{c.bits}-bit {c.scheme[:4]} g{c.group_size} per-{c.axis}"
             if c.rotate:
                 s += " +hadamard"

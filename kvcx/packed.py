@@ -23,7 +23,7 @@ from typing import Callable, Dict, Optional, Tuple
 
 import numpy as np
 
-from kvcx.codec import IntCodec, Packed, decode_packed
+from kvcx.codec import Packed, WidthCodec, codec_from_config, decode_packed
 from kvcx.dtypes import dtype_name, is_int, numpy_dtype
 from kvcx.errors import CodecError, FormatError
 from kvcx.kvconfig import KVConfig
@@ -33,7 +33,9 @@ from kvcx.safetensors_io import no_duplicate_keys
 FORMAT_KEY = "kvcx.format"
 FORMAT_NAME = "kvcx.packed"
 FORMAT_VERSION = "2"
-READABLE_VERSIONS = ("1", "2")
+# version 3: files with a per-channel widths codec (kvcx.widths, docs/FORMAT.md 2.4); others stay version 2
+WIDTHS_VERSION = "3"
+READABLE_VERSIONS = ("1", "2", "3")
 SUFFIXES = (".kvcx.codes", ".kvcx.scales", ".kvcx.zeros", ".kvcx.sinks")
 PARTS = ("codes", "scales", "zeros", "sinks")
 # nesting deeper than this in any metadata JSON is refused (a real sidecar is a few levels deep)
@@ -139,7 +141,10 @@ def compress_tensors(tensors: Dict[str, np.ndarray], config: KVConfig, sparsity:
             continue
         kind, codec = config.codec_for(name, arr.shape)
         src = sparsify(arr, sparsity, name).astype(arr.dtype) if sparsity else arr
-        packed = codec.encode(src, name=name)
+        if isinstance(codec, WidthCodec):
+            packed = codec.encode(src, name=name, weights=config.weights_for(name))
+        else:
+            packed = codec.encode(src, name=name)
         out[f"{name}.kvcx.codes"] = lz4_compress(packed.codes) if lz4 else packed.codes
         out[f"{name}.kvcx.scales"] = packed.scales
         if packed.zeros is not None:
@@ -151,11 +156,13 @@ def compress_tensors(tensors: Dict[str, np.ndarray], config: KVConfig, sparsity:
             stats[name] = error_stats(arr, decode_packed(packed, name=name), name=name)
         if progress:
             progress(name)
+    codecs = config.codecs()
     meta = {
         FORMAT_KEY: FORMAT_NAME,
-        "kvcx.format_version": FORMAT_VERSION,
+        "kvcx.format_version": WIDTHS_VERSION if any(isinstance(c, WidthCodec) for c in codecs.values())
+        else FORMAT_VERSION,
         "kvcx.config": _dumps({"scheme": config.scheme, "sparsity": float(sparsity), "lz4": bool(lz4)}),
-        "kvcx.codecs": _dumps({k: c.get_config() for k, c in config.codecs().items()}),
+        "kvcx.codecs": _dumps({k: c.get_config() for k, c in codecs.items()}),
         "kvcx.tensors": _dumps(info),
         "kvcx.passthrough": json.dumps(passthrough, separators=(",", ":")),
     }
@@ -245,9 +252,11 @@ def read_settings(metadata: Dict[str, str], source: str = "<packed>") -> dict:
     for kind, cfg in codecs_raw.items():
         _expect(isinstance(cfg, dict) and "n_threads" not in cfg, source, f"codec {kind!r} must be a codec object")
         try:
-            codecs[kind] = IntCodec.from_config(cfg)
+            codecs[kind] = codec_from_config(cfg)
         except CodecError as exc:
             raise FormatError(f"{source}: codec {kind!r}: {exc}") from None
+        _expect(version == WIDTHS_VERSION or not isinstance(codecs[kind], WidthCodec), source,
+                f"codec {kind!r} (per-channel widths) needs format version {WIDTHS_VERSION}, the file says {version}")
 
     info = parse_json_field(metadata, "kvcx.tensors", source)
     _expect(isinstance(info, dict), source, "'kvcx.tensors' must be an object")

@@ -100,3 +100,60 @@ def decode_values(codes_u8, scale, zero, bits, asym):
     if asym:
         return codes_u8.astype(np.float32) * s + zero.astype(np.float32)
     return (codes_u8.astype(np.float32) - np.float32(2 ** (bits - 1))) * s
+
+
+def widths_encode(x, bits, group_size, sinks, weights=None, wmax=8):
+    """The per-channel widths codec (docs/FORMAT.md 2.4) in NumPy: (codes bytes, channel ranges F16 [N, D, 2],
+    decoded float32). The widths are the ``bits * D * N`` best bits over the tensor's channels, taken one by
+    one in order of gain."""
+    shape = x.shape
+    S, D = shape[-2], shape[-1]
+    xs = x.reshape(-1, S, D).astype(np.float32)
+    N = xs.shape[0]
+    t0 = min(sinks, S)
+    gs = group_size
+    G = -(-(S - t0) // gs)
+    groups = [(t0 + g * gs, min(S, t0 + (g + 1) * gs)) for g in range(G)]
+    mn = np.stack([xs[:, a:b].min(1) for a, b in groups], 1)
+    mx = np.stack([xs[:, a:b].max(1) for a, b in groups], 1)
+    lo, hi = mn.min(1), mx.max(1)
+    lo16, hi16 = lo.astype(np.float16), hi.astype(np.float16)
+    lo16 = np.where(lo16.astype(np.float32) > lo, np.nextafter(lo16, np.float16(-np.inf)), lo16)
+    hi16 = np.where(hi16.astype(np.float32) < hi, np.nextafter(hi16, np.float16(np.inf)), hi16)
+    L, H = lo16.astype(np.float32)[:, None], hi16.astype(np.float32)[:, None]
+    span = (H - L) / np.float32(255)
+    safe = np.where(span > 0, span, np.float32(1))
+    a = np.where(span > 0, np.clip(np.floor((mn - L) / safe), 0, 255), 0)
+    b = np.where(span > 0, np.clip(np.ceil((mx - L) / safe), 0, 255), 0)
+    b = np.maximum(a, b)
+    glo, ghi = L + a.astype(np.float32) * span, L + b.astype(np.float32) * span
+    rows = np.array([b_ - a_ for a_, b_ in groups], dtype=np.float64)
+    spread = (((mx.astype(np.float64) - mn.astype(np.float64)) ** 2) * rows[None, :, None]).sum(1)
+    if weights is not None:
+        spread = spread * np.tile(np.asarray(weights, np.float64), (N // len(weights), 1))
+    err = np.array([1.0] + [1.0 / (2 ** w - 1) ** 2 for w in range(1, wmax + 1)])
+    gains = [(spread[n, d] * ((err[0] - err[2]) / 2 if k < 2 else err[k] - err[k + 1]), n, d)
+             for n in range(N) for d in range(D) for k in range(wmax)]
+    gains.sort(key=lambda t: -t[0])
+    widths = np.zeros((N, D), dtype=np.int64)
+    for _, n, d in gains[:int(round(bits * D)) * N]:
+        widths[n, d] += 1
+    top = (2.0 ** widths - 1).astype(np.float32)[:, None, :]
+    step = (ghi - glo) / np.maximum(top, 1)
+    inv = np.where((step > 0) & (top > 0), 1 / np.where(step > 0, step, 1), 0).astype(np.float32)
+    dec = xs.copy()
+    planes = []
+    for n in range(N):
+        for g, (ga, gb) in enumerate(groups):
+            q = np.clip(np.rint((xs[n, ga:gb] - glo[n, g]) * inv[n, g]), 0, top[n, 0]).astype(np.int64)
+            base = np.where(top[n, 0] > 0, glo[n, g], (glo[n, g] + ghi[n, g]) / 2)
+            dec[n, ga:gb] = base + np.where(top[n, 0] > 0, step[n, g], 0).astype(np.float32) * q.astype(np.float32)
+            full = np.zeros((gs, D), dtype=np.int64)
+            full[:gb - ga] = q
+            for d in range(D):
+                for j in range(widths[n, d]):
+                    planes.append(np.packbits(((full[:, d] >> j) & 1).astype(np.uint8), bitorder="little"))
+    stats = np.stack([a, b], -1).astype(np.uint8)
+    codes = np.concatenate([widths.astype(np.uint8).reshape(-1), stats.reshape(-1)]
+                           + planes).astype(np.uint8)
+    return codes, np.stack([lo16, hi16], -1), dec.reshape(shape)

@@ -384,3 +384,228 @@ def test_calibrate_reuse_reallocates_without_a_model(tmp_path):
     # a budget below the scheme's own bits fails before any model is loaded
     r = run("calibrate", "--scheme", "kvcx3", "--budget", 2.0, "--out", out)
     assert r.exit_code == 1 and "at or above the 2.500" in r.output, r.output
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# per-channel widths (WidthCodec, --scheme kvcx2w)
+# ---------------------------------------------------------------------------------------------------------------
+
+def keys_like(shape, seed=0, dtype=np.float32):
+    """Key-like data: every channel its own offset and spread (some nearly flat)."""
+    rng = np.random.default_rng(seed)
+    D = shape[-1]
+    return (rng.standard_normal(shape) * rng.uniform(0.01, 4, D) + rng.uniform(-3, 3, D)).astype(dtype)
+
+
+@pytest.mark.parametrize("shape,bits,gs,sinks,dtype", [
+    ((1, 3, 200, 64), 2.0, 32, 1, np.float32), ((2, 2, 100, 32), 3.5, 16, 2, np.float16),
+    ((1, 1, 300, 64), 1.0, 128, 0, np.float32), ((4, 40, 16), 8, 32, 3, np.float32),
+    ((1, 2, 70, 24), 2.5, 16, 1, np.float16)])
+def test_widths_codec_matches_the_numpy_reference(shape, bits, gs, sinks, dtype):
+    from kvcx.codec import WidthCodec, decode_packed
+    from reference import widths_encode
+
+    x = keys_like(shape, dtype=dtype)
+    c = WidthCodec(bits=bits, group_size=gs, sinks=sinks)
+    p = c.encode(x, "k")
+    codes, scales, dec = widths_encode(x, bits, gs, sinks)
+    assert np.array_equal(p.codes, codes) and np.array_equal(p.scales, scales)
+    y = decode_packed(p)
+    assert y.dtype == x.dtype and y.shape == x.shape
+    np.testing.assert_array_equal(y, dec.astype(dtype))
+    if sinks:
+        np.testing.assert_array_equal(y[..., :sinks, :], x[..., :sinks, :])
+    N = int(np.prod(shape[:-2]))
+    widths = p.codes[:N * shape[-1]].reshape(N, -1)
+    assert widths.sum() == round(bits * shape[-1]) * N and widths.max() <= 8
+    # the buffers of an earlier Packed are reused
+    q = c.encode(keys_like(shape, seed=1, dtype=dtype), "k")
+    assert c.encode(x, "k", out=q) is q and np.array_equal(q.codes, p.codes)
+
+
+def test_widths_follow_the_spread_and_the_weights():
+    from kvcx.codec import WidthCodec, decode_packed
+
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((1, 2, 256, 64)).astype(np.float32)
+    x[..., :8] *= 20        # wide channels
+    x[..., 8:16] *= 0.01    # flat channels
+    c = WidthCodec(bits=2.0, group_size=32, sinks=1)
+    w = c.encode(x).codes[:128].reshape(2, 64)
+    assert w[:, :8].min() > w[:, 16:].mean() > 1 and w[:, 8:16].max() == 0
+    # the queries weigh channels 32-63 of head 0 a thousand times more: they get the bits, and their error falls
+    weights = np.ones((2, 64))
+    weights[0, 32:] = 1000.0
+    pw = c.encode(x, weights=weights)
+    ww = pw.codes[:128].reshape(2, 64)
+    assert ww[0, 32:].mean() > w[0, 32:].mean() + 1
+    err = lambda p: np.abs(decode_packed(p) - x)[0, 0, 1:, 32:].mean()
+    assert err(pw) < 0.6 * err(c.encode(x))
+    # the heads share the tensor's budget: the weighted head takes bits from the other
+    assert ww[0].sum() > ww[1].sum() and ww.sum() == w.sum() == 2 * 128
+
+
+def test_widths_codec_errors():
+    from kvcx.codec import Packed, WidthCodec, decode_packed
+
+    with pytest.raises(CodecError, match="mean bits"):
+        WidthCodec(bits=0)
+    with pytest.raises(CodecError, match="mean bits"):
+        WidthCodec(bits=9)
+    with pytest.raises(CodecError, match="group size"):
+        WidthCodec(group_size=24)
+    c = WidthCodec(bits=2.01, group_size=32)
+    with pytest.raises(CodecError, match="'k'.*not a whole number of bits"):
+        c.encode(np.zeros((1, 1, 64, 64), np.float32), "k")
+    c = WidthCodec(bits=2.0, group_size=32, sinks=1)
+    with pytest.raises(CodecError, match="multiple of 8"):
+        c.encode(np.zeros((1, 1, 64, 12), np.float32), "k")
+    with pytest.raises(CodecError, match="at least 2 dims"):
+        c.encode(np.zeros(64, np.float32), "k")
+    with pytest.raises(CodecError, match="empty"):
+        c.encode(np.zeros((1, 0, 64), np.float32), "k")
+    x = keys_like((1, 2, 100, 64))
+    for bad in (np.nan, np.inf, -np.inf):
+        y = x.copy()
+        y[0, 1, 50, 7] = bad
+        with pytest.raises(CodecError, match="'k' contains 1 NaN/Inf"):
+            c.encode(y, "k")
+    y = x.copy()
+    y[0, 0, 0, 0] = np.nan    # a sink token
+    with pytest.raises(CodecError, match="NaN/Inf"):
+        c.encode(y, "k")
+    with pytest.raises(CodecError, match="FP16"):
+        c.encode(x * 1e5, "k")
+    for w in (np.ones((3, 64)), np.ones((2, 32)), -np.ones((2, 64)), np.full((2, 64), np.nan)):
+        with pytest.raises(CodecError, match="key weights"):
+            c.encode(x, "k", weights=w)
+    with pytest.raises(CodecError, match="out must be a Packed"):
+        c.encode(x, "k", out=c.encode(keys_like((1, 2, 90, 64)), "k"))
+    # damaged data: widths that do not add up, a range that ends below its start, NaN ranges, short codes
+    p = c.encode(x, "k")
+    N, D, G = 2, 64, -(-99 // 32)
+
+    def damaged(**kw):
+        q = Packed(**{**p.__dict__, "codes": p.codes.copy(), "scales": p.scales.copy()})
+        for k, v in kw.items():
+            setattr(q, k, v)
+        return q
+    codes = p.codes.copy()
+    codes[0] += 1
+    with pytest.raises(CodecError, match="'k'.*widths.*damaged"):
+        decode_packed(damaged(codes=codes), name="k")
+    codes = p.codes.copy()
+    st = codes[N * D:N * D + N * G * D * 2].reshape(N, G, D, 2)
+    st[0, 1, 5] = (200, 100)
+    with pytest.raises(CodecError, match="'k'.*damaged"):
+        decode_packed(damaged(codes=codes), name="k")
+    scales = p.scales.copy()
+    scales[0, 3, 0] = np.nan
+    with pytest.raises(CodecError, match="'k'.*channel ranges"):
+        decode_packed(damaged(scales=scales), name="k")
+    with pytest.raises(CodecError, match="'k'.*expected"):
+        decode_packed(damaged(codes=p.codes[:-1]), name="k")
+
+
+def test_kvcx2w_preset_and_weights_round_trip_through_the_file_format(tmp_path):
+    from kvcx.codec import WidthCodec
+    from kvcx.errors import FormatError
+    from kvcx.packed import read_settings
+
+    cfg = KVConfig.from_scheme("kvcx2w")
+    assert isinstance(cfg.key, WidthCodec) and (cfg.key.bits, cfg.key.group_size, cfg.key.sinks) == (2.0, 32, 1)
+    assert cfg.value == KVConfig.from_scheme("kvcx2").value
+    assert cfg.bits_per_value(22) == 2.5
+    tensors = {k: keys_like(a.shape, seed=i) if k.endswith("key") else a
+               for i, (k, a) in enumerate(tinyllama_cache(seq=512).items())}
+    weights = {str(L): (np.random.default_rng(L).uniform(0, 5, (4, 64))).tolist() for L in range(22)}
+    wcfg = KVConfig.from_config({**cfg.get_config(), "key_weights": weights})
+    assert KVConfig.from_config(wcfg.get_config()) == wcfg and "query-weighted" in wcfg.describe()
+    for c in (cfg, wcfg):
+        packed, meta = compress_tensors(tensors, c)
+        assert meta["kvcx.format_version"] == "3"
+        out = decompress_tensors(*kst.load_with_metadata(kst.save(packed, meta)))
+        for name, a in tensors.items():
+            assert out[name].dtype == a.dtype and out[name].shape == a.shape
+            assert error_stats(a, out[name]).snr_db > (9 if name.endswith("key") else 6), name
+        bpv = 8.0 * sum(a.nbytes for a in packed.values()) / sum(a.size for a in tensors.values())
+        assert 2.5 < bpv < 2.6, bpv   # 2.5 nominal + sinks, channel ranges and widths of 512 tokens
+    # the weights choose the widths: the weighted file differs in its key codes only
+    p1, _ = compress_tensors(tensors, cfg)
+    p2, _ = compress_tensors(tensors, wcfg)
+    assert not np.array_equal(p1["layer_3_key.kvcx.codes"], p2["layer_3_key.kvcx.codes"])
+    assert np.array_equal(p1["layer_3_value.kvcx.codes"], p2["layer_3_value.kvcx.codes"])
+    # the CLI takes the preset; a version-2 file that names the widths codec is refused
+    src = tmp_path / "c.safetensors"
+    kst.save_file(tensors, src)
+    r = run("compress", str(src), str(tmp_path / "p.safetensors"), "--scheme", "kvcx2w")
+    assert r.exit_code == 0, r.output
+    r = run("decompress", str(tmp_path / "p.safetensors"), str(tmp_path / "d.safetensors"))
+    assert r.exit_code == 0, r.output
+    packed, meta = compress_tensors(tensors, cfg)
+    meta = {**meta, "kvcx.format_version": "2"}
+    with pytest.raises(FormatError, match="needs format version 3"):
+        read_settings(meta, "old.safetensors")
+    # settings that do not go together
+    with pytest.raises(CodecError, match="sets its own bits"):
+        KVConfig.from_scheme("kvcx2w", bits=3)
+    with pytest.raises(CodecError, match="key_weights.*widths key codec"):
+        KVConfig.from_config({**KVConfig.from_scheme("kvcx2").get_config(), "key_weights": weights})
+    with pytest.raises(CodecError, match="layer 1 must list"):
+        KVConfig.from_config({**cfg.get_config(), "key_weights": {"1": [[1.0, -2.0]]}})
+    with pytest.raises(CodecError, match="no per-layer bits"):
+        KVConfig(key=cfg.key, value=cfg.value, layer_bits=[(0, 4, 4)])
+    from kvcx.chunk import ChunkCodec
+
+    with pytest.raises(CodecError, match="kvcx2w.*not supported"):
+        ChunkCodec(cfg)
+
+
+def test_calibrate_reuse_of_a_width_plan_changes_the_keys_mean(tmp_path):
+    from kvcx.calibrate import reallocate
+
+    saved = json.loads((PLANS / "smollm2-kvcx2w-2.47.json").read_text())
+    cfg = load_plan(PLANS / "smollm2-kvcx2w-2.47.json")
+    assert cfg.key.bits == 1.9375 and len(cfg.key_weights) == 30
+    res = reallocate(saved, 2.5)
+    assert res.config.key.bits == 2.0 and res.config.key_weights == cfg.key_weights
+    with pytest.raises(KvcxError, match="--budget 1.0"):
+        reallocate(saved, 1.0)
+
+
+@pytest.mark.model
+def test_kvcx2w_in_kvcx_cache_and_calibrated_query_weights(loaded, wikitext_path, tmp_path):
+    torch = pytest.importorskip("torch")
+    from transformers import DynamicCache
+
+    from kvcx import calibrate as cal
+    from kvcx.api import save_plan
+    from kvcx.codec import WidthCodec
+    from kvcx.hf import KvcxCache
+
+    model, tok, _ = loaded
+    n = model.config.num_hidden_layers
+    res = cal.run_calibration(KVConfig.from_scheme("kvcx2w"), budget=2.5, dataset_file=wikitext_path, windows=1,
+                              offset=3, window=192, stride=64, loaded=loaded)
+    plan = res.config
+    assert isinstance(plan.key, WidthCodec) and plan.key.bits == 2.0 and len(plan.key_weights) == n
+    w = np.asarray(plan.key_weights[0][1])
+    assert w.shape == (model.config.num_key_value_heads, 64) and (w > 0).all()
+    np.testing.assert_allclose(w[:, :32], w[:, 32:], rtol=1e-5)   # the rotary pairs share a weight
+    save_plan(tmp_path / "w.json", res)
+    assert load_plan(tmp_path / "w.json") == plan
+    ids = torch.tensor(tok(wikitext_path.read_text(encoding="utf-8")[:8000])["input_ids"][:300])[None]
+    with torch.inference_mode():
+        ref = model(ids, past_key_values=DynamicCache()).logits[0, -1]
+        for cfg in (KVConfig.from_scheme("kvcx2w"), plan):
+            cache = KvcxCache(model.config, kv_config=cfg)
+            model(ids[:, :256], past_key_values=cache)
+            logits = model(ids[:, 256:], past_key_values=cache).logits[0, -1]
+            chunk = cache.layers[1].store.keys.chunk(0)
+            assert chunk.config["id"] == "kvcx.widths" and cache.memory_report()["attention_steps"]["fused"] == 0
+            cos = torch.nn.functional.cosine_similarity(ref, logits, dim=0)
+            assert cos > 0.9, (cfg.describe(), float(cos))
+        # generation past a residual flush appends chunks of keys whose widths each chunk chooses
+        g = model.generate(ids[:, :250], past_key_values=KvcxCache(model.config, kv_config=plan),
+                           max_new_tokens=80, do_sample=False)
+    assert g.shape[1] == 330
