@@ -134,49 +134,64 @@ static inline void kvcx_w_channels(const float *mn, const float *mx, int64_t G, 
     }
 }
 
-/* Encode one group: x is its rows x D tile (rows <= gs), mn / mx its column min and max, lo / hi the
-   slab's channel ranges (FP16 values), w / off the slab's widths and plane offsets. Writes the group's
-   range bytes (D x 2: the step at or below its min, the step at or above its max) and its plane block.
-   D a multiple of 8. qt: 2 * gs * D scratch bytes; row: 5 * D scratch floats. */
-static inline void kvcx_w_encode_tile(const float *x, int64_t rows, int64_t gs, int64_t D, const float *mn,
-                                      const float *mx, const float *lo, const float *hi, const uint8_t *w,
-                                      const int64_t *off, uint8_t *qt, float *row, uint8_t *stats,
-                                      uint8_t *out) {
-    float *glo = row, *inv = row + D, *top = row + 2 * D;
-    uint8_t *qr = qt + gs * D;   /* codes row-major (gs x D), then transposed into qt (D x gs) */
-    int64_t r, d;
-    int j;
-    float *fa = row + 3 * D, *fb = row + 4 * D;
-    for (d = 0; d < D; d++) {   /* vectorised: the group's range on the channel's 255-step grid */
+/* A group's parameters per channel (D x float each; restrict: vectorised): its range bytes a / b (the step
+   of the channel's 255-step grid at or below its min mn, at or above its max mx), its low end glo and
+   the inverse of its code step (0 where the channel has no codes or no range). top = 2^w - 1. */
+static inline void kvcx_w_group_params(const float *restrict mn, const float *restrict mx,
+                                       const float *restrict lo, const float *restrict hi,
+                                       const float *restrict top, int64_t D, float *restrict glo,
+                                       float *restrict inv, float *restrict fa, float *restrict fb) {
+    int64_t d;
+    for (d = 0; d < D; d++) {
         float span = (hi[d] - lo[d]) / 255.0f;
-        float ok = span > 0.0f ? span : 1.0f;
-        float a = floorf((mn[d] - lo[d]) / ok), b = ceilf((mx[d] - lo[d]) / ok);
-        float t = (float)((1 << w[d]) - 1), ghi, step;
-        a = span > 0.0f ? a : 0.0f;
-        b = span > 0.0f ? b : 0.0f;
-        a = a < 0.0f ? 0.0f : (a > 255.0f ? 255.0f : a);
-        b = b < a ? a : (b > 255.0f ? 255.0f : b);
+        int has = span > 0.0f;
+        float ok = has ? span : 1.0f;
+        float a = floorf((mn[d] - lo[d]) / ok), b = ceilf((mx[d] - lo[d]) / ok), t = top[d], step;
+        a = has ? a : 0.0f;
+        b = has ? b : 0.0f;
+        a = a < 0.0f ? 0.0f : a;
+        a = a > 255.0f ? 255.0f : a;
+        b = b < a ? a : b;
+        b = b > 255.0f ? 255.0f : b;
         glo[d] = lo[d] + a * span;
-        ghi = lo[d] + b * span;
-        step = (ghi - glo[d]) / (t > 1.0f ? t : 1.0f);
-        inv[d] = (step > 0.0f && t > 0.0f) ? 1.0f / (step > 0.0f ? step : 1.0f) : 0.0f;
-        top[d] = t;
+        step = (lo[d] + b * span - glo[d]) / (t > 1.0f ? t : 1.0f);
+        inv[d] = ((step > 0.0f) & (t > 0.0f)) ? 1.0f / (step > 0.0f ? step : 1.0f) : 0.0f;
         fa[d] = a;
         fb[d] = b;
     }
+}
+
+/* one row of codes: o[d] = clamp(rint((x[d] - glo[d]) * inv[d]), 0, top[d]) */
+static inline void kvcx_w_quant_row(const float *restrict x, const float *restrict glo,
+                                    const float *restrict inv, const float *restrict top, int64_t D,
+                                    uint8_t *restrict o) {
+    int64_t d;
+    for (d = 0; d < D; d++) {
+        float v = rintf((x[d] - glo[d]) * inv[d]);
+        v = v < 0.0f ? 0.0f : v;
+        v = v > top[d] ? top[d] : v;
+        o[d] = (uint8_t)(int32_t)v;
+    }
+}
+
+/* Encode one group: x is its rows x D tile (rows <= gs), mn / mx its column min and max, lo / hi the
+   slab's channel ranges (FP16 values), w / top / off the slab's widths, 2^w - 1 and plane offsets.
+   Writes the group's range bytes (D x 2) and its plane block. D a multiple of 8. qt: 2 * gs * D scratch
+   bytes; row: 4 * D scratch floats. */
+static inline void kvcx_w_encode_tile(const float *x, int64_t rows, int64_t gs, int64_t D, const float *mn,
+                                      const float *mx, const float *lo, const float *hi, const uint8_t *w,
+                                      const float *top, const int64_t *off, uint8_t *qt, float *row,
+                                      uint8_t *stats, uint8_t *out) {
+    float *glo = row, *inv = row + D, *fa = row + 2 * D, *fb = row + 3 * D;
+    uint8_t *qr = qt + gs * D;   /* codes row-major (gs x D), then transposed into qt (D x gs) */
+    int64_t r, d;
+    int j;
+    kvcx_w_group_params(mn, mx, lo, hi, top, D, glo, inv, fa, fb);
     for (d = 0; d < D; d++) {
         stats[2 * d] = (uint8_t)(int32_t)fa[d];
         stats[2 * d + 1] = (uint8_t)(int32_t)fb[d];
     }
-    for (r = 0; r < rows; r++) {
-        const float *p = x + r * D;
-        uint8_t *o = qr + r * D;
-        for (d = 0; d < D; d++) {
-            float v = rintf((p[d] - glo[d]) * inv[d]);
-            v = v < 0.0f ? 0.0f : v;
-            o[d] = (uint8_t)(int32_t)(v > top[d] ? top[d] : v);
-        }
-    }
+    for (r = 0; r < rows; r++) kvcx_w_quant_row(x + r * D, glo, inv, top, D, qr + r * D);
     if (rows < gs) memset(qr + rows * D, 0, (size_t)((gs - rows) * D));
     kvcx_w_transpose(qr, D, gs, D, qt, gs);
     for (d = 0; d < D; d++)
@@ -187,26 +202,27 @@ static inline void kvcx_w_encode_tile(const float *x, int64_t rows, int64_t gs, 
    when a range byte pair is out of order (damaged data). qt: 2 * gs * D scratch bytes; row: 2 * D floats. */
 static inline int kvcx_w_decode_tile(const uint8_t *planes, const uint8_t *stats, int64_t rows, int64_t gs,
                                      int64_t D, const float *lo, const float *hi, const uint8_t *w,
-                                     const int64_t *off, uint8_t *qt, float *row, float *x) {
+                                     const float *top, const int64_t *off, uint8_t *qt, float *row, float *x) {
     float *base = row, *step = row + D;
     uint8_t *qr = qt + gs * D;
     int64_t r, d;
     int j, bad = 0;
     for (d = 0; d < D; d++) {
-        float span = (hi[d] - lo[d]) / 255.0f, top = (float)((1 << w[d]) - 1);
+        float span = (hi[d] - lo[d]) / 255.0f, t = top[d];
         float glo = lo[d] + (float)stats[2 * d] * span, ghi = lo[d] + (float)stats[2 * d + 1] * span;
         bad |= stats[2 * d] > stats[2 * d + 1];
-        step[d] = top > 0.0f ? (ghi - glo) / top : 0.0f;
-        base[d] = top > 0.0f ? glo : (glo + ghi) / 2.0f;
+        step[d] = t > 0.0f ? (ghi - glo) / (t > 0.0f ? t : 1.0f) : 0.0f;
+        base[d] = t > 0.0f ? glo : (glo + ghi) / 2.0f;
     }
     memset(qt, 0, (size_t)(gs * D));
     for (d = 0; d < D; d++)
         for (j = 0; j < w[d]; j++) kvcx_w_unplane(planes + off[d] + j * (gs / 8), gs, j, qt + d * gs);
     kvcx_w_transpose(qt, gs, D, gs, qr, D);
     for (r = 0; r < rows; r++) {
-        float *p = x + r * D;
-        const uint8_t *c = qr + r * D;
-        for (d = 0; d < D; d++) p[d] = base[d] + step[d] * (float)c[d];
+        float *restrict p = x + r * D;
+        const uint8_t *restrict c = qr + r * D;
+        const float *restrict b = base, *restrict st = step;
+        for (d = 0; d < D; d++) p[d] = b[d] + st[d] * (float)c[d];
     }
     return bad;
 }

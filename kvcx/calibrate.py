@@ -309,10 +309,10 @@ def reallocate(saved, budget: float, source="<plan>", base: Optional[KVConfig] =
         start = base if base is not None and isinstance(base.key, WidthCodec) else saved_cfg
         plan = width_plan(start, budget, {L: [list(r) for r in w] for L, w in saved_cfg.key_weights})
         n_layers = int(plans[0].get("n_layers", 0))
-        return Calibration(config=plan, sensitivity={}, budget=budget, bits_per_value=plan.bits_per_value(n_layers or 1),
-                           n_layers=n_layers, windows=int(plans[0].get("windows", 0)),
-                           tokens=int(plans[0].get("tokens", 0)), model=str(plans[0].get("model", "")),
-                           estimated_kld=math.nan)
+        return Calibration(config=plan, sensitivity={}, budget=budget,
+                           bits_per_value=plan.bits_per_value(n_layers or 1), n_layers=n_layers,
+                           windows=int(plans[0].get("windows", 0)), tokens=int(plans[0].get("tokens", 0)),
+                           model=str(plans[0].get("model", "")), estimated_kld=math.nan)
     try:
         parsed = [_saved_sensitivity(p, s) for p, s in zip(plans, sources)]
     except CodecError as exc:

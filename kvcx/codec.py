@@ -100,7 +100,29 @@ def _view3(shape: tuple) -> tuple:
     return math.prod(int(s) for s in shape[:-2]), int(shape[-2]), int(shape[-1])
 
 
-class IntCodec:
+class _ShapeRules:
+    """What a codec's ``_layout(shape, name)`` (its checks and sizes) answers, shared by the codecs."""
+
+    def supports(self, shape: tuple) -> bool:
+        """Whether this codec can encode a tensor of this shape (see the layout rules)."""
+        try:
+            self._layout(tuple(shape), "tensor")
+        except CodecError:
+            return False
+        return True
+
+    def codes_nbytes(self, shape: tuple, name: str = "tensor") -> int:
+        """Bytes of packed codes for a tensor of this shape."""
+        return self._layout(tuple(shape), name)["codes_nbytes"]
+
+    def packed_config(self, shape: tuple, name: str = "tensor") -> dict:
+        """The config recorded for a tensor of this shape (sinks capped to its token count)."""
+        cfg = self.get_config()
+        cfg["sinks"] = self._layout(tuple(shape), name)["t0"]
+        return cfg
+
+
+class IntCodec(_ShapeRules):
     """Per-group integer quantization with packed codes and FP16 scales.
 
     Parameters
@@ -227,24 +249,6 @@ class IntCodec:
         return _core.Layout(N=lay["N"], S=lay["S"], D=lay["D"], t0=lay["t0"], group_size=self.group_size,
                             bits=self.bits, asym=self.asym, axis=_AXIS_CODES[self.axis], rotate=self.rotate)
 
-    def supports(self, shape: tuple) -> bool:
-        """Whether this codec can encode a tensor of this shape (see the layout rules)."""
-        try:
-            self._layout(tuple(shape), "tensor")
-        except CodecError:
-            return False
-        return True
-
-    def codes_nbytes(self, shape: tuple, name: str = "tensor") -> int:
-        """Bytes of packed codes for a tensor of this shape."""
-        return self._layout(tuple(shape), name)["codes_nbytes"]
-
-    def packed_config(self, shape: tuple, name: str = "tensor") -> dict:
-        """The config recorded for a tensor of this shape (sinks capped to its token count)."""
-        cfg = self.get_config()
-        cfg["sinks"] = self._layout(tuple(shape), name)["t0"]
-        return cfg
-
     # -- encode / decode -----------------------------------------------------
     def encode(self, arr, name: str = "tensor", out: Optional[Packed] = None) -> Packed:
         """Quantize ``arr`` (float16/bfloat16/float32) into a :class:`Packed`.
@@ -309,22 +313,23 @@ _W_ERR = np.array([1.0] + [1.0 / ((1 << w) - 1) ** 2 for w in range(1, _core.W_M
 _W_GAIN = np.array([(1.0 - _W_ERR[2]) / 2] * 2 + [_W_ERR[k] - _W_ERR[k + 1] for k in range(2, _core.W_MAX)])
 
 
-class WidthCodec:
+class WidthCodec(_ShapeRules):
     """Keys grouped per channel along tokens (as ``IntCodec(axis="channel", scheme="asymmetric")``), each
     channel with its own bit width, chosen per tensor from the data.
 
     A tensor's widths sum to ``bits * head_dim`` per slab (a KV head), spent where they cut the error most:
     a channel whose values spread widely (or that the queries weigh heavily, with ``weights``) gets more
-    bits, a flat one fewer, down to none (it decodes to the middle of its range). Groups of ``group_size`` tokens keep their channel's range as
-    two bytes on a 255-step grid between the channel's FP16 minimum and maximum over the tensor, so the
-    ranges cost 16 / group_size bits per value instead of 32. Codes are stored as bit planes. See
-    docs/FORMAT.md 2.4.
+    bits, a flat one fewer, down to none (it decodes to the middle of its range). Groups of ``group_size``
+    tokens keep their channel's range as two bytes on a 255-step grid between the channel's FP16 minimum
+    and maximum over the tensor, so the ranges cost 16 / group_size bits per value instead of 32. Codes are
+    stored as bit planes. See docs/FORMAT.md 2.4.
 
     Parameters
     ----------
     bits: mean bits per code over a slab's channels (``bits * head_dim`` must be whole: a multiple of 1/64
         for head_dim 64), more than 0 and at most 8.
-    group_size: tokens per group (16, 32, 64, 128 or 256).
+    group_size: tokens per group (16, 32, 64, 128 or 256); 32 by default (kvcx2w's: on the embedded model
+        groups of 32 at 2 bits beat groups of 64 at 2.25, which cost the same).
     sinks: keep the first ``sinks`` tokens exact.
     n_threads: OpenMP threads (None = all).
     """
@@ -335,12 +340,13 @@ class WidthCodec:
     rotate = False
     asym = False  # no zero-point tensor: the ranges live in the scales and the code bytes
 
-    def __init__(self, bits: float = 2.25, group_size: int = 64, sinks: int = 0, n_threads: Optional[int] = None):
+    def __init__(self, bits: float = 2.0, group_size: int = 32, sinks: int = 0, n_threads: Optional[int] = None):
         if isinstance(bits, (bool, np.bool_)) or not isinstance(bits, (int, float, np.integer, np.floating)) \
                 or not (0 < float(bits) <= _core.W_MAX):
             raise CodecError(f"widths codec: mean bits {bits!r} must be a number in (0, {_core.W_MAX}]")
         if not is_int(group_size) or group_size not in GROUP_SIZES:
-            raise CodecError(f"group size {group_size!r} is not supported; use one of {', '.join(map(str, GROUP_SIZES))}")
+            raise CodecError(f"group size {group_size!r} is not supported; use one of "
+                             f"{', '.join(map(str, GROUP_SIZES))}")
         if not is_int(sinks) or not 0 <= sinks <= MAX_SINKS:
             raise CodecError(f"sinks must be a non-negative integer up to {MAX_SINKS} (tokens kept exact), "
                              f"got {sinks!r}")
@@ -408,21 +414,6 @@ class WidthCodec:
         return {"N": N, "S": S, "D": D, "t0": t0, "G": G, "B": B,
                 "codes_nbytes": N * D + N * G * D * 2 + planes, "scale_shape": (N, D, 2),
                 "partial_group": (S - t0) % gs}
-
-    def supports(self, shape: tuple) -> bool:
-        try:
-            self._layout(tuple(shape), "tensor")
-        except CodecError:
-            return False
-        return True
-
-    def codes_nbytes(self, shape: tuple, name: str = "tensor") -> int:
-        return self._layout(tuple(shape), name)["codes_nbytes"]
-
-    def packed_config(self, shape: tuple, name: str = "tensor") -> dict:
-        cfg = self.get_config()
-        cfg["sinks"] = self._layout(tuple(shape), name)["t0"]
-        return cfg
 
     def allocate(self, spread: np.ndarray, budget: int) -> np.ndarray:
         """Widths (N, D) uint8 from each channel's error at 0 bits (N, D): the ``budget * N`` bits that cut
@@ -492,7 +483,7 @@ class WidthCodec:
             off, slab_off, gbytes = self._offsets(widths, G)
             status = _core.w_encode(raw(x), dt, N, S, D, t0, gs, mn.reshape(-1), mx.reshape(-1),
                                     lo16.astype(np.float32).reshape(-1), hi16.astype(np.float32).reshape(-1),
-                                    widths.reshape(-1), off.reshape(-1), slab_off, gbytes,
+                                    widths.reshape(-1), self._tops(widths), off.reshape(-1), slab_off, gbytes,
                                     codes[N * D:N * D + N * G * D * 2], codes[N * D + N * G * D * 2:], threads)
             check_status(status, name, x)
         else:
@@ -507,6 +498,11 @@ class WidthCodec:
             return Packed(**fields)
         out.__dict__.update(fields)
         return out
+
+    @staticmethod
+    def _tops(widths: np.ndarray) -> np.ndarray:
+        """The largest code of each channel, 2^w - 1, as the kernels take it (float32, flat)."""
+        return ((1 << widths.astype(np.int32)) - 1).astype(np.float32).reshape(-1)
 
     def _offsets(self, widths: np.ndarray, G: int) -> tuple:
         """(each channel's byte offset inside its group's block (N, D), where each slab's planes start (N),
@@ -548,8 +544,8 @@ class WidthCodec:
             status = _core.w_decode(codes[N * D + N * G * D * 2:], codes[N * D:N * D + N * G * D * 2], N, S, D, t0,
                                     gs, np.ascontiguousarray(ch[..., 0]).reshape(-1),
                                     np.ascontiguousarray(ch[..., 1]).reshape(-1), widths.reshape(-1).copy(),
-                                    off.reshape(-1), slab_off, gbytes, raw(out), out_S, token_offset,
-                                    DTYPE_NAMES[packed.dtype], resolve_threads(n_threads))
+                                    self._tops(widths), off.reshape(-1), slab_off, gbytes, raw(out), out_S,
+                                    token_offset, DTYPE_NAMES[packed.dtype], resolve_threads(n_threads))
             check_status(status, name, what="decoding")
         if t0:
             if packed.sinks is None or packed.sinks.size != N * t0 * D:

@@ -86,7 +86,8 @@ def pareto_png(points: Iterable[dict], thresholds: Iterable[tuple] = ((0.5, "0.5
                         textcoords="offset points", color=colour)
     for y, text in thresholds:
         ax.axhline(y, ls="--", lw=0.8, color="grey")
-        ax.text(min(p["bits"] for p in pts), y * 1.06, text, fontsize=7, color="grey")
+        # at the right end, under the line: the low-bit points sit at the left, near these thresholds
+        ax.text(max(p["bits"] for p in pts), y / 1.07, text, fontsize=7, color="grey", ha="right", va="top")
     ax.set_yscale("log")
     ax.set_xlabel("bits per value (everything stored)")
     ax.set_ylabel("perplexity delta vs the exact cache (log)")
