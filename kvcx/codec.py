@@ -543,7 +543,7 @@ class WidthCodec(_ShapeRules):
             ch = scales.astype(np.float32)
             status = _core.w_decode(codes[N * D + N * G * D * 2:], codes[N * D:N * D + N * G * D * 2], N, S, D, t0,
                                     gs, np.ascontiguousarray(ch[..., 0]).reshape(-1),
-                                    np.ascontiguousarray(ch[..., 1]).reshape(-1), widths.reshape(-1).copy(),
+                                    np.ascontiguousarray(ch[..., 1]).reshape(-1), widths.reshape(-1),
                                     self._tops(widths), off.reshape(-1), slab_off, gbytes, raw(out), out_S,
                                     token_offset, DTYPE_NAMES[packed.dtype], resolve_threads(n_threads))
             check_status(status, name, what="decoding")
