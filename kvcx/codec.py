@@ -100,8 +100,36 @@ def _view3(shape: tuple) -> tuple:
     return math.prod(int(s) for s in shape[:-2]), int(shape[-2]), int(shape[-1])
 
 
-class _ShapeRules:
-    """What a codec's ``_layout(shape, name)`` (its checks and sizes) answers, shared by the codecs."""
+class _Codec:
+    """What the codecs share: their config round trip (``codec_id``, the settings ``_SETTINGS``) and what
+    their ``_layout(shape, name)`` (checks and sizes) answers."""
+
+    codec_id = ""
+    _SETTINGS: tuple = ()
+
+    @classmethod
+    def from_config(cls, config: dict):
+        if not isinstance(config, dict):
+            raise CodecError(f"a codec config must be an object, got {type(config).__name__}")
+        config = dict(config)
+        codec_id = config.pop("id", cls.codec_id)
+        if codec_id != cls.codec_id:
+            raise CodecError(f"codec id {codec_id!r} is not {cls.codec_id!r}; this file was not written by kvcx")
+        known = set(cls._SETTINGS) | {"n_threads"}
+        unknown = set(config) - known
+        if unknown:
+            raise CodecError(f"unknown codec settings {sorted(unknown)}; known: {sorted(known)}")
+        return cls(**config)
+
+    def with_threads(self, n_threads: Optional[int]):
+        """The same codec running on ``n_threads`` threads."""
+        return type(self).from_config({**self.get_config(), "n_threads": n_threads})
+
+    def __eq__(self, other) -> bool:
+        return type(other) is type(self) and self.get_config() == other.get_config()
+
+    def __hash__(self):
+        return hash(tuple(sorted(self.get_config().items())))
 
     def supports(self, shape: tuple) -> bool:
         """Whether this codec can encode a tensor of this shape (see the layout rules)."""
@@ -122,7 +150,7 @@ class _ShapeRules:
         return cfg
 
 
-class IntCodec(_ShapeRules):
+class IntCodec(_Codec):
     """Per-group integer quantization with packed codes and FP16 scales.
 
     Parameters
@@ -141,6 +169,7 @@ class IntCodec(_ShapeRules):
     """
 
     codec_id = "kvcx.int"
+    _SETTINGS = ("bits", "group_size", "scheme", "axis", "rotate", "sinks")
 
     def __init__(self, group_size: int = 64, scheme: str = "symmetric", bits: int = 4, axis: str = "token",
                  rotate: bool = False, sinks: int = 0, n_threads: Optional[int] = None):
@@ -177,33 +206,9 @@ class IntCodec(_ShapeRules):
             "sinks": self.sinks,
         }
 
-    @classmethod
-    def from_config(cls, config: dict) -> "IntCodec":
-        if not isinstance(config, dict):
-            raise CodecError(f"a codec config must be an object, got {type(config).__name__}")
-        config = dict(config)
-        codec_id = config.pop("id", cls.codec_id)
-        if codec_id != cls.codec_id:
-            raise CodecError(f"codec id {codec_id!r} is not {cls.codec_id!r}; this file was not written by kvcx")
-        known = {"bits", "group_size", "scheme", "axis", "rotate", "sinks", "n_threads"}
-        unknown = set(config) - known
-        if unknown:
-            raise CodecError(f"unknown codec settings {sorted(unknown)}; known: {sorted(known)}")
-        return cls(**config)
-
-    def with_threads(self, n_threads: Optional[int]) -> "IntCodec":
-        """The same codec running on ``n_threads`` threads."""
-        return IntCodec.from_config({**self.get_config(), "n_threads": n_threads})
-
     def __repr__(self) -> str:
         return (f"IntCodec(group_size={self.group_size}, scheme={self.scheme!r}, bits={self.bits}, "
                 f"axis={self.axis!r}, rotate={self.rotate}, sinks={self.sinks})")
-
-    def __eq__(self, other) -> bool:
-        return isinstance(other, IntCodec) and self.get_config() == other.get_config()
-
-    def __hash__(self):
-        return hash(tuple(sorted(self.get_config().items())))
 
     @property
     def asym(self) -> bool:
@@ -250,12 +255,17 @@ class IntCodec(_ShapeRules):
                             bits=self.bits, asym=self.asym, axis=_AXIS_CODES[self.axis], rotate=self.rotate)
 
     # -- encode / decode -----------------------------------------------------
-    def encode(self, arr, name: str = "tensor", out: Optional[Packed] = None) -> Packed:
+    def encode(self, arr, name: str = "tensor", out: Optional[Packed] = None,
+               weights: Optional[np.ndarray] = None) -> Packed:
         """Quantize ``arr`` (float16/bfloat16/float32) into a :class:`Packed`.
 
         ``out``: a Packed from an earlier encode of the same shape with this codec; its code,
-        scale and zero-point buffers are reused (and returned, updated).
+        scale and zero-point buffers are reused (and returned, updated). ``weights``: None (channel
+        weights choose widths, which only :class:`WidthCodec` has).
         """
+        if weights is not None:
+            raise CodecError(f"tensor {name!r}: key weights choose per-channel widths; this codec has one width "
+                             "(use --scheme kvcx2w)")
         x = check_float(arr, name)
         lay = self._layout(x.shape, name)
         N, S, D, t0 = lay["N"], lay["S"], lay["D"], lay["t0"]
@@ -313,7 +323,7 @@ _W_ERR = np.array([1.0] + [1.0 / ((1 << w) - 1) ** 2 for w in range(1, _core.W_M
 _W_GAIN = np.array([(1.0 - _W_ERR[2]) / 2] * 2 + [_W_ERR[k] - _W_ERR[k + 1] for k in range(2, _core.W_MAX)])
 
 
-class WidthCodec(_ShapeRules):
+class WidthCodec(_Codec):
     """Keys grouped per channel along tokens (as ``IntCodec(axis="channel", scheme="asymmetric")``), each
     channel with its own bit width, chosen per tensor from the data.
 
@@ -335,6 +345,7 @@ class WidthCodec(_ShapeRules):
     """
 
     codec_id = "kvcx.widths"
+    _SETTINGS = ("bits", "group_size", "sinks")
     scheme = "asymmetric"
     axis = "channel"
     rotate = False
@@ -358,29 +369,8 @@ class WidthCodec(_ShapeRules):
     def get_config(self) -> dict:
         return {"id": self.codec_id, "bits": self.bits, "group_size": self.group_size, "sinks": self.sinks}
 
-    @classmethod
-    def from_config(cls, config: dict) -> "WidthCodec":
-        if not isinstance(config, dict):
-            raise CodecError(f"a codec config must be an object, got {type(config).__name__}")
-        config = dict(config)
-        if config.pop("id", cls.codec_id) != cls.codec_id:
-            raise CodecError(f"codec id is not {cls.codec_id!r}")
-        unknown = set(config) - {"bits", "group_size", "sinks", "n_threads"}
-        if unknown:
-            raise CodecError(f"unknown codec settings {sorted(unknown)}; known: bits, group_size, sinks")
-        return cls(**config)
-
-    def with_threads(self, n_threads: Optional[int]) -> "WidthCodec":
-        return WidthCodec.from_config({**self.get_config(), "n_threads": n_threads})
-
     def __repr__(self) -> str:
         return f"WidthCodec(bits={self.bits}, group_size={self.group_size}, sinks={self.sinks})"
-
-    def __eq__(self, other) -> bool:
-        return isinstance(other, WidthCodec) and self.get_config() == other.get_config()
-
-    def __hash__(self):
-        return hash(tuple(sorted(self.get_config().items())))
 
     def bits_per_value(self) -> float:
         """Nominal bits per value: codes + two range bytes per channel group (without sinks, the width table and

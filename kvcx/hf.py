@@ -44,7 +44,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
 from kvcx.attention import NO_MASK, PackedKV, Workspace
-from kvcx.codec import WidthCodec, codec_from_config, decode_packed
+from kvcx.codec import codec_from_config, decode_packed
 from kvcx.deps import check_transformers_version
 from kvcx.errors import KvcxError
 from kvcx.kv_cache import torch_to_numpy
@@ -121,10 +121,7 @@ class KvcxLayer(DynamicLayer):
     def _encode(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         codecs = self._codecs_first if not len(self.store) else self._codecs_next
         t = time.perf_counter()
-        if isinstance(codecs["key"], WidthCodec):
-            pk = codecs["key"].encode(torch_to_numpy(keys), name="key", weights=self._key_weights)
-        else:
-            pk = codecs["key"].encode(torch_to_numpy(keys), name="key")
+        pk = codecs["key"].encode(torch_to_numpy(keys), name="key", weights=self._key_weights)
         pv = codecs["value"].encode(torch_to_numpy(values), name="value")
         self.store.append(pk, pv)
         self._owner.kernel_time_s += time.perf_counter() - t

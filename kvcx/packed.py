@@ -141,10 +141,7 @@ def compress_tensors(tensors: Dict[str, np.ndarray], config: KVConfig, sparsity:
             continue
         kind, codec = config.codec_for(name, arr.shape)
         src = sparsify(arr, sparsity, name).astype(arr.dtype) if sparsity else arr
-        if isinstance(codec, WidthCodec):
-            packed = codec.encode(src, name=name, weights=config.weights_for(name))
-        else:
-            packed = codec.encode(src, name=name)
+        packed = codec.encode(src, name=name, weights=config.weights_for(name))
         out[f"{name}.kvcx.codes"] = lz4_compress(packed.codes) if lz4 else packed.codes
         out[f"{name}.kvcx.scales"] = packed.scales
         if packed.zeros is not None:

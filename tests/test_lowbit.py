@@ -481,6 +481,8 @@ def test_widths_codec_errors():
             c.encode(x, "k", weights=w)
     with pytest.raises(CodecError, match="out must be a Packed"):
         c.encode(x, "k", out=c.encode(keys_like((1, 2, 90, 64)), "k"))
+    with pytest.raises(CodecError, match="'k'.*one width"):   # the one-width codec takes no channel weights
+        IntCodec().encode(x, "k", weights=np.ones((2, 64)))
     # damaged data: widths that do not add up, a range that ends below its start, NaN ranges, short codes
     p = c.encode(x, "k")
     N, D, G = 2, 64, -(-99 // 32)
