@@ -22,8 +22,9 @@ $(VENV)/.installed: pyproject.toml setup.py
 
 venv: $(VENV)/.installed
 
-# rebuild the extension in place whenever the kernels change
-kvcx/.built: $(VENV)/.installed kvcx/_core.pyx kvcx/_kernels.h kvcx/_attn.h kvcx/_kernels.pxd kvcx/_openmp_helpers.pxd setup.py
+# rebuild the extension in place whenever any of its sources or headers changes
+KERNEL_SOURCES := $(wildcard kvcx/codecs/*.pyx kvcx/codecs/*.pxd kvcx/codecs/*.h)
+kvcx/.built: $(VENV)/.installed $(KERNEL_SOURCES) setup.py
 	$(PY) setup.py -q build_ext --inplace
 	touch $@
 
@@ -46,4 +47,4 @@ bench: build
 	$(PY) bench/bench_lmcache.py
 
 clean:
-	rm -rf build kvcx/_core.c kvcx/*.so kvcx/.built *.egg-info
+	rm -rf build kvcx/codecs/_core.c kvcx/codecs/*.so kvcx/.built *.egg-info

@@ -1,4 +1,4 @@
-"""Build the kvcx._core Cython extension.
+"""Build the kvcx.codecs._core Cython extension.
 
 OpenMP: ``-fopenmp`` is added to compile and link flags when a probe program
 builds and runs with it; ``KVCX_NO_OPENMP=1`` opts out. Without OpenMP the
@@ -76,12 +76,14 @@ def _flags():
 
 
 compile_args, link_args = _flags()
+KERNELS = "kvcx/codecs"
 extensions = [
     Extension(
-        "kvcx._core",
-        ["kvcx/_core.pyx"],
-        include_dirs=[np.get_include(), "kvcx"],
-        depends=["kvcx/_kernels.h", "kvcx/_attn.h", "kvcx/_widths.h", "kvcx/_kernels.pxd", "kvcx/_openmp_helpers.pxd"],
+        "kvcx.codecs._core",
+        [f"{KERNELS}/_core.pyx"],
+        include_dirs=[np.get_include(), KERNELS],
+        # every header and declaration file: a change to any of them rebuilds the extension
+        depends=sorted(os.path.join(KERNELS, f) for f in os.listdir(KERNELS) if f.endswith((".h", ".pxd"))),
         extra_compile_args=compile_args,
         extra_link_args=link_args,
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],

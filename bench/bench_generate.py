@@ -29,8 +29,6 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared/data/wikitext-2-raw/wiki.test.raw"
 QUANTO = "QuantizedCache (quanto int4 g64)"
 ATTN_TIME = {"s": 0.0}
@@ -41,7 +39,7 @@ def timed_attention():
     kernel) so that its time adds up in ATTN_TIME (bench only)."""
     from transformers.modeling_utils import AttentionInterface
 
-    import kvcx.hf
+    from kvcx.cache import attention_fn
 
     def wrap(fn):
         def timed(*a, **k):
@@ -52,13 +50,13 @@ def timed_attention():
                 ATTN_TIME["s"] += time.perf_counter() - t
         return timed
 
-    AttentionInterface.register(kvcx.hf.ATTN_IMPLEMENTATION, wrap(kvcx.hf.kvcx_attention_forward))
+    AttentionInterface.register(attention_fn.ATTN_IMPLEMENTATION, wrap(attention_fn.kvcx_attention_forward))
 
 
 def make_caches(model, with_quanto=True):
     from transformers import DynamicCache
 
-    from kvcx.hf import KvcxCache
+    from kvcx.cache.kvcx_cache import KvcxCache
 
     caches = {"DynamicCache": DynamicCache,
               "KvcxCache fused": lambda: KvcxCache(model.config, fused=True),
@@ -76,7 +74,7 @@ def make_caches(model, with_quanto=True):
 
 
 def cache_bytes(cache):
-    from kvcx.hf import KvcxCache, dynamic_cache_bytes
+    from kvcx.cache.kvcx_cache import KvcxCache, dynamic_cache_bytes
 
     if isinstance(cache, KvcxCache):
         return cache.memory_report()["total_bytes"]
@@ -108,7 +106,7 @@ def greedy(model, ids, prompt, steps, cache):
 
 def copy_cache(src, mk):
     """A new cache of kind mk holding src's context (what the model's layers do during a prefill)."""
-    from kvcx.kv_cache import cache_layers
+    from kvcx.quality.bridge import cache_layers
 
     cache = mk()
     for i, (k, v) in enumerate(cache_layers(src)):
@@ -156,8 +154,8 @@ def rss_child(kind, context, steps, dataset_file):
     import torch
     from transformers import DynamicCache
 
-    from kvcx.hf import KvcxCache
-    from kvcx.models import load_dataset_text, load_model_and_tokenizer
+    from kvcx.cache.kvcx_cache import KvcxCache
+    from kvcx.quality.models import load_dataset_text, load_model_and_tokenizer
 
     def status(field):
         for line in Path("/proc/self/status").read_text().splitlines():
@@ -197,6 +195,7 @@ def main(argv=None):
     ap.add_argument("--no-quanto", action="store_true")
     ap.add_argument("--skip", nargs="*", default=[], choices=["agreement", "speed", "rss"])
     ap.add_argument("--rss-child", nargs=2, metavar=("KIND", "STEPS"), help=argparse.SUPPRESS)
+    ap.add_argument("--markdown", type=Path, default=None, help="also write the tables to this file")
     args = ap.parse_args(argv)
     if args.rss_child:
         return rss_child(args.rss_child[0], args.rss_context, int(args.rss_child[1]), args.dataset_file)
@@ -204,7 +203,11 @@ def main(argv=None):
     import numpy as np
     import torch
 
-    from kvcx.models import load_dataset_text, load_model_and_tokenizer
+    from report import Report
+
+    out = Report()
+
+    from kvcx.quality.models import load_dataset_text, load_model_and_tokenizer
 
     model, tok, name = load_model_and_tokenizer(cpu=True)
     timed_attention()
@@ -214,15 +217,15 @@ def main(argv=None):
     text = load_dataset_text(args.dataset_file)
     need = max(args.prompt + args.steps, max(args.contexts) + 1)
     ids = torch.tensor(tok(text[: need * 12])["input_ids"][:need])[None]
-    print(f"# {name}: {L} layers, {Hkv} KV heads of {D}, {cfg.num_attention_heads} query heads; FP32 on CPU; "
+    out(f"# {name}: {L} layers, {Hkv} KV heads of {D}, {cfg.num_attention_heads} query heads; FP32 on CPU; "
           f"torch threads {torch.get_num_threads()}, kvcx threads {torch.get_num_threads()}")
     caches = make_caches(model, not args.no_quanto)
 
     if "agreement" not in args.skip:
-        print(f"\n## Agreement: {args.prompt}-token prompt, next {args.steps} tokens teacher-forced\n")
-        print("| cache | top-1 agreement with DynamicCache | greedy: first divergence | bytes held (everything) "
+        out(f"\n## Agreement: {args.prompt}-token prompt, next {args.steps} tokens teacher-forced\n")
+        out("| cache | top-1 agreement with DynamicCache | greedy: first divergence | bytes held (everything) "
               "| vs FP16 DynamicCache |")
-        print("|---|---:|---:|---:|---:|")
+        out("|---|---:|---:|---:|---:|")
         ref = ref_greedy = None
         logits = {}
         fp16 = None
@@ -240,22 +243,22 @@ def main(argv=None):
             div = next((i for i, (a, b) in enumerate(zip(ref_greedy, g)) if a != b), None)
             held_s = f"{held:,}" if held is not None else "n/a"
             ratio = f"{held / fp16:.3f}x" if held is not None and fp16 else "n/a"
-            print(f"| {label} | {agree / len(ref):.1%} ({agree}/{len(ref)}) | {'none' if div is None else div} | "
+            out(f"| {label} | {agree / len(ref):.1%} ({agree}/{len(ref)}) | {'none' if div is None else div} | "
                   f"{held_s} | {ratio} |", flush=True)
         if "KvcxCache fused" in logits and "KvcxCache materialising" in logits:
             d = (logits["KvcxCache fused"] - logits["KvcxCache materialising"]).abs().max().item()
             m = logits["KvcxCache materialising"].abs().max().item()
-            print(f"\nfused vs materialising logits over the {args.steps} steps: max |difference| {d:.2e} "
+            out(f"\nfused vs materialising logits over the {args.steps} steps: max |difference| {d:.2e} "
                   f"(max |logit| {m:.1f})")
 
     if "speed" not in args.skip:
         from transformers import DynamicCache
 
-        print(f"\n## Decode speed: {args.rounds} interleaved rounds of {args.per_round} greedy steps per cache\n")
+        out(f"\n## Decode speed: {args.rounds} interleaved rounds of {args.per_round} greedy steps per cache\n")
         labels = list(caches)
-        print("| context | cache | tok/s | vs DynamicCache | step ms | attention ms / step (all layers) "
+        out("| context | cache | tok/s | vs DynamicCache | step ms | attention ms / step (all layers) "
               "| attention vs SDPA | attention reads / step | kvcx kernel share |")
-        print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+        out("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
         for ctx in args.contexts:
             base = DynamicCache()
             with torch.inference_mode():
@@ -274,34 +277,37 @@ def main(argv=None):
                 attn = s["attn"] / s["n"]
                 rb = read_bytes(label, live[label], L, Hkv, D, ctx + args.rounds * args.per_round // 2)
                 share = f"{s['kernel'] / sum(s['step']):.0%}" if label.startswith("KvcxCache") else ""
-                print(f"| {ctx} | {label} | {1 / step:.2f} | {dyn_step / step:.2f}x | {1000 * step:.1f} | "
+                out(f"| {ctx} | {label} | {1 / step:.2f} | {dyn_step / step:.2f}x | {1000 * step:.1f} | "
                       f"{1000 * attn:.2f} | {dyn_attn / attn:.2f}x | "
                       f"{f'{rb / 1e6:.1f} MB' if rb is not None else 'n/a'} | {share} |", flush=True)
             fused = live.get("KvcxCache fused")
             if fused is not None:
                 steps = fused.memory_report()["attention_steps"]
-                print(f"|  | (KvcxCache fused: layer steps fused {steps['fused']}, materialised "
+                out(f"|  | (KvcxCache fused: layer steps fused {steps['fused']}, materialised "
                       f"{steps['materialised']}, full precision {steps['full_precision']}) |||||||| ")
             del live
 
     if "rss" not in args.skip:
-        print(f"\n## Peak RSS while decoding 32 steps after a {args.rss_context}-token context (fresh process "
+        out(f"\n## Peak RSS while decoding 32 steps after a {args.rss_context}-token context (fresh process "
               "each)\n")
-        print("| cache | RSS before decode | peak during decode | growth | bytes held |")
-        print("|---|---:|---:|---:|---:|")
+        out("| cache | RSS before decode | peak during decode | growth | bytes held |")
+        out("|---|---:|---:|---:|---:|")
         for kind in ("dynamic", "kvcx"):
             r = subprocess.run([sys.executable, __file__, "--rss-child", kind, "32", "--rss-context",
                                 str(args.rss_context), "--dataset-file", str(args.dataset_file)],
                                capture_output=True, text=True, env={**os.environ, "TQDM_DISABLE": "1"})
             line = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
             if r.returncode or not line:
-                print(f"| {kind} | failed: {r.stderr.strip().splitlines()[-1:]} |||")
+                out(f"| {kind} | failed: {r.stderr.strip().splitlines()[-1:]} |||")
                 continue
             d = json.loads(line[-1])
             label = "DynamicCache" if kind == "dynamic" else "KvcxCache fused"
-            print(f"| {label} | {d['rss_before'] / 2**20:.0f} MiB | {d['peak'] / 2**20:.0f} MiB | "
+            out(f"| {label} | {d['rss_before'] / 2**20:.0f} MiB | {d['peak'] / 2**20:.0f} MiB | "
                   f"{d['growth'] / 2**20:.1f} MiB | {d['held'] / 2**20:.1f} MiB |", flush=True)
 
+    if args.markdown:
+        out.write(args.markdown, "KvcxCache decoding the embedded model (FP32 on CPU): agreement with DynamicCache, "
+                                 "decode speed after contexts of 16 to 8,000 tokens, peak RSS.")
 
 if __name__ == "__main__":
     main()

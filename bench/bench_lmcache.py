@@ -32,8 +32,6 @@ from pathlib import Path
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE.parent / "tests"))
 
 DEFAULT_DATA = HERE.parents[1] / "shared/data/wikitext-2-raw/wiki.test.raw"
 TOKENS = 256
@@ -42,8 +40,8 @@ TOKENS = 256
 def real_chunks(n: int, dataset_file):
     import torch
 
-    import lmcache_store as ls
-    from kvcx.models import load_dataset_text, load_model_and_tokenizer
+    import kvcx.integrations.lmcache_local as ls
+    from kvcx.quality.models import load_dataset_text, load_model_and_tokenizer
 
     model, tok, name = load_model_and_tokenizer(cpu=True)
     ids = tok(load_dataset_text(dataset_file)[:200000])["input_ids"][:n * TOKENS]
@@ -70,8 +68,8 @@ def main(argv=None):
     from lmcache.v1.distributed.serde.fp8 import Fp8QuantizationDeserializer, Fp8QuantizationSerializer
 
     import kvcx.integrations.lmcache as kl
-    import lmcache_store as ls
-    from test_lmcache import memobj
+    import kvcx.integrations.lmcache_local as ls
+    from kvcx.integrations.lmcache_local import memobj
 
     kl.register()
     chunks, model_name = real_chunks(args.chunks, args.dataset_file)
@@ -97,7 +95,8 @@ def main(argv=None):
                 codec, _ = kl.chunk_codec_from_options({**opts, "threads": th})
                 ser, de = kl.KvcxSerializer(codec), kl.KvcxDeserializer(codec)
             else:
-                ser, de = Fp8QuantizationSerializer(torch.float8_e4m3fn), Fp8QuantizationDeserializer(torch.float8_e4m3fn)
+                ser = Fp8QuantizationSerializer(torch.float8_e4m3fn)
+                de = Fp8QuantizationDeserializer(torch.float8_e4m3fn)
             n = ser.estimate_serialized_size(lay)
             bufs = [np.zeros(n, np.uint8) for _ in chunks]
             outs = [np.zeros_like(c) for c in chunks]
@@ -221,7 +220,11 @@ def main(argv=None):
     table = "\n".join(lines)
     print(table)
     if args.markdown:
-        args.markdown.write_text(table + "\n")
+        from report import header
+
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        args.markdown.write_text(header("kvcx as an LMCache serde against LMCache's fp8 serde, on the same real "
+                                        "KV chunks.") + "\n" + table + "\n")
 
 
 if __name__ == "__main__":

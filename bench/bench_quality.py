@@ -22,16 +22,12 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from kvcx.codec import IntCodec  # noqa: E402
-from kvcx.metrics import ErrorStats, error_stats  # noqa: E402
-from kvcx.kvconfig import KVConfig  # noqa: E402
+from kvcx.codecs import IntCodec, KVConfig
+from kvcx.codecs.metrics import ErrorStats, error_stats
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared/data/wikitext-2-raw/wiki.test.raw"
 
 
-PLANS = Path(__file__).resolve().parent / "plans"
 
 
 def custom(name, key, value):
@@ -88,6 +84,40 @@ def settings(full: bool, plans, candidates: bool = False):
     if full:
         rows += [("8-bit: sym g64 per-token", KVConfig.from_scheme("symmetric", bits=8)),
                  ("3-bit: reference layout", KVConfig.from_scheme("symmetric", bits=3))]
+    return rows
+
+
+def default_study():
+    """The 4-bit layouts the default was chosen from (docs/RESULTS.md "Choosing the default")."""
+    asym_ch, sym_h = dict(scheme="asymmetric", axis="channel"), dict(scheme="symmetric", rotate=True)
+    asym_h = dict(scheme="asymmetric", rotate=True)
+    rows = [
+        ("reference: sym g64 per-token (--scheme reference)", KVConfig.from_scheme("reference")),
+        custom("sym g64 per-token + hadamard", dict(scheme="symmetric"), sym_h),
+        ("asym g64 per-token (--scheme asymmetric)", KVConfig.from_scheme("asymmetric")),
+        custom("asym g64 per-token + hadamard", dict(scheme="asymmetric", rotate=True), asym_h),
+        ("KIVI: K asym per-channel g64, V asym per-token g64 (--scheme kivi)", KVConfig.from_scheme("kivi")),
+        ("KIVI + 1 sink token", KVConfig.from_scheme("kivi", sinks=1)),
+        custom("K asym per-channel g64 + sink, V asym g64 + hadamard", dict(asym_ch, sinks=1), asym_h),
+        ("kvcx default: K asym per-channel g64 + sink, V sym g64 + hadamard + sink", KVConfig.from_scheme("kvcx")),
+        ("previous default: values without the sink", PREVIOUS_DEFAULT),
+        custom("K asym per-channel g64 (no sink), V sym g64 + hadamard", asym_ch, sym_h),
+        custom("K asym per-channel g128 + sink, V sym g64 + hadamard", dict(asym_ch, sinks=1, group_size=128), sym_h),
+        custom("K asym per-channel g128, V sym g64 + hadamard", dict(asym_ch, group_size=128), sym_h),
+        custom("K sym per-channel g64, V sym g64 + hadamard", dict(scheme="symmetric", axis="channel"), sym_h),
+        custom("K asym per-channel g128 + sink, V asym g128 + hadamard", dict(asym_ch, sinks=1, group_size=128),
+               dict(asym_h, group_size=128)),
+        custom("3-bit: K asym per-channel g64 + sink, V asym g64 + hadamard", dict(asym_ch, sinks=1, bits=3),
+               dict(asym_h, bits=3)),
+        ("3-bit: KIVI + sink", KVConfig.from_scheme("kivi", bits=3, sinks=1)),
+        ("8-bit: sym g64 per-token", KVConfig.from_scheme("symmetric", bits=8)),
+    ]
+    try:
+        import optimum.quanto  # noqa: F401
+
+        rows.insert(4, ("peer: quanto int4 g64 (transformers QuantizedCache)", ("quanto", 4)))
+    except ImportError:
+        pass
     return rows
 
 
@@ -199,7 +229,7 @@ def outlier_keys(k, bits=3, group=64, sinks=1):
 
 
 def candidate_roundtrip(which, tensors):
-    from kvcx.packed import compress_tensors
+    from kvcx.formats.packed import compress_tensors
 
     base = PREVIOUS_DEFAULT  # the candidates' figures in the README were measured beside it
     dec, nbytes = {}, 0
@@ -215,9 +245,9 @@ def candidate_roundtrip(which, tensors):
             # codes + FP16 scale and zero per channel group + the exact sink token + 22 bits per outlier
             nbytes += slabs * ((S - 1) * D * 3 / 8 + groups * D * (4 + 22 / 8) + D * a.itemsize)
         else:
-            from kvcx.packed import decompress_tensors
+            from kvcx.formats.packed import decompress_tensors
 
-            packed, meta = compress_tensors({name: a}, base)
+            packed, meta, _ = compress_tensors({name: a}, base)
             dec[name] = decompress_tensors(packed, meta)[name]
             nbytes += sum(x.nbytes for x in packed.values())
     return dec, nbytes
@@ -233,9 +263,12 @@ def main(argv=None):
     ap.add_argument("--full", action="store_true", help="also 8-bit and 3-bit reference-layout rows")
     ap.add_argument("--candidates", action="store_true", help="also the candidates measured and dropped (slow)")
     ap.add_argument("--markdown", type=Path, default=None, help="also write the table to this file")
+    ap.add_argument("--study", choices=["frontier", "default"], default="frontier",
+                    help="frontier: presets, plans, peers (default); default: the 4-bit layouts the default was "
+                         "chosen from")
     ap.add_argument("--only", nargs="+", default=None, help="run only the rows whose label contains one of these")
-    ap.add_argument("--plan", nargs="*", type=Path, default=None,
-                    help="per-layer plans from `kvcx calibrate` (default: bench/plans/*.json)")
+    ap.add_argument("--plan", nargs="*", default=None,
+                    help="plans from `kvcx calibrate`, files or shipped names (default: every shipped plan)")
     ap.add_argument("--redraw", type=Path, default=None,
                     help="draw --pareto from a table this bench wrote with --markdown, without running the model")
     ap.add_argument("--pareto", type=Path, default=None, help="also draw the Pareto chart to this PNG")
@@ -247,18 +280,20 @@ def main(argv=None):
 
     import torch
 
-    from kvcx import safetensors_io as st
-    from kvcx.models import load_dataset_text, load_model_and_tokenizer
-    from kvcx.packed import compress_tensors, decompress_tensors
-    from kvcx.validation import compare_prefix, window_starts
+    from kvcx.formats import safetensors as st
+    from kvcx.formats.packed import compress_tensors, decompress_tensors
+    from kvcx.quality.models import load_dataset_text, load_model_and_tokenizer
+    from kvcx.quality.scoring import compare_prefix, window_starts
 
     t0 = time.perf_counter()
     model, tok, name = load_model_and_tokenizer(args.model, cpu=True)
     text = load_dataset_text(args.dataset_file)
     ids = torch.tensor(tok(text)["input_ids"], dtype=torch.long)
     starts = window_starts(ids.numel(), args.window, args.stride, args.max_windows)
-    plans = sorted(PLANS.glob("*.json")) if args.plan is None else args.plan
-    rows = settings(args.full, plans, args.candidates)
+    from kvcx.api import shipped_plans
+
+    plans = shipped_plans() if args.plan is None else args.plan
+    rows = settings(args.full, plans, args.candidates) if args.study == "frontier" else default_study()
     if args.only:
         rows = [r for r in rows if any(o in r[0] for o in args.only)]
     print(f"# {name}: {len(starts)} windows of {args.window} (stride {args.stride}), {len(rows)} settings",
@@ -267,7 +302,7 @@ def main(argv=None):
     def kvcx_rt(cfg):
         """Packed file round trip; bytes = the packed tensors' payload (codes, scales, zeros, sinks)."""
         def rt(tensors):
-            packed, meta = compress_tensors(tensors, cfg)
+            packed, meta, _ = compress_tensors(tensors, cfg)
             decoded = decompress_tensors(*st.load_with_metadata(st.save(packed, meta)))
             return decoded, sum(x.nbytes for x in packed.values()), _stats(tensors, decoded)
         return rt
@@ -308,7 +343,13 @@ def main(argv=None):
     print(table)
     print(f"\n(total {time.perf_counter() - t0:.0f} s)")
     if args.markdown:
-        args.markdown.write_text(table + "\n")
+        from report import header
+
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        what = ("Quality of kvcx's codecs, presets and plans and of peers on the embedded model" if args.study ==
+                "frontier" else "The 4-bit layouts the default was chosen from, on the embedded model")
+        args.markdown.write_text(header(what + ": perplexity, KL divergence and top-1 agreement against the exact "
+                                        "cache, every row on the same windows and tokens.") + "\n" + table + "\n")
     if args.pareto:
         _draw(args.pareto, [(label, runs[label].bits_per_value, runs[label].compressed_ppl - base_ppl)
                             for label, _ in rows], len(starts))
@@ -316,7 +357,7 @@ def main(argv=None):
 
 def _draw(path: Path, results, windows: int) -> None:
     """The Pareto chart of (label, bits/value, delta) rows."""
-    from kvcx.plotting import pareto_png
+    from kvcx.quality.plots import pareto_png
 
     pts = [{"bits": bits, "delta": delta, "label": _short(label),
             "kind": "peer" if label.startswith("peer") else "dropped" if label.startswith("candidate") else "kvcx"}

@@ -1,30 +1,38 @@
-"""File-level Python API (the reference design's bridge, in-process, no torch).
+"""The file API (the reference design's bridge, in-process, no torch): files in, files out, metrics.
 
 >>> m = compress_kv_cache("cache.safetensors", "cache.kvcx.safetensors", group_size=64)
 >>> m.compression_ratio, m.snr_db, m.passed
 >>> decompress_kv_cache("cache.kvcx.safetensors", "restored.safetensors")
 >>> get_compression_metrics("cache.safetensors")          # quality only, no file written
+>>> load_plan("smollm2-kvcx2w-2.47")                      # a shipped plan by name, or a plan file's path
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
 from dataclasses import asdict, dataclass, field
+from importlib import resources
 from typing import Callable, Dict, List, Optional
 
-import numpy as np
-
-from kvcx import safetensors_io as st
-from kvcx.dtypes import dtype_name
+from kvcx.codecs.dtypes import dtype_name
+from kvcx.codecs.kvconfig import DEFAULT_SCHEME, KVConfig
+from kvcx.codecs.metrics import (  # noqa: F401
+    COSINE_THRESHOLD,
+    RMSE_THRESHOLD,
+    SNR_THRESHOLD_DB,
+    ErrorStats,
+    Thresholds,
+    check_thresholds,
+    error_stats,
+    json_safe,
+    quality_level,
+)
 from kvcx.errors import CodecError, FormatError
-from kvcx.fileio import OutputSet, check_distinct, check_output_path, write_bytes_to
-from kvcx.kvconfig import DEFAULT_SCHEME, KVConfig, is_key_tensor, layer_of
-from kvcx.metrics import (COSINE_THRESHOLD, RMSE_THRESHOLD, SNR_THRESHOLD_DB, ErrorStats,  # noqa: F401 (re-exported)
-                          Thresholds, check_thresholds, error_stats, json_safe, quality_level)
-from kvcx.packed import (compress_tensors, decompress_tensors, is_packed, original_metadata,
-                         loads_strict, settings_of)
+from kvcx.formats import safetensors as st
+from kvcx.formats.atomic import OutputSet, check_distinct, check_output_path
+from kvcx.formats.jsonio import read_json_object, read_sidecar, sidecar_path, write_json_to
+from kvcx.formats.packed import Choice, compress_tensors, decompress_tensors, is_packed, original_metadata, settings_of
 
 log = logging.getLogger("kvcx")
 
@@ -72,38 +80,10 @@ class CompressionMetrics:
         return json_safe(asdict(self))
 
 
-def sidecar_path(path) -> str:
-    return os.fspath(path) + ".metadata.json"
-
-
-def _read_json_object(p: str, what: str, fix: str) -> dict:
-    """A JSON object from file ``p``, parsed strictly; FormatError('{p}: {what} ...; {fix}') otherwise."""
-    try:
-        with open(p, encoding="utf-8") as fh:
-            text = fh.read()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise FormatError(f"{p}: cannot read {what} ({exc}); {fix}") from None
-    data = loads_strict(text, f"{p}: {what}", fix)
-    if not isinstance(data, dict):
-        raise FormatError(f"{p}: {what} must be a JSON object; {fix}")
-    return data
-
-
-def read_sidecar(path) -> Optional[dict]:
-    p = sidecar_path(path)
-    if not os.path.exists(p):
-        return None
-    return _read_json_object(p, "the metadata sidecar", "fix or remove it")
-
-
 def write_sidecar(path, data: dict) -> None:
     """Write ``<path>.metadata.json`` on its own (atomically)."""
     with OutputSet([sidecar_path(path)]) as tmp:
-        _write_json(tmp[sidecar_path(path)], sidecar_path(path), data)
-
-
-def _write_json(tmp: str, target: str, data: dict) -> None:
-    write_bytes_to(tmp, target, [json.dumps(data, indent=2, sort_keys=True).encode("utf-8")])
+        write_json_to(tmp[sidecar_path(path)], sidecar_path(path), data)
 
 
 def plan_outputs(input_path, output_path, with_sidecar: bool) -> OutputSet:
@@ -122,25 +102,30 @@ def _commit(outs: OutputSet, output_path, tensors, meta, sidecar: Optional[dict]
     with outs as tmp:
         st.write_to(tmp[os.fspath(output_path)], output_path, tensors, meta)
         if sidecar is not None:
-            _write_json(tmp[sidecar_path(output_path)], sidecar_path(output_path), sidecar)
+            write_json_to(tmp[sidecar_path(output_path)], sidecar_path(output_path), sidecar)
 
 
-def _open_plain(input_path) -> st.SafeFile:
+def open_plain(input_path) -> st.SafeFile:
     f = st.SafeFile(input_path)
     if is_packed(f.metadata):
         raise FormatError(f"{input_path}: is already a kvcx packed file; `kvcx decompress` it first")
     return f
 
 
-def _metrics(stats: Dict[str, ErrorStats], tensors, original_size: int, compressed_size: int, seconds: float,
+def measure(tensors, chosen: Dict[str, Choice], n_threads: Optional[int] = None) -> Dict[str, ErrorStats]:
+    """Each compressed tensor's :class:`ErrorStats`: the original against the decode of what was chosen."""
+    return {name: error_stats(tensors[name], c.codec.decode(c.packed, name=name), name=name, n_threads=n_threads)
+            for name, c in chosen.items()}
+
+
+def _metrics(tensors, chosen: Dict[str, Choice], original_size: int, compressed_size: int, seconds: float,
              meta: Dict[str, str], thresholds: Thresholds) -> CompressionMetrics:
     total = ErrorStats()
     per = []
-    kinds = json.loads(meta["kvcx.tensors"])
-    for name, s in stats.items():
+    for name, s in measure(tensors, chosen).items():
         total += s
         a = tensors[name]
-        per.append(TensorMetrics(name=name, shape=list(a.shape), dtype=str(a.dtype), codec=kinds[name]["codec"],
+        per.append(TensorMetrics(name=name, shape=list(a.shape), dtype=str(a.dtype), codec=chosen[name].kind,
                                  rmse=s.rmse, relative_rmse=s.relative_rmse, snr_db=s.snr_db,
                                  cosine_similarity=s.cosine_similarity, max_error=s.max_error))
     violations = check_thresholds(total, thresholds) if total.n else ["no float tensors to compress"]
@@ -170,15 +155,14 @@ def compress_kv_cache(input_path, output_path, group_size: int = 64, sparsity: f
     """Compress a safetensors KV cache into a packed kvcx file (written atomically)."""
     t = time.perf_counter()
     cfg = _config(config, scheme, group_size, n_threads)
-    f = _open_plain(input_path)
+    f = open_plain(input_path)
     sidecar = read_sidecar(input_path)
     outs = plan_outputs(input_path, output_path, with_sidecar=sidecar is not None)
     tensors = {k: f.get_tensor(k) for k in f.keys()}
-    stats: Dict[str, ErrorStats] = {}
-    out, meta = compress_tensors(tensors, cfg, sparsity=sparsity, lz4=lz4, source_metadata=f.metadata or None,
-                                 sidecar=sidecar, stats=stats, progress=progress)
+    out, meta, chosen = compress_tensors(tensors, cfg, sparsity=sparsity, lz4=lz4, source_metadata=f.metadata or None,
+                                         sidecar=sidecar, progress=progress)
     _commit(outs, output_path, out, meta, sidecar)
-    m = _metrics(stats, tensors, os.path.getsize(input_path), os.path.getsize(output_path),
+    m = _metrics(tensors, chosen, os.path.getsize(input_path), os.path.getsize(output_path),
                  time.perf_counter() - t, meta, thresholds or Thresholds())
     if verbose:  # the library logs; rendering is the CLI's
         log.info("%s -> %s: %.2fx vs FP16, relative RMSE %.4f, SNR %.1f dB", input_path, output_path,
@@ -212,87 +196,53 @@ def get_compression_metrics(input_path, group_size: int = 64, scheme: Optional[s
     """Quality and size of compressing a file, without writing one (sizes are the real serialized bytes)."""
     t = time.perf_counter()
     cfg = _config(config, scheme, group_size, n_threads)
-    f = _open_plain(input_path)
+    f = open_plain(input_path)
     tensors = {k: f.get_tensor(k) for k in f.keys()}
-    stats: Dict[str, ErrorStats] = {}
-    out, meta = compress_tensors(tensors, cfg, sparsity=sparsity, lz4=lz4, source_metadata=f.metadata or None,
-                                 sidecar=read_sidecar(input_path), stats=stats, progress=progress)
+    out, meta, chosen = compress_tensors(tensors, cfg, sparsity=sparsity, lz4=lz4, source_metadata=f.metadata or None,
+                                         sidecar=read_sidecar(input_path), progress=progress)
     size = st.serialized_size(out, meta)
-    return _metrics(stats, tensors, os.path.getsize(input_path), size, time.perf_counter() - t,
+    return _metrics(tensors, chosen, os.path.getsize(input_path), size, time.perf_counter() - t,
                     meta, thresholds or Thresholds())
 
 
 def save_plan(path, calibration) -> None:
     """Write a ``kvcx calibrate`` result (the plan's config, sensitivities, budget) as JSON, atomically."""
     with OutputSet([path]) as tmp:
-        _write_json(tmp[os.fspath(path)], os.fspath(path), calibration.to_dict())
+        write_json_to(tmp[os.fspath(path)], os.fspath(path), calibration.to_dict())
 
 
-def read_plan(path) -> dict:
-    """The JSON object of a plan file, parsed strictly."""
-    p = os.fspath(path)
+def shipped_plans() -> List[str]:
+    """The names of the plans shipped with kvcx (calibrated on the embedded model), for ``load_plan(name)``."""
+    return sorted(p.name[:-len(".json")] for p in resources.files("kvcx").joinpath("plans").iterdir()
+                  if p.name.endswith(".json"))
+
+
+def _plan_file(plan) -> str:
+    """The path of a plan given by path or by a shipped plan's name (a path that exists wins)."""
+    p = os.fspath(plan)
+    if os.path.exists(p) or os.sep in p or p.endswith(".json"):
+        return p
+    if p in shipped_plans():
+        return os.fspath(resources.files("kvcx").joinpath("plans", p + ".json"))
+    raise FormatError(f"{p}: no such plan file, and no shipped plan of that name (shipped: "
+                      f"{', '.join(shipped_plans())}); write one with `kvcx calibrate --out {p}.json`")
+
+
+def read_plan(plan) -> dict:
+    """The JSON object of a plan (a file's path, or a shipped plan's name), parsed strictly."""
+    p = _plan_file(plan)
     if not os.path.exists(p):
         raise FormatError(f"{p}: no such plan file; write one with `kvcx calibrate --out {p}`")
-    return _read_json_object(p, "the plan", "write it again with `kvcx calibrate`")
+    return read_json_object(p, "the plan", "write it again with `kvcx calibrate`")
 
 
-def load_plan(path, n_threads: Optional[int] = None) -> KVConfig:
-    """The KVConfig of a plan file written by ``kvcx calibrate`` (or any JSON object with a ``config``)."""
-    p = os.fspath(path)
-    data = read_plan(path)
+def load_plan(plan, n_threads: Optional[int] = None) -> KVConfig:
+    """The KVConfig of a plan written by ``kvcx calibrate`` (a file's path, or a shipped plan's name such as
+    ``"smollm2-kvcx2w-2.47"``; any JSON object with a ``config`` works)."""
+    p = _plan_file(plan)
+    data = read_plan(p)
     cfg = data.get("config", data)
     try:
         return KVConfig.from_config(cfg, n_threads=n_threads)
     except CodecError as exc:
         raise FormatError(f"{p}: {exc}") from None
-
-
-def head_snr_grid(original: dict, decoded: dict, n_threads: Optional[int] = None) -> dict:
-    """SNR (dB) per layer x KV head, keys and values apart: ``{"key": (layers, grid), "value": (layers, grid)}``
-    with ``grid[i, h]`` the SNR of layer ``layers[i]``'s head ``h`` (axis -3 of a [..., heads, tokens, head_dim]
-    tensor). Tensors whose name carries no layer index are left out."""
-    rows: dict = {"key": {}, "value": {}}
-    for name, a in original.items():
-        layer = layer_of(name)
-        if layer is None or name not in decoded or np.asarray(a).ndim < 3:
-            continue
-        a, b = np.asarray(a), np.asarray(decoded[name])
-        heads = a.shape[-3]
-        snr = []
-        for h in range(heads):
-            s = error_stats(np.ascontiguousarray(a[..., h, :, :]), np.ascontiguousarray(b[..., h, :, :]),
-                            name=f"{name}[head {h}]", n_threads=n_threads)
-            snr.append(min(s.snr_db, 99.0))   # exact heads (infinite SNR) drawn at the top of the scale
-        rows["key" if is_key_tensor(name) else "value"][layer] = snr
-    out = {}
-    for kind, by_layer in rows.items():
-        if not by_layer:
-            continue
-        width = max(len(v) for v in by_layer.values())
-        layers = sorted(by_layer)
-        grid = np.full((len(layers), width), np.nan)
-        for i, L in enumerate(layers):
-            grid[i, :len(by_layer[L])] = by_layer[L]
-        out[kind] = (layers, grid)
-    return out
-
-
-def snr_heatmap(input_path, config: KVConfig, output_path, n_threads: Optional[int] = None) -> dict:
-    """Compress ``input_path`` in memory and draw its per-layer x per-head SNR (keys | values) to a PNG,
-    written atomically. Returns the grids (see :func:`kvcx.metrics.head_snr_grid`)."""
-    from kvcx.plotting import heatmap_png
-
-    f = _open_plain(input_path)
-    tensors = {k: f.get_tensor(k) for k in f.keys()}
-    out, meta = compress_tensors(tensors, config)
-    decoded = decompress_tensors(out, meta, n_threads=n_threads)
-    grids = head_snr_grid({k: v for k, v in tensors.items() if k in decoded and dtype_name(v.dtype)}, decoded,
-                          n_threads=n_threads)
-    if not grids:
-        raise FormatError(f"{input_path}: no tensor name carries a layer index (layer_<i>_key, past_key_values.<i>.0"
-                          ", layers.<i>...) with [.., heads, tokens, head_dim] shape; --plot needs them")
-    png = heatmap_png(grids, title=f"{os.path.basename(os.fspath(input_path))}: {config.describe()}")
-    check_distinct([input_path], [output_path])
-    with OutputSet([output_path]) as tmp:
-        write_bytes_to(tmp[os.fspath(output_path)], os.fspath(output_path), [png])
-    return grids

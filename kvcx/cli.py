@@ -10,19 +10,19 @@ reports progress through callbacks and returns results.
 from __future__ import annotations
 
 import json
+import re
 import sys
 from contextlib import contextmanager
 from pathlib import Path
-from typing import List, Optional
+from typing import Annotated, List, Optional
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
-from typing import Annotated
 
-from kvcx import __version__
 from kvcx.errors import KvcxError
+from kvcx.version import VERSION as __version__
 
 EXIT_ERROR = 1
 EXIT_QUALITY = 3
@@ -46,13 +46,36 @@ def _main(version: Annotated[Optional[bool], typer.Option("--version", callback=
     pass
 
 
+_PARAM = re.compile(r"\b([a-z][a-z_]*)=('[^']*'|\S+?)(?=[\s,;:)]|$)")
+
+
+def in_flags(message: str, command: Optional[str]) -> str:
+    """A library message in the command line's words: each ``name=value`` of a parameter that ``command``
+    has as an option becomes ``--flag value`` (``rotate=False`` becomes ``--no-rotate``)."""
+    if command is None:
+        return message
+    opts = {p.name: p for p in typer.main.get_command(app).commands[command].params
+            if getattr(p, "opts", None) and p.opts[0].startswith("--")}
+
+    def flag(m):
+        opt = opts.get(m.group(1))
+        if opt is None:
+            return m.group(0)
+        value = m.group(2).strip("'")
+        if opt.is_flag and value in ("True", "False"):
+            return (opt.opts if value == "True" or not opt.secondary_opts else opt.secondary_opts)[0]
+        return f"{opt.opts[0]} {value}"
+
+    return _PARAM.sub(flag, message)
+
+
 @contextmanager
-def _errors():
-    """Turn kvcx's own errors (and a few OS ones) into a red line and exit code 1."""
+def _errors(command: Optional[str] = None):
+    """Turn kvcx's own errors (and a few OS ones) into a red line and exit code 1, in ``command``'s words."""
     try:
         yield
     except KvcxError as exc:
-        err.print(f"[bold red]Error:[/] [red]{escape(str(exc))}[/]")
+        err.print(f"[bold red]Error:[/] [red]{escape(in_flags(str(exc), command))}[/]")
         raise typer.Exit(code=EXIT_ERROR) from None
     except MemoryError as exc:
         err.print(f"[bold red]Error:[/] [red]out of memory: {escape(str(exc))}[/]")
@@ -63,7 +86,7 @@ def _errors():
 
 
 def _emit_json(obj) -> None:
-    from kvcx.api import json_safe
+    from kvcx.codecs.metrics import json_safe
 
     sys.stdout.write(json.dumps(json_safe(obj), indent=2) + "\n")
     sys.stdout.flush()
@@ -84,13 +107,13 @@ def _progress(total: int, label: str, quiet: bool = False):
 
 
 def _count_tensors(path: Path) -> int:
-    from kvcx.safetensors_io import SafeFile
+    from kvcx.formats.safetensors import SafeFile
 
     return len(SafeFile(path).keys())
 
 
 def _kv_config(scheme, group_size, bits, sinks, rotate, threads, plan=None):
-    from kvcx.kvconfig import KVConfig
+    from kvcx.codecs.kvconfig import KVConfig
 
     if plan is not None:
         from kvcx.api import load_plan
@@ -160,8 +183,9 @@ def _report(m, json_out: bool, title: str, check: bool, wrote: Optional[Path] = 
 # shared options
 SchemeOpt = Annotated[str, typer.Option("--scheme", help="reference | symmetric | asymmetric | kivi | kvcx (default) "
                                                          "| kvcx3 | kvcx2 | kvcx2w (low-bit presets).")]
-PlanOpt = Annotated[Optional[Path], typer.Option("--plan", help="Per-layer widths from `kvcx calibrate --out` "
-                                                                "(replaces --scheme/--bits/--group-size).")]
+PlanOpt = Annotated[Optional[str], typer.Option("--plan", help="A plan from `kvcx calibrate --out`, or a shipped "
+                                                               "plan's name (smollm2-kvcx2w-2.47, ...); replaces "
+                                                               "--scheme/--bits/--group-size.")]
 GroupOpt = Annotated[int, typer.Option("--group-size", "-g", help="Values per group: 16, 32, 64, 128 or 256.")]
 BitsOpt = Annotated[Optional[int], typer.Option("--bits", help="Code width: 4 (default), 3, 2 or 8.")]
 SinksOpt = Annotated[Optional[int], typer.Option("--sinks", help="Leading tokens kept exact (scheme default if unset).")]
@@ -197,7 +221,7 @@ def compress(
     json_out: JsonOpt = False,
 ):
     """Compress a safetensors KV cache into a packed INT4 kvcx file (exit 0 once it is written)."""
-    with _errors():
+    with _errors("compress"):
         from kvcx.api import Thresholds, compress_kv_cache
 
         cfg = _kv_config(scheme, group_size, bits, sinks, rotate, threads, plan)
@@ -215,7 +239,7 @@ def decompress(
     json_out: JsonOpt = False,
 ):
     """Restore a packed kvcx file to plain safetensors (original names, shapes and dtypes)."""
-    with _errors():
+    with _errors("decompress"):
         from kvcx.api import decompress_kv_cache
 
         with _progress(_count_tensors(input), "decompressing") as step:
@@ -247,11 +271,11 @@ def metrics(
     json_out: JsonOpt = False,
 ):
     """Quality and size of compressing a file (no file written); exit 3 when a threshold is missed."""
-    with _errors():
+    with _errors("metrics"):
         from kvcx.api import Thresholds, get_compression_metrics
 
         if plot is not None:  # a picture that cannot be written fails before any work
-            from kvcx.fileio import check_output_path
+            from kvcx.formats.atomic import check_output_path
 
             check_output_path(plot)
         cfg = _kv_config(scheme, group_size, bits, sinks, rotate, threads, plan)
@@ -259,7 +283,7 @@ def metrics(
             m = get_compression_metrics(input, config=cfg, sparsity=sparsity, lz4=lz4,
                                         thresholds=Thresholds(max_rmse, min_snr, min_cosine), progress=step)
         if plot is not None:
-            from kvcx.api import snr_heatmap
+            from kvcx.quality.plots import snr_heatmap
 
             snr_heatmap(input, cfg, plot, n_threads=threads)
             if not json_out:
@@ -270,7 +294,7 @@ def metrics(
 @app.command()
 def info(json_out: JsonOpt = False):
     """Show how the kernels were built: OpenMP, threads, SIMD flags."""
-    from kvcx.runtime import build_info
+    from kvcx.codecs.runtime import build_info
 
     i = build_info()
     i["version"] = __version__
@@ -296,8 +320,14 @@ def _window_bar(quiet: bool):
     if quiet or not err.is_terminal:
         yield None
         return
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
-        TimeRemainingColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     prog = Progress(TextColumn("windows"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                     TimeRemainingColumn(), console=err, transient=True)
@@ -370,8 +400,8 @@ def validate(
     json_out: JsonOpt = False,
 ):
     """Perplexity with the exact vs the kvcx-compressed KV cache on WikiText-2 (exit 3 when delta >= threshold)."""
-    with _errors():
-        from kvcx import validation
+    with _errors("validate"):
+        from kvcx.quality import validation
 
         cfg = _kv_config(scheme, group_size, bits, sinks, rotate, threads, plan)
         on_phase = None if (json_out or quiet) else _print_phase
@@ -421,10 +451,10 @@ def calibrate(
 ):
     """Per-layer bit widths: measure each layer's sensitivity (KL divergence) at each width and spend --budget
     bits/value where it buys the most."""
-    with _errors():
-        from kvcx import calibrate as cal
+    with _errors("calibrate"):
         from kvcx.api import save_plan
-        from kvcx.fileio import check_output_path
+        from kvcx.formats.atomic import check_output_path
+        from kvcx.quality import calibrate as cal
 
         check_output_path(out_path)
         base = None if scheme is None and reuse else _kv_config(scheme or "kvcx3", group_size, bits, None, None,
@@ -449,11 +479,10 @@ def calibrate(
                   f"`kvcx calibrate --reuse {out_path} --reuse <other measurements> --budget B`; "
                   f"{result.tokens:,} tokens, {result.wall_time_s:.0f} s")
         return
-    from kvcx.codec import WidthCodec
-    from kvcx.kvconfig import tag_of
+    from kvcx.codecs.kvconfig import tag_of
 
     cfg = result.config
-    if isinstance(cfg.key, WidthCodec):
+    if cfg.key.takes_weights:
         out.print(f"[green]plan[/] → {out_path}: keys {cfg.key.bits:g} bits per code on average, a width per channel "
                   f"weighed by the queries of {len(cfg.key_weights)} layers; {result.bits_per_value:.3f} bits/value "
                   f"nominal (budget {budget}); {result.tokens:,} tokens, {result.wall_time_s:.0f} s")

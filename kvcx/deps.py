@@ -24,6 +24,15 @@ def check_transformers_version(version: str) -> None:
                          f"pip install 'transformers>={lo},<{hi}'")
 
 
+def import_torch():
+    """The torch module, or ModelError saying how to install it."""
+    try:
+        import torch
+    except ImportError:
+        raise ModelError(f"this needs PyTorch: pip install {TORCH_PIN} (or `make venv`)") from None
+    return torch
+
+
 def require_torch_transformers() -> None:
     """Import torch and transformers (checking the version), or raise ModelError saying how to install them."""
     try:

@@ -22,10 +22,53 @@ def loaded():
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
     from kvcx.errors import ModelError
-    from kvcx.models import embedded_model_path, load_model_and_tokenizer
+    from kvcx.quality.models import embedded_model_path, load_model_and_tokenizer
 
     try:
         embedded_model_path()
     except ModelError as exc:
         pytest.skip(str(exc))
     return load_model_and_tokenizer(cpu=True)
+
+
+@pytest.fixture
+def small_cache_file(tmp_path):
+    """A small FP16 cache with a pass-through tensor, metadata and a sidecar."""
+    import json
+
+    from kvcx.formats import safetensors as kst
+
+    from helpers import small_cache
+
+    p = tmp_path / "in.safetensors"
+    kst.save_file(small_cache(), p, {"origin": "test"})
+    (tmp_path / "in.safetensors.metadata.json").write_text(json.dumps({"model_name": "m", "seq_len": 8}))
+    return p
+
+
+@pytest.fixture
+def cache128(tmp_path):
+    """A TinyLlama-shaped FP16 cache of 128 tokens (22 layers x [1, 4, 128, 64])."""
+    from kvcx.formats import safetensors as kst
+
+    from helpers import tinyllama_cache
+
+    p = tmp_path / "cache.safetensors"
+    kst.save_file(tinyllama_cache(seq=128), p)
+    return p
+
+
+@pytest.fixture
+def cache_file(tmp_path):
+    """A TinyLlama-shaped FP16 cache of 128 tokens with the reference layout's metadata sidecar."""
+    import json
+
+    from helpers import tinyllama_cache
+    from kvcx.formats import safetensors as kst
+
+    p = tmp_path / "cache.safetensors"
+    kst.save_file(tinyllama_cache(), p)
+    (tmp_path / "cache.safetensors.metadata.json").write_text(json.dumps(
+        {"num_layers": 22, "num_kv_heads": 4, "seq_len": 128, "head_dim": 64, "dtype": "float16",
+         "model_name": "TinyLlama/TinyLlama-1.1B-Chat-v1.0"}))
+    return p

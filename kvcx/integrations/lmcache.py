@@ -17,7 +17,7 @@ The pair is pure and synchronous, as LMCache's serdes are: ``serialize`` views t
 object's bytes as a NumPy array (no copy) and runs the kernels from it straight into the destination
 buffer; ``deserialize`` decodes straight into the destination object. The size is exact
 (``estimate_serialized_size``), as LMCache's FS and RESP adapters require. Every chunk carries a
-magic, a wire version, its shape, dtype and codec settings and a CRC-32 (see :mod:`kvcx.chunk`), so
+magic, a wire version, its shape, dtype and codec settings and a CRC-32 (see :mod:`kvcx.formats.chunk`), so
 it always decodes with what wrote it, and a foreign or damaged payload is refused with an error.
 
 Needs ``lmcache==0.5.6`` and torch (``pip install kvcx[lmcache]``); torch is used only to view
@@ -29,10 +29,10 @@ from typing import Optional
 
 import numpy as np
 
-from kvcx.chunk import ChunkCodec
-from kvcx.dtypes import BFLOAT16, is_int
+from kvcx.codecs.dtypes import BFLOAT16, is_int
+from kvcx.codecs.kvconfig import SCHEME_NAMES, KVConfig
 from kvcx.errors import KvcxError
-from kvcx.kvconfig import SCHEME_NAMES, KVConfig
+from kvcx.formats.chunk import ChunkCodec
 
 try:
     import torch
@@ -123,7 +123,7 @@ def _where(key: Optional[ObjectKey]) -> str:
 
 
 class KvcxSerializer(Serializer):
-    """Packs an LMCache KV_2LTD chunk with kvcx (see :class:`kvcx.chunk.ChunkCodec`)."""
+    """Packs an LMCache KV_2LTD chunk with kvcx (see :class:`kvcx.formats.chunk.ChunkCodec`)."""
 
     def __init__(self, codec: Optional[ChunkCodec] = None):
         self.codec = codec or ChunkCodec()
@@ -154,13 +154,16 @@ def create_serde(options: dict) -> SerdeProcessor:
     return AsyncSerdeProcessor(KvcxSerializer(codec), KvcxDeserializer(codec), max_workers=workers)
 
 
-def register(name: str = SERDE_NAME) -> str:
-    """Register the kvcx serde with LMCache under ``name`` (idempotent for kvcx's own factory)."""
-    if name in get_registered_serde_types():
-        from lmcache.v1.distributed.serde.factory import _SERDE_FACTORY_REGISTRY
+_REGISTERED = set()   # the names this module registered create_serde under
 
-        if _SERDE_FACTORY_REGISTRY.get(name) is create_serde:
-            return name
+
+def register(name: str = SERDE_NAME) -> str:
+    """Register the kvcx serde with LMCache under ``name`` (through LMCache's public
+    ``register_serde_factory``; calling it again for a name kvcx registered does nothing)."""
+    if name in _REGISTERED and name in get_registered_serde_types():
+        return name
+    if name in get_registered_serde_types():
         raise KvcxSerdeError(f"an LMCache serde named {name!r} is already registered; pass another name")
     register_serde_factory(name, create_serde)
+    _REGISTERED.add(name)
     return name

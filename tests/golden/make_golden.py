@@ -6,10 +6,10 @@ from pathlib import Path
 
 import numpy as np
 
-from kvcx import safetensors_io as st
-from kvcx.codec import IntCodec
-from kvcx.kvconfig import KVConfig
-from kvcx.packed import compress_tensors
+from kvcx.codecs.intcodec import IntCodec
+from kvcx.codecs.kvconfig import KVConfig
+from kvcx.formats import safetensors as st
+from kvcx.formats.packed import compress_tensors
 
 HERE = Path(__file__).resolve().parent
 
@@ -35,7 +35,7 @@ CASES = {
 
 
 def build(name):
-    packed, meta = compress_tensors(golden_tensors(), CASES[name]())
+    packed, meta, _ = compress_tensors(golden_tensors(), CASES[name]())
     return st.save(packed, meta)
 
 

@@ -1,0 +1,50 @@
+"""What every bench script writes under its table: the command, the machine and the date (imported by the
+scripts as a sibling module; they run as ``python bench/NAME.py``)."""
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import sys
+from pathlib import Path
+
+
+def machine() -> str:
+    """CPU model, cores and the kvcx build's SIMD flags and threads, in one line."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    from kvcx.codecs.runtime import build_info
+
+    b = build_info()
+    return (f"{cpu}, {os.cpu_count()} cores; kvcx {' '.join(b['simd'])}, OpenMP "
+            f"{'on' if b['openmp'] else 'off'}, {b['threads_used']} threads")
+
+
+def header(what: str) -> str:
+    """A results file's first lines: what was measured, the command that measured it, where and when."""
+    cmd = "python " + " ".join([Path(sys.argv[0]).as_posix()] + sys.argv[1:])
+    day = datetime.date.today().isoformat()
+    return f"<!-- written by `{cmd}`; do not edit by hand -->\n\n{what}\n\nCommand: `{cmd}`. Machine: {machine()}. " \
+           f"Date: {day}.\n"
+
+
+class Report:
+    """Print lines as the bench goes and keep them; ``write(path)`` saves them under a header."""
+
+    def __init__(self):
+        self.lines = []
+
+    def __call__(self, *parts, **kw) -> None:
+        text = " ".join(str(p) for p in parts)
+        print(text, flush=True, **{k: v for k, v in kw.items() if k != "flush"})
+        self.lines.append(text)
+
+    def write(self, path, what: str) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(header(what) + "\n" + "\n".join(self.lines).strip() + "\n")

@@ -1,0 +1,74 @@
+"""The ``"kvcx"`` attention implementation for transformers: SDPA, except on a KvcxCache's fused steps.
+
+A fused step's layer is handed over from the cache to this function through :data:`HANDOFF`: the
+cache posts the layer with the key tensor it returns from ``update()``; the attention function called
+next with that very tensor takes it and runs the layer's fused attention over its packed store. Nothing
+is attached to the tensors, and nothing flows back to the cache.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Optional
+
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.modeling_utils import AttentionInterface
+
+# the attention implementation this module registers with transformers
+ATTN_IMPLEMENTATION = "kvcx"
+# attention arguments the fused kernel does not implement: those steps run SDPA over the materialised cache
+_NOT_FUSED = frozenset(("softcap", "sliding_window", "s_aux", "position_bias"))
+
+
+class Handoff(threading.local):
+    """The fused step a cache has prepared and the attention function runs next (one per thread)."""
+
+    def __init__(self):
+        self._key = None
+        self._layer = None
+
+    def post(self, key, layer) -> None:
+        self._key, self._layer = key, layer
+
+    def peek(self, key):
+        """The layer posted with this very key tensor, left in place (for tools that watch the steps)."""
+        return self._layer if self._layer is not None and key is self._key else None
+
+    def take(self, key):
+        """The layer posted with this very key tensor (then forgotten), or None."""
+        if self._layer is None or key is not self._key:
+            return None
+        layer, self._key, self._layer = self._layer, None, None
+        return layer
+
+
+HANDOFF = Handoff()
+
+
+def needs_materialising(kwargs: dict, dropout: float, module) -> bool:
+    """Whether this call asks for what the fused kernel does not do (softcap, sliding windows, attention
+    sinks, position biases, training dropout)."""
+    return any(kwargs.get(k) is not None for k in _NOT_FUSED) or bool(dropout and module.training)
+
+
+def kvcx_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
+                           scaling: Optional[float] = None, is_causal=None, **kwargs):
+    """transformers attention implementation ``"kvcx"``: SDPA, except on a KvcxCache's fused steps, where
+    the layer handed over by the cache attends over its packed store."""
+    layer = HANDOFF.take(key)
+    if layer is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    if needs_materialising(kwargs, dropout, module):
+        k, v = layer.materialised_step()
+        out = sdpa_attention_forward(module, query, k, v, attention_mask, dropout=dropout, scaling=scaling,
+                                     is_causal=is_causal, **kwargs)
+        layer.pack_residual()
+        return out
+    return layer.attend(query, attention_mask, scaling), None
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, kvcx_attention_forward)
+AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)

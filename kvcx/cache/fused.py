@@ -1,0 +1,99 @@
+"""The fused decode attention kernel's own wrapper (kvcx/codecs/_attn.h): what it reads, how work is
+split, its workspace, and one binding of a layer's packed stores to it.
+
+This is the one module outside :mod:`kvcx.codecs` that calls the compiled kernels: the fused kernel
+reads the integer codec's packed stores directly. Its callers (:class:`kvcx.cache.store.PackedKV`) check
+every size first.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import numpy as np
+
+from kvcx.codecs import _core
+from kvcx.codecs.base import Codec
+
+# the codec whose packed layout the kernel reads (kvcx/codecs/_attn.h)
+READS = "kvcx.int"
+
+ATTN_MAX_GROUP = _core.ATTN_MAX_GROUP
+ATTN_MAX_D = _core.ATTN_MAX_D
+# tokens per task at least, when a (row x KV head) is split across threads
+_MIN_SPLIT_TOKENS = 128
+# below this many tokens of work per (row x KV head) (an exact token counting as 4 packed ones), one
+# thread: waking a second one costs more than it saves, and its spinning competes with torch's threads
+MIN_PARALLEL_TOKENS = 2048
+
+EMPTY_U16 = np.empty((0, 0), dtype=np.uint16)
+EMPTY_F32_2 = np.empty((0, 0), dtype=np.float32)
+EMPTY_F32_3 = np.empty((0, 0, 0), dtype=np.float32)
+EMPTY_I64 = np.empty(0, dtype=np.int64)
+NO_MASK = EMPTY_F32_2   # the mask argument when nothing is masked
+
+
+def fused_unsupported(key: Codec, value: Codec, head_dim: int, group: int) -> Optional[str]:
+    """Why the fused kernel cannot serve these codecs (None when it can)."""
+    if key.codec_id != READS or value.codec_id != READS:
+        return "fused attention reads IntCodec codes (per-channel widths are decoded, then attended)"
+    if key.bits != 4 or value.bits != 4:
+        return f"fused attention reads 4-bit codes (keys {key.bits}, values {value.bits} bits)"
+    if head_dim % 16 or head_dim > ATTN_MAX_D:
+        return f"fused attention needs a head dim that is a multiple of 16 up to {ATTN_MAX_D}, got {head_dim}"
+    if group < 1 or group > ATTN_MAX_GROUP:
+        return f"fused attention serves 1 to {ATTN_MAX_GROUP} query heads per KV head, got {group}"
+    if value.axis != "token":
+        return "fused attention needs values grouped per token"
+    for kind, c in (("key", key), ("value", value)):
+        if c.axis == "token" and c.group_size % head_dim:
+            return (f"fused attention needs per-token {kind} groups of whole tokens (group size {c.group_size} "
+                    f"is not a multiple of head dim {head_dim})")
+    return None
+
+
+def splits(slabs: int, tokens: int, threads: int) -> int:
+    """Token ranges per slab: enough tasks to keep every thread busy, in whole-thread multiples."""
+    if threads <= 1:
+        return 1
+    n = threads // math.gcd(slabs, threads)
+    while slabs * n < 2 * threads:
+        n *= 2
+    return max(1, min(n, tokens // _MIN_SPLIT_TOKENS))
+
+
+class Workspace:
+    """The fused kernel's scratch floats, which the layers of one cache can share (one runs at a time)."""
+
+    def __init__(self):
+        self.array = EMPTY_F32_2
+
+    def get(self, rows: int, cols: int) -> np.ndarray:
+        if self.array.shape[0] < rows or self.array.shape[1] != cols:
+            self.array = np.empty((max(rows, self.array.shape[0] if self.array.shape[1] == cols else 0), cols),
+                                  dtype=np.float32)
+        return self.array
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.array.nbytes)
+
+
+def bind(key: Codec, value: Codec, B: int, Hkv: int, R: int, D: int, keys, values, head: tuple, Tq: int,
+         workspace: Workspace, threads: int):
+    """The kernel bound to one layer's packed stores (``keys`` / ``values``: codes [N, bytes], FP16 scales,
+    zero points or None, the keys' block starts), its head rows (exact float32 [N, nh, D] each) and ``Tq``
+    packed positions after them; the work split for ``threads``. Call ``run`` on it once per step."""
+    nsplit = splits(B * Hkv, Tq, threads)
+    work = workspace.get(B * Hkv * nsplit, _core.attn_work_floats(R, D))
+    kernel = _core.AttnKernel(B=B, Hkv=Hkv, R=R, D=D,
+                              k_axis=_core.AXIS_CHANNEL if key.axis == "channel" else _core.AXIS_TOKEN,
+                              k_asym=key.asym, k_rotate=key.rotate, k_group=key.group_size,
+                              v_asym=value.asym, v_rotate=value.rotate, v_group=value.group_size)
+    kernel.bind(keys.codes, keys.scales.view(np.uint16),
+                keys.zeros.view(np.uint16) if keys.zeros is not None else EMPTY_U16,
+                keys.block_starts if key.axis == "channel" else EMPTY_I64,
+                values.codes, values.scales.view(np.uint16),
+                values.zeros.view(np.uint16) if values.zeros is not None else EMPTY_U16,
+                head[0], head[1], Tq, work, nsplit)
+    return kernel

@@ -1,0 +1,448 @@
+"""KvcxCache: a transformers cache that keeps the KV cache packed by kvcx's codecs.
+
+    from kvcx.cache import KvcxCache            # registers the "kvcx" attention implementation
+    model.set_attn_implementation("kvcx")      # decode steps read the packed codes (the fused kernel)
+    cache = KvcxCache(model.config, group_size=64, residual_length=64)
+    out = model.generate(**inputs, past_key_values=cache, max_new_tokens=64)
+    cache.memory_report()
+
+Design (transformers' quantized-cache design, with appending instead of re-quantizing):
+each layer keeps a short full-precision residual of at most ``residual_length``
+tokens. When it fills, whole multiples of ``residual_length`` tokens are encoded
+by the codecs and appended to the layer's packed store
+(:class:`kvcx.cache.store.PackedKV`: codes + FP16 scales + zero points, the exact
+sink tokens) and dropped from the residual. Nothing is stored dequantized.
+
+Attention over the store takes one of two paths per step, which the cache decides once per step
+(at its first layer) and each layer applies with what it can do:
+
+- fused (single-token steps on CPU, the model's attention set to ``"kvcx"``): the
+  layer hands itself to the ``"kvcx"`` attention function (:mod:`kvcx.cache.attention_fn`), which
+  runs the fused kernel over the packed store, the sinks and the residual (kvcx/codecs/_attn.h);
+  no full-precision copy of the context exists;
+- materialising (prefill chunks, ``fused=False``, other attention implementations,
+  CUDA): the layer decodes its packed store into one scratch buffer shared by all
+  layers and hands ``[decoded, residual, new]`` to attention (on CUDA the decoded
+  scratch is copied to the device; the kernels are CPU kernels).
+
+Control runs one way: the cache builds its layers with everything they share (scratch, the fused
+kernel's workspace, the mask converter, the kernel timer) and calls them; a layer never reaches back.
+torch and transformers are imported when this module is imported; the rest of kvcx never imports it
+unless asked.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import numpy as np
+import torch
+import transformers
+from transformers.cache_utils import Cache, DynamicLayer
+
+from kvcx.cache.attention_fn import ATTN_IMPLEMENTATION, HANDOFF
+from kvcx.cache.fused import NO_MASK, Workspace
+from kvcx.cache.store import PackedKV
+from kvcx.cache.tensors import torch_to_numpy
+from kvcx.codecs.dtypes import is_int
+from kvcx.codecs.kvconfig import DEFAULT_SCHEME, KVConfig
+from kvcx.codecs.runtime import resolve_threads
+from kvcx.deps import check_transformers_version
+from kvcx.errors import KvcxError
+
+check_transformers_version(transformers.__version__)
+
+
+class KernelTimer:
+    """Seconds spent in kvcx's kernels (encode, decode, fused attention) by one cache's layers."""
+
+    def __init__(self):
+        self.seconds = 0.0
+
+    def add(self, seconds: float) -> None:
+        self.seconds += seconds
+
+
+class _Scratch:
+    """Growable full-precision buffers, one for keys and one for values, shared by every layer."""
+
+    def __init__(self):
+        self.host = {}
+        self.device = {}
+
+    def get(self, kind: str, shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device):
+        n = int(np.prod(shape))
+        buf = self.host.get(kind)
+        if buf is None or buf.numel() < n or buf.dtype != dtype:
+            cap = max(n, int(n * 1.5))
+            buf = torch.empty(cap, dtype=dtype, pin_memory=device.type == "cuda" and torch.cuda.is_available())
+            self.host[kind] = buf
+        host = buf[:n].view(shape)
+        if device.type == "cpu":
+            return host, host
+        dbuf = self.device.get(kind)
+        if dbuf is None or dbuf.numel() < n or dbuf.dtype != dtype or dbuf.device != device:
+            dbuf = torch.empty(max(n, int(n * 1.5)), dtype=dtype, device=device)
+            self.device[kind] = dbuf
+        return host, dbuf[:n].view(shape)
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for d in (self.host, self.device) for b in d.values())
+
+    def release(self) -> None:
+        if self.host or self.device:
+            self.host.clear()
+            self.device.clear()
+
+
+class MaskConverter:
+    """The last query row of transformers' mask as float32 [B, kv_len] added to the scores (0 or -inf):
+    converted once per step, as every layer of a step gets the same mask tensor."""
+
+    def __init__(self):
+        self._last = None   # (the step's mask tensor, its additive float32 form)
+
+    def additive(self, attention_mask: torch.Tensor, B: int) -> np.ndarray:
+        if self._last is not None and self._last[0] is attention_mask:
+            return self._last[1]
+        m = attention_mask.detach()
+        if m.dim() == 4:
+            m = m[:, 0, -1]
+        elif m.dim() == 3:
+            m = m[:, -1]
+        if m.shape[0] != B:
+            m = m.expand(B, m.shape[-1])
+        if m.dtype == torch.bool:
+            m = torch.zeros(m.shape, dtype=torch.float32).masked_fill_(~m, float("-inf"))
+        mask = m.to(torch.float32).contiguous().numpy()
+        self._last = (attention_mask, mask)  # holds the tensor, so its identity stays its own
+        return mask
+
+    def nbytes(self) -> int:
+        if self._last is None:
+            return 0
+        t, m = self._last
+        return m.nbytes + t.numel() * t.element_size()
+
+
+_FALLBACK_HINT = "pass fused=None to fall back to materialising"
+
+
+@dataclass(frozen=True)
+class StepMode:
+    """What the cache decided for one step: single-token layer steps may run fused unless ``reason`` says
+    why not; ``required`` (``KvcxCache(fused=True)``) makes a step that cannot run fused an error."""
+
+    reason: Optional[str] = None
+    required: bool = False
+
+
+class KvcxLayer(DynamicLayer):
+    """One layer of a :class:`KvcxCache`: built with everything it shares with the other layers."""
+
+    is_compileable = False
+
+    def __init__(self, kv_config: KVConfig, residual_length: int, scratch: _Scratch, workspace: Workspace,
+                 masks: MaskConverter, timer: KernelTimer, query_group: int,
+                 key_weights: Optional[np.ndarray] = None):
+        super().__init__()
+        self.kv_config = kv_config
+        self.residual_length = residual_length
+        self._scratch = scratch
+        self._workspace = workspace
+        self._masks = masks
+        self._timer = timer
+        self._query_group = query_group
+        first = {"key": kv_config.key, "value": kv_config.value}
+        self._codecs_first = first
+        # later chunks: the same codecs without sinks, and with the same threads
+        self._codecs_next = {k: type(c).from_config({**c.get_config(), "sinks": 0, "n_threads": c.n_threads})
+                             for k, c in first.items()}
+        self._key_weights = key_weights  # per-channel widths: how much the queries weigh each key channel
+        self.n_threads = kv_config.value.n_threads
+        self.store: Optional[PackedKV] = None
+        self.cumulative_length = 0
+        self.steps = {"fused": 0, "materialised": 0, "full_precision": 0}
+        self._unsupported: Optional[str] = None
+
+    @property
+    def quantized_length(self) -> int:
+        """Tokens held packed (exact sink tokens included)."""
+        return self.store.tokens if self.store is not None else 0
+
+    # -- storage -------------------------------------------------------------
+    def _encode(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        codecs = self._codecs_first if not len(self.store) else self._codecs_next
+        t = time.perf_counter()
+        pk = codecs["key"].encode(torch_to_numpy(keys), name="key", weights=self._key_weights)
+        pv = codecs["value"].encode(torch_to_numpy(values), name="value")
+        self.store.append(pk, pv)
+        self._timer.add(time.perf_counter() - t)
+        self._unsupported = self.store.unsupported(self.store.keys.D, self._query_group)
+
+    def pack_residual(self) -> None:
+        """Pack the residual's whole multiples of residual_length tokens."""
+        n_res = self.keys.shape[-2]
+        if n_res >= self.residual_length:
+            n_flush = (n_res // self.residual_length) * self.residual_length
+            self._encode(self.keys[:, :, :n_flush], self.values[:, :, :n_flush])
+            self.keys = self.keys[:, :, n_flush:].contiguous()
+            self.values = self.values[:, :, n_flush:].contiguous()
+
+    def _materialize(self, new_k: Optional[torch.Tensor], new_v: Optional[torch.Tensor]):
+        """[dequantized chunks, residual, new tokens] for attention, in the shared scratch buffers."""
+        B, H, _, D = self.keys.shape
+        n_res = self.keys.shape[-2]
+        n_new = new_k.shape[-2] if new_k is not None else 0
+        total = self.quantized_length + n_res + n_new
+        out = []
+        for kind, res, new in (("key", self.keys, new_k), ("value", self.values, new_v)):
+            store = self.store.keys if kind == "key" else self.store.values
+            host, dev = self._scratch.get(kind, (B, H, total, D), self.dtype, self.device)
+            arr = torch_to_numpy(host)  # a view: decoding writes straight into the scratch
+            t = time.perf_counter()
+            off = store.decode_into(arr, name=kind, n_threads=self.n_threads)
+            self._timer.add(time.perf_counter() - t)
+            if dev is not host:
+                dev[:, :, :off].copy_(host[:, :, :off])
+            dev[:, :, off:off + n_res] = res
+            if n_new:
+                dev[:, :, off + n_res:] = new
+            out.append(dev)
+        return out[0], out[1]
+
+    # -- transformers API --------------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        if key_states.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise KvcxError(f"KvcxCache holds float32/float16/bfloat16 caches, got {key_states.dtype}")
+        self.dtype, self.device = key_states.dtype, key_states.device
+        B, H, _, D = key_states.shape
+        self.keys = key_states.new_empty((B, H, 0, D))
+        self.values = value_states.new_empty((B, H, 0, D))
+        self.store = PackedKV(B * H, D, self._codecs_first["key"], self._codecs_first["value"],
+                              workspace=self._workspace)
+        self._unsupported = self.store.unsupported(D, self._query_group)
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, cache_kwargs=None,
+               mode: StepMode = StepMode(reason="materialising")):
+        """Add a step's keys and values. A single-token step runs fused when ``mode`` allows it and this
+        layer's stores can be read by the fused kernel: the layer is then handed to the attention function
+        (which calls :meth:`attend`), and the new token's own states are returned."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.pack_residual()  # a fused step packs after its attention; anything left over goes now
+        self.cumulative_length += key_states.shape[-2]
+        if key_states.shape[-2] == 1 and self._takes_fused_step(mode):
+            self.keys = torch.cat([self.keys, key_states], dim=-2)
+            self.values = torch.cat([self.values, value_states], dim=-2)
+            HANDOFF.post(key_states, self)
+            return key_states, value_states
+        if len(self.store):
+            keys_out, values_out = self._materialize(key_states, value_states)
+            self.steps["materialised"] += 1
+        else:
+            keys_out = torch.cat([self.keys, key_states], dim=-2)
+            values_out = torch.cat([self.values, value_states], dim=-2)
+            self.steps["full_precision"] += 1
+        self.keys = torch.cat([self.keys, key_states], dim=-2)
+        self.values = torch.cat([self.values, value_states], dim=-2)
+        self.pack_residual()
+        return keys_out, values_out
+
+    def _takes_fused_step(self, mode: StepMode) -> bool:
+        if mode.reason or self._unsupported:
+            if mode.required:
+                raise KvcxError(mode.reason or f"KvcxCache(fused=True): {self._unsupported}; {_FALLBACK_HINT}")
+            return False
+        self._scratch.release()  # fused steps need no full-precision copy of the context
+        return True
+
+    def attend(self, query: torch.Tensor, attention_mask: Optional[torch.Tensor], scaling: float) -> torch.Tensor:
+        """The fused step: one query token per row against the packed store and the residual.
+
+        Returns the attention output as transformers' attention functions do: [B, 1, Hq, D]."""
+        # every step of every layer comes here: the arrays are built to the kernel's contract (float32,
+        # C-contiguous, the shapes PackedKV.step checks), so the step skips PackedKV.attend's type checks
+        B, Hq, _, D = query.shape
+        fp32 = query.dtype == torch.float32
+        q = (query if fp32 else query.float()).contiguous().numpy().reshape(B, Hq, D)
+        keys, values = (self.keys, self.values) if self.keys.dtype == torch.float32 else \
+            (self.keys.float(), self.values.float())
+        N, nr = B * keys.shape[1], keys.shape[2]
+        rk, rv = keys.numpy().reshape(N, nr, D), values.numpy().reshape(N, nr, D)
+        if attention_mask is None:
+            mask = NO_MASK
+        else:
+            mask = self._masks.additive(attention_mask, B)
+            if mask.shape[-1] != self.cumulative_length:
+                raise KvcxError(f"the attention mask covers {mask.shape[-1]} tokens but the cache holds "
+                                f"{self.cumulative_length}; pass the mask generate() builds")
+        out = np.empty((B, 1, Hq, D), dtype=np.float32)
+        t = time.perf_counter()
+        self.store.step(q, rk, rv, mask, scaling, resolve_threads(self.n_threads), out.reshape(B, Hq, D))
+        self._timer.add(time.perf_counter() - t)
+        self.steps["fused"] += 1
+        self.pack_residual()
+        out = torch.from_numpy(out)
+        return out if fp32 else out.to(query.dtype)
+
+    def materialised_step(self):
+        """Keys and values of every held token for a step the fused kernel cannot run (counted as such)."""
+        self.steps["materialised"] += 1
+        return self.full_states()
+
+    def full_states(self):
+        """Keys and values of every held token, materialised (for attention features the kernel lacks)."""
+        return self._materialize(None, None)
+
+    def get_seq_length(self) -> int:
+        return self.cumulative_length
+
+    def reset(self) -> None:
+        super().reset()
+        self.store = None
+        self.cumulative_length = 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise KvcxError("KvcxCache cannot be cropped (packed chunks are append-only); use DynamicCache for "
+                        "assisted or speculative decoding")
+
+    def reorder_cache(self, beam_idx) -> None:
+        raise KvcxError("KvcxCache does not support beam search yet; use greedy or sampling decoding")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise KvcxError("KvcxCache does not support batch expansion (num_return_sequences > 1 / beam search)")
+
+    def batch_select_indices(self, indices) -> None:
+        raise KvcxError("KvcxCache does not support selecting batch rows")
+
+    # -- accounting -----------------------------------------------------------
+    def packed_bytes(self) -> int:
+        """Bytes of the packed store (codes, scales, zero points, sinks, the head rows attention reads)."""
+        return self.store.nbytes if self.store is not None else 0
+
+    def residual_bytes(self) -> int:
+        if not self.is_initialized:
+            return 0
+        return (self.keys.numel() + self.values.numel()) * self.keys.element_size()
+
+
+class KvcxCache(Cache):
+    """A packed KV cache for ``model.generate(..., past_key_values=KvcxCache(model.config))``.
+
+    Parameters
+    ----------
+    config: the model's config (its decoder text config is used for the layer count).
+    group_size, scheme, bits, sinks, rotate: the codec, as for ``kvcx compress`` (default: the kvcx scheme).
+    residual_length: tokens kept in full precision before they are packed (a multiple of the
+        group size when keys are grouped per channel).
+    kv_config: a ready :class:`kvcx.codecs.KVConfig` instead of the options above (a plan: ``kvcx.api.load_plan``).
+    n_threads: OpenMP threads of the kernels (None = all).
+    fused: None (default): single-token steps run the fused kernel when the model's attention is
+        ``"kvcx"`` and the codecs allow it, else the materialising path; False: always materialise;
+        True: a step that cannot run fused is an error.
+    """
+
+    def __init__(self, config, group_size: int = 64, scheme: str = DEFAULT_SCHEME, residual_length: int = 64,
+                 bits: Optional[int] = None, sinks: Optional[int] = None, rotate: Optional[bool] = None,
+                 kv_config: Optional[KVConfig] = None, n_threads: Optional[int] = None,
+                 fused: Optional[bool] = None):
+        kv = kv_config or KVConfig.from_scheme(scheme, group_size=group_size, bits=bits, sinks=sinks, rotate=rotate,
+                                               n_threads=n_threads)
+        if kv_config is not None and n_threads is not None:  # n_threads applies to a ready config too
+            kv = kv.with_threads(n_threads)
+        if isinstance(residual_length, bool) or not isinstance(residual_length, int) or residual_length < 1:
+            raise KvcxError(f"residual_length must be a positive integer, got {residual_length!r}")
+        for c in (kv.key, kv.value):
+            if residual_length % c.token_block:
+                raise KvcxError(f"residual_length ({residual_length}) must be a multiple of the group size "
+                                f"({c.token_block}) when grouping per channel, so every packed group is full")
+        text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        layer_types = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
+        bad = set(layer_types) - {"full_attention"}
+        if bad:
+            raise KvcxError(f"KvcxCache supports full-attention models only; this model has {sorted(bad)} layers")
+        if fused not in (None, True, False):
+            raise KvcxError(f"fused must be None (automatic), True or False, got {fused!r}")
+        heads = getattr(text, "num_attention_heads", None)
+        kv_heads = getattr(text, "num_key_value_heads", None) or heads
+        self.kv_config = kv
+        self.residual_length = residual_length
+        self.fused = fused
+        self.query_group = heads // kv_heads if heads and kv_heads and heads % kv_heads == 0 else 0
+        self._config = text
+        self._timer = KernelTimer()
+        self._scratch = _Scratch()
+        self._masks = MaskConverter()
+        self._mode: Optional[StepMode] = None   # this step's, decided at its first layer
+        workspace = Workspace()  # the fused kernel's scratch, one for all layers
+        super().__init__(layers=[KvcxLayer(kv.for_layer(i), residual_length, self._scratch, workspace, self._masks,
+                                           self._timer, self.query_group, kv.weights_for(f"layer_{i}_key"))
+                                 for i in range(text.num_hidden_layers)])
+        self._workspace = workspace
+
+    @property
+    def kernel_time_s(self) -> float:
+        """Seconds spent in kvcx's kernels so far (encode, decode, fused attention)."""
+        return self._timer.seconds
+
+    def _step_mode(self, key_states: torch.Tensor) -> StepMode:
+        """Whether this step's single-token layer steps may run fused (read once per step: a config
+        attribute is slow to read)."""
+        if self.fused is False:
+            return StepMode(reason="fused=False")
+        if getattr(self._config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
+            return StepMode(required=bool(self.fused), reason=(
+                f"KvcxCache(fused=True) needs the model's attention to be {ATTN_IMPLEMENTATION!r}: "
+                f"load it with attn_implementation={ATTN_IMPLEMENTATION!r} or call "
+                f"model.set_attn_implementation({ATTN_IMPLEMENTATION!r}) (after importing kvcx.cache)"))
+        if key_states.device.type != "cpu":
+            return StepMode(required=bool(self.fused),
+                            reason=f"KvcxCache(fused=True): fused attention runs on CPU tensors; {_FALLBACK_HINT}")
+        return StepMode(required=bool(self.fused))
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Store a layer's new keys and values (transformers calls this once per layer and step)."""
+        if not is_int(layer_idx) or not 0 <= layer_idx < len(self.layers):
+            raise KvcxError(f"layer_idx {layer_idx!r} is outside this KvcxCache's {len(self.layers)} layers; build "
+                            "the cache from the model's own config")
+        if layer_idx == 0 or self._mode is None:
+            self._mode = self._step_mode(key_states)
+        return self.layers[layer_idx].update(key_states, value_states, mode=self._mode)
+
+    def memory_report(self) -> dict:
+        """Bytes the cache holds, counted whole: packed stores + full-precision residual + the
+        materialising path's full-precision scratch (released by fused steps) and the last step's
+        attention mask (scratch_bytes) + the fused kernel's workspace (a few KiB per task, shared by
+        the layers).
+
+        ``attention_steps``: layer steps per path (fused kernel, materialised scratch, or all full precision)."""
+        packed = sum(layer.packed_bytes() for layer in self.layers)
+        residual = sum(layer.residual_bytes() for layer in self.layers)
+        scratch = self._scratch.nbytes() + self._masks.nbytes()
+        workspace = self._workspace.nbytes
+        values = 0
+        for layer in self.layers:
+            if layer.is_initialized:
+                B, H, _, D = layer.keys.shape
+                values += 2 * B * H * layer.cumulative_length * D
+        steps = {k: sum(layer.steps[k] for layer in self.layers) for k in ("fused", "materialised", "full_precision")}
+        return {"packed_bytes": packed, "residual_bytes": residual, "scratch_bytes": scratch,
+                "workspace_bytes": workspace, "total_bytes": packed + residual + scratch + workspace,
+                "tokens": self.get_seq_length(),
+                "attention_steps": steps,
+                "fp16_equivalent_bytes": 2 * values,
+                "model_dtype_equivalent_bytes": values * (self.layers[0].dtype.itemsize
+                                                          if self.layers and self.layers[0].is_initialized else 2),
+                "bits_per_value": 8.0 * (packed + residual) / values if values else 0.0}
+
+    def nbytes(self) -> int:
+        return self.memory_report()["total_bytes"]
+
+
+def dynamic_cache_bytes(cache) -> int:
+    """Bytes held by a transformers DynamicCache (keys + values of every layer)."""
+    return int(sum(layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
+                   for layer in cache.layers))

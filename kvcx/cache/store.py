@@ -1,0 +1,325 @@
+"""A layer's growing packed store and the fused decode step over it.
+
+NumPy only (no torch): :mod:`kvcx.cache.kvcx_cache` wires this into transformers; the fused kernel is
+reached through :mod:`kvcx.cache.fused`, decoding through the codecs.
+
+:class:`PackedStore` keeps one kind (keys or values) of one layer's packed chunks concatenated
+per (batch row x KV head): codes ``[N, bytes]``, FP16 scales ``[N, nscale]`` (+ zero points),
+the block starts of channel-grouped tokens, and each chunk's facts so that a chunk can still be
+decoded on its own (the materialising path).
+
+:class:`PackedKV` pairs a layer's key and value stores; its :meth:`PackedKV.attend` runs one decode step of one layer: every query head attends to the packed tokens
+of its KV head (read once for the query heads that share it), the exact sink tokens and the
+full-precision residual, in one softmax, without writing a dequantized key or value anywhere.
+How the kernel works: ``kvcx/codecs/_attn.h``.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import numpy as np
+
+from kvcx.cache import fused
+from kvcx.cache.fused import EMPTY_F32_2, EMPTY_F32_3, NO_MASK, Workspace, fused_unsupported  # noqa: F401
+from kvcx.codecs.base import Codec, Packed, get_codec
+from kvcx.codecs.intcodec import IntCodec
+from kvcx.codecs.runtime import resolve_threads
+from kvcx.errors import CodecError
+
+
+class PackedStore:
+    """The packed tokens of one kind of one layer: chunks appended, kept concatenated per slab."""
+
+    def __init__(self, N: int, D: int):
+        self.N, self.D = int(N), int(D)
+        self.codes = np.empty((self.N, 0), dtype=np.uint8)
+        self.scales = np.empty((self.N, 0), dtype=np.float16)
+        self.zeros: Optional[np.ndarray] = None
+        self.block_starts = np.zeros(1, dtype=np.int64)   # channel grouping: packed tokens where blocks start
+        self.sinks: Optional[np.ndarray] = None            # exact tokens of the first chunk [N, t0, D]
+        self.tokens = 0                                     # packed (quantized) tokens per slab
+        self.whole_groups = True   # per-token groups never straddle two chunks (the fused kernel needs it)
+        self._chunks: List[dict] = []
+        self._sinks_f32: Optional[np.ndarray] = None
+        self._codecs: Dict[tuple, Codec] = {}   # the codec of each distinct chunk config (on n_threads)
+
+    def __len__(self) -> int:
+        return len(self._chunks)
+
+    @property
+    def sink_tokens(self) -> int:
+        return 0 if self.sinks is None else int(self.sinks.shape[1])
+
+    def append(self, p: Packed) -> None:
+        """Add an encoded chunk (shape [..., S, D] with N slabs; only the first may hold sinks)."""
+        cfg = p.config
+        S, D = int(p.shape[-2]), int(p.shape[-1])
+        N = p.numel // (S * D)
+        t0 = int(cfg.get("sinks", 0))
+        if N != self.N or D != self.D:
+            raise CodecError(f"a packed chunk of shape {list(p.shape)} does not fit this store ({self.N} slabs of "
+                             f"head dim {self.D})")
+        if t0 and self._chunks:
+            raise CodecError("only the first packed chunk may hold exact sink tokens")
+        codes = p.codes.reshape(N, -1)
+        scales = p.scales.reshape(N, -1)
+        chunk = {"shape": tuple(p.shape), "dtype": p.dtype, "config": dict(cfg), "meta": dict(p.meta),
+                 "codes": (self.codes.shape[1], self.codes.shape[1] + codes.shape[1]),
+                 "scales": (self.scales.shape[1], self.scales.shape[1] + scales.shape[1])}
+        self.codes = np.concatenate([self.codes, codes], axis=1)
+        self.scales = np.concatenate([self.scales, scales], axis=1)
+        if p.zeros is not None:
+            z = p.zeros.reshape(N, -1)
+            self.zeros = z.copy() if self.zeros is None else np.concatenate([self.zeros, z], axis=1)
+        if cfg.get("axis") == "channel":
+            G = int(cfg["group_size"])
+            starts = self.tokens + np.arange(G, S - t0, G, dtype=np.int64)
+            self.block_starts = np.concatenate([self.block_starts[:-1], [self.tokens], starts,
+                                                [self.tokens + S - t0]]).astype(np.int64)
+        if cfg.get("axis") == "token" and ((S - t0) * D) % int(cfg["group_size"]):
+            self.whole_groups = False
+        if t0:
+            self.sinks = np.ascontiguousarray(p.sinks).reshape(N, t0, D)
+            self._sinks_f32 = None
+        self.tokens += S - t0
+        self._chunks.append(chunk)
+
+    def chunk(self, i: int) -> Packed:
+        """Chunk i as a Packed of its own (copies of its slices), e.g. to decode it."""
+        c = self._chunks[i]
+        a, b = c["codes"]
+        sa, sb = c["scales"]
+        return Packed(codes=np.ascontiguousarray(self.codes[:, a:b]).reshape(-1),
+                      scales=np.ascontiguousarray(self.scales[:, sa:sb]),
+                      zeros=None if self.zeros is None else np.ascontiguousarray(self.zeros[:, sa:sb]),
+                      sinks=self.sinks if c["config"].get("sinks", 0) else None,
+                      shape=c["shape"], dtype=c["dtype"], config=c["config"], meta=c["meta"])
+
+    def _mergeable(self, i: int, j: int) -> bool:
+        """Whether chunk j can continue chunk i's tensor (same settings, no sinks, groups that end with i)."""
+        a, b = self._chunks[i], self._chunks[j]
+        if a["config"].get("id") != IntCodec.codec_id:  # other codecs' chunks are not laid out per slab
+            return False
+        if a["config"] != b["config"] or a["dtype"] != b["dtype"] or b["config"].get("sinks", 0):
+            return False
+        S, D = a["shape"][-2], a["shape"][-1]
+        q = S - a["config"].get("sinks", 0)
+        G = int(a["config"]["group_size"])
+        return (q % G == 0) if a["config"]["axis"] == "channel" else ((q * D) % G == 0)
+
+    def spans(self):
+        """The chunks as few Packed tensors as possible: runs of chunks that continue one another merged
+        (copies of their slices), each decodable on its own."""
+        i = 0
+        while i < len(self._chunks):
+            j = i + 1
+            while j < len(self._chunks) and self._mergeable(j - 1, j):
+                j += 1
+            if j == i + 1:
+                yield self.chunk(i)
+            else:
+                first, last = self._chunks[i], self._chunks[j - 1]
+                S = sum(int(c["shape"][-2]) for c in self._chunks[i:j])
+                a, b = first["codes"][0], last["codes"][1]
+                sa, sb = first["scales"][0], last["scales"][1]
+                yield Packed(codes=np.ascontiguousarray(self.codes[:, a:b]).reshape(-1),
+                             scales=np.ascontiguousarray(self.scales[:, sa:sb]),
+                             zeros=None if self.zeros is None else np.ascontiguousarray(self.zeros[:, sa:sb]),
+                             sinks=None, shape=tuple(first["shape"][:-2]) + (S, first["shape"][-1]),
+                             dtype=first["dtype"], config=first["config"], meta=last["meta"])
+            i = j
+
+    def _codec(self, config: dict, n_threads: Optional[int]) -> Codec:
+        k = (tuple(sorted(config.items())), n_threads)
+        if k not in self._codecs:
+            self._codecs[k] = get_codec(config, n_threads)
+        return self._codecs[k]
+
+    def decode_chunk(self, i: int, name: str = "tensor", n_threads: Optional[int] = None) -> np.ndarray:
+        """Chunk i decoded on its own (a new array of its shape and dtype)."""
+        p = self.chunk(i)
+        return self._codec(p.config, n_threads).decode(p, name=name)
+
+    def decode_into(self, out: np.ndarray, name: str = "tensor", n_threads: Optional[int] = None) -> int:
+        """Decode every chunk into ``out`` (the chunks' leading dims and D, at least :attr:`held` tokens on axis
+        -2) from token 0; returns the tokens written."""
+        off = 0
+        for p in self.spans():
+            self._codec(p.config, n_threads).decode(p, out, name=name, token_offset=off)
+            off += p.shape[-2]
+        return off
+
+    def chunk_tokens(self, i: int) -> int:
+        """Tokens of chunk i (sinks included)."""
+        return int(self._chunks[i]["shape"][-2])
+
+    def sinks_f32(self) -> Optional[np.ndarray]:
+        if self.sinks is None:
+            return None
+        if self.sinks.dtype == np.float32:
+            return self.sinks
+        if self._sinks_f32 is None:
+            self._sinks_f32 = self.sinks.astype(np.float32)
+        return self._sinks_f32
+
+    @property
+    def nbytes(self) -> int:
+        """Every array this store holds."""
+        arrays = [self.codes, self.scales, self.zeros, self.block_starts, self.sinks,
+                  self._sinks_f32 if self._sinks_f32 is not self.sinks else None]
+        return int(sum(a.nbytes for a in arrays if a is not None))
+
+
+class PackedKV:
+    """One layer's packed keys and values, and the fused decode step over them.
+
+    ``key_codec`` / ``value_codec``: the codecs of the first chunk (their sinks say how many leading
+    tokens are exact); later chunks are appended without sinks. The leading tokens that either kind
+    keeps exact form the *head*: attention reads them as float32 rows (exact where kept exact, decoded
+    where packed: the same values the materialising path decodes), and the packed stores from there on.
+    """
+
+    def __init__(self, N: int, D: int, key_codec: Codec, value_codec: Codec,
+                 workspace: Optional[Workspace] = None):
+        self.keys = PackedStore(N, D)
+        self.values = PackedStore(N, D)
+        self.key_codec, self.value_codec = key_codec, value_codec
+        self._head = None
+        self._why = {}          # (head dim, group) -> why the kernel cannot read the stores (None: it can)
+        # the kernel's workspace, kept between steps: this store's own (counted in nbytes) or a shared one
+        self._own_workspace = workspace is None
+        self.workspace = workspace if workspace is not None else Workspace()
+        self._bound, self._bound_key, self._bound_work = None, None, None
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    @property
+    def tokens(self) -> int:
+        """Tokens held (sinks included)."""
+        return self.keys.tokens + self.keys.sink_tokens
+
+    def append(self, pk: Packed, pv: Packed) -> None:
+        if tuple(pk.shape) != tuple(pv.shape):
+            raise CodecError(f"packed keys {list(pk.shape)} and values {list(pv.shape)} differ in shape")
+        self.keys.append(pk)
+        self.values.append(pv)
+
+    def unsupported(self, head_dim: int, group: int) -> Optional[str]:
+        """Why the fused kernel cannot read these stores (None when it can)."""
+        if not (self.keys.whole_groups and self.values.whole_groups):
+            return "fused attention needs per-token groups that end with each packed chunk"
+        k = (head_dim, group)
+        if k not in self._why:
+            self._why[k] = fused_unsupported(self.key_codec, self.value_codec, head_dim, group)
+        return self._why[k]
+
+    def head(self):
+        """(keys, values) of the leading tokens either kind keeps exact, float32 [N, n, D] (cached)."""
+        n = max(self.keys.sink_tokens, self.values.sink_tokens)
+        if self._head is None or self._head[0].shape[1] != n:
+            rows = []
+            for store in (self.keys, self.values):
+                if n == 0:
+                    rows.append(np.empty((store.N, 0, store.D), dtype=np.float32))
+                elif store.sink_tokens >= n:
+                    rows.append(np.ascontiguousarray(store.sinks_f32()[:, :n]))
+                else:  # packed there: decode the first chunk once and keep its first n tokens
+                    full = store.decode_chunk(0, name="head").astype(np.float32, copy=False)
+                    rows.append(np.ascontiguousarray(full.reshape(store.N, -1, store.D)[:, :n]))
+            self._head = (rows[0], rows[1])
+        return self._head
+
+    @property
+    def nbytes(self) -> int:
+        """Every array held: both stores and the cached head rows."""
+        n = self.keys.nbytes + self.values.nbytes + (self.workspace.nbytes if self._own_workspace else 0)
+        if self._head is not None:
+            for a, store in zip(self._head, (self.keys, self.values)):
+                if store.sinks is None or not np.shares_memory(a, store.sinks):
+                    n += a.nbytes
+        return int(n)
+
+    def _kernel(self, B: int, Hkv: int, R: int, D: int, threads: int):
+        """The fused kernel bound to the stores as they are now (bound again on change: new chunks, another
+        geometry, or the shared workspace reallocated by another layer)."""
+        key = (B, Hkv, R, D, threads, len(self.keys._chunks))
+        if self._bound_key == key and self.workspace.array is self._bound_work:
+            return self._bound
+        nh = max(self.keys.sink_tokens, self.values.sink_tokens)  # the head rows: exact in either kind
+        self._bound = fused.bind(self.key_codec, self.value_codec, B, Hkv, R, D, self.keys, self.values, self.head(),
+                                 self.tokens - nh, self.workspace, threads)
+        self._bound_key, self._bound_work = key, self.workspace.array
+        return self._bound
+
+    def attend(self, q: np.ndarray, residual_k: Optional[np.ndarray], residual_v: Optional[np.ndarray],
+               mask: Optional[np.ndarray], scaling: float, n_threads: Optional[int] = None,
+               out: Optional[np.ndarray] = None) -> np.ndarray:
+        """One decode step: every query attends to the held tokens, then the residual.
+
+        q: [B, Hq, D] float32 queries (one token per row); residual_k/v: [B, Hkv, nr, D] float32, the
+        full-precision tokens after the packed ones (the new token last) or None; mask: [B, kv_len]
+        float32 added to the scores (0 = attend, -inf = masked), kv_len = held + residual tokens.
+        Returns out: [B, Hq, D] float32 (``out=`` to reuse an array).
+        """
+        if not (isinstance(q, np.ndarray) and q.dtype == np.float32 and q.ndim == 3 and q.flags.c_contiguous):
+            raise CodecError(f"attention: q must be a C-contiguous float32 [B, Hq, D] array, got "
+                             f"{getattr(q, 'dtype', type(q).__name__)} {list(getattr(q, 'shape', ()))}")
+        B, Hq, D = q.shape
+        N = self.keys.N
+        if self.keys.D != D or N % B or Hq % (N // B):
+            raise CodecError(f"attention: q {list(q.shape)} does not fit the packed stores ({N} rows x KV heads "
+                             f"of head dim {self.keys.D})")
+        Hkv = N // B
+        R = Hq // Hkv
+        why = self.unsupported(D, R)
+        if why:
+            raise CodecError(why)
+        held = self.tokens
+        if self.values.tokens + self.values.sink_tokens != held:
+            raise CodecError(f"attention: {held} key tokens but {self.values.tokens + self.values.sink_tokens} "
+                             "value tokens")
+        rk, rv, nr = EMPTY_F32_3, EMPTY_F32_3, 0
+        if residual_k is not None or residual_v is not None:
+            rk, rv = residual_k, residual_v
+            if not (isinstance(rk, np.ndarray) and isinstance(rv, np.ndarray) and rk.dtype == rv.dtype == np.float32
+                    and rk.shape == rv.shape and rk.ndim == 4 and rk.shape[:2] == (B, Hkv) and rk.shape[3] == D
+                    and rk.flags.c_contiguous and rv.flags.c_contiguous):
+                raise CodecError(f"attention: the residual must be C-contiguous float32 [B={B}, Hkv={Hkv}, n, "
+                                 f"D={D}] keys and values of the same shape")
+            nr = rk.shape[2]
+            rk, rv = rk.reshape(N, nr, D), rv.reshape(N, nr, D)
+        kv_len = held + nr
+        if kv_len == 0:
+            raise CodecError("attention: there are no tokens to attend to")
+        if mask is None:
+            mask = EMPTY_F32_2
+        elif not (isinstance(mask, np.ndarray) and mask.dtype == np.float32 and mask.flags.c_contiguous
+                  and mask.shape == (B, kv_len)):
+            raise CodecError(f"attention: mask must be a C-contiguous float32 [B={B}, kv_len={kv_len}] array, "
+                             f"got {getattr(mask, 'dtype', type(mask).__name__)} {list(getattr(mask, 'shape', ()))}")
+        if out is None:
+            out = np.empty((B, Hq, D), dtype=np.float32)
+        elif not (isinstance(out, np.ndarray) and out.dtype == np.float32 and out.shape == (B, Hq, D)
+                  and out.flags.c_contiguous and out.flags.writeable):
+            raise CodecError(f"attention: out must be a writeable C-contiguous float32 array of shape {[B, Hq, D]}")
+        return self.step(q, rk, rv, mask, scaling, resolve_threads(n_threads), out)
+
+    def step(self, q: np.ndarray, rk: np.ndarray, rv: np.ndarray, mask: np.ndarray, scaling: float, threads: int,
+             out: np.ndarray) -> np.ndarray:
+        """One decode step for a caller that built every array itself (:meth:`attend` after its checks,
+        :mod:`kvcx.cache.kvcx_cache` per layer step): q and out [B, Hq, D], rk / rv [N, nr, D] (nr may be 0), mask [B, held + nr] or ``NO_MASK``, all float32 and C-contiguous (the kernel's typed
+        arguments refuse anything else). Only the sizes the kernel indexes by are checked here: a decode step
+        runs once per layer and token, and the per-call checks cost as much as the kernel on short contexts."""
+        B, Hq, D = q.shape
+        N, nr, held = self.keys.N, rk.shape[1], self.tokens
+        if (not B or D != self.keys.D or N % B or Hq % (N // B) or (nr and rk.shape != (N, nr, D))
+                or rv.shape != rk.shape or out.shape != q.shape or (mask.shape[0] and mask.shape != (B, held + nr))
+                or held + nr == 0):
+            raise CodecError(f"attention: q {list(q.shape)}, residual {list(rk.shape)} / {list(rv.shape)}, mask "
+                             f"{list(mask.shape)}, out {list(out.shape)} do not fit the packed stores ({N} rows x KV "
+                             f"heads of head dim {self.keys.D}, {held} tokens)")
+        if held + 4 * nr < fused.MIN_PARALLEL_TOKENS:
+            threads = 1
+        self._kernel(B, N // B, Hq // (N // B), D, threads).run(q, rk, rv, mask, out, scaling, threads)
+        return out

@@ -1,0 +1,35 @@
+"""torch tensors <-> NumPy arrays without copies where possible (bfloat16 as ml_dtypes.bfloat16).
+
+torch is imported when a function runs, so importing this module costs nothing.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from kvcx.codecs.dtypes import BFLOAT16
+from kvcx.deps import import_torch
+
+
+def torch_to_numpy(t) -> np.ndarray:
+    """A CPU NumPy array of a tensor; bfloat16 becomes ml_dtypes.bfloat16 (no copy on CPU)."""
+    torch = import_torch()
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(BFLOAT16)
+    return t.numpy()
+
+
+def numpy_to_torch(a: np.ndarray, device=None):
+    """A tensor of an array (bfloat16 kept), on ``device`` if given."""
+    torch = import_torch()
+    a = np.ascontiguousarray(a)
+    if not a.flags.writeable:  # torch tensors must own writable memory
+        a = a.copy()
+    if BFLOAT16 is not None and a.dtype == BFLOAT16:
+        t = torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    else:
+        t = torch.from_numpy(a)
+    return t.to(device) if device is not None else t

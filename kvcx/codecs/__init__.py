@@ -1,0 +1,19 @@
+"""The codecs: the only door to kvcx's compiled kernels (``kvcx.codecs._core``).
+
+Everything that encodes or decodes a tensor goes through a :class:`Codec` found in the registry by its
+id (:func:`get_codec`); new codecs register with :func:`register_codec`. The package also holds what
+the kernels share with their callers: dtypes, conversions, threads and error metrics.
+
+- :mod:`kvcx.codecs.base`: the interface, :class:`Packed`, :class:`Layout`, the registry;
+- :mod:`kvcx.codecs.intcodec`: :class:`IntCodec` (2/3/4/8-bit groups per token or per channel);
+- :mod:`kvcx.codecs.widths`: :class:`WidthCodec` (a bit width per key channel);
+- :mod:`kvcx.codecs.kvconfig`: :class:`KVConfig` (a key and a value codec, the named schemes, plans' layers);
+- :mod:`kvcx.codecs.convert`, :mod:`kvcx.codecs.metrics`, :mod:`kvcx.codecs.runtime`, :mod:`kvcx.codecs.dtypes`.
+"""
+from kvcx.codecs.base import Codec, Layout, Packed, decode, get_codec, register_codec, registered_codecs
+from kvcx.codecs.intcodec import IntCodec
+from kvcx.codecs.kvconfig import KVConfig
+from kvcx.codecs.widths import WidthCodec
+
+__all__ = ["Codec", "Layout", "Packed", "IntCodec", "WidthCodec", "KVConfig", "decode", "get_codec",
+           "register_codec", "registered_codecs"]

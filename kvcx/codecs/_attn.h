@@ -1,0 +1,597 @@
+/* Single-query attention straight from kvcx's packed 4-bit codes (the fused decode path).
+
+   One decode step of one layer: every query head of a batch row attends to
+     - the packed tokens of its KV head (4-bit codes + FP16 scales / zero points), read once for
+       all R query heads that share the KV head (GQA), never dequantized into memory;
+     - up to two runs of exact float32 tokens (the sinks and the full-precision residual),
+   in one softmax (running max and sum, FP32 throughout).
+
+   Keys' codes are read as stored, c in 0..15: the offsets are summed once per block or tile, not
+   subtracted per code (a score is one dot product, nothing averages away). Keys, per group along tokens
+   and channel (kvcx's default, KIVI's keys):
+       q . k_t = sum_d (q_d s_d) c_td + sum_d q_d z_d                     (asymmetric: k = s c + z)
+                 sum_d (q_d s_d) c_td - 8 sum_d q_d s_d                   (symmetric: k = s (c - 8))
+   so each block of tokens scales the query once and the tokens cost a dot product over codes.
+   Keys grouped per token (one scale per token or per few tokens): s_t (q . c_t) + z_t sum q (asymmetric),
+   s_t (q . c_t - 8 sum q) (symmetric).
+   Rotated keys (stored H k): q . k = (H q) . (stored), so the query is rotated once.
+   Values grouped per token: sum_t p_t v_t accumulates sum_t (p_t s_t) (c_t - 8), centred (the mean of
+   many tokens' values is small against their codes' offset: uncentred sums would cancel), plus
+   sum_t p_t (z_t + 8 s_t) when asymmetric, once per task; with the Hadamard rotation the
+   accumulator stays in the rotated domain and one inverse rotation per output row ends it
+   (sum_t p_t H x_t = H sum_t p_t x_t).
+
+   Codes hold element 2i in the low nibble of byte i. The dot products and accumulators run in a
+   permuted channel order in which 8 bytes give 16 channels with no shuffle: per 16 channels, the 8
+   even ones (low nibbles) then the 8 odd ones (high nibbles). A high nibble is read in place, as 16 c
+   (no shift): the query's odd halves are scaled by 1/16 for the dot products, and the accumulators' odd
+   halves hold 16x their sums until the task ends (powers of two: exact).
+
+   Work is split into tasks of (batch row x KV head, token range): each writes a partial
+   (max, sum, accumulators) into its workspace, and a second pass merges the partials of a row
+   (flash-decoding). The caller (kvcx.cache.fused) checks every size and allocates the workspace. */
+#ifndef KVCX_ATTN_H
+#define KVCX_ATTN_H
+
+#include "_kernels.h"
+
+enum {
+    KVCX_ATTN_TILE = 64,        /* tokens scored and accumulated per softmax update */
+    KVCX_ATTN_MAX_GROUP = 64,   /* query heads per KV head, at most */
+    KVCX_ATTN_MAX_D = 512       /* head dim, at most (a multiple of 16) */
+};
+
+typedef struct {
+    int64_t B, Hkv, R, D;       /* batch rows, KV heads, query heads per KV head, head dim */
+    int64_t Tq, pos_q;          /* positions read from packed keys and values: [pos_q, pos_q + Tq) */
+    int64_t k_tokens, v_tokens; /* packed tokens held per (row, KV head); position pos_q is key token
+                                   k_tokens - Tq and value token v_tokens - Tq */
+    int64_t ns, pos_s;          /* exact run 1 (sinks): tokens and first position */
+    int64_t nr, pos_r;          /* exact run 2 (residual): tokens and first position */
+    int64_t nsplit;             /* token ranges per (row, KV head): tasks = B * Hkv * nsplit */
+    int64_t kv_len;             /* mask row length */
+    float scaling;
+    int k_axis, k_asym, k_rotate;
+    int64_t k_group, k_nscale;  /* group size, scales per (row, KV head) */
+    int v_asym, v_rotate;
+    int64_t v_group, v_nscale;
+} kvcx_attn_layout;
+
+typedef struct {
+    const float *q;                      /* [B, Hkv * R, D] */
+    const uint8_t *kc;                   /* [B * Hkv, k_tokens * D / 2] */
+    const uint16_t *ks, *kz;             /* [B * Hkv, k_nscale] (kz: asymmetric only) */
+    const int64_t *kblk;                 /* channel axis: block b = key tokens [kblk[b], kblk[b + 1]) */
+    const uint8_t *vc;                   /* [B * Hkv, v_tokens * D / 2] */
+    const uint16_t *vs, *vz;
+    const float *sk, *sv;                /* [B * Hkv, ns, D] */
+    const float *rk, *rv;                /* [B * Hkv, nr, D] */
+    const float *mask;                   /* [B, kv_len] added to the scores, or NULL */
+    float *work;                         /* [tasks, kvcx_attn_work_floats(R, D)] */
+    float *out;                          /* [B, Hkv * R, D] */
+} kvcx_attn_args;
+
+/* floats of workspace per task: the partial (m and l per head, then accv[R][D] in the permuted order,
+   then accp[R][D]), then scratch */
+static inline int64_t kvcx_attn_part_floats(int64_t R, int64_t D) { return 2 * R + 2 * R * D; }
+static inline int64_t kvcx_attn_work_floats(int64_t R, int64_t D) {
+    return kvcx_attn_part_floats(R, D) + 3 * R * D + 4 * R + 2 * R * KVCX_ATTN_TILE + 2 * KVCX_ATTN_TILE + 2 * D;
+}
+
+/* channel index of position p in the permuted order */
+static inline int64_t kvcx_attn_perm(int64_t p) {
+    int64_t k = p >> 4, i = p & 15;
+    return 16 * k + (i < 8 ? 2 * i : 2 * (i - 8) + 1);
+}
+
+/* ---- SIMD helpers ------------------------------------------------------------------------ */
+#if defined(__AVX2__) && defined(__FMA__)
+#define KVCX_ATTN_AVX2 1
+
+/* the 8 horizontal sums of v[0..7], in order */
+static inline __m256 kvcx_hsum8(const __m256 *v) {
+    __m256 a = _mm256_hadd_ps(v[0], v[1]), b = _mm256_hadd_ps(v[2], v[3]);
+    __m256 c = _mm256_hadd_ps(v[4], v[5]), d = _mm256_hadd_ps(v[6], v[7]);
+    __m256 e = _mm256_hadd_ps(a, b), f = _mm256_hadd_ps(c, d);
+    return _mm256_add_ps(_mm256_permute2f128_ps(e, f, 0x20), _mm256_permute2f128_ps(e, f, 0x31));
+}
+
+/* exp(x) for x <= 0 or -inf (exactly 0 there), Cephes' expf polynomial: relative error ~1e-7 */
+static inline __m256 kvcx_exp8(__m256 x) {
+    const __m256 ninf = _mm256_set1_ps(-INFINITY);
+    __m256 keep = _mm256_cmp_ps(x, ninf, _CMP_NEQ_OQ);
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3365f));
+    __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    return _mm256_and_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(e)), keep);
+}
+
+/* 8 code bytes -> the 8 even channels' codes c (low nibbles) and the 8 odd channels' 16 c (high nibbles
+   in place), as floats */
+#define KVCX_Q4_UNPACK16(ptr, lo, hi) do { \
+    __m256i x_ = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(ptr))); \
+    lo = _mm256_cvtepi32_ps(_mm256_and_si256(x_, _mm256_set1_epi32(0x0F))); \
+    hi = _mm256_cvtepi32_ps(_mm256_and_si256(x_, _mm256_set1_epi32(0xF0))); \
+} while (0)
+/* the same, centred: c - 8 and 16 (c - 8) */
+#define KVCX_Q4_UNPACK16_C(ptr, lo, hi) do { \
+    __m256i x_ = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(ptr))); \
+    lo = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(x_, _mm256_set1_epi32(0x0F)), _mm256_set1_epi32(8))); \
+    hi = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(x_, _mm256_set1_epi32(0xF0)), _mm256_set1_epi32(128))); \
+} while (0)
+
+/* dots[r * ds + j] = qh[r] . codes of token j (permuted order, odd halves read as 16 c) + bias[r],
+   RB <= 4 heads, n tokens */
+static inline __attribute__((always_inline)) void kvcx_q4_dots_rb(const uint8_t *c, int64_t n, int64_t D,
+                                                                  const float *qp, const float *bias, const int RB,
+                                                                  float *dots,
+                                                                  int64_t ds) {
+    __m256 part[4][8];
+    float tmp[8];
+    for (int64_t j0 = 0; j0 < n; j0 += 8) {
+        const int64_t nj = n - j0 < 8 ? n - j0 : 8;
+        for (int64_t j = 0; j < 8; j++) {
+            __m256 a[4], b[4];
+            for (int r = 0; r < RB; r++) { a[r] = _mm256_setzero_ps(); b[r] = _mm256_setzero_ps(); }
+            if (j < nj) {
+                const uint8_t *cj = c + (j0 + j) * (D / 2);
+                for (int64_t k = 0; k < D / 16; k++) {
+                    __m256 lo, hi;
+                    KVCX_Q4_UNPACK16(cj + 8 * k, lo, hi);
+                    for (int r = 0; r < RB; r++) {
+                        a[r] = _mm256_fmadd_ps(_mm256_loadu_ps(qp + r * D + 16 * k), lo, a[r]);
+                        b[r] = _mm256_fmadd_ps(_mm256_loadu_ps(qp + r * D + 16 * k + 8), hi, b[r]);
+                    }
+                }
+            }
+            for (int r = 0; r < RB; r++) part[r][j] = _mm256_add_ps(a[r], b[r]);
+        }
+        if (nj == 8)   /* (a copy through tmp of a variable count compiles to a slow rep movs) */
+            for (int r = 0; r < RB; r++)
+                _mm256_storeu_ps(dots + r * ds + j0, _mm256_add_ps(kvcx_hsum8(part[r]), _mm256_set1_ps(bias[r])));
+        else
+            for (int r = 0; r < RB; r++) {
+                _mm256_storeu_ps(tmp, _mm256_add_ps(kvcx_hsum8(part[r]), _mm256_set1_ps(bias[r])));
+                for (int64_t j = 0; j < nj; j++) dots[r * ds + j0 + j] = tmp[j];
+            }
+    }
+}
+
+/* acc[r] (permuted order, odd halves 16x) += sum_j w[r * ws + j] * centred codes (c - 8) of token j, RB <= 4
+   heads */
+static inline __attribute__((always_inline)) void kvcx_q4_axpy_rb(const uint8_t *c, int64_t n, int64_t D,
+                                                                  const float *w, int64_t ws, const int RB,
+                                                                  float *acc) {
+    for (int64_t k = 0; k < D / 16; k++) {
+        __m256 a[4], b[4];
+        for (int r = 0; r < RB; r++) {
+            a[r] = _mm256_loadu_ps(acc + r * D + 16 * k);
+            b[r] = _mm256_loadu_ps(acc + r * D + 16 * k + 8);
+        }
+        for (int64_t j = 0; j < n; j++) {
+            __m256 lo, hi;
+            KVCX_Q4_UNPACK16_C(c + j * (D / 2) + 8 * k, lo, hi);
+            for (int r = 0; r < RB; r++) {
+                __m256 wv = _mm256_broadcast_ss(w + r * ws + j);
+                a[r] = _mm256_fmadd_ps(wv, lo, a[r]);
+                b[r] = _mm256_fmadd_ps(wv, hi, b[r]);
+            }
+        }
+        for (int r = 0; r < RB; r++) {
+            _mm256_storeu_ps(acc + r * D + 16 * k, a[r]);
+            _mm256_storeu_ps(acc + r * D + 16 * k + 8, b[r]);
+        }
+    }
+}
+
+static inline float kvcx_max_f32(const float *a, int64_t n) {
+    float m = -INFINITY;
+    int64_t i = 0;
+    if (n >= 8) {
+        __m256 v = _mm256_loadu_ps(a);
+        for (i = 8; i + 8 <= n; i += 8) v = _mm256_max_ps(v, _mm256_loadu_ps(a + i));
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_max_ss(h, _mm_movehdup_ps(h));
+        m = _mm_cvtss_f32(h);
+    }
+    for (; i < n; i++) m = a[i] > m ? a[i] : m;
+    return m;
+}
+
+static inline float kvcx_dot_f32(const float *a, const float *b, int64_t n) {
+    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
+    }
+    s0 = _mm256_add_ps(s0, s1);
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(s0), _mm256_extractf128_ps(s0, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    float s = _mm_cvtss_f32(h);
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+#else
+#define KVCX_ATTN_AVX2 0
+static inline float kvcx_max_f32(const float *a, int64_t n) {
+    float m = -INFINITY;
+    for (int64_t i = 0; i < n; i++) m = a[i] > m ? a[i] : m;
+    return m;
+}
+static inline float kvcx_dot_f32(const float *a, const float *b, int64_t n) {
+    float s = 0.0f;
+    for (int64_t i = 0; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+#endif
+
+static inline void kvcx_q4_dots(const uint8_t *c, int64_t n, int64_t D, const float *qp, const float *bias, int64_t R,
+                                float *dots, int64_t ds) {
+#if KVCX_ATTN_AVX2
+    int64_t r0 = 0;
+    for (; r0 + 4 <= R; r0 += 4) kvcx_q4_dots_rb(c, n, D, qp + r0 * D, bias + r0, 4, dots + r0 * ds, ds);
+    switch (R - r0) {
+    case 3: kvcx_q4_dots_rb(c, n, D, qp + r0 * D, bias + r0, 3, dots + r0 * ds, ds); break;
+    case 2: kvcx_q4_dots_rb(c, n, D, qp + r0 * D, bias + r0, 2, dots + r0 * ds, ds); break;
+    case 1: kvcx_q4_dots_rb(c, n, D, qp + r0 * D, bias + r0, 1, dots + r0 * ds, ds); break;
+    default: break;
+    }
+#else
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t j = 0; j < n; j++) {
+            const uint8_t *cj = c + j * (D / 2);
+            float s = 0.0f;
+            for (int64_t p = 0; p < D; p++) {
+                int64_t k = p >> 4, i = p & 15;
+                uint8_t byte = cj[8 * k + (i & 7)];
+                s += qp[r * D + p] * (float)(i < 8 ? (byte & 0x0F) : (byte & 0xF0));
+            }
+            dots[r * ds + j] = s + bias[r];
+        }
+#endif
+}
+
+static inline void kvcx_q4_axpy(const uint8_t *c, int64_t n, int64_t D, const float *w, int64_t ws, int64_t R,
+                                float *acc) {
+#if KVCX_ATTN_AVX2
+    int64_t r0 = 0;
+    for (; r0 + 4 <= R; r0 += 4) kvcx_q4_axpy_rb(c, n, D, w + r0 * ws, ws, 4, acc + r0 * D);
+    switch (R - r0) {
+    case 3: kvcx_q4_axpy_rb(c, n, D, w + r0 * ws, ws, 3, acc + r0 * D); break;
+    case 2: kvcx_q4_axpy_rb(c, n, D, w + r0 * ws, ws, 2, acc + r0 * D); break;
+    case 1: kvcx_q4_axpy_rb(c, n, D, w + r0 * ws, ws, 1, acc + r0 * D); break;
+    default: break;
+    }
+#else
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t j = 0; j < n; j++) {
+            const uint8_t *cj = c + j * (D / 2);
+            const float wj = w[r * ws + j];
+            for (int64_t p = 0; p < D; p++) {
+                int64_t k = p >> 4, i = p & 15;
+                uint8_t byte = cj[8 * k + (i & 7)];
+                acc[r * D + p] += wj * (float)(i < 8 ? (byte & 0x0F) - 8 : (byte & 0xF0) - 128);
+            }
+        }
+#endif
+}
+
+/* p[j] = exp(s[j] - m) for n <= KVCX_ATTN_TILE scores (0 where s[j] = -inf); returns sum p */
+static inline float kvcx_attn_exp(const float *s, int64_t n, float m, float *p) {
+    float sum = 0.0f;
+    int64_t j = 0;
+#if KVCX_ATTN_AVX2
+    __m256 acc = _mm256_setzero_ps(), mv = _mm256_set1_ps(m);
+    for (; j + 8 <= n; j += 8) {
+        __m256 e = kvcx_exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
+        _mm256_storeu_ps(p + j, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    float t[8];
+    _mm256_storeu_ps(t, acc);
+    for (int i = 0; i < 8; i++) sum += t[i];
+#endif
+    for (; j < n; j++) {
+        p[j] = s[j] == -INFINITY ? 0.0f : expf(s[j] - m);
+        sum += p[j];
+    }
+    return sum;
+}
+
+/* One tile of n scores per head (sc, row stride KVCX_ATTN_TILE) joins the running softmax:
+   rescales the partial where the max grows and leaves the probabilities in p (same layout).
+   Returns 0 for the heads that see nothing yet (their p row is zero). */
+static inline void kvcx_attn_softmax(float *part, int64_t R, int64_t D, const float *sc, int64_t n,
+                                     float *p, float *W, float *Z) {
+    for (int64_t r = 0; r < R; r++) {
+        float *pr = part + 2 * r;
+        const float *s = sc + r * KVCX_ATTN_TILE;
+        float *pj = p + r * KVCX_ATTN_TILE;
+        float mt = kvcx_max_f32(s, n);
+        float m = pr[0];
+        float mnew = mt > m ? mt : m;
+        if (mnew == -INFINITY) {
+            for (int64_t j = 0; j < n; j++) pj[j] = 0.0f;
+            continue;
+        }
+        if (mnew > m) {
+            float alpha = m == -INFINITY ? 0.0f : expf(m - mnew);
+            pr[1] *= alpha;
+            W[r] *= alpha;
+            Z[r] *= alpha;
+            float *accv = part + 2 * R + r * D, *accp = part + 2 * R + (R + r) * D;
+            for (int64_t d = 0; d < D; d++) { accv[d] *= alpha; accp[d] *= alpha; }
+            pr[0] = mnew;
+        }
+        pr[1] += kvcx_attn_exp(s, n, mnew, pj);
+    }
+}
+
+/* Exact float32 tokens [n, D] at positions pos.. (one run of sinks or residual) join the softmax. */
+static inline void kvcx_attn_exact(const kvcx_attn_layout *L, const kvcx_attn_args *A, int64_t slab,
+                                   const float *ek, const float *ev, int64_t n, int64_t pos, const float *qn,
+                                   float *part, float *sc, float *p, float *W, float *Z) {
+    const int64_t R = L->R, D = L->D, b = slab / L->Hkv, T = KVCX_ATTN_TILE;
+    const float *mrow = A->mask ? A->mask + b * L->kv_len + pos : NULL;
+    for (int64_t t = 0; t < n; t += T) {
+        const int64_t m = n - t < T ? n - t : T;
+        for (int64_t r = 0; r < R; r++) {
+            float *s = sc + r * T;
+#if KVCX_ATTN_AVX2
+            for (int64_t j0 = 0; j0 < m; j0 += 8) {   /* 8 tokens' dot products, then one horizontal sum */
+                const int64_t nj = m - j0 < 8 ? m - j0 : 8;
+                __m256 part8[8];
+                for (int64_t j = 0; j < 8; j++) {
+                    __m256 a = _mm256_setzero_ps(), c = _mm256_setzero_ps();
+                    if (j < nj) {
+                        const float *k = ek + (t + j0 + j) * D, *qr = qn + r * D;
+                        for (int64_t d = 0; d < D; d += 16) {
+                            a = _mm256_fmadd_ps(_mm256_loadu_ps(qr + d), _mm256_loadu_ps(k + d), a);
+                            c = _mm256_fmadd_ps(_mm256_loadu_ps(qr + d + 8), _mm256_loadu_ps(k + d + 8), c);
+                        }
+                    }
+                    part8[j] = _mm256_add_ps(a, c);
+                }
+                float tmp[8];
+                _mm256_storeu_ps(tmp, kvcx_hsum8(part8));
+                for (int64_t j = 0; j < nj; j++) s[j0 + j] = tmp[j];
+            }
+#else
+            for (int64_t j = 0; j < m; j++) s[j] = kvcx_dot_f32(qn + r * D, ek + (t + j) * D, D);
+#endif
+            if (mrow)
+                for (int64_t j = 0; j < m; j++) s[j] += mrow[t + j];
+        }
+        kvcx_attn_softmax(part, R, D, sc, m, p, W, Z);
+        for (int64_t r = 0; r < R; r++) {   /* masked tokens (weight 0) are skipped, whatever they hold */
+            float *accp = part + 2 * R + (R + r) * D;
+            const float *pr = p + r * T;
+            const float *v = ev + t * D;
+#if KVCX_ATTN_AVX2
+            for (int64_t d = 0; d < D; d += 16) {   /* two accumulators in registers across the tokens */
+                __m256 a = _mm256_loadu_ps(accp + d), c = _mm256_loadu_ps(accp + d + 8);
+                for (int64_t j = 0; j < m; j++)
+                    if (pr[j] != 0.0f) {
+                        const __m256 w = _mm256_set1_ps(pr[j]);
+                        a = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + j * D + d), a);
+                        c = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + j * D + d + 8), c);
+                    }
+                _mm256_storeu_ps(accp + d, a);
+                _mm256_storeu_ps(accp + d + 8, c);
+            }
+#else
+            for (int64_t j = 0; j < m; j++)
+                if (pr[j] != 0.0f)
+                    for (int64_t d = 0; d < D; d++) accp[d] += pr[j] * v[j * D + d];
+#endif
+        }
+    }
+}
+
+/* out = x with the odd half of every 16 (permuted order: the high nibbles' channels) divided by 16; n a
+   multiple of 16, out may be x */
+static inline void kvcx_attn_halve_odd(const float *x, float *out, int64_t n) {
+    for (int64_t i = 0; i < n; i++) out[i] = (i & 8) ? x[i] * 0.0625f : x[i];
+}
+
+/* out[d] = float(h[kvcx_attn_perm(d)]) for d < D (D a multiple of 16): FP16 per-channel parameters in the
+   permuted channel order */
+static inline void kvcx_h2f_perm(const uint16_t *h, int64_t D, float *out) {
+    int64_t k = 0;
+#if KVCX_ATTN_AVX2 && KVCX_F16C
+    for (; k < D; k += 16) {
+        __m256 s0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + k)));
+        __m256 s1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + k + 8)));
+        __m256 ev = _mm256_shuffle_ps(s0, s1, 0x88), od = _mm256_shuffle_ps(s0, s1, 0xDD);
+        _mm256_storeu_ps(out + k, _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(ev), 0xD8)));
+        _mm256_storeu_ps(out + k + 8, _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(od), 0xD8)));
+    }
+#endif
+    for (int64_t d = k; d < D; d++) out[d] = kvcx_h2f_1(h[kvcx_attn_perm(d)]);
+}
+
+/* One task: (row x KV head) `slab`, token range `split`; writes the partial to the task's workspace. */
+static inline void kvcx_attn_task(const kvcx_attn_layout *L, const kvcx_attn_args *A, int64_t task) {
+    const int64_t R = L->R, D = L->D, T = KVCX_ATTN_TILE;
+    const int64_t slab = task / L->nsplit, split = task % L->nsplit;
+    const int64_t b = slab / L->Hkv, h = slab % L->Hkv;
+    float *part = A->work + task * kvcx_attn_work_floats(R, D);
+    float *qn = part + kvcx_attn_part_floats(R, D);   /* R x D: q * scaling */
+    float *qp = qn + R * D;                            /* R x D: keys' rotation applied, permuted */
+    float *qs = qp + R * D;                            /* R x D: what the dot products read: qp (times a
+                                                          block's key scales), odd halves / 16 */
+    float *W = qs + R * D, *Z = W + R, *bias = Z + R, *sumq = bias + R;
+    float *sc = sumq + R;                              /* R x T scores */
+    float *p = sc + R * T;                             /* R x T probabilities, then value weights */
+    float *vs = p + R * T, *vz = vs + T;               /* T value scales / zero points */
+    float *sp = vz + T, *zp = sp + D;                  /* a block's key scales / zeros, permuted */
+
+    for (int64_t i = 0; i < kvcx_attn_part_floats(R, D); i++) part[i] = 0.0f;
+    for (int64_t r = 0; r < R; r++) {
+        part[2 * r] = -INFINITY;
+        W[r] = Z[r] = 0.0f;
+        const float *qr = A->q + ((b * L->Hkv + h) * R + r) * D;
+        for (int64_t d = 0; d < D; d++) qn[r * D + d] = qr[d] * L->scaling;
+    }
+    /* the query in the keys' stored domain, permuted */
+    for (int64_t i = 0; i < R * D; i++) qs[i] = qn[i];
+    if (L->k_rotate) kvcx_fwht_rows(qs, R, D);
+    for (int64_t r = 0; r < R; r++) {
+        float s = 0.0f;
+        for (int64_t d = 0; d < D; d++) {
+            qp[r * D + d] = qs[r * D + kvcx_attn_perm(d)];
+            s += qp[r * D + d];
+        }
+        sumq[r] = s;
+    }
+    if (L->k_axis != KVCX_AXIS_CHANNEL) {  /* keys per token: the dot products read the query itself */
+        kvcx_attn_halve_odd(qp, qs, R * D);
+        for (int64_t r = 0; r < R; r++) bias[r] = 0.0f;
+    }
+
+    /* this task's packed tokens: splits share the work, an exact token counting as 4 packed ones */
+    const int64_t ne = L->ns + L->nr;
+    const int64_t total = L->Tq + 4 * ne;
+    int64_t ta = split * total / L->nsplit, tb = (split + 1) * total / L->nsplit;
+    ta = ta < L->Tq ? ta : L->Tq;
+    tb = tb < L->Tq ? tb : L->Tq;
+    const int64_t koff = L->k_tokens - L->Tq, voff = L->v_tokens - L->Tq;   /* store token = t + off */
+    const uint8_t *kc = A->kc + (slab * L->k_tokens + koff) * (D / 2);
+    const uint8_t *vc = A->vc + (slab * L->v_tokens + voff) * (D / 2);
+    const uint16_t *ks = A->ks + slab * L->k_nscale, *kz = A->kz ? A->kz + slab * L->k_nscale : NULL;
+    const uint16_t *vsc = A->vs + slab * L->v_nscale, *vzc = A->vz ? A->vz + slab * L->v_nscale : NULL;
+    const float *mrow = A->mask ? A->mask + b * L->kv_len + L->pos_q : NULL;
+    int64_t blk = 0, blk_end = 0;
+    if (L->k_axis == KVCX_AXIS_CHANNEL && ta < tb) {   /* the block holding ta: blocks are few, bisect */
+        int64_t lo = 0, hi = L->k_nscale / D;            /* kblk has k_nscale / D + 1 entries */
+        while (hi - lo > 1) {
+            int64_t mid = (lo + hi) / 2;
+            if (A->kblk[mid] <= ta + koff) lo = mid; else hi = mid;
+        }
+        blk = lo - 1;                                    /* loaded below */
+    }
+    for (int64_t t = ta; t < tb;) {
+        int64_t end = t + T < tb ? t + T : tb;
+        if (L->k_axis == KVCX_AXIS_CHANNEL) {
+            if (t >= blk_end) {                          /* next block: scale the query once */
+                blk++;
+                blk_end = A->kblk[blk + 1] - koff;
+                kvcx_h2f_perm(ks + blk * D, D, sp);
+                if (kz) kvcx_h2f_perm(kz + blk * D, D, zp);
+                else for (int64_t d = 0; d < D; d++) zp[d] = 0.0f;
+                for (int64_t r = 0; r < R; r++) {   /* k = s c + z, or s (c - 8): the bias is q . z or -8 q . s */
+                    bias[r] = kz ? kvcx_dot_f32(qp + r * D, zp, D) : -8.0f * kvcx_dot_f32(qp + r * D, sp, D);
+                    for (int64_t d = 0; d < D; d++) qs[r * D + d] = qp[r * D + d] * sp[d];
+                    kvcx_attn_halve_odd(qs + r * D, qs + r * D, D);
+                }
+            }
+            end = end < blk_end ? end : blk_end;
+        }
+        const int64_t n = end - t;
+#if KVCX_ATTN_AVX2
+        {   /* the codes come from memory: fetch this tile's values (read after the scores) and the next
+               tile's keys while the scores are computed */
+            const int64_t nn = (tb - end < T ? tb - end : T) * (D / 2);
+            for (int64_t o = 0; o < n * (D / 2); o += 64) _mm_prefetch((const char *)(vc + t * (D / 2) + o), _MM_HINT_T0);
+            for (int64_t o = 0; o < nn; o += 64) _mm_prefetch((const char *)(kc + end * (D / 2) + o), _MM_HINT_T0);
+        }
+#endif
+        kvcx_q4_dots(kc + t * (D / 2), n, D, qs, bias, R, sc, T);
+        if (L->k_axis != KVCX_AXIS_CHANNEL) {
+            if (L->k_group == D) {               /* one scale per token: convert the tile's at once */
+                kvcx_h2f_n(ks + t + koff, vs, n);
+                if (kz) kvcx_h2f_n(kz + t + koff, vz, n);
+            } else
+                for (int64_t j = 0; j < n; j++) {
+                    const int64_t g = ((t + j + koff) * D) / L->k_group;
+                    vs[j] = kvcx_h2f_1(ks[g]);
+                    if (kz) vz[j] = kvcx_h2f_1(kz[g]);
+                }
+            if (kz)                              /* k = s c + z */
+                for (int64_t r = 0; r < R; r++)
+                    for (int64_t j = 0; j < n; j++) sc[r * T + j] = vs[j] * sc[r * T + j] + vz[j] * sumq[r];
+            else                                 /* k = s (c - 8) */
+                for (int64_t r = 0; r < R; r++)
+                    for (int64_t j = 0; j < n; j++) sc[r * T + j] = vs[j] * (sc[r * T + j] - 8.0f * sumq[r]);
+        }
+        if (mrow)
+            for (int64_t r = 0; r < R; r++)
+                for (int64_t j = 0; j < n; j++) sc[r * T + j] += mrow[t + j];
+        kvcx_attn_softmax(part, R, D, sc, n, p, W, Z);
+        if (L->v_group == D) {                   /* one scale per token: convert the tile's at once */
+            kvcx_h2f_n(vsc + t + voff, vs, n);
+            if (vzc) kvcx_h2f_n(vzc + t + voff, vz, n);
+        } else
+            for (int64_t j = 0; j < n; j++) {
+                const int64_t g = ((t + j + voff) * D) / L->v_group;
+                vs[j] = kvcx_h2f_1(vsc[g]);
+                if (vzc) vz[j] = kvcx_h2f_1(vzc[g]);
+            }
+        for (int64_t r = 0; r < R; r++) {        /* probabilities -> value weights p * s */
+            float *pr = p + r * T;
+            if (vzc) {                           /* v = s (c - 8) + (z + 8 s) */
+                Z[r] += kvcx_dot_f32(pr, vz, n);
+                W[r] += kvcx_dot_f32(pr, vs, n);
+            }
+            for (int64_t j = 0; j < n; j++) pr[j] *= vs[j];
+        }
+        kvcx_q4_axpy(vc + t * (D / 2), n, D, p, T, R, part + 2 * R);   /* every head from one read */
+        t = end;
+    }
+    if (split == L->nsplit - 1) {
+        if (L->ns) kvcx_attn_exact(L, A, slab, A->sk + slab * L->ns * D, A->sv + slab * L->ns * D, L->ns,
+                                   L->pos_s, qn, part, sc, p, W, Z);
+        if (L->nr) kvcx_attn_exact(L, A, slab, A->rk + slab * L->nr * D, A->rv + slab * L->nr * D, L->nr,
+                                   L->pos_r, qn, part, sc, p, W, Z);
+    }
+    for (int64_t r = 0; r < R; r++) {        /* odd halves back from 16x; asymmetric: the values' sum p (z + 8 s) */
+        float *accv = part + 2 * R + r * D;
+        kvcx_attn_halve_odd(accv, accv, D);
+        if (L->v_asym) {
+            const float c = Z[r] + 8.0f * W[r];
+            for (int64_t d = 0; d < D; d++) accv[d] += c;
+        }
+    }
+}
+
+/* Merge the partials of (row x KV head) `slab`, query head r: out = (H(accv) + accp) / l. */
+static inline void kvcx_attn_merge(const kvcx_attn_layout *L, const kvcx_attn_args *A, int64_t i) {
+    const int64_t R = L->R, D = L->D, slab = i / R, r = i % R;
+    const int64_t wf = kvcx_attn_work_floats(R, D);
+    float *o = A->out + (slab * R + r) * D;   /* [B, Hkv * R, D]: (b * Hkv + h) * R + r */
+    float m = -INFINITY;
+    for (int64_t s = 0; s < L->nsplit; s++) {
+        const float ms = A->work[(slab * L->nsplit + s) * wf + 2 * r];
+        m = ms > m ? ms : m;
+    }
+    float *acc = A->work + (slab * L->nsplit) * wf + kvcx_attn_part_floats(R, D) + r * 2 * D;  /* its scratch */
+    for (int64_t d = 0; d < 2 * D; d++) acc[d] = 0.0f;
+    float l = 0.0f;
+    if (m != -INFINITY)
+        for (int64_t s = 0; s < L->nsplit; s++) {
+            const float *pr = A->work + (slab * L->nsplit + s) * wf;
+            if (pr[2 * r] == -INFINITY) continue;
+            const float e = expf(pr[2 * r] - m);
+            const float *accv = pr + 2 * R + r * D, *accp = pr + 2 * R + (R + r) * D;
+            l += e * pr[2 * r + 1];
+            for (int64_t d = 0; d < D; d++) { acc[d] += e * accv[d]; acc[D + d] += e * accp[d]; }
+        }
+    for (int64_t d = 0; d < D; d++) o[kvcx_attn_perm(d)] = acc[d];
+    if (L->v_rotate) kvcx_fwht_rows(o, 1, D);
+    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    for (int64_t d = 0; d < D; d++) o[d] = (o[d] + acc[D + d]) * inv;
+}
+
+#endif /* KVCX_ATTN_H */

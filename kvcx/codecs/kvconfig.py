@@ -1,0 +1,417 @@
+"""KV-cache codec settings: one codec for keys, one for values, and the named schemes.
+
+Schemes (``--scheme``):
+
+- ``reference``: the reference design, bit-exact: symmetric INT4, groups along
+  each token's values, FP16 scale (4.25 bits/value at groups of 64).
+- ``symmetric`` / ``asymmetric``: that scheme on keys and values, groups along tokens' values.
+- ``kivi``: keys asymmetric per channel (groups along tokens), values asymmetric per token.
+- ``kvcx`` (default): keys asymmetric per channel (groups of 64 tokens) with the first token (the
+  attention sink) kept exact; values symmetric per token after a Hadamard rotation of head_dim, their
+  first token kept exact too. Chosen from bench/bench_quality.py; see README "Choosing the default".
+- ``kvcx2w``: kvcx2's values; keys with a bit width per channel (2 bits on average, chosen per tensor from
+  each channel's spread, weighed by the queries where a plan gives ``key_weights``), in groups of 32 tokens
+  whose ranges are stored as two bytes (``--group-size`` sets the values' groups only): 2.5 bits/value
+  nominal, README "Low bits".
+- ``kvcx3`` / ``kvcx2``: the low-bit presets: the kvcx layout at 3 bits, and at 2 bits with asymmetric
+  values (symmetric 2-bit codes have only 3 useful levels). With a per-layer plan from ``kvcx calibrate`` (``layer_bits``:
+  the layers the model is most sensitive to get more bits) they are the frontier of README "Low bits".
+  Both carry the same *variants*, the codecs a plan may give a layer: keys at 2, 3, 4 bits in groups of
+  64 tokens and at 3, 4 bits in groups of 128; values asymmetric at 2 bits, symmetric or asymmetric at 3 and 4.
+
+Per-layer widths: ``KVConfig(..., layer_bits=((layer, key_sel, value_sel), ...))`` gives those layers other
+codecs. A selection is a bit width (the base codec with only ``bits`` changed, or the ``variants`` entry
+``bN`` where there is one) or the tag of a variant (``'b3g128'``: ``variants`` ``{"key.b3g128": codec}``).
+The presets kvcx3/kvcx2 define the variants `kvcx calibrate` chooses from (:meth:`KVConfig.options`). A tensor's layer comes from its name (``layer_3_key``, ``past_key_values.3.0``,
+``model.layers.3.k_cache``: the number after ``layer``/``layers``/``past_key_values``); tensors without one
+get the base codecs. In a packed file each width is a codec of its own (``key.b4``, ``value.b2``), so any
+format-2 reader decodes it.
+
+A tensor that a codec cannot take (channel grouping of a 1-D tensor, a rotation of a last dim that is
+not a power of two) gets the ``fallback`` codec instead: the value codec's scheme, bits and group size,
+grouped per token, without rotation or sinks. The packed file records which codec each tensor used.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+from kvcx.codecs.base import Codec, get_codec
+from kvcx.codecs.dtypes import is_int
+from kvcx.codecs.intcodec import BITS, IntCodec
+from kvcx.errors import CodecError
+
+DEFAULT_SCHEME = "kvcx"
+
+# scheme -> (key settings, value settings); group size / bits / sinks / rotate may be overridden
+_SCHEMES = {
+    "reference": (dict(scheme="symmetric", axis="token"), dict(scheme="symmetric", axis="token")),
+    "symmetric": (dict(scheme="symmetric", axis="token"), dict(scheme="symmetric", axis="token")),
+    "asymmetric": (dict(scheme="asymmetric", axis="token"), dict(scheme="asymmetric", axis="token")),
+    "kivi": (dict(scheme="asymmetric", axis="channel"), dict(scheme="asymmetric", axis="token")),
+    # chosen from bench/bench_quality.py (README "Choosing the default"): 4.43 bits/value at groups of 64 on
+    # 512-token contexts; keys and values both keep the sink token exact (values: KLD 0.00365 -> 0.00310)
+    "kvcx": (dict(scheme="asymmetric", axis="channel", sinks=1),
+             dict(scheme="symmetric", axis="token", rotate=True, sinks=1)),
+    # the low-bit presets (README "Low bits"): measured best layouts at 3 and 2 bits; values keep the sink
+    # token exact as in the default (it halves their KLD at 3 and 2 bits)
+    "kvcx3": (dict(scheme="asymmetric", axis="channel", sinks=1, bits=3),
+              dict(scheme="symmetric", axis="token", rotate=True, bits=3, sinks=1)),
+    "kvcx2": (dict(scheme="asymmetric", axis="channel", sinks=1, bits=2),
+              dict(scheme="asymmetric", axis="token", rotate=True, bits=2, sinks=1)),
+}
+# keys with per-channel widths (kvcx.codecs.widths.WidthCodec: 2 bits per code on average, groups of 32 tokens whose
+# ranges are two bytes) and kvcx2's values: 2.5 bits/value nominal, the 2.6-bit frontier point (README "Low
+# bits"); with a plan's key_weights (`kvcx calibrate --scheme kvcx2w`) the widths follow the queries
+_WIDTH_SCHEMES = {"kvcx2w": (dict(id="kvcx.widths", bits=2.0, group_size=32, sinks=1), _SCHEMES["kvcx2"][1])}
+SCHEME_NAMES = tuple(_SCHEMES) + tuple(_WIDTH_SCHEMES)
+# the low-bit presets' options: the codecs a plan from `kvcx calibrate` may give a layer's keys or values,
+# each named by a tag (bN = N bits; g128 = groups of 128; a = asymmetric), chosen from all-layer KLD screens
+# (README "Low bits"): finer groups pay better than more bits in places, values at 3 bits pay asymmetric
+_LADDER_SCHEMES = ("kvcx3", "kvcx2")
+_LADDER = {
+    "key": {"b2": dict(bits=2), "b3": dict(bits=3), "b3g128": dict(bits=3, group_size=128), "b4": dict(bits=4),
+            "b4g128": dict(bits=4, group_size=128)},
+    "value": {"b2": dict(bits=2, scheme="asymmetric"), "b3": dict(bits=3, scheme="symmetric"),
+              "b3a": dict(bits=3, scheme="asymmetric"), "b4": dict(bits=4, scheme="symmetric"),
+              "b4a": dict(bits=4, scheme="asymmetric")},
+}
+_TAG_RE = re.compile(r"b(2|3|4|8)[a-z0-9]*")
+
+_KEY_WORDS = {"key", "keys", "k"}
+_VALUE_WORDS = {"value", "values", "v"}
+# transformers' legacy tuples: past_key_values.<layer>.<0 = key | 1 = value>
+_LEGACY_RE = re.compile(r"(^|[._])past_key_values?[._](\d+)[._]([01])$", re.IGNORECASE)
+_LAYER_RE = re.compile(r"(?:^|[^a-z])(?:layers?|past_key_values?|blocks?)[._]?(\d+)(?![0-9])", re.IGNORECASE)
+MAX_LAYERS = 1 << 16
+
+
+def layer_of(name: str) -> Optional[int]:
+    """The layer index in a tensor's name (``layer_3_key``, ``past_key_values.3.0``, ``layers.3.v_cache``), or None."""
+    m = _LAYER_RE.search(name)
+    return int(m.group(1)) if m else None
+
+
+def is_key_tensor(name: str) -> bool:
+    """Whether a tensor gets the key codec, from its name's words (split on anything not a letter).
+
+    The last word that names a kind decides: ``layer_3_key``, ``k_cache.0``, ``model.k_proj`` are keys;
+    ``layer_3_value``, ``monkey_value``, ``v_cache`` are values; ``past_key_values.0.0`` / ``.0.1`` (the
+    legacy tuple layout) is a key / a value by its last index. Names without such a word get the value codec.
+    """
+    m = _LEGACY_RE.search(name)
+    if m:
+        return m.group(3) == "0"
+    words = [w for w in re.split(r"[^a-z]+", name.lower()) if w]
+    for w in reversed(words):
+        if w in _KEY_WORDS or (w.startswith("k") and w[1:] in ("proj", "cache")):
+            return True
+        if w in _VALUE_WORDS or (w.startswith("v") and w[1:] in ("proj", "cache")):
+            return False
+    return False
+
+
+def _check_layer_bits(layer_bits) -> tuple:
+    """((layer, key_bits, value_bits), ...) sorted by layer, each checked; the error says how to fix it."""
+    if isinstance(layer_bits, dict):
+        layer_bits = [(k, *v) if isinstance(v, (list, tuple)) else (k, v) for k, v in layer_bits.items()]
+    try:
+        rows = [tuple(r) for r in layer_bits]
+    except TypeError:
+        raise CodecError(f"layer_bits must be a list of [layer, key_bits, value_bits], got {layer_bits!r}") from None
+    out, seen = [], set()
+    for r in rows:
+        if len(r) != 3:
+            raise CodecError(f"layer_bits entry {list(r)} must be [layer, key_bits, value_bits]")
+        layer, kb, vb = (int(x) if is_int(x) else x for x in r)
+        if not is_int(layer) or not 0 <= layer < MAX_LAYERS:
+            raise CodecError(f"layer_bits: layer {layer!r} must be an integer in [0, {MAX_LAYERS})")
+        for what, b in (("key", kb), ("value", vb)):
+            if isinstance(b, str) and _TAG_RE.fullmatch(b):
+                continue
+            if not is_int(b) or b not in BITS:
+                raise CodecError(f"layer_bits: layer {layer} {what} bits {b!r} is not one of {', '.join(map(str, BITS))} "
+                                 "or the tag of one of the config's variants (e.g. 'b3g128')")
+        if layer in seen:
+            raise CodecError(f"layer_bits lists layer {layer} twice; give each layer once")
+        seen.add(layer)
+        out.append((layer, kb, vb))
+    return tuple(sorted(out))
+
+
+def _check_variants(variants) -> tuple:
+    """(("key.b3g128" | "value.b3a" ..., IntCodec), ...) sorted by name; each codec's bits match its tag."""
+    if isinstance(variants, dict):
+        variants = list(variants.items())
+    out = {}
+    for row in variants:
+        try:
+            name, codec = row
+        except (TypeError, ValueError):
+            raise CodecError(f"variants must map 'key.TAG' / 'value.TAG' to a codec, got {row!r}") from None
+        m = re.fullmatch(r"(key|value)\.(" + _TAG_RE.pattern + ")", name) if isinstance(name, str) else None
+        if m is None:
+            raise CodecError(f"variants: {name!r} is not a variant name; use 'key.TAG' or 'value.TAG' with TAG = "
+                             "b<bits> and an optional suffix (e.g. 'value.b3', 'key.b3g128')")
+        if isinstance(codec, dict):
+            codec = IntCodec.from_config(codec)
+        if not isinstance(codec, IntCodec) or codec.bits != int(m.group(3)):
+            raise CodecError(f"variants: {name!r} must be a codec of {m.group(3)} bits, got "
+                             f"{getattr(codec, 'bits', codec)!r}")
+        if name in out:
+            raise CodecError(f"variants lists {name!r} twice; give each once")
+        out[name] = codec
+    return tuple(sorted(out.items()))
+
+
+def _check_key_weights(key_weights) -> tuple:
+    """((layer, ((w, ...), ...)), ...) sorted by layer: finite non-negative floats, heads x channels per layer."""
+    import math
+
+    if isinstance(key_weights, dict):
+        items = []
+        for k, v in key_weights.items():
+            if not (isinstance(k, str) and k.isdigit()) and not is_int(k):
+                raise CodecError(f"key_weights: {k!r} is not a layer number")
+            items.append((int(k), v))
+    else:
+        items = list(key_weights)
+    out, seen = [], set()
+    for row in items:
+        try:
+            layer, w = row
+            w = tuple(tuple(float(x) for x in head) for head in w)
+        except (TypeError, ValueError):
+            raise CodecError(f"key_weights: each entry must be layer -> [[weight per channel] per KV head], got "
+                             f"{str(row)[:60]}") from None
+        if not is_int(layer) or not 0 <= int(layer) < MAX_LAYERS or int(layer) in seen:
+            raise CodecError(f"key_weights: layer {layer!r} must be an integer in [0, {MAX_LAYERS}), given once")
+        if not w or len({len(h) for h in w}) != 1 or not w[0] \
+                or not all(math.isfinite(x) and x >= 0 for h in w for x in h):
+            raise CodecError(f"key_weights: layer {layer} must list, per KV head, the same number of finite "
+                             "non-negative weights (one per channel)")
+        seen.add(int(layer))
+        out.append((int(layer), w))
+    return tuple(sorted(out))
+
+
+def tag_of(sel) -> str:
+    """A layer's selection as a tag: 3 -> 'b3', 'b3g128' stays."""
+    return sel if isinstance(sel, str) else f"b{sel}"
+
+
+@dataclass(frozen=True)
+class KVConfig:
+    key: Codec
+    value: Codec
+    scheme: str = "custom"
+    layer_bits: tuple = ()   # ((layer, key_bits, value_bits), ...): per-layer widths overriding the codecs' bits
+    variants: tuple = ()     # (("key.b3g128", codec), ...): named codecs a layer may select (the presets' options)
+    key_weights: tuple = ()  # ((layer, ((w, ...), ...)), ...): per KV head and channel, how much the queries
+    #                          weigh a key channel's error (``kvcx calibrate --key-weights``); WidthCodec keys only
+
+    def __post_init__(self):
+        object.__setattr__(self, "layer_bits", _check_layer_bits(self.layer_bits))
+        object.__setattr__(self, "key_weights", _check_key_weights(self.key_weights))
+        if self.key_weights and not self.key.takes_weights:
+            raise CodecError("key_weights choose per-channel widths; they need a widths key codec "
+                             "(--scheme kvcx2w), not " + repr(self.key))
+        if not isinstance(self.key, IntCodec) and (self.layer_bits or self.variants):
+            raise CodecError("a widths key codec (kvcx2w) takes no per-layer bits or variants; its widths are "
+                             "chosen per channel from the data")
+        if self.value.takes_weights:
+            raise CodecError("per-channel widths are for keys; give values an IntCodec")
+        object.__setattr__(self, "variants", _check_variants(self.variants))
+        names = {n for n, _ in self.variants}
+        for L, kb, vb in self.layer_bits:
+            for kind, sel in (("key", kb), ("value", vb)):
+                if isinstance(sel, str) and f"{kind}.{sel}" not in names:
+                    raise CodecError(f"layer_bits: layer {L} selects {kind} variant {sel!r}, which the config does not "
+                                     f"define; defined: {', '.join(sorted(names)) or 'none'}")
+
+    def codec_at(self, kind: str, sel) -> IntCodec:
+        """The codec keys (``kind='key'``) or values get for a selection: a variant's tag (``'b3g128'``), or a
+        bit width: the ``variants`` entry ``bN`` where there is one, the base codec at its own width, else the
+        base codec with only ``bits`` changed."""
+        base = self.key if kind == "key" else self.value
+        name = f"{kind}.{tag_of(sel)}"
+        for n, codec in self.variants:
+            if n == name:
+                return codec.with_threads(base.n_threads) if codec.n_threads != base.n_threads else codec
+        if isinstance(sel, str):
+            raise CodecError(f"no {kind} variant {sel!r} in this config")
+        return base if sel == base.bits else _with_bits(base, sel)
+
+    def options(self, kind: str, max_bits: int = 4) -> list:
+        """The selections a plan may give ``kind``: the variants' tags where the config has some for it,
+        else the widths from the base codec's up to ``max_bits``."""
+        tags = [n.split(".", 1)[1] for n, _ in self.variants if n.startswith(kind + ".")]
+        if tags:
+            return tags
+        base = (self.key if kind == "key" else self.value).bits
+        return [f"b{b}" for b in BITS if base <= b <= max(base, max_bits)]
+
+    def weights_for(self, name: str):
+        """The key weights (heads x head_dim float64 array) for a tensor, or None."""
+        if not self.key_weights or not is_key_tensor(name):
+            return None
+        import numpy as np
+
+        layer = layer_of(name)
+        for L, w in self.key_weights:
+            if L == layer:
+                return np.asarray(w, dtype=np.float64)
+        return None
+
+    def base(self) -> "KVConfig":
+        """This config without its per-layer selections (its variants kept)."""
+        return KVConfig(key=self.key, value=self.value, scheme=self.scheme, variants=self.variants)
+
+    @classmethod
+    def from_scheme(cls, scheme: str = DEFAULT_SCHEME, group_size: Optional[int] = None, bits: Optional[int] = None,
+                    sinks: Optional[int] = None, rotate: Optional[bool] = None,
+                    n_threads: Optional[int] = None) -> "KVConfig":
+        if scheme in _WIDTH_SCHEMES:
+            if bits is not None or rotate is not None:
+                raise CodecError(f"scheme={scheme!r} sets its own bits and rotation; use scheme='kvcx2' to change "
+                                 "them")
+            kw, vkw = (dict(d) for d in _WIDTH_SCHEMES[scheme])
+            vkw["group_size"] = group_size if group_size is not None else 64   # the keys keep their groups
+            for d in (kw, vkw):
+                if sinks is not None:
+                    d["sinks"] = sinks
+            return cls(key=get_codec(kw, n_threads), value=IntCodec(n_threads=n_threads, **vkw), scheme=scheme)
+        if scheme not in _SCHEMES:
+            raise CodecError(f"unknown scheme {scheme!r}; use one of {', '.join(SCHEME_NAMES)}")
+        if scheme == "reference" and (bits not in (None, 4) or sinks or rotate):
+            raise CodecError("scheme 'reference' is the reference design (4 bits, no sinks, no rotation); "
+                             "use --scheme symmetric to change those")
+        codecs = []
+        for base in _SCHEMES[scheme]:
+            kw = dict(base)
+            kw["group_size"] = group_size if group_size is not None else 64
+            if bits is not None:
+                kw["bits"] = bits
+            if sinks is not None:
+                kw["sinks"] = sinks
+            if rotate is not None:
+                kw["rotate"] = rotate
+            codecs.append(IntCodec(n_threads=n_threads, **kw))
+        variants = []
+        if scheme in _LADDER_SCHEMES:
+            for kind, c in (("key", codecs[0]), ("value", codecs[1])):
+                for tag, diff in _LADDER[kind].items():
+                    variants.append((f"{kind}.{tag}", IntCodec.from_config(
+                        {**c.get_config(), "group_size": c.group_size, **diff, "n_threads": n_threads})))
+        return cls(key=codecs[0], value=codecs[1], scheme=scheme, variants=variants)
+
+    @classmethod
+    def from_config(cls, config: dict, n_threads: Optional[int] = None) -> "KVConfig":
+        """The inverse of :meth:`get_config` (a plan file written by ``kvcx calibrate`` is one)."""
+        if not isinstance(config, dict) or not {"key", "value"} <= set(config):
+            raise CodecError("a kvcx config must be an object with 'key' and 'value' codecs "
+                             "(and optionally 'scheme' and 'layer_bits'), as `kvcx calibrate` writes")
+        unknown = set(config) - {"scheme", "key", "value", "layer_bits", "variants", "key_weights"}
+        if unknown:
+            raise CodecError(f"unknown kvcx config fields {sorted(unknown)}; known: scheme, key, value, layer_bits, "
+                             "variants, key_weights")
+        for k in ("key", "value"):
+            if not isinstance(config[k], dict):
+                raise CodecError(f"a kvcx config's {k} codec must be an object, got {config[k]!r}")
+        codecs = [get_codec(config[k], n_threads) for k in ("key", "value")]
+        scheme = config.get("scheme", "custom")
+        if not isinstance(scheme, str):
+            raise CodecError(f"a kvcx config's scheme must be a string, got {scheme!r}")
+        variants = config.get("variants", {})
+        if not isinstance(variants, dict):
+            raise CodecError(f"a kvcx config's variants must be an object of 'key.TAG' / 'value.TAG' codecs, "
+                             f"got {variants!r}")
+        variants = {k: IntCodec.from_config({**v, "n_threads": n_threads}) if isinstance(v, dict) else v
+                    for k, v in variants.items()}
+        return cls(key=codecs[0], value=codecs[1], scheme=scheme, layer_bits=config.get("layer_bits", ()),
+                   variants=variants, key_weights=config.get("key_weights", ()))
+
+    def with_threads(self, n_threads: Optional[int]) -> "KVConfig":
+        return KVConfig(key=self.key.with_threads(n_threads), value=self.value.with_threads(n_threads),
+                        scheme=self.scheme, layer_bits=self.layer_bits,
+                        variants=tuple((n, c.with_threads(n_threads)) for n, c in self.variants),
+                        key_weights=self.key_weights)
+
+    def for_layer(self, layer: Optional[int]) -> "KVConfig":
+        """This config with the key and value bits of ``layer`` (no per-layer widths left)."""
+        for L, kb, vb in self.layer_bits:
+            if L == layer:
+                return KVConfig(key=self.codec_at("key", kb), value=self.codec_at("value", vb), scheme=self.scheme)
+        if not self.layer_bits:
+            return self
+        return KVConfig(key=self.key, value=self.value, scheme=self.scheme)
+
+    def bits_per_value(self, n_layers: int) -> float:
+        """Nominal bits per value over ``n_layers`` layers of equal size (codes, scales, zero points)."""
+        total = 0.0
+        for L in range(n_layers):
+            c = self.for_layer(L)
+            total += c.key.bits_per_value() + c.value.bits_per_value()
+        return total / (2 * n_layers)
+
+    @property
+    def fallback(self) -> Codec:
+        """The codec of tensors the key or value codec cannot take: the value codec's fallback (for integer
+        codecs its scheme, bits and group size, grouped per token, without rotation or sinks)."""
+        return self.value.fallback()
+
+    def _name(self, kind: str, sel) -> Tuple[str, IntCodec]:
+        codec = self.codec_at(kind, sel)
+        return (kind if codec == (self.key if kind == "key" else self.value) else f"{kind}.{tag_of(sel)}"), codec
+
+    def codecs(self) -> dict:
+        """Every codec a tensor may get, by the name a packed file records (``key.b4``, ``value.b3a``: a
+        layer's selection other than the base codec)."""
+        out = {"key": self.key, "value": self.value, "fallback": self.fallback}
+        for _, kb, vb in self.layer_bits:
+            for kind, sel in (("key", kb), ("value", vb)):
+                name, codec = self._name(kind, sel)
+                out[name] = codec
+        return out
+
+    def codec_for(self, name: str, shape=None) -> Tuple[str, IntCodec]:
+        """(kind, codec) for a tensor: 'key' or 'value' by name ('key.b4' where its layer selects another
+        codec), 'fallback' where that codec cannot take the shape."""
+        kind = "key" if is_key_tensor(name) else "value"
+        base = self.key if kind == "key" else self.value
+        label, codec = kind, base
+        layer = layer_of(name) if self.layer_bits else None
+        for L, kb, vb in self.layer_bits:
+            if L == layer:
+                label, codec = self._name(kind, kb if kind == "key" else vb)
+        if shape is not None and not codec.supports(shape):
+            return "fallback", self.fallback
+        return label, codec
+
+    def get_config(self) -> dict:
+        cfg = {"scheme": self.scheme, "key": self.key.get_config(), "value": self.value.get_config()}
+        if self.layer_bits:
+            cfg["layer_bits"] = [list(r) for r in self.layer_bits]
+        if self.variants:
+            cfg["variants"] = {n: c.get_config() for n, c in self.variants}
+        if self.key_weights:
+            cfg["key_weights"] = {str(L): [list(r) for r in w] for L, w in self.key_weights}
+        return cfg
+
+    def describe(self) -> str:
+        def one(c) -> str:
+            return c.describe() + (" (query-weighted)" if c.takes_weights and self.key_weights else "")
+        text = f"{self.scheme}: K {one(self.key)}, V {one(self.value)}"
+        if self.layer_bits:
+            text += "; per layer K/V bits " + ", ".join(f"{L}:{kb}/{vb}" for L, kb, vb in self.layer_bits)
+            used = {n: c for n, c in self.codecs().items() if "." in n}
+            if used:
+                text += " (" + ", ".join(f"{n} = {one(c)}" for n, c in sorted(used.items())) + ")"
+        return text
+
+
+def _with_bits(codec: IntCodec, bits: int) -> IntCodec:
+    if bits == codec.bits:
+        return codec
+    return IntCodec.from_config({**codec.get_config(), "bits": bits, "n_threads": codec.n_threads})

@@ -1,0 +1,228 @@
+"""KV-cache utilities (torch / transformers imported lazily).
+
+Saved caches use the reference layout: tensors ``layer_{i}_key`` / ``layer_{i}_value``
+of shape ``[1, kv_heads, seq_len, head_dim]`` in a safetensors file, plus a
+``<path>.metadata.json`` sidecar. bfloat16 caches are kept exactly as BF16 (no
+widening to float32); float16 and float32 stay as they are.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+
+from kvcx.cache.tensors import numpy_to_torch, torch_to_numpy
+from kvcx.codecs.metrics import ErrorStats, error_stats
+from kvcx.deps import import_torch
+from kvcx.errors import KvcxError
+from kvcx.formats import safetensors as st
+
+# TinyLlama-1.1B, the model the reference design names
+TINYLLAMA_NUM_LAYERS = 22
+TINYLLAMA_NUM_KV_HEADS = 4
+TINYLLAMA_HEAD_DIM = 64
+
+
+@dataclass
+class KVCacheMetadata:
+    num_layers: int
+    num_kv_heads: int
+    seq_len: int
+    head_dim: int
+    dtype: str
+    model_name: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def cache_layers(cache) -> List[Tuple[object, object]]:
+    """[(key, value)] per layer of a transformers cache (DynamicCache or legacy tuples)."""
+    if hasattr(cache, "layers"):
+        return [(layer.keys, layer.values) for layer in cache.layers]
+    if hasattr(cache, "key_cache"):
+        return list(zip(cache.key_cache, cache.value_cache))
+    return [(k, v) for k, v in cache]
+
+
+def make_dynamic_cache(layers, config=None):
+    """A DynamicCache holding the given [(key, value)] tensors."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    for i, (k, v) in enumerate(layers):
+        cache.update(k, v, i)
+    return cache
+
+
+def cache_to_tensors(cache) -> Dict[str, np.ndarray]:
+    out = {}
+    for i, (k, v) in enumerate(cache_layers(cache)):
+        out[f"layer_{i}_key"] = torch_to_numpy(k)
+        out[f"layer_{i}_value"] = torch_to_numpy(v)
+    return out
+
+
+def tensors_to_layers(tensors: Dict[str, np.ndarray], device=None):
+    n = len([k for k in tensors if k.endswith("_key") and k.startswith("layer_")])
+    layers = []
+    for i in range(n):
+        pair = []
+        for kind in ("key", "value"):
+            name = f"layer_{i}_{kind}"
+            if name not in tensors:
+                raise KvcxError(f"KV cache is missing tensor {name!r}; expected layer_{{i}}_key / "
+                                f"layer_{{i}}_value for i in 0..{n - 1}")
+            a = tensors[name]
+            if np.ndim(a) != 4 or 0 in np.shape(a):
+                raise KvcxError(f"KV cache tensor {name!r} has shape {list(np.shape(a))}; expected "
+                                "[batch, kv_heads, seq_len, head_dim] with no empty dimension")
+            pair.append(a)
+        if pair[0].shape != pair[1].shape:
+            raise KvcxError(f"KV cache layer {i}: key {list(pair[0].shape)} and value {list(pair[1].shape)} "
+                            "shapes differ")
+        layers.append(tuple(numpy_to_torch(a, device) for a in pair))
+    return layers
+
+
+def _metadata(layers, model_name: str) -> KVCacheMetadata:
+    k0 = layers[0][0]
+    return KVCacheMetadata(num_layers=len(layers), num_kv_heads=int(k0.shape[1]), seq_len=int(k0.shape[2]),
+                           head_dim=int(k0.shape[3]), dtype=str(k0.dtype).replace("torch.", ""),
+                           model_name=model_name)
+
+
+def extract_kv_cache(model, tokenizer, prompt: str, max_length: Optional[int] = None, device=None):
+    """Run ``prompt`` through ``model`` once; returns (DynamicCache, KVCacheMetadata). Batch 1 only."""
+    torch = import_torch()
+    if not isinstance(prompt, str):
+        raise KvcxError(f"extract_kv_cache takes one prompt string (batch size 1), got {type(prompt).__name__}")
+    enc = tokenizer(prompt, return_tensors="pt", truncation=max_length is not None, max_length=max_length)
+    ids = enc["input_ids"]
+    if ids.shape[0] != 1:
+        raise KvcxError(f"extract_kv_cache supports batch size 1, got {ids.shape[0]}")
+    if ids.shape[1] == 0:
+        raise KvcxError("the prompt tokenized to 0 tokens; the KV cache would be empty, give a non-empty prompt")
+    device = device if device is not None else next(model.parameters()).device
+    with torch.no_grad():
+        out = model(ids.to(device), use_cache=True)
+    cache = out.past_key_values
+    layers = cache_layers(cache)
+    if not layers or layers[0][0] is None or layers[0][0].numel() == 0:
+        raise KvcxError("the model returned an empty KV cache")
+    name = getattr(model.config, "_name_or_path", "") or getattr(model.config, "model_type", "model")
+    return cache, _metadata(layers, str(name))
+
+
+def save_kv_cache(cache, path, metadata: Optional[KVCacheMetadata] = None) -> str:
+    """Write ``layer_{i}_key/value`` to a safetensors file (atomically) and the metadata sidecar."""
+    from kvcx.formats.atomic import OutputSet, write_bytes_to
+
+    path = os.fspath(path)
+    side = path + ".metadata.json"
+    outs = OutputSet([path, side]).check()
+    tensors = cache_to_tensors(cache)
+    if not tensors:
+        raise KvcxError("the KV cache is empty; nothing to save")
+    meta = metadata or _metadata(cache_layers(cache), "unknown")
+    with outs as tmp:  # the file and its sidecar land together or not at all
+        st.write_to(tmp[path], path, tensors)
+        write_bytes_to(tmp[side], side, [json.dumps(meta.to_dict(), indent=2).encode("utf-8")])
+    return path
+
+
+def load_kv_cache(path, device=None):
+    """(DynamicCache, KVCacheMetadata) from a file written by :func:`save_kv_cache` (or a kvcx packed file)."""
+    from kvcx.formats.jsonio import read_sidecar
+    from kvcx.formats.packed import decompress_tensors, is_packed
+
+    f = st.SafeFile(path)
+    tensors = {k: f.get_tensor(k) for k in f.keys()}
+    if is_packed(f.metadata):
+        tensors = decompress_tensors(tensors, f.metadata, source=os.fspath(path))
+    try:
+        layers = tensors_to_layers(tensors, device)
+    except KvcxError as exc:
+        raise KvcxError(f"{path}: {exc}") from None
+    if not layers:
+        raise KvcxError(f"{path}: no layer_{{i}}_key / layer_{{i}}_value tensors; not a kvcx KV-cache file")
+    side = read_sidecar(path) or {}
+    meta = _metadata(layers, str(side.get("model_name", "unknown")))
+    return make_dynamic_cache(layers), meta
+
+
+def expected_kv_shape(config) -> Tuple[int, int, int]:
+    """(layers, kv heads, head_dim) from a transformers config."""
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return int(config.num_hidden_layers), int(heads), int(head_dim)
+
+
+def validate_kv_cache_shape(cache, config=None, expected: Optional[Tuple[int, int, int]] = None) -> None:
+    """Raise KvcxError unless every layer is [batch, kv_heads, seq, head_dim] as the model expects.
+
+    ``expected`` defaults to the model config's values, or to TinyLlama's constants without a config.
+    """
+    if expected is None:
+        expected = expected_kv_shape(config) if config is not None else (
+            TINYLLAMA_NUM_LAYERS, TINYLLAMA_NUM_KV_HEADS, TINYLLAMA_HEAD_DIM)
+    n_layers, heads, head_dim = expected
+    layers = cache_layers(cache)
+    if len(layers) != n_layers:
+        raise KvcxError(f"KV cache has {len(layers)} layers, the model has {n_layers}")
+    for i, (k, v) in enumerate(layers):
+        for kind, t in (("key", k), ("value", v)):
+            if t.dim() != 4 or t.shape[1] != heads or t.shape[3] != head_dim:
+                raise KvcxError(f"layer {i} {kind} has shape {list(t.shape)}; expected [batch, {heads}, seq, "
+                                f"{head_dim}]")
+        if k.shape != v.shape:
+            raise KvcxError(f"layer {i}: key {list(k.shape)} and value {list(v.shape)} shapes differ")
+
+
+def compute_kv_cache_stats(cache) -> dict:
+    """Size and value statistics of a cache (per kind, over all layers)."""
+    layers = cache_layers(cache)
+    stats = {"num_layers": len(layers), "total_bytes": 0, "num_values": 0}
+    for kind, idx in (("key", 0), ("value", 1)):
+        arrs = [torch_to_numpy(layer[idx]).astype(np.float32) for layer in layers]
+        flat = np.concatenate([a.reshape(-1) for a in arrs]) if arrs else np.zeros(0, np.float32)
+        stats[kind] = {"mean": float(flat.mean()) if flat.size else 0.0,
+                       "std": float(flat.std()) if flat.size else 0.0,
+                       "min": float(flat.min()) if flat.size else 0.0,
+                       "max": float(flat.max()) if flat.size else 0.0,
+                       "abs_max": float(np.abs(flat).max()) if flat.size else 0.0}
+        stats["total_bytes"] += int(sum(layer[idx].numel() * layer[idx].element_size() for layer in layers))
+        stats["num_values"] += int(flat.size)
+    if layers:
+        stats["shape"] = list(layers[0][0].shape)
+        stats["dtype"] = str(layers[0][0].dtype).replace("torch.", "")
+    return stats
+
+
+def roundtrip_tensors(tensors: Dict[str, np.ndarray], config, n_threads=None):
+    """Compress with the file path's code (packed safetensors bytes), read back and decode.
+
+    Returns (decoded tensors, packed size in bytes, ErrorStats over all values).
+    """
+    from kvcx.formats.packed import compress_tensors, decompress_tensors
+
+    packed, meta, _ = compress_tensors(tensors, config)
+    blob = st.save(packed, meta)
+    loaded, loaded_meta = st.load_with_metadata(blob)
+    decoded = decompress_tensors(loaded, loaded_meta, n_threads=n_threads)
+    total = ErrorStats()
+    for name, a in tensors.items():
+        total += error_stats(a, decoded[name], name=name, n_threads=n_threads)
+    return decoded, len(blob), total
+
+
+def original_nbytes(tensors: Dict[str, np.ndarray]) -> int:
+    return int(sum(a.nbytes for a in tensors.values()))
+
+
+__all__ = ["KVCacheMetadata", "extract_kv_cache", "save_kv_cache", "load_kv_cache", "validate_kv_cache_shape",
+           "compute_kv_cache_stats", "roundtrip_tensors", "TINYLLAMA_NUM_LAYERS", "TINYLLAMA_NUM_KV_HEADS",
+           "TINYLLAMA_HEAD_DIM"]

@@ -1,0 +1,405 @@
+"""``kvcx calibrate``: per-layer bit widths from the model's measured sensitivity.
+
+Layers are not equally fragile: on SmolLM2-135M, 2-bit keys in layer 18 cost 2,000x the KL divergence of
+2-bit keys in layer 0, and 6 of the 60 (layer, keys/values) pairs carry 70 % of the total. Calibration measures
+it: for every layer, for keys and values apart, and for every codec a plan may give them (the config's
+options: for the presets 2, 3, 4 bits and groups of 128 for keys, symmetric and asymmetric 3/4-bit values;
+see :meth:`KVConfig.options`), only that layer's keys (or values) go through that codec, everything else
+stays exact, and the mean KL divergence of the next-token distributions from the exact model's is that
+layer's sensitivity with that codec. :func:`allocate` then picks one option per layer and kind that
+minimises the summed KLD within the bit budget: an exact knapsack over the measured figures. An option not
+measured is estimated from the measured one nearest in bits/value at 4x per bit/value, which measurement
+shows can be far off (keys lose ~10x from 3 to 2 bits, values ~3.5x): the plan says how many it estimated.
+
+The calibration text comes from windows *after* the ones ``kvcx validate`` and ``bench/bench_quality.py``
+score (``offset``, default 128 windows of 512), so a plan is never judged on the tokens that chose it.
+For ``--scheme kvcx2w`` (keys with a bit width per channel) calibration measures something else: how much
+the queries weigh each key channel (:func:`query_weights`, the mean square of each query channel, per KV
+head), which the encoder multiplies into each channel's error when it chooses the widths; the budget then
+sets the keys' mean width. This module computes; it prints nothing. torch is imported inside the functions that need it.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+
+from kvcx.codecs.kvconfig import KVConfig, layer_of, tag_of
+from kvcx.errors import CodecError, KvcxError
+
+DEFAULT_WINDOWS = 4
+DEFAULT_OFFSET = 128      # windows skipped: validate scores the first 32, bench_quality the first 64
+MAX_BITS = 4              # widths a plan may give a layer (configs without variants)
+KINDS = ("key", "value")
+_UNITS = 64               # the knapsack's bit unit: 1/64 bit/value (FP16 scales of groups of 16-256 are multiples)
+
+Sensitivity = Dict[Tuple[str, int, str], float]   # (kind, layer, option tag) -> mean KLD, nats/token
+
+
+@dataclass
+class Calibration:
+    config: KVConfig                                   # the plan: the base config with per-layer widths
+    sensitivity: Sensitivity                           # measured, each with config.codec_at(kind, tag)
+    budget: float
+    bits_per_value: float                              # the plan's nominal bits/value
+    n_layers: int
+    windows: int
+    tokens: int
+    wall_time_s: float = 0.0
+    model: str = ""
+    estimated_kld: float = 0.0                         # the plan's KLD as the allocator estimates it (a sum)
+    extrapolated: int = 0                              # (kind, layer, option) figures the plan took unmeasured
+    complete: bool = True                              # False: figures of one kind only, no plan (--reuse them)
+
+    def to_dict(self) -> dict:
+        return {"config": self.config.get_config(), "budget": self.budget, "bits_per_value": self.bits_per_value,
+                "n_layers": self.n_layers, "windows": self.windows, "tokens": self.tokens, "model": self.model,
+                "wall_time_s": self.wall_time_s, "estimated_kld": self.estimated_kld if self.complete else None,
+                "extrapolated": self.extrapolated, "complete": self.complete,
+                "sensitivity": [{"kind": k, "layer": L, "option": t, "kld": v}
+                                for (k, L, t), v in sorted(self.sensitivity.items())]}
+
+    def base_sensitivity(self) -> Dict[Tuple[str, int], float]:
+        """(kind, layer) -> KLD with the base config's own codec (for ranking layers)."""
+        tags = {k: _base_tag(self.config, k) for k in KINDS}
+        return {(k, L): v for (k, L, t), v in self.sensitivity.items() if t == tags[k]}
+
+
+def _base_tag(config: KVConfig, kind: str) -> str:
+    return f"b{(config.key if kind == 'key' else config.value).bits}"
+
+
+def plan_options(config: KVConfig, kind: str) -> List[str]:
+    """The option tags a plan may give ``kind`` (:meth:`KVConfig.options`), the base codec's first."""
+    opts = config.options(kind, MAX_BITS)
+    base = _base_tag(config, kind)
+    return [base] + [t for t in opts if t != base]
+
+
+def _sel(tag: str):
+    """A tag as a layer_bits entry: plain widths stay integers (``'b3'`` -> 3), variants their tag."""
+    return int(tag[1:]) if tag[1:].isdigit() else tag
+
+
+def _one_layer_roundtrip(config: KVConfig, kind: str, layer: int, tag: str):
+    """Round trip that compresses only ``layer``'s keys or values with option ``tag`` (the rest stays exact)."""
+    from kvcx.codecs.kvconfig import is_key_tensor
+    from kvcx.quality.bridge import roundtrip_tensors
+
+    codec = config.codec_at(kind, _sel(tag))
+    one = KVConfig(key=codec, value=codec, scheme=config.scheme)
+
+    def rt(tensors):
+        pick = {n: a for n, a in tensors.items()
+                if layer_of(n) == layer and is_key_tensor(n) == (kind == "key")}
+        if not pick:
+            raise KvcxError(f"calibration: the cache has no {kind} tensor for layer {layer}")
+        decoded, nbytes, stats = roundtrip_tensors(pick, one)
+        return {**tensors, **decoded}, nbytes, stats
+    return rt
+
+
+def layer_sensitivity(model, ids, starts: List[int], window: int, stride: int, config: KVConfig, n_layers: int,
+                      options: Optional[Iterable[str]] = None,
+                      on_window: Optional[Callable[[int, int], None]] = None) -> Tuple[Sensitivity, int]:
+    """({(kind, layer, tag): mean KLD}, tokens scored), one layer's keys or values compressed at a time, with
+    each of ``options`` (default: every option a plan may use) that the kind has."""
+    from kvcx.quality.scoring import compare_prefix
+
+    want = None if options is None else set(options)
+    roundtrips = {(kind, L, t): _one_layer_roundtrip(config, kind, L, t)
+                  for L in range(n_layers) for kind in KINDS for t in plan_options(config, kind)
+                  if want is None or t in want or f"{kind}.{t}" in want}
+    if not roundtrips:
+        raise KvcxError(f"options={','.join(sorted(want))} leaves nothing to measure: the plan's options are keys "
+                        f"{','.join(plan_options(config, 'key'))}, values {','.join(plan_options(config, 'value'))}")
+    runs = compare_prefix(model, ids, starts, window, stride, roundtrips, on_window)
+    tokens = next(iter(runs.values())).tokens
+    return {k: r.mean_kld for k, r in runs.items()}, tokens
+
+
+def _estimate(measured: Dict[str, Tuple[float, float]], tag: str, cost: float) -> Tuple[float, bool]:
+    """(KLD of option ``tag`` costing ``cost`` bits/value, whether it was estimated): measured, else from the
+    measured option nearest in bits/value at 4x per bit/value. ``measured``: tag -> (KLD, its bits/value)."""
+    if tag in measured:
+        return max(measured[tag][0], 0.0), False
+    kld, c = min(measured.values(), key=lambda m: (abs(m[1] - cost), m[1]))
+    return max(kld, 0.0) * 4.0 ** -(cost - c), True
+
+
+def _costs(config: KVConfig) -> Dict[Tuple[str, str], float]:
+    return {(k, t): config.codec_at(k, _sel(t)).bits_per_value() for k in KINDS for t in plan_options(config, k)}
+
+
+def check_budget(config: KVConfig, budget: float, cost: Optional[Dict[Tuple[str, str], float]] = None) -> None:
+    """Refuse a budget the config's cheapest options cannot meet (before any model runs)."""
+    cost = cost or _costs(config)
+    least = sum(min(c for (k, _), c in cost.items() if k == kind) for kind in KINDS) / 2
+    if not (math.isfinite(budget) and budget >= least - 1e-9):
+        raise KvcxError(f"budget={budget} bits/value must be a number at or above the {least:.3f} the config's "
+                        "cheapest codecs take; raise it or pick a scheme with fewer bits (kvcx2, kvcx3)")
+
+
+def allocate(sensitivity, config: KVConfig, n_layers: int, budget: float) -> Tuple[KVConfig, float, int]:
+    """(plan, estimated KLD, figures estimated): one option per (kind, layer) minimising the summed KLD with
+    the mean nominal bits/value within ``budget`` (keys and values of every layer the same size).
+
+    ``sensitivity`` maps (kind, layer, tag) to the KLD measured with ``config.codec_at(kind, tag)``
+    ((kind, layer) keys mean the base codec). An exact multiple-choice knapsack in 1/64-bit units."""
+    import numpy as np
+
+    cost = _costs(config)
+    check_budget(config, budget, cost)
+    measured: Dict[Tuple[str, int], Dict[str, Tuple[float, float]]] = {}
+    for key, v in sensitivity.items():
+        k, L, t = key if len(key) == 3 else (*key, _base_tag(config, key[0]))
+        t = tag_of(t)
+        if (k, t) in cost:
+            measured.setdefault((k, L), {})[t] = (float(v), cost[(k, t)])
+    items = [(k, L) for L in range(n_layers) for k in KINDS]
+    missing = [i for i in items if not measured.get(i)]
+    if missing:
+        raise KvcxError(f"no sensitivity measured for {missing[0][0]}s of layer {missing[0][1]} "
+                        f"({len(missing)} of {len(items)} missing): calibrate again (reusing saved figures, one counts "
+                        "only where it was measured with the codec the base scheme gives that option)")
+    options = {}
+    for k, L in items:
+        options[(k, L)] = [(t, int(round(cost[(k, t)] * _UNITS)), *_estimate(measured[(k, L)], t, cost[(k, t)]))
+                           for t in plan_options(config, k)]
+    cap = int(math.floor(budget * len(items) * _UNITS + 1e-6))
+    best = np.full(cap + 1, np.inf)
+    best[0] = 0.0
+    picks = []
+    for it in items:
+        nxt = np.full(cap + 1, np.inf)
+        pick = np.zeros(cap + 1, dtype=np.int8)
+        for j, (_, c, kld, _) in enumerate(options[it]):
+            if c > cap:
+                continue
+            cand = np.full(cap + 1, np.inf)
+            cand[c:] = best[:cap + 1 - c] + kld
+            better = cand < nxt
+            nxt[better] = cand[better]
+            pick[better] = j
+        best = nxt
+        picks.append(pick)
+    at = int(np.argmin(best))          # the least KLD; of equal ones the fewest bits
+    estimated = float(best[at])
+    chosen, guessed = {}, 0
+    for it, pick in zip(reversed(items), reversed(picks)):
+        t, c, _, g = options[it][int(pick[at])]
+        chosen[it] = _sel(t)
+        guessed += g
+        at -= c
+    base = (config.key, config.value)
+    layer_bits = [(L, chosen[("key", L)], chosen[("value", L)]) for L in range(n_layers)
+                  if (config.codec_at("key", chosen[("key", L)]), config.codec_at("value", chosen[("value", L)])) != base]
+    plan = KVConfig(key=config.key, value=config.value, scheme=config.scheme, layer_bits=layer_bits,
+                    variants=config.variants)
+    return plan, estimated, guessed
+
+
+def _saved_sensitivity(saved: dict, source: str) -> Tuple[KVConfig, Dict[Tuple[str, int, str], Tuple[float, object]], int]:
+    """(base config, {(kind, layer, tag): (KLD, codec measured with)}, n_layers) of a plan file's JSON."""
+    try:
+        cfg = KVConfig.from_config(saved["config"]).base()
+        n_layers = int(saved["n_layers"])
+        rows = {}
+        for r in saved["sensitivity"]:
+            k, L = r["kind"], int(r["layer"])
+            t = str(r.get("option", _base_tag(cfg, k)))   # earlier plans recorded the base codec only
+            rows[(k, L, t)] = (float(r["kld"]), cfg.codec_at(k, _sel(t)))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise KvcxError(f"{source}: not a plan written by `kvcx calibrate` (missing or bad field: {exc}); "
+                        "calibrate again") from None
+    covered = {(k, L) for k, L, _ in rows}
+    want = {(k, L) for L in range(n_layers) for k in KINDS}
+    if not covered <= want or (saved.get("complete", True) and covered != want):
+        raise KvcxError(f"{source}: the plan's sensitivities do not cover keys and values of its {n_layers} layers; "
+                        "calibrate again")
+    return cfg, rows, n_layers
+
+
+def query_weights(model, ids, starts: List[int], window: int,
+                  on_window: Optional[Callable[[int, int], None]] = None) -> Dict[int, list]:
+    """{layer: [[mean q^2 per channel] per KV head]}: each layer's queries (``self_attn.q_proj`` outputs) over
+    the windows, their query heads summed onto the KV head they read (grouped-query attention), and the two
+    channels of each rotary pair (c, c + head_dim / 2) averaged, since RoPE turns one into the other as
+    positions advance. A key channel's quantization error moves the attention logits by q_c * error_c, so
+    these are the weights of the keys' squared errors."""
+    import torch
+
+    cfg = model.config
+    heads = int(cfg.num_attention_heads)
+    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+    try:
+        layers = list(model.model.layers)
+        projs = [layer.self_attn.q_proj for layer in layers]
+    except AttributeError:
+        raise KvcxError("query weights need a Llama-style model (model.model.layers[i].self_attn.q_proj); use "
+                        "--scheme kvcx2w without a plan (the widths then weigh every channel alike)") from None
+    if heads % kv_heads or head_dim % 2:
+        raise KvcxError(f"query weights: {heads} query heads do not group onto {kv_heads} KV heads of even head_dim")
+    sums = [torch.zeros(kv_heads, head_dim, dtype=torch.float64) for _ in projs]
+    count = [0]
+
+    def hook(i):
+        def f(_module, _inputs, out):
+            q = out.detach().double().reshape(-1, kv_heads, heads // kv_heads, head_dim)
+            sums[i] += (q * q).sum(dim=(0, 2))
+            if i == 0:
+                count[0] += q.shape[0]
+        return f
+
+    handles = [m.register_forward_hook(hook(i)) for i, m in enumerate(projs)]
+    dev = next(model.parameters()).device
+    try:
+        with torch.inference_mode():
+            for w, a in enumerate(starts):
+                model(ids[a:a + window][None].to(dev), use_cache=False)
+                if on_window:
+                    on_window(w + 1, len(starts))
+    finally:
+        for h in handles:
+            h.remove()
+    out = {}
+    for i, m in enumerate(sums):
+        m = m / max(1, count[0])
+        m = (m + m.roll(head_dim // 2, dims=-1)) / 2
+        out[i] = [[float(f"{x:.6g}") for x in row] for row in m.tolist()]
+    return out
+
+
+def width_plan(config: KVConfig, budget: float, weights: Dict[int, list]) -> KVConfig:
+    """A per-channel-widths config whose keys spend ``budget`` bits/value (nominal, with the values' own),
+    the queries' ``weights`` attached."""
+    key = config.key
+    mean = 2 * budget - config.value.bits_per_value() - 16 / key.group_size
+    mean = math.floor(mean * _UNITS + 1e-6) / _UNITS
+    if not 0 < mean <= 8:
+        raise KvcxError(f"budget={budget}: the keys would get {mean:g} bits per code on average, outside (0, 8]; "
+                        f"with {config.value.bits_per_value():g}-bit values pick a budget between "
+                        f"{(config.value.bits_per_value() + 16 / key.group_size) / 2 + 1 / 128:.3f} and "
+                        f"{(config.value.bits_per_value() + 8 + 16 / key.group_size) / 2:.3f}")
+    key = type(key).from_config({**key.get_config(), "bits": mean, "n_threads": key.n_threads})
+    return KVConfig(key=key, value=config.value, scheme=config.scheme, key_weights=weights)
+
+
+def reallocate(saved, budget: float, source="<plan>", base: Optional[KVConfig] = None) -> Calibration:
+    """A new plan from the sensitivities earlier calibrations measured (plan files' JSON): one measurement,
+    any number of budgets. ``saved`` may be one plan or several measured on the same model and text (e.g. one
+    per width); a figure counts where it was measured with the codec the base config gives that width. The
+    base config is ``base`` or the first plan's config without its per-layer widths."""
+    plans = [saved] if isinstance(saved, dict) else list(saved)
+    sources = [source] * len(plans) if isinstance(source, str) else list(source)
+    if not plans:
+        raise KvcxError("reallocate needs at least one saved plan")
+    first_cfg = plans[0].get("config") if isinstance(plans[0], dict) else None
+    try:
+        saved_cfg = KVConfig.from_config(first_cfg) if isinstance(first_cfg, dict) else None
+    except CodecError as exc:
+        raise KvcxError(f"{sources[0]}: {exc}") from None
+    if saved_cfg is not None and saved_cfg.key.takes_weights:   # query weights, no sensitivities
+        start = base if base is not None and base.key.takes_weights else saved_cfg
+        plan = width_plan(start, budget, {L: [list(r) for r in w] for L, w in saved_cfg.key_weights})
+        n_layers = int(plans[0].get("n_layers", 0))
+        return Calibration(config=plan, sensitivity={}, budget=budget,
+                           bits_per_value=plan.bits_per_value(n_layers or 1), n_layers=n_layers,
+                           windows=int(plans[0].get("windows", 0)), tokens=int(plans[0].get("tokens", 0)),
+                           model=str(plans[0].get("model", "")), estimated_kld=math.nan)
+    try:
+        parsed = [_saved_sensitivity(p, s) for p, s in zip(plans, sources)]
+    except CodecError as exc:
+        raise KvcxError(f"{sources[0]}: {exc}") from None
+    cfg0, _, n_layers = parsed[0]
+    base = (base or cfg0).base()
+    first = plans[0]
+    for p, s, (_, _, n) in zip(plans[1:], sources[1:], parsed[1:]):
+        same = (n, p.get("model"), p.get("windows"), p.get("tokens")) == \
+               (n_layers, first.get("model"), first.get("windows"), first.get("tokens"))
+        if not same:
+            raise KvcxError(f"{s}: measured on another model or text than {sources[0]} (layers, model, windows, "
+                            "tokens differ); reuse plans calibrated with the same --model, --windows and --offset")
+    sens: Sensitivity = {}
+    for _, rows, _ in parsed:
+        for (k, L, t), (kld, codec) in rows.items():
+            if t in plan_options(base, k) and codec == base.codec_at(k, _sel(t)):
+                sens.setdefault((k, L, t), kld)
+    plan, estimated, guessed = allocate(sens, base, n_layers, budget)
+    return Calibration(config=plan, sensitivity=sens, budget=budget, bits_per_value=plan.bits_per_value(n_layers),
+                       n_layers=n_layers, windows=int(first.get("windows", 0)), tokens=int(first.get("tokens", 0)),
+                       model=str(first.get("model", "")), estimated_kld=estimated, extrapolated=guessed)
+
+
+def run_calibration(config: KVConfig, budget: float, model: Optional[str] = None, dataset_file=None,
+                    windows: int = DEFAULT_WINDOWS, offset: int = DEFAULT_OFFSET, window: int = 1024,
+                    stride: int = 512, cpu: bool = False, loaded=None, options: Optional[Sequence[str]] = None,
+                    on_phase: Optional[Callable[[int, int, str], None]] = None,
+                    on_window: Optional[Callable[[int, int], None]] = None) -> Calibration:
+    """Measure every layer's sensitivity on ``windows`` windows after the first ``offset`` with ``options``
+    (tags; default: every option a plan may use), then allocate."""
+    import torch
+
+    from kvcx.quality.models import load_dataset_text, load_model_and_tokenizer, resolve_model
+    from kvcx.quality.scoring import check_window, window_starts
+
+    t0 = time.perf_counter()
+    if config.layer_bits:
+        raise KvcxError("calibrate starts from a scheme's config, without per-layer widths; pass a scheme, not a plan")
+    widths = config.key.takes_weights
+    if widths:
+        if options is not None:
+            raise KvcxError(f"options={','.join(options)}: kvcx2w measures the queries, not codecs per layer; leave options "
+                            "out")
+        width_plan(config, budget, {})  # the budget checked before the model runs
+    if windows < 1 or offset < 0:
+        raise KvcxError(f"windows={windows} must be >= 1 and offset={offset} >= 0")
+    check_window(window, stride, windows, context_limit=1 << 62)
+    allowed = {k: plan_options(config, k) for k in KINDS}
+    if options is not None and (not options or any(all(t not in a and t not in [f"{k}.{x}" for x in a]
+                                                        for k, a in allowed.items()) for t in options)):
+        raise KvcxError(f"options={','.join(options)}: a plan from {config.scheme} chooses keys from "
+                        f"{','.join(allowed['key'])} and values from {','.join(allowed['value'])}; measure some of those")
+    if not widths:
+        check_budget(config, budget)   # before the model runs, not after
+    text = load_dataset_text(dataset_file)
+    source = resolve_model(model) if loaded is None else None
+    m, tok, name = loaded if loaded is not None else load_model_and_tokenizer(source, cpu=cpu)
+    n_layers = int(m.config.num_hidden_layers)
+    ids = torch.tensor(tok(text, return_tensors=None)["input_ids"], dtype=torch.long)
+    starts = window_starts(ids.numel(), window, stride, 0)
+    if len(starts) < offset + windows:
+        raise KvcxError(f"the calibration text has {len(starts)} windows of {window}; offset={offset} + windows="
+                        f"{windows} needs more: lower the offset or use a longer text")
+    starts = starts[offset:offset + windows]
+    if widths:
+        if on_phase:
+            on_phase(1, 2, f"{name}: the queries of {n_layers} layers, {windows} windows from window {offset}")
+        plan = width_plan(config, budget, query_weights(m, ids, starts, window, on_window))
+        if on_phase:
+            on_phase(2, 2, f"plan: keys {plan.key.bits:g} bits per code on average, "
+                           f"{plan.bits_per_value(n_layers):.3f} bits/value nominal")
+        return Calibration(config=plan, sensitivity={}, budget=budget, bits_per_value=plan.bits_per_value(n_layers),
+                           n_layers=n_layers, windows=windows, tokens=windows * window,
+                           wall_time_s=time.perf_counter() - t0, model=name, estimated_kld=math.nan)
+    if on_phase:
+        n_opts = sum(len([t for t in a if options is None or t in options or f"{k}.{t}" in options])
+                     for k, a in allowed.items())
+        on_phase(1, 2, f"{name}: {n_layers} layers x {n_opts} key/value codecs, {windows} windows from window "
+                       f"{offset}, {config.describe()}")
+    sens, tokens = layer_sensitivity(m, ids, starts, window, stride, config, n_layers, options, on_window)
+    measured_kinds = {k for k, _, _ in sens}
+    if measured_kinds != set(KINDS):
+        # --options measured one kind only: keep the figures (no plan yet); --reuse combines them with others
+        return Calibration(config=config, sensitivity=sens, budget=budget, bits_per_value=config.bits_per_value(n_layers),
+                           n_layers=n_layers, windows=windows, tokens=tokens, wall_time_s=time.perf_counter() - t0,
+                           model=name, estimated_kld=math.nan, extrapolated=0, complete=False)
+    plan, estimated, guessed = allocate(sens, config, n_layers, budget)
+    if on_phase:
+        on_phase(2, 2, f"plan: {plan.bits_per_value(n_layers):.3f} bits/value nominal, "
+                       f"{len(plan.layer_bits)} layers changed")
+    return Calibration(config=plan, sensitivity=sens, budget=budget, bits_per_value=plan.bits_per_value(n_layers),
+                       n_layers=n_layers, windows=windows, tokens=tokens, wall_time_s=time.perf_counter() - t0,
+                       model=name, estimated_kld=estimated, extrapolated=guessed)

@@ -1,0 +1,160 @@
+"""Scoring a model with an exact and a compressed KV cache on the same tokens: the core of ``kvcx validate``
+and ``kvcx calibrate``.
+
+Sliding windows over a text (:func:`window_starts`); in each window the context's exact cache is built
+once and scored once, then every round trip (tensors -> decoded tensors, packed bytes, ErrorStats)
+compresses that same cache and scores the same continuation tokens (:func:`compare_prefix`). A
+:class:`PerplexityRun` sums what one setting did: negative log-likelihoods, KL divergence and top-1
+agreement against the exact cache's next-token distributions, bytes. torch is imported inside the
+functions that need it.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Mapping, Optional
+
+import numpy as np
+
+from kvcx.codecs.metrics import ErrorStats
+from kvcx.errors import DatasetError, KvcxError
+
+WindowCallback = Callable[[int, int], None]
+# a round trip of one cache: tensors -> (decoded tensors, packed bytes, ErrorStats)
+Roundtrip = Callable[[Dict[str, np.ndarray]], tuple]
+
+
+def window_starts(n_tokens: int, window: int, stride: int, max_windows: int) -> List[int]:
+    """First token of each evaluation window (0 = every window of the text)."""
+    if n_tokens < window:
+        raise DatasetError(f"the evaluation text has {n_tokens} tokens, fewer than one window of {window}; "
+                           "use a longer text or a smaller --window")
+    starts = list(range(0, n_tokens - window + 1, stride))
+    return starts if max_windows == 0 else starts[:max_windows]
+
+def check_window(window: int, stride: int, max_windows: int, context_limit: int) -> None:
+    if window < 2 or stride < 2:
+        raise KvcxError(f"window={window} and stride={stride} must be at least 2")
+    if stride >= window:
+        raise KvcxError(f"stride={stride} must be smaller than window={window}: the window's first "
+                        "window - stride tokens are the compressed context")
+    if window > context_limit:
+        raise KvcxError(f"window={window} exceeds the model's context of {context_limit} tokens")
+    if max_windows < 0:
+        raise KvcxError(f"max_windows={max_windows} must be >= 0 (0 = the whole test set)")
+
+def identity_roundtrip(tensors):
+    """No compression: the decoded cache is the exact cache (the delta must be exactly 0)."""
+    from kvcx.quality.bridge import original_nbytes
+
+    return dict(tensors), original_nbytes(tensors), ErrorStats(n=sum(a.size for a in tensors.values()))
+
+def sequence_nll(logits, targets) -> float:
+    """Summed negative log-likelihood of ``targets`` [T] under ``logits`` [T, vocab] (float64 sum)."""
+    import torch
+
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    return float(-lp.gather(-1, targets[:, None]).double().sum())
+
+def next_token_divergence(base_logits, comp_logits) -> tuple:
+    """(summed KL(exact || compressed) of the next-token distributions in nats, top-1 matches) over the
+    rows of two [T, vocab] logit tensors: the sensitive measures beside perplexity (llama.cpp's KLD)."""
+    import torch
+
+    lp = torch.log_softmax(base_logits.float(), dim=-1)
+    lq = torch.log_softmax(comp_logits.float(), dim=-1)
+    kl = (lp.exp() * (lp - lq)).sum(-1).clamp_min(0.0)
+    return float(kl.double().sum()), int((base_logits.argmax(-1) == comp_logits.argmax(-1)).sum())
+
+@dataclass
+class PerplexityRun:
+    """Summed NLLs and sizes of one compressed setting over the scored windows."""
+
+    baseline_nll: float = 0.0
+    compressed_nll: float = 0.0
+    tokens: int = 0
+    windows: int = 0
+    original_bytes: int = 0     # the cache in the model's dtype
+    packed_bytes: int = 0
+    values: int = 0
+    stats: ErrorStats = field(default_factory=ErrorStats)
+    codec_time_s: float = 0.0   # wall time of the round trips
+    codec_cpu_s: float = 0.0    # CPU time of the round trips (all threads)
+    kl_sum: float = 0.0         # summed KL(exact || compressed) over the scored tokens, nats
+    top1_matches: int = 0       # scored tokens whose most likely next token is the same on both caches
+
+    def add_window(self, base_nll: float, comp_nll: float, tokens: int, original_bytes: int, packed_bytes: int,
+                   values: int, codec_time_s: float, stats: Optional[ErrorStats] = None,
+                   codec_cpu_s: float = 0.0, divergence: tuple = (0.0, 0)) -> None:
+        """Add one window's scores and sizes."""
+        self.kl_sum += divergence[0]
+        self.top1_matches += divergence[1]
+        self.baseline_nll += base_nll
+        self.compressed_nll += comp_nll
+        self.tokens += int(tokens)
+        self.windows += 1
+        self.original_bytes += original_bytes
+        self.packed_bytes += packed_bytes
+        self.values += values
+        self.codec_time_s += codec_time_s
+        self.codec_cpu_s += codec_cpu_s
+        if stats is not None:
+            self.stats += stats
+
+    @property
+    def baseline_ppl(self) -> float:
+        return math.exp(self.baseline_nll / self.tokens)
+
+    @property
+    def compressed_ppl(self) -> float:
+        return math.exp(self.compressed_nll / self.tokens)
+
+    @property
+    def mean_kld(self) -> float:
+        return self.kl_sum / self.tokens if self.tokens else 0.0
+
+    @property
+    def top1_agreement(self) -> float:
+        return self.top1_matches / self.tokens if self.tokens else 0.0
+
+    @property
+    def bits_per_value(self) -> float:
+        return 8.0 * self.packed_bytes / self.values if self.values else 0.0
+
+    @property
+    def ratio_vs_fp16(self) -> float:
+        return 2.0 * self.values / self.packed_bytes if self.packed_bytes else 0.0
+
+def compare_prefix(model, ids, starts: List[int], window: int, stride: int, roundtrips: Mapping[str, Roundtrip],
+                   on_window: Optional[WindowCallback] = None) -> Dict[str, PerplexityRun]:
+    """Prefix mode for several settings at once: each window's context cache is built and scored exactly
+    once, then every round trip compresses that same cache and scores the same continuation tokens."""
+    import torch
+
+    from kvcx.quality.bridge import cache_to_tensors, make_dynamic_cache, original_nbytes, tensors_to_layers
+
+    dev = next(model.parameters()).device
+    runs = {label: PerplexityRun() for label in roundtrips}
+    ctx_len = window - stride
+    with torch.inference_mode():
+        for w, a in enumerate(starts):
+            ctx = ids[a:a + ctx_len][None].to(dev)
+            cont = ids[a + ctx_len:a + window][None].to(dev)
+            targets = cont[0, 1:]
+            cache = model(ctx, use_cache=True).past_key_values
+            tensors = cache_to_tensors(cache)
+            base_logits = model(cont, past_key_values=cache, use_cache=True).logits[0, :-1]
+            base = sequence_nll(base_logits, targets)
+            for label, roundtrip in roundtrips.items():
+                t, c = time.perf_counter(), time.process_time()
+                decoded, nbytes, stats = roundtrip(tensors)
+                comp_cache = make_dynamic_cache(tensors_to_layers(decoded, dev))
+                codec_s, codec_cpu = time.perf_counter() - t, time.process_time() - c
+                comp_logits = model(cont, past_key_values=comp_cache, use_cache=True).logits[0, :-1]
+                runs[label].add_window(base, sequence_nll(comp_logits, targets), targets.numel(),
+                                       original_nbytes(tensors), nbytes, sum(x.size for x in tensors.values()),
+                                       codec_s, stats, codec_cpu, next_token_divergence(base_logits, comp_logits))
+            if on_window:
+                on_window(w + 1, len(starts))
+    return runs

@@ -1,0 +1,233 @@
+"""``kvcx validate``: perplexity with the exact vs the kvcx-compressed KV cache.
+
+Sliding windows over WikiText-2 raw test: window ``w`` (default 1024), stride ``s``
+(default 512). Window ``i`` covers tokens ``[i*s, i*s + w)``; its first ``w - s``
+tokens are the context, run once to build the exact KV cache. That cache goes
+through the real kvcx codec and file format (encode -> packed safetensors bytes ->
+read -> decode). The window's last ``s`` tokens are then scored twice, attending
+to the exact cache and to the decoded cache: token ``j`` of the continuation is
+predicted from the continuation's position ``j - 1`` (``s - 1`` tokens per
+window, every one of them attending to the compressed context). Windows never
+overlap in scored tokens, and both perplexities come from the same tokens. On the same
+tokens it also measures the mean KL divergence between the exact and the compressed
+model's next-token distributions and how often their most likely next token agrees.
+
+This module computes; it prints nothing. Progress reaches the caller through two
+callbacks: ``on_phase(step, total, message)`` and ``on_window(done, total)``.
+The scoring itself lives in :mod:`kvcx.quality.scoring`, model and text loading in
+:mod:`kvcx.quality.models`; torch is imported inside the functions that need it.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, List, Optional
+
+import numpy as np
+
+from kvcx.codecs.kvconfig import KVConfig
+from kvcx.codecs.metrics import Thresholds, check_thresholds, json_safe, quality_level
+from kvcx.errors import KvcxError
+from kvcx.quality.models import load_dataset_text, load_model_and_tokenizer, resolve_model
+from kvcx.quality.scoring import (  # noqa: F401
+    PerplexityRun,
+    Roundtrip,
+    WindowCallback,
+    check_window,
+    compare_prefix,
+    identity_roundtrip,
+    next_token_divergence,
+    sequence_nll,
+    window_starts,
+)
+
+DEFAULT_THRESHOLD = 0.5
+DEFAULT_WINDOW = 1024
+DEFAULT_STRIDE = 512
+PHASES = 6
+
+PhaseCallback = Callable[[int, int, str], None]
+
+
+@dataclass
+class ValidationResult:
+    baseline_perplexity: float
+    compressed_perplexity: float
+    delta: float
+    delta_percent: float
+    compression_ratio: float          # FP16 bytes of the cache / packed bytes (as the seeds and peers report)
+    rmse: float                       # absolute, in the cache's units
+    snr_db: float
+    cosine_similarity: float
+    passed: bool
+    threshold: float
+    bits_per_value: float = 0.0
+    relative_rmse: float = 0.0        # RMSE / RMS of the exact cache: scale-free
+    kld: float = 0.0                  # mean KL(exact || compressed) of the next-token distributions, nats/token
+    top1_agreement: float = 0.0       # fraction of scored tokens with the same most likely next token
+    compression_ratio_vs_cache_dtype: float = 0.0   # vs the cache as the model holds it (FP32 on CPU)
+    cache_dtype: str = ""
+    max_error: float = 0.0
+    quality_level: str = ""           # the reference design's level on absolute RMSE/SNR (TinyLlama scale)
+    tokens_scored: int = 0
+    windows: int = 0
+    window: int = 0
+    stride: int = 0
+    mode: str = "prefix"
+    model: str = ""
+    device: str = ""
+    config: dict = field(default_factory=dict)
+    wall_time_s: float = 0.0
+    codec_time_s: float = 0.0
+    quick_test: bool = False
+    violations: List[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return json_safe(asdict(self))
+
+    def verdict_line(self) -> str:
+        word = "PASSED" if self.passed else "FAILED"
+        if self.quick_test:
+            return (f"{word}: quick test RMSE {self.rmse:.4f}, SNR {self.snr_db:.2f} dB, cosine "
+                    f"{self.cosine_similarity:.5f}" + (f" ({'; '.join(self.violations)})" if self.violations else ""))
+        return (f"{word}: perplexity delta {self.delta:+.4f} ({self.delta_percent:+.2f}%) "
+                f"{'<' if self.passed else '>='} threshold {self.threshold}")
+
+
+def kvcx_roundtrip(config: KVConfig) -> Roundtrip:
+    from kvcx.quality.bridge import roundtrip_tensors
+
+    return lambda tensors: roundtrip_tensors(tensors, config)
+
+def perplexity_prefix(model, ids, starts: List[int], window: int, stride: int, roundtrip: Roundtrip,
+                      on_window: Optional[WindowCallback] = None) -> PerplexityRun:
+    """Prefix mode: compress each window's context cache once, score the continuation on both caches."""
+    return compare_prefix(model, ids, starts, window, stride, {"kvcx": roundtrip}, on_window)["kvcx"]
+
+def perplexity_generation(model, ids, starts: List[int], window: int, stride: int, config: KVConfig,
+                          residual_length: int = 128, on_window: Optional[WindowCallback] = None) -> PerplexityRun:
+    """Generation mode: every key/value goes through KvcxCache as the model runs over the window.
+
+    The window is fed in chunks of ``residual_length`` tokens, so each chunk attends to all earlier
+    tokens in packed INT4 form (plus the full-precision residual), as during generation.
+    """
+    import torch
+
+    from kvcx.cache.kvcx_cache import KvcxCache
+
+    dev = next(model.parameters()).device
+    run = PerplexityRun()
+    ctx_len = window - stride
+    with torch.inference_mode():
+        for w, a in enumerate(starts):
+            win = ids[a:a + window][None].to(dev)
+            targets = win[0, ctx_len + 1:]
+            base_logits = model(win, use_cache=False).logits[0, ctx_len:-1]
+            cache = KvcxCache(model.config, kv_config=config, residual_length=residual_length)
+            chunks = []
+            for c0 in range(0, window, residual_length):
+                chunks.append(model(win[:, c0:c0 + residual_length], past_key_values=cache, use_cache=True).logits[0])
+            comp_logits = torch.cat(chunks)[ctx_len:-1]
+            mem = cache.memory_report()
+            run.add_window(sequence_nll(base_logits, targets), sequence_nll(comp_logits, targets), targets.numel(),
+                           mem["model_dtype_equivalent_bytes"], mem["total_bytes"], mem["fp16_equivalent_bytes"] // 2,
+                           cache.kernel_time_s, divergence=next_token_divergence(base_logits, comp_logits))
+            if on_window:
+                on_window(w + 1, len(starts))
+    return run
+
+def run_validation(config: KVConfig, threshold: float = DEFAULT_THRESHOLD, model: Optional[str] = None,
+                   dataset_file=None, window: Optional[int] = None, stride: int = DEFAULT_STRIDE,
+                   max_windows: int = 32, mode: str = "prefix", cpu: bool = False, device=None,
+                   on_phase: Optional[PhaseCallback] = None, on_window: Optional[WindowCallback] = None,
+                   roundtrip: Optional[Roundtrip] = None, loaded=None) -> ValidationResult:
+    """The six phases of ``kvcx validate``. ``loaded`` = (model, tokenizer, name) skips loading.
+
+    Every input (options, evaluation text, model path and packages) is resolved before the model loads.
+    """
+    t_start = time.perf_counter()
+
+    def phase(step: int, message: str) -> None:
+        if on_phase:
+            on_phase(step, PHASES, message)
+
+    if mode not in ("prefix", "generation"):
+        raise KvcxError(f"mode={mode!r} must be 'prefix' or 'generation'")
+    if not (threshold > 0 and math.isfinite(threshold)):
+        raise KvcxError(f"threshold={threshold} must be a positive number")
+    # the context limit is checked again once the model is known
+    check_window(window or DEFAULT_WINDOW, stride, max_windows, context_limit=1 << 62)
+    text = load_dataset_text(dataset_file)
+    source = resolve_model(model) if loaded is None else None
+    phase(1, f"evaluation text: {len(text):,} characters")
+    m, tok, name = loaded if loaded is not None else load_model_and_tokenizer(source, device=device, cpu=cpu)
+    import torch
+
+    dev = next(m.parameters()).device
+    ctx_limit = int(getattr(m.config, "max_position_embeddings", DEFAULT_WINDOW) or DEFAULT_WINDOW)
+    window = window or min(DEFAULT_WINDOW, ctx_limit)
+    check_window(window, stride, max_windows, ctx_limit)
+    phase(2, f"model: {name} on {dev} ({next(m.parameters()).dtype}), {m.config.num_hidden_layers} layers")
+    ids = torch.tensor(tok(text, return_tensors=None)["input_ids"], dtype=torch.long)
+    starts = window_starts(ids.numel(), window, stride, max_windows)
+    phase(3, f"tokenized: {ids.numel():,} tokens, {len(starts)} windows of {window} (stride {stride})")
+    phase(4, f"codec: {config.describe()}; scoring each window with the exact and with the compressed cache, "
+             f"same tokens ({mode} mode)")
+    if mode == "prefix":
+        run = perplexity_prefix(m, ids, starts, window, stride, roundtrip or kvcx_roundtrip(config), on_window)
+    else:
+        run = perplexity_generation(m, ids, starts, window, stride, config, on_window=on_window)
+    base, comp = run.baseline_ppl, run.compressed_ppl
+    phase(5, f"baseline perplexity   {base:.4f} ({run.tokens:,} tokens)")
+    phase(6, f"compressed perplexity {comp:.4f}")
+    delta = comp - base
+    s = run.stats
+    return ValidationResult(
+        baseline_perplexity=base, compressed_perplexity=comp, delta=delta, delta_percent=100.0 * delta / base,
+        compression_ratio=run.ratio_vs_fp16, bits_per_value=run.bits_per_value,
+        compression_ratio_vs_cache_dtype=run.original_bytes / run.packed_bytes if run.packed_bytes else 0.0,
+        cache_dtype=str(next(m.parameters()).dtype).replace("torch.", ""),
+        rmse=s.rmse, relative_rmse=s.relative_rmse, snr_db=s.snr_db, cosine_similarity=s.cosine_similarity,
+        kld=run.mean_kld, top1_agreement=run.top1_agreement,
+        max_error=s.max_error, quality_level=quality_level(s.rmse, s.snr_db) if s.n else "",
+        passed=delta < threshold, threshold=threshold,
+        tokens_scored=run.tokens, windows=run.windows, window=window, stride=stride, mode=mode, model=name,
+        device=str(dev), config=config.get_config(), wall_time_s=time.perf_counter() - t_start,
+        codec_time_s=run.codec_time_s)
+
+def quick_test(config: KVConfig, seq_len: int = 128, seed: int = 0, thresholds: Optional[Thresholds] = None,
+               on_phase: Optional[PhaseCallback] = None) -> ValidationResult:
+    """No model: a synthetic cache of TinyLlama's shape (22 layers x [1, 4, seq, 64] FP16), judged on
+    RMSE / SNR / cosine against the reference thresholds."""
+    from kvcx.quality.bridge import (
+        TINYLLAMA_HEAD_DIM,
+        TINYLLAMA_NUM_KV_HEADS,
+        TINYLLAMA_NUM_LAYERS,
+        original_nbytes,
+        roundtrip_tensors,
+    )
+
+    t = time.perf_counter()
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for i in range(TINYLLAMA_NUM_LAYERS):
+        shape = (1, TINYLLAMA_NUM_KV_HEADS, seq_len, TINYLLAMA_HEAD_DIM)
+        # keys: a few outlier channels, as real post-RoPE keys have; values: plain Gaussian
+        k = rng.standard_normal(shape).astype(np.float32)
+        k[..., rng.choice(TINYLLAMA_HEAD_DIM, 4, replace=False)] *= 4.0
+        tensors[f"layer_{i}_key"] = (0.5 * k).astype(np.float16)
+        tensors[f"layer_{i}_value"] = (0.5 * rng.standard_normal(shape)).astype(np.float16)
+    if on_phase:
+        on_phase(1, 1, f"quick test: synthetic TinyLlama-shaped cache ({TINYLLAMA_NUM_LAYERS} layers x "
+                       f"[1, {TINYLLAMA_NUM_KV_HEADS}, {seq_len}, {TINYLLAMA_HEAD_DIM}] FP16), {config.describe()}")
+    _, nbytes, s = roundtrip_tensors(tensors, config)
+    violations = check_thresholds(s, thresholds or Thresholds())
+    orig = original_nbytes(tensors)
+    return ValidationResult(
+        baseline_perplexity=float("nan"), compressed_perplexity=float("nan"), delta=float("nan"),
+        delta_percent=float("nan"), compression_ratio=2.0 * s.n / nbytes, compression_ratio_vs_cache_dtype=orig / nbytes,
+        cache_dtype="float16", rmse=s.rmse, relative_rmse=s.relative_rmse, snr_db=s.snr_db,
+        cosine_similarity=s.cosine_similarity, max_error=s.max_error, quality_level=quality_level(s.rmse, s.snr_db),
+        passed=not violations, threshold=float("nan"), bits_per_value=8.0 * nbytes / s.n, model="synthetic",
+        config=config.get_config(), wall_time_s=time.perf_counter() - t, quick_test=True, violations=violations)

@@ -1,0 +1,178 @@
+"""The fused decode attention (kvcx.cache.store / fused) against attention over the decoded cache, in NumPy.
+
+The packed data comes from the codecs themselves (real encodes); the reference decodes it and runs softmax
+attention in float64. The model-level equality (logits, every layer, padding) is in test_kvcx_cache.py."""
+import numpy as np
+import pytest
+
+from kvcx.cache import fused
+from kvcx.cache.store import NO_MASK, PackedKV, fused_unsupported
+from kvcx.codecs import IntCodec, KVConfig, decode
+from kvcx.errors import CodecError
+
+
+def _reference(q, K, V, mask, scaling):
+    B, Hq, D = q.shape
+    R = Hq // K.shape[1]
+    out = np.zeros(q.shape, dtype=np.float64)
+    for b in range(B):
+        for h in range(Hq):
+            s = K[b, h // R].astype(np.float64) @ q[b, h].astype(np.float64) * scaling
+            if mask is not None:
+                s = s + mask[b]
+            p = np.exp(s - s.max())
+            out[b, h] = (p / p.sum()) @ V[b, h // R].astype(np.float64)
+    return out
+
+
+def _build(kv: KVConfig, K, V, chunks):
+    """A PackedKV from chunks of K/V, and the decoded K/V the materialising path would see."""
+    B, H, _, D = K.shape
+    store = PackedKV(B * H, D, kv.key, kv.value)
+    nxt = [IntCodec.from_config({**c.get_config(), "sinks": 0}) for c in (kv.key, kv.value)]
+    Kd, Vd = np.empty_like(K), np.empty_like(V)
+    o = 0
+    for i, n in enumerate(chunks):
+        ck, cv = (kv.key, kv.value) if i == 0 else nxt
+        pk = ck.encode(np.ascontiguousarray(K[:, :, o:o + n]))
+        pv = cv.encode(np.ascontiguousarray(V[:, :, o:o + n]))
+        store.append(pk, pv)
+        Kd[:, :, o:o + n], Vd[:, :, o:o + n] = decode(pk), decode(pv)
+        o += n
+    return store, Kd[:, :, :o], Vd[:, :, :o]
+
+
+def _kv(rng, B, H, T, D):
+    # keys with per-channel offsets (what makes per-channel grouping pay), values plain
+    K = (rng.standard_normal((B, H, T, D)) * 2 + rng.standard_normal((1, 1, 1, D)) * 3).astype(np.float32)
+    V = rng.standard_normal((B, H, T, D)).astype(np.float32)
+    return K, V
+
+
+@pytest.mark.parametrize("scheme", ["kvcx", "reference", "kivi", "asymmetric"])
+@pytest.mark.parametrize("B,H,R,chunks,nr", [(1, 3, 3, [128, 128, 128], 37), (2, 2, 4, [128], 1),
+                                             (1, 1, 1, [256, 128], 64), (2, 3, 5, [256] * 5, 20),
+                                             (1, 2, 2, [], 9)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_fused_equals_attention_over_the_decoded_cache(scheme, B, H, R, chunks, nr, threads):
+    rng = np.random.default_rng(len(chunks) * 7 + B)
+    D = 64
+    T = sum(chunks)
+    K, V = _kv(rng, B, H, T + nr, D)
+    store, Kd, Vd = _build(KVConfig.from_scheme(scheme), K, V, chunks)
+    rk, rv = np.ascontiguousarray(K[:, :, T:]), np.ascontiguousarray(V[:, :, T:])
+    q = rng.standard_normal((B, H * R, D)).astype(np.float32)
+    mask = np.zeros((B, T + nr), np.float32)
+    if B > 1:
+        mask[1, :min(50, T + nr - 1)] = -np.inf  # a left-padded row
+    out = store.attend(q, rk, rv, mask, D ** -0.5, n_threads=threads)
+    ref = _reference(q, np.concatenate([Kd, rk], 2), np.concatenate([Vd, rv], 2), mask, D ** -0.5)
+    np.testing.assert_allclose(out, ref, atol=3e-5, rtol=1e-4)
+    # no mask = all zeros; the output array can be passed in
+    out2 = np.full_like(out, np.nan)
+    store.attend(q, rk, rv, None, D ** -0.5, n_threads=threads, out=out2)
+    np.testing.assert_allclose(out2, _reference(q, np.concatenate([Kd, rk], 2), np.concatenate([Vd, rv], 2), None,
+                                                D ** -0.5), atol=3e-5, rtol=1e-4)
+
+
+def test_long_context_splits_across_threads_and_rotated_keys():
+    """8,000 tokens split into token ranges per thread; keys rotated too (q rotated once)."""
+    rng = np.random.default_rng(5)
+    B, H, R, D = 1, 3, 3, 64
+    kv = KVConfig(key=IntCodec(scheme="asymmetric", axis="channel", rotate=True, sinks=2),
+                  value=IntCodec(scheme="asymmetric", rotate=True, sinks=0))
+    K, V = _kv(rng, B, H, 8064, D)
+    store, Kd, Vd = _build(kv, K, V, [128] * 63)
+    rk, rv = np.ascontiguousarray(K[:, :, 8064:]), np.ascontiguousarray(V[:, :, 8064:])
+    q = (rng.standard_normal((B, H * R, D)) * 3).astype(np.float32)
+    ref = _reference(q, Kd, Vd, None, 0.125)
+    for threads in (1, 2, 3):
+        np.testing.assert_allclose(store.attend(q, None, None, None, 0.125, n_threads=threads), ref,
+                                   atol=3e-5, rtol=1e-4)
+
+
+def test_fully_masked_prefix_and_extreme_scores():
+    """Masked tokens never leak in (even with scores far above the rest); exact zeros where masked."""
+    rng = np.random.default_rng(1)
+    kv = KVConfig.from_scheme("kvcx")
+    K, V = _kv(rng, 2, 1, 256 + 5, 64)
+    store, Kd, Vd = _build(kv, K, V, [256])
+    rk, rv = np.ascontiguousarray(K[:, :, 256:]), np.ascontiguousarray(V[:, :, 256:])
+    q = (rng.standard_normal((2, 1, 64)) * 40).astype(np.float32)  # sharp softmax: exp underflows widely
+    mask = np.zeros((2, 261), np.float32)
+    mask[0, :255] = -np.inf  # row 0 sees only the last 6 tokens
+    out = store.attend(q, rk, rv, mask, 0.125, n_threads=2)
+    ref = _reference(q, np.concatenate([Kd, rk], 2), np.concatenate([Vd, rv], 2), mask, 0.125)
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_plan_follows_the_store_and_counts_its_workspace():
+    rng = np.random.default_rng(2)
+    kv = KVConfig.from_scheme("kvcx")
+    K, V = _kv(rng, 1, 3, 512, 64)
+    store, Kd, Vd = _build(kv, K, V, [128])
+    q = rng.standard_normal((1, 9, 64)).astype(np.float32)
+    store.attend(q, None, None, None, 0.125)
+    before = store.nbytes
+    nxt = [IntCodec.from_config({**c.get_config(), "sinks": 0}) for c in (kv.key, kv.value)]
+    store.append(nxt[0].encode(np.ascontiguousarray(K[:, :, 128:256])), nxt[1].encode(np.ascontiguousarray(V[:, :, 128:256])))
+    out = store.attend(q, None, None, None, 0.125)
+    Kd2 = np.concatenate([Kd, decode(nxt[0].encode(np.ascontiguousarray(K[:, :, 128:256])))], 2)
+    Vd2 = np.concatenate([Vd, decode(nxt[1].encode(np.ascontiguousarray(V[:, :, 128:256])))], 2)
+    np.testing.assert_allclose(out, _reference(q, Kd2, Vd2, None, 0.125), atol=3e-5, rtol=1e-4)
+    assert store.nbytes > before and store.nbytes >= store.keys.nbytes + store.values.nbytes + store.workspace.nbytes > 0
+
+
+def test_what_the_kernel_does_not_take():
+    k4, v4 = IntCodec(axis="channel", scheme="asymmetric"), IntCodec(rotate=True)
+    assert fused_unsupported(k4, v4, 64, 3) is None
+    assert "4-bit" in fused_unsupported(IntCodec(bits=2), v4, 64, 3)
+    assert "multiple of 16" in fused_unsupported(k4, v4, 72, 3)
+    assert "per token" in fused_unsupported(k4, IntCodec(axis="channel"), 64, 3)
+    assert "whole tokens" in fused_unsupported(IntCodec(group_size=32), v4, 64, 3)
+    assert "query heads" in fused_unsupported(k4, v4, 64, fused.ATTN_MAX_GROUP + 1)
+
+
+def test_bad_inputs_are_clear_errors():
+    rng = np.random.default_rng(3)
+    kv = KVConfig.from_scheme("kvcx")
+    K, V = _kv(rng, 1, 3, 128, 64)
+    store, _, _ = _build(kv, K, V, [128])
+    q = rng.standard_normal((1, 9, 64)).astype(np.float32)
+    with pytest.raises(CodecError, match="q must be a C-contiguous float32"):
+        store.attend(q.astype(np.float64), None, None, None, 0.125)
+    with pytest.raises(CodecError, match="does not fit the packed stores"):
+        store.attend(rng.standard_normal((1, 8, 64)).astype(np.float32), None, None, None, 0.125)
+    with pytest.raises(CodecError, match="residual must be"):
+        store.attend(q, np.zeros((1, 3, 2, 64), np.float32), np.zeros((1, 3, 3, 64), np.float32), None, 0.125)
+    with pytest.raises(CodecError, match=r"mask must be a C-contiguous float32 \[B=1, kv_len=128\]"):
+        store.attend(q, None, None, np.zeros((1, 127), np.float32), 0.125)
+    with pytest.raises(CodecError, match="out must be"):
+        store.attend(q, None, None, None, 0.125, out=np.empty((1, 9, 63), np.float32))
+    with pytest.raises(CodecError, match="no tokens"):
+        PackedKV(3, 64, kv.key, kv.value).attend(q, None, None, None, 0.125)
+    two = PackedKV(3, 64, IntCodec(bits=2), kv.value)
+    two.append(IntCodec(bits=2).encode(K), kv.value.encode(V))
+    with pytest.raises(CodecError, match="4-bit codes"):
+        two.attend(q, None, None, None, 0.125)
+    with pytest.raises(CodecError, match="does not fit this store"):
+        store.append(kv.key.encode(K[:, :2]), kv.value.encode(V[:, :2]))
+    # step(): the per-layer path for callers that build the arrays (KvcxCache) still refuses sizes the
+    # kernel would index out of bounds, and its typed arguments refuse other dtypes
+    out = np.empty_like(q)
+    r2 = np.zeros((3, 2, 64), np.float32)
+    bad = [(q[:, :8].copy(), r2, r2, NO_MASK, out),                          # query heads
+           (q, r2, np.zeros((3, 3, 64), np.float32), NO_MASK, out),          # residual keys vs values
+           (q, np.zeros((2, 2, 64), np.float32), np.zeros((2, 2, 64), np.float32), NO_MASK, out),
+           (q, r2, r2, np.zeros((1, 129), np.float32), out),                 # mask: 128 held + 2 residual
+           (q, r2, r2, np.zeros((1, 0), np.float32), out),                   # a mask without its columns
+           (q, r2, r2, NO_MASK, np.empty((1, 9, 32), np.float32)),
+           (np.empty((0, 9, 64), np.float32), r2, r2, NO_MASK, out)]
+    for args in bad:
+        with pytest.raises(CodecError, match="do not fit the packed stores"):
+            store.step(args[0], args[1], args[2], args[3], 0.125, 2, args[4])
+    with pytest.raises(ValueError):
+        store.step(q.astype(np.float64), r2, r2, NO_MASK, 0.125, 2, out)
+    ref = store.attend(q, r2.reshape(1, 3, 2, 64), r2.reshape(1, 3, 2, 64), np.zeros((1, 130), np.float32), 0.125)
+    np.testing.assert_array_equal(store.step(q, r2, r2, np.zeros((1, 130), np.float32), 0.125, 2, out), ref)

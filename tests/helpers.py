@@ -1,0 +1,110 @@
+"""Helpers shared by the tests: test data, the codec's error bound, the CLI runner, a packed-file reseal."""
+import struct
+
+import numpy as np
+from typer.testing import CliRunner
+
+from kvcx.cli import app
+from kvcx.codecs.dtypes import BFLOAT16
+from kvcx.codecs.kvconfig import KVConfig
+from kvcx.formats.packed import crc32
+
+DTYPES = [np.float16, np.float32, BFLOAT16]
+
+
+KV_SHAPES = [(1, 3, 37, 64), (2, 4, 128, 64), (1, 1, 5, 128)]
+
+
+GENERIC_SHAPES = [(1000,), (7, 24), (3, 1, 9, 16), (1,)]
+
+
+def random_array(shape, dtype, seed=0, scale=1.0, outlier_channels=0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(shape).astype(np.float32) * scale
+    if outlier_channels and len(shape) >= 2:
+        x[..., rng.choice(shape[-1], outlier_channels, replace=False)] *= 8.0
+    return x.astype(dtype)
+
+
+def max_step(x, bits, asym):
+    """An upper bound of one quantization step for any group of x."""
+    a = np.asarray(x, dtype=np.float32)
+    span = float(a.max() - a.min()) if asym else 2.0 * float(np.abs(a).max())
+    levels = (2 ** bits - 1) if asym else (2 ** bits - 2)
+    return span / levels
+
+
+def check_roundtrip(codec, x):
+    """Encode/decode; shape and dtype kept, every error within half a step (plus FP16 scale rounding)."""
+    p = codec.encode(x)
+    y = codec.decode(p)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    err = np.abs(y.astype(np.float32) - x.astype(np.float32))
+    bound = 0.5 * max_step(x, codec.bits, codec.asym) * 1.01 + 2e-3 * float(np.abs(x.astype(np.float32)).max())
+    if codec.rotate:  # errors are bounded in the rotated space; rotation preserves the L2 norm per token
+        bound *= np.sqrt(x.shape[-1])
+    assert float(err.max()) <= bound, (float(err.max()), bound)
+    return p, y
+
+
+def tinyllama_cache(seq=128, dtype=np.float16, seed=0, outlier=1.0):
+    """22 layers x K, V [1, 4, seq, 64]; `outlier` scales two key channels (real keys have such channels)."""
+    rng = np.random.default_rng(seed)
+    t = {}
+    for i in range(22):
+        k = rng.standard_normal((1, 4, seq, 64)).astype(np.float32)
+        k[..., [3, 17]] *= outlier
+        t[f"layer_{i}_key"] = (0.5 * k).astype(dtype)
+        t[f"layer_{i}_value"] = (0.5 * rng.standard_normal((1, 4, seq, 64))).astype(dtype)
+    return t
+
+
+def small_cache():
+    return {"layer_0_key": random_array((1, 2, 8, 16), np.float16, seed=1, outlier_channels=2),
+            "layer_0_value": random_array((1, 2, 8, 16), np.float16, seed=2),
+            "positions": np.arange(8, dtype=np.int64)}
+
+
+def keys_like(shape, seed=0, dtype=np.float32):
+    """Key-like data: every channel its own offset and spread (some nearly flat)."""
+    rng = np.random.default_rng(seed)
+    D = shape[-1]
+    return (rng.standard_normal(shape) * rng.uniform(0.01, 4, D) + rng.uniform(-3, 3, D)).astype(dtype)
+
+
+def plan_config(scheme="kvcx3", layer_bits=((2, 4, 4), (5, 4, 3), (7, 3, 2))):
+    base = KVConfig.from_scheme(scheme)
+    return KVConfig(key=base.key, value=base.value, scheme=scheme, layer_bits=layer_bits, variants=base.variants)
+
+
+def seal(tensors, meta):
+    """A hand-crafted file: the edit is made consistently, CRC recomputed (only the schema stands guard)."""
+    return {**meta, "kvcx.crc32": crc32(tensors, meta)}
+
+
+runner = CliRunner()
+
+
+def run(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def codec_roundtrip(codec, x):
+    buf = np.empty(codec.serialized_size(x.shape, x.dtype), np.uint8)
+    assert codec.encode_into(x, buf) == buf.size
+    y = np.empty_like(x)
+    codec.decode_into(buf, y)
+    return buf, y
+
+
+def small_chunk(seed=0):
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((2, 3, 64, 128)) * 2).astype(BFLOAT16)
+
+
+def reseal(buf):
+    from kvcx.formats.chunk import checksum
+
+    b = buf.copy()
+    b[52:56] = np.frombuffer(struct.pack("<I", checksum(b)), np.uint8)
+    return b

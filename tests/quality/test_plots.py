@@ -1,0 +1,37 @@
+"""kvcx metrics --plot: the per-layer x per-head SNR heatmap."""
+import json
+
+import numpy as np
+import pytest
+
+from kvcx.formats import safetensors as kst
+from kvcx.formats.packed import compress_tensors, decompress_tensors
+from kvcx.quality.plots import head_snr_grid
+
+from helpers import plan_config, run, tinyllama_cache
+
+
+def test_metrics_plot_draws_the_per_head_heatmap(cache128, tmp_path):
+    pytest.importorskip("matplotlib")
+    import matplotlib.image as mpimg
+
+    png = tmp_path / "heat.png"
+    r = run("metrics", cache128, "--scheme", "kvcx2", "--plot", png, "--json", "--min-snr", "0", "--max-rmse", "10",
+            "--min-cosine", "0")
+    assert r.exit_code == 0, r.output
+    json.loads(r.stdout)  # --json keeps stdout machine-readable
+    img = mpimg.imread(png)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and img.shape[0] > 100 and img.shape[1] > 200
+    tensors = tinyllama_cache(seq=128)
+    grids = head_snr_grid(tensors, decompress_tensors(*compress_tensors(tensors, plan_config())[:2]))
+    layers, grid = grids["key"]
+    assert layers == list(range(22)) and grid.shape == (22, 4) and np.isfinite(grid).all()
+    # layer 2's keys are 4-bit in the plan: every head better than layer 0's 3-bit keys
+    assert (grid[2] > grid[0] + 3).all()
+    # names without a layer index: a clear error
+    flat = tmp_path / "flat.safetensors"
+    kst.save_file({"k": tensors["layer_0_key"], "v": tensors["layer_0_value"]}, flat)
+    r = run("metrics", flat, "--plot", tmp_path / "x.png")
+    assert r.exit_code == 1 and "layer index" in r.output
+    r = run("metrics", cache128, "--plot", tmp_path / "no" / "x.png")
+    assert r.exit_code == 1 and "does not exist" in r.output and "Traceback" not in r.output

@@ -1,0 +1,127 @@
+"""Validation on the real embedded model (SmolLM2-135M GGUF): utilities, identity codec, end to end."""
+import json
+import math
+
+import pytest
+
+from kvcx.codecs import KVConfig
+from kvcx.errors import KvcxError
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from typer.testing import CliRunner  # noqa: E402
+
+from kvcx.cli import app  # noqa: E402
+from kvcx.quality import bridge as kvc  # noqa: E402
+from kvcx.quality.validation import identity_roundtrip, run_validation  # noqa: E402
+
+pytestmark = pytest.mark.model
+
+
+PROMPT = "The quick brown fox jumps over the lazy dog. " * 6
+
+
+def test_extract_validate_stats_save_load(loaded, tmp_path):
+    model, tok, name = loaded
+    cache, meta = kvc.extract_kv_cache(model, tok, PROMPT)
+    assert (meta.num_layers, meta.num_kv_heads, meta.head_dim) == (30, 3, 64)
+    assert meta.seq_len == len(tok(PROMPT)["input_ids"])
+    kvc.validate_kv_cache_shape(cache, model.config)
+    with pytest.raises(KvcxError, match="KV cache has 30 layers, the model has 22"):
+        kvc.validate_kv_cache_shape(cache)  # TinyLlama's constants by default
+    stats = kvc.compute_kv_cache_stats(cache)
+    assert stats["num_values"] == 2 * 30 * 3 * meta.seq_len * 64 and stats["key"]["abs_max"] > 0
+    path = tmp_path / "cache.safetensors"
+    kvc.save_kv_cache(cache, path, meta)
+    side = json.loads((tmp_path / "cache.safetensors.metadata.json").read_text())
+    assert side["num_layers"] == 30 and side["seq_len"] == meta.seq_len
+    back, meta2 = kvc.load_kv_cache(path)
+    for (k1, v1), (k2, v2) in zip(kvc.cache_layers(cache), kvc.cache_layers(back)):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    # bfloat16 caches are kept exactly (not widened)
+    bf = kvc.make_dynamic_cache([(k.bfloat16(), v.bfloat16()) for k, v in kvc.cache_layers(cache)])
+    kvc.save_kv_cache(bf, tmp_path / "bf.safetensors")
+    back_bf, meta_bf = kvc.load_kv_cache(tmp_path / "bf.safetensors")
+    assert meta_bf.dtype == "bfloat16"
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(kvc.cache_layers(bf), kvc.cache_layers(back_bf)))
+
+
+def test_extract_rejects_bad_prompts(loaded):
+    model, tok, _ = loaded
+    with pytest.raises(KvcxError, match="batch size 1"):
+        kvc.extract_kv_cache(model, tok, ["a", "b"])
+    with pytest.raises(KvcxError, match="0 tokens"):
+        kvc.extract_kv_cache(model, tok, "")
+
+
+def test_compressed_cache_file_serves_the_model(loaded, tmp_path):
+    """compress -> packed file -> load_kv_cache: the model continues from the decoded cache."""
+    from kvcx.api import compress_kv_cache
+
+    model, tok, _ = loaded
+    cache, meta = kvc.extract_kv_cache(model, tok, PROMPT)
+    kvc.save_kv_cache(cache, tmp_path / "c.safetensors", meta)
+    m = compress_kv_cache(tmp_path / "c.safetensors", tmp_path / "p.safetensors")
+    assert m.passed and m.compression_ratio > 3 and m.file_size_ratio > 6  # vs FP16; the file holds FP32
+    packed_cache, _ = kvc.load_kv_cache(tmp_path / "p.safetensors")
+    nxt = tok(" Then", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        a = model(nxt, past_key_values=cache).logits[0, -1]
+        b = model(nxt, past_key_values=packed_cache).logits[0, -1]
+    assert torch.nn.functional.cosine_similarity(a, b, dim=0) > 0.99
+
+
+def test_identity_codec_gives_zero_delta(loaded, wikitext_path):
+    r = run_validation(KVConfig.from_scheme(), dataset_file=wikitext_path, max_windows=2, loaded=loaded,
+                       roundtrip=identity_roundtrip)
+    assert r.delta == 0.0 and r.baseline_perplexity == r.compressed_perplexity
+    assert r.tokens_scored == 2 * 511
+    assert r.kld == 0.0 and r.top1_agreement == 1.0  # the same logits: no divergence at all
+
+
+def test_validate_default_scheme(loaded, wikitext_path):
+    r = run_validation(KVConfig.from_scheme(), threshold=0.5, dataset_file=wikitext_path, max_windows=3,
+                       loaded=loaded)
+    assert 5 < r.baseline_perplexity < 60 and math.isfinite(r.compressed_perplexity)
+    assert r.compressed_perplexity != r.baseline_perplexity  # the codec really ran
+    assert abs(r.delta) < 0.5 and r.passed
+    assert 0.0 < r.kld < 0.1 and 0.9 < r.top1_agreement < 1.0  # sensitive measures, same scored tokens
+    assert 3.3 < r.compression_ratio < 4 and r.snr_db > 18  # vs FP16
+    assert r.cache_dtype == "float32" and r.compression_ratio_vs_cache_dtype == pytest.approx(2 * r.compression_ratio)
+    ref = run_validation(KVConfig.from_scheme("reference"), dataset_file=wikitext_path, max_windows=3, loaded=loaded)
+    assert ref.baseline_perplexity == r.baseline_perplexity
+    assert ref.delta > r.delta  # the default beats the reference design
+    assert ref.kld > r.kld and ref.top1_agreement <= r.top1_agreement
+
+
+def test_cli_validate_end_to_end_json(wikitext_path):
+    r = CliRunner().invoke(app, ["validate", "--threshold", "0.3", "--max-windows", "2", "--cpu", "--json",
+                                 "--dataset-file", str(wikitext_path)])
+    assert r.exit_code in (0, 3), r.output
+    v = json.loads(r.stdout)
+    assert v["windows"] == 2 and v["threshold"] == 0.3 and v["passed"] == (v["delta"] < 0.3)
+    # the ratio is against FP16 (bits/value beside it); the FP32 figure only under its own label
+    assert 3.3 < v["compression_ratio"] < 4.0
+    assert v["kld"] > 0 and 0 < v["top1_agreement"] <= 1
+    assert v["compression_ratio"] == pytest.approx(16 / v["bits_per_value"])
+    assert v["cache_dtype"] == "float32" and v["compression_ratio_vs_cache_dtype"] > 6
+    assert r.exit_code == (0 if v["passed"] else 3)
+
+
+def test_cli_unknown_model(wikitext_path, tmp_path):
+    r = CliRunner().invoke(app, ["validate", "--model", str(tmp_path / "nope.gguf"), "--dataset-file",
+                                 str(wikitext_path)])
+    assert r.exit_code == 1 and "no such GGUF file" in r.output and "Traceback" not in r.output
+    r = CliRunner().invoke(app, ["validate", "--model", str(tmp_path), "--dataset-file", str(wikitext_path)])
+    assert r.exit_code == 1 and "cannot load model" in r.output, r.output
+
+
+def test_generation_mode_runs_through_kvcx_cache(loaded, wikitext_path):
+    r = run_validation(KVConfig.from_scheme(), dataset_file=wikitext_path, max_windows=1, loaded=loaded,
+                       mode="generation")
+    assert r.mode == "generation" and r.tokens_scored == 511
+    assert 0.0 < r.kld < 0.5 and 0.8 < r.top1_agreement <= 1.0
+    assert math.isfinite(r.compressed_perplexity) and r.compressed_perplexity != r.baseline_perplexity
+    assert abs(r.delta) < 1.0
+    assert r.compression_ratio > 2.5  # FP16-equivalent bytes / packed + FP32 residual bytes
