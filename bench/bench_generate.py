@@ -202,10 +202,9 @@ def main(argv=None):
 
     import numpy as np
     import torch
-
     from report import Report
 
-    out = Report()
+    emit = Report()
 
     from kvcx.quality.models import load_dataset_text, load_model_and_tokenizer
 
@@ -217,15 +216,15 @@ def main(argv=None):
     text = load_dataset_text(args.dataset_file)
     need = max(args.prompt + args.steps, max(args.contexts) + 1)
     ids = torch.tensor(tok(text[: need * 12])["input_ids"][:need])[None]
-    out(f"# {name}: {L} layers, {Hkv} KV heads of {D}, {cfg.num_attention_heads} query heads; FP32 on CPU; "
+    emit(f"# {name}: {L} layers, {Hkv} KV heads of {D}, {cfg.num_attention_heads} query heads; FP32 on CPU; "
           f"torch threads {torch.get_num_threads()}, kvcx threads {torch.get_num_threads()}")
     caches = make_caches(model, not args.no_quanto)
 
     if "agreement" not in args.skip:
-        out(f"\n## Agreement: {args.prompt}-token prompt, next {args.steps} tokens teacher-forced\n")
-        out("| cache | top-1 agreement with DynamicCache | greedy: first divergence | bytes held (everything) "
+        emit(f"\n## Agreement: {args.prompt}-token prompt, next {args.steps} tokens teacher-forced\n")
+        emit("| cache | top-1 agreement with DynamicCache | greedy: first divergence | bytes held (everything) "
               "| vs FP16 DynamicCache |")
-        out("|---|---:|---:|---:|---:|")
+        emit("|---|---:|---:|---:|---:|")
         ref = ref_greedy = None
         logits = {}
         fp16 = None
@@ -243,22 +242,22 @@ def main(argv=None):
             div = next((i for i, (a, b) in enumerate(zip(ref_greedy, g)) if a != b), None)
             held_s = f"{held:,}" if held is not None else "n/a"
             ratio = f"{held / fp16:.3f}x" if held is not None and fp16 else "n/a"
-            out(f"| {label} | {agree / len(ref):.1%} ({agree}/{len(ref)}) | {'none' if div is None else div} | "
+            emit(f"| {label} | {agree / len(ref):.1%} ({agree}/{len(ref)}) | {'none' if div is None else div} | "
                   f"{held_s} | {ratio} |", flush=True)
         if "KvcxCache fused" in logits and "KvcxCache materialising" in logits:
             d = (logits["KvcxCache fused"] - logits["KvcxCache materialising"]).abs().max().item()
             m = logits["KvcxCache materialising"].abs().max().item()
-            out(f"\nfused vs materialising logits over the {args.steps} steps: max |difference| {d:.2e} "
+            emit(f"\nfused vs materialising logits over the {args.steps} steps: max |difference| {d:.2e} "
                   f"(max |logit| {m:.1f})")
 
     if "speed" not in args.skip:
         from transformers import DynamicCache
 
-        out(f"\n## Decode speed: {args.rounds} interleaved rounds of {args.per_round} greedy steps per cache\n")
+        emit(f"\n## Decode speed: {args.rounds} interleaved rounds of {args.per_round} greedy steps per cache\n")
         labels = list(caches)
-        out("| context | cache | tok/s | vs DynamicCache | step ms | attention ms / step (all layers) "
+        emit("| context | cache | tok/s | vs DynamicCache | step ms | attention ms / step (all layers) "
               "| attention vs SDPA | attention reads / step | kvcx kernel share |")
-        out("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+        emit("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
         for ctx in args.contexts:
             base = DynamicCache()
             with torch.inference_mode():
@@ -277,36 +276,36 @@ def main(argv=None):
                 attn = s["attn"] / s["n"]
                 rb = read_bytes(label, live[label], L, Hkv, D, ctx + args.rounds * args.per_round // 2)
                 share = f"{s['kernel'] / sum(s['step']):.0%}" if label.startswith("KvcxCache") else ""
-                out(f"| {ctx} | {label} | {1 / step:.2f} | {dyn_step / step:.2f}x | {1000 * step:.1f} | "
+                emit(f"| {ctx} | {label} | {1 / step:.2f} | {dyn_step / step:.2f}x | {1000 * step:.1f} | "
                       f"{1000 * attn:.2f} | {dyn_attn / attn:.2f}x | "
                       f"{f'{rb / 1e6:.1f} MB' if rb is not None else 'n/a'} | {share} |", flush=True)
             fused = live.get("KvcxCache fused")
             if fused is not None:
                 steps = fused.memory_report()["attention_steps"]
-                out(f"|  | (KvcxCache fused: layer steps fused {steps['fused']}, materialised "
+                emit(f"|  | (KvcxCache fused: layer steps fused {steps['fused']}, materialised "
                       f"{steps['materialised']}, full precision {steps['full_precision']}) |||||||| ")
             del live
 
     if "rss" not in args.skip:
-        out(f"\n## Peak RSS while decoding 32 steps after a {args.rss_context}-token context (fresh process "
+        emit(f"\n## Peak RSS while decoding 32 steps after a {args.rss_context}-token context (fresh process "
               "each)\n")
-        out("| cache | RSS before decode | peak during decode | growth | bytes held |")
-        out("|---|---:|---:|---:|---:|")
+        emit("| cache | RSS before decode | peak during decode | growth | bytes held |")
+        emit("|---|---:|---:|---:|---:|")
         for kind in ("dynamic", "kvcx"):
             r = subprocess.run([sys.executable, __file__, "--rss-child", kind, "32", "--rss-context",
                                 str(args.rss_context), "--dataset-file", str(args.dataset_file)],
                                capture_output=True, text=True, env={**os.environ, "TQDM_DISABLE": "1"})
             line = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
             if r.returncode or not line:
-                out(f"| {kind} | failed: {r.stderr.strip().splitlines()[-1:]} |||")
+                emit(f"| {kind} | failed: {r.stderr.strip().splitlines()[-1:]} |||")
                 continue
             d = json.loads(line[-1])
             label = "DynamicCache" if kind == "dynamic" else "KvcxCache fused"
-            out(f"| {label} | {d['rss_before'] / 2**20:.0f} MiB | {d['peak'] / 2**20:.0f} MiB | "
+            emit(f"| {label} | {d['rss_before'] / 2**20:.0f} MiB | {d['peak'] / 2**20:.0f} MiB | "
                   f"{d['growth'] / 2**20:.1f} MiB | {d['held'] / 2**20:.1f} MiB |", flush=True)
 
     if args.markdown:
-        out.write(args.markdown, "KvcxCache decoding the embedded model (FP32 on CPU): agreement with DynamicCache, "
+        emit.write(args.markdown, "KvcxCache decoding the embedded model (FP32 on CPU): agreement with DynamicCache, "
                                  "decode speed after contexts of 16 to 8,000 tokens, peak RSS.")
 
 if __name__ == "__main__":

@@ -57,7 +57,8 @@ def settings(full: bool, plans, candidates: bool = False):
     for path in plans:
         cfg = load_plan(path)
         how = "query weights" if cfg.key_weights else "per-layer plan"
-        rows.append((f"{cfg.scheme} + {how} {Path(path).stem}", cfg))
+        name = Path(path).name[:-len(".json")] if str(path).endswith(".json") else str(path)   # a shipped name
+        rows.append((f"{cfg.scheme} + {how} {name}", cfg))
     rows += [
         ("KIVI-style 3-bit: K asym per-channel g64, V asym per-token g64", KVConfig.from_scheme("kivi", bits=3)),
         ("KIVI-style 2-bit", KVConfig.from_scheme("kivi", bits=2)),

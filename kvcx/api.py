@@ -15,8 +15,10 @@ from dataclasses import asdict, dataclass, field
 from importlib import resources
 from typing import Callable, Dict, List, Optional
 
+import numpy as np
+
 from kvcx.codecs.dtypes import dtype_name
-from kvcx.codecs.kvconfig import DEFAULT_SCHEME, KVConfig
+from kvcx.codecs.kvconfig import DEFAULT_SCHEME, KVConfig, check_plan_record
 from kvcx.codecs.metrics import (  # noqa: F401
     COSINE_THRESHOLD,
     RMSE_THRESHOLD,
@@ -106,8 +108,10 @@ def _commit(outs: OutputSet, output_path, tensors, meta, sidecar: Optional[dict]
 
 
 def open_plain(input_path) -> st.SafeFile:
+    """A plain (not packed) safetensors file, opened."""
     f = st.SafeFile(input_path)
     if is_packed(f.metadata):
+        f.close()
         raise FormatError(f"{input_path}: is already a kvcx packed file; `kvcx decompress` it first")
     return f
 
@@ -118,18 +122,22 @@ def measure(tensors, chosen: Dict[str, Choice], n_threads: Optional[int] = None)
             for name, c in chosen.items()}
 
 
-def _metrics(tensors, chosen: Dict[str, Choice], original_size: int, compressed_size: int, seconds: float,
-             meta: Dict[str, str], thresholds: Thresholds) -> CompressionMetrics:
+def _metrics(f: st.SafeFile, chosen: Dict[str, Choice], original_size: int, compressed_size: int,
+             seconds: float, meta: Dict[str, str], thresholds: Thresholds) -> CompressionMetrics:
     total = ErrorStats()
     per = []
-    for name, s in measure(tensors, chosen).items():
+    for name, s in measure(f.tensors(), chosen).items():
         total += s
-        a = tensors[name]
-        per.append(TensorMetrics(name=name, shape=list(a.shape), dtype=str(a.dtype), codec=chosen[name].kind,
+        shape, dtype = f.shape_and_dtype(name)
+        per.append(TensorMetrics(name=name, shape=list(shape), dtype=str(dtype), codec=chosen[name].kind,
                                  rmse=s.rmse, relative_rmse=s.relative_rmse, snr_db=s.snr_db,
                                  cosine_similarity=s.cosine_similarity, max_error=s.max_error))
     violations = check_thresholds(total, thresholds) if total.n else ["no float tensors to compress"]
-    fp16 = sum(2 * a.size if dtype_name(a.dtype) else a.nbytes for a in tensors.values())
+    fp16 = 0
+    for name in f.keys():
+        shape, dtype = f.shape_and_dtype(name)
+        n = int(np.prod(shape, dtype=np.int64))
+        fp16 += 2 * n if dtype_name(dtype) else n * dtype.itemsize
     return CompressionMetrics(
         compression_ratio=fp16 / compressed_size if compressed_size else 0.0,
         fp16_size_bytes=int(fp16), file_size_ratio=original_size / compressed_size if compressed_size else 0.0,
@@ -142,28 +150,27 @@ def _metrics(tensors, chosen: Dict[str, Choice], original_size: int, compressed_
         config=settings_of(meta), tensors=per)
 
 
-def _config(config: Optional[KVConfig], scheme: Optional[str], group_size: int, n_threads) -> KVConfig:
+def _config(config: Optional[KVConfig], scheme: Optional[str], group_size: Optional[int], n_threads) -> KVConfig:
     if config is not None:
         return config
     return KVConfig.from_scheme(scheme or DEFAULT_SCHEME, group_size=group_size, n_threads=n_threads)
 
 
-def compress_kv_cache(input_path, output_path, group_size: int = 64, sparsity: float = 0.0, verbose: bool = False,
+def compress_kv_cache(input_path, output_path, group_size: Optional[int] = None, sparsity: float = 0.0, verbose: bool = False,
                       scheme: Optional[str] = None, config: Optional[KVConfig] = None, lz4: bool = False,
                       n_threads: Optional[int] = None, thresholds: Optional[Thresholds] = None,
                       progress: Optional[Callable[[str], None]] = None) -> CompressionMetrics:
     """Compress a safetensors KV cache into a packed kvcx file (written atomically)."""
     t = time.perf_counter()
     cfg = _config(config, scheme, group_size, n_threads)
-    f = open_plain(input_path)
-    sidecar = read_sidecar(input_path)
-    outs = plan_outputs(input_path, output_path, with_sidecar=sidecar is not None)
-    tensors = {k: f.get_tensor(k) for k in f.keys()}
-    out, meta, chosen = compress_tensors(tensors, cfg, sparsity=sparsity, lz4=lz4, source_metadata=f.metadata or None,
-                                         sidecar=sidecar, progress=progress)
-    _commit(outs, output_path, out, meta, sidecar)
-    m = _metrics(tensors, chosen, os.path.getsize(input_path), os.path.getsize(output_path),
-                 time.perf_counter() - t, meta, thresholds or Thresholds())
+    with open_plain(input_path) as f:
+        sidecar = read_sidecar(input_path)
+        outs = plan_outputs(input_path, output_path, with_sidecar=sidecar is not None)
+        out, meta, chosen = compress_tensors(f.tensors(), cfg, sparsity=sparsity, lz4=lz4,
+                                             source_metadata=f.metadata or None, sidecar=sidecar, progress=progress)
+        _commit(outs, output_path, out, meta, sidecar)
+        m = _metrics(f, chosen, os.path.getsize(input_path), os.path.getsize(output_path), time.perf_counter() - t,
+                     meta, thresholds or Thresholds())
     if verbose:  # the library logs; rendering is the CLI's
         log.info("%s -> %s: %.2fx vs FP16, relative RMSE %.4f, SNR %.1f dB", input_path, output_path,
                  m.compression_ratio, m.relative_rmse, m.snr_db)
@@ -174,14 +181,15 @@ def decompress_kv_cache(input_path, output_path, n_threads: Optional[int] = None
                         progress: Optional[Callable[[str], None]] = None) -> dict:
     """Restore a packed kvcx file to a plain safetensors file (names, shapes, dtypes)."""
     t = time.perf_counter()
-    f = st.SafeFile(input_path)
-    if not is_packed(f.metadata):
-        raise FormatError(f"{input_path}: is a plain safetensors file, not a kvcx packed file; "
-                          "`kvcx compress` makes packed files")
-    src_meta, sidecar = original_metadata(f.metadata, source=os.fspath(input_path))
-    outs = plan_outputs(input_path, output_path, with_sidecar=sidecar is not None)
-    tensors = {k: f.get_tensor(k) for k in f.keys()}
-    out = decompress_tensors(tensors, f.metadata, source=os.fspath(input_path), n_threads=n_threads,
+    with st.SafeFile(input_path) as f:
+        if not is_packed(f.metadata):
+            raise FormatError(f"{input_path}: is a plain safetensors file, not a kvcx packed file; "
+                              "`kvcx compress` makes packed files")
+        src_meta, sidecar = original_metadata(f.metadata, source=os.fspath(input_path))
+        outs = plan_outputs(input_path, output_path, with_sidecar=sidecar is not None)
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+        metadata = f.metadata
+    out = decompress_tensors(tensors, metadata, source=os.fspath(input_path), n_threads=n_threads,
                              progress=progress)
     _commit(outs, output_path, out, src_meta, sidecar)
     return {"input": os.fspath(input_path), "output": os.fspath(output_path), "tensors": len(out),
@@ -189,20 +197,20 @@ def decompress_kv_cache(input_path, output_path, n_threads: Optional[int] = None
             "processing_time_ms": (time.perf_counter() - t) * 1000.0}
 
 
-def get_compression_metrics(input_path, group_size: int = 64, scheme: Optional[str] = None,
+def get_compression_metrics(input_path, group_size: Optional[int] = None, scheme: Optional[str] = None,
                             config: Optional[KVConfig] = None, sparsity: float = 0.0, lz4: bool = False,
                             n_threads: Optional[int] = None, thresholds: Optional[Thresholds] = None,
                             progress: Optional[Callable[[str], None]] = None) -> CompressionMetrics:
     """Quality and size of compressing a file, without writing one (sizes are the real serialized bytes)."""
     t = time.perf_counter()
     cfg = _config(config, scheme, group_size, n_threads)
-    f = open_plain(input_path)
-    tensors = {k: f.get_tensor(k) for k in f.keys()}
-    out, meta, chosen = compress_tensors(tensors, cfg, sparsity=sparsity, lz4=lz4, source_metadata=f.metadata or None,
-                                         sidecar=read_sidecar(input_path), progress=progress)
-    size = st.serialized_size(out, meta)
-    return _metrics(tensors, chosen, os.path.getsize(input_path), size, time.perf_counter() - t,
-                    meta, thresholds or Thresholds())
+    with open_plain(input_path) as f:
+        out, meta, chosen = compress_tensors(f.tensors(), cfg, sparsity=sparsity, lz4=lz4,
+                                             source_metadata=f.metadata or None, sidecar=read_sidecar(input_path),
+                                             progress=progress)
+        size = st.serialized_size(out, meta)
+        return _metrics(f, chosen, os.path.getsize(input_path), size, time.perf_counter() - t, meta,
+                        thresholds or Thresholds())
 
 
 def save_plan(path, calibration) -> None:
@@ -217,7 +225,7 @@ def shipped_plans() -> List[str]:
                   if p.name.endswith(".json"))
 
 
-def _plan_file(plan) -> str:
+def plan_file(plan) -> str:
     """The path of a plan given by path or by a shipped plan's name (a path that exists wins)."""
     p = os.fspath(plan)
     if os.path.exists(p) or os.sep in p or p.endswith(".json"):
@@ -230,19 +238,48 @@ def _plan_file(plan) -> str:
 
 def read_plan(plan) -> dict:
     """The JSON object of a plan (a file's path, or a shipped plan's name), parsed strictly."""
-    p = _plan_file(plan)
+    p = plan_file(plan)
     if not os.path.exists(p):
         raise FormatError(f"{p}: no such plan file; write one with `kvcx calibrate --out {p}`")
-    return read_json_object(p, "the plan", "write it again with `kvcx calibrate`")
+    data = read_json_object(p, "the plan", "write it again with `kvcx calibrate`")
+    try:
+        return check_plan_record(data, p)
+    except CodecError as exc:
+        raise FormatError(str(exc)) from None
 
 
 def load_plan(plan, n_threads: Optional[int] = None) -> KVConfig:
     """The KVConfig of a plan written by ``kvcx calibrate`` (a file's path, or a shipped plan's name such as
     ``"smollm2-kvcx2w-2.47"``; any JSON object with a ``config`` works)."""
-    p = _plan_file(plan)
+    p = plan_file(plan)
     data = read_plan(p)
     cfg = data.get("config", data)
     try:
         return KVConfig.from_config(cfg, n_threads=n_threads)
     except CodecError as exc:
         raise FormatError(f"{p}: {exc}") from None
+
+
+def validation_settings(scheme: str, plan=None, gate: Optional[str] = None, group_size: Optional[int] = None,
+                        bits: Optional[int] = None, sinks: Optional[int] = None, rotate: Optional[bool] = None,
+                        n_threads: Optional[int] = None):
+    """The settings ``kvcx validate`` compares, label -> KVConfig, and the labels that gate its verdict.
+
+    ``scheme``: one scheme or several, comma-separated (``"kvcx,q4_0-rot,fp8_e4m3"``); a ``plan`` replaces a
+    single scheme and joins a list of them (labelled by the plan's name or path). ``gate``: comma-separated
+    labels that must pass (default: all)."""
+    labels = [x.strip() for x in str(scheme).split(",") if x.strip()]
+    if not labels or len(set(labels)) != len(labels):
+        raise CodecError(f"scheme={scheme!r}: name each setting once, comma-separated (e.g. kvcx,q4_0,fp8_e4m3)")
+    if plan is not None and len(labels) == 1:
+        labels = []
+    configs = {x: KVConfig.from_scheme(x, group_size=group_size, bits=bits, sinks=sinks, rotate=rotate,
+                                       n_threads=n_threads) for x in labels}
+    if plan is not None:
+        configs[str(plan)] = load_plan(plan, n_threads=n_threads)
+    gated = [x.strip() for x in gate.split(",") if x.strip()] if gate is not None else list(configs)
+    unknown = [g for g in gated if g not in configs]
+    if unknown or not gated:
+        raise CodecError(f"gate={gate!r}: {', '.join(unknown) or 'nothing'} is not a validated setting; name "
+                         f"settings of scheme= ({', '.join(configs)})")
+    return configs, gated

@@ -109,7 +109,38 @@ def _progress(total: int, label: str, quiet: bool = False):
 def _count_tensors(path: Path) -> int:
     from kvcx.formats.safetensors import SafeFile
 
-    return len(SafeFile(path).keys())
+    with SafeFile(path) as f:
+        return len(f.keys())
+
+
+def _check_files(inputs=(), plan=None, dataset=None, reuse=(), outputs=(), sidecars=True) -> None:
+    """Everything a command reads and writes, checked together before any work (kvcx.formats.atomic.check_files):
+    inputs and their sidecars, the plan, the evaluation text, reused measurements; outputs and their sidecars."""
+    import os
+
+    from kvcx.formats.atomic import check_files
+    from kvcx.formats.jsonio import sidecar_path
+
+    reads, writes = [], []
+    for i in inputs:
+        reads.append((i, "input file"))
+        if sidecars and os.path.lexists(sidecar_path(i)):
+            reads.append((sidecar_path(i), "input file's sidecar"))
+    if plan is not None:
+        from kvcx.api import plan_file
+
+        if os.path.exists(plan_file(plan)):   # a missing plan is reported when it is loaded, with how to make one
+            reads.append((plan_file(plan), "plan file"))
+    if dataset is None and os.environ.get("KVCX_DATASET_FILE"):
+        dataset = os.environ["KVCX_DATASET_FILE"]
+    if dataset is not None and os.path.exists(dataset):
+        reads.append((dataset, "evaluation text file"))
+    reads += [(r, "reused plan file") for r in reuse or () if os.path.exists(r)]
+    for o, what in outputs:
+        writes.append((o, what))
+        if sidecars and what == "output":
+            writes.append((sidecar_path(o), "output's sidecar"))
+    check_files(reads, writes)
 
 
 def _kv_config(scheme, group_size, bits, sinks, rotate, threads, plan=None):
@@ -182,11 +213,15 @@ def _report(m, json_out: bool, title: str, check: bool, wrote: Optional[Path] = 
 
 # shared options
 SchemeOpt = Annotated[str, typer.Option("--scheme", help="reference | symmetric | asymmetric | kivi | kvcx (default) "
-                                                         "| kvcx3 | kvcx2 | kvcx2w (low-bit presets).")]
+                                                         "| kvcx3 | kvcx2 | kvcx2w (low-bit presets) | engine formats: "
+                                                         "q8_0 q4_0 q4_1 q5_0 q5_1 (llama.cpp; -rot: with its "
+                                                         "rotation) fp8_e4m3 fp8_e5m2 (vLLM; -amax: calibrated "
+                                                         "scale).")]
 PlanOpt = Annotated[Optional[str], typer.Option("--plan", help="A plan from `kvcx calibrate --out`, or a shipped "
                                                                "plan's name (smollm2-kvcx2w-2.47, ...); replaces "
                                                                "--scheme/--bits/--group-size.")]
-GroupOpt = Annotated[int, typer.Option("--group-size", "-g", help="Values per group: 16, 32, 64, 128 or 256.")]
+GroupOpt = Annotated[Optional[int], typer.Option("--group-size", "-g", help="Values per group: 16, 32, 64 (default), "
+                                                                         "128 or 256.")]
 BitsOpt = Annotated[Optional[int], typer.Option("--bits", help="Code width: 4 (default), 3, 2 or 8.")]
 SinksOpt = Annotated[Optional[int], typer.Option("--sinks", help="Leading tokens kept exact (scheme default if unset).")]
 RotateOpt = Annotated[Optional[bool], typer.Option("--rotate/--no-rotate", help="Hadamard-rotate head_dim first.")]
@@ -205,7 +240,7 @@ Lz4Opt = Annotated[bool, typer.Option("--lz4", help="LZ4-compress the packed cod
 def compress(
     input: Annotated[Path, typer.Argument(help="Input .safetensors KV cache.")],
     output: Annotated[Path, typer.Argument(help="Output packed .safetensors file (written atomically).")],
-    group_size: GroupOpt = 64,
+    group_size: GroupOpt = None,
     scheme: SchemeOpt = "kvcx",
     bits: BitsOpt = None,
     sinks: SinksOpt = None,
@@ -224,6 +259,7 @@ def compress(
     with _errors("compress"):
         from kvcx.api import Thresholds, compress_kv_cache
 
+        _check_files(inputs=[input], plan=plan, outputs=[(output, "output")])
         cfg = _kv_config(scheme, group_size, bits, sinks, rotate, threads, plan)
         with _progress(_count_tensors(input), "compressing", quiet=False) as step:
             m = compress_kv_cache(input, output, config=cfg, sparsity=sparsity, lz4=lz4,
@@ -242,6 +278,7 @@ def decompress(
     with _errors("decompress"):
         from kvcx.api import decompress_kv_cache
 
+        _check_files(inputs=[input], outputs=[(output, "output")])
         with _progress(_count_tensors(input), "decompressing") as step:
             r = decompress_kv_cache(input, output, n_threads=threads, progress=step)
     if json_out:
@@ -254,7 +291,7 @@ def decompress(
 @app.command()
 def metrics(
     input: Annotated[Path, typer.Argument(help="Input .safetensors KV cache.")],
-    group_size: GroupOpt = 64,
+    group_size: GroupOpt = None,
     scheme: SchemeOpt = "kvcx",
     bits: BitsOpt = None,
     sinks: SinksOpt = None,
@@ -274,10 +311,8 @@ def metrics(
     with _errors("metrics"):
         from kvcx.api import Thresholds, get_compression_metrics
 
-        if plot is not None:  # a picture that cannot be written fails before any work
-            from kvcx.formats.atomic import check_output_path
-
-            check_output_path(plot)
+        # a picture that cannot be written, or that would replace an input, fails before any work
+        _check_files(inputs=[input], plan=plan, outputs=[(plot, "picture")] if plot is not None else [])
         cfg = _kv_config(scheme, group_size, bits, sinks, rotate, threads, plan)
         with _progress(_count_tensors(input), "measuring") as step:
             m = get_compression_metrics(input, config=cfg, sparsity=sparsity, lz4=lz4,
@@ -384,7 +419,7 @@ def validate(
     window: Annotated[Optional[int], typer.Option(help="Tokens per window (default 1024 or the model's context).")] = None,
     stride: Annotated[int, typer.Option(help="Tokens scored per window; the rest is the compressed context.")] = 512,
     max_windows: Annotated[int, typer.Option("--max-windows", help="Windows to evaluate (0 = whole test set).")] = 32,
-    group_size: GroupOpt = 64,
+    group_size: GroupOpt = None,
     scheme: SchemeOpt = "kvcx",
     bits: BitsOpt = None,
     sinks: SinksOpt = None,
@@ -397,30 +432,72 @@ def validate(
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Only the verdict line.")] = False,
     quick_test: Annotated[bool, typer.Option("--quick-test", help="No model: a synthetic TinyLlama-shaped cache, "
                                                                   "judged on RMSE/SNR/cosine.")] = False,
+    gate: Annotated[Optional[str], typer.Option("--gate", help="With several --scheme settings: the ones that must "
+                                                               "pass for exit 0 (comma-separated; default: all).")] = None,
+    pareto: Annotated[Optional[Path], typer.Option("--pareto", help="Also draw bits/value vs perplexity delta of "
+                                                                    "every setting to this PNG (needs kvcx[plot]).")] = None,
     json_out: JsonOpt = False,
 ):
-    """Perplexity with the exact vs the kvcx-compressed KV cache on WikiText-2 (exit 3 when delta >= threshold)."""
+    """Perplexity with the exact vs the compressed KV cache on WikiText-2 (exit 3 when delta >= threshold).
+
+    Several settings in one pass: --scheme kvcx,q4_0-rot,fp8_e4m3 scores the baseline once and every setting
+    on the same windows and tokens (one table; --json a list)."""
     with _errors("validate"):
         from kvcx.quality import validation
 
-        cfg = _kv_config(scheme, group_size, bits, sinks, rotate, threads, plan)
+        _check_files(plan=plan, dataset=dataset_file, outputs=[(pareto, "picture")] if pareto is not None else [],
+                     sidecars=False)
+        from kvcx.api import validation_settings
+
+        configs, gated = validation_settings(scheme, plan, gate, group_size, bits, sinks, rotate, threads)
         on_phase = None if (json_out or quiet) else _print_phase
         if quick_test:
-            result = validation.quick_test(cfg, on_phase=on_phase)
+            results = [validation.quick_test(c, on_phase=on_phase, label=label) for label, c in configs.items()]
         else:
             with _window_bar(quiet) as on_window:
-                result = validation.run_validation(
-                    config=cfg, threshold=threshold, model=model, dataset_file=dataset_file, window=window,
+                results = validation.run_validations(
+                    configs, threshold=threshold, model=model, dataset_file=dataset_file, window=window,
                     stride=stride, max_windows=max_windows, mode=mode, cpu=cpu, on_phase=on_phase,
                     on_window=on_window)
-    if json_out:
-        _emit_json(result.to_dict())
-    elif quiet:
-        out.print(result.verdict_line())
+        if pareto is not None:
+            from kvcx.quality.plots import validation_pareto
+
+            validation_pareto(results, pareto, title=f"{results[0].model}: {results[0].tokens_scored:,} tokens, "
+                                                     f"windows of {results[0].window} ({results[0].mode} mode)")
+    if len(results) == 1:
+        result = results[0]
+        if json_out:
+            _emit_json(result.to_dict())
+        elif quiet:
+            out.print(result.verdict_line())
+        else:
+            _print_validation(result)
+    elif json_out:
+        _emit_json([r.to_dict() for r in results])
     else:
-        _print_validation(result)
-    if not result.passed:
+        _print_validations(results, gated, quiet)
+    if any(not r.passed for r in results if r.setting in gated or len(results) == 1):
         raise typer.Exit(code=EXIT_QUALITY)
+
+
+def _print_validations(results, gated, quiet: bool) -> None:
+    """Several settings on the same tokens: one row each, the verdicts that gate the exit code marked."""
+    r0, failed = results[0], [r.setting for r in results if not r.passed and r.setting in gated]
+    out.print(f"[bold red]FAILED: {escape(', '.join(failed))} at or above threshold {r0.threshold}[/]" if failed else
+              f"[bold green]PASSED: every gated setting below threshold {r0.threshold}[/]")
+    if quiet:
+        return
+    t = Table(title=escape("quick test (no model)" if r0.quick_test else
+                           f"{r0.model}: baseline perplexity {r0.baseline_perplexity:.4f}, {r0.tokens_scored:,} tokens "
+                           f"in {r0.windows} windows of {r0.window} ({r0.mode} mode)"), header_style="bold")
+    for col in ("setting", "bits/value", "vs FP16", "delta", "KLD", "top-1", "verdict"):
+        t.add_column(col, justify="left" if col in ("setting", "verdict") else "right")
+    for r in results:
+        figures = ["-"] * 3 if r.quick_test else [f"{r.delta:+.4f}", f"{r.kld:.5f}", f"{100 * r.top1_agreement:.2f}%"]
+        t.add_row(escape(r.setting), f"{r.bits_per_value:.3f}", f"{r.compression_ratio:.2f}x", *figures,
+                  ("[green]PASS[/]" if r.passed else "[red]FAIL[/]") + ("" if r.setting in gated else " (not gated)"))
+    out.print(t)
+    out.print(f"wall time {r0.wall_time_s:.1f} s")
 
 
 @app.command()
@@ -432,7 +509,7 @@ def calibrate(
                                                   "kvcx2, kvcx2w (measures the queries' weights per key "
                                                   "channel), or any --scheme of compress; with --reuse, default: "
                                                   "the first plan's.")] = None,
-    group_size: GroupOpt = 64,
+    group_size: GroupOpt = None,
     bits: BitsOpt = None,
     options: Annotated[Optional[str], typer.Option("--options", help="Codecs to measure, by tag, e.g. b2,b3, "
                                                                     "b3g128 or value.b3a for one kind (default: every "
@@ -453,10 +530,9 @@ def calibrate(
     bits/value where it buys the most."""
     with _errors("calibrate"):
         from kvcx.api import save_plan
-        from kvcx.formats.atomic import check_output_path
         from kvcx.quality import calibrate as cal
 
-        check_output_path(out_path)
+        _check_files(dataset=dataset_file, reuse=reuse, outputs=[(out_path, "plan")], sidecars=False)
         base = None if scheme is None and reuse else _kv_config(scheme or "kvcx3", group_size, bits, None, None,
                                                                  threads)
         if reuse:

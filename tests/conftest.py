@@ -63,8 +63,9 @@ def cache_file(tmp_path):
     """A TinyLlama-shaped FP16 cache of 128 tokens with the reference layout's metadata sidecar."""
     import json
 
-    from helpers import tinyllama_cache
     from kvcx.formats import safetensors as kst
+
+    from helpers import tinyllama_cache
 
     p = tmp_path / "cache.safetensors"
     kst.save_file(tinyllama_cache(), p)

@@ -89,11 +89,11 @@ def run(*args):
     return runner.invoke(app, [str(a) for a in args])
 
 
-def codec_roundtrip(codec, x):
+def codec_roundtrip(codec, x, key=None):
     buf = np.empty(codec.serialized_size(x.shape, x.dtype), np.uint8)
-    assert codec.encode_into(x, buf) == buf.size
+    assert codec.encode_into(x, buf, key=key) == buf.size
     y = np.empty_like(x)
-    codec.decode_into(buf, y)
+    codec.decode_into(buf, y, key=key)
     return buf, y
 
 

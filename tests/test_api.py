@@ -15,7 +15,6 @@ from kvcx.formats import safetensors as kst
 from helpers import random_array, run, small_cache, tinyllama_cache
 
 
-
 def test_tinyllama_shaped_cache_reference_ratio_and_quality(cache_file, tmp_path):
     m = compress_kv_cache(cache_file, tmp_path / "p.safetensors", group_size=64, scheme="reference")
     assert m.compression_ratio >= 3.7, m.compression_ratio

@@ -175,7 +175,8 @@ def _in_main(tree, call) -> bool:
 def test_no_attributes_stuck_on_other_objects():
     """Control flows one way: a module sets attributes on ``self`` (or a dataclass's own fields), never on
     tensors, arrays or other objects it was handed (``out=`` records are filled through their fields)."""
-    allowed = {("kvcx.codecs.intcodec", "__dict__"), ("kvcx.codecs.widths", "__dict__")}
+    allowed = {("kvcx.codecs.intcodec", "__dict__"), ("kvcx.codecs.widths", "__dict__"),
+               ("kvcx.codecs.engine", "__dict__")}     # an encoder filling the caller's out= Packed
     for mod, path in modules().items():
         for node in ast.walk(ast.parse(path.read_text())):
             targets = node.targets if isinstance(node, ast.Assign) else \

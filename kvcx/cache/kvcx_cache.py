@@ -145,8 +145,9 @@ class KvcxLayer(DynamicLayer):
 
     def __init__(self, kv_config: KVConfig, residual_length: int, scratch: _Scratch, workspace: Workspace,
                  masks: MaskConverter, timer: KernelTimer, query_group: int,
-                 key_weights: Optional[np.ndarray] = None):
+                 key_weights: Optional[np.ndarray] = None, layer_idx: int = 0):
         super().__init__()
+        self.layer_idx = layer_idx
         self.kv_config = kv_config
         self.residual_length = residual_length
         self._scratch = scratch
@@ -225,11 +226,30 @@ class KvcxLayer(DynamicLayer):
         self._unsupported = self.store.unsupported(D, self._query_group)
         self.is_initialized = True
 
+    def _check_states(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """KvcxError naming the layer when a step's states do not continue the cache (batch, heads, head dim,
+        dtype, device), or keys and values differ in shape."""
+        if not (isinstance(key_states, torch.Tensor) and isinstance(value_states, torch.Tensor)
+                and key_states.dim() == 4 and key_states.shape == value_states.shape
+                and key_states.dtype == value_states.dtype):
+            raise KvcxError(f"KvcxCache layer {self.layer_idx}: keys {list(getattr(key_states, 'shape', []))} and "
+                            f"values {list(getattr(value_states, 'shape', []))} must be tensors of one shape "
+                            "[batch, kv_heads, tokens, head_dim] and one dtype")
+        if self.is_initialized:
+            B, H, _, D = self.keys.shape
+            b, h, _, d = key_states.shape
+            if (b, h, d) != (B, H, D) or key_states.dtype != self.dtype or key_states.device != self.device:
+                raise KvcxError(f"KvcxCache layer {self.layer_idx}: this step's keys are {list(key_states.shape)} "
+                                f"{key_states.dtype} on {key_states.device}, the cache holds [{B}, {H}, *, {D}] "
+                                f"{self.dtype} on {self.device}; a cache serves one batch of one model: make a new "
+                                "KvcxCache (or reset() this one)")
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, cache_kwargs=None,
                mode: StepMode = StepMode(reason="materialising")):
         """Add a step's keys and values. A single-token step runs fused when ``mode`` allows it and this
         layer's stores can be read by the fused kernel: the layer is then handed to the attention function
         (which calls :meth:`attend`), and the new token's own states are returned."""
+        self._check_states(key_states, value_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self.pack_residual()  # a fused step packs after its attention; anything left over goes now
@@ -368,6 +388,7 @@ class KvcxCache(Cache):
             raise KvcxError(f"fused must be None (automatic), True or False, got {fused!r}")
         heads = getattr(text, "num_attention_heads", None)
         kv_heads = getattr(text, "num_key_value_heads", None) or heads
+        head_dim = getattr(text, "head_dim", None) or (text.hidden_size // heads if heads else None)
         self.kv_config = kv
         self.residual_length = residual_length
         self.fused = fused
@@ -378,8 +399,9 @@ class KvcxCache(Cache):
         self._masks = MaskConverter()
         self._mode: Optional[StepMode] = None   # this step's, decided at its first layer
         workspace = Workspace()  # the fused kernel's scratch, one for all layers
-        super().__init__(layers=[KvcxLayer(kv.for_layer(i), residual_length, self._scratch, workspace, self._masks,
-                                           self._timer, self.query_group, kv.weights_for(f"layer_{i}_key"))
+        super().__init__(layers=[KvcxLayer(_fitted(kv.for_layer(i), kv_heads, residual_length, head_dim),
+                                           residual_length, self._scratch, workspace, self._masks, self._timer,
+                                           self.query_group, kv.weights_for(f"layer_{i}_key"), layer_idx=i)
                                  for i in range(text.num_hidden_layers)])
         self._workspace = workspace
 
@@ -440,6 +462,20 @@ class KvcxCache(Cache):
 
     def nbytes(self) -> int:
         return self.memory_report()["total_bytes"]
+
+
+def _fitted(kv: KVConfig, kv_heads, residual_length: int, head_dim) -> KVConfig:
+    """``kv`` with the fallback codec (as ``kvcx compress`` takes it) for a kind whose codec cannot take this
+    model's chunks, e.g. a rotation over a head dim that is not a power of two: decided when the cache is made,
+    not at its first packing."""
+    if not (kv_heads and head_dim):
+        return kv
+    shape = (1, int(kv_heads), residual_length, int(head_dim))
+    key = kv.key if kv.key.supports(shape) else kv.fallback
+    value = kv.value if kv.value.supports(shape) else kv.fallback
+    if key is kv.key and value is kv.value:
+        return kv
+    return KVConfig(key=key, value=value, scheme=kv.scheme)
 
 
 def dynamic_cache_bytes(cache) -> int:

@@ -111,3 +111,20 @@ cdef extern from "_widths.h" nogil:
     int kvcx_w_decode_tile(const uint8_t *planes, const uint8_t *stats, int64_t rows, int64_t gs, int64_t D,
                            const float *lo, const float *hi, const uint8_t *w, const float *top,
                            const int64_t *off, uint8_t *qt, float *row, float *x) noexcept
+
+cdef extern from "_engine.h" nogil:
+    enum:
+        KVCX_QK
+        KVCX_GGML_Q8_0
+        KVCX_GGML_Q4_0
+        KVCX_GGML_Q4_1
+        KVCX_GGML_Q5_0
+        KVCX_GGML_Q5_1
+        KVCX_FP8_E4M3
+        KVCX_FP8_E5M2
+    int64_t kvcx_ggml_qbytes(int type) noexcept
+    int kvcx_ggml_has_min(int type) noexcept
+    int kvcx_ggml_quant_block(int type, const float *x, uint16_t *d_out, uint16_t *m_out, uint8_t *q) noexcept
+    void kvcx_ggml_dequant_block(int type, uint16_t hd, uint16_t hm, const uint8_t *q, float *y) noexcept
+    uint8_t kvcx_f2fp8(float x, int format) noexcept
+    float kvcx_fp82f(uint8_t c, int format) noexcept

@@ -285,6 +285,13 @@ def decode_out(packed: Packed, out: Optional[np.ndarray], token_offset: int, nam
                      f"{list(shape)} (or longer on axis -2 with token_offset), got {got}")
 
 
+def check_sinks_finite(packed: Packed, t0: int, name: str) -> None:
+    """CodecError unless the record's exact sink tokens are all finite (an encoder refuses non-finite ones)."""
+    if t0 and packed.sinks is not None and not np.isfinite(np.asarray(packed.sinks, dtype=np.float32)).all():
+        raise CodecError(f"tensor {name!r}: its exact sink tokens hold NaN/Inf, which no kvcx encoder writes; the "
+                         "data is damaged: encode it again")
+
+
 def write_sinks(x3: np.ndarray, t0: int, shape: tuple, out: Optional[Packed]) -> Optional[np.ndarray]:
     """The first ``t0`` tokens of every slab of ``x3`` (N, S, D), shaped [..., t0, D]: written into
     ``out.sinks`` when it is a buffer of that shape and dtype (a section of a chunk), else a new array."""

@@ -23,6 +23,7 @@ from kvcx.codecs.base import (
     Packed,
     check_shape,
     check_sinks,
+    check_sinks_finite,
     decode_out,
     register_codec,
     view3,
@@ -223,6 +224,11 @@ class IntCodec(Codec):
             zeros = np.ascontiguousarray(packed.zeros, dtype=np.float16)
         else:
             zeros = _NO_ZEROS
+        # parameters no encoder writes (a crafted record that passed its checksum): never decoded to inf/NaN
+        if not (np.isfinite(scales).all() and (scales >= 0).all() and np.isfinite(zeros).all()):
+            raise CodecError(f"tensor {name!r}: its scales or zero points hold NaN/Inf or negative scales, which no "
+                             "kvcx encoder writes; the data is damaged: encode it again")
+        check_sinks_finite(packed, t0, name)
         if S > t0:
             status = _core.decode(codes, scales.reshape(-1).view(np.uint16), zeros.reshape(-1).view(np.uint16),
                                   self._kernel_layout(lay), raw(out), out_S, token_offset, DTYPE_NAMES[packed.dtype],

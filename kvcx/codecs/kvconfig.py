@@ -37,6 +37,7 @@ import re
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
+from kvcx.codecs import engine as _engine  # noqa: F401  (registers the engine formats' codecs)
 from kvcx.codecs.base import Codec, get_codec
 from kvcx.codecs.dtypes import is_int
 from kvcx.codecs.intcodec import BITS, IntCodec
@@ -65,7 +66,16 @@ _SCHEMES = {
 # ranges are two bytes) and kvcx2's values: 2.5 bits/value nominal, the 2.6-bit frontier point (README "Low
 # bits"); with a plan's key_weights (`kvcx calibrate --scheme kvcx2w`) the widths follow the queries
 _WIDTH_SCHEMES = {"kvcx2w": (dict(id="kvcx.widths", bits=2.0, group_size=32, sinks=1), _SCHEMES["kvcx2"][1])}
-SCHEME_NAMES = tuple(_SCHEMES) + tuple(_WIDTH_SCHEMES)
+# engine formats (kvcx.codecs.engine): the same codec on keys and values, as the engines write their caches
+_ENGINE_SCHEMES = {**{t: dict(id="llama.cpp", type=t, rotate=False) for t in ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")},
+                   **{f"{t}-rot": dict(id="llama.cpp", type=t, rotate=True)
+                      for t in ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")},
+                   "fp8_e4m3": dict(id="vllm.fp8", format="e4m3", scale=1.0),
+                   "fp8_e5m2": dict(id="vllm.fp8", format="e5m2", scale=1.0),
+                   "fp8_e4m3-amax": dict(id="vllm.fp8", format="e4m3", scale="amax"),
+                   "fp8_e5m2-amax": dict(id="vllm.fp8", format="e5m2", scale="amax")}
+ENGINE_SCHEMES = tuple(_ENGINE_SCHEMES)
+SCHEME_NAMES = tuple(_SCHEMES) + tuple(_WIDTH_SCHEMES) + ENGINE_SCHEMES
 # the low-bit presets' options: the codecs a plan from `kvcx calibrate` may give a layer's keys or values,
 # each named by a tag (bN = N bits; g128 = groups of 128; a = asymmetric), chosen from all-layer KLD screens
 # (README "Low bits"): finer groups pay better than more bits in places, values at 3 bits pay asymmetric
@@ -169,6 +179,9 @@ def _check_key_weights(key_weights) -> tuple:
     """((layer, ((w, ...), ...)), ...) sorted by layer: finite non-negative floats, heads x channels per layer."""
     import math
 
+    if not isinstance(key_weights, (dict, list, tuple)):
+        raise CodecError(f"key_weights must map layers to [[weight per channel] per KV head], got "
+                         f"{type(key_weights).__name__}")
     if isinstance(key_weights, dict):
         items = []
         for k, v in key_weights.items():
@@ -182,7 +195,9 @@ def _check_key_weights(key_weights) -> tuple:
         try:
             layer, w = row
             w = tuple(tuple(float(x) for x in head) for head in w)
-        except (TypeError, ValueError):
+            if any(isinstance(x, bool) or not isinstance(x, (int, float)) for head in row[1] for x in head):
+                raise TypeError
+        except (TypeError, ValueError, OverflowError):
             raise CodecError(f"key_weights: each entry must be layer -> [[weight per channel] per KV head], got "
                              f"{str(row)[:60]}") from None
         if not is_int(layer) or not 0 <= int(layer) < MAX_LAYERS or int(layer) in seen:
@@ -194,6 +209,70 @@ def _check_key_weights(key_weights) -> tuple:
         seen.add(int(layer))
         out.append((int(layer), w))
     return tuple(sorted(out))
+
+
+# a plan file: the config and what calibration recorded, each field typed and bounded
+_PLAN_NUMBERS = ("budget", "bits_per_value", "wall_time_s", "estimated_kld")
+_PLAN_COUNTS = {"n_layers": MAX_LAYERS, "windows": 1 << 31, "tokens": 1 << 48, "extrapolated": 1 << 24}
+_PLAN_FIELDS = {"config", "sensitivity", "model", "complete", "steps", *_PLAN_NUMBERS, *_PLAN_COUNTS}
+
+
+def _finite_number(v) -> bool:
+    import math
+
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    try:
+        return math.isfinite(float(v))
+    except OverflowError:   # an integer too large for a float
+        return False
+
+
+def check_plan_record(data, source: str) -> dict:
+    """A plan file's JSON (``kvcx calibrate --out``), every field typed and bounded; CodecError naming the file
+    and field otherwise. Returns ``data``."""
+    def bad(what: str):
+        raise CodecError(f"{source}: {what}; the plan is damaged or was not written by `kvcx calibrate`: write it "
+                         "again")
+    if not isinstance(data, dict):
+        bad("a plan must be a JSON object")
+    unknown = sorted(set(data) - _PLAN_FIELDS)
+    if unknown and "config" in data:
+        bad(f"unknown fields {unknown[:5]}")
+    cfg = data.get("config", data)
+    if not isinstance(cfg, dict):
+        bad(f"'config' must be an object, got {type(cfg).__name__}")
+    if "config" not in data:
+        return data   # a bare config (KVConfig.get_config()): KVConfig.from_config reads it strictly
+    for k in _PLAN_NUMBERS:
+        v = data.get(k)
+        if k == "estimated_kld" and isinstance(v, float) and v != v:   # NaN: not estimated (earlier releases)
+            continue
+        if v is not None and not _finite_number(v):
+            bad(f"'{k}' must be a finite number, got {str(v)[:40]}")
+    for k, top in _PLAN_COUNTS.items():
+        v = data.get(k)
+        if v is not None and not (is_int(v) and 0 <= v <= top):
+            bad(f"'{k}' must be a whole number from 0 to {top}, got {str(v)[:40]}")
+    steps = data.get("steps", [])   # earlier releases: the greedy allocator's steps, kept, not read
+    if not (isinstance(steps, list) and len(steps) <= 1 << 16 and all(isinstance(x, list) and len(x) <= 8
+                                                                       for x in steps)):
+        bad("'steps' must be a list of short lists")
+    for k, t in (("model", str), ("complete", bool)):
+        if k in data and not isinstance(data[k], t):
+            bad(f"'{k}' must be a {t.__name__}, got {type(data[k]).__name__}")
+    rows = data.get("sensitivity", [])
+    n_layers = data.get("n_layers", MAX_LAYERS)
+    if not isinstance(rows, list) or len(rows) > 64 * 2 * max(1, n_layers):
+        bad("'sensitivity' must be a list of figures (kind, layer, option, kld), a few per layer and kind")
+    for r in rows:
+        if not (isinstance(r, dict) and {"kind", "layer", "kld"} <= set(r) <= {"kind", "layer", "option", "kld"}
+                and r["kind"] in ("key", "value") and is_int(r["layer"]) and 0 <= r["layer"] < n_layers
+                and _finite_number(r["kld"]) and r["kld"] >= 0
+                and ("option" not in r or (isinstance(r["option"], str) and _TAG_RE.fullmatch(r["option"])))):
+            bad(f"sensitivity figure {str(r)[:80]} is not kind (key/value), layer (below n_layers), option (a tag "
+                "such as b3g128) and kld (a finite number >= 0)")
+    return data
 
 
 def tag_of(sel) -> str:
@@ -272,6 +351,14 @@ class KVConfig:
     def from_scheme(cls, scheme: str = DEFAULT_SCHEME, group_size: Optional[int] = None, bits: Optional[int] = None,
                     sinks: Optional[int] = None, rotate: Optional[bool] = None,
                     n_threads: Optional[int] = None) -> "KVConfig":
+        if scheme in _ENGINE_SCHEMES:
+            given = [f"{k}={v!r}" for k, v in (("group_size", group_size), ("bits", bits), ("sinks", sinks),
+                                                 ("rotate", rotate)) if v is not None]
+            if given:
+                raise CodecError(f"scheme={scheme!r} is an engine's format, emulated as the engine defines it; leave "
+                                 f"out {', '.join(given)} (its rotation is the scheme with '-rot')")
+            codec = get_codec(_ENGINE_SCHEMES[scheme], n_threads)
+            return cls(key=codec, value=codec, scheme=scheme)
         if scheme in _WIDTH_SCHEMES:
             if bits is not None or rotate is not None:
                 raise CodecError(f"scheme={scheme!r} sets its own bits and rotation; use scheme='kvcx2' to change "

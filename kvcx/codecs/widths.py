@@ -12,6 +12,7 @@ from kvcx.codecs.base import (
     Packed,
     check_shape,
     check_sinks,
+    check_sinks_finite,
     decode_out,
     register_codec,
     view3,
@@ -186,9 +187,13 @@ class WidthCodec(Codec):
                                     widths.reshape(-1), self._tops(widths), off.reshape(-1), slab_off, gbytes,
                                     codes[N * D:N * D + N * G * D * 2], codes[N * D + N * G * D * 2:], threads)
             check_status(status, name, x)
-        else:
-            codes[:] = 0   # no quantized tokens: widths (and nothing else) are stored
+        else:   # no quantized tokens (all are sinks): the widths alone are stored, spread evenly so that they
+            #     add up to the budget as the decoder checks (they describe no codes)
+            codes[:] = 0
             scales[:] = 0
+            even = np.full(D, lay.budget // D, dtype=np.uint8)
+            even[:lay.budget % D] += 1
+            codes[:N * D] = np.tile(even, N)
         cfg = self.get_config()
         cfg["sinks"] = t0
         fields = dict(codes=codes, scales=scales, zeros=None, sinks=write_sinks(x.reshape(N, S, D), t0, lay.shape, out),
@@ -231,6 +236,7 @@ class WidthCodec(Codec):
                 or (scales[..., 0] > scales[..., 1]).any():
             raise CodecError(f"tensor {name!r}: the channel ranges must be finite F16 pairs (lo <= hi) of shape "
                              f"{list(lay.scale_shape)}; the data is damaged")
+        check_sinks_finite(packed, t0, name)
         widths = codes[:N * D].reshape(N, D)
         if (widths > _core.W_MAX).any() or widths.sum(dtype=np.int64) != lay.budget * N:
             raise CodecError(f"tensor {name!r}: the channel widths must be at most {_core.W_MAX} bits and sum to "

@@ -8,7 +8,7 @@ the data beyond the exact sink tokens), and decodes such a buffer straight into 
 
 Byte layout (all integers little-endian; every section starts on an 8-byte boundary)::
 
-    0   magic  b"KVCX"          4   u16 wire version (1)     6   u16 header bytes (64)
+    0   magic  b"KVCX"          4   u16 wire version (2)     6   u16 header bytes (64)
     8   u8 dtype (0 F32, 1 F16, 2 BF16)   9  u8 flags (0)    10  u16 reserved (0)
     12  u32 layers   16 u32 tokens   20 u32 kv_heads   24 u32 head_dim
     28  key codec:   u8 bits, u8 asymmetric, u8 axis (0 token, 1 channel), u8 rotate,
@@ -16,7 +16,9 @@ Byte layout (all integers little-endian; every section starts on an 8-byte bound
     40  value codec: the same 12 bytes
     52  u32 checksum: CRC-32C (Castagnoli) over header bytes 0..51 and 56..63, then the little-endian
         u32 CRC-32C of each 64 KiB block of the payload in order (blocks are checked in parallel)
-    56  u32 payload bytes (after the header)      60  u32 reserved (0)
+    56  u32 payload bytes (after the header)
+    60  u32 key digest: CRC-32C of the store key the chunk was written under, with its low bit set;
+        0 when the writer gave no key (wire version 1 has 0 here: its chunks are read, unbound)
     64  key sections: codes, scales, zeros (asymmetric), sinks (sinks > 0), each padded to 8
         value sections: the same
 
@@ -27,6 +29,10 @@ applied per head, each layer seen as ``(tokens * kv_heads, head_dim)`` rows (its
 the first ``sinks * kv_heads`` rows, the same bytes); it cannot use per-channel groups. Token-axis
 groups of at most ``head_dim`` values that divide it are the same groups as in a file; the default
 scheme decodes bit for bit as ``kvcx compress`` does.
+
+A chunk written with a key (the LMCache serde passes the store's key) is bound to it: read under another
+key, a valid chunk is an error, not another chunk's tensor (a mix-up no checksum sees). The digest is 32
+bits: it catches mix-ups, it is not a defence against someone forging chunks.
 """
 from __future__ import annotations
 
@@ -44,7 +50,8 @@ from kvcx.codecs.runtime import crc32c, crc32c_blocks
 from kvcx.errors import CodecError, FormatError, KvcxError
 
 MAGIC = b"KVCX"
-WIRE_VERSION = 1
+WIRE_VERSION = 2
+READABLE_WIRE_VERSIONS = (1, 2)
 HEADER_BYTES = 64
 _HEADER = struct.Struct("<4sHHBBHIIII" + "BBBBHHI" * 2 + "III")
 assert _HEADER.size == HEADER_BYTES
@@ -62,6 +69,13 @@ def checksum(buf: np.ndarray, n_threads: Optional[int] = None) -> int:
     crc = crc32c(buf[:_CRC_OFFSET])
     crc = crc32c(buf[_CRC_OFFSET + 4:HEADER_BYTES], crc)
     return crc32c(blocks.view(np.uint8), crc)
+
+
+def key_digest(key: Optional[bytes]) -> int:
+    """The header's key digest for a store key (bytes): CRC-32C with the low bit set; 0 without a key."""
+    if key is None:
+        return 0
+    return crc32c(np.frombuffer(bytes(key), dtype=np.uint8)) | 1
 
 
 def _pad8(n: int) -> int:
@@ -195,8 +209,10 @@ class ChunkCodec:
         return self._kinds(shape, numpy_dtype(name).itemsize)[1].end
 
     # -- encode -------------------------------------------------------------------
-    def encode_into(self, chunk: np.ndarray, out: np.ndarray, where: str = "chunk") -> int:
-        """Serialize ``chunk`` into the uint8 buffer ``out``; returns the bytes written."""
+    def encode_into(self, chunk: np.ndarray, out: np.ndarray, where: str = "chunk",
+                    key: Optional[bytes] = None) -> int:
+        """Serialize ``chunk`` into the uint8 buffer ``out``; returns the bytes written. ``key``: the store key it
+        is written under (bytes), which reading it under another key then refuses."""
         name = dtype_name(chunk.dtype)
         if name is None:
             raise CodecError(f"{where}: dtype {chunk.dtype} is not bfloat16, float16 or float32")
@@ -219,7 +235,7 @@ class ChunkCodec:
         _, L, T, HD = shape
         header = _HEADER.pack(MAGIC, WIRE_VERSION, HEADER_BYTES, DTYPE_NAMES[name], 0, 0, L, T, HD // self.head_dim,
                               self.head_dim, *self._codec_fields(self.config.key),
-                              *self._codec_fields(self.config.value), 0, total - HEADER_BYTES, 0)
+                              *self._codec_fields(self.config.value), 0, total - HEADER_BYTES, key_digest(key))
         buf[:HEADER_BYTES] = np.frombuffer(header, dtype=np.uint8)
         crc = checksum(buf, self.config.value.n_threads)
         buf[_CRC_OFFSET:_CRC_OFFSET + 4] = np.frombuffer(struct.pack("<I", crc), dtype=np.uint8)
@@ -230,10 +246,12 @@ class ChunkCodec:
         return (c.bits, int(c.asym), _AXES[c.axis], int(c.rotate), c.group_size, 0, c.sinks)
 
     # -- decode -------------------------------------------------------------------
-    def decode_into(self, data: np.ndarray, out: np.ndarray, where: str = "chunk") -> None:
+    def decode_into(self, data: np.ndarray, out: np.ndarray, where: str = "chunk",
+                    key: Optional[bytes] = None) -> None:
         """Decode a serialized chunk into ``out`` (the chunk's shape and dtype). Anything that is not a
         chunk this codec's format describes exactly (foreign bytes, a damaged buffer, another shape or
-        dtype) raises :class:`FormatError`; ``out`` is then not fully written."""
+        dtype, a chunk bound to another ``key``) raises :class:`FormatError`; ``out`` is then not fully
+        written."""
         hdr = read_header(data, where)
         name = dtype_name(out.dtype)
         if name is None or not out.flags.c_contiguous or not out.flags.writeable:
@@ -253,12 +271,18 @@ class ChunkCodec:
         body = data[:vs.end]
         if checksum(body, self.config.value.n_threads) != hdr["crc32"]:
             raise FormatError(f"{where}: the chunk fails its CRC-32C check; the stored bytes are damaged")
+        if key is not None and hdr["key_digest"] and hdr["key_digest"] != key_digest(key):
+            raise FormatError(f"{where}: the chunk was written under another key (a valid chunk in the wrong place); "
+                              "it is not this key's data")
         for sec, dst in ((ks, out[0]), (vs, out[1])):
             packed = sec.record(body, out.dtype)
             for part in (packed.scales, packed.zeros):
                 if part is not None and not np.isfinite(part).all():
                     raise FormatError(f"{where}: the chunk holds non-finite scales; it is damaged")
-            sec.codec.decode(packed, out=dst.reshape(sec.view), name=where)
+            try:   # the codec refuses every parameter an encoder could not have written
+                sec.codec.decode(packed, out=dst.reshape(sec.view), name=where)
+            except CodecError as exc:
+                raise FormatError(f"{where}: the chunk is damaged ({exc})") from None
 
 
 def read_header(data: np.ndarray, where: str = "chunk") -> dict:
@@ -271,14 +295,15 @@ def read_header(data: np.ndarray, where: str = "chunk") -> dict:
     f = _HEADER.unpack(data[:HEADER_BYTES].tobytes())
     magic, version, hbytes, dt, flags, res0, L, T, H, D = f[:10]
     kf, vf = f[10:17], f[17:24]
-    crc, payload, res1 = f[24:]
+    crc, payload, digest = f[24:]
     if magic != MAGIC:
         raise FormatError(f"{where}: not a kvcx chunk (magic {magic!r}, expected {MAGIC!r}); the store holds "
                           "another serde's data: use the serde that wrote it")
-    if version != WIRE_VERSION or hbytes != HEADER_BYTES:
+    if version not in READABLE_WIRE_VERSIONS or hbytes != HEADER_BYTES:
         raise FormatError(f"{where}: kvcx chunk wire version {version} (header {hbytes} bytes) is not supported by "
-                          f"this kvcx (version {WIRE_VERSION}); upgrade kvcx")
-    if dt not in _DT_BY_CODE or flags or res0 or res1 or min(L, T, H, D) < 1:
+                          f"this kvcx (versions {', '.join(map(str, READABLE_WIRE_VERSIONS))}); upgrade kvcx")
+    if dt not in _DT_BY_CODE or flags or res0 or min(L, T, H, D) < 1 or (version == 1 and digest) \
+            or (digest and not digest & 1):
         raise FormatError(f"{where}: the kvcx chunk header is damaged")
 
     def codec(fields, kind):
@@ -292,4 +317,5 @@ def read_header(data: np.ndarray, where: str = "chunk") -> dict:
             raise FormatError(f"{where}: the {kind} codec in the chunk header is damaged ({exc})") from None
 
     return {"dtype": _DT_BY_CODE[dt], "layers": L, "tokens": T, "kv_heads": H, "head_dim": D,
-            "key": codec(kf, "key"), "value": codec(vf, "value"), "crc32": crc, "payload": payload}
+            "key": codec(kf, "key"), "value": codec(vf, "value"), "crc32": crc, "payload": payload,
+            "version": version, "key_digest": digest}

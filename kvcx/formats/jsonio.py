@@ -10,11 +10,31 @@ import os
 from typing import Optional
 
 from kvcx.errors import FormatError
-from kvcx.formats.atomic import write_bytes_to
+from kvcx.formats.atomic import open_regular, write_bytes_to
 
 # nesting deeper than this in any metadata JSON is refused (a real sidecar is a few levels deep)
 MAX_JSON_DEPTH = 64
 SIDECAR_SUFFIX = ".metadata.json"
+
+
+def check_text(obj, where: str) -> None:
+    """FormatError if any string in ``obj`` (keys included, nested) is not valid Unicode (a lone surrogate
+    such as ``"\\ud800"`` is legal JSON but cannot be written as UTF-8): kvcx refuses what it could not
+    write back."""
+    stack = [obj]
+    while stack:
+        o = stack.pop()
+        if isinstance(o, str):
+            try:
+                o.encode("utf-8")
+            except UnicodeEncodeError:
+                raise FormatError(f"{where}: the text {o[:40]!r} holds a lone surrogate, which is not valid UTF-8 and "
+                                  "cannot be written back; fix the text") from None
+        elif isinstance(o, dict):
+            stack.extend(o.keys())
+            stack.extend(o.values())
+        elif isinstance(o, (list, tuple)):
+            stack.extend(o)
 
 
 def no_duplicate_keys(pairs):
@@ -51,16 +71,17 @@ def loads_strict(text: str, where: str, fix: str):
         raise FormatError(f"{where} is not valid JSON ({str(exc)[:80]}); {fix}") from None
     if not _depth(value, MAX_JSON_DEPTH):
         raise FormatError(f"{where} nests deeper than {MAX_JSON_DEPTH} levels; {fix}")
+    check_text(value, where)
     return value
 
 
 def read_json_object(p: str, what: str, fix: str) -> dict:
     """A JSON object from file ``p``, parsed strictly; FormatError('{p}: {what} ...; {fix}') otherwise."""
-    try:
-        with open(p, encoding="utf-8") as fh:
-            text = fh.read()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise FormatError(f"{p}: cannot read {what} ({exc}); {fix}") from None
+    with open_regular(p, what[4:] if what.startswith("the ") else what) as fh:
+        try:
+            text = fh.read().decode("utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise FormatError(f"{p}: cannot read {what} ({exc}); {fix}") from None
     data = loads_strict(text, f"{p}: {what}", fix)
     if not isinstance(data, dict):
         raise FormatError(f"{p}: {what} must be a JSON object; {fix}")

@@ -26,14 +26,15 @@ import numpy as np
 from kvcx.codecs.base import Codec, Packed, decode, get_codec
 from kvcx.codecs.dtypes import dtype_name, is_int, numpy_dtype
 from kvcx.errors import CodecError, FormatError
-from kvcx.formats.jsonio import loads_strict
+from kvcx.formats.jsonio import check_text, loads_strict
 
 FORMAT_KEY = "kvcx.format"
 FORMAT_NAME = "kvcx.packed"
 FORMAT_VERSION = "2"
 # a file is written as version 2, or as the higher version one of its codecs needs (Codec.format_version):
-# 3 with the per-channel widths codec (kvcx.widths, docs/FORMAT.md 2.4)
-READABLE_VERSIONS = ("1", "2", "3")
+# 3 with the per-channel widths codec (kvcx.widths, docs/FORMAT.md 2.4), 4 with an engine format's codec
+# (llama.cpp, vllm.fp8: docs/FORMAT.md 2.5)
+READABLE_VERSIONS = ("1", "2", "3", "4")
 SUFFIXES = (".kvcx.codes", ".kvcx.scales", ".kvcx.zeros", ".kvcx.sinks")
 PARTS = ("codes", "scales", "zeros", "sinks")
 _KNOWN_KEYS = {FORMAT_KEY, "kvcx.format_version", "kvcx.config", "kvcx.codecs", "kvcx.tensors",
@@ -137,6 +138,7 @@ def compress_tensors(tensors: Dict[str, np.ndarray], config, sparsity: float = 0
     ``codec_for``, ``weights_for``, ``codecs`` and ``scheme``)."""
     if isinstance(sparsity, bool) or not isinstance(sparsity, (int, float)) or not 0.0 <= sparsity < 1.0:
         raise CodecError(f"sparsity must be in [0, 1), got {sparsity!r}")
+    check_text([list(tensors), source_metadata, sidecar], "the names and metadata to store")
     out: Dict[str, np.ndarray] = {}
     info: Dict[str, dict] = {}
     chosen: Dict[str, Choice] = {}

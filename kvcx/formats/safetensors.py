@@ -1,8 +1,9 @@
 """A pure-Python safetensors reader/writer (``json`` + NumPy), strict about headers.
 
 Same verbs as Hugging Face's ``safetensors.numpy``: ``save``, ``save_file``,
-``load``, ``load_file``. ``load_file`` memory-maps the file, so tensors are
-read-only views and a large file is not read into memory twice.
+``load``, ``load_file``. Files are read with ``preadv``, not memory-mapped, so a file truncated by
+another process while it is read is an error, not a SIGBUS; :class:`SafeFile` reads a tensor when it
+is asked for, and ``SafeFile.tensors()`` is a mapping that holds none of them.
 
 Layout: 8-byte little-endian header length N, N bytes of UTF-8 JSON (padded
 with spaces to a multiple of 8), then the data section. Every header entry is
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from contextlib import contextmanager
 from typing import Dict, Iterator, Optional
 
@@ -21,8 +23,8 @@ import numpy as np
 
 from kvcx.codecs.dtypes import BFLOAT16
 from kvcx.errors import FormatError
-from kvcx.formats.atomic import OutputSet, write_bytes_to
-from kvcx.formats.jsonio import no_duplicate_keys
+from kvcx.formats.atomic import OutputSet, open_regular, write_bytes_to
+from kvcx.formats.jsonio import check_text, no_duplicate_keys
 
 MAX_HEADER_SIZE = 100_000_000  # the cap Hugging Face's implementation uses
 
@@ -88,6 +90,7 @@ def parse_header(prefix: bytes, file_size: int, source: str = "<bytes>"):
         raise FormatError(f"{source}: header is not valid JSON ({str(exc)[:80]})") from None
     if not isinstance(header, dict):
         raise FormatError(f"{source}: header must be a JSON object")
+    check_text(header, f"{source}: header")   # names and metadata kvcx could not write back are refused here
     metadata = header.pop("__metadata__", None)
     if metadata is not None:
         if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str)
@@ -141,50 +144,108 @@ def _as_array(buf, dtype: str, shape: tuple, begin: int, end: int, start: int) -
 
 
 class SafeFile:
-    """A safetensors file opened lazily (memory-mapped); use as a context manager or call close()."""
+    """A safetensors file opened for reading (the header parsed at once, tensors read when asked for); use
+    as a context manager or call close().
+
+    Tensors are read into memory (``preadv``), not memory-mapped: a file that another process truncates or
+    rewrites while kvcx reads it is a :class:`FormatError` naming it, never a SIGBUS. Each read checks that
+    the file is still the one opened (size, modification time, inode)."""
 
     def __init__(self, path):
         self.path = os.fspath(path)
+        self._fh = open_regular(self.path, ".safetensors file")
         try:
-            size = os.path.getsize(self.path)
-            if os.path.isdir(self.path):
-                raise IsADirectoryError(self.path)
-            with open(self.path, "rb") as fh:
-                head = fh.read(8)
-                n = int.from_bytes(head, "little") if len(head) == 8 else 0
-                prefix = head + (fh.read(n) if len(head) == 8 and n <= MAX_HEADER_SIZE and 8 + n <= size else b"")
-        except FileNotFoundError:
-            raise FormatError(f"{self.path}: no such file; check the path") from None
-        except IsADirectoryError:
-            raise FormatError(f"{self.path}: is a directory, expected a .safetensors file") from None
-        except PermissionError:
-            raise FormatError(f"{self.path}: permission denied; check the file's permissions") from None
+            st = os.fstat(self._fh.fileno())
+            self._identity = (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
+            size = st.st_size
+            head = self._fh.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else 0
+            prefix = head + (self._fh.read(n) if len(head) == 8 and n <= MAX_HEADER_SIZE and 8 + n <= size else b"")
         except OSError as exc:
+            self.close()
             raise FormatError(f"{self.path}: cannot read ({exc.strerror or exc})") from None
-        self.entries, self.metadata, self._start = parse_header(prefix, size, self.path)
-        self._mm = None
-        if size > self._start:
-            self._mm = np.memmap(self.path, dtype=np.uint8, mode="r")
+        try:
+            self.entries, self.metadata, self._start = parse_header(prefix, size, self.path)
+        except FormatError:
+            self.close()
+            raise
+        self._check_unchanged()
 
     def keys(self):
         return list(self.entries)
 
+    def _check_unchanged(self) -> None:
+        st = os.fstat(self._fh.fileno())
+        if (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev) != self._identity:
+            raise FormatError(f"{self.path}: the file changed while kvcx read it (another process wrote or truncated "
+                              "it); run again once it is complete")
+
     def get_tensor(self, key: str) -> np.ndarray:
+        """The tensor ``key``, read now into a new read-only array."""
         if key not in self.entries:
             raise FormatError(f"{self.path}: no tensor named {key!r}; it has {', '.join(list(self.entries)[:8])}")
+        if self._fh is None:
+            raise FormatError(f"{self.path}: the file is closed; open it again")
         dtype, shape, begin, end = self.entries[key]
-        if self._mm is None:
-            return np.empty(shape, dtype=_TYPES[dtype])
-        return _as_array(self._mm, dtype, shape, begin, end, self._start)
+        out = np.empty(end - begin, dtype=np.uint8)
+        view, done, fd = memoryview(out), 0, self._fh.fileno()
+        while done < out.size:
+            try:
+                got = os.preadv(fd, [view[done:]], self._start + begin + done)
+            except OSError as exc:
+                raise FormatError(f"{self.path}: cannot read tensor {key!r} ({exc.strerror or exc})") from None
+            if got == 0:
+                raise FormatError(f"{self.path}: the file ended while kvcx read tensor {key!r} (another process "
+                                  "truncated it?); run again once it is complete")
+            done += got
+        self._check_unchanged()
+        arr = out.view(_TYPES[dtype]).reshape(shape)
+        arr.setflags(write=False)
+        return arr
+
+    def shape_and_dtype(self, key: str) -> tuple:
+        """(shape, NumPy dtype) of tensor ``key``, from the header (nothing read)."""
+        dtype, shape, _, _ = self.entries[key]
+        return shape, _TYPES[dtype]
+
+    def tensors(self) -> "Tensors":
+        """Every tensor, each read when it is looked up (a Mapping: memory holds one tensor at a time)."""
+        return Tensors(self)
 
     def close(self):
-        self._mm = None
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
         self.close()
+
+    def __del__(self):
+        fh = getattr(self, "_fh", None)
+        if fh is not None:
+            fh.close()
+
+
+class Tensors(Mapping):
+    """The tensors of a :class:`SafeFile` as a read-only mapping that reads a tensor when it is looked up
+    (each lookup reads again: a caller that needs one twice keeps it)."""
+
+    def __init__(self, f: SafeFile):
+        self._f = f
+
+    def __getitem__(self, key):
+        if key not in self._f.entries:
+            raise KeyError(key)
+        return self._f.get_tensor(key)
+
+    def __iter__(self):
+        return iter(self._f.entries)
+
+    def __len__(self):
+        return len(self._f.entries)
 
 
 def load(data: bytes) -> Dict[str, np.ndarray]:
@@ -199,13 +260,14 @@ def load_with_metadata(data: bytes):
 
 
 def load_file(path) -> Dict[str, np.ndarray]:
-    """Tensors of a file, memory-mapped (read-only)."""
-    f = SafeFile(path)
-    return {k: f.get_tensor(k) for k in f.keys()}
+    """Tensors of a file (read-only arrays)."""
+    with SafeFile(path) as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
 
 
 def read_metadata(path) -> Dict[str, str]:
-    return SafeFile(path).metadata
+    with SafeFile(path) as f:
+        return f.metadata
 
 
 def _header_and_order(tensors: Dict[str, np.ndarray], metadata: Optional[Dict[str, str]]):
@@ -214,6 +276,8 @@ def _header_and_order(tensors: Dict[str, np.ndarray], metadata: Optional[Dict[st
     if metadata is not None and not (isinstance(metadata, dict) and all(
             isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):
         raise FormatError("metadata must map strings to strings")
+    check_text(metadata or {}, "metadata")
+    check_text(list(tensors), "tensor names")
     arrays = {}
     for k, v in tensors.items():
         if not isinstance(k, str) or k == "__metadata__":

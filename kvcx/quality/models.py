@@ -62,6 +62,15 @@ def resolve_model(model: Optional[str] = None) -> ModelSource:
                           {"gguf_file": os.path.basename(model)}, requested=str(model))
     else:
         src = ModelSource(str(model), str(model), {}, requested=str(model))
+        config = os.path.join(str(model), "config.json")
+        if os.path.isdir(str(model)) and os.path.exists(config):   # a local model: its config read strictly
+            from kvcx.errors import FormatError
+            from kvcx.formats.jsonio import read_json_object
+
+            try:
+                read_json_object(config, "the model's config", "a model directory's config.json is a JSON object")
+            except FormatError as exc:
+                raise ModelError(f"cannot load model {str(model)!r}: {exc}") from None
     require_torch_transformers()
     if src.kwargs.get("gguf_file"):
         require_modules("gguf", "accelerate", purpose="loading a GGUF model")
@@ -91,7 +100,7 @@ def load_model_and_tokenizer(model=None, device=None, cpu: bool = False):
     try:
         tok = AutoTokenizer.from_pretrained(src.source, **src.kwargs)
         m = AutoModelForCausalLM.from_pretrained(src.source, dtype=dtype, **src.kwargs)
-    except (OSError, ValueError, EnvironmentError) as exc:
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:   # what a bad model dir raises
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelError(f"cannot load model {src.requested or EMBEDDED_GGUF!r}: {first[:200]}. Pass a local model "
                          f"directory, a .gguf file, or a Hugging Face id with internet access (e.g. {TINYLLAMA_ID})"
@@ -106,14 +115,17 @@ def load_dataset_text(dataset_file: Optional[os.PathLike] = None) -> str:
     if dataset_file is None and os.environ.get(DATASET_ENV):
         dataset_file = os.environ[DATASET_ENV]
     if dataset_file is not None:
+        from kvcx.formats.atomic import open_regular
+
         p = Path(dataset_file)
-        if not p.is_file():
+        if not p.exists():
             raise DatasetError(f"{p}: dataset file not found; pass the WikiText-2 raw test file as "
                                "dataset_file=PATH/wiki.test.raw")
-        try:
-            return p.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise DatasetError(f"{p}: cannot read the dataset file as UTF-8 text ({exc})") from None
+        with open_regular(p, "evaluation text") as fh:
+            try:
+                return fh.read().decode("utf-8")
+            except (OSError, UnicodeDecodeError) as exc:
+                raise DatasetError(f"{p}: cannot read the dataset file as UTF-8 text ({exc})") from None
     if importlib.util.find_spec("datasets") is None:
         raise DatasetError(f"no evaluation text: pass dataset_file=PATH/wiki.test.raw (or set {DATASET_ENV}), "
                            "or pip install datasets for datasets.load_dataset('wikitext', 'wikitext-2-raw-v1') "

@@ -139,8 +139,8 @@ def snr_heatmap(input_path, config: KVConfig, output_path, n_threads: Optional[i
     from kvcx.formats.atomic import OutputSet, check_distinct, write_bytes_to
     from kvcx.formats.packed import compress_tensors, decompress_tensors
 
-    f = open_plain(input_path)
-    tensors = {k: f.get_tensor(k) for k in f.keys()}
+    with open_plain(input_path) as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
     out, meta, _ = compress_tensors(tensors, config)
     decoded = decompress_tensors(out, meta, n_threads=n_threads)
     grids = head_snr_grid({k: v for k, v in tensors.items() if k in decoded and dtype_name(v.dtype)}, decoded,
@@ -153,3 +153,17 @@ def snr_heatmap(input_path, config: KVConfig, output_path, n_threads: Optional[i
     with OutputSet([output_path]) as tmp:
         write_bytes_to(tmp[os.fspath(output_path)], os.fspath(output_path), [png])
     return grids
+
+
+def validation_pareto(results, output_path, title: Optional[str] = None) -> None:
+    """`kvcx validate --pareto`: bits/value vs perplexity delta of every validated setting, with the threshold,
+    written atomically to a PNG."""
+    from kvcx.formats.atomic import OutputSet, write_bytes_to
+
+    results = list(results)
+    pts = [{"bits": r.bits_per_value, "delta": r.delta, "label": r.setting,
+            "kind": "kvcx" if r.config.get("key", {}).get("id", "kvcx.int").startswith("kvcx") else "peer"}
+           for r in results]
+    png = pareto_png(pts, thresholds=((results[0].threshold, f"threshold {results[0].threshold}"),), title=title)
+    with OutputSet([output_path]) as tmp:
+        write_bytes_to(tmp[os.fspath(output_path)], os.fspath(output_path), [png])

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable, List, Optional
+from typing import Callable, List, Mapping, Optional
 
 import numpy as np
 
@@ -82,6 +82,7 @@ class ValidationResult:
     codec_time_s: float = 0.0
     quick_test: bool = False
     violations: List[str] = field(default_factory=list)
+    setting: str = ""                 # the setting's label (its --scheme, or the plan's name)
 
     def to_dict(self) -> dict:
         return json_safe(asdict(self))
@@ -142,7 +143,24 @@ def run_validation(config: KVConfig, threshold: float = DEFAULT_THRESHOLD, model
                    max_windows: int = 32, mode: str = "prefix", cpu: bool = False, device=None,
                    on_phase: Optional[PhaseCallback] = None, on_window: Optional[WindowCallback] = None,
                    roundtrip: Optional[Roundtrip] = None, loaded=None) -> ValidationResult:
-    """The six phases of ``kvcx validate``. ``loaded`` = (model, tokenizer, name) skips loading.
+    """The six phases of ``kvcx validate`` for one setting (see :func:`run_validations`)."""
+    return run_validations({config.scheme: config}, threshold=threshold, model=model, dataset_file=dataset_file,
+                           window=window, stride=stride, max_windows=max_windows, mode=mode, cpu=cpu, device=device,
+                           on_phase=on_phase, on_window=on_window,
+                           roundtrips={config.scheme: roundtrip} if roundtrip else None, loaded=loaded)[0]
+
+
+def run_validations(configs: Mapping[str, KVConfig], threshold: float = DEFAULT_THRESHOLD,
+                    model: Optional[str] = None, dataset_file=None, window: Optional[int] = None,
+                    stride: int = DEFAULT_STRIDE, max_windows: int = 32, mode: str = "prefix", cpu: bool = False,
+                    device=None, on_phase: Optional[PhaseCallback] = None,
+                    on_window: Optional[WindowCallback] = None, roundtrips: Optional[Mapping[str, Roundtrip]] = None,
+                    loaded=None) -> List[ValidationResult]:
+    """The six phases of ``kvcx validate`` for several settings (label -> KVConfig) on the same windows and
+    tokens: one result per setting, in order. In prefix mode each window's context runs once, its exact
+    continuation is scored once, and each setting adds one compressed pass (a setting alone costs the same
+    three passes). ``loaded`` = (model, tokenizer, name) skips loading; ``roundtrips`` replace a setting's
+    codec round trip (by label).
 
     Every input (options, evaluation text, model path and packages) is resolved before the model loads.
     """
@@ -152,12 +170,14 @@ def run_validation(config: KVConfig, threshold: float = DEFAULT_THRESHOLD, model
         if on_phase:
             on_phase(step, PHASES, message)
 
+    if not configs:
+        raise KvcxError("no setting to validate: give at least one scheme")
     if mode not in ("prefix", "generation"):
         raise KvcxError(f"mode={mode!r} must be 'prefix' or 'generation'")
     if not (threshold > 0 and math.isfinite(threshold)):
         raise KvcxError(f"threshold={threshold} must be a positive number")
     # the context limit is checked again once the model is known
-    check_window(window or DEFAULT_WINDOW, stride, max_windows, context_limit=1 << 62)
+    check_window(DEFAULT_WINDOW if window is None else window, stride, max_windows, context_limit=1 << 62)
     text = load_dataset_text(dataset_file)
     source = resolve_model(model) if loaded is None else None
     phase(1, f"evaluation text: {len(text):,} characters")
@@ -166,40 +186,55 @@ def run_validation(config: KVConfig, threshold: float = DEFAULT_THRESHOLD, model
 
     dev = next(m.parameters()).device
     ctx_limit = int(getattr(m.config, "max_position_embeddings", DEFAULT_WINDOW) or DEFAULT_WINDOW)
-    window = window or min(DEFAULT_WINDOW, ctx_limit)
+    window = min(DEFAULT_WINDOW, ctx_limit) if window is None else window
     check_window(window, stride, max_windows, ctx_limit)
     phase(2, f"model: {name} on {dev} ({next(m.parameters()).dtype}), {m.config.num_hidden_layers} layers")
     ids = torch.tensor(tok(text, return_tensors=None)["input_ids"], dtype=torch.long)
     starts = window_starts(ids.numel(), window, stride, max_windows)
     phase(3, f"tokenized: {ids.numel():,} tokens, {len(starts)} windows of {window} (stride {stride})")
-    phase(4, f"codec: {config.describe()}; scoring each window with the exact and with the compressed cache, "
-             f"same tokens ({mode} mode)")
+    what = (f"codec: {next(iter(configs.values())).describe()}" if len(configs) == 1 else
+            f"{len(configs)} settings: {', '.join(configs)}")
+    phase(4, f"{what}; scoring each window with the exact and with the compressed cache, same tokens ({mode} mode)")
+    roundtrips = roundtrips or {}
     if mode == "prefix":
-        run = perplexity_prefix(m, ids, starts, window, stride, roundtrip or kvcx_roundtrip(config), on_window)
+        runs = compare_prefix(m, ids, starts, window, stride,
+                              {label: roundtrips.get(label) or kvcx_roundtrip(cfg) for label, cfg in configs.items()},
+                              on_window)
     else:
-        run = perplexity_generation(m, ids, starts, window, stride, config, on_window=on_window)
+        runs = {label: perplexity_generation(m, ids, starts, window, stride, cfg, on_window=on_window)
+                for label, cfg in configs.items()}
+    first = next(iter(runs.values()))
+    phase(5, f"baseline perplexity   {first.baseline_ppl:.4f} ({first.tokens:,} tokens)")
+    phase(6, "compressed perplexity " + ", ".join(f"{r.compressed_ppl:.4f}" + (f" ({label})" if len(runs) > 1 else "")
+                                                  for label, r in runs.items()))
+    wall = time.perf_counter() - t_start
+    dtype = str(next(m.parameters()).dtype).replace("torch.", "")
+    return [_result(label, runs[label], configs[label], threshold, window, stride, mode, name, str(dev), dtype, wall)
+            for label in configs]
+
+
+def _result(label: str, run: PerplexityRun, config: KVConfig, threshold: float, window: int, stride: int, mode: str,
+            model: str, device: str, cache_dtype: str, wall: float) -> ValidationResult:
     base, comp = run.baseline_ppl, run.compressed_ppl
-    phase(5, f"baseline perplexity   {base:.4f} ({run.tokens:,} tokens)")
-    phase(6, f"compressed perplexity {comp:.4f}")
     delta = comp - base
     s = run.stats
     return ValidationResult(
         baseline_perplexity=base, compressed_perplexity=comp, delta=delta, delta_percent=100.0 * delta / base,
         compression_ratio=run.ratio_vs_fp16, bits_per_value=run.bits_per_value,
         compression_ratio_vs_cache_dtype=run.original_bytes / run.packed_bytes if run.packed_bytes else 0.0,
-        cache_dtype=str(next(m.parameters()).dtype).replace("torch.", ""),
+        cache_dtype=cache_dtype,
         rmse=s.rmse, relative_rmse=s.relative_rmse, snr_db=s.snr_db, cosine_similarity=s.cosine_similarity,
         kld=run.mean_kld, top1_agreement=run.top1_agreement,
         max_error=s.max_error, quality_level=quality_level(s.rmse, s.snr_db) if s.n else "",
         passed=delta < threshold, threshold=threshold,
-        tokens_scored=run.tokens, windows=run.windows, window=window, stride=stride, mode=mode, model=name,
-        device=str(dev), config=config.get_config(), wall_time_s=time.perf_counter() - t_start,
-        codec_time_s=run.codec_time_s)
+        tokens_scored=run.tokens, windows=run.windows, window=window, stride=stride, mode=mode, model=model,
+        device=device, config=config.get_config(), wall_time_s=wall, codec_time_s=run.codec_time_s, setting=label)
+
 
 def quick_test(config: KVConfig, seq_len: int = 128, seed: int = 0, thresholds: Optional[Thresholds] = None,
-               on_phase: Optional[PhaseCallback] = None) -> ValidationResult:
+               on_phase: Optional[PhaseCallback] = None, label: Optional[str] = None) -> ValidationResult:
     """No model: a synthetic cache of TinyLlama's shape (22 layers x [1, 4, seq, 64] FP16), judged on
-    RMSE / SNR / cosine against the reference thresholds."""
+    RMSE / SNR / cosine against the reference thresholds. ``label``: the setting's name (its scheme)."""
     from kvcx.quality.bridge import (
         TINYLLAMA_HEAD_DIM,
         TINYLLAMA_NUM_KV_HEADS,
@@ -230,4 +265,5 @@ def quick_test(config: KVConfig, seq_len: int = 128, seed: int = 0, thresholds: 
         cache_dtype="float16", rmse=s.rmse, relative_rmse=s.relative_rmse, snr_db=s.snr_db,
         cosine_similarity=s.cosine_similarity, max_error=s.max_error, quality_level=quality_level(s.rmse, s.snr_db),
         passed=not violations, threshold=float("nan"), bits_per_value=8.0 * nbytes / s.n, model="synthetic",
-        config=config.get_config(), wall_time_s=time.perf_counter() - t, quick_test=True, violations=violations)
+        config=config.get_config(), wall_time_s=time.perf_counter() - t, quick_test=True, violations=violations,
+        setting=label or config.scheme)

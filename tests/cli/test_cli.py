@@ -154,7 +154,7 @@ def test_window_errors_come_before_loading_the_model(tmp_path):
     assert "[1/6]" not in r.output
 
 
-def test_library_errors_name_parameters_and_the_cli_its_flags(tmp_path):
+def test_library_errors_name_parameters_and_the_cli_its_flags(small_cache_file, tmp_path):
     """The library says ``window=1``; the CLI says ``--window 1``, for the options of the running command."""
     from kvcx.cli import in_flags
     from kvcx.quality.scoring import check_window
@@ -163,7 +163,7 @@ def test_library_errors_name_parameters_and_the_cli_its_flags(tmp_path):
         check_window(1, 512, 1, 2048)
     r = run("validate", "--window", "1", "--dataset-file", str(tmp_path / "x.raw"))
     assert r.exit_code == 1 and "--window 1 and --stride 512 must be at least 2" in r.output, r.output
-    r = run("compress", tmp_path / "a.safetensors", tmp_path / "b.safetensors", "--scheme", "kvcx2w", "--bits", "3")
+    r = run("compress", small_cache_file, tmp_path / "b.safetensors", "--scheme", "kvcx2w", "--bits", "3")
     assert r.exit_code == 1 and "--scheme kvcx2w sets its own bits and rotation; use --scheme kvcx2" in r.output
     assert in_flags("pass rotate=False", "compress") == "pass --no-rotate"
     assert in_flags("pass rotate=True, or sinks=2", "compress") == "pass --rotate, or --sinks 2"

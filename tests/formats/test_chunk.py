@@ -1,14 +1,16 @@
 """The LMCache chunk wire format on its own: CRC-32C, exact sizes, dtypes and schemes, settings carried."""
 
+import struct
+
 import numpy as np
 import pytest
 
 from kvcx.codecs import KVConfig
 from kvcx.codecs.dtypes import BFLOAT16
-from kvcx.errors import CodecError
+from kvcx.errors import CodecError, FormatError
 from kvcx.formats.chunk import ChunkCodec, read_header
 
-from helpers import codec_roundtrip, plan_config, small_chunk
+from helpers import codec_roundtrip, plan_config, reseal, small_chunk
 
 
 def test_crc32c_known_values():
@@ -53,3 +55,37 @@ def test_kv_chunks_refuse_per_layer_widths():
 
     with pytest.raises(CodecError, match="per-layer widths"):
         ChunkCodec(plan_config())
+
+
+def test_a_chunk_is_bound_to_its_store_key():
+    """A valid chunk read under another key is an error (a mix-up in the store that no checksum sees); chunks of
+    wire version 1, written without a key, still read under any key."""
+    from kvcx.formats.chunk import key_digest
+
+    x = small_chunk(7)
+    codec = ChunkCodec()
+    buf = np.empty(codec.serialized_size(x.shape, x.dtype), np.uint8)
+    codec.encode_into(x, buf, key=b"model@0@chunk-a")
+    h = read_header(buf)
+    assert h["version"] == 2 and h["key_digest"] == key_digest(b"model@0@chunk-a") and h["key_digest"] & 1
+    out = np.empty_like(x)
+    codec.decode_into(buf, out, key=b"model@0@chunk-a")
+    codec.decode_into(buf, out)   # a reader that has no key
+    with pytest.raises(FormatError, match="written under another key"):
+        codec.decode_into(buf, out, key=b"model@0@chunk-b")
+    # without a key: digest 0, read under any key; as wire version 1 (digest 0 there), too
+    plain = np.empty_like(buf)
+    codec.encode_into(x, plain)
+    assert read_header(plain)["key_digest"] == 0
+    codec.decode_into(plain, out, key=b"anything")
+    v1 = plain.copy()
+    v1[4:6] = np.frombuffer(struct.pack("<H", 1), np.uint8)
+    codec.decode_into(reseal(v1), out, key=b"anything")
+    np.testing.assert_array_equal(out.view(np.uint16), codec_roundtrip(codec, x)[1].view(np.uint16))
+    # a version-1 header with a digest, or an even digest: damaged
+    for version, digest in ((1, 5), (2, 4)):
+        b = buf.copy()
+        b[4:6] = np.frombuffer(struct.pack("<H", version), np.uint8)
+        b[60:64] = np.frombuffer(struct.pack("<I", digest), np.uint8)
+        with pytest.raises(FormatError, match="header is damaged"):
+            codec.decode_into(reseal(b), out)

@@ -93,7 +93,7 @@ def test_factory_and_async_processor(chunks):
     proc = create_serde_processor(SerdeConfig("kvcx", {"scheme": "kvcx", "group_size": 64, "head_dim": 64,
                                                        "threads": 2, "max_workers": 2}))
     try:
-        want = [codec_roundtrip(ChunkCodec(), c) for c in chunks]
+        want = [codec_roundtrip(ChunkCodec(), c, key=kl.key_bytes(ls.key(i))) for i, c in enumerate(chunks)]
         n = proc.estimate_serialized_size(ls.layout(chunks[0].shape))
         dsts = [np.zeros(n, np.uint8) for _ in chunks]
         tid = proc.submit_serialize([ls.memobj(c) for c in chunks], [ls.memobj(d) for d in dsts],

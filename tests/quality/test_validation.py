@@ -125,3 +125,46 @@ def test_generation_mode_runs_through_kvcx_cache(loaded, wikitext_path):
     assert math.isfinite(r.compressed_perplexity) and r.compressed_perplexity != r.baseline_perplexity
     assert abs(r.delta) < 1.0
     assert r.compression_ratio > 2.5  # FP16-equivalent bytes / packed + FP32 residual bytes
+
+
+def test_several_settings_share_one_pass_and_match_single_runs(loaded, wikitext_path):
+    """kvcx, llama.cpp q4_0 (with and without its rotation) and vLLM fp8 on the same windows and tokens:
+    each setting's figures equal its own single run's, and the baseline is scored once for all."""
+    from kvcx.quality.validation import run_validations
+
+    names = ["kvcx", "q4_0", "q4_0-rot", "fp8_e4m3"]
+    many = run_validations({n: KVConfig.from_scheme(n) for n in names}, dataset_file=wikitext_path, window=512,
+                           stride=256, max_windows=2, loaded=loaded)
+    assert [r.setting for r in many] == names
+    assert len({r.baseline_perplexity for r in many}) == 1 and len({r.tokens_scored for r in many}) == 1
+    for r in many:
+        alone = run_validation(KVConfig.from_scheme(r.setting), dataset_file=wikitext_path, window=512, stride=256,
+                               max_windows=2, loaded=loaded)
+        assert (alone.compressed_perplexity, alone.kld, alone.bits_per_value) == \
+            (r.compressed_perplexity, r.kld, r.bits_per_value)
+    by = {r.setting: r for r in many}
+    assert by["fp8_e4m3"].bits_per_value == pytest.approx(8.0, abs=0.05)
+    assert by["q4_0"].bits_per_value == pytest.approx(4.5, abs=0.05)
+    assert by["fp8_e4m3"].kld < by["q4_0"].kld        # 8 bits lose less than 4.5
+    assert by["q4_0-rot"].kld < by["q4_0"].kld        # the rotation is why llama.cpp added it
+
+
+def test_cli_validate_several_settings_gate_and_pareto(wikitext_path, tmp_path):
+    args = ["validate", "--scheme", "kvcx,q4_0", "--window", "512", "--stride", "256", "--max-windows", "1",
+            "--dataset-file", str(wikitext_path)]
+    r = CliRunner().invoke(app, args + ["--json", "--threshold", "10"])
+    assert r.exit_code == 0, r.output
+    v = json.loads(r.stdout)
+    assert [x["setting"] for x in v] == ["kvcx", "q4_0"] and v[1]["config"]["key"]["id"] == "llama.cpp"
+    # one setting over the threshold: exit 3 when it is gated, 0 when only the others are
+    cut = (v[0]["delta"] + v[1]["delta"]) / 2 if v[0]["delta"] < v[1]["delta"] else None
+    assert cut is not None and cut > 0, v
+    png = tmp_path / "pareto.png"
+    r = CliRunner().invoke(app, args + ["--threshold", str(cut), "--pareto", str(png)])
+    assert r.exit_code == 3 and "FAILED: q4_0" in r.output and png.read_bytes()[:4] == b"\x89PNG"
+    r = CliRunner().invoke(app, args + ["--threshold", str(cut), "--gate", "kvcx", "--quiet"])
+    assert r.exit_code == 0 and "PASSED" in r.output, r.output
+    r = CliRunner().invoke(app, args + ["--gate", "q8_0"])
+    assert r.exit_code == 1 and "--gate q8_0: q8_0 is not a validated setting" in r.output, r.output
+    r = CliRunner().invoke(app, args[:2] + ["kvcx,kvcx"])
+    assert r.exit_code == 1 and "--scheme kvcx,kvcx: name each setting once" in r.output, r.output

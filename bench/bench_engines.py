@@ -1,0 +1,81 @@
+"""Validate what you deploy: kvcx's settings and the engines' KV formats on one model, one text, the same
+tokens (`kvcx validate --scheme A,B,...`), and what the shared pass costs against one setting alone.
+
+    python bench/bench_engines.py --max-windows 32 --markdown docs/results/engines.md
+
+Settings (default): kvcx's default and KIVI at 4 bits; llama.cpp's q8_0, q5_1, q4_1, q4_0 as releases before
+the attention rotation (or with LLAMA_ATTN_ROT_DISABLE=1) write them, and q8_0, q4_0 with the rotation
+(llama.cpp's default since PR #21038); vLLM's fp8 e4m3 and e5m2 at scale 1.0. Timing: the same windows
+validated once for the first setting alone and once for all of them in one call, wall time and peak RSS.
+"""
+from __future__ import annotations
+
+import argparse
+import resource
+import time
+from pathlib import Path
+
+DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared/data/wikitext-2-raw/wiki.test.raw"
+SETTINGS = "kvcx,kivi,q8_0,q8_0-rot,q5_1,q4_1,q4_0,q4_0-rot,fp8_e4m3,fp8_e5m2"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--scheme", default=SETTINGS, help="settings, comma-separated (any `kvcx validate --scheme`)")
+    ap.add_argument("--max-windows", type=int, default=32)
+    ap.add_argument("--window", type=int, default=1024)
+    ap.add_argument("--stride", type=int, default=512)
+    ap.add_argument("--threshold", type=float, default=0.5)
+    ap.add_argument("--dataset-file", type=Path, default=DEFAULT_DATA)
+    ap.add_argument("--markdown", type=Path, default=None)
+    args = ap.parse_args(argv)
+    from report import Report
+
+    from kvcx.api import validation_settings
+    from kvcx.quality.models import load_model_and_tokenizer
+    from kvcx.quality.validation import run_validations
+
+    configs, _ = validation_settings(args.scheme)
+    loaded = load_model_and_tokenizer(None, cpu=True)
+    common = dict(threshold=args.threshold, dataset_file=args.dataset_file, window=args.window, stride=args.stride,
+                  max_windows=args.max_windows, loaded=loaded)
+    first = next(iter(configs))
+    t = time.perf_counter()
+    alone = run_validations({first: configs[first]}, **common)[0]
+    t_alone = time.perf_counter() - t
+    t = time.perf_counter()
+    results = run_validations(configs, **common)
+    t_all = time.perf_counter() - t
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
+    assert results[0].compressed_perplexity == alone.compressed_perplexity   # the shared pass changes nothing
+    out = Report()
+    r0 = results[0]
+    out(f"Embedded {r0.model}, WikiText-2 raw test, {r0.windows} windows of {r0.window} (stride {r0.stride}), "
+        f"{r0.tokens_scored:,} tokens scored, {r0.mode} mode; baseline perplexity {r0.baseline_perplexity:.4f}; "
+        f"threshold {r0.threshold}.")
+    out("")
+    out("| setting | what it emulates | bits/value | ratio vs FP16 | perplexity | delta | KLD (nats/token) | "
+        "top-1 agreement | verdict |")
+    out("|---|---|---:|---:|---:|---:|---:|---:|---|")
+    from kvcx.codecs.kvconfig import KVConfig
+
+    for r in results:
+        cfg = KVConfig.from_config(r.config)
+        what = cfg.key.describe() if cfg.key == cfg.value else cfg.describe().split(": ", 1)[-1]
+        out(f"| `{r.setting}` | {what} | {r.bits_per_value:.3f} | {r.compression_ratio:.2f}x | "
+            f"{r.compressed_perplexity:.4f} | {r.delta:+.4f} | {r.kld:.5f} | {100 * r.top1_agreement:.2f}% | "
+            f"{'PASS' if r.passed else 'FAIL'} |")
+    out("")
+    out(f"Cost of the shared pass: {first} alone {t_alone:.0f} s; all {len(results)} settings in one call "
+        f"{t_all:.0f} s = {t_all / t_alone:.2f}x (a setting alone costs a context, a baseline and a compressed pass "
+        f"per window; each further setting adds one compressed pass and its codec, so "
+        f"{len(results)} settings need {len(results) + 2}/3 = {(len(results) + 2) / 3:.2f}x at best). Peak RSS "
+        f"{rss:.2f} GiB.")
+    if args.markdown:
+        out.write(args.markdown, "kvcx's settings and the engines' KV formats (llama.cpp, vLLM fp8) on the embedded "
+                                 "model: perplexity, KL divergence and top-1 agreement against the exact cache, "
+                                 "every setting on the same windows and tokens.")
+
+
+if __name__ == "__main__":
+    main()

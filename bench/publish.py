@@ -1,0 +1,116 @@
+"""Write the README's generated regions from measured files, never by hand.
+
+    python bench/publish.py [--validate-log make_validate.log]
+
+- ``headline``: the summary table of headline figures, read from the tables the bench scripts wrote into
+  docs/results/ (quality.md, codec.md, generate.md, lmcache.md), each row linking to its report;
+- ``validate`` (with ``--validate-log``): the output of one ``make validate`` run, progress bars removed.
+
+A region is the text between ``<!-- NAME:begin -->`` and ``<!-- NAME:end -->`` in README.md.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "docs" / "results"
+
+
+def table(path: Path, title_prefix: str = "") -> dict:
+    """The rows of the markdown tables in ``path`` (after the heading that starts with ``title_prefix``),
+    keyed by their first cell (and the second, for tables whose first column repeats): {key: [cells]}."""
+    rows, on = {}, not title_prefix
+    for line in path.read_text().splitlines():
+        if line.startswith("#"):
+            on = not title_prefix or line.lstrip("# ").startswith(title_prefix)
+        if not on or not line.startswith("|") or line.startswith("|---") or line.startswith("|---:"):
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        rows[cells[0]] = cells
+        if len(cells) > 1:
+            rows[(cells[0], cells[1])] = cells
+    return rows
+
+
+def find(rows: dict, start: str) -> list:
+    for k, v in rows.items():
+        if isinstance(k, str) and k.startswith(start):
+            return v
+    raise SystemExit(f"publish: no row starting with {start!r}; run the bench that writes it")
+
+
+def headline() -> str:
+    q = table(RESULTS / "quality.md")
+    codec = table(RESULTS / "codec.md")
+    gen = table(RESULTS / "generate.md")
+    lmc = table(RESULTS / "lmcache.md")
+
+    def quality(start):
+        r = find(q, start)   # setting, bits, ratio, RMSE, SNR, ppl, delta, KLD, top-1, ms
+        return f"{r[6]} perplexity at {r[1]} bits/value ({r[2]} vs FP16), KLD {float(r[7]):.4f}, top-1 {r[8]}"
+
+    ref = find(codec, "reference")
+    fused8k = gen[("8000", "KvcxCache fused")]
+    fused_held = find(gen, "KvcxCache fused")           # the agreement table: bytes held at prompt + steps
+    kv = find(lmc, "kvcx default")
+    fp8 = find(lmc, "LMCache fp8")
+    q_rel = "[quality](docs/results/quality.md)"
+    lines = [
+        "| what | measured | report |",
+        "|---|---|---|",
+        f"| default scheme (`kvcx`) | {quality('kvcx default')} | {q_rel} |",
+        f"| kvcx2 + plan `smollm2-kvcx2-3.50` | {quality('kvcx2 + per-layer plan smollm2-kvcx2-3.50')} | {q_rel} |",
+        f"| kvcx2w + plan `smollm2-kvcx2w-2.47` | {quality('kvcx2w + query weights')} | {q_rel} |",
+        f"| the reference design (`reference`) | {quality('reference')} | {q_rel} |",
+        f"| peer: TurboQuant 3-bit | {quality('peer: TurboQuant 3-bit')} | {q_rel} |",
+        f"| peer: quanto int4 | {quality('peer: quanto int4')} | {q_rel} |",
+        f"| encode / decode (reference scheme, 2 threads) | {ref[2]} / {ref[4]} GB/s: {ref[8]}x / {ref[10]}x a "
+        f"memory copy | [codec](docs/results/codec.md) |",
+        f"| decode after 8,000 tokens, `KvcxCache` fused vs `DynamicCache` | {fused8k[2]} tok/s, {fused8k[3]} end "
+        f"to end; attention {fused8k[6]} SDPA | [generate](docs/results/generate.md) |",
+        f"| memory held, `KvcxCache` fused | {fused_held[4]} an FP16 `DynamicCache` (everything reachable) | "
+        "[generate](docs/results/generate.md) |",
+        f"| LMCache chunk, kvcx serde vs LMCache fp8 | {kv[2]} vs {fp8[2]} smaller than BF16; serialize "
+        f"{kv[7]} vs {fp8[7]} GB/s, deserialize {kv[9]} vs {fp8[9]} GB/s (2 threads) | "
+        "[lmcache](docs/results/lmcache.md) |",
+    ]
+    return "Headline figures on this machine (2 CPU cores; every figure from the linked report, written by the " \
+           "bench script named there):\n\n" + "\n".join(lines)
+
+
+def validate_output(log: Path) -> str:
+    keep = []
+    for line in log.read_text(errors="replace").splitlines():
+        line = re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", line)
+        if "it/s]" in line or "GGUF tensors" in line or "Loading weights" in line or line.startswith(".venv/bin"):
+            continue
+        keep.append(line.rstrip())
+    return "```\n" + "\n".join(keep).strip() + "\n```"
+
+
+def replace_region(text: str, name: str, body: str) -> str:
+    begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+    if begin not in text or end not in text:
+        raise SystemExit(f"publish: README.md has no region {name!r}")
+    a, b = text.index(begin) + len(begin), text.index(end)
+    return text[:a] + "\n" + body + "\n" + text[b:]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--validate-log", type=Path, default=None, help="the output of one `make validate` run")
+    args = ap.parse_args(argv)
+    readme = ROOT / "README.md"
+    text = replace_region(readme.read_text(), "headline", headline())
+    if args.validate_log is not None:
+        text = replace_region(text, "validate", validate_output(args.validate_log))
+    readme.write_text(text)
+    print(f"wrote {readme}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

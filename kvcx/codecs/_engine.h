@@ -1,0 +1,180 @@
+/* Engine KV formats, emulated exactly: llama.cpp's KV block types and vLLM's fp8 KV cache.
+ *
+ * llama.cpp (ggml-quants.c, quantize_row_*_ref / dequantize_row_*): blocks of KVCX_QK = 32 consecutive
+ * values along the head dimension, an FP16 scale d (and an FP16 minimum m for the _1 types) per block:
+ *   q8_0   d = amax / 127,  q = roundf(x / d)                          int8 codes        (34 bytes / block)
+ *   q4_0   d = max / -8 (max: the value of largest |x|), q = min(15, (int)(x / d + 8.5))   (18 bytes)
+ *   q4_1   d = (max - min) / 15, m = min, q = min(15, (int)((x - min) / d + 0.5))          (20 bytes)
+ *   q5_0   as q4_0 with -16 / 16.5 / 31, the fifth bits in a u32 qh                        (22 bytes)
+ *   q5_1   as q4_1 with 31, the fifth bits in a u32 qh                                     (24 bytes)
+ * where "/ d" is "* id" with id = 1.0f / d (0 when d is 0), in float32, as the reference does. Codes are
+ * stored as ggml's block bodies (qh then qs for the 5-bit types; qs[j] holds elements j and j + 16), so a
+ * block is the FP16 d, [the FP16 m], then these bytes. Compiled as ISO C (-std=c11), so no a*b+c is fused
+ * into an FMA: every product is rounded as the reference's is.
+ *
+ * vLLM's fp8 KV cache: x / scale (float32), saturated to the format's largest finite value, rounded to
+ * nearest even into e4m3fn (bias 7, max 448, no infinities) or e5m2 (bias 15, max 57344); decode is
+ * fp8 * scale.
+ */
+#ifndef KVCX_ENGINE_H
+#define KVCX_ENGINE_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "_kernels.h"
+
+#define KVCX_QK 32
+
+/* llama.cpp block types (the values kvcx.codecs.engine maps names to) */
+enum kvcx_ggml_type { KVCX_GGML_Q8_0 = 0, KVCX_GGML_Q4_0 = 1, KVCX_GGML_Q4_1 = 2, KVCX_GGML_Q5_0 = 3,
+                      KVCX_GGML_Q5_1 = 4 };
+/* fp8 formats */
+enum kvcx_fp8_format { KVCX_FP8_E4M3 = 0, KVCX_FP8_E5M2 = 1 };
+
+/* bytes of codes per block (the block without its FP16 d and m) */
+static inline int64_t kvcx_ggml_qbytes(int type) {
+    switch (type) {
+        case KVCX_GGML_Q8_0: return 32;
+        case KVCX_GGML_Q4_0: case KVCX_GGML_Q4_1: return 16;
+        default: return 20;
+    }
+}
+
+/* (int)v for v in [0, 128), as the reference's (int8_t) cast; 0 outside, as that cast gives on x86 (and NumPy's
+ * in gguf): only a block whose scale underflows (id infinite, x * id inf or NaN) gets there, and its FP16 d of 0
+ * decodes to 0 whatever its codes */
+static inline int kvcx_trunc_q(float v) { return v >= 0.0f && v < 128.0f ? (int)v : 0; }
+
+static inline int kvcx_ggml_has_min(int type) { return type == KVCX_GGML_Q4_1 || type == KVCX_GGML_Q5_1; }
+
+/* Quantize one block of 32 finite floats. Returns KVCX_ST_SCALE_OVERFLOW when d or m is not finite in FP16. */
+static inline int kvcx_ggml_quant_block(int type, const float *x, uint16_t *d_out, uint16_t *m_out, uint8_t *q) {
+    float d, id;
+    if (type == KVCX_GGML_Q8_0) {
+        float amax = 0.0f;
+        for (int j = 0; j < KVCX_QK; j++) amax = fmaxf(amax, fabsf(x[j]));
+        d = amax / 127.0f;
+        id = d != 0.0f ? 1.0f / d : 0.0f;
+        *d_out = kvcx_f2h_1(d);
+        for (int j = 0; j < KVCX_QK; j++) {
+            const float r = roundf(x[j] * id);
+            q[j] = (uint8_t)(int8_t)(r >= -127.0f && r <= 127.0f ? (int)r : 0);
+        }
+    } else if (type == KVCX_GGML_Q4_0 || type == KVCX_GGML_Q5_0) {
+        float amax = 0.0f, max = 0.0f;
+        for (int j = 0; j < KVCX_QK; j++) {
+            const float v = x[j];
+            if (amax < fabsf(v)) { amax = fabsf(v); max = v; }
+        }
+        const int five = type == KVCX_GGML_Q5_0;
+        d = max / (five ? -16.0f : -8.0f);
+        id = d != 0.0f ? 1.0f / d : 0.0f;
+        *d_out = kvcx_f2h_1(d);
+        const float off = five ? 16.5f : 8.5f;
+        const int top = five ? 31 : 15;
+        uint32_t qh = 0;
+        uint8_t *qs = five ? q + 4 : q;
+        for (int j = 0; j < KVCX_QK / 2; j++) {
+            const float x0 = x[j] * id, x1 = x[KVCX_QK / 2 + j] * id;
+            int a = kvcx_trunc_q(x0 + off), b = kvcx_trunc_q(x1 + off);
+            a = a < top ? a : top;
+            b = b < top ? b : top;
+            qs[j] = (uint8_t)((a & 0x0F) | ((b & 0x0F) << 4));
+            qh |= ((uint32_t)(a & 0x10) >> 4) << j;
+            qh |= ((uint32_t)(b & 0x10) >> 4) << (j + KVCX_QK / 2);
+        }
+        if (five) memcpy(q, &qh, 4);
+    } else {
+        float min = x[0], max = x[0];
+        for (int j = 1; j < KVCX_QK; j++) {
+            min = x[j] < min ? x[j] : min;
+            max = x[j] > max ? x[j] : max;
+        }
+        const int five = type == KVCX_GGML_Q5_1;
+        d = (max - min) / (five ? 31.0f : 15.0f);
+        id = d != 0.0f ? 1.0f / d : 0.0f;
+        *d_out = kvcx_f2h_1(d);
+        *m_out = kvcx_f2h_1(min);
+        const int top = five ? 31 : 15;
+        uint32_t qh = 0;
+        uint8_t *qs = five ? q + 4 : q;
+        for (int j = 0; j < KVCX_QK / 2; j++) {
+            const float x0 = (x[j] - min) * id, x1 = (x[KVCX_QK / 2 + j] - min) * id;
+            int a = kvcx_trunc_q(x0 + 0.5f), b = kvcx_trunc_q(x1 + 0.5f);
+            a = a < top ? a : top;
+            b = b < top ? b : top;
+            qs[j] = (uint8_t)((a & 0x0F) | ((b & 0x0F) << 4));
+            qh |= ((uint32_t)(a & 0x10) >> 4) << j;
+            qh |= ((uint32_t)(b & 0x10) >> 4) << (j + KVCX_QK / 2);
+        }
+        if (five) memcpy(q, &qh, 4);
+        if (!isfinite(kvcx_h2f_1(*m_out))) return KVCX_ST_SCALE_OVERFLOW;
+    }
+    return isfinite(kvcx_h2f_1(*d_out)) ? KVCX_OK : KVCX_ST_SCALE_OVERFLOW;
+}
+
+/* Dequantize one block into 32 floats (ggml's dequantize_row_*: d * q, d * q + m). */
+static inline void kvcx_ggml_dequant_block(int type, uint16_t hd, uint16_t hm, const uint8_t *q, float *y) {
+    const float d = kvcx_h2f_1(hd);
+    if (type == KVCX_GGML_Q8_0) {
+        for (int j = 0; j < KVCX_QK; j++) y[j] = (float)(int8_t)q[j] * d;
+        return;
+    }
+    const int five = type == KVCX_GGML_Q5_0 || type == KVCX_GGML_Q5_1;
+    const int has_min = kvcx_ggml_has_min(type);
+    const float m = has_min ? kvcx_h2f_1(hm) : 0.0f;
+    const int off = has_min ? 0 : (five ? 16 : 8);
+    uint32_t qh = 0;
+    if (five) memcpy(&qh, q, 4);
+    const uint8_t *qs = five ? q + 4 : q;
+    for (int j = 0; j < KVCX_QK / 2; j++) {
+        int a = qs[j] & 0x0F, b = qs[j] >> 4;
+        if (five) {
+            a |= (int)((qh >> j) & 1) << 4;
+            b |= (int)((qh >> (j + KVCX_QK / 2)) & 1) << 4;
+        }
+        if (has_min) {
+            y[j] = (float)a * d + m;
+            y[j + KVCX_QK / 2] = (float)b * d + m;
+        } else {
+            y[j] = (float)(a - off) * d;
+            y[j + KVCX_QK / 2] = (float)(b - off) * d;
+        }
+    }
+}
+
+/* float32 -> fp8 (RNE, saturated to the largest finite value); x finite. */
+static inline uint8_t kvcx_f2fp8(float x, int format) {
+    const int m = format == KVCX_FP8_E4M3 ? 3 : 2;
+    const int bias = format == KVCX_FP8_E4M3 ? 7 : 15;
+    const float maxv = format == KVCX_FP8_E4M3 ? 448.0f : 57344.0f;
+    uint32_t bits;
+    memcpy(&bits, &x, 4);
+    const uint8_t sign = (uint8_t)((bits >> 24) & 0x80);
+    float a = fabsf(x);
+    a = a < maxv ? a : maxv;
+    const float min_normal = ldexpf(1.0f, 1 - bias);
+    uint32_t code;
+    if (a < min_normal) {   /* subnormal (or zero): multiples of 2^(1 - bias - m), exact scaling then RNE */
+        code = (uint32_t)rintf(ldexpf(a, bias - 1 + m));
+    } else {
+        memcpy(&bits, &a, 4);
+        const int shift = 23 - m;
+        bits += ((1u << (shift - 1)) - 1) + ((bits >> shift) & 1);   /* round to nearest, ties to even */
+        code = (bits >> shift) - ((uint32_t)(127 - bias) << m);
+    }
+    return (uint8_t)(sign | code);
+}
+
+/* fp8 -> float32 (exact). */
+static inline float kvcx_fp82f(uint8_t c, int format) {
+    const int m = format == KVCX_FP8_E4M3 ? 3 : 2;
+    const int bias = format == KVCX_FP8_E4M3 ? 7 : 15;
+    const int e = (c & 0x7F) >> m, f = c & ((1 << m) - 1);
+    float v = e ? ldexpf(1.0f + (float)f / (float)(1 << m), e - bias) : ldexpf((float)f, 1 - bias - m);
+    return (c & 0x80) ? -v : v;
+}
+
+#endif

@@ -1,0 +1,246 @@
+"""Engine KV formats as codecs: the caches people deploy, emulated exactly, so ``kvcx validate`` gates them
+beside kvcx's own on the same tokens.
+
+- :class:`GGMLCodec` (``id: "llama.cpp"``): llama.cpp's KV block types ``q8_0``, ``q4_0``, ``q4_1``,
+  ``q5_0``, ``q5_1`` (``-ctk`` / ``-ctv``): blocks of 32 values along the head dimension, an FP16 scale
+  (and FP16 minimum for the ``_1`` types) per block, quantized as ggml's reference quantizers do (byte for
+  byte the blocks of ``gguf.quants.quantize``). ``rotate=True`` adds the attention rotation llama.cpp applies
+  to quantized K/V since PR #21038 (merged 2026-04-01; on by default for quantized cache types, off with
+  ``LLAMA_ATTN_ROT_DISABLE=1``, absent from earlier releases): an orthonormal Hadamard transform of each run
+  of 64 values of a head, undone after attention. Scores and outputs are the same as rotating the decoded
+  vectors back, which is what this codec does.
+- :class:`FP8Codec` (``id: "vllm.fp8"``): vLLM's ``--kv-cache-dtype fp8`` / ``fp8_e5m2``: ``x / scale``
+  saturated and rounded to nearest even into float8 e4m3fn or e5m2 (bit for bit torch's float8 casts of
+  the clamped values); ``scale=1.0`` as vLLM uses without calibration, or ``scale="amax"``: a calibrated
+  per-tensor scale ``amax / fp8_max`` (rounded to FP16, recorded in the record's scales).
+
+Schemes (``--scheme``): ``q8_0``, ``q4_0``, ``q4_1``, ``q5_0``, ``q5_1`` (the type alone, as llama.cpp
+before the rotation or with it disabled), the same with ``-rot`` (current llama.cpp's default), and
+``fp8_e4m3``, ``fp8_e5m2``, ``fp8_e4m3-amax``, ``fp8_e5m2-amax``.
+"""
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import numpy as np
+
+from kvcx.codecs import _core
+from kvcx.codecs.base import Codec, Layout, Packed, check_shape, decode_out, register_codec, view3
+from kvcx.codecs.dtypes import DTYPE_NAMES, check_float, dtype_name, kernel_dtype, raw
+from kvcx.codecs.runtime import check_status, resolve_threads
+from kvcx.errors import CodecError
+
+GGML_TYPES = {"q8_0": _core.GGML_Q8_0, "q4_0": _core.GGML_Q4_0, "q4_1": _core.GGML_Q4_1,
+              "q5_0": _core.GGML_Q5_0, "q5_1": _core.GGML_Q5_1}
+_WITH_MIN = ("q4_1", "q5_1")
+FP8_FORMATS = {"e4m3": (_core.FP8_E4M3, 448.0), "e5m2": (_core.FP8_E5M2, 57344.0)}
+_NO_ZEROS = np.empty(0, dtype=np.float16)
+QK = int(_core.QK)
+ROTATE_BLOCK = int(_core.ENGINE_ROTATE_BLOCK)
+ENGINE_FORMAT_VERSION = "4"
+
+
+def _buffers(out, shapes: dict, name: str, x_shape) -> dict:
+    """The caller's Packed buffers when they fit (section views of a file), else new ones."""
+    if out is None:
+        return {k: np.empty(s, dtype=d) for k, (s, d) in shapes.items()}
+    got = {}
+    for k, (s, d) in shapes.items():
+        a = getattr(out, k, None)
+        if not (isinstance(a, np.ndarray) and a.shape == tuple(s) and a.dtype == d and a.flags.c_contiguous
+                and a.flags.writeable):
+            raise CodecError(f"tensor {name!r}: out must be a Packed from encoding a tensor of shape "
+                             f"{list(x_shape)} with this codec ({k}: {d.__name__ if hasattr(d, '__name__') else d} "
+                             f"{list(s)})")
+        got[k] = a
+    return got
+
+
+def _finish(out, fields: dict) -> Packed:
+    if out is None:
+        return Packed(**fields)
+    out.__dict__.update(fields)
+    return out
+
+
+@register_codec
+class GGMLCodec(Codec):
+    """llama.cpp's KV cache block types, bit-exact with ggml's reference quantizers.
+
+    Parameters
+    ----------
+    type: ``"q8_0"``, ``"q4_0"``, ``"q4_1"``, ``"q5_0"`` or ``"q5_1"``.
+    rotate: the Hadamard rotation current llama.cpp applies to quantized K/V (runs of 64 values; the last
+        dim must be a multiple of 64; llama.cpp turns it off otherwise, see :meth:`fallback`).
+    n_threads: OpenMP threads (None = all).
+    """
+
+    codec_id = "llama.cpp"
+    settings = ("type", "rotate")
+    format_version = ENGINE_FORMAT_VERSION
+
+    def __init__(self, type: str = "q4_0", rotate: bool = False, n_threads: Optional[int] = None):
+        if type not in GGML_TYPES:
+            raise CodecError(f"llama.cpp KV type {type!r} is not one kvcx emulates; use one of "
+                             f"{', '.join(GGML_TYPES)}")
+        if not isinstance(rotate, (bool, np.bool_)):
+            raise CodecError(f"rotate must be true or false, got {rotate!r}")
+        self.type, self.rotate = type, bool(rotate)
+        self.n_threads = resolve_threads(n_threads) if n_threads is not None else None
+
+    @property
+    def has_zeros(self) -> bool:
+        return self.type in _WITH_MIN      # the FP16 block minimum m travels as the record's zeros
+
+    def bits_per_value(self) -> float:
+        """Bits per value of llama.cpp's block: codes, FP16 d, FP16 m for the _1 types (q4_0: 4.5)."""
+        return 8.0 * (int(_core.ggml_qbytes(GGML_TYPES[self.type])) + (4 if self.has_zeros else 2)) / QK
+
+    def describe(self) -> str:
+        return f"llama.cpp {self.type}" + (" +rotation" if self.rotate else "")
+
+    def fallback(self) -> "GGMLCodec":
+        """Without the rotation (llama.cpp runs unrotated where the head does not fit its blocks of 64)."""
+        return GGMLCodec(self.type, False, self.n_threads) if self.rotate else self
+
+    def layout(self, shape: tuple, name: str = "tensor") -> Layout:
+        shape = tuple(shape)
+        check_shape(shape, name)
+        N, S, D = view3(shape)
+        if D % QK:
+            raise CodecError(f"tensor {name!r}: llama.cpp's {self.type} blocks hold {QK} values of the last dim, "
+                             f"which is {D}; use a kvcx scheme for this tensor")
+        if self.rotate and D % ROTATE_BLOCK:
+            raise CodecError(f"tensor {name!r}: llama.cpp's rotation runs over {ROTATE_BLOCK} values of the last "
+                             f"dim, which is {D}; use scheme {self.type!r} (llama.cpp runs unrotated here)")
+        blocks = N * S * D // QK
+        return Layout(shape=tuple(int(s) for s in shape), N=N, S=S, D=D, t0=0,
+                      codes_nbytes=blocks * int(_core.ggml_qbytes(GGML_TYPES[self.type])), scale_shape=(blocks,),
+                      partial_group=0)
+
+    def encode(self, x, out: Optional[Packed] = None, *, name: str = "tensor",
+               weights: Optional[np.ndarray] = None) -> Packed:
+        if weights is not None:
+            raise CodecError(f"tensor {name!r}: llama.cpp's types take no key weights")
+        x = check_float(x, name)
+        lay = self.layout(x.shape, name)
+        shapes = {"codes": ((lay.codes_nbytes,), np.uint8), "scales": (lay.scale_shape, np.float16)}
+        if self.has_zeros:
+            shapes["zeros"] = (lay.scale_shape, np.float16)
+        buf = _buffers(out, shapes, name, x.shape)
+        zeros = buf.get("zeros", _NO_ZEROS)
+        status = _core.ggml_encode(raw(x), kernel_dtype(x.dtype), lay.N * lay.S, lay.D, GGML_TYPES[self.type],
+                                   self.rotate, buf["codes"], buf["scales"].view(np.uint16),
+                                   zeros.view(np.uint16), resolve_threads(self.n_threads))
+        check_status(status, name, x)
+        return _finish(out, dict(codes=buf["codes"], scales=buf["scales"], zeros=buf.get("zeros"), sinks=None,
+                                 shape=lay.shape, dtype=dtype_name(x.dtype), config=self.get_config(), meta={}))
+
+    def decode(self, packed: Packed, out: Optional[np.ndarray] = None, *, name: str = "tensor",
+               token_offset: int = 0) -> np.ndarray:
+        lay = self.layout(tuple(packed.shape), name)
+        out, out_S = decode_out(packed, out, token_offset, name)
+        codes = np.ascontiguousarray(packed.codes, dtype=np.uint8).reshape(-1)
+        scales = np.ascontiguousarray(packed.scales, dtype=np.float16).reshape(-1)
+        if codes.size != lay.codes_nbytes or scales.size != lay.scale_shape[0]:
+            raise CodecError(f"tensor {name!r}: expected {lay.codes_nbytes} code bytes and {lay.scale_shape[0]} "
+                             f"scales, got {codes.size} and {scales.size}")
+        zeros = _NO_ZEROS
+        if self.has_zeros:
+            if packed.zeros is None or packed.zeros.size != scales.size:
+                raise CodecError(f"tensor {name!r}: {self.type} needs {scales.size} block minimums")
+            zeros = np.ascontiguousarray(packed.zeros, dtype=np.float16).reshape(-1)
+        if not (np.isfinite(scales).all() and np.isfinite(zeros).all()):
+            raise CodecError(f"tensor {name!r}: its block scales hold NaN/Inf, which the quantizer never writes; "
+                             "the data is damaged: encode it again")
+        status = _core.ggml_decode(codes, scales.view(np.uint16), zeros.view(np.uint16), lay.N * lay.S, lay.S,
+                                   lay.D, GGML_TYPES[self.type], self.rotate, raw(out), out_S, token_offset,
+                                   DTYPE_NAMES[packed.dtype], resolve_threads(self.n_threads))
+        check_status(status, name, what="decoding")
+        return out
+
+
+@register_codec
+class FP8Codec(Codec):
+    """vLLM's fp8 KV cache: one scale per tensor, values cast to float8 e4m3fn or e5m2 with saturation.
+
+    Parameters
+    ----------
+    format: ``"e4m3"`` (vLLM ``--kv-cache-dtype fp8`` / ``fp8_e4m3``) or ``"e5m2"``.
+    scale: ``1.0`` (vLLM without calibrated scales) or another positive number, or ``"amax"``: per tensor
+        ``fp16(amax / fp8_max)`` (a calibrated scale, recorded with the tensor).
+    n_threads: OpenMP threads (None = all).
+    """
+
+    codec_id = "vllm.fp8"
+    settings = ("format", "scale")
+    format_version = ENGINE_FORMAT_VERSION
+
+    def __init__(self, format: str = "e4m3", scale: Union[float, str] = 1.0, n_threads: Optional[int] = None):
+        if format not in FP8_FORMATS:
+            raise CodecError(f"fp8 format {format!r} is not one vLLM uses; use 'e4m3' or 'e5m2'")
+        if scale != "amax" and not (isinstance(scale, (int, float)) and not isinstance(scale, bool)
+                                    and np.isfinite(scale) and scale > 0 and float(np.float16(scale)) == float(scale)):
+            raise CodecError(f"fp8 scale must be 'amax' or a positive number exact in FP16 (e.g. 1.0), got {scale!r}")
+        self.format = format
+        self.scale = scale if scale == "amax" else float(scale)
+        self.n_threads = resolve_threads(n_threads) if n_threads is not None else None
+
+    def bits_per_value(self) -> float:
+        return 8.0
+
+    def describe(self) -> str:
+        return f"vLLM fp8 {self.format}" + (" calibrated scale" if self.scale == "amax" else
+                                           f" scale {self.scale:g}")
+
+    def layout(self, shape: tuple, name: str = "tensor") -> Layout:
+        shape = tuple(shape)
+        check_shape(shape, name)
+        N, S, D = view3(shape)
+        return Layout(shape=tuple(int(s) for s in shape), N=N, S=S, D=D, t0=0, codes_nbytes=N * S * D,
+                      scale_shape=(1,), partial_group=0)
+
+    def encode(self, x, out: Optional[Packed] = None, *, name: str = "tensor",
+               weights: Optional[np.ndarray] = None) -> Packed:
+        if weights is not None:
+            raise CodecError(f"tensor {name!r}: fp8 takes no key weights")
+        x = check_float(x, name)
+        lay = self.layout(x.shape, name)
+        buf = _buffers(out, {"codes": ((lay.codes_nbytes,), np.uint8), "scales": ((1,), np.float16)}, name, x.shape)
+        fmt, top = FP8_FORMATS[self.format]
+        if self.scale == "amax":
+            amax = float(np.max(np.abs(x.astype(np.float32, copy=False)))) if x.size else 0.0
+            if not np.isfinite(amax):
+                check_status(_core.STATUS_NONFINITE, name, x)
+            s = np.float16(max(amax / top, 2.0 ** -14)) if amax > 0 else np.float16(1.0)
+            if not np.isfinite(s):
+                check_status(_core.STATUS_SCALE_OVERFLOW, name, x)
+        else:
+            s = np.float16(self.scale)
+        buf["scales"][0] = s
+        status = _core.fp8_encode(raw(x), kernel_dtype(x.dtype), lay.N * lay.S, lay.D, fmt, float(s), buf["codes"],
+                                  resolve_threads(self.n_threads))
+        check_status(status, name, x)
+        return _finish(out, dict(codes=buf["codes"], scales=buf["scales"], zeros=None, sinks=None, shape=lay.shape,
+                                 dtype=dtype_name(x.dtype), config=self.get_config(), meta={}))
+
+    def decode(self, packed: Packed, out: Optional[np.ndarray] = None, *, name: str = "tensor",
+               token_offset: int = 0) -> np.ndarray:
+        lay = self.layout(tuple(packed.shape), name)
+        out, out_S = decode_out(packed, out, token_offset, name)
+        codes = np.ascontiguousarray(packed.codes, dtype=np.uint8).reshape(-1)
+        scales = np.asarray(packed.scales, dtype=np.float16).reshape(-1)
+        if codes.size != lay.codes_nbytes or scales.size != 1:
+            raise CodecError(f"tensor {name!r}: expected {lay.codes_nbytes} fp8 codes and 1 scale, got {codes.size} "
+                             f"and {scales.size}")
+        s = float(scales[0])
+        fmt, _ = FP8_FORMATS[self.format]
+        # codes a saturating cast never writes: e4m3fn NaN (S.1111.111), e5m2 Inf/NaN (exponent all ones)
+        never = (codes & 0x7F) == 0x7F if self.format == "e4m3" else (codes & 0x7C) == 0x7C
+        if not (np.isfinite(s) and s > 0) or never.any():
+            raise CodecError(f"tensor {name!r}: its fp8 codes or scale hold NaN/Inf, which vLLM's saturating cast "
+                             "never writes; the data is damaged: encode it again")
+        status = _core.fp8_decode(codes, lay.N * lay.S, lay.S, lay.D, fmt, s, raw(out), out_S, token_offset,
+                                  DTYPE_NAMES[packed.dtype], resolve_threads(self.n_threads))
+        check_status(status, name, what="decoding")
+        return out
