@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvcx.codecs import IntCodec, WidthCodec
+from kvcx.codecs import IntCodec, WidthCodec, get_codec
 from kvcx.codecs.runtime import build_info, resolve_threads
 
 
@@ -90,6 +90,12 @@ OPTIONS = [
     ("plan option value b3a: 3-bit asym + hadamard + sink", dict(scheme="asymmetric", rotate=True, bits=3, sinks=1)),
     # kvcx.codecs.WidthCodec: a width per channel (kvcx2w's keys; the 2.47 plan's at 1.9375 bits)
     ("kvcx2w keys: a width per channel, mean 2 bits, g32 + sink", ("widths", dict(bits=2.0, group_size=32, sinks=1))),
+    # the engine formats (kvcx.codecs.engine): what validating a deployed format costs per cache
+    ("llama.cpp q4_0 (--scheme q4_0)", ("codec", {"id": "llama.cpp", "type": "q4_0"})),
+    ("llama.cpp q4_0 + its rotation (--scheme q4_0-rot)", ("codec", {"id": "llama.cpp", "type": "q4_0", "rotate": True})),
+    ("llama.cpp q8_0 (--scheme q8_0)", ("codec", {"id": "llama.cpp", "type": "q8_0"})),
+    ("llama.cpp q5_1 (--scheme q5_1)", ("codec", {"id": "llama.cpp", "type": "q5_1"})),
+    ("vLLM fp8 e4m3, scale 1 (--scheme fp8_e4m3)", ("codec", {"id": "vllm.fp8", "format": "e4m3"})),
 ]
 
 
@@ -115,7 +121,8 @@ def main(argv=None):
     jobs = {("copy", 1): lambda: np.copyto(dst, x), ("copy", nthreads): lambda: threaded_copy(dst, x, nthreads)}
     for label, opts in OPTIONS:
         for th in (1, nthreads):
-            c = WidthCodec(n_threads=th, **opts[1]) if isinstance(opts, tuple) else IntCodec(n_threads=th, **opts)
+            c = (IntCodec(n_threads=th, **opts) if not isinstance(opts, tuple) else
+                 WidthCodec(n_threads=th, **opts[1]) if opts[0] == "widths" else get_codec(opts[1], n_threads=th))
             p, q = c.encode(x), c.encode(x)
             out = np.empty_like(x)
             # into buffers that exist, as the copy and decode write into theirs (out=)

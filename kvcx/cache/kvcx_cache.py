@@ -158,7 +158,8 @@ class KvcxLayer(DynamicLayer):
         first = {"key": kv_config.key, "value": kv_config.value}
         self._codecs_first = first
         # later chunks: the same codecs without sinks, and with the same threads
-        self._codecs_next = {k: type(c).from_config({**c.get_config(), "sinks": 0, "n_threads": c.n_threads})
+        self._codecs_next = {k: type(c).from_config({**c.get_config(), "n_threads": c.n_threads,
+                                                     **({"sinks": 0} if "sinks" in c.settings else {})})
                              for k, c in first.items()}
         self._key_weights = key_weights  # per-channel widths: how much the queries weigh each key channel
         self.n_threads = kv_config.value.n_threads
@@ -365,8 +366,8 @@ class KvcxCache(Cache):
         True: a step that cannot run fused is an error.
     """
 
-    def __init__(self, config, group_size: int = 64, scheme: str = DEFAULT_SCHEME, residual_length: int = 64,
-                 bits: Optional[int] = None, sinks: Optional[int] = None, rotate: Optional[bool] = None,
+    def __init__(self, config, group_size: Optional[int] = None, scheme: str = DEFAULT_SCHEME,
+                 residual_length: int = 64, bits: Optional[int] = None, sinks: Optional[int] = None, rotate: Optional[bool] = None,
                  kv_config: Optional[KVConfig] = None, n_threads: Optional[int] = None,
                  fused: Optional[bool] = None):
         kv = kv_config or KVConfig.from_scheme(scheme, group_size=group_size, bits=bits, sinks=sinks, rotate=rotate,

@@ -12,7 +12,7 @@ beside kvcx's own on the same tokens.
 - :class:`FP8Codec` (``id: "vllm.fp8"``): vLLM's ``--kv-cache-dtype fp8`` / ``fp8_e5m2``: ``x / scale``
   saturated and rounded to nearest even into float8 e4m3fn or e5m2 (bit for bit torch's float8 casts of
   the clamped values); ``scale=1.0`` as vLLM uses without calibration, or ``scale="amax"``: a calibrated
-  per-tensor scale ``amax / fp8_max`` (rounded to FP16, recorded in the record's scales).
+  per-tensor scale ``amax / fp8_max`` (rounded to FP16, recorded in the record's scales, once per slab).
 
 Schemes (``--scheme``): ``q8_0``, ``q4_0``, ``q4_1``, ``q5_0``, ``q5_1`` (the type alone, as llama.cpp
 before the rotation or with it disabled), the same with ``-rot`` (current llama.cpp's default), and
@@ -197,8 +197,9 @@ class FP8Codec(Codec):
         shape = tuple(shape)
         check_shape(shape, name)
         N, S, D = view3(shape)
+        # one scale per tensor, repeated per slab (N: batch x heads) so a record splits by slab like the others
         return Layout(shape=tuple(int(s) for s in shape), N=N, S=S, D=D, t0=0, codes_nbytes=N * S * D,
-                      scale_shape=(1,), partial_group=0)
+                      scale_shape=(N,), partial_group=0)
 
     def encode(self, x, out: Optional[Packed] = None, *, name: str = "tensor",
                weights: Optional[np.ndarray] = None) -> Packed:
@@ -206,7 +207,8 @@ class FP8Codec(Codec):
             raise CodecError(f"tensor {name!r}: fp8 takes no key weights")
         x = check_float(x, name)
         lay = self.layout(x.shape, name)
-        buf = _buffers(out, {"codes": ((lay.codes_nbytes,), np.uint8), "scales": ((1,), np.float16)}, name, x.shape)
+        buf = _buffers(out, {"codes": ((lay.codes_nbytes,), np.uint8), "scales": (lay.scale_shape, np.float16)}, name,
+                       x.shape)
         fmt, top = FP8_FORMATS[self.format]
         if self.scale == "amax":
             amax = float(np.max(np.abs(x.astype(np.float32, copy=False)))) if x.size else 0.0
@@ -217,7 +219,7 @@ class FP8Codec(Codec):
                 check_status(_core.STATUS_SCALE_OVERFLOW, name, x)
         else:
             s = np.float16(self.scale)
-        buf["scales"][0] = s
+        buf["scales"][...] = s
         status = _core.fp8_encode(raw(x), kernel_dtype(x.dtype), lay.N * lay.S, lay.D, fmt, float(s), buf["codes"],
                                   resolve_threads(self.n_threads))
         check_status(status, name, x)
@@ -230,10 +232,13 @@ class FP8Codec(Codec):
         out, out_S = decode_out(packed, out, token_offset, name)
         codes = np.ascontiguousarray(packed.codes, dtype=np.uint8).reshape(-1)
         scales = np.asarray(packed.scales, dtype=np.float16).reshape(-1)
-        if codes.size != lay.codes_nbytes or scales.size != 1:
-            raise CodecError(f"tensor {name!r}: expected {lay.codes_nbytes} fp8 codes and 1 scale, got {codes.size} "
-                             f"and {scales.size}")
+        if codes.size != lay.codes_nbytes or scales.size != lay.N:
+            raise CodecError(f"tensor {name!r}: expected {lay.codes_nbytes} fp8 codes and {lay.N} scales, got "
+                             f"{codes.size} and {scales.size}")
         s = float(scales[0])
+        if not (scales == scales[0]).all():
+            raise CodecError(f"tensor {name!r}: its fp8 scales differ between slabs, which the encoder never writes "
+                             "(one scale per tensor); the data is damaged: encode it again")
         fmt, _ = FP8_FORMATS[self.format]
         # codes a saturating cast never writes: e4m3fn NaN (S.1111.111), e5m2 Inf/NaN (exponent all ones)
         never = (codes & 0x7F) == 0x7F if self.format == "e4m3" else (codes & 0x7C) == 0x7C

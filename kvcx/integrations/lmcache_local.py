@@ -303,7 +303,8 @@ def engine(store: str, where, serde: str, index: int, procs: int, rounds: int, p
                     reconnects += 1
                 if w is None or failed_in_a_row >= RECONNECT_AFTER:
                     records.append({"t0": time.time(), "store_s": 0.0, "load_s": 0.0, "stored": 0, "store_ok": False,
-                                    "bytes": 0, "loaded": 0, "hits": 0, "misses": 0, "wrong": 0, "load_failures": 0})
+                                    "bytes": 0, "loaded": 0, "hits": 0, "misses": 0, "wrong": 0, "load_failures": 0,
+                                    "rss": _rss().get("VmRSS", 0)})
                     time.sleep(max(pause, 0.2))
                     continue
             mine = [r * ROUND_IDS + index * (per_round // 2) + j for j in range(per_round)]
@@ -336,12 +337,13 @@ def engine(store: str, where, serde: str, index: int, procs: int, rounds: int, p
                 hits += 1
                 if i not in cache:
                     cache[i] = expected(serde, i, shape)
-                    if len(cache) > 4 * (procs + 1) * per_round:
+                    if len(cache) > procs * per_round:    # a round loads only that round's chunks
                         cache.pop(next(iter(cache)))
                 wrong += not np.array_equal(g.view(np.uint16), cache[i].view(np.uint16))
             records.append({"t0": t0, "store_s": t1 - t0, "load_s": t2 - t1, "stored": len(mine) if do_store else 0,
                             "store_ok": bool(ok), "bytes": nbytes, "loaded": len(got), "hits": hits,
-                            "misses": len(got) - hits, "wrong": wrong, "load_failures": load_failures})
+                            "misses": len(got) - hits, "wrong": wrong, "load_failures": load_failures,
+                            "rss": _rss().get("VmRSS", 0)})
             if pause:
                 time.sleep(pause)
     finally:

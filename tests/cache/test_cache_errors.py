@@ -43,3 +43,22 @@ def test_updates_that_do_not_continue_the_cache_name_the_layer():
     for idx in (2, -1, "0"):
         with pytest.raises(KvcxError, match="outside this KvcxCache's 2 layers"):
             cache.update(k, k.clone(), idx)
+
+
+@pytest.mark.parametrize("scheme", ["q4_0-rot", "q8_0", "fp8_e4m3"])
+def test_engine_formats_serve_as_kvcx_cache(scheme):
+    """An engine's format in KvcxCache: every packed token equals the codec's own round trip of it."""
+    from kvcx.codecs import KVConfig
+
+    cache = KvcxCache(_config(64, layers=1), scheme=scheme, residual_length=32)
+    torch.manual_seed(0)
+    k, v = torch.randn(1, 2, 80, 64), torch.randn(1, 2, 80, 64)
+    cache.update(k, v, 0)                       # the prompt's step attends to it exact; then it is packed
+    k1, v1 = torch.randn(1, 2, 1, 64), torch.randn(1, 2, 1, 64)
+    out_k, out_v = cache.update(k1, v1, 0)
+    q = cache.layers[0].quantized_length
+    assert q >= 32 and out_k.shape == (1, 2, 81, 64) and torch.equal(out_k[:, :, 80:], k1)
+    codec = KVConfig.from_scheme(scheme).key
+    want = codec.decode(codec.encode(k[:, :, :q].numpy()))
+    assert torch.equal(out_k[:, :, :q], torch.from_numpy(want)) and torch.equal(out_k[:, :, q:80], k[:, :, q:])
+    assert not torch.equal(out_v[:, :, :q], v[:, :, :q])      # values went through the format too

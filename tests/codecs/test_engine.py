@@ -161,7 +161,10 @@ def test_damaged_engine_records_are_errors():
         with pytest.raises(CodecError, match="damaged"):
             decode(p)
     p = FP8Codec("e4m3").encode(x)
-    p.scales[0] = np.float16(np.nan)
+    p.scales[1] = np.float16(2.0)
+    with pytest.raises(CodecError, match="differ between slabs"):
+        decode(p)
+    p.scales[:] = np.float16(np.nan)
     with pytest.raises(CodecError, match="damaged"):
         decode(p)
     with pytest.raises(CodecError, match="NaN/Inf"):
