@@ -68,8 +68,9 @@ def main(argv=None):
     out("")
     out(f"Cost of the shared pass: {first} alone {t_alone:.0f} s; all {len(results)} settings in one call "
         f"{t_all:.0f} s = {t_all / t_alone:.2f}x (a setting alone costs a context, a baseline and a compressed pass "
-        f"per window; each further setting adds one compressed pass and its codec, so "
-        f"{len(results)} settings need {len(results) + 2}/3 = {(len(results) + 2) / 3:.2f}x at best). Peak RSS "
+        f"per window; each further setting adds one compressed pass and its codec: in passes "
+        f"{len(results)} settings are {len(results) + 2}/3 = {(len(results) + 2) / 3:.2f}x; a compressed pass costs "
+        f"less than the context pass, so the time ratio can be lower). Peak RSS "
         f"{rss:.2f} GiB.")
     if args.markdown:
         out.write(args.markdown, "kvcx's settings and the engines' KV formats (llama.cpp, vLLM fp8) on the embedded "
