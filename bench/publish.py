@@ -4,6 +4,7 @@
 
 - ``headline``: the summary table of headline figures, read from the tables the bench scripts wrote into
   docs/results/ (quality.md, codec.md, generate.md, lmcache.md), each row linking to its report;
+- ``engines``: the table of kvcx's settings and the engines' KV formats from docs/results/engines.md;
 - ``validate`` (with ``--validate-log``): the output of one ``make validate`` run, progress bars removed.
 
 A region is the text between ``<!-- NAME:begin -->`` and ``<!-- NAME:end -->`` in README.md.
@@ -81,6 +82,16 @@ def headline() -> str:
            "bench script named there):\n\n" + "\n".join(lines)
 
 
+def engines() -> str:
+    """The engine-formats table of docs/results/engines.md as it was written, with the line that names its run."""
+    lines = (RESULTS / "engines.md").read_text().splitlines()
+    run = next(x for x in lines if x.startswith("Embedded "))
+    rows = [x for x in lines if x.startswith("|")]
+    cost = next(x for x in lines if x.startswith("Cost of the shared pass"))
+    return run + "\n\n" + "\n".join(rows) + "\n\n" + cost + \
+        "\n\nFrom [docs/results/engines.md](docs/results/engines.md) (its command is at its top)."
+
+
 def validate_output(log: Path) -> str:
     keep = []
     for line in log.read_text(errors="replace").splitlines():
@@ -105,6 +116,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     readme = ROOT / "README.md"
     text = replace_region(readme.read_text(), "headline", headline())
+    text = replace_region(text, "engines", engines())
     if args.validate_log is not None:
         text = replace_region(text, "validate", validate_output(args.validate_log))
     readme.write_text(text)
