@@ -424,8 +424,9 @@ def validate(
     bits: BitsOpt = None,
     sinks: SinksOpt = None,
     rotate: RotateOpt = None,
-    mode: Annotated[str, typer.Option(help="prefix: compress the context cache once; generation: every key/value "
-                                           "goes through KvcxCache as the model runs.")] = "prefix",
+    mode: Annotated[str, typer.Option(help="prefix: compress the context cache once; generation: through KvcxCache "
+                                           "as the model runs; engine: every key/value, the current token's included, "
+                                           "through the codec before attention (vLLM, llama.cpp).")] = "prefix",
     cpu: Annotated[bool, typer.Option("--cpu", help="Force CPU even when CUDA is available.")] = False,
     plan: PlanOpt = None,
     threads: ThreadsOpt = None,

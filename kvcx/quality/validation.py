@@ -46,6 +46,7 @@ DEFAULT_THRESHOLD = 0.5
 DEFAULT_WINDOW = 1024
 DEFAULT_STRIDE = 512
 PHASES = 6
+MODES = ("prefix", "generation", "engine")
 
 PhaseCallback = Callable[[int, int, str], None]
 
@@ -138,6 +139,49 @@ def perplexity_generation(model, ids, starts: List[int], window: int, stride: in
                 on_window(w + 1, len(starts))
     return run
 
+def perplexity_engine(model, ids, starts: List[int], window: int, stride: int, config: KVConfig,
+                      on_window: Optional[WindowCallback] = None) -> PerplexityRun:
+    """Engine mode: as vLLM and llama.cpp do, every key and value (the current token's included) is written
+    through the codec before attention reads it: the window runs in one pass over a cache whose ``update``
+    stores and returns the codec's round trip of each layer's new states. The last ``stride`` tokens are scored
+    against the exact pass, as in the other modes."""
+    import torch
+    from transformers import DynamicCache
+
+    from kvcx.cache.tensors import numpy_to_torch, torch_to_numpy
+
+    sizes = [0, 0, 0]       # bytes as the model holds them, bytes written by the codec, values
+
+    class _WrittenThroughCodec(DynamicCache):
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+            cfg = config.for_layer(layer_idx)
+            out = []
+            for codec, t in ((cfg.key, key_states), (cfg.value, value_states)):
+                if not codec.supports(tuple(t.shape)):
+                    codec = config.fallback
+                x = torch_to_numpy(t)
+                p = codec.encode(x)
+                sizes[0], sizes[1], sizes[2] = sizes[0] + x.nbytes, sizes[1] + p.nbytes, sizes[2] + x.size
+                out.append(numpy_to_torch(codec.decode(p), t.device))
+            return super().update(out[0], out[1], layer_idx, *args, **kwargs)
+
+    dev = next(model.parameters()).device
+    run = PerplexityRun()
+    ctx_len = window - stride
+    with torch.inference_mode():
+        for w, a in enumerate(starts):
+            win = ids[a:a + window][None].to(dev)
+            targets = win[0, ctx_len + 1:]
+            base_logits = model(win, use_cache=False).logits[0, ctx_len:-1]
+            t, sizes[:] = time.perf_counter(), [0, 0, 0]
+            comp_logits = model(win, past_key_values=_WrittenThroughCodec(), use_cache=True).logits[0, ctx_len:-1]
+            run.add_window(sequence_nll(base_logits, targets), sequence_nll(comp_logits, targets), targets.numel(),
+                           sizes[0], sizes[1], sizes[2], time.perf_counter() - t,
+                           divergence=next_token_divergence(base_logits, comp_logits))
+            if on_window:
+                on_window(w + 1, len(starts))
+    return run
+
 def run_validation(config: KVConfig, threshold: float = DEFAULT_THRESHOLD, model: Optional[str] = None,
                    dataset_file=None, window: Optional[int] = None, stride: int = DEFAULT_STRIDE,
                    max_windows: int = 32, mode: str = "prefix", cpu: bool = False, device=None,
@@ -172,8 +216,8 @@ def run_validations(configs: Mapping[str, KVConfig], threshold: float = DEFAULT_
 
     if not configs:
         raise KvcxError("no setting to validate: give at least one scheme")
-    if mode not in ("prefix", "generation"):
-        raise KvcxError(f"mode={mode!r} must be 'prefix' or 'generation'")
+    if mode not in MODES:
+        raise KvcxError(f"mode={mode!r} must be one of {', '.join(repr(m) for m in MODES)}")
     if not (threshold > 0 and math.isfinite(threshold)):
         raise KvcxError(f"threshold={threshold} must be a positive number")
     # the context limit is checked again once the model is known
@@ -201,7 +245,8 @@ def run_validations(configs: Mapping[str, KVConfig], threshold: float = DEFAULT_
                               {label: roundtrips.get(label) or kvcx_roundtrip(cfg) for label, cfg in configs.items()},
                               on_window)
     else:
-        runs = {label: perplexity_generation(m, ids, starts, window, stride, cfg, on_window=on_window)
+        score = perplexity_generation if mode == "generation" else perplexity_engine
+        runs = {label: score(m, ids, starts, window, stride, cfg, on_window=on_window)
                 for label, cfg in configs.items()}
     first = next(iter(runs.values()))
     phase(5, f"baseline perplexity   {first.baseline_ppl:.4f} ({first.tokens:,} tokens)")

@@ -168,3 +168,18 @@ def test_cli_validate_several_settings_gate_and_pareto(wikitext_path, tmp_path):
     assert r.exit_code == 1 and "--gate q8_0: q8_0 is not a validated setting" in r.output, r.output
     r = CliRunner().invoke(app, args[:2] + ["kvcx,kvcx"])
     assert r.exit_code == 1 and "--scheme kvcx,kvcx: name each setting once" in r.output, r.output
+
+
+def test_engine_mode_writes_every_token_through_the_codec(loaded, wikitext_path):
+    """--mode engine: the scored tokens' own keys and values go through the codec too: q8_0 moves the model
+    less than q4_0, and q4_0 moves it more than in prefix mode (where only the context is compressed)."""
+    from kvcx.quality.validation import run_validations
+
+    rs = run_validations({n: KVConfig.from_scheme(n) for n in ("q8_0", "q4_0")}, dataset_file=wikitext_path,
+                         window=256, stride=128, max_windows=1, loaded=loaded, mode="engine")
+    q8, q4 = rs
+    assert q8.mode == "engine" and q8.tokens_scored == 127 and q8.baseline_perplexity == q4.baseline_perplexity
+    assert 0 < q8.kld < q4.kld and q8.bits_per_value == pytest.approx(8.5) and q4.bits_per_value == pytest.approx(4.5)
+    prefix = run_validation(KVConfig.from_scheme("q4_0"), dataset_file=wikitext_path, window=256, stride=128,
+                            max_windows=1, loaded=loaded)
+    assert q4.kld > prefix.kld      # the scored tokens' own keys and values are quantized too
