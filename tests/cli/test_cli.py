@@ -78,7 +78,7 @@ def test_quality_failure_exit_code(cache):
     (["decompress", "{cache}", "{tmp}/o.safetensors"], "plain safetensors file, not a kvcx packed file"),
     (["metrics", "{tmp}"], "is a directory"),
     (["validate", "--dataset-file", "{tmp}/none.raw"], "dataset file not found"),
-    (["validate", "--mode", "beam", "--dataset-file", "{cache}"], "--mode beam must be 'prefix' or 'generation'"),
+    (["validate", "--mode", "beam", "--dataset-file", "{cache}"], "--mode beam must be one of 'prefix', 'generation', 'engine'"),
 ])
 def test_errors_are_one_red_line(cache, tmp_path, args, message):
     notst = tmp_path / "notes.txt"
