@@ -49,6 +49,25 @@ static inline int kvcx_trunc_q(float v) { return v >= 0.0f && v < 128.0f ? (int)
 
 static inline int kvcx_ggml_has_min(int type) { return type == KVCX_GGML_Q4_1 || type == KVCX_GGML_Q5_1; }
 
+/* The 4- and 5-bit block body: q = min(top, (int)((x - sub) * id + off)) for the 32 values, qs[j] holding values
+ * j and j + 16, the fifth bits (5-bit types) in a little-endian u32 qh before qs. sub = 0 for the _0 types
+ * (x - 0.0f is x, exactly), the block minimum for the _1 types. */
+static inline void kvcx_ggml_pack_block(const float *x, float sub, float id, float off, int five, uint8_t *q) {
+    const int top = five ? 31 : 15;
+    uint32_t qh = 0;
+    uint8_t *qs = five ? q + 4 : q;
+    for (int j = 0; j < KVCX_QK / 2; j++) {
+        const float x0 = (x[j] - sub) * id, x1 = (x[KVCX_QK / 2 + j] - sub) * id;
+        int a = kvcx_trunc_q(x0 + off), b = kvcx_trunc_q(x1 + off);
+        a = a < top ? a : top;
+        b = b < top ? b : top;
+        qs[j] = (uint8_t)((a & 0x0F) | ((b & 0x0F) << 4));
+        qh |= ((uint32_t)(a & 0x10) >> 4) << j;
+        qh |= ((uint32_t)(b & 0x10) >> 4) << (j + KVCX_QK / 2);
+    }
+    if (five) memcpy(q, &qh, 4);
+}
+
 /* Quantize one block of 32 finite floats. Returns KVCX_ST_SCALE_OVERFLOW when d or m is not finite in FP16. */
 static inline int kvcx_ggml_quant_block(int type, const float *x, uint16_t *d_out, uint16_t *m_out, uint8_t *q) {
     float d, id;
@@ -72,20 +91,7 @@ static inline int kvcx_ggml_quant_block(int type, const float *x, uint16_t *d_ou
         d = max / (five ? -16.0f : -8.0f);
         id = d != 0.0f ? 1.0f / d : 0.0f;
         *d_out = kvcx_f2h_1(d);
-        const float off = five ? 16.5f : 8.5f;
-        const int top = five ? 31 : 15;
-        uint32_t qh = 0;
-        uint8_t *qs = five ? q + 4 : q;
-        for (int j = 0; j < KVCX_QK / 2; j++) {
-            const float x0 = x[j] * id, x1 = x[KVCX_QK / 2 + j] * id;
-            int a = kvcx_trunc_q(x0 + off), b = kvcx_trunc_q(x1 + off);
-            a = a < top ? a : top;
-            b = b < top ? b : top;
-            qs[j] = (uint8_t)((a & 0x0F) | ((b & 0x0F) << 4));
-            qh |= ((uint32_t)(a & 0x10) >> 4) << j;
-            qh |= ((uint32_t)(b & 0x10) >> 4) << (j + KVCX_QK / 2);
-        }
-        if (five) memcpy(q, &qh, 4);
+        kvcx_ggml_pack_block(x, 0.0f, id, five ? 16.5f : 8.5f, five, q);
     } else {
         float min = x[0], max = x[0];
         for (int j = 1; j < KVCX_QK; j++) {
@@ -97,19 +103,7 @@ static inline int kvcx_ggml_quant_block(int type, const float *x, uint16_t *d_ou
         id = d != 0.0f ? 1.0f / d : 0.0f;
         *d_out = kvcx_f2h_1(d);
         *m_out = kvcx_f2h_1(min);
-        const int top = five ? 31 : 15;
-        uint32_t qh = 0;
-        uint8_t *qs = five ? q + 4 : q;
-        for (int j = 0; j < KVCX_QK / 2; j++) {
-            const float x0 = (x[j] - min) * id, x1 = (x[KVCX_QK / 2 + j] - min) * id;
-            int a = kvcx_trunc_q(x0 + 0.5f), b = kvcx_trunc_q(x1 + 0.5f);
-            a = a < top ? a : top;
-            b = b < top ? b : top;
-            qs[j] = (uint8_t)((a & 0x0F) | ((b & 0x0F) << 4));
-            qh |= ((uint32_t)(a & 0x10) >> 4) << j;
-            qh |= ((uint32_t)(b & 0x10) >> 4) << (j + KVCX_QK / 2);
-        }
-        if (five) memcpy(q, &qh, 4);
+        kvcx_ggml_pack_block(x, min, id, 0.5f, five, q);
         if (!isfinite(kvcx_h2f_1(*m_out))) return KVCX_ST_SCALE_OVERFLOW;
     }
     return isfinite(kvcx_h2f_1(*d_out)) ? KVCX_OK : KVCX_ST_SCALE_OVERFLOW;
