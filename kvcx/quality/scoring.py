@@ -67,6 +67,52 @@ def next_token_divergence(base_logits, comp_logits) -> tuple:
     kl = (lp.exp() * (lp - lq)).sum(-1).clamp_min(0.0)
     return float(kl.double().sum()), int((base_logits.argmax(-1) == comp_logits.argmax(-1)).sum())
 
+# Long windows: the model runs in chunks of FORWARD_CHUNK tokens and returns hidden states, and the output head
+# turns HEAD_SLICE rows at a time into logits, so no tensor grows with the window times the vocabulary (at a
+# window of 8,192 on a 49,152-token vocabulary one FP32 logit tensor alone is 1.6 GB). Windows of up to 1,024
+# tokens run as one chunk and one slice, as before.
+FORWARD_CHUNK = 1024
+HEAD_SLICE = 512
+
+def forward_hidden(model, ids, cache=None, chunk: int = FORWARD_CHUNK):
+    """(final hidden states [T, hidden], cache) of ``ids`` [1, T] run through the model's decoder over ``cache``
+    (a new DynamicCache when None) in chunks of ``chunk`` tokens, as a chunked prefill does."""
+    import torch
+
+    if cache is None:
+        from transformers import DynamicCache
+
+        cache = DynamicCache()
+    decoder = model.get_decoder()
+    parts = [decoder(input_ids=ids[:, c:c + chunk], past_key_values=cache, use_cache=True).last_hidden_state[0]
+             for c in range(0, ids.shape[1], chunk)]
+    return (parts[0] if len(parts) == 1 else torch.cat(parts)), cache
+
+def output_logits(model, hidden):
+    """The model's next-token logits for hidden states [T, hidden] (its output head, with the final soft cap of
+    the models that have one)."""
+    import torch
+
+    logits = model.get_output_embeddings()(hidden)
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    return torch.tanh(logits / cap) * cap if cap else logits
+
+def score_hidden(model, base_hidden, comp_hidden, targets, slice_rows: int = HEAD_SLICE) -> tuple:
+    """(baseline NLL, compressed NLL, (KL sum, top-1 matches)) of ``targets`` [T] predicted from the two
+    [T, hidden] hidden states, ``slice_rows`` rows of logits at a time."""
+    base = comp = kl = 0.0
+    top1 = 0
+    for s in range(0, targets.numel(), slice_rows):
+        b = output_logits(model, base_hidden[s:s + slice_rows])
+        c = output_logits(model, comp_hidden[s:s + slice_rows])
+        t = targets[s:s + slice_rows]
+        base += sequence_nll(b, t)
+        comp += sequence_nll(c, t)
+        d = next_token_divergence(b, c)
+        kl, top1 = kl + d[0], top1 + d[1]
+        del b, c
+    return base, comp, (kl, top1)
+
 @dataclass
 class PerplexityRun:
     """Summed NLLs and sizes of one compressed setting over the scored windows."""
@@ -142,19 +188,21 @@ def compare_prefix(model, ids, starts: List[int], window: int, stride: int, roun
             ctx = ids[a:a + ctx_len][None].to(dev)
             cont = ids[a + ctx_len:a + window][None].to(dev)
             targets = cont[0, 1:]
-            cache = model(ctx, use_cache=True).past_key_values
+            _, cache = forward_hidden(model, ctx)
             tensors = cache_to_tensors(cache)
-            base_logits = model(cont, past_key_values=cache, use_cache=True).logits[0, :-1]
-            base = sequence_nll(base_logits, targets)
+            base_hidden = forward_hidden(model, cont, cache)[0][:-1]
+            del cache
             for label, roundtrip in roundtrips.items():
                 t, c = time.perf_counter(), time.process_time()
                 decoded, nbytes, stats = roundtrip(tensors)
                 comp_cache = make_dynamic_cache(tensors_to_layers(decoded, dev))
+                del decoded
                 codec_s, codec_cpu = time.perf_counter() - t, time.process_time() - c
-                comp_logits = model(cont, past_key_values=comp_cache, use_cache=True).logits[0, :-1]
-                runs[label].add_window(base, sequence_nll(comp_logits, targets), targets.numel(),
-                                       original_nbytes(tensors), nbytes, sum(x.size for x in tensors.values()),
-                                       codec_s, stats, codec_cpu, next_token_divergence(base_logits, comp_logits))
+                comp_hidden = forward_hidden(model, cont, comp_cache)[0][:-1]
+                del comp_cache
+                base, comp, divergence = score_hidden(model, base_hidden, comp_hidden, targets)
+                runs[label].add_window(base, comp, targets.numel(), original_nbytes(tensors), nbytes,
+                                       sum(x.size for x in tensors.values()), codec_s, stats, codec_cpu, divergence)
             if on_window:
                 on_window(w + 1, len(starts))
     return runs

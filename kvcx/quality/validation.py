@@ -36,8 +36,10 @@ from kvcx.quality.scoring import (  # noqa: F401
     WindowCallback,
     check_window,
     compare_prefix,
+    forward_hidden,
     identity_roundtrip,
     next_token_divergence,
+    score_hidden,
     sequence_nll,
     window_starts,
 )
@@ -125,16 +127,13 @@ def perplexity_generation(model, ids, starts: List[int], window: int, stride: in
         for w, a in enumerate(starts):
             win = ids[a:a + window][None].to(dev)
             targets = win[0, ctx_len + 1:]
-            base_logits = model(win, use_cache=False).logits[0, ctx_len:-1]
+            base_hidden = forward_hidden(model, win)[0][ctx_len:-1]
             cache = KvcxCache(model.config, kv_config=config, residual_length=residual_length)
-            chunks = []
-            for c0 in range(0, window, residual_length):
-                chunks.append(model(win[:, c0:c0 + residual_length], past_key_values=cache, use_cache=True).logits[0])
-            comp_logits = torch.cat(chunks)[ctx_len:-1]
+            comp_hidden = forward_hidden(model, win, cache, chunk=residual_length)[0][ctx_len:-1]
             mem = cache.memory_report()
-            run.add_window(sequence_nll(base_logits, targets), sequence_nll(comp_logits, targets), targets.numel(),
-                           mem["model_dtype_equivalent_bytes"], mem["total_bytes"], mem["fp16_equivalent_bytes"] // 2,
-                           cache.kernel_time_s, divergence=next_token_divergence(base_logits, comp_logits))
+            base, comp, divergence = score_hidden(model, base_hidden, comp_hidden, targets)
+            run.add_window(base, comp, targets.numel(), mem["model_dtype_equivalent_bytes"], mem["total_bytes"],
+                           mem["fp16_equivalent_bytes"] // 2, cache.kernel_time_s, divergence=divergence)
             if on_window:
                 on_window(w + 1, len(starts))
     return run
@@ -142,9 +141,10 @@ def perplexity_generation(model, ids, starts: List[int], window: int, stride: in
 def perplexity_engine(model, ids, starts: List[int], window: int, stride: int, config: KVConfig,
                       on_window: Optional[WindowCallback] = None) -> PerplexityRun:
     """Engine mode: as vLLM and llama.cpp do, every key and value (the current token's included) is written
-    through the codec before attention reads it: the window runs in one pass over a cache whose ``update``
-    stores and returns the codec's round trip of each layer's new states. The last ``stride`` tokens are scored
-    against the exact pass, as in the other modes."""
+    through the codec before attention reads it: the window runs over a cache whose ``update`` stores and returns
+    the codec's round trip of each layer's new states, in chunks of ``FORWARD_CHUNK`` (1,024) tokens as an
+    engine's chunked prefill writes them (a window of up to 1,024 tokens is one pass). The last ``stride`` tokens
+    are scored against the exact pass, as in the other modes."""
     import torch
     from transformers import DynamicCache
 
@@ -172,12 +172,12 @@ def perplexity_engine(model, ids, starts: List[int], window: int, stride: int, c
         for w, a in enumerate(starts):
             win = ids[a:a + window][None].to(dev)
             targets = win[0, ctx_len + 1:]
-            base_logits = model(win, use_cache=False).logits[0, ctx_len:-1]
+            base_hidden = forward_hidden(model, win)[0][ctx_len:-1]
             t, sizes[:] = time.perf_counter(), [0, 0, 0]
-            comp_logits = model(win, past_key_values=_WrittenThroughCodec(), use_cache=True).logits[0, ctx_len:-1]
-            run.add_window(sequence_nll(base_logits, targets), sequence_nll(comp_logits, targets), targets.numel(),
-                           sizes[0], sizes[1], sizes[2], time.perf_counter() - t,
-                           divergence=next_token_divergence(base_logits, comp_logits))
+            comp_hidden = forward_hidden(model, win, _WrittenThroughCodec())[0][ctx_len:-1]
+            elapsed = time.perf_counter() - t
+            base, comp, divergence = score_hidden(model, base_hidden, comp_hidden, targets)
+            run.add_window(base, comp, targets.numel(), sizes[0], sizes[1], sizes[2], elapsed, divergence=divergence)
             if on_window:
                 on_window(w + 1, len(starts))
     return run

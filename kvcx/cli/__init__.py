@@ -4,23 +4,34 @@ Exit codes: 0 success, 1 error (bad input; one red line, no traceback),
 2 usage error (unknown option, bad value), 3 quality check failed
 (thresholds of ``metrics`` and of ``compress --check``, perplexity delta of ``validate``).
 
-All rendering (rich tables, progress bars, colours) lives here; the library
-reports progress through callbacks and returns results.
+All rendering (rich tables, progress bars, colours) lives in this package (the
+tables and bars in :mod:`kvcx.cli.render`); the library reports progress through
+callbacks and returns results.
 """
 from __future__ import annotations
 
-import json
 import re
-import sys
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, List, Optional
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from kvcx.cli.render import (
+    emit_json,
+    err,
+    metrics_table,
+    out,
+    print_phase,
+    print_validation,
+    print_passkey,
+    print_validations,
+    progress,
+    tensor_table,
+    window_bar,
+)
 from kvcx.errors import KvcxError
 from kvcx.version import VERSION as __version__
 
@@ -30,8 +41,6 @@ EXIT_QUALITY = 3
 app = typer.Typer(rich_markup_mode="rich", add_completion=False, no_args_is_help=True,
                   context_settings={"help_option_names": ["-h", "--help"]},
                   help="Compress LLM KV caches to packed INT4 and prove with perplexity that they still serve the model.")
-out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 120)
-err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
 def _version(value: bool):
@@ -85,27 +94,6 @@ def _errors(command: Optional[str] = None):
         raise typer.Exit(code=EXIT_ERROR) from None
 
 
-def _emit_json(obj) -> None:
-    from kvcx.codecs.metrics import json_safe
-
-    sys.stdout.write(json.dumps(json_safe(obj), indent=2) + "\n")
-    sys.stdout.flush()
-
-
-@contextmanager
-def _progress(total: int, label: str, quiet: bool = False):
-    """A rich progress bar on stderr; yields a callback that advances it by one."""
-    if quiet or total == 0 or not err.is_terminal:  # a bar drawn into a pipe or log is noise (and a stray newline)
-        yield lambda *_: None
-        return
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=err, transient=True) as p:
-        task = p.add_task(label, total=total)
-        yield lambda *_: p.advance(task)
-
-
 def _count_tensors(path: Path) -> int:
     from kvcx.formats.safetensors import SafeFile
 
@@ -154,50 +142,13 @@ def _kv_config(scheme, group_size, bits, sinks, rotate, threads, plan=None):
                                 n_threads=threads)
 
 
-REFERENCE_LEVEL = "reference level (absolute RMSE, TinyLlama scale)"
-
-
-def _metrics_table(m, title: str) -> Table:
-    t = Table(title=title, show_header=True, header_style="bold")
-    t.add_column("metric")
-    t.add_column("value", justify="right")
-    rows = [
-        ("compression ratio vs FP16", f"{m.compression_ratio:.2f}x"),
-        ("bits / value", f"{m.bits_per_value:.3f}"),
-        ("original size", f"{m.original_size_bytes:,} B ({m.file_size_ratio:.2f}x as stored)"),
-        ("compressed size", f"{m.compressed_size_bytes:,} B"),
-        ("relative RMSE (RMSE / RMS)", f"{m.relative_rmse:.4f}"),
-        ("SNR", f"{m.snr_db:.2f} dB"),
-        ("cosine similarity", f"{m.cosine_similarity:.6f}"),
-        ("RMSE (absolute)", f"{m.rmse:.5f}"),
-        ("max abs error", f"{m.max_error:.5f}"),
-        (REFERENCE_LEVEL, m.quality_level),
-        ("processing time", f"{m.processing_time_ms:.1f} ms"),
-    ]
-    for r in rows:
-        t.add_row(*r)
-    return t
-
-
-def _tensor_table(m, limit: int = 12) -> Table:
-    t = Table(title="per tensor", header_style="bold")
-    for c in ("tensor", "shape", "dtype", "codec", "rel. RMSE", "SNR dB", "RMSE", "cosine", "max err"):
-        t.add_column(c, justify="left" if c in ("tensor", "shape", "dtype", "codec") else "right")
-    for tm in m.tensors[:limit]:
-        t.add_row(tm.name, "x".join(map(str, tm.shape)), tm.dtype, tm.codec, f"{tm.relative_rmse:.4f}",
-                  f"{tm.snr_db:.2f}", f"{tm.rmse:.5f}", f"{tm.cosine_similarity:.6f}", f"{tm.max_error:.4f}")
-    if len(m.tensors) > limit:
-        t.add_row(f"... {len(m.tensors) - limit} more", "", "", "", "", "", "", "", "")
-    return t
-
-
 def _report(m, json_out: bool, title: str, check: bool, wrote: Optional[Path] = None) -> None:
     """Print the metrics; with ``check`` a missed threshold is exit 3, else a yellow warning (file kept)."""
     if json_out:
-        _emit_json(m.to_dict())
+        emit_json(m.to_dict())
     else:
-        out.print(_metrics_table(m, title))
-        out.print(_tensor_table(m))
+        out.print(metrics_table(m, title))
+        out.print(tensor_table(m))
         if m.passed:
             out.print("[bold green]PASSED[/] quality thresholds (reference design: RMSE, SNR, cosine)")
         elif check:
@@ -261,7 +212,7 @@ def compress(
 
         _check_files(inputs=[input], plan=plan, outputs=[(output, "output")])
         cfg = _kv_config(scheme, group_size, bits, sinks, rotate, threads, plan)
-        with _progress(_count_tensors(input), "compressing", quiet=False) as step:
+        with progress(_count_tensors(input), "compressing", quiet=False) as step:
             m = compress_kv_cache(input, output, config=cfg, sparsity=sparsity, lz4=lz4,
                                   thresholds=Thresholds(max_rmse, min_snr, min_cosine), progress=step)
     _report(m, json_out, f"kvcx compress → {output}", check=check, wrote=output)
@@ -279,10 +230,10 @@ def decompress(
         from kvcx.api import decompress_kv_cache
 
         _check_files(inputs=[input], outputs=[(output, "output")])
-        with _progress(_count_tensors(input), "decompressing") as step:
+        with progress(_count_tensors(input), "decompressing") as step:
             r = decompress_kv_cache(input, output, n_threads=threads, progress=step)
     if json_out:
-        _emit_json(r)
+        emit_json(r)
     else:
         out.print(f"[green]restored[/] {r['tensors']} tensors → {output} ({r['restored_size_bytes']:,} B, "
                   f"{r['processing_time_ms']:.1f} ms)")
@@ -314,7 +265,7 @@ def metrics(
         # a picture that cannot be written, or that would replace an input, fails before any work
         _check_files(inputs=[input], plan=plan, outputs=[(plot, "picture")] if plot is not None else [])
         cfg = _kv_config(scheme, group_size, bits, sinks, rotate, threads, plan)
-        with _progress(_count_tensors(input), "measuring") as step:
+        with progress(_count_tensors(input), "measuring") as step:
             m = get_compression_metrics(input, config=cfg, sparsity=sparsity, lz4=lz4,
                                         thresholds=Thresholds(max_rmse, min_snr, min_cosine), progress=step)
         if plot is not None:
@@ -334,7 +285,7 @@ def info(json_out: JsonOpt = False):
     i = build_info()
     i["version"] = __version__
     if json_out:
-        _emit_json(i)
+        emit_json(i)
         return
     t = Table(title="kvcx build", header_style="bold")
     t.add_column("item")
@@ -342,72 +293,6 @@ def info(json_out: JsonOpt = False):
     for k in ("version", "openmp", "max_threads", "threads_used", "omp_num_threads_env", "simd", "f16c_kernels"):
         v = i[k]
         t.add_row(k, " ".join(v) if isinstance(v, list) else str(v))
-    out.print(t)
-
-
-def _print_phase(step: int, total: int, message: str) -> None:
-    out.print(f"[bold][{step}/{total}][/] {escape(message)}")
-
-
-@contextmanager
-def _window_bar(quiet: bool):
-    """A transient progress bar over the evaluation windows, on stderr; yields the on_window callback."""
-    if quiet or not err.is_terminal:
-        yield None
-        return
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
-
-    prog = Progress(TextColumn("windows"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    TimeRemainingColumn(), console=err, transient=True)
-    task = None
-
-    def on_window(done: int, total: int) -> None:
-        nonlocal task
-        if task is None:
-            prog.start()
-            task = prog.add_task("windows", total=total)
-        prog.update(task, completed=done)
-        if done >= total:
-            prog.stop()
-
-    try:
-        yield on_window
-    finally:
-        prog.stop()
-
-
-def _print_validation(r) -> None:
-    """The verdict first (perplexity decides), then the figures behind it."""
-    style = "bold green" if r.passed else "bold red"
-    out.print(f"[{style}]{escape(r.verdict_line())}[/]")
-    t = Table(title="RESULTS", header_style="bold")
-    t.add_column("metric")
-    t.add_column("value", justify="right")
-    if not r.quick_test:
-        t.add_row("perplexity delta (the verdict)", f"{r.delta:+.4f} ({r.delta_percent:+.3f}%), threshold {r.threshold}")
-        t.add_row("baseline perplexity", f"{r.baseline_perplexity:.4f}")
-        t.add_row("compressed perplexity", f"{r.compressed_perplexity:.4f}")
-        t.add_row("next-token KL divergence", f"{r.kld:.5f} nats / token")
-        t.add_row("top-1 agreement", f"{100 * r.top1_agreement:.2f}%")
-        t.add_row("tokens scored", f"{r.tokens_scored:,} in {r.windows} windows ({r.mode} mode)")
-    t.add_row("compression ratio vs FP16", f"{r.compression_ratio:.2f}x")
-    t.add_row("bits / value", f"{r.bits_per_value:.3f}")
-    if r.cache_dtype and r.cache_dtype != "float16":
-        t.add_row(f"compression ratio vs the {r.cache_dtype} cache", f"{r.compression_ratio_vs_cache_dtype:.2f}x")
-    if r.mode == "prefix" or r.quick_test:
-        t.add_row("relative RMSE (RMSE / RMS)", f"{r.relative_rmse:.4f}")
-        t.add_row("SNR", f"{r.snr_db:.2f} dB")
-        t.add_row("cosine similarity", f"{r.cosine_similarity:.6f}")
-        t.add_row("RMSE (absolute)", f"{r.rmse:.5f}")
-        t.add_row(REFERENCE_LEVEL, r.quality_level)
-    t.add_row("wall time", f"{r.wall_time_s:.1f} s (codec {r.codec_time_s:.2f} s)")
     out.print(t)
 
 
@@ -437,12 +322,19 @@ def validate(
                                                                "pass for exit 0 (comma-separated; default: all).")] = None,
     pareto: Annotated[Optional[Path], typer.Option("--pareto", help="Also draw bits/value vs perplexity delta of "
                                                                     "every setting to this PNG (needs kvcx[plot]).")] = None,
+    task: Annotated[str, typer.Option("--task", help="perplexity (default), or passkey: a key hidden in long "
+                                                     "contexts, found with the exact vs the compressed cache.")] = "perplexity",
+    lengths: Annotated[Optional[str], typer.Option("--lengths", help="passkey: context lengths, comma-separated "
+                                                                     "(default 1024, 2048, ... the model's context).")] = None,
+    prompts: Annotated[int, typer.Option("--prompts", help="passkey: prompts per length and depth.")] = 2,
+    tolerance: Annotated[int, typer.Option("--tolerance", help="passkey: prompts a setting may answer fewer than "
+                                                               "the exact cache at a length.")] = 1,
     json_out: JsonOpt = False,
 ):
     """Perplexity with the exact vs the compressed KV cache on WikiText-2 (exit 3 when delta >= threshold).
 
     Several settings in one pass: --scheme kvcx,q4_0-rot,fp8_e4m3 scores the baseline once and every setting
-    on the same windows and tokens (one table; --json a list)."""
+    on the same windows and tokens (one table; --json a list). --task passkey: retrieval at long contexts."""
     with _errors("validate"):
         from kvcx.quality import validation
 
@@ -451,11 +343,15 @@ def validate(
         from kvcx.api import validation_settings
 
         configs, gated = validation_settings(scheme, plan, gate, group_size, bits, sinks, rotate, threads)
-        on_phase = None if (json_out or quiet) else _print_phase
+        on_phase = None if (json_out or quiet) else print_phase
+        if task not in ("perplexity", "passkey"):
+            raise KvcxError(f"--task {task!r} must be perplexity or passkey")
+        if task == "passkey":
+            return _passkey(configs, gated, lengths, prompts, tolerance, model, cpu, mode, quiet, json_out, on_phase)
         if quick_test:
             results = [validation.quick_test(c, on_phase=on_phase, label=label) for label, c in configs.items()]
         else:
-            with _window_bar(quiet) as on_window:
+            with window_bar(quiet) as on_window:
                 results = validation.run_validations(
                     configs, threshold=threshold, model=model, dataset_file=dataset_file, window=window,
                     stride=stride, max_windows=max_windows, mode=mode, cpu=cpu, on_phase=on_phase,
@@ -468,37 +364,37 @@ def validate(
     if len(results) == 1:
         result = results[0]
         if json_out:
-            _emit_json(result.to_dict())
+            emit_json(result.to_dict())
         elif quiet:
             out.print(result.verdict_line())
         else:
-            _print_validation(result)
+            print_validation(result)
     elif json_out:
-        _emit_json([r.to_dict() for r in results])
+        emit_json([r.to_dict() for r in results])
     else:
-        _print_validations(results, gated, quiet)
+        print_validations(results, gated, quiet)
     if any(not r.passed for r in results if r.setting in gated or len(results) == 1):
         raise typer.Exit(code=EXIT_QUALITY)
 
 
-def _print_validations(results, gated, quiet: bool) -> None:
-    """Several settings on the same tokens: one row each, the verdicts that gate the exit code marked."""
-    r0, failed = results[0], [r.setting for r in results if not r.passed and r.setting in gated]
-    out.print(f"[bold red]FAILED: {escape(', '.join(failed))} at or above threshold {r0.threshold}[/]" if failed else
-              f"[bold green]PASSED: every gated setting below threshold {r0.threshold}[/]")
-    if quiet:
-        return
-    t = Table(title=escape("quick test (no model)" if r0.quick_test else
-                           f"{r0.model}: baseline perplexity {r0.baseline_perplexity:.4f}, {r0.tokens_scored:,} tokens "
-                           f"in {r0.windows} windows of {r0.window} ({r0.mode} mode)"), header_style="bold")
-    for col in ("setting", "bits/value", "vs FP16", "delta", "KLD", "top-1", "verdict"):
-        t.add_column(col, justify="left" if col in ("setting", "verdict") else "right")
-    for r in results:
-        figures = ["-"] * 3 if r.quick_test else [f"{r.delta:+.4f}", f"{r.kld:.5f}", f"{100 * r.top1_agreement:.2f}%"]
-        t.add_row(escape(r.setting), f"{r.bits_per_value:.3f}", f"{r.compression_ratio:.2f}x", *figures,
-                  ("[green]PASS[/]" if r.passed else "[red]FAIL[/]") + ("" if r.setting in gated else " (not gated)"))
-    out.print(t)
-    out.print(f"wall time {r0.wall_time_s:.1f} s")
+def _passkey(configs, gated, lengths, prompts, tolerance, model, cpu, mode, quiet, json_out, on_phase):
+    from kvcx.quality.passkey import run_passkey
+
+    if mode != "prefix":
+        raise KvcxError(f"--task passkey runs in prefix mode (the prompt's cache compressed once); not --mode {mode}")
+    try:
+        parsed = [int(x) for x in lengths.split(",") if x.strip()] if lengths else None
+    except ValueError:
+        raise KvcxError(f"--lengths {lengths!r} must be token counts, comma-separated (e.g. 1024,4096)") from None
+    with window_bar(quiet, "prompts") as on_prompt:
+        results = run_passkey(configs, lengths=parsed, prompts=prompts, tolerance=tolerance, model=model, cpu=cpu,
+                              on_phase=on_phase, on_prompt=on_prompt)
+    if json_out:
+        emit_json(results[0].to_dict() if len(results) == 1 else [r.to_dict() for r in results])
+    else:
+        print_passkey(results, gated, quiet)
+    if any(not r.passed for r in results if r.setting in gated):
+        raise typer.Exit(code=EXIT_QUALITY)
 
 
 @app.command()
@@ -541,14 +437,14 @@ def calibrate(
 
             result = cal.reallocate([read_plan(p) for p in reuse], budget, source=[str(p) for p in reuse], base=base)
         else:
-            on_phase = None if json_out else _print_phase
-            with _window_bar(json_out) as on_window:
+            on_phase = None if json_out else print_phase
+            with window_bar(json_out) as on_window:
                 result = cal.run_calibration(base, budget, model=model, dataset_file=dataset_file, windows=windows,
                                              offset=offset, cpu=cpu, options=_parse_options(options),
                                              on_phase=on_phase, on_window=on_window)
         save_plan(out_path, result)
     if json_out:
-        _emit_json(result.to_dict())
+        emit_json(result.to_dict())
         return
     if not result.complete:
         out.print(f"[green]measured[/] → {out_path}: {len(result.sensitivity)} figures of "
