@@ -4,7 +4,9 @@
 
 - ``headline``: the summary table of headline figures, read from the tables the bench scripts wrote into
   docs/results/ (quality.md, codec.md, generate.md, lmcache.md), each row linking to its report;
-- ``engines``: the table of kvcx's settings and the engines' KV formats from docs/results/engines.md;
+- ``engines`` / ``engines-8k``: the tables of kvcx's settings and the engines' KV formats from
+  docs/results/engines.md (windows of 1,024) and docs/results/engines-8k.md (windows of 8,192);
+- ``passkey``: the retrieval table from docs/results/passkey.md;
 - ``validate`` (with ``--validate-log``): the output of one ``make validate`` run, progress bars removed.
 
 A region is the text between ``<!-- NAME:begin -->`` and ``<!-- NAME:end -->`` in README.md.
@@ -82,14 +84,22 @@ def headline() -> str:
            "bench script named there):\n\n" + "\n".join(lines)
 
 
-def engines() -> str:
-    """The engine-formats table of docs/results/engines.md as it was written, with the line that names its run."""
-    lines = (RESULTS / "engines.md").read_text().splitlines()
+def engines(name: str = "engines.md") -> str:
+    """An engine-formats table of docs/results/ as it was written, with the lines that name its run and cost."""
+    lines = (RESULTS / name).read_text().splitlines()
     run = next(x for x in lines if x.startswith("Embedded "))
     rows = [x for x in lines if x.startswith("|")]
-    cost = next(x for x in lines if x.startswith("Cost of the shared pass"))
+    cost = next(x for x in lines if x.startswith(("Cost of the shared pass", "All ")))
     return run + "\n\n" + "\n".join(rows) + "\n\n" + cost + \
-        "\n\nFrom [docs/results/engines.md](docs/results/engines.md) (its command is at its top)."
+        f"\n\nFrom [docs/results/{name}](docs/results/{name}) (its command is at its top)."
+
+
+def passkey() -> str:
+    """The passkey tables of docs/results/passkey.md as they were written."""
+    lines = (RESULTS / "passkey.md").read_text().splitlines()
+    start = next(i for i, x in enumerate(lines) if x.startswith("Embedded "))
+    body = "\n".join(lines[start:]).strip()
+    return body + "\n\nFrom [docs/results/passkey.md](docs/results/passkey.md) (its command is at its top)."
 
 
 def validate_output(log: Path) -> str:
@@ -117,6 +127,8 @@ def main(argv=None) -> int:
     readme = ROOT / "README.md"
     text = replace_region(readme.read_text(), "headline", headline())
     text = replace_region(text, "engines", engines())
+    text = replace_region(text, "engines-8k", engines("engines-8k.md"))
+    text = replace_region(text, "passkey", passkey())
     if args.validate_log is not None:
         text = replace_region(text, "validate", validate_output(args.validate_log))
     readme.write_text(text)

@@ -165,7 +165,7 @@ def _report(m, json_out: bool, title: str, check: bool, wrote: Optional[Path] = 
 # shared options
 SchemeOpt = Annotated[str, typer.Option("--scheme", help="reference | symmetric | asymmetric | kivi | kvcx (default) "
                                                          "| kvcx3 | kvcx2 | kvcx2w (low-bit presets) | engine formats: "
-                                                         "q8_0 q4_0 q4_1 q5_0 q5_1 (llama.cpp; -rot: with its "
+                                                         "q8_0 q4_0 q4_1 q5_0 q5_1 iq4_nl (llama.cpp; -rot: with its "
                                                          "rotation) fp8_e4m3 fp8_e5m2 (vLLM; -amax: calibrated "
                                                          "scale).")]
 PlanOpt = Annotated[Optional[str], typer.Option("--plan", help="A plan from `kvcx calibrate --out`, or a shipped "

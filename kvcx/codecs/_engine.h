@@ -7,6 +7,8 @@
  *   q4_1   d = (max - min) / 15, m = min, q = min(15, (int)((x - min) / d + 0.5))          (20 bytes)
  *   q5_0   as q4_0 with -16 / 16.5 / 31, the fifth bits in a u32 qh                        (22 bytes)
  *   q5_1   as q4_1 with 31, the fifth bits in a u32 qh                                     (24 bytes)
+ *   iq4_nl a 16-entry non-linear codebook (kvalues_iq4nl) times d: codes nearest x / d at d = max / -127,
+ *          then d refitted by least squares (weights x^2), as quantize_row_iq4_nl_ref      (18 bytes)
  * where "/ d" is "* id" with id = 1.0f / d (0 when d is 0), in float32, as the reference does. Codes are
  * stored as ggml's block bodies (qh then qs for the 5-bit types; qs[j] holds elements j and j + 16), so a
  * block is the FP16 d, [the FP16 m], then these bytes. Compiled as ISO C (-std=c11), so no a*b+c is fused
@@ -29,7 +31,10 @@
 
 /* llama.cpp block types (the values kvcx.codecs.engine maps names to) */
 enum kvcx_ggml_type { KVCX_GGML_Q8_0 = 0, KVCX_GGML_Q4_0 = 1, KVCX_GGML_Q4_1 = 2, KVCX_GGML_Q5_0 = 3,
-                      KVCX_GGML_Q5_1 = 4 };
+                      KVCX_GGML_Q5_1 = 4, KVCX_GGML_IQ4_NL = 5 };
+
+/* iq4_nl's codebook (ggml-common.h kvalues_iq4nl) */
+static const int8_t kvcx_iq4nl_values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 /* fp8 formats */
 enum kvcx_fp8_format { KVCX_FP8_E4M3 = 0, KVCX_FP8_E5M2 = 1 };
 
@@ -37,7 +42,7 @@ enum kvcx_fp8_format { KVCX_FP8_E4M3 = 0, KVCX_FP8_E5M2 = 1 };
 static inline int64_t kvcx_ggml_qbytes(int type) {
     switch (type) {
         case KVCX_GGML_Q8_0: return 32;
-        case KVCX_GGML_Q4_0: case KVCX_GGML_Q4_1: return 16;
+        case KVCX_GGML_Q4_0: case KVCX_GGML_Q4_1: case KVCX_GGML_IQ4_NL: return 16;
         default: return 20;
     }
 }
@@ -68,10 +73,59 @@ static inline void kvcx_ggml_pack_block(const float *x, float sub, float id, flo
     if (five) memcpy(q, &qh, 4);
 }
 
+/* ggml-quants.c best_index_int8: the codebook entry nearest x (ties to the upper one only when strictly nearer) */
+static inline int kvcx_iq4nl_index(float x) {
+    const int8_t *val = kvcx_iq4nl_values;
+    if (x <= val[0]) return 0;
+    if (x >= val[15]) return 15;
+    int ml = 0, mu = 15;
+    while (mu - ml > 1) {
+        const int mav = (ml + mu) / 2;
+        if (x < val[mav]) mu = mav; else ml = mav;
+    }
+    return x - val[mu - 1] < val[mu] - x ? mu - 1 : mu;
+}
+
+/* llama.cpp's KV write of iq4_nl: quantize_row_iq4_nl_ref, i.e. quantize_row_iq4_nl_impl for one block of 32
+ * with no importance weights and ntry = -1 (what the CPU backend's from_float and CUDA's set_rows run):
+ * codes nearest x / d at d = max / -127 (max: the value of largest |x|), then the least-squares d for those
+ * codes with weights x^2; no trial scales (ntry = 7, llama-quantize's weight path, is not used for caches).
+ * Float operations in its order. A block with amax < 1e-15 gets d = 0; llama.cpp leaves its codes
+ * uninitialised (they decode to zeros whatever they are): kvcx writes code 8 (the entry nearest 0). */
+static inline void kvcx_iq4nl_quant_block(const float *x, uint16_t *d_out, uint8_t *q) {
+    const int8_t *values = kvcx_iq4nl_values;
+    uint8_t L[KVCX_QK];
+    float amax = 0.0f, max = 0.0f, d = 0.0f;
+    for (int j = 0; j < KVCX_QK; j++) {
+        const float ax = fabsf(x[j]);
+        if (ax > amax) { amax = ax; max = x[j]; }
+    }
+    if (amax < 1e-15f) {   /* GROUP_MAX_EPS */
+        memset(L, 8, sizeof L);
+    } else {
+        d = max / values[0];
+        const float id = 1 / d;
+        float sumqx = 0, sumq2 = 0;
+        for (int j = 0; j < KVCX_QK; j++) {
+            const int l = kvcx_iq4nl_index(id * x[j]);
+            L[j] = (uint8_t)l;
+            const float qv = values[l];
+            const float w = x[j] * x[j];
+            sumqx += w * qv * x[j];
+            sumq2 += w * qv * qv;
+        }
+        d = sumqx / sumq2;
+    }
+    *d_out = kvcx_f2h_1(d);
+    for (int j = 0; j < KVCX_QK / 2; j++) q[j] = (uint8_t)(L[j] | (L[KVCX_QK / 2 + j] << 4));
+}
+
 /* Quantize one block of 32 finite floats. Returns KVCX_ST_SCALE_OVERFLOW when d or m is not finite in FP16. */
 static inline int kvcx_ggml_quant_block(int type, const float *x, uint16_t *d_out, uint16_t *m_out, uint8_t *q) {
     float d, id;
-    if (type == KVCX_GGML_Q8_0) {
+    if (type == KVCX_GGML_IQ4_NL) {
+        kvcx_iq4nl_quant_block(x, d_out, q);
+    } else if (type == KVCX_GGML_Q8_0) {
         float amax = 0.0f;
         for (int j = 0; j < KVCX_QK; j++) amax = fmaxf(amax, fabsf(x[j]));
         d = amax / 127.0f;
@@ -114,6 +168,13 @@ static inline void kvcx_ggml_dequant_block(int type, uint16_t hd, uint16_t hm, c
     const float d = kvcx_h2f_1(hd);
     if (type == KVCX_GGML_Q8_0) {
         for (int j = 0; j < KVCX_QK; j++) y[j] = (float)(int8_t)q[j] * d;
+        return;
+    }
+    if (type == KVCX_GGML_IQ4_NL) {   /* dequantize_row_iq4_nl: d * kvalues_iq4nl[code] */
+        for (int j = 0; j < KVCX_QK / 2; j++) {
+            y[j] = d * kvcx_iq4nl_values[q[j] & 0x0F];
+            y[j + KVCX_QK / 2] = d * kvcx_iq4nl_values[q[j] >> 4];
+        }
         return;
     }
     const int five = type == KVCX_GGML_Q5_0 || type == KVCX_GGML_Q5_1;

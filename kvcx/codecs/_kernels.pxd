@@ -120,6 +120,7 @@ cdef extern from "_engine.h" nogil:
         KVCX_GGML_Q4_1
         KVCX_GGML_Q5_0
         KVCX_GGML_Q5_1
+        KVCX_GGML_IQ4_NL
         KVCX_FP8_E4M3
         KVCX_FP8_E5M2
     int64_t kvcx_ggml_qbytes(int type) noexcept

@@ -4,7 +4,10 @@ beside kvcx's own on the same tokens.
 - :class:`GGMLCodec` (``id: "llama.cpp"``): llama.cpp's KV block types ``q8_0``, ``q4_0``, ``q4_1``,
   ``q5_0``, ``q5_1`` (``-ctk`` / ``-ctv``): blocks of 32 values along the head dimension, an FP16 scale
   (and FP16 minimum for the ``_1`` types) per block, quantized as ggml's reference quantizers do (byte for
-  byte the blocks of ``gguf.quants.quantize``). ``rotate=True`` adds the attention rotation llama.cpp applies
+  byte the blocks of ``gguf.quants.quantize``), and ``iq4_nl``: a 16-entry non-linear codebook times an FP16
+  scale per block of 32, written as llama.cpp's KV write does (``quantize_row_iq4_nl_ref``: nearest codes at
+  d = max / -127, then the least-squares d; gguf has no quantizer for it, its blocks decode through
+  ``gguf.quants.dequantize``). ``rotate=True`` adds the attention rotation llama.cpp applies
   to quantized K/V since PR #21038 (merged 2026-04-01; on by default for quantized cache types, off with
   ``LLAMA_ATTN_ROT_DISABLE=1``, absent from earlier releases): an orthonormal Hadamard transform of each run
   of 64 values of a head, undone after attention. Scores and outputs are the same as rotating the decoded
@@ -14,7 +17,7 @@ beside kvcx's own on the same tokens.
   the clamped values); ``scale=1.0`` as vLLM uses without calibration, or ``scale="amax"``: a calibrated
   per-tensor scale ``amax / fp8_max`` (rounded to FP16, recorded in the record's scales, once per slab).
 
-Schemes (``--scheme``): ``q8_0``, ``q4_0``, ``q4_1``, ``q5_0``, ``q5_1`` (the type alone, as llama.cpp
+Schemes (``--scheme``): ``q8_0``, ``q4_0``, ``q4_1``, ``q5_0``, ``q5_1``, ``iq4_nl`` (the type alone, as llama.cpp
 before the rotation or with it disabled), the same with ``-rot`` (current llama.cpp's default), and
 ``fp8_e4m3``, ``fp8_e5m2``, ``fp8_e4m3-amax``, ``fp8_e5m2-amax``.
 """
@@ -31,7 +34,7 @@ from kvcx.codecs.runtime import check_status, resolve_threads
 from kvcx.errors import CodecError
 
 GGML_TYPES = {"q8_0": _core.GGML_Q8_0, "q4_0": _core.GGML_Q4_0, "q4_1": _core.GGML_Q4_1,
-              "q5_0": _core.GGML_Q5_0, "q5_1": _core.GGML_Q5_1}
+              "q5_0": _core.GGML_Q5_0, "q5_1": _core.GGML_Q5_1, "iq4_nl": _core.GGML_IQ4_NL}
 _WITH_MIN = ("q4_1", "q5_1")
 FP8_FORMATS = {"e4m3": (_core.FP8_E4M3, 448.0), "e5m2": (_core.FP8_E5M2, 57344.0)}
 _NO_ZEROS = np.empty(0, dtype=np.float16)
@@ -69,7 +72,7 @@ class GGMLCodec(Codec):
 
     Parameters
     ----------
-    type: ``"q8_0"``, ``"q4_0"``, ``"q4_1"``, ``"q5_0"`` or ``"q5_1"``.
+    type: ``"q8_0"``, ``"q4_0"``, ``"q4_1"``, ``"q5_0"``, ``"q5_1"`` or ``"iq4_nl"``.
     rotate: the Hadamard rotation current llama.cpp applies to quantized K/V (runs of 64 values; the last
         dim must be a multiple of 64; llama.cpp turns it off otherwise, see :meth:`fallback`).
     n_threads: OpenMP threads (None = all).

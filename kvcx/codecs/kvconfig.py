@@ -67,9 +67,9 @@ _SCHEMES = {
 # bits"); with a plan's key_weights (`kvcx calibrate --scheme kvcx2w`) the widths follow the queries
 _WIDTH_SCHEMES = {"kvcx2w": (dict(id="kvcx.widths", bits=2.0, group_size=32, sinks=1), _SCHEMES["kvcx2"][1])}
 # engine formats (kvcx.codecs.engine): the same codec on keys and values, as the engines write their caches
-_ENGINE_SCHEMES = {**{t: dict(id="llama.cpp", type=t, rotate=False) for t in ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")},
-                   **{f"{t}-rot": dict(id="llama.cpp", type=t, rotate=True)
-                      for t in ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")},
+_GGML_SCHEMES = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl")
+_ENGINE_SCHEMES = {**{t: dict(id="llama.cpp", type=t, rotate=False) for t in _GGML_SCHEMES},
+                   **{f"{t}-rot": dict(id="llama.cpp", type=t, rotate=True) for t in _GGML_SCHEMES},
                    "fp8_e4m3": dict(id="vllm.fp8", format="e4m3", scale=1.0),
                    "fp8_e5m2": dict(id="vllm.fp8", format="e5m2", scale=1.0),
                    "fp8_e4m3-amax": dict(id="vllm.fp8", format="e4m3", scale="amax"),

@@ -165,16 +165,16 @@ def run_passkey(configs: Mapping[str, KVConfig], lengths: Optional[Sequence[int]
                                                                              cpu=cpu)
     import torch
 
-    from kvcx.quality.bridge import cache_to_tensors, make_dynamic_cache, tensors_to_layers
+    from kvcx.quality.bridge import cache_to_tensors, make_dynamic_cache, roundtrip_tensors, tensors_to_layers
     from kvcx.quality.scoring import forward_hidden
-    from kvcx.quality.validation import kvcx_roundtrip
 
     dev = next(m.parameters()).device
     limit = int(getattr(m.config, "max_position_embeddings", 0) or 0) or max(lengths or [1024])
     lengths = list(lengths) if lengths else default_lengths(limit)
     depths = [float(d) for d in depths]
     check_passkey(lengths, depths, prompts, tolerance, limit)
-    roundtrips = {label: (roundtrips or {}).get(label) or kvcx_roundtrip(cfg) for label, cfg in configs.items()}
+    roundtrips = {label: (roundtrips or {}).get(label) or (lambda t, cfg=cfg: roundtrip_tensors(t, cfg))
+                  for label, cfg in configs.items()}
     if on_phase:
         on_phase(1, 2, f"model: {name} on {dev}; {len(lengths)} lengths x {len(depths)} depths x {prompts} prompts")
 
