@@ -346,6 +346,9 @@ def validate(
         on_phase = None if (json_out or quiet) else print_phase
         if task not in ("perplexity", "passkey"):
             raise KvcxError(f"--task {task!r} must be perplexity or passkey")
+        if task != "passkey" and lengths is not None:
+            raise KvcxError("--lengths sets the passkey task's contexts; add --task passkey, or use --window for "
+                            "perplexity")
         if task == "passkey":
             return _passkey(configs, gated, lengths, prompts, tolerance, model, cpu, mode, quiet, json_out, on_phase)
         if quick_test:

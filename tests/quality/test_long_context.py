@@ -126,5 +126,7 @@ def test_cli_passkey_table_json_and_bad_options():
                         (["--prompts", "0"], "--prompts 0 must be at least 1")):
         r = CliRunner().invoke(app, ["validate", "--task", "passkey", *args])
         assert r.exit_code == 1 and match in r.output and "Traceback" not in r.output, r.output
+    r = CliRunner().invoke(app, ["validate", "--lengths", "1024"])
+    assert r.exit_code == 1 and "add --task passkey" in r.output
     r = CliRunner().invoke(app, ["validate", "--task", "retrieval"])
     assert r.exit_code == 1 and "--task 'retrieval' must be perplexity or passkey" in r.output
