@@ -940,7 +940,7 @@ def ggml_qbytes(int type):
     return int(kvcx_ggml_qbytes(type))
 
 
-cdef int _ggml_enc_rows(const uint8_t *src, int dt, int64_t r0, int64_t r1, int64_t D, int type, bint rotate,
+cdef int _ggml_enc_rows(const uint8_t *src, int dt, int64_t r0, int64_t r1, int64_t D, int type, int64_t rot_n,
                         uint8_t *codes, uint16_t *d, uint16_t *m, float *buf) noexcept nogil:
     cdef int64_t r, b, nb = D // KVCX_QK
     cdef int64_t qb = kvcx_ggml_qbytes(type)
@@ -951,17 +951,18 @@ cdef int _ggml_enc_rows(const uint8_t *src, int dt, int64_t r0, int64_t r1, int6
         _load(src, dt, r * D, D, buf)
         if kvcx_absmax_bits(buf, D) >= 0x7f800000:
             return KVCX_ST_NONFINITE
-        if rotate:
-            kvcx_fwht_rows(buf, D // 64, 64)
+        if rot_n:
+            kvcx_fwht_rows(buf, D // rot_n, rot_n)
         for b in range(nb):
             status |= kvcx_ggml_quant_block(type, buf + b * KVCX_QK, d + r * nb + b,
                                             m + r * nb + b if has_min else &dummy, codes + (r * nb + b) * qb)
     return status
 
 
-def ggml_encode(const uint8_t[::1] src, int dt, int64_t rows, int64_t D, int type, bint rotate,
+def ggml_encode(const uint8_t[::1] src, int dt, int64_t rows, int64_t D, int type, int64_t rot_n,
                 uint8_t[::1] codes, uint16_t[::1] d, uint16_t[::1] m, int nthreads):
-    """Quantize ``rows`` rows of D values (D a multiple of 32; of 64 with rotate) into llama.cpp blocks:
+    """Quantize ``rows`` rows of D values (D a multiple of 32; of rot_n, a power of two, when rot_n is not 0: each
+    run of rot_n values Hadamard-rotated first) into llama.cpp blocks:
     codes (block bodies), d (FP16 bits, one per block), m (FP16 minimum per block for q4_1/q5_1, else empty).
     Returns a kvcx_status (bits OR-ed)."""
     cdef int64_t per = max(<int64_t>1, KVCX_TASK_VALUES // D)
@@ -976,14 +977,14 @@ def ggml_encode(const uint8_t[::1] src, int dt, int64_t rows, int64_t D, int typ
             if buf == NULL:
                 status |= KVCX_ST_NOMEM
             else:
-                status |= _ggml_enc_rows(&src[0], dt, task * per, min(rows, task * per + per), D, type, rotate,
+                status |= _ggml_enc_rows(&src[0], dt, task * per, min(rows, task * per + per), D, type, rot_n,
                                          &codes[0], &d[0], mp, buf)
                 free(buf)
     return status
 
 
 cdef void _ggml_dec_rows(const uint8_t *codes, const uint16_t *d, const uint16_t *m, int64_t r0, int64_t r1,
-                         int64_t S, int64_t D, int type, bint rotate, uint8_t *out, int64_t out_S, int64_t off,
+                         int64_t S, int64_t D, int type, int64_t rot_n, uint8_t *out, int64_t out_S, int64_t off,
                          int dt, float *buf) noexcept nogil:
     cdef int64_t r, b, nb = D // KVCX_QK
     cdef int64_t qb = kvcx_ggml_qbytes(type)
@@ -992,13 +993,13 @@ cdef void _ggml_dec_rows(const uint8_t *codes, const uint16_t *d, const uint16_t
         for b in range(nb):
             kvcx_ggml_dequant_block(type, d[r * nb + b], m[r * nb + b] if has_min else 0,
                                     codes + (r * nb + b) * qb, buf + b * KVCX_QK)
-        if rotate:
-            kvcx_fwht_rows(buf, D // 64, 64)
+        if rot_n:
+            kvcx_fwht_rows(buf, D // rot_n, rot_n)
         _store(buf, dt, ((r // S) * out_S + off + r % S) * D, D, out)
 
 
 def ggml_decode(const uint8_t[::1] codes, const uint16_t[::1] d, const uint16_t[::1] m, int64_t rows, int64_t S,
-                int64_t D, int type, bint rotate, uint8_t[::1] out, int64_t out_S, int64_t token_offset, int dt,
+                int64_t D, int type, int64_t rot_n, uint8_t[::1] out, int64_t out_S, int64_t token_offset, int dt,
                 int nthreads):
     """Dequantize llama.cpp blocks (see ggml_encode) into ``out`` (dtype dt, rows placed as the section says)."""
     cdef int64_t per = max(<int64_t>1, KVCX_TASK_VALUES // D)
@@ -1013,7 +1014,7 @@ def ggml_decode(const uint8_t[::1] codes, const uint16_t[::1] d, const uint16_t[
             if buf == NULL:
                 status |= KVCX_ST_NOMEM
             else:
-                _ggml_dec_rows(&codes[0], &d[0], mp, task * per, min(rows, task * per + per), S, D, type, rotate,
+                _ggml_dec_rows(&codes[0], &d[0], mp, task * per, min(rows, task * per + per), S, D, type, rot_n,
                                &out[0], out_S, token_offset, dt, buf)
                 free(buf)
     return status

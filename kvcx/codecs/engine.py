@@ -10,7 +10,9 @@ beside kvcx's own on the same tokens.
   ``gguf.quants.dequantize``). ``rotate=True`` adds the attention rotation llama.cpp applies
   to quantized K/V since PR #21038 (merged 2026-04-01; on by default for quantized cache types, off with
   ``LLAMA_ATTN_ROT_DISABLE=1``, absent from earlier releases): an orthonormal Hadamard transform of each run
-  of 64 values of a head, undone after attention. Scores and outputs are the same as rotating the decoded
+  of 64 values of a head for V, and of the largest power of two dividing the head dim for K
+  (llama-kv-cache.cpp, build_input_k_rot / build_input_v_rot), undone after attention. Scores and outputs
+  are the same as rotating the decoded
   vectors back, which is what this codec does.
 - :class:`FP8Codec` (``id: "vllm.fp8"``): vLLM's ``--kv-cache-dtype fp8`` / ``fp8_e5m2``: ``x / scale``
   saturated and rounded to nearest even into float8 e4m3fn or e5m2 (bit for bit torch's float8 casts of
@@ -73,8 +75,10 @@ class GGMLCodec(Codec):
     Parameters
     ----------
     type: ``"q8_0"``, ``"q4_0"``, ``"q4_1"``, ``"q5_0"``, ``"q5_1"`` or ``"iq4_nl"``.
-    rotate: the Hadamard rotation current llama.cpp applies to quantized K/V (runs of 64 values; the last
-        dim must be a multiple of 64; llama.cpp turns it off otherwise, see :meth:`fallback`).
+    rotate: the Hadamard rotation current llama.cpp applies to quantized K/V (the last dim must be a multiple
+        of 64; llama.cpp turns it off otherwise, see :meth:`fallback`): ``True`` rotates each run of 64 values
+        (llama.cpp's rule for V), ``"key"`` each run of the largest power of two that divides the last dim
+        (llama.cpp's rule for K: 64 for heads of 64, 128 for heads of 128). ``False``: none.
     n_threads: OpenMP threads (None = all).
     """
 
@@ -82,13 +86,14 @@ class GGMLCodec(Codec):
     settings = ("type", "rotate")
     format_version = ENGINE_FORMAT_VERSION
 
-    def __init__(self, type: str = "q4_0", rotate: bool = False, n_threads: Optional[int] = None):
+    def __init__(self, type: str = "q4_0", rotate: Union[bool, str] = False, n_threads: Optional[int] = None):
         if type not in GGML_TYPES:
             raise CodecError(f"llama.cpp KV type {type!r} is not one kvcx emulates; use one of "
                              f"{', '.join(GGML_TYPES)}")
-        if not isinstance(rotate, (bool, np.bool_)):
-            raise CodecError(f"rotate must be true or false, got {rotate!r}")
-        self.type, self.rotate = type, bool(rotate)
+        if not (isinstance(rotate, (bool, np.bool_)) or rotate == "key"):
+            raise CodecError(f"rotate must be false, true (runs of 64: llama.cpp's V) or 'key' (runs of the largest "
+                             f"power of two dividing the head dim: llama.cpp's K), got {rotate!r}")
+        self.type, self.rotate = type, (rotate if rotate == "key" else bool(rotate))
         self.n_threads = resolve_threads(n_threads) if n_threads is not None else None
 
     @property
@@ -100,7 +105,17 @@ class GGMLCodec(Codec):
         return 8.0 * (int(_core.ggml_qbytes(GGML_TYPES[self.type])) + (4 if self.has_zeros else 2)) / QK
 
     def describe(self) -> str:
-        return f"llama.cpp {self.type}" + (" +rotation" if self.rotate else "")
+        return f"llama.cpp {self.type}" + (" +rotation" if self.rotate else "") + (" (K rule)" if self.rotate == "key"
+                                                                                  else "")
+
+    def rotation_size(self, D: int) -> int:
+        """Values per Hadamard run for a last dim of D (0: no rotation)."""
+        if not self.rotate:
+            return 0
+        n = ROTATE_BLOCK
+        while self.rotate == "key" and D % (2 * n) == 0:
+            n *= 2
+        return n
 
     def fallback(self) -> "GGMLCodec":
         """Without the rotation (llama.cpp runs unrotated where the head does not fit its blocks of 64)."""
@@ -133,7 +148,7 @@ class GGMLCodec(Codec):
         buf = _buffers(out, shapes, name, x.shape)
         zeros = buf.get("zeros", _NO_ZEROS)
         status = _core.ggml_encode(raw(x), kernel_dtype(x.dtype), lay.N * lay.S, lay.D, GGML_TYPES[self.type],
-                                   self.rotate, buf["codes"], buf["scales"].view(np.uint16),
+                                   self.rotation_size(lay.D), buf["codes"], buf["scales"].view(np.uint16),
                                    zeros.view(np.uint16), resolve_threads(self.n_threads))
         check_status(status, name, x)
         return _finish(out, dict(codes=buf["codes"], scales=buf["scales"], zeros=buf.get("zeros"), sinks=None,
@@ -157,8 +172,8 @@ class GGMLCodec(Codec):
             raise CodecError(f"tensor {name!r}: its block scales hold NaN/Inf, which the quantizer never writes; "
                              "the data is damaged: encode it again")
         status = _core.ggml_decode(codes, scales.view(np.uint16), zeros.view(np.uint16), lay.N * lay.S, lay.S,
-                                   lay.D, GGML_TYPES[self.type], self.rotate, raw(out), out_S, token_offset,
-                                   DTYPE_NAMES[packed.dtype], resolve_threads(self.n_threads))
+                                   lay.D, GGML_TYPES[self.type], self.rotation_size(lay.D), raw(out), out_S,
+                                   token_offset, DTYPE_NAMES[packed.dtype], resolve_threads(self.n_threads))
         check_status(status, name, what="decoding")
         return out
 

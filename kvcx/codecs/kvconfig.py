@@ -358,7 +358,9 @@ class KVConfig:
                 raise CodecError(f"scheme={scheme!r} is an engine's format, emulated as the engine defines it; leave "
                                  f"out {', '.join(given)} (its rotation is the scheme with '-rot')")
             codec = get_codec(_ENGINE_SCHEMES[scheme], n_threads)
-            return cls(key=codec, value=codec, scheme=scheme)
+            key = get_codec({**_ENGINE_SCHEMES[scheme], "rotate": "key"}, n_threads) if scheme.endswith("-rot") \
+                else codec    # llama.cpp rotates K over the largest power of two dividing the head dim, V over 64
+            return cls(key=key, value=codec, scheme=scheme)
         if scheme in _WIDTH_SCHEMES:
             if bits is not None or rotate is not None:
                 raise CodecError(f"scheme={scheme!r} sets its own bits and rotation; use scheme='kvcx2' to change "

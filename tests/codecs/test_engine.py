@@ -161,6 +161,27 @@ def test_rotation_is_llama_cpp_hadamard_of_64(type_):
         assert err[True] < err[False]
 
 
+def test_key_rotation_runs_over_the_largest_power_of_two_of_the_head():
+    """llama.cpp rotates K over the largest power of two dividing the head dim (build_input_k_rot) and V over
+    64 (build_input_v_rot): the -rot schemes give the keys the K rule."""
+    assert [GGMLCodec("q4_0", rotate="key").rotation_size(D) for D in (64, 128, 192, 256)] == [64, 128, 64, 256]
+    assert [GGMLCodec("q4_0", rotate=True).rotation_size(D) for D in (64, 128, 256)] == [64, 64, 64]
+    x = hard_values((1, 2, 8, 128), seed=9)
+    x.reshape(-1, 32)[:8] = np.random.default_rng(9).standard_normal((8, 32))
+    codec = GGMLCodec("q4_0", rotate="key")
+    y = codec.decode(codec.encode(x))
+    H = hadamard(128)
+    hx = (x.astype(np.float64).reshape(-1, 128) @ H).astype(np.float32)
+    ref = gquants.dequantize(gquants.quantize(hx, QT.Q4_0), QT.Q4_0).astype(np.float64).reshape(-1, 128) @ H
+    assert np.mean(np.abs(y.reshape(-1, 128) - ref) < 1e-4) > 0.99
+    assert not np.allclose(y, GGMLCodec("q4_0", rotate=True).decode(GGMLCodec("q4_0", rotate=True).encode(x)))
+    cfg = KVConfig.from_scheme("q4_0-rot")
+    assert cfg.key == GGMLCodec("q4_0", rotate="key") and cfg.value == GGMLCodec("q4_0", rotate=True)
+    assert get_codec(cfg.key.get_config()) == cfg.key and eval(repr(cfg.key)) == cfg.key
+    with pytest.raises(CodecError, match="'key'"):
+        GGMLCodec("q4_0", rotate="value")
+
+
 def test_rotation_needs_runs_of_64_and_falls_back():
     codec = GGMLCodec("q4_0", rotate=True)
     with pytest.raises(CodecError, match="runs over 64 values"):
@@ -246,9 +267,9 @@ def test_engine_codecs_register_and_round_trip_configs():
 def test_engine_schemes():
     for name in ENGINE_SCHEMES:
         cfg = KVConfig.from_scheme(name)
-        assert cfg.key == cfg.value and cfg.scheme == name
+        assert (cfg.key == cfg.value or name.endswith("-rot") and cfg.key.rotate == "key") and cfg.scheme == name
         assert cfg.key.get_config()["id"] in ("llama.cpp", "vllm.fp8")
-    assert KVConfig.from_scheme("q4_0-rot").key == GGMLCodec("q4_0", rotate=True)
+    assert KVConfig.from_scheme("q4_0-rot").value == GGMLCodec("q4_0", rotate=True)
     assert KVConfig.from_scheme("q4_0").bits_per_value(4) == 4.5
     with pytest.raises(CodecError, match="leave out group_size=64, bits=4"):
         KVConfig.from_scheme("q8_0", group_size=64, bits=4)
