@@ -24,6 +24,7 @@ import numpy as np
 
 from kvcx.codecs import IntCodec, KVConfig
 from kvcx.codecs.metrics import ErrorStats, error_stats
+from kvcx.quality.peers import PeerSetting
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared/data/wikitext-2-raw/wiki.test.raw"
 
@@ -142,38 +143,18 @@ def _stats(tensors, decoded) -> ErrorStats:
 
 
 def quanto_roundtrip(tensors, nbits):
-    """transformers' QuantoQuantizedLayer (groups of 64, axis 0: its defaults) on the same cache.
-    Bytes: nominal, nbits per value + an FP16 scale and shift per group of 64 (on a CPU FP32 cache quanto keeps
-    them in FP32, which would add another 0.5 bit/value)."""
-    import torch
-    from transformers.cache_utils import QuantoQuantizedLayer
-
-    layer = QuantoQuantizedLayer(nbits=nbits, axis_key=0, axis_value=0, q_group_size=64, residual_length=128)
-    dec = {k: layer._dequantize(layer._quantize(torch.from_numpy(v).contiguous(), axis=0)).numpy()
-           for k, v in tensors.items()}
-    return dec, sum(x.size for x in tensors.values()) * (nbits + 32 / 64) / 8
+    """transformers' QuantoQuantizedLayer (groups of 64, axis 0: its defaults) on the same cache, through
+    kvcx.quality.peers (as `kvcx validate --scheme quanto-int4` runs it): bytes nominal, nbits per value + an
+    FP16 scale and shift per group of 64."""
+    decoded, nbytes, _ = PeerSetting("quanto", nbits).roundtrip(tensors)
+    return decoded, nbytes
 
 
 def turboquant_roundtrip(tensors, bits):
-    """fused-turboquant's TurboQuantMSE (random Hadamard rotation, Lloyd-Max levels, one FP32 norm per
-    vector) on its CPU path; bytes = its packed indices + norms, as it stores them."""
-    import torch
-
-    dec, nbytes = {}, 0
-    for k, v in tensors.items():
-        q = _turboquant(v.shape[-1], bits)
-        c = q.encode(torch.from_numpy(v).float())
-        nbytes += c.indices.numel() * c.indices.element_size() + c.norms.numel() * c.norms.element_size()
-        dec[k] = q.decode(c).float().numpy().astype(v.dtype)
-    return dec, nbytes
-
-
-@functools.lru_cache(maxsize=None)
-def _turboquant(head_dim, bits):
-    """One TurboQuantMSE per shape, built once (its Lloyd-Max codebook takes seconds: not codec time)."""
-    from fused_turboquant.core.quantizer import TurboQuantMSE
-
-    return TurboQuantMSE(head_dim=head_dim, bits=bits)
+    """fused-turboquant's TurboQuantMSE on its CPU path, through kvcx.quality.peers; bytes = its packed indices
+    + norms, as it stores them."""
+    decoded, nbytes, _ = PeerSetting("turboquant", bits).roundtrip(tensors)
+    return decoded, nbytes
 
 
 def _hadamard(d):

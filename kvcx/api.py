@@ -262,19 +262,27 @@ def load_plan(plan, n_threads: Optional[int] = None) -> KVConfig:
 
 def validation_settings(scheme: str, plan=None, gate: Optional[str] = None, group_size: Optional[int] = None,
                         bits: Optional[int] = None, sinks: Optional[int] = None, rotate: Optional[bool] = None,
-                        n_threads: Optional[int] = None):
+                        n_threads: Optional[int] = None, peers: Optional[dict] = None):
     """The settings ``kvcx validate`` compares, label -> KVConfig, and the labels that gate its verdict.
 
     ``scheme``: one scheme or several, comma-separated (``"kvcx,q4_0-rot,fp8_e4m3"``); a ``plan`` replaces a
     single scheme and joins a list of them (labelled by the plan's name or path). ``gate``: comma-separated
-    labels that must pass (default: all)."""
+    labels that must pass (default: all). ``peers``: settings by name that are not kvcx's (another library's
+    quantizer, built by the caller), taken as they are."""
     labels = [x.strip() for x in str(scheme).split(",") if x.strip()]
     if not labels or len(set(labels)) != len(labels):
         raise CodecError(f"scheme={scheme!r}: name each setting once, comma-separated (e.g. kvcx,q4_0,fp8_e4m3)")
     if plan is not None and len(labels) == 1:
         labels = []
-    configs = {x: KVConfig.from_scheme(x, group_size=group_size, bits=bits, sinks=sinks, rotate=rotate,
-                                       n_threads=n_threads) for x in labels}
+    peers = peers or {}
+    given = [f"{k}={v!r}" for k, v in (("group_size", group_size), ("bits", bits), ("sinks", sinks),
+                                       ("rotate", rotate)) if v is not None]
+    if given and any(x in peers for x in labels):
+        raise CodecError(f"scheme={','.join(x for x in labels if x in peers)} runs through its own library with its "
+                         f"own settings; leave out {', '.join(given)}")
+    configs = {x: peers[x] if x in peers else KVConfig.from_scheme(x, group_size=group_size, bits=bits, sinks=sinks,
+                                                                   rotate=rotate, n_threads=n_threads)
+               for x in labels}
     if plan is not None:
         configs[str(plan)] = load_plan(plan, n_threads=n_threads)
     gated = [x.strip() for x in gate.split(",") if x.strip()] if gate is not None else list(configs)

@@ -167,7 +167,8 @@ SchemeOpt = Annotated[str, typer.Option("--scheme", help="reference | symmetric 
                                                          "| kvcx3 | kvcx2 | kvcx2w (low-bit presets) | engine formats: "
                                                          "q8_0 q4_0 q4_1 q5_0 q5_1 iq4_nl (llama.cpp; -rot: with its "
                                                          "rotation) fp8_e4m3 fp8_e5m2 (vLLM; -amax: calibrated "
-                                                         "scale).")]
+                                                         "scale); validate also: quanto-int4 quanto-int2 "
+                                                         "turboquant-4 turboquant-3 (kvcx[peers]).")]
 PlanOpt = Annotated[Optional[str], typer.Option("--plan", help="A plan from `kvcx calibrate --out`, or a shipped "
                                                                "plan's name (smollm2-kvcx2w-2.47, ...); replaces "
                                                                "--scheme/--bits/--group-size.")]
@@ -342,7 +343,9 @@ def validate(
                      sidecars=False)
         from kvcx.api import validation_settings
 
-        configs, gated = validation_settings(scheme, plan, gate, group_size, bits, sinks, rotate, threads)
+        from kvcx.quality.peers import PEERS
+
+        configs, gated = validation_settings(scheme, plan, gate, group_size, bits, sinks, rotate, threads, peers=PEERS)
         on_phase = None if (json_out or quiet) else print_phase
         if task not in ("perplexity", "passkey"):
             raise KvcxError(f"--task {task!r} must be perplexity or passkey")

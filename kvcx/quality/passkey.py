@@ -159,13 +159,16 @@ def run_passkey(configs: Mapping[str, KVConfig], lengths: Optional[Sequence[int]
     if not configs:
         raise KvcxError("no setting to check: give at least one scheme")
     check_passkey(lengths or [1024], depths, prompts, tolerance)
+    for cfg in configs.values():
+        getattr(cfg, "check_installed", lambda: None)()
     from kvcx.quality.models import load_model_and_tokenizer, resolve_model
 
     m, tok, name = loaded if loaded is not None else load_model_and_tokenizer(resolve_model(model), device=device,
                                                                              cpu=cpu)
     import torch
 
-    from kvcx.quality.bridge import cache_to_tensors, make_dynamic_cache, roundtrip_tensors, tensors_to_layers
+    from kvcx.quality.bridge import cache_to_tensors, make_dynamic_cache, tensors_to_layers
+    from kvcx.quality.peers import roundtrip_of
     from kvcx.quality.scoring import forward_hidden
 
     dev = next(m.parameters()).device
@@ -173,8 +176,7 @@ def run_passkey(configs: Mapping[str, KVConfig], lengths: Optional[Sequence[int]
     lengths = list(lengths) if lengths else default_lengths(limit)
     depths = [float(d) for d in depths]
     check_passkey(lengths, depths, prompts, tolerance, limit)
-    roundtrips = {label: (roundtrips or {}).get(label) or (lambda t, cfg=cfg: roundtrip_tensors(t, cfg))
-                  for label, cfg in configs.items()}
+    roundtrips = {label: (roundtrips or {}).get(label) or roundtrip_of(cfg) for label, cfg in configs.items()}
     if on_phase:
         on_phase(1, 2, f"model: {name} on {dev}; {len(lengths)} lengths x {len(depths)} depths x {prompts} prompts")
 

@@ -30,6 +30,7 @@ from kvcx.codecs.kvconfig import KVConfig
 from kvcx.codecs.metrics import Thresholds, check_thresholds, json_safe, quality_level
 from kvcx.errors import KvcxError
 from kvcx.quality.models import load_dataset_text, load_model_and_tokenizer, resolve_model
+from kvcx.quality.peers import PeerSetting, roundtrip_of
 from kvcx.quality.scoring import (  # noqa: F401
     PerplexityRun,
     Roundtrip,
@@ -98,11 +99,6 @@ class ValidationResult:
         return (f"{word}: perplexity delta {self.delta:+.4f} ({self.delta_percent:+.2f}%) "
                 f"{'<' if self.passed else '>='} threshold {self.threshold}")
 
-
-def kvcx_roundtrip(config: KVConfig) -> Roundtrip:
-    from kvcx.quality.bridge import roundtrip_tensors
-
-    return lambda tensors: roundtrip_tensors(tensors, config)
 
 def perplexity_prefix(model, ids, starts: List[int], window: int, stride: int, roundtrip: Roundtrip,
                       on_window: Optional[WindowCallback] = None) -> PerplexityRun:
@@ -220,6 +216,12 @@ def run_validations(configs: Mapping[str, KVConfig], threshold: float = DEFAULT_
         raise KvcxError(f"mode={mode!r} must be one of {', '.join(repr(m) for m in MODES)}")
     if not (threshold > 0 and math.isfinite(threshold)):
         raise KvcxError(f"threshold={threshold} must be a positive number")
+    outside = [label for label, cfg in configs.items() if isinstance(cfg, PeerSetting)]
+    if outside and mode != "prefix":
+        raise KvcxError(f"scheme={','.join(outside)} runs through its own library on the context's cache: prefix "
+                        f"mode only, not mode={mode!r}")
+    for label in outside:
+        configs[label].check_installed()
     # the context limit is checked again once the model is known
     check_window(DEFAULT_WINDOW if window is None else window, stride, max_windows, context_limit=1 << 62)
     text = load_dataset_text(dataset_file)
@@ -242,7 +244,7 @@ def run_validations(configs: Mapping[str, KVConfig], threshold: float = DEFAULT_
     roundtrips = roundtrips or {}
     if mode == "prefix":
         runs = compare_prefix(m, ids, starts, window, stride,
-                              {label: roundtrips.get(label) or kvcx_roundtrip(cfg) for label, cfg in configs.items()},
+                              {label: roundtrips.get(label) or roundtrip_of(cfg) for label, cfg in configs.items()},
                               on_window)
     else:
         score = perplexity_generation if mode == "generation" else perplexity_engine
