@@ -1,11 +1,12 @@
 """Validate what you deploy: kvcx's settings and the engines' KV formats on one model, one text, the same
 tokens (`kvcx validate --scheme A,B,...`), and what the shared pass costs against one setting alone.
 
-    python bench/bench_engines.py --max-windows 32 --markdown docs/results/engines.md
+    python bench/bench_engines.py --all --max-windows 32 --markdown docs/results/engines.md
     python bench/bench_engines.py --window 8192 --stride 4096 --max-windows 4 --skip-alone \
         --markdown docs/results/engines-8k.md
 
-Settings (default): kvcx's default and KIVI at 4 bits; llama.cpp's q8_0, q5_1, q4_1, q4_0 as releases before
+Settings (default; `--all` adds iq4_nl and the peers quanto / TurboQuant through their libraries): kvcx's
+default and KIVI at 4 bits; llama.cpp's q8_0, q5_1, q4_1, q4_0 as releases before
 the attention rotation (or with LLAMA_ATTN_ROT_DISABLE=1) write them, and q8_0, q4_0 with the rotation
 (llama.cpp's default since PR #21038); vLLM's fp8 e4m3 and e5m2 at scale 1.0. Timing: the same windows
 validated once for the first setting alone and once for all of them in one call, wall time and peak RSS.
@@ -19,11 +20,14 @@ from pathlib import Path
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared/data/wikitext-2-raw/wiki.test.raw"
 SETTINGS = "kvcx,kivi,q8_0,q8_0-rot,q5_1,q4_1,q4_0,q4_0-rot,fp8_e4m3,fp8_e5m2"
+# every format validate takes (the --all list): the above, iq4_nl, and the peers through their libraries
+ALL_SETTINGS = SETTINGS + ",iq4_nl,iq4_nl-rot,quanto-int4,quanto-int2,turboquant-4,turboquant-3"
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--scheme", default=SETTINGS, help="settings, comma-separated (any `kvcx validate --scheme`)")
+    ap.add_argument("--all", action="store_true", help="every format: " + ALL_SETTINGS)
     ap.add_argument("--max-windows", type=int, default=32)
     ap.add_argument("--window", type=int, default=1024)
     ap.add_argument("--stride", type=int, default=512)
@@ -40,7 +44,9 @@ def main(argv=None):
     from kvcx.quality.scoring import FORWARD_CHUNK, HEAD_SLICE
     from kvcx.quality.validation import run_validations
 
-    configs, _ = validation_settings(args.scheme)
+    from kvcx.quality.peers import PEERS
+
+    configs, _ = validation_settings(ALL_SETTINGS if args.all else args.scheme, peers=PEERS)
     loaded = load_model_and_tokenizer(None, cpu=True)
     common = dict(threshold=args.threshold, dataset_file=args.dataset_file, window=args.window, stride=args.stride,
                   max_windows=args.max_windows, loaded=loaded)
@@ -63,11 +69,10 @@ def main(argv=None):
     out("| setting | what it emulates | bits/value | ratio vs FP16 | perplexity | delta | KLD (nats/token) | "
         "top-1 agreement | verdict |")
     out("|---|---|---:|---:|---:|---:|---:|---:|---|")
-    from kvcx.codecs.kvconfig import KVConfig
-
     for r in results:
-        cfg = KVConfig.from_config(r.config)
-        what = cfg.key.describe() if cfg.key == cfg.value else cfg.describe().split(": ", 1)[-1]
+        cfg = configs[r.setting]
+        same = getattr(cfg, "key", None) is not None and cfg.key == cfg.value
+        what = cfg.key.describe() if same else cfg.describe().split(": ", 1)[-1]
         out(f"| `{r.setting}` | {what} | {r.bits_per_value:.3f} | {r.compression_ratio:.2f}x | "
             f"{r.compressed_perplexity:.4f} | {r.delta:+.4f} | {r.kld:.5f} | {100 * r.top1_agreement:.2f}% | "
             f"{'PASS' if r.passed else 'FAIL'} |")
