@@ -82,17 +82,23 @@ def main(argv=None):
     windows = [np.asarray(ids[a:a + args.window]) for a in starts]
     ctx_len = args.window - args.stride
     path = embedded_model_path()
-    rot = os.environ.get("LLAMA_ATTN_ROT_DISABLE")
+    os.environ.pop("LLAMA_ATTN_ROT_DISABLE", None)
     t = time.perf_counter()
     base = llama_logits(llama_cpp, path, windows, args.window, None, ctx_len, args.threads)
+    n = sum(len(w) - ctx_len - 1 for w in windows)
     rows = {}
     for ty in types:
-        comp = llama_logits(llama_cpp, path, windows, args.window, ty, ctx_len, args.threads)
-        sums = np.zeros(4)
-        for b, c, w in zip(base, comp, windows):
-            sums += compare(b, c, w[ctx_len + 1:])
-        n = sum(len(w) - ctx_len - 1 for w in windows)
-        rows[ty] = (math.exp(sums[0] / n), math.exp(sums[1] / n), sums[2] / n, sums[3] / n)
+        for rotated in (True, False):    # llama.cpp reads LLAMA_ATTN_ROT_DISABLE when it builds its cache
+            if rotated:
+                os.environ.pop("LLAMA_ATTN_ROT_DISABLE", None)
+            else:
+                os.environ["LLAMA_ATTN_ROT_DISABLE"] = "1"
+            comp = llama_logits(llama_cpp, path, windows, args.window, ty, ctx_len, args.threads)
+            sums = np.zeros(4)
+            for b, c, w in zip(base, comp, windows):
+                sums += compare(b, c, w[ctx_len + 1:])
+            rows[ty, rotated] = (math.exp(sums[0] / n), math.exp(sums[1] / n), sums[2] / n, sums[3] / n)
+    os.environ.pop("LLAMA_ATTN_ROT_DISABLE", None)
     t_llama = time.perf_counter() - t
     settings = ",".join(types + [f"{ty}-rot" for ty in types])
     configs, _ = validation_settings(settings)
@@ -103,24 +109,25 @@ def main(argv=None):
                                                  mode="engine", loaded=loaded)}
     t_emu = time.perf_counter() - t
     out = Report()
-    n = sum(len(w) - ctx_len - 1 for w in windows)
     r0 = next(iter(emu.values()))
     out(f"Embedded {name}; WikiText-2 raw test, {len(windows)} windows of {args.window} (stride {args.stride}), "
         f"{n:,} tokens scored, the same token ids on both sides. llama.cpp: llama-cpp-python "
-        f"{llama_cpp.__version__}, flash attention, one batch per window, baseline an F16 cache (perplexity "
-        f"{rows[types[0]][0]:.4f}){'; LLAMA_ATTN_ROT_DISABLE=' + rot if rot else ''}. kvcx: engine mode, "
-        f"baseline the FP32 cache (perplexity {r0.baseline_perplexity:.4f}).")
+        f"{llama_cpp.__version__} (its vendored llama.cpp has the attention rotation), CPU, flash attention, one "
+        f"batch per window; its baseline an F16 cache (perplexity {rows[types[0], True][0]:.4f}). kvcx: engine "
+        f"mode on the FP32 model; its baseline the FP32 cache (perplexity {r0.baseline_perplexity:.4f}). Each "
+        f"side against its own baseline: perplexity delta, mean KLD (nats/token), top-1 agreement.")
     out("")
-    out("| KV type | llama.cpp delta | llama.cpp KLD | llama.cpp top-1 | kvcx emulation delta | KLD | top-1 | "
-        "with the rotation: delta | KLD | top-1 |")
-    out("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    out("| KV type | rotation | llama.cpp delta | llama.cpp KLD | llama.cpp top-1 | kvcx delta | kvcx KLD | "
+        "kvcx top-1 |")
+    out("|---|---|---:|---:|---:|---:|---:|---:|")
     for ty in types:
-        b, c, kl, top = rows[ty]
-        e, er = emu[ty], emu[f"{ty}-rot"]
-        out(f"| `{ty}` | {c - b:+.4f} | {kl:.5f} | {100 * top:.2f}% | {e.delta:+.4f} | {e.kld:.5f} | "
-            f"{100 * e.top1_agreement:.2f}% | {er.delta:+.4f} | {er.kld:.5f} | {100 * er.top1_agreement:.2f}% |")
+        for rotated in (True, False):
+            b, c, kl, top = rows[ty, rotated]
+            e = emu[f"{ty}-rot" if rotated else ty]
+            out(f"| `{ty}` | {'on (default)' if rotated else 'off (LLAMA_ATTN_ROT_DISABLE=1)'} | {c - b:+.4f} | "
+                f"{kl:.5f} | {100 * top:.2f}% | {e.delta:+.4f} | {e.kld:.5f} | {100 * e.top1_agreement:.2f}% |")
     out("")
-    out(f"Wall time: llama.cpp {t_llama:.0f} s ({len(types) + 1} runs), kvcx emulation {t_emu:.0f} s "
+    out(f"Wall time: llama.cpp {t_llama:.0f} s ({2 * len(types) + 1} runs), kvcx emulation {t_emu:.0f} s "
         f"({2 * len(types)} settings).")
     if args.markdown:
         out.write(args.markdown, "llama.cpp's KV cache types run by llama.cpp itself beside kvcx's emulation of "
