@@ -5,7 +5,11 @@
 Caches compared in one run, on the same text: DynamicCache (FP32, SDPA), KvcxCache with the fused
 attention kernel (the model's attention set to "kvcx"), KvcxCache materialising (fused=False: packed
 chunks decoded into an FP32 scratch, then SDPA) and, when optimum-quanto is installed, transformers'
-QuantizedCache (quanto, int4, groups of 64, residual 128).
+QuantizedCache (quanto, int4, groups of 64, residual 128). `--presets kvcx3 kvcx2 kvcx2w` adds a row per
+preset: fused where the kernel reads the preset's codes, else materialising (labelled so):
+
+    python bench/bench_generate.py --presets kvcx3 kvcx2 kvcx2w --contexts 512 8000 --skip rss --no-quanto \
+        --markdown docs/results/generate-presets.md
 
 1. Agreement: after a WikiText-2 prompt of --prompt tokens the next --steps tokens are fed one at a
    time (teacher-forced); top-1 predictions are compared with DynamicCache's, and the fused path's
@@ -53,14 +57,22 @@ def timed_attention():
     AttentionInterface.register(attention_fn.ATTN_IMPLEMENTATION, wrap(attention_fn.kvcx_attention_forward))
 
 
-def make_caches(model, with_quanto=True):
+def make_caches(model, with_quanto=True, presets=()):
     from transformers import DynamicCache
 
+    from kvcx.cache import fused
     from kvcx.cache.kvcx_cache import KvcxCache
 
     caches = {"DynamicCache": DynamicCache,
               "KvcxCache fused": lambda: KvcxCache(model.config, fused=True),
               "KvcxCache materialising": lambda: KvcxCache(model.config, fused=False)}
+    for p in presets:   # fused where the kernel reads the preset's codes, else as the cache decides
+        probe = KvcxCache(model.config, scheme=p).layers[0]
+        codecs = probe.kv_config
+        why = fused.fused_unsupported(codecs.key, codecs.value, model.config.head_dim,
+                                      model.config.num_attention_heads // model.config.num_key_value_heads)
+        label = f"KvcxCache fused {p}" if why is None else f"KvcxCache materialising {p}"
+        caches[label] = (lambda p=p, why=why: KvcxCache(model.config, scheme=p, fused=True if why is None else None))
     if with_quanto:
         try:
             import optimum.quanto  # noqa: F401
@@ -193,6 +205,7 @@ def main(argv=None):
     ap.add_argument("--rss-context", type=int, default=8000)
     ap.add_argument("--dataset-file", type=Path, default=DEFAULT_DATA)  # the Makefile passes it explicitly
     ap.add_argument("--no-quanto", action="store_true")
+    ap.add_argument("--presets", nargs="*", default=[], help="KvcxCache presets to add (kvcx3 kvcx2 kvcx2w ...)")
     ap.add_argument("--skip", nargs="*", default=[], choices=["agreement", "speed", "rss"])
     ap.add_argument("--rss-child", nargs=2, metavar=("KIND", "STEPS"), help=argparse.SUPPRESS)
     ap.add_argument("--markdown", type=Path, default=None, help="also write the tables to this file")
@@ -218,7 +231,7 @@ def main(argv=None):
     ids = torch.tensor(tok(text[: need * 12])["input_ids"][:need])[None]
     emit(f"# {name}: {L} layers, {Hkv} KV heads of {D}, {cfg.num_attention_heads} query heads; FP32 on CPU; "
           f"torch threads {torch.get_num_threads()}, kvcx threads {torch.get_num_threads()}")
-    caches = make_caches(model, not args.no_quanto)
+    caches = make_caches(model, not args.no_quanto, args.presets)
 
     if "agreement" not in args.skip:
         emit(f"\n## Agreement: {args.prompt}-token prompt, next {args.steps} tokens teacher-forced\n")
@@ -279,11 +292,11 @@ def main(argv=None):
                 emit(f"| {ctx} | {label} | {1 / step:.2f} | {dyn_step / step:.2f}x | {1000 * step:.1f} | "
                       f"{1000 * attn:.2f} | {dyn_attn / attn:.2f}x | "
                       f"{f'{rb / 1e6:.1f} MB' if rb is not None else 'n/a'} | {share} |", flush=True)
-            fused = live.get("KvcxCache fused")
-            if fused is not None:
-                steps = fused.memory_report()["attention_steps"]
-                emit(f"|  | (KvcxCache fused: layer steps fused {steps['fused']}, materialised "
-                      f"{steps['materialised']}, full precision {steps['full_precision']}) |||||||| ")
+            for label in labels:
+                if label.startswith("KvcxCache") and label != "KvcxCache materialising":
+                    steps = live[label].memory_report()["attention_steps"]
+                    emit(f"|  | ({label}: layer steps fused {steps['fused']}, materialised "
+                          f"{steps['materialised']}, full precision {steps['full_precision']}) |||||||| ")
             del live
 
     if "rss" not in args.skip:
@@ -305,8 +318,12 @@ def main(argv=None):
                   f"{d['growth'] / 2**20:.1f} MiB | {d['held'] / 2**20:.1f} MiB |", flush=True)
 
     if args.markdown:
-        emit.write(args.markdown, "KvcxCache decoding the embedded model (FP32 on CPU): agreement with DynamicCache, "
-                                 "decode speed after contexts of 16 to 8,000 tokens, peak RSS.")
+        parts = [p for p, skip in (("agreement with DynamicCache", "agreement"),
+                                   ("decode speed after contexts of " + ", ".join(f"{c:,}" for c in args.contexts)
+                                    + " tokens", "speed"), ("peak RSS", "rss")) if skip not in args.skip]
+        presets = f" (presets: {', '.join(args.presets)})" if args.presets else ""
+        emit.write(args.markdown, f"KvcxCache decoding the embedded model (FP32 on CPU){presets}: "
+                                  f"{', '.join(parts)}.")
 
 if __name__ == "__main__":
     main()

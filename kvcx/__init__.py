@@ -8,9 +8,9 @@ perplexity validation, calibration); :mod:`kvcx.cli` sits on top.
 from kvcx.codecs import Codec, IntCodec, KVConfig, Packed, WidthCodec, get_codec, register_codec  # noqa: E402
 from kvcx.codecs.convert import to_float16, to_float32  # noqa: E402
 from kvcx.codecs.metrics import quality_metrics  # noqa: E402
-from kvcx.errors import CodecError, DatasetError, FormatError, KvcxError, ModelError  # noqa: E402
+from kvcx.errors import CodecError, DatasetError, FormatError, KvcxError, ModelError, SlowPathWarning  # noqa: E402
 from kvcx.version import VERSION as __version__  # noqa: E402
 
-__all__ = ["__version__", "KvcxError", "CodecError", "FormatError", "ModelError", "DatasetError", "Codec",
-           "IntCodec", "WidthCodec", "KVConfig", "Packed", "get_codec", "register_codec", "quality_metrics",
-           "to_float16", "to_float32"]
+__all__ = ["__version__", "KvcxError", "CodecError", "FormatError", "ModelError", "DatasetError",
+           "SlowPathWarning", "Codec", "IntCodec", "WidthCodec", "KVConfig", "Packed", "get_codec", "register_codec",
+           "quality_metrics", "to_float16", "to_float32"]

@@ -23,3 +23,7 @@ class ModelError(KvcxError):
 
 class DatasetError(KvcxError):
     """Evaluation text that cannot be found or is too short."""
+
+
+class SlowPathWarning(UserWarning):
+    """kvcx works, but on a path much slower than the one a setting would give (the message names it)."""

@@ -18,6 +18,8 @@ from kvcx.codecs.base import Codec
 # the codec whose packed layout the kernel reads (kvcx/codecs/_attn.h)
 READS = "kvcx.int"
 
+# code widths the kernel reads (2 and 3 bits widened tile by tile into the 4-bit layout)
+FUSED_BITS = (2, 3, 4)
 ATTN_MAX_GROUP = _core.ATTN_MAX_GROUP
 ATTN_MAX_D = _core.ATTN_MAX_D
 # tokens per task at least, when a (row x KV head) is split across threads
@@ -37,8 +39,8 @@ def fused_unsupported(key: Codec, value: Codec, head_dim: int, group: int) -> Op
     """Why the fused kernel cannot serve these codecs (None when it can)."""
     if key.codec_id != READS or value.codec_id != READS:
         return "fused attention reads IntCodec codes (per-channel widths are decoded, then attended)"
-    if key.bits != 4 or value.bits != 4:
-        return f"fused attention reads 4-bit codes (keys {key.bits}, values {value.bits} bits)"
+    if key.bits not in FUSED_BITS or value.bits not in FUSED_BITS:
+        return f"fused attention reads 2-, 3- and 4-bit codes (keys {key.bits}, values {value.bits} bits)"
     if head_dim % 16 or head_dim > ATTN_MAX_D:
         return f"fused attention needs a head dim that is a multiple of 16 up to {ATTN_MAX_D}, got {head_dim}"
     if group < 1 or group > ATTN_MAX_GROUP:
@@ -89,7 +91,8 @@ def bind(key: Codec, value: Codec, B: int, Hkv: int, R: int, D: int, keys, value
     kernel = _core.AttnKernel(B=B, Hkv=Hkv, R=R, D=D,
                               k_axis=_core.AXIS_CHANNEL if key.axis == "channel" else _core.AXIS_TOKEN,
                               k_asym=key.asym, k_rotate=key.rotate, k_group=key.group_size,
-                              v_asym=value.asym, v_rotate=value.rotate, v_group=value.group_size)
+                              v_asym=value.asym, v_rotate=value.rotate, v_group=value.group_size,
+                              k_bits=key.bits, v_bits=value.bits)
     kernel.bind(keys.codes, keys.scales.view(np.uint16),
                 keys.zeros.view(np.uint16) if keys.zeros is not None else EMPTY_U16,
                 keys.block_starts if key.axis == "channel" else EMPTY_I64,

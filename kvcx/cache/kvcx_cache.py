@@ -33,6 +33,7 @@ unless asked.
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -49,7 +50,7 @@ from kvcx.codecs.dtypes import is_int
 from kvcx.codecs.kvconfig import DEFAULT_SCHEME, KVConfig
 from kvcx.codecs.runtime import resolve_threads
 from kvcx.deps import check_transformers_version
-from kvcx.errors import KvcxError
+from kvcx.errors import KvcxError, SlowPathWarning
 
 check_transformers_version(transformers.__version__)
 
@@ -167,6 +168,12 @@ class KvcxLayer(DynamicLayer):
         self.cumulative_length = 0
         self.steps = {"fused": 0, "materialised": 0, "full_precision": 0}
         self._unsupported: Optional[str] = None
+
+    @property
+    def fused_unsupported(self) -> Optional[str]:
+        """Why this layer's stores cannot be read by the fused kernel (None when they can, or before its first
+        step)."""
+        return self._unsupported
 
     @property
     def quantized_length(self) -> int:
@@ -399,6 +406,7 @@ class KvcxCache(Cache):
         self._scratch = _Scratch()
         self._masks = MaskConverter()
         self._mode: Optional[StepMode] = None   # this step's, decided at its first layer
+        self._hinted = False                    # told how to turn the fused path on (once per cache)
         workspace = Workspace()  # the fused kernel's scratch, one for all layers
         super().__init__(layers=[KvcxLayer(_fitted(kv.for_layer(i), kv_heads, residual_length, head_dim),
                                            residual_length, self._scratch, workspace, self._masks, self._timer,
@@ -426,6 +434,22 @@ class KvcxCache(Cache):
                             reason=f"KvcxCache(fused=True): fused attention runs on CPU tensors; {_FALLBACK_HINT}")
         return StepMode(required=bool(self.fused))
 
+    def _hint_fused(self, key_states: torch.Tensor) -> None:
+        """At the first decode step, once: a SlowPathWarning saying how to turn the fused path on when the step
+        materialises only because the model's attention is not ``"kvcx"`` (``fused=None``, CPU, codecs the
+        kernel reads)."""
+        self._hinted = True
+        impl = getattr(self._config, "_attn_implementation", None)
+        if (self.fused is not None or impl == ATTN_IMPLEMENTATION or key_states.device.type != "cpu"
+                or self.layers[0].fused_unsupported):
+            return
+        warnings.warn(
+            f"KvcxCache: the model's attention is {impl!r}, so every decode step decodes the whole packed context "
+            f"into full precision (the materialising path, slower and larger as the context grows). For the fused "
+            f"path, which reads the packed codes: import kvcx.cache, then model.set_attn_implementation("
+            f"{ATTN_IMPLEMENTATION!r}) (or load the model with attn_implementation={ATTN_IMPLEMENTATION!r}); "
+            f"KvcxCache(fused=False) keeps this path without this warning.", SlowPathWarning, stacklevel=3)
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Store a layer's new keys and values (transformers calls this once per layer and step)."""
         if not is_int(layer_idx) or not 0 <= layer_idx < len(self.layers):
@@ -433,6 +457,8 @@ class KvcxCache(Cache):
                             "the cache from the model's own config")
         if layer_idx == 0 or self._mode is None:
             self._mode = self._step_mode(key_states)
+            if not self._hinted and key_states.shape[-2] == 1:
+                self._hint_fused(key_states)
         return self.layers[layer_idx].update(key_states, value_states, mode=self._mode)
 
     def memory_report(self) -> dict:

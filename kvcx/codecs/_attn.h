@@ -29,7 +29,13 @@
 
    Work is split into tasks of (batch row x KV head, token range): each writes a partial
    (max, sum, accumulators) into its workspace, and a second pass merges the partials of a row
-   (flash-decoding). The caller (kvcx.cache.fused) checks every size and allocates the workspace. */
+   (flash-decoding). The caller (kvcx.cache.fused) checks every size and allocates the workspace.
+
+   2- and 3-bit codes (kvcx3, kvcx2) are widened tile by tile (64 tokens) into the 4-bit layout in the task's
+   scratch, then read by the same dot products and accumulations. A value code c becomes c' = c + 8 - 2^(bits - 1)
+   (centred, as 4-bit codes are): s (c' - 8) is its value when symmetric, s (c' - 8) + z + 2^(bits - 1) s when
+   asymmetric. A key code becomes c + 8 - 2^(bits - 1) when symmetric (s (c' - 8)), stays c when asymmetric
+   (s c + z). Nothing larger than a tile is ever unpacked. */
 #ifndef KVCX_ATTN_H
 #define KVCX_ATTN_H
 
@@ -55,14 +61,15 @@ typedef struct {
     int64_t k_group, k_nscale;  /* group size, scales per (row, KV head) */
     int v_asym, v_rotate;
     int64_t v_group, v_nscale;
+    int k_bits, v_bits;         /* 2, 3 or 4 */
 } kvcx_attn_layout;
 
 typedef struct {
     const float *q;                      /* [B, Hkv * R, D] */
-    const uint8_t *kc;                   /* [B * Hkv, k_tokens * D / 2] */
+    const uint8_t *kc;                   /* [B * Hkv, k_tokens * D * k_bits / 8] */
     const uint16_t *ks, *kz;             /* [B * Hkv, k_nscale] (kz: asymmetric only) */
     const int64_t *kblk;                 /* channel axis: block b = key tokens [kblk[b], kblk[b + 1]) */
-    const uint8_t *vc;                   /* [B * Hkv, v_tokens * D / 2] */
+    const uint8_t *vc;                   /* [B * Hkv, v_tokens * D * v_bits / 8] */
     const uint16_t *vs, *vz;
     const float *sk, *sv;                /* [B * Hkv, ns, D] */
     const float *rk, *rv;                /* [B * Hkv, nr, D] */
@@ -72,10 +79,11 @@ typedef struct {
 } kvcx_attn_args;
 
 /* floats of workspace per task: the partial (m and l per head, then accv[R][D] in the permuted order,
-   then accp[R][D]), then scratch */
+   then accp[R][D]), then scratch (the last T D / 8 floats: a tile's 2- or 3-bit codes widened to nibbles) */
 static inline int64_t kvcx_attn_part_floats(int64_t R, int64_t D) { return 2 * R + 2 * R * D; }
 static inline int64_t kvcx_attn_work_floats(int64_t R, int64_t D) {
-    return kvcx_attn_part_floats(R, D) + 3 * R * D + 4 * R + 2 * R * KVCX_ATTN_TILE + 2 * KVCX_ATTN_TILE + 2 * D;
+    return kvcx_attn_part_floats(R, D) + 3 * R * D + 4 * R + 2 * R * KVCX_ATTN_TILE + 2 * KVCX_ATTN_TILE + 2 * D
+           + KVCX_ATTN_TILE * D / 8;
 }
 
 /* channel index of position p in the permuted order */
@@ -422,6 +430,58 @@ static inline void kvcx_h2f_perm(const uint16_t *h, int64_t D, float *out) {
     for (int64_t d = k; d < D; d++) out[d] = kvcx_h2f_1(h[kvcx_attn_perm(d)]);
 }
 
+/* n codes (a multiple of 16) of `bits` (2 or 3) bits from p, each plus `add`, in the 4-bit layout at out
+   (n / 2 bytes: code 2i in the low nibble of byte i). */
+static inline void kvcx_attn_widen(const uint8_t *p, int64_t n, int bits, uint8_t add, uint8_t *out) {
+    int64_t i = 0;
+#if KVCX_ATTN_AVX2
+    if (bits == 3) {   /* 64 codes (24 bytes) per round: 3 bytes (8 codes) to each 32-bit lane, where code j moves
+                          from bit 3j to bit 4j (nibble j: the 4-bit layout) */
+        const int64_t nbytes = 3 * n / 8;
+        const __m256i sh = _mm256_setr_epi8(0, 1, 2, -1, 3, 4, 5, -1, 6, 7, 8, -1, 9, 10, 11, -1,
+                                            0, 1, 2, -1, 3, 4, 5, -1, 6, 7, 8, -1, 9, 10, 11, -1);
+        const __m256i a8 = _mm256_set1_epi8((char)(add * 17));
+#define KVCX_NIB3(x, j) _mm256_and_si256(_mm256_slli_epi32(x, j), _mm256_set1_epi32(7 << (4 * (j))))
+        for (; i + 64 <= n && 3 * i / 8 + 28 <= nbytes; i += 64) {
+            const uint8_t *b = p + 3 * i / 8;
+            __m256i x = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)b)),
+                                                _mm_loadu_si128((const __m128i *)(b + 12)), 1);
+            x = _mm256_shuffle_epi8(x, sh);
+            __m256i r = _mm256_or_si256(_mm256_or_si256(_mm256_or_si256(_mm256_and_si256(x, _mm256_set1_epi32(7)),
+                                                                         KVCX_NIB3(x, 1)),
+                                                        _mm256_or_si256(KVCX_NIB3(x, 2), KVCX_NIB3(x, 3))),
+                                        _mm256_or_si256(_mm256_or_si256(KVCX_NIB3(x, 4), KVCX_NIB3(x, 5)),
+                                                        _mm256_or_si256(KVCX_NIB3(x, 6), KVCX_NIB3(x, 7))));
+            _mm256_storeu_si256((__m256i *)(out + i / 2), _mm256_add_epi8(r, a8));
+        }
+#undef KVCX_NIB3
+    } else {           /* 64 codes (16 bytes) per round: each byte's 4 codes -> 2 bytes of nibbles */
+        const __m128i m3 = _mm_set1_epi8(0x03), m30 = _mm_set1_epi8(0x30), a8 = _mm_set1_epi8((char)(add * 17));
+        for (; i + 64 <= n; i += 64) {
+            const __m128i b = _mm_loadu_si128((const __m128i *)(p + i / 4));
+            const __m128i lo = _mm_or_si128(_mm_and_si128(b, m3), _mm_and_si128(_mm_slli_epi16(b, 2), m30));
+            const __m128i hi = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(b, 4), m3),
+                                            _mm_and_si128(_mm_srli_epi16(b, 2), m30));
+            _mm_storeu_si128((__m128i *)(out + i / 2), _mm_add_epi8(_mm_unpacklo_epi8(lo, hi), a8));
+            _mm_storeu_si128((__m128i *)(out + i / 2 + 16), _mm_add_epi8(_mm_unpackhi_epi8(lo, hi), a8));
+        }
+    }
+#endif
+    if (bits == 3)
+        for (; i < n; i += 8) {
+            const uint8_t *b = p + 3 * (i / 8);
+            const uint32_t w = b[0] | ((uint32_t)b[1] << 8) | ((uint32_t)b[2] << 16);
+            for (int j = 0; j < 8; j += 2)
+                out[(i + j) / 2] = (uint8_t)((((w >> (3 * j)) & 7) + add) | ((((w >> (3 * j + 3)) & 7) + add) << 4));
+        }
+    else
+        for (; i < n; i += 4) {
+            const uint8_t b = p[i / 4];
+            out[i / 2] = (uint8_t)(((b & 3) + add) | ((((b >> 2) & 3) + add) << 4));
+            out[i / 2 + 1] = (uint8_t)((((b >> 4) & 3) + add) | (((b >> 6) + add) << 4));
+        }
+}
+
 /* One task: (row x KV head) `slab`, token range `split`; writes the partial to the task's workspace. */
 static inline void kvcx_attn_task(const kvcx_attn_layout *L, const kvcx_attn_args *A, int64_t task) {
     const int64_t R = L->R, D = L->D, T = KVCX_ATTN_TILE;
@@ -437,6 +497,10 @@ static inline void kvcx_attn_task(const kvcx_attn_layout *L, const kvcx_attn_arg
     float *p = sc + R * T;                             /* R x T probabilities, then value weights */
     float *vs = p + R * T, *vz = vs + T;               /* T value scales / zero points */
     float *sp = vz + T, *zp = sp + D;                  /* a block's key scales / zeros, permuted */
+    uint8_t *wn = (uint8_t *)(zp + D);                 /* 2/3-bit codes: a tile's, widened to nibbles */
+    const int64_t kbt = D * L->k_bits / 8, vbt = D * L->v_bits / 8;   /* code bytes per token */
+    const uint8_t kadd = L->k_asym ? 0 : (uint8_t)(8 - (1 << (L->k_bits - 1)));
+    const uint8_t vadd = (uint8_t)(8 - (1 << (L->v_bits - 1)));   /* values centred either way (see the end) */
 
     for (int64_t i = 0; i < kvcx_attn_part_floats(R, D); i++) part[i] = 0.0f;
     for (int64_t r = 0; r < R; r++) {
@@ -468,8 +532,8 @@ static inline void kvcx_attn_task(const kvcx_attn_layout *L, const kvcx_attn_arg
     ta = ta < L->Tq ? ta : L->Tq;
     tb = tb < L->Tq ? tb : L->Tq;
     const int64_t koff = L->k_tokens - L->Tq, voff = L->v_tokens - L->Tq;   /* store token = t + off */
-    const uint8_t *kc = A->kc + (slab * L->k_tokens + koff) * (D / 2);
-    const uint8_t *vc = A->vc + (slab * L->v_tokens + voff) * (D / 2);
+    const uint8_t *kc = A->kc + (slab * L->k_tokens + koff) * kbt;
+    const uint8_t *vc = A->vc + (slab * L->v_tokens + voff) * vbt;
     const uint16_t *ks = A->ks + slab * L->k_nscale, *kz = A->kz ? A->kz + slab * L->k_nscale : NULL;
     const uint16_t *vsc = A->vs + slab * L->v_nscale, *vzc = A->vz ? A->vz + slab * L->v_nscale : NULL;
     const float *mrow = A->mask ? A->mask + b * L->kv_len + L->pos_q : NULL;
@@ -503,12 +567,17 @@ static inline void kvcx_attn_task(const kvcx_attn_layout *L, const kvcx_attn_arg
 #if KVCX_ATTN_AVX2
         {   /* the codes come from memory: fetch this tile's values (read after the scores) and the next
                tile's keys while the scores are computed */
-            const int64_t nn = (tb - end < T ? tb - end : T) * (D / 2);
-            for (int64_t o = 0; o < n * (D / 2); o += 64) _mm_prefetch((const char *)(vc + t * (D / 2) + o), _MM_HINT_T0);
-            for (int64_t o = 0; o < nn; o += 64) _mm_prefetch((const char *)(kc + end * (D / 2) + o), _MM_HINT_T0);
+            const int64_t nn = (tb - end < T ? tb - end : T) * kbt;
+            for (int64_t o = 0; o < n * vbt; o += 64) _mm_prefetch((const char *)(vc + t * vbt + o), _MM_HINT_T0);
+            for (int64_t o = 0; o < nn; o += 64) _mm_prefetch((const char *)(kc + end * kbt + o), _MM_HINT_T0);
         }
 #endif
-        kvcx_q4_dots(kc + t * (D / 2), n, D, qs, bias, R, sc, T);
+        const uint8_t *kt = kc + t * kbt, *vt = vc + t * vbt;
+        if (L->k_bits != 4) {
+            kvcx_attn_widen(kt, n * D, L->k_bits, kadd, wn);
+            kt = wn;
+        }
+        kvcx_q4_dots(kt, n, D, qs, bias, R, sc, T);
         if (L->k_axis != KVCX_AXIS_CHANNEL) {
             if (L->k_group == D) {               /* one scale per token: convert the tile's at once */
                 kvcx_h2f_n(ks + t + koff, vs, n);
@@ -547,7 +616,11 @@ static inline void kvcx_attn_task(const kvcx_attn_layout *L, const kvcx_attn_arg
             }
             for (int64_t j = 0; j < n; j++) pr[j] *= vs[j];
         }
-        kvcx_q4_axpy(vc + t * (D / 2), n, D, p, T, R, part + 2 * R);   /* every head from one read */
+        if (L->v_bits != 4) {
+            kvcx_attn_widen(vt, n * D, L->v_bits, vadd, wn);
+            vt = wn;
+        }
+        kvcx_q4_axpy(vt, n, D, p, T, R, part + 2 * R);   /* every head from one read */
         t = end;
     }
     if (split == L->nsplit - 1) {
@@ -560,7 +633,7 @@ static inline void kvcx_attn_task(const kvcx_attn_layout *L, const kvcx_attn_arg
         float *accv = part + 2 * R + r * D;
         kvcx_attn_halve_odd(accv, accv, D);
         if (L->v_asym) {
-            const float c = Z[r] + 8.0f * W[r];
+            const float c = Z[r] + (float)(8 - vadd) * W[r];
             for (int64_t d = 0; d < D; d++) accv[d] += c;
         }
     }

@@ -835,7 +835,7 @@ cdef class AttnKernel:
     cdef object _keep
 
     def __init__(self, *, int64_t B, int64_t Hkv, int64_t R, int64_t D, int k_axis, bint k_asym, bint k_rotate,
-                 int64_t k_group, bint v_asym, bint v_rotate, int64_t v_group):
+                 int64_t k_group, bint v_asym, bint v_rotate, int64_t v_group, int k_bits=4, int v_bits=4):
         self.c.B = B
         self.c.Hkv = Hkv
         self.c.R = R
@@ -847,11 +847,13 @@ cdef class AttnKernel:
         self.c.v_asym = v_asym
         self.c.v_rotate = v_rotate
         self.c.v_group = v_group
+        self.c.k_bits = k_bits
+        self.c.v_bits = v_bits
         self.c.nsplit = 1
         self._keep = ()
 
     def bind(self, kc, ks, kz, kblk, vc, vs, vz, hk, hv, int64_t Tq, work, int64_t nsplit):
-        """Bind the stores: codes [B * Hkv, tokens * D / 2] (uint8), scales / zero points [B * Hkv, n]
+        """Bind the stores: codes [B * Hkv, tokens * D * bits / 8] (uint8), scales / zero points [B * Hkv, n]
         (FP16 bits; zero points empty when symmetric), key block starts (int64; empty unless keys are
         grouped per channel), head rows hk/hv [B * Hkv, nh, D] (float32), Tq packed positions after
         them, the workspace [B * Hkv * nsplit, attn_work_floats(R, D)] (float32)."""
@@ -870,8 +872,8 @@ cdef class AttnKernel:
         self.c.pos_q = hk_.shape[1]
         self.c.ns = hk_.shape[1]
         self.c.pos_s = 0
-        self.c.k_tokens = kc_.shape[1] // (D // 2) if D else 0
-        self.c.v_tokens = vc_.shape[1] // (D // 2) if D else 0
+        self.c.k_tokens = kc_.shape[1] // (D * self.c.k_bits // 8) if D else 0
+        self.c.v_tokens = vc_.shape[1] // (D * self.c.v_bits // 8) if D else 0
         self.c.k_nscale = ks_.shape[1]
         self.c.v_nscale = vs_.shape[1]
         self.c.nsplit = nsplit

@@ -75,6 +75,7 @@ cdef extern from "_attn.h" nogil:
         int64_t k_group, k_nscale
         int v_asym, v_rotate
         int64_t v_group, v_nscale
+        int k_bits, v_bits
 
     ctypedef struct kvcx_attn_args:
         const float *q

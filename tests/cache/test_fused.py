@@ -49,7 +49,7 @@ def _kv(rng, B, H, T, D):
     return K, V
 
 
-@pytest.mark.parametrize("scheme", ["kvcx", "reference", "kivi", "asymmetric"])
+@pytest.mark.parametrize("scheme", ["kvcx", "reference", "kivi", "asymmetric", "kvcx3", "kvcx2"])
 @pytest.mark.parametrize("B,H,R,chunks,nr", [(1, 3, 3, [128, 128, 128], 37), (2, 2, 4, [128], 1),
                                              (1, 1, 1, [256, 128], 64), (2, 3, 5, [256] * 5, 20),
                                              (1, 2, 2, [], 9)])
@@ -73,6 +73,32 @@ def test_fused_equals_attention_over_the_decoded_cache(scheme, B, H, R, chunks, 
     store.attend(q, rk, rv, None, D ** -0.5, n_threads=threads, out=out2)
     np.testing.assert_allclose(out2, _reference(q, np.concatenate([Kd, rk], 2), np.concatenate([Vd, rv], 2), None,
                                                 D ** -0.5), atol=3e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kbits,vbits", [(3, 3), (2, 2), (3, 2), (2, 4), (4, 3)])
+@pytest.mark.parametrize("asym", [False, True])
+def test_low_bit_codes_every_layout(kbits, vbits, asym):
+    """2- and 3-bit codes (widened tile by tile): per-token and per-channel keys, symmetric and asymmetric,
+    rotated or not, mixed widths, sinks, a partial last tile and several splits."""
+    rng = np.random.default_rng(kbits * 10 + vbits)
+    scheme = "asymmetric" if asym else "symmetric"
+    B, H, R, D = 2, 2, 3, 64
+    for key in (IntCodec(bits=kbits, scheme=scheme, axis="token", sinks=1),
+                IntCodec(bits=kbits, scheme="asymmetric", axis="channel", rotate=True, sinks=3)):
+        kv = KVConfig(key=key, value=IntCodec(bits=vbits, scheme=scheme, rotate=not asym, sinks=1))
+        assert fused_unsupported(kv.key, kv.value, D, R) is None
+        chunks, nr = [128, 64, 256], 23
+        T = sum(chunks)
+        K, V = _kv(rng, B, H, T + nr, D)
+        store, Kd, Vd = _build(kv, K, V, chunks)
+        rk, rv = np.ascontiguousarray(K[:, :, T:]), np.ascontiguousarray(V[:, :, T:])
+        q = rng.standard_normal((B, H * R, D)).astype(np.float32)
+        mask = np.zeros((B, T + nr), np.float32)
+        mask[1, :37] = -np.inf
+        ref = _reference(q, np.concatenate([Kd, rk], 2), np.concatenate([Vd, rv], 2), mask, D ** -0.5)
+        for threads in (1, 3):
+            np.testing.assert_allclose(store.attend(q, rk, rv, mask, D ** -0.5, n_threads=threads), ref,
+                                       atol=3e-5, rtol=1e-4)
 
 
 def test_long_context_splits_across_threads_and_rotated_keys():
@@ -127,7 +153,8 @@ def test_plan_follows_the_store_and_counts_its_workspace():
 def test_what_the_kernel_does_not_take():
     k4, v4 = IntCodec(axis="channel", scheme="asymmetric"), IntCodec(rotate=True)
     assert fused_unsupported(k4, v4, 64, 3) is None
-    assert "4-bit" in fused_unsupported(IntCodec(bits=2), v4, 64, 3)
+    assert fused_unsupported(IntCodec(bits=2), IntCodec(bits=3, rotate=True), 64, 3) is None
+    assert "2-, 3- and 4-bit" in fused_unsupported(IntCodec(bits=8), v4, 64, 3)
     assert "multiple of 16" in fused_unsupported(k4, v4, 72, 3)
     assert "per token" in fused_unsupported(k4, IntCodec(axis="channel"), 64, 3)
     assert "whole tokens" in fused_unsupported(IntCodec(group_size=32), v4, 64, 3)
@@ -152,10 +179,10 @@ def test_bad_inputs_are_clear_errors():
         store.attend(q, None, None, None, 0.125, out=np.empty((1, 9, 63), np.float32))
     with pytest.raises(CodecError, match="no tokens"):
         PackedKV(3, 64, kv.key, kv.value).attend(q, None, None, None, 0.125)
-    two = PackedKV(3, 64, IntCodec(bits=2), kv.value)
-    two.append(IntCodec(bits=2).encode(K), kv.value.encode(V))
-    with pytest.raises(CodecError, match="4-bit codes"):
-        two.attend(q, None, None, None, 0.125)
+    eight = PackedKV(3, 64, IntCodec(bits=8), kv.value)
+    eight.append(IntCodec(bits=8).encode(K), kv.value.encode(V))
+    with pytest.raises(CodecError, match="2-, 3- and 4-bit codes"):
+        eight.attend(q, None, None, None, 0.125)
     with pytest.raises(CodecError, match="does not fit this store"):
         store.append(kv.key.encode(K[:, :2]), kv.value.encode(V[:, :2]))
     # step(): the per-layer path for callers that build the arrays (KvcxCache) still refuses sizes the

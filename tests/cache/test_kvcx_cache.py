@@ -197,7 +197,7 @@ def checked_attention(kvcx_attention):
         AttentionInterface.register("kvcx", kh.kvcx_attention_forward)
 
 
-@pytest.mark.parametrize("scheme", ["kvcx", "reference"])
+@pytest.mark.parametrize("scheme", ["kvcx", "reference", "kvcx3", "kvcx2", "plan:smollm2-kvcx2-3.54"])
 def test_fused_attention_equals_materialised_every_layer_batch_with_left_padding(checked_attention, loaded,
                                                                                  wiki_ids, scheme):
     """A real 1,020-token context, batch 2 (row 1 left-padded by 60), 6 decode steps crossing a packing
@@ -218,8 +218,9 @@ def test_fused_attention_equals_materialised_every_layer_batch_with_left_padding
     base = DynamicCache()
     with torch.inference_mode():
         model(ids[:, :n], attention_mask=mask, position_ids=positions, past_key_values=base)
-    fused = _copy_into(base, KvcxCache(model.config, scheme=scheme, fused=True))
-    mat = _copy_into(base, KvcxCache(model.config, scheme=scheme, fused=False))
+    kw = dict(kv_config=load_plan(scheme[5:])) if scheme.startswith("plan:") else dict(scheme=scheme)
+    fused = _copy_into(base, KvcxCache(model.config, fused=True, **kw))
+    mat = _copy_into(base, KvcxCache(model.config, fused=False, **kw))
     a_f, l_f = _decode(model, fused, ids[:, n:], mask, positions)
     a_m, l_m = _decode(model, mat, ids[:, n:], mask, positions)
     layers = model.config.num_hidden_layers
@@ -236,11 +237,15 @@ def test_fused_attention_equals_materialised_every_layer_batch_with_left_padding
 
 
 def test_generate_uses_the_fused_path(kvcx_attention, loaded, wiki_ids):
+    import warnings
+
     from kvcx.cache.kvcx_cache import KvcxCache
+    from kvcx.errors import SlowPathWarning
 
     model, _, _ = loaded
     prompt, new = wiki_ids[:, :300], 12
-    with torch.inference_mode():
+    with torch.inference_mode(), warnings.catch_warnings():
+        warnings.simplefilter("error", SlowPathWarning)   # nothing to tell on the fused path
         fused = KvcxCache(model.config)
         g_f = model.generate(prompt, past_key_values=fused, max_new_tokens=new, do_sample=False)
         mat = KvcxCache(model.config, fused=False)
@@ -313,6 +318,30 @@ def test_fused_true_needs_the_kvcx_attention(loaded):
             model(torch.tensor([[4]]), past_key_values=cache)
     with pytest.raises(KvcxError, match="fused must be None"):
         KvcxCache(model.config, fused="yes")
+
+
+def test_told_once_how_to_turn_the_fused_path_on(loaded, wiki_ids):
+    import warnings
+
+    from kvcx.cache.kvcx_cache import KvcxCache
+    from kvcx.errors import SlowPathWarning
+
+    model, _, _ = loaded
+    assert model.config._attn_implementation == "sdpa"
+    prompt = wiki_ids[:, :100]
+
+    def told(cache, new=4):
+        with warnings.catch_warnings(record=True) as caught, torch.inference_mode():
+            warnings.simplefilter("always")
+            model.generate(prompt, past_key_values=cache, max_new_tokens=new, do_sample=False)
+        assert cache.memory_report()["attention_steps"]["fused"] == 0
+        return [str(w.message) for w in caught if issubclass(w.category, SlowPathWarning)]
+
+    msgs = told(KvcxCache(model.config))
+    assert len(msgs) == 1, msgs   # once, at the first decode step, not per layer or step
+    assert "'sdpa'" in msgs[0] and "model.set_attn_implementation('kvcx')" in msgs[0]
+    assert told(KvcxCache(model.config, fused=False)) == []   # materialising on purpose
+    assert told(KvcxCache(model.config, scheme="kvcx2w")) == []   # the kernel cannot read it: no false hope
 
 
 def test_kvcx_cache_honours_n_threads_for_every_chunk():
