@@ -62,14 +62,14 @@ def make_caches(model, with_quanto=True, presets=()):
 
     from kvcx.cache import fused
     from kvcx.cache.kvcx_cache import KvcxCache
+    from kvcx.codecs import KVConfig
 
     caches = {"DynamicCache": DynamicCache,
               "KvcxCache fused": lambda: KvcxCache(model.config, fused=True),
               "KvcxCache materialising": lambda: KvcxCache(model.config, fused=False)}
     for p in presets:   # fused where the kernel reads the preset's codes, else as the cache decides
-        probe = KvcxCache(model.config, scheme=p).layers[0]
-        codecs = probe.kv_config
-        why = fused.fused_unsupported(codecs.key, codecs.value, model.config.head_dim,
+        kv = KVConfig.from_scheme(p)
+        why = fused.fused_unsupported(kv.key, kv.value, model.config.head_dim,
                                       model.config.num_attention_heads // model.config.num_key_value_heads)
         label = f"KvcxCache fused {p}" if why is None else f"KvcxCache materialising {p}"
         caches[label] = (lambda p=p, why=why: KvcxCache(model.config, scheme=p, fused=True if why is None else None))
