@@ -65,7 +65,7 @@ def kvcx_attention_forward(module, query, key, value, attention_mask, dropout: f
         k, v = layer.materialised_step()
         out = sdpa_attention_forward(module, query, k, v, attention_mask, dropout=dropout, scaling=scaling,
                                      is_causal=is_causal, **kwargs)
-        layer.pack_residual()
+        layer.pack_residual(layer.last_step)
         return out
     return layer.attend(query, attention_mask, scaling), None
 

@@ -1,5 +1,5 @@
-"""The fused decode attention kernel's own wrapper (kvcx/codecs/_attn.h): what it reads, how work is
-split, its workspace, and one binding of a layer's packed stores to it.
+"""The fused attention kernel's own wrapper (kvcx/codecs/_attn.h): what it reads, how work is split, its
+workspace, what it masks, and one binding of a layer's packed stores to it.
 
 This is the one module outside :mod:`kvcx.codecs` that calls the compiled kernels: the fused kernel
 reads the integer codec's packed stores directly. Its callers (:class:`kvcx.cache.store.PackedKV`) check
@@ -8,6 +8,7 @@ every size first.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
@@ -22,6 +23,9 @@ READS = "kvcx.int"
 FUSED_BITS = (2, 3, 4)
 ATTN_MAX_GROUP = _core.ATTN_MAX_GROUP
 ATTN_MAX_D = _core.ATTN_MAX_D
+# rows per KV head a step may have: query heads per KV head x query tokens
+ATTN_MAX_ROWS = _core.ATTN_MAX_ROWS
+ATTN_TILE_ROWS = _core.ATTN_TILE_ROWS
 # tokens per task at least, when a (row x KV head) is split across threads
 _MIN_SPLIT_TOKENS = 128
 # below this many tokens of work per (row x KV head) (an exact token counting as 4 packed ones), one
@@ -32,11 +36,56 @@ EMPTY_U16 = np.empty((0, 0), dtype=np.uint16)
 EMPTY_F32_2 = np.empty((0, 0), dtype=np.float32)
 EMPTY_F32_3 = np.empty((0, 0, 0), dtype=np.float32)
 EMPTY_I64 = np.empty(0, dtype=np.int64)
-NO_MASK = EMPTY_F32_2   # the mask argument when nothing is masked
+EMPTY_U8_2 = np.empty((0, 0), dtype=np.uint8)
+
+
+@dataclass(frozen=True, eq=False)
+class Mask:
+    """What a step masks: ``add`` float32 [rows, kv_len] added to the scores, or ``keep`` uint8 [rows, kv_len]
+    (0: masked; a boolean mask viewed as bytes), or neither; the row of batch row b and query token i is
+    ``b * bs + i * qs`` (0 strides broadcast one row); ``causal``: token i of a step of nq tokens also sees
+    nothing past position kv_len - nq + i."""
+
+    add: np.ndarray = field(default_factory=lambda: EMPTY_F32_2)
+    keep: np.ndarray = field(default_factory=lambda: EMPTY_U8_2)
+    bs: int = 0
+    qs: int = 0
+    causal: bool = False
+
+    @property
+    def columns(self) -> Optional[int]:
+        """The mask arrays' kv_len (None without one)."""
+        a = self.add if self.add.shape[0] else self.keep
+        return int(a.shape[1]) if a.shape[0] else None
+
+    def fits(self, B: int, nq: int, kv_len: int) -> bool:
+        """Whether the arrays hold every row the kernel reads for B batch rows of nq tokens over kv_len."""
+        a = self.add if self.add.shape[0] else self.keep
+        if not a.shape[0]:
+            return True
+        last = (B - 1) * self.bs + (nq - 1) * self.qs
+        return a.shape[1] == kv_len and 0 <= last < a.shape[0] and self.bs >= 0 and self.qs >= 0
+
+
+NO_MASK = Mask()   # nothing masked (a single-token step)
+CAUSAL = Mask(causal=True)   # a multi-token step with no mask: causal among its tokens
+
+
+def step_mask(m: np.ndarray, B: int, nq: int) -> Mask:
+    """The Mask of a [b, q, kv_len] array (b 1 or B, q 1 or nq; boolean: True attends, or float32 added to the
+    scores), viewed without a copy where it is C-contiguous. A mask with one query row in a step of several
+    tokens is a padding mask: the step is also causal."""
+    b, q = m.shape[0], m.shape[1]
+    bs, qs = (q if b == B else 0), (1 if q == nq else 0)
+    rows = np.ascontiguousarray(m).reshape(b * q, m.shape[2])
+    causal = nq > 1 and q == 1
+    if rows.dtype == np.bool_:
+        return Mask(keep=rows.view(np.uint8), bs=bs, qs=qs, causal=causal)
+    return Mask(add=rows.astype(np.float32, copy=False), bs=bs, qs=qs, causal=causal)
 
 
 def fused_unsupported(key: Codec, value: Codec, head_dim: int, group: int) -> Optional[str]:
-    """Why the fused kernel cannot serve these codecs (None when it can)."""
+    """Why the fused kernel cannot serve these codecs (None when it can; ``group``: query heads per KV head)."""
     if key.codec_id != READS or value.codec_id != READS:
         return "fused attention reads IntCodec codes (per-channel widths are decoded, then attended)"
     if key.bits not in FUSED_BITS or value.bits not in FUSED_BITS:
@@ -82,17 +131,19 @@ class Workspace:
 
 
 def bind(key: Codec, value: Codec, B: int, Hkv: int, R: int, D: int, keys, values, head: tuple, Tq: int,
-         workspace: Workspace, threads: int):
+         workspace: Workspace, threads: int, nq: int = 1):
     """The kernel bound to one layer's packed stores (``keys`` / ``values``: codes [N, bytes], FP16 scales,
     zero points or None, the keys' block starts), its head rows (exact float32 [N, nh, D] each) and ``Tq``
-    packed positions after them; the work split for ``threads``. Call ``run`` on it once per step."""
-    nsplit = splits(B * Hkv, Tq, threads)
-    work = workspace.get(B * Hkv * nsplit, _core.attn_work_floats(R, D))
-    kernel = _core.AttnKernel(B=B, Hkv=Hkv, R=R, D=D,
+    packed positions after them, for steps of ``nq`` query tokens of ``R`` query heads per KV head; the work
+    split for ``threads``. Call ``run`` on it once per step."""
+    rows = R * nq
+    nsplit = splits(B * Hkv, Tq * max(1, rows // ATTN_TILE_ROWS), threads)
+    work = workspace.get(B * Hkv * nsplit, _core.attn_work_floats(rows, D))
+    kernel = _core.AttnKernel(B=B, Hkv=Hkv, R=rows, D=D,
                               k_axis=_core.AXIS_CHANNEL if key.axis == "channel" else _core.AXIS_TOKEN,
                               k_asym=key.asym, k_rotate=key.rotate, k_group=key.group_size,
                               v_asym=value.asym, v_rotate=value.rotate, v_group=value.group_size,
-                              k_bits=key.bits, v_bits=value.bits)
+                              k_bits=key.bits, v_bits=value.bits, nq=nq)
     kernel.bind(keys.codes, keys.scales.view(np.uint16),
                 keys.zeros.view(np.uint16) if keys.zeros is not None else EMPTY_U16,
                 keys.block_starts if key.axis == "channel" else EMPTY_I64,

@@ -16,14 +16,19 @@ sink tokens) and dropped from the residual. Nothing is stored dequantized.
 Attention over the store takes one of two paths per step, which the cache decides once per step
 (at its first layer) and each layer applies with what it can do:
 
-- fused (single-token steps on CPU, the model's attention set to ``"kvcx"``): the
+- fused (steps on CPU with the model's attention set to ``"kvcx"``: single tokens, and steps of a few
+  hundred tokens over a packed history: a long prompt's later chunks, speculative decoding's drafts): the
   layer hands itself to the ``"kvcx"`` attention function (:mod:`kvcx.cache.attention_fn`), which
   runs the fused kernel over the packed store, the sinks and the residual (kvcx/codecs/_attn.h);
   no full-precision copy of the context exists;
-- materialising (prefill chunks, ``fused=False``, other attention implementations,
-  CUDA): the layer decodes its packed store into one scratch buffer shared by all
+- materialising (``fused=False``, other attention implementations, CUDA, steps of more tokens than the
+  kernel's rows): the layer decodes its packed store into one scratch buffer shared by all
   layers and hands ``[decoded, residual, new]`` to attention (on CUDA the decoded
   scratch is copied to the device; the kernels are CPU kernels).
+
+A step of at most ``residual_length`` tokens stays in full precision until the next step, so that
+``crop()`` can drop rejected draft tokens (speculative / assisted decoding); a longer step (a prompt
+chunk) is packed at once.
 
 Control runs one way: the cache builds its layers with everything they share (scratch, the fused
 kernel's workspace, the mask converter, the kernel timer) and calls them; a layer never reaches back.
@@ -43,7 +48,7 @@ import transformers
 from transformers.cache_utils import Cache, DynamicLayer
 
 from kvcx.cache.attention_fn import ATTN_IMPLEMENTATION, HANDOFF
-from kvcx.cache.fused import NO_MASK, Workspace
+from kvcx.cache.fused import ATTN_MAX_ROWS, CAUSAL, NO_MASK, Mask, Workspace, step_mask
 from kvcx.cache.store import PackedKV
 from kvcx.cache.tensors import torch_to_numpy
 from kvcx.codecs.dtypes import is_int
@@ -98,33 +103,35 @@ class _Scratch:
 
 
 class MaskConverter:
-    """The last query row of transformers' mask as float32 [B, kv_len] added to the scores (0 or -inf):
-    converted once per step, as every layer of a step gets the same mask tensor."""
+    """transformers' attention mask as the fused kernel reads it (:class:`kvcx.cache.fused.Mask`): a boolean
+    mask viewed as bytes where it is contiguous, a float mask as float32; converted once per step, as every
+    layer of a step gets the same mask tensor."""
 
     def __init__(self):
-        self._last = None   # (the step's mask tensor, its additive float32 form)
+        self._last = None   # (the step's mask tensor, its Mask)
 
-    def additive(self, attention_mask: torch.Tensor, B: int) -> np.ndarray:
+    def convert(self, attention_mask: torch.Tensor, B: int, nq: int) -> Mask:
         if self._last is not None and self._last[0] is attention_mask:
             return self._last[1]
         m = attention_mask.detach()
-        if m.dim() == 4:
-            m = m[:, 0, -1]
-        elif m.dim() == 3:
-            m = m[:, -1]
-        if m.shape[0] != B:
-            m = m.expand(B, m.shape[-1])
-        if m.dtype == torch.bool:
-            m = torch.zeros(m.shape, dtype=torch.float32).masked_fill_(~m, float("-inf"))
-        mask = m.to(torch.float32).contiguous().numpy()
-        self._last = (attention_mask, mask)  # holds the tensor, so its identity stays its own
+        if m.dim() == 4 and m.shape[1] == 1:
+            m = m[:, 0]
+        elif m.dim() == 2:
+            m = m[:, None]
+        if m.dim() != 3 or m.shape[0] not in (1, B) or m.shape[1] not in (1, nq) or m.device.type != "cpu":
+            raise KvcxError(f"KvcxCache: the attention mask {list(attention_mask.shape)} is not one mask per batch "
+                            f"row of {B} (and query token of {nq}) on the CPU; pass the mask generate() builds")
+        view = m.dtype in (torch.bool, torch.float32)   # numpy() then shares the tensor's memory
+        arr = m.numpy() if m.dtype == torch.bool else m.to(torch.float32).numpy()
+        mask = step_mask(arr, B, nq)
+        held = mask.add if mask.add.shape[0] else mask.keep
+        copy = 0 if view and np.shares_memory(held, arr) else held.nbytes
+        # holds the tensor, so its identity stays its own
+        self._last = (attention_mask, mask, attention_mask.numel() * attention_mask.element_size() + copy)
         return mask
 
     def nbytes(self) -> int:
-        if self._last is None:
-            return 0
-        t, m = self._last
-        return m.nbytes + t.numel() * t.element_size()
+        return 0 if self._last is None else self._last[2]
 
 
 _FALLBACK_HINT = "pass fused=None to fall back to materialising"
@@ -167,6 +174,7 @@ class KvcxLayer(DynamicLayer):
         self.store: Optional[PackedKV] = None
         self.cumulative_length = 0
         self.steps = {"fused": 0, "materialised": 0, "full_precision": 0}
+        self.last_step = 0   # tokens of the last step kept in full precision (crop() may drop them)
         self._unsupported: Optional[str] = None
 
     @property
@@ -190,9 +198,10 @@ class KvcxLayer(DynamicLayer):
         self._timer.add(time.perf_counter() - t)
         self._unsupported = self.store.unsupported(self.store.keys.D, self._query_group)
 
-    def pack_residual(self) -> None:
-        """Pack the residual's whole multiples of residual_length tokens."""
-        n_res = self.keys.shape[-2]
+    def pack_residual(self, keep: int = 0) -> None:
+        """Pack the residual's whole multiples of residual_length tokens, leaving at least its last ``keep``
+        tokens in full precision (the last step's, which crop() may still drop)."""
+        n_res = self.keys.shape[-2] - keep
         if n_res >= self.residual_length:
             n_flush = (n_res // self.residual_length) * self.residual_length
             self._encode(self.keys[:, :, :n_flush], self.values[:, :, :n_flush])
@@ -260,9 +269,11 @@ class KvcxLayer(DynamicLayer):
         self._check_states(key_states, value_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        self.pack_residual()  # a fused step packs after its attention; anything left over goes now
-        self.cumulative_length += key_states.shape[-2]
-        if key_states.shape[-2] == 1 and self._takes_fused_step(mode):
+        self.pack_residual()  # what the last step left in full precision for crop() goes now
+        Q = key_states.shape[-2]
+        self.cumulative_length += Q
+        self.last_step = Q if Q <= self.residual_length else 0   # a longer step is a prompt chunk: packed now
+        if self._fusable(Q) and self._takes_fused_step(mode):
             self.keys = torch.cat([self.keys, key_states], dim=-2)
             self.values = torch.cat([self.values, value_states], dim=-2)
             HANDOFF.post(key_states, self)
@@ -276,8 +287,13 @@ class KvcxLayer(DynamicLayer):
             self.steps["full_precision"] += 1
         self.keys = torch.cat([self.keys, key_states], dim=-2)
         self.values = torch.cat([self.values, value_states], dim=-2)
-        self.pack_residual()
+        self.pack_residual(self.last_step)
         return keys_out, values_out
+
+    def _fusable(self, Q: int) -> bool:
+        """Whether a step of Q tokens may run fused: one token, or a few hundred over a packed history (a
+        chunk of a long prompt, speculative decoding's draft tokens) within the kernel's rows."""
+        return Q == 1 or (len(self.store) > 0 and 0 < Q * self._query_group <= ATTN_MAX_ROWS)
 
     def _takes_fused_step(self, mode: StepMode) -> bool:
         if mode.reason or self._unsupported:
@@ -288,32 +304,33 @@ class KvcxLayer(DynamicLayer):
         return True
 
     def attend(self, query: torch.Tensor, attention_mask: Optional[torch.Tensor], scaling: float) -> torch.Tensor:
-        """The fused step: one query token per row against the packed store and the residual.
+        """The fused step: the step's query tokens (one per row when decoding) against the packed store and the
+        residual (the step's own tokens its last, causal among them).
 
-        Returns the attention output as transformers' attention functions do: [B, 1, Hq, D]."""
+        Returns the attention output as transformers' attention functions do: [B, Q, Hq, D]."""
         # every step of every layer comes here: the arrays are built to the kernel's contract (float32,
         # C-contiguous, the shapes PackedKV.step checks), so the step skips PackedKV.attend's type checks
-        B, Hq, _, D = query.shape
+        B, Hq, Q, D = query.shape
         fp32 = query.dtype == torch.float32
-        q = (query if fp32 else query.float()).contiguous().numpy().reshape(B, Hq, D)
+        q = (query if fp32 else query.float()).contiguous().numpy().reshape(B, Hq * Q, D)
         keys, values = (self.keys, self.values) if self.keys.dtype == torch.float32 else \
             (self.keys.float(), self.values.float())
         N, nr = B * keys.shape[1], keys.shape[2]
         rk, rv = keys.numpy().reshape(N, nr, D), values.numpy().reshape(N, nr, D)
         if attention_mask is None:
-            mask = NO_MASK
+            mask = CAUSAL if Q > 1 else NO_MASK
         else:
-            mask = self._masks.additive(attention_mask, B)
-            if mask.shape[-1] != self.cumulative_length:
-                raise KvcxError(f"the attention mask covers {mask.shape[-1]} tokens but the cache holds "
+            if attention_mask.shape[-1] != self.cumulative_length:
+                raise KvcxError(f"the attention mask covers {attention_mask.shape[-1]} tokens but the cache holds "
                                 f"{self.cumulative_length}; pass the mask generate() builds")
-        out = np.empty((B, 1, Hq, D), dtype=np.float32)
+            mask = self._masks.convert(attention_mask, B, Q)
+        out = np.empty((B, Hq * Q, D), dtype=np.float32)
         t = time.perf_counter()
-        self.store.step(q, rk, rv, mask, scaling, resolve_threads(self.n_threads), out.reshape(B, Hq, D))
+        self.store.step(q, rk, rv, mask, scaling, resolve_threads(self.n_threads), out, Q)
         self._timer.add(time.perf_counter() - t)
         self.steps["fused"] += 1
-        self.pack_residual()
-        out = torch.from_numpy(out)
+        self.pack_residual(self.last_step)
+        out = torch.from_numpy(out).view(B, Hq, Q, D).transpose(1, 2)
         return out if fp32 else out.to(query.dtype)
 
     def materialised_step(self):
@@ -332,10 +349,28 @@ class KvcxLayer(DynamicLayer):
         super().reset()
         self.store = None
         self.cumulative_length = 0
+        self.last_step = 0
 
     def crop(self, tokens_to_remove: int) -> None:
-        raise KvcxError("KvcxCache cannot be cropped (packed chunks are append-only); use DynamicCache for "
-                        "assisted or speculative decoding")
+        """Drop the last ``-tokens_to_remove`` tokens (transformers' convention: a negative count), e.g. the draft
+        tokens speculative decoding rejected. Only tokens still in full precision can go: a step's own tokens
+        (up to residual_length of them) stay unpacked until the next step."""
+        if tokens_to_remove > 0:
+            raise KvcxError(f"crop({tokens_to_remove}): pass a negative count of tokens to remove, as "
+                            "transformers' caches take it")
+        n = -int(tokens_to_remove)
+        if n == 0 or not self.is_initialized:
+            return
+        n_res = self.keys.shape[-2]
+        if n > n_res:
+            raise KvcxError(f"KvcxCache layer {self.layer_idx}: cannot remove {n} tokens, only the last {n_res} are "
+                            f"still in full precision (the others are packed, append-only); speculative decoding "
+                            f"with more than residual_length={self.residual_length} draft tokens needs a larger "
+                            "residual_length")
+        self.keys = self.keys[:, :, :n_res - n].contiguous()
+        self.values = self.values[:, :, :n_res - n].contiguous()
+        self.cumulative_length -= n
+        self.last_step = max(0, self.last_step - n)
 
     def reorder_cache(self, beam_idx) -> None:
         raise KvcxError("KvcxCache does not support beam search yet; use greedy or sampling decoding")

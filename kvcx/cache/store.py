@@ -8,9 +8,10 @@ per (batch row x KV head): codes ``[N, bytes]``, FP16 scales ``[N, nscale]`` (+ 
 the block starts of channel-grouped tokens, and each chunk's facts so that a chunk can still be
 decoded on its own (the materialising path).
 
-:class:`PackedKV` pairs a layer's key and value stores; its :meth:`PackedKV.attend` runs one decode step of one layer: every query head attends to the packed tokens
-of its KV head (read once for the query heads that share it), the exact sink tokens and the
-full-precision residual, in one softmax, without writing a dequantized key or value anywhere.
+:class:`PackedKV` pairs a layer's key and value stores; its :meth:`PackedKV.attend` runs one step of one
+layer: every query (one token per row, or several: a multi-token step) attends to the packed tokens of its
+KV head (read once for all the queries that share it), the exact sink tokens and the full-precision
+residual, in one softmax, without writing a dequantized key or value anywhere.
 How the kernel works: ``kvcx/codecs/_attn.h``.
 """
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Dict, List, Optional
 import numpy as np
 
 from kvcx.cache import fused
-from kvcx.cache.fused import EMPTY_F32_2, EMPTY_F32_3, NO_MASK, Workspace, fused_unsupported  # noqa: F401
+from kvcx.cache.fused import CAUSAL, EMPTY_F32_3, NO_MASK, Mask, Workspace, fused_unsupported, step_mask  # noqa: F401
 from kvcx.codecs.base import Codec, Packed, get_codec
 from kvcx.codecs.intcodec import IntCodec
 from kvcx.codecs.runtime import resolve_threads
@@ -240,34 +241,37 @@ class PackedKV:
                     n += a.nbytes
         return int(n)
 
-    def _kernel(self, B: int, Hkv: int, R: int, D: int, threads: int):
+    def _kernel(self, B: int, Hkv: int, R: int, D: int, threads: int, nq: int = 1):
         """The fused kernel bound to the stores as they are now (bound again on change: new chunks, another
         geometry, or the shared workspace reallocated by another layer)."""
-        key = (B, Hkv, R, D, threads, len(self.keys._chunks))
+        key = (B, Hkv, R, D, threads, nq, len(self.keys._chunks))
         if self._bound_key == key and self.workspace.array is self._bound_work:
             return self._bound
         nh = max(self.keys.sink_tokens, self.values.sink_tokens)  # the head rows: exact in either kind
         self._bound = fused.bind(self.key_codec, self.value_codec, B, Hkv, R, D, self.keys, self.values, self.head(),
-                                 self.tokens - nh, self.workspace, threads)
+                                 self.tokens - nh, self.workspace, threads, nq)
         self._bound_key, self._bound_work = key, self.workspace.array
         return self._bound
 
     def attend(self, q: np.ndarray, residual_k: Optional[np.ndarray], residual_v: Optional[np.ndarray],
                mask: Optional[np.ndarray], scaling: float, n_threads: Optional[int] = None,
                out: Optional[np.ndarray] = None) -> np.ndarray:
-        """One decode step: every query attends to the held tokens, then the residual.
+        """One step: every query attends to the held tokens, then the residual.
 
-        q: [B, Hq, D] float32 queries (one token per row); residual_k/v: [B, Hkv, nr, D] float32, the
-        full-precision tokens after the packed ones (the new token last) or None; mask: [B, kv_len]
-        float32 added to the scores (0 = attend, -inf = masked), kv_len = held + residual tokens.
-        Returns out: [B, Hq, D] float32 (``out=`` to reuse an array).
+        q: [B, Hq, D] float32 queries (one token per row) or [B, Hq, Q, D] (Q tokens per row: the last Q
+        residual tokens are theirs, causal among them unless the mask says otherwise); residual_k/v:
+        [B, Hkv, nr, D] float32, the full-precision tokens after the packed ones (the new tokens last) or None;
+        mask: [B, kv_len] (one token) or [B, Q, kv_len], float32 added to the scores (0 = attend, -inf =
+        masked) or boolean (True = attend), kv_len = held + residual tokens. Returns out, q's shape, float32
+        (``out=`` to reuse an array).
         """
-        if not (isinstance(q, np.ndarray) and q.dtype == np.float32 and q.ndim == 3 and q.flags.c_contiguous):
-            raise CodecError(f"attention: q must be a C-contiguous float32 [B, Hq, D] array, got "
+        if not (isinstance(q, np.ndarray) and q.dtype == np.float32 and q.ndim in (3, 4) and q.flags.c_contiguous):
+            raise CodecError(f"attention: q must be a C-contiguous float32 [B, Hq, D] or [B, Hq, Q, D] array, got "
                              f"{getattr(q, 'dtype', type(q).__name__)} {list(getattr(q, 'shape', ()))}")
-        B, Hq, D = q.shape
+        B, Hq, D = q.shape[0], q.shape[1], q.shape[-1]
+        nq = q.shape[2] if q.ndim == 4 else 1
         N = self.keys.N
-        if self.keys.D != D or N % B or Hq % (N // B):
+        if self.keys.D != D or N % B or Hq % (N // B) or nq < 1:
             raise CodecError(f"attention: q {list(q.shape)} does not fit the packed stores ({N} rows x KV heads "
                              f"of head dim {self.keys.D})")
         Hkv = N // B
@@ -275,6 +279,10 @@ class PackedKV:
         why = self.unsupported(D, R)
         if why:
             raise CodecError(why)
+        if R * nq > fused.ATTN_MAX_ROWS:
+            raise CodecError(f"attention: {nq} query tokens of {R} heads per KV head are {R * nq} rows, more than "
+                             f"the kernel's {fused.ATTN_MAX_ROWS}: attend in chunks of at most "
+                             f"{fused.ATTN_MAX_ROWS // R} tokens")
         held = self.tokens
         if self.values.tokens + self.values.sink_tokens != held:
             raise CodecError(f"attention: {held} key tokens but {self.values.tokens + self.values.sink_tokens} "
@@ -292,34 +300,48 @@ class PackedKV:
         kv_len = held + nr
         if kv_len == 0:
             raise CodecError("attention: there are no tokens to attend to")
+        if nq > 1 and nq > nr:
+            raise CodecError(f"attention: {nq} query tokens but {nr} residual tokens: the step's own keys and "
+                             "values are the residual's last ones")
+        want = [B, kv_len] if q.ndim == 3 else [B, nq, kv_len]
         if mask is None:
-            mask = EMPTY_F32_2
-        elif not (isinstance(mask, np.ndarray) and mask.dtype == np.float32 and mask.flags.c_contiguous
-                  and mask.shape == (B, kv_len)):
-            raise CodecError(f"attention: mask must be a C-contiguous float32 [B={B}, kv_len={kv_len}] array, "
-                             f"got {getattr(mask, 'dtype', type(mask).__name__)} {list(getattr(mask, 'shape', ()))}")
+            m = CAUSAL if nq > 1 else NO_MASK
+        elif (isinstance(mask, np.ndarray) and mask.dtype in (np.float32, np.bool_) and mask.flags.c_contiguous
+              and list(mask.shape) == want):
+            m = step_mask(mask.reshape(B, nq, kv_len), B, nq)
+        else:
+            raise CodecError(f"attention: mask must be a C-contiguous float32 or boolean {want} array "
+                             f"([B={B}{'' if q.ndim == 3 else f', Q={nq}'}, kv_len={kv_len}]), got "
+                             f"{getattr(mask, 'dtype', type(mask).__name__)} {list(getattr(mask, 'shape', ()))}")
         if out is None:
-            out = np.empty((B, Hq, D), dtype=np.float32)
-        elif not (isinstance(out, np.ndarray) and out.dtype == np.float32 and out.shape == (B, Hq, D)
+            out = np.empty(q.shape, dtype=np.float32)
+        elif not (isinstance(out, np.ndarray) and out.dtype == np.float32 and out.shape == q.shape
                   and out.flags.c_contiguous and out.flags.writeable):
-            raise CodecError(f"attention: out must be a writeable C-contiguous float32 array of shape {[B, Hq, D]}")
-        return self.step(q, rk, rv, mask, scaling, resolve_threads(n_threads), out)
+            raise CodecError(f"attention: out must be a writeable C-contiguous float32 array of shape {list(q.shape)}")
+        self.step(q.reshape(B, Hq * nq, D), rk, rv, m, scaling, resolve_threads(n_threads), out.reshape(B, Hq * nq, D),
+                  nq)
+        return out
 
-    def step(self, q: np.ndarray, rk: np.ndarray, rv: np.ndarray, mask: np.ndarray, scaling: float, threads: int,
-             out: np.ndarray) -> np.ndarray:
-        """One decode step for a caller that built every array itself (:meth:`attend` after its checks,
-        :mod:`kvcx.cache.kvcx_cache` per layer step): q and out [B, Hq, D], rk / rv [N, nr, D] (nr may be 0), mask [B, held + nr] or ``NO_MASK``, all float32 and C-contiguous (the kernel's typed
-        arguments refuse anything else). Only the sizes the kernel indexes by are checked here: a decode step
-        runs once per layer and token, and the per-call checks cost as much as the kernel on short contexts."""
+    def step(self, q: np.ndarray, rk: np.ndarray, rv: np.ndarray, mask: Mask, scaling: float, threads: int,
+             out: np.ndarray, nq: int = 1) -> np.ndarray:
+        """One step for a caller that built every array itself (:meth:`attend` after its checks,
+        :mod:`kvcx.cache.kvcx_cache` per layer step): q and out [B, Hq * nq, D] (query head h's nq tokens at
+        rows h * nq ..), rk / rv [N, nr, D] (nr may be 0; the step's own tokens are the last nq), ``mask`` a
+        :class:`~kvcx.cache.fused.Mask`, arrays float32 and C-contiguous (the kernel's typed arguments refuse
+        anything else). Only the sizes the kernel indexes by are checked here: a decode step runs once per
+        layer and token, and the per-call checks cost as much as the kernel on short contexts."""
         B, Hq, D = q.shape
         N, nr, held = self.keys.N, rk.shape[1], self.tokens
-        if (not B or D != self.keys.D or N % B or Hq % (N // B) or (nr and rk.shape != (N, nr, D))
-                or rv.shape != rk.shape or out.shape != q.shape or (mask.shape[0] and mask.shape != (B, held + nr))
-                or held + nr == 0):
-            raise CodecError(f"attention: q {list(q.shape)}, residual {list(rk.shape)} / {list(rv.shape)}, mask "
-                             f"{list(mask.shape)}, out {list(out.shape)} do not fit the packed stores ({N} rows x KV "
-                             f"heads of head dim {self.keys.D}, {held} tokens)")
-        if held + 4 * nr < fused.MIN_PARALLEL_TOKENS:
+        if (not B or D != self.keys.D or N % B or nq < 1 or Hq % (nq * (N // B)) or (nr and rk.shape != (N, nr, D))
+                or rv.shape != rk.shape or out.shape != q.shape or not mask.fits(B, nq, held + nr)
+                or held + nr == 0 or (nq > 1 and nq > nr) or Hq // (N // B) > fused.ATTN_MAX_ROWS):
+            raise CodecError(f"attention: q {list(q.shape)} ({nq} per row), residual {list(rk.shape)} / "
+                             f"{list(rv.shape)}, mask {list((mask.add if mask.add.shape[0] else mask.keep).shape)}, "
+                             f"out {list(out.shape)} do not fit the packed stores ({N} rows x KV heads of head dim "
+                             f"{self.keys.D}, {held} tokens)")
+        rows = Hq // (N // B)
+        if (held + 4 * nr) * max(1, rows // fused.ATTN_TILE_ROWS) < fused.MIN_PARALLEL_TOKENS:
             threads = 1
-        self._kernel(B, N // B, Hq // (N // B), D, threads).run(q, rk, rv, mask, out, scaling, threads)
+        self._kernel(B, N // B, rows // nq, D, threads, nq).run(q, rk, rv, mask.add, mask.keep, mask.bs, mask.qs,
+                                                                mask.causal, out, scaling, threads)
         return out

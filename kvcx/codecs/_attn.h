@@ -31,6 +31,14 @@
    (max, sum, accumulators) into its workspace, and a second pass merges the partials of a row
    (flash-decoding). The caller (kvcx.cache.fused) checks every size and allocates the workspace.
 
+   Several query tokens per row (a multi-token step: chunked prefill, speculative decoding's verification)
+   are more rows per KV head: row r is query head r / nq, token r % nq; each row has its own mask row, and
+   with no mask given the rows of a multi-token step are causal among the step's tokens (the last nq
+   positions). With many rows per KV head (KVCX_ATTN_TILE_ROWS or more) a tile's codes are unpacked once
+   into float tiles in the task's scratch (keys transposed), and the rows run register-blocked products
+   over them (6 rows x 16 tokens or channels per block): the unpacking is shared by every row, and nothing
+   larger than a tile is ever unpacked.
+
    2- and 3-bit codes (kvcx3, kvcx2) are widened tile by tile (64 tokens) into the 4-bit layout in the task's
    scratch, then read by the same dot products and accumulations. A value code c becomes c' = c + 8 - 2^(bits - 1)
    (centred, as 4-bit codes are): s (c' - 8) is its value when symmetric, s (c' - 8) + z + 2^(bits - 1) s when
@@ -44,11 +52,13 @@
 enum {
     KVCX_ATTN_TILE = 64,        /* tokens scored and accumulated per softmax update */
     KVCX_ATTN_MAX_GROUP = 64,   /* query heads per KV head, at most */
-    KVCX_ATTN_MAX_D = 512       /* head dim, at most (a multiple of 16) */
+    KVCX_ATTN_MAX_D = 512,      /* head dim, at most (a multiple of 16) */
+    KVCX_ATTN_MAX_ROWS = 4096,  /* rows per KV head (query heads x query tokens), at most */
+    KVCX_ATTN_TILE_ROWS = 12    /* rows per KV head from which tiles are unpacked to floats once */
 };
 
 typedef struct {
-    int64_t B, Hkv, R, D;       /* batch rows, KV heads, query heads per KV head, head dim */
+    int64_t B, Hkv, R, D;       /* batch rows, KV heads, rows per KV head (query heads x nq), head dim */
     int64_t Tq, pos_q;          /* positions read from packed keys and values: [pos_q, pos_q + Tq) */
     int64_t k_tokens, v_tokens; /* packed tokens held per (row, KV head); position pos_q is key token
                                    k_tokens - Tq and value token v_tokens - Tq */
@@ -62,6 +72,9 @@ typedef struct {
     int v_asym, v_rotate;
     int64_t v_group, v_nscale;
     int k_bits, v_bits;         /* 2, 3 or 4 */
+    int64_t nq;                 /* query tokens per row: row r is query head r / nq, token r % nq */
+    int64_t mask_bs, mask_qs;   /* mask row of (batch row b, token i): b * mask_bs + i * mask_qs */
+    int causal;                 /* token i sees positions up to kv_len - nq + i (exact runs only) */
 } kvcx_attn_layout;
 
 typedef struct {
@@ -73,17 +86,19 @@ typedef struct {
     const uint16_t *vs, *vz;
     const float *sk, *sv;                /* [B * Hkv, ns, D] */
     const float *rk, *rv;                /* [B * Hkv, nr, D] */
-    const float *mask;                   /* [B, kv_len] added to the scores, or NULL */
+    const float *mask;                   /* [mask rows, kv_len] added to the scores, or NULL */
+    const uint8_t *maskb;                /* [mask rows, kv_len]: 0 = masked (a boolean mask), or NULL */
     float *work;                         /* [tasks, kvcx_attn_work_floats(R, D)] */
     float *out;                          /* [B, Hkv * R, D] */
 } kvcx_attn_args;
 
 /* floats of workspace per task: the partial (m and l per head, then accv[R][D] in the permuted order,
-   then accp[R][D]), then scratch (the last T D / 8 floats: a tile's 2- or 3-bit codes widened to nibbles) */
+   then accp[R][D]), then scratch (T D / 8 floats: a tile's 2- or 3-bit codes widened to nibbles; with
+   KVCX_ATTN_TILE_ROWS rows or more, then the float tiles of keys [D][T] and values [T][D]) */
 static inline int64_t kvcx_attn_part_floats(int64_t R, int64_t D) { return 2 * R + 2 * R * D; }
 static inline int64_t kvcx_attn_work_floats(int64_t R, int64_t D) {
     return kvcx_attn_part_floats(R, D) + 3 * R * D + 4 * R + 2 * R * KVCX_ATTN_TILE + 2 * KVCX_ATTN_TILE + 2 * D
-           + KVCX_ATTN_TILE * D / 8;
+           + KVCX_ATTN_TILE * D / 8 + (R >= KVCX_ATTN_TILE_ROWS ? 2 * KVCX_ATTN_TILE * D : 0);
 }
 
 /* channel index of position p in the permuted order */
@@ -296,6 +311,195 @@ static inline void kvcx_q4_axpy(const uint8_t *c, int64_t n, int64_t D, const fl
 #endif
 }
 
+/* ---- float tiles (many rows per KV head) ----------------------------------------------------------- */
+#if KVCX_ATTN_AVX2
+/* the 8 x 8 floats r[0..7] transposed in place */
+static inline void kvcx_tr8(__m256 *r) {
+    __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+    __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+    __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+    __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+    __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+    __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+    __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+    __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+    r[0] = _mm256_permute2f128_ps(u0, u4, 0x20); r[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
+    r[2] = _mm256_permute2f128_ps(u2, u6, 0x20); r[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
+    r[4] = _mm256_permute2f128_ps(u0, u4, 0x31); r[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
+    r[6] = _mm256_permute2f128_ps(u2, u6, 0x31); r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
+}
+#endif
+
+/* kT[p * T + j] (p < D, j < n rounded up to 16, zero past n) = the value at position p of token j: the codes
+   of 4-bit layout tokens c (code bytes, D / 2 per token) as the dot products read them (permuted order, odd
+   halves 16 c) when c is not NULL, else the float rows x ([n][D], as they are) */
+static inline void kvcx_attn_tile_t(const uint8_t *c, const float *x, int64_t n, int64_t D, float *kT) {
+    const int64_t T = KVCX_ATTN_TILE, n16 = (n + 15) & ~(int64_t)15;
+#if KVCX_ATTN_AVX2
+    for (int64_t j0 = 0; j0 < n16; j0 += 8)
+        for (int64_t k = 0; k < D / 16; k++) {
+            __m256 lo[8], hi[8];
+            for (int64_t j = 0; j < 8; j++) {
+                if (j0 + j >= n) { lo[j] = hi[j] = _mm256_setzero_ps(); continue; }
+                if (c) KVCX_Q4_UNPACK16(c + (j0 + j) * (D / 2) + 8 * k, lo[j], hi[j]);
+                else { lo[j] = _mm256_loadu_ps(x + (j0 + j) * D + 16 * k); hi[j] = _mm256_loadu_ps(x + (j0 + j) * D + 16 * k + 8); }
+            }
+            kvcx_tr8(lo);
+            kvcx_tr8(hi);
+            for (int64_t i = 0; i < 8; i++) {
+                _mm256_storeu_ps(kT + (16 * k + i) * T + j0, lo[i]);
+                _mm256_storeu_ps(kT + (16 * k + 8 + i) * T + j0, hi[i]);
+            }
+        }
+#else
+    for (int64_t j = 0; j < n16; j++)
+        for (int64_t p = 0; p < D; p++) {
+            float v = 0.0f;
+            if (j < n && c) {
+                const uint8_t byte = c[j * (D / 2) + 8 * (p >> 4) + (p & 7)];
+                v = (float)((p & 8) ? (byte & 0xF0) : (byte & 0x0F));
+            } else if (j < n)
+                v = x[j * D + p];
+            kT[p * T + j] = v;
+        }
+#endif
+}
+
+/* vf[j * D + p] = the centred codes (c - 8, odd halves 16 (c - 8), permuted order) of n 4-bit layout tokens */
+static inline void kvcx_attn_tile_v(const uint8_t *c, int64_t n, int64_t D, float *vf) {
+#if KVCX_ATTN_AVX2
+    for (int64_t j = 0; j < n; j++)
+        for (int64_t k = 0; k < D / 16; k++) {
+            __m256 lo, hi;
+            KVCX_Q4_UNPACK16_C(c + j * (D / 2) + 8 * k, lo, hi);
+            _mm256_storeu_ps(vf + j * D + 16 * k, lo);
+            _mm256_storeu_ps(vf + j * D + 16 * k + 8, hi);
+        }
+#else
+    for (int64_t j = 0; j < n; j++)
+        for (int64_t p = 0; p < D; p++) {
+            const uint8_t byte = c[j * (D / 2) + 8 * (p >> 4) + (p & 7)];
+            vf[j * D + p] = (float)((p & 8) ? (byte & 0xF0) - 128 : (byte & 0x0F) - 8);
+        }
+#endif
+}
+
+#if KVCX_ATTN_AVX2
+/* sc[r * T + j] = q[r] . kT[:, j] (+ bias[r]) for RB <= 6 rows and the tile's n16 tokens (a multiple of 16) */
+static inline __attribute__((always_inline)) void kvcx_f_dots_rb(const float *kT, int64_t n16, int64_t D,
+                                                                 const float *q, const float *bias, const int RB,
+                                                                 float *sc) {
+    const int64_t T = KVCX_ATTN_TILE;
+    for (int64_t j = 0; j < n16; j += 16) {
+        __m256 a[6], c[6];
+        for (int r = 0; r < RB; r++) { a[r] = _mm256_setzero_ps(); c[r] = _mm256_setzero_ps(); }
+        for (int64_t p = 0; p < D; p++) {
+            const __m256 k0 = _mm256_loadu_ps(kT + p * T + j), k1 = _mm256_loadu_ps(kT + p * T + j + 8);
+            for (int r = 0; r < RB; r++) {
+                const __m256 qv = _mm256_broadcast_ss(q + r * D + p);
+                a[r] = _mm256_fmadd_ps(qv, k0, a[r]);
+                c[r] = _mm256_fmadd_ps(qv, k1, c[r]);
+            }
+        }
+        for (int r = 0; r < RB; r++) {
+            const __m256 bv = _mm256_set1_ps(bias ? bias[r] : 0.0f);
+            _mm256_storeu_ps(sc + r * T + j, _mm256_add_ps(a[r], bv));
+            _mm256_storeu_ps(sc + r * T + j + 8, _mm256_add_ps(c[r], bv));
+        }
+    }
+}
+
+/* acc[r] += sum_j w[r * ws + j] x[j] for RB <= 6 rows, n rows x of D floats */
+static inline __attribute__((always_inline)) void kvcx_f_axpy_rb(const float *x, int64_t n, int64_t D, const float *w,
+                                                                 int64_t ws, const int RB, float *acc) {
+    for (int64_t p = 0; p < D; p += 16) {
+        __m256 a[6], c[6];
+        for (int r = 0; r < RB; r++) {
+            a[r] = _mm256_loadu_ps(acc + r * D + p);
+            c[r] = _mm256_loadu_ps(acc + r * D + p + 8);
+        }
+        for (int64_t j = 0; j < n; j++) {
+            const __m256 x0 = _mm256_loadu_ps(x + j * D + p), x1 = _mm256_loadu_ps(x + j * D + p + 8);
+            for (int r = 0; r < RB; r++) {
+                const __m256 wv = _mm256_broadcast_ss(w + r * ws + j);
+                a[r] = _mm256_fmadd_ps(wv, x0, a[r]);
+                c[r] = _mm256_fmadd_ps(wv, x1, c[r]);
+            }
+        }
+        for (int r = 0; r < RB; r++) {
+            _mm256_storeu_ps(acc + r * D + p, a[r]);
+            _mm256_storeu_ps(acc + r * D + p + 8, c[r]);
+        }
+    }
+}
+#endif
+
+/* the scores of R rows over a float tile: sc[r * T + j] = q[r] . kT[:, j] + (bias ? bias[r] : 0), j < n */
+static inline void kvcx_f_dots(const float *kT, int64_t n, int64_t D, const float *q, const float *bias, int64_t R,
+                               float *sc) {
+    const int64_t n16 = (n + 15) & ~(int64_t)15;
+#if KVCX_ATTN_AVX2
+    int64_t r0 = 0;
+    for (; r0 + 6 <= R; r0 += 6)
+        kvcx_f_dots_rb(kT, n16, D, q + r0 * D, bias ? bias + r0 : NULL, 6, sc + r0 * KVCX_ATTN_TILE);
+    switch (R - r0) {
+#define KVCX_F_DOTS_TAIL(k) case k: kvcx_f_dots_rb(kT, n16, D, q + r0 * D, bias ? bias + r0 : NULL, k, \
+                                                   sc + r0 * KVCX_ATTN_TILE); break;
+    KVCX_F_DOTS_TAIL(5) KVCX_F_DOTS_TAIL(4) KVCX_F_DOTS_TAIL(3) KVCX_F_DOTS_TAIL(2) KVCX_F_DOTS_TAIL(1)
+#undef KVCX_F_DOTS_TAIL
+    default: break;
+    }
+#else
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t j = 0; j < n16; j++) {
+            float s = bias ? bias[r] : 0.0f;
+            for (int64_t p = 0; p < D; p++) s += q[r * D + p] * kT[p * KVCX_ATTN_TILE + j];
+            sc[r * KVCX_ATTN_TILE + j] = s;
+        }
+#endif
+}
+
+/* acc[r] (D floats each) += sum_{j < n} w[r * ws + j] x[j] for R rows */
+static inline void kvcx_f_axpy(const float *x, int64_t n, int64_t D, const float *w, int64_t ws, int64_t R,
+                               float *acc) {
+#if KVCX_ATTN_AVX2
+    int64_t r0 = 0;
+    for (; r0 + 6 <= R; r0 += 6) kvcx_f_axpy_rb(x, n, D, w + r0 * ws, ws, 6, acc + r0 * D);
+    switch (R - r0) {
+#define KVCX_F_AXPY_TAIL(k) case k: kvcx_f_axpy_rb(x, n, D, w + r0 * ws, ws, k, acc + r0 * D); break;
+    KVCX_F_AXPY_TAIL(5) KVCX_F_AXPY_TAIL(4) KVCX_F_AXPY_TAIL(3) KVCX_F_AXPY_TAIL(2) KVCX_F_AXPY_TAIL(1)
+#undef KVCX_F_AXPY_TAIL
+    default: break;
+    }
+#else
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t j = 0; j < n; j++)
+            for (int64_t p = 0; p < D; p++) acc[r * D + p] += w[r * ws + j] * x[j * D + p];
+#endif
+}
+
+/* The mask of n tokens at positions pos.. joins the scores of the task's R rows (batch row b): the float
+   mask added, the boolean mask's zeros and (causal) positions past a row's own token set to -inf. */
+static inline void kvcx_attn_mask(const kvcx_attn_layout *L, const kvcx_attn_args *A, int64_t b, float *sc,
+                                  int64_t n, int64_t pos) {
+    const int64_t T = KVCX_ATTN_TILE, nq = L->nq;
+    for (int64_t r = 0; r < L->R; r++) {
+        float *s = sc + r * T;
+        const int64_t i = r % nq, row = b * L->mask_bs + i * L->mask_qs;
+        if (A->mask) {
+            const float *m = A->mask + row * L->kv_len + pos;
+            for (int64_t j = 0; j < n; j++) s[j] += m[j];
+        } else if (A->maskb) {
+            const uint8_t *m = A->maskb + row * L->kv_len + pos;
+            for (int64_t j = 0; j < n; j++) s[j] = m[j] ? s[j] : -INFINITY;
+        }
+        if (L->causal) {
+            const int64_t j0 = L->kv_len - nq + i + 1 - pos;
+            for (int64_t j = j0 > 0 ? j0 : 0; j < n; j++) s[j] = -INFINITY;
+        }
+    }
+}
+
 /* p[j] = exp(s[j] - m) for n <= KVCX_ATTN_TILE scores (0 where s[j] = -inf); returns sum p */
 static inline float kvcx_attn_exp(const float *s, int64_t n, float m, float *p) {
     float sum = 0.0f;
@@ -347,14 +551,82 @@ static inline void kvcx_attn_softmax(float *part, int64_t R, int64_t D, const fl
     }
 }
 
-/* Exact float32 tokens [n, D] at positions pos.. (one run of sinks or residual) join the softmax. */
+/* kvcx_attn_softmax for a tile of packed tokens, in one pass per head: the probabilities e times the tile's
+   value scales vs left in p, sum e added to l, and (vz, asymmetric values) sum e vs to W and sum e vz to Z. */
+static inline void kvcx_attn_softmax_v(float *part, int64_t R, int64_t D, const float *sc, int64_t n, float *p,
+                                       float *W, float *Z, const float *vs, const float *vz) {
+    for (int64_t r = 0; r < R; r++) {
+        float *pr = part + 2 * r;
+        const float *s = sc + r * KVCX_ATTN_TILE;
+        float *pj = p + r * KVCX_ATTN_TILE;
+        float mt = kvcx_max_f32(s, n);
+        float m = pr[0];
+        float mnew = mt > m ? mt : m;
+        if (mnew == -INFINITY) {
+            for (int64_t j = 0; j < n; j++) pj[j] = 0.0f;
+            continue;
+        }
+        if (mnew > m) {
+            float alpha = m == -INFINITY ? 0.0f : expf(m - mnew);
+            pr[1] *= alpha;
+            W[r] *= alpha;
+            Z[r] *= alpha;
+            float *accv = part + 2 * R + r * D, *accp = part + 2 * R + (R + r) * D;
+            for (int64_t d = 0; d < D; d++) { accv[d] *= alpha; accp[d] *= alpha; }
+            pr[0] = mnew;
+        }
+        float l = 0.0f, w = 0.0f, z = 0.0f;
+        int64_t j = 0;
+#if KVCX_ATTN_AVX2
+        __m256 la = _mm256_setzero_ps(), wa = _mm256_setzero_ps(), za = _mm256_setzero_ps();
+        const __m256 mv = _mm256_set1_ps(mnew);
+        for (; j + 8 <= n; j += 8) {
+            const __m256 e = kvcx_exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
+            const __m256 ps = _mm256_mul_ps(e, _mm256_loadu_ps(vs + j));
+            _mm256_storeu_ps(pj + j, ps);
+            la = _mm256_add_ps(la, e);
+            wa = _mm256_add_ps(wa, ps);
+            if (vz) za = _mm256_fmadd_ps(e, _mm256_loadu_ps(vz + j), za);
+        }
+        float t8[8];
+        _mm256_storeu_ps(t8, la);
+        for (int i = 0; i < 8; i++) l += t8[i];
+        if (vz) {
+            _mm256_storeu_ps(t8, wa);
+            for (int i = 0; i < 8; i++) w += t8[i];
+            _mm256_storeu_ps(t8, za);
+            for (int i = 0; i < 8; i++) z += t8[i];
+        }
+#endif
+        for (; j < n; j++) {
+            const float e = s[j] == -INFINITY ? 0.0f : expf(s[j] - mnew);
+            pj[j] = e * vs[j];
+            l += e;
+            w += pj[j];
+            if (vz) z += e * vz[j];
+        }
+        pr[1] += l;
+        if (vz) { W[r] += w; Z[r] += z; }
+    }
+}
+
+/* Exact float32 tokens [n, D] at positions pos.. (one run of sinks or residual) join the softmax. kT: the
+   float key tile's scratch with many rows (register-blocked products), else NULL. With the products,
+   masked tokens (weight 0) add 0 times their value; else they are skipped, whatever they hold. */
 static inline void kvcx_attn_exact(const kvcx_attn_layout *L, const kvcx_attn_args *A, int64_t slab,
                                    const float *ek, const float *ev, int64_t n, int64_t pos, const float *qn,
-                                   float *part, float *sc, float *p, float *W, float *Z) {
+                                   float *part, float *sc, float *p, float *W, float *Z, float *kT) {
     const int64_t R = L->R, D = L->D, b = slab / L->Hkv, T = KVCX_ATTN_TILE;
-    const float *mrow = A->mask ? A->mask + b * L->kv_len + pos : NULL;
     for (int64_t t = 0; t < n; t += T) {
         const int64_t m = n - t < T ? n - t : T;
+        if (kT) {   /* many rows: the tile's keys transposed once, the rows' products register-blocked */
+            kvcx_attn_tile_t(NULL, ek + t * D, m, D, kT);
+            kvcx_f_dots(kT, m, D, qn, NULL, R, sc);
+            kvcx_attn_mask(L, A, b, sc, m, pos + t);
+            kvcx_attn_softmax(part, R, D, sc, m, p, W, Z);
+            kvcx_f_axpy(ev + t * D, m, D, p, T, R, part + 2 * R + R * D);
+            continue;
+        }
         for (int64_t r = 0; r < R; r++) {
             float *s = sc + r * T;
 #if KVCX_ATTN_AVX2
@@ -379,9 +651,8 @@ static inline void kvcx_attn_exact(const kvcx_attn_layout *L, const kvcx_attn_ar
 #else
             for (int64_t j = 0; j < m; j++) s[j] = kvcx_dot_f32(qn + r * D, ek + (t + j) * D, D);
 #endif
-            if (mrow)
-                for (int64_t j = 0; j < m; j++) s[j] += mrow[t + j];
         }
+        kvcx_attn_mask(L, A, b, sc, m, pos + t);
         kvcx_attn_softmax(part, R, D, sc, m, p, W, Z);
         for (int64_t r = 0; r < R; r++) {   /* masked tokens (weight 0) are skipped, whatever they hold */
             float *accp = part + 2 * R + (R + r) * D;
@@ -498,6 +769,8 @@ static inline void kvcx_attn_task(const kvcx_attn_layout *L, const kvcx_attn_arg
     float *vs = p + R * T, *vz = vs + T;               /* T value scales / zero points */
     float *sp = vz + T, *zp = sp + D;                  /* a block's key scales / zeros, permuted */
     uint8_t *wn = (uint8_t *)(zp + D);                 /* 2/3-bit codes: a tile's, widened to nibbles */
+    float *kT = R >= KVCX_ATTN_TILE_ROWS ? zp + D + T * D / 8 : NULL;   /* many rows: keys [D][T] */
+    float *vf = kT ? kT + T * D : NULL;                                  /* and values [T][D], floats */
     const int64_t kbt = D * L->k_bits / 8, vbt = D * L->v_bits / 8;   /* code bytes per token */
     const uint8_t kadd = L->k_asym ? 0 : (uint8_t)(8 - (1 << (L->k_bits - 1)));
     const uint8_t vadd = (uint8_t)(8 - (1 << (L->v_bits - 1)));   /* values centred either way (see the end) */
@@ -536,7 +809,6 @@ static inline void kvcx_attn_task(const kvcx_attn_layout *L, const kvcx_attn_arg
     const uint8_t *vc = A->vc + (slab * L->v_tokens + voff) * vbt;
     const uint16_t *ks = A->ks + slab * L->k_nscale, *kz = A->kz ? A->kz + slab * L->k_nscale : NULL;
     const uint16_t *vsc = A->vs + slab * L->v_nscale, *vzc = A->vz ? A->vz + slab * L->v_nscale : NULL;
-    const float *mrow = A->mask ? A->mask + b * L->kv_len + L->pos_q : NULL;
     int64_t blk = 0, blk_end = 0;
     if (L->k_axis == KVCX_AXIS_CHANNEL && ta < tb) {   /* the block holding ta: blocks are few, bisect */
         int64_t lo = 0, hi = L->k_nscale / D;            /* kblk has k_nscale / D + 1 entries */
@@ -577,7 +849,11 @@ static inline void kvcx_attn_task(const kvcx_attn_layout *L, const kvcx_attn_arg
             kvcx_attn_widen(kt, n * D, L->k_bits, kadd, wn);
             kt = wn;
         }
-        kvcx_q4_dots(kt, n, D, qs, bias, R, sc, T);
+        if (kT) {
+            kvcx_attn_tile_t(kt, NULL, n, D, kT);
+            kvcx_f_dots(kT, n, D, qs, bias, R, sc);
+        } else
+            kvcx_q4_dots(kt, n, D, qs, bias, R, sc, T);
         if (L->k_axis != KVCX_AXIS_CHANNEL) {
             if (L->k_group == D) {               /* one scale per token: convert the tile's at once */
                 kvcx_h2f_n(ks + t + koff, vs, n);
@@ -595,10 +871,8 @@ static inline void kvcx_attn_task(const kvcx_attn_layout *L, const kvcx_attn_arg
                 for (int64_t r = 0; r < R; r++)
                     for (int64_t j = 0; j < n; j++) sc[r * T + j] = vs[j] * (sc[r * T + j] - 8.0f * sumq[r]);
         }
-        if (mrow)
-            for (int64_t r = 0; r < R; r++)
-                for (int64_t j = 0; j < n; j++) sc[r * T + j] += mrow[t + j];
-        kvcx_attn_softmax(part, R, D, sc, n, p, W, Z);
+        if (A->mask || A->maskb)   /* (causal rows see every packed token: the step's own are exact) */
+            kvcx_attn_mask(L, A, b, sc, n, L->pos_q + t);
         if (L->v_group == D) {                   /* one scale per token: convert the tile's at once */
             kvcx_h2f_n(vsc + t + voff, vs, n);
             if (vzc) kvcx_h2f_n(vzc + t + voff, vz, n);
@@ -608,26 +882,24 @@ static inline void kvcx_attn_task(const kvcx_attn_layout *L, const kvcx_attn_arg
                 vs[j] = kvcx_h2f_1(vsc[g]);
                 if (vzc) vz[j] = kvcx_h2f_1(vzc[g]);
             }
-        for (int64_t r = 0; r < R; r++) {        /* probabilities -> value weights p * s */
-            float *pr = p + r * T;
-            if (vzc) {                           /* v = s (c - 8) + (z + 8 s) */
-                Z[r] += kvcx_dot_f32(pr, vz, n);
-                W[r] += kvcx_dot_f32(pr, vs, n);
-            }
-            for (int64_t j = 0; j < n; j++) pr[j] *= vs[j];
-        }
+        /* the softmax, leaving value weights p s (and v = s (c - 8) + (z + 8 s): the sums of p s and p z) */
+        kvcx_attn_softmax_v(part, R, D, sc, n, p, W, Z, vs, vzc ? vz : NULL);
         if (L->v_bits != 4) {
             kvcx_attn_widen(vt, n * D, L->v_bits, vadd, wn);
             vt = wn;
         }
-        kvcx_q4_axpy(vt, n, D, p, T, R, part + 2 * R);   /* every head from one read */
+        if (vf) {
+            kvcx_attn_tile_v(vt, n, D, vf);
+            kvcx_f_axpy(vf, n, D, p, T, R, part + 2 * R);
+        } else
+            kvcx_q4_axpy(vt, n, D, p, T, R, part + 2 * R);   /* every head from one read */
         t = end;
     }
     if (split == L->nsplit - 1) {
         if (L->ns) kvcx_attn_exact(L, A, slab, A->sk + slab * L->ns * D, A->sv + slab * L->ns * D, L->ns,
-                                   L->pos_s, qn, part, sc, p, W, Z);
+                                   L->pos_s, qn, part, sc, p, W, Z, kT);
         if (L->nr) kvcx_attn_exact(L, A, slab, A->rk + slab * L->nr * D, A->rv + slab * L->nr * D, L->nr,
-                                   L->pos_r, qn, part, sc, p, W, Z);
+                                   L->pos_r, qn, part, sc, p, W, Z, kT);
     }
     for (int64_t r = 0; r < R; r++) {        /* odd halves back from 16x; asymmetric: the values' sum p (z + 8 s) */
         float *accv = part + 2 * R + r * D;

@@ -810,12 +810,14 @@ def metrics(const uint8_t[::1] a, int adt, const uint8_t[::1] b, int bdt, int64_
 
 
 # ----------------------------------------------------------------------------
-# fused decode attention over packed 4-bit keys and values (kvcx/codecs/_attn.h)
+# fused attention over packed 2/3/4-bit keys and values (kvcx/codecs/_attn.h)
 # ----------------------------------------------------------------------------
 
 ATTN_TILE = KVCX_ATTN_TILE
 ATTN_MAX_GROUP = KVCX_ATTN_MAX_GROUP
 ATTN_MAX_D = KVCX_ATTN_MAX_D
+ATTN_MAX_ROWS = KVCX_ATTN_MAX_ROWS
+ATTN_TILE_ROWS = KVCX_ATTN_TILE_ROWS
 ATTN_SIMD = bool(KVCX_ATTN_AVX2)
 
 
@@ -835,8 +837,10 @@ cdef class AttnKernel:
     cdef object _keep
 
     def __init__(self, *, int64_t B, int64_t Hkv, int64_t R, int64_t D, int k_axis, bint k_asym, bint k_rotate,
-                 int64_t k_group, bint v_asym, bint v_rotate, int64_t v_group, int k_bits=4, int v_bits=4):
+                 int64_t k_group, bint v_asym, bint v_rotate, int64_t v_group, int k_bits=4, int v_bits=4,
+                 int64_t nq=1):
         self.c.B = B
+        self.c.nq = nq
         self.c.Hkv = Hkv
         self.c.R = R
         self.c.D = D
@@ -894,9 +898,12 @@ cdef class AttnKernel:
         return int(self.c.B * self.c.Hkv * self.c.nsplit)
 
     def run(self, const float[:, :, ::1] q, const float[:, :, ::1] rk, const float[:, :, ::1] rv,
-            const float[:, ::1] mask, float[:, :, ::1] out, float scaling, int nthreads):
-        """One step: q, out [B, Hkv * R, D]; rk/rv [B * Hkv, nr, D] the residual after the bound tokens
-        (nr may be 0); mask [B, kv_len] added to the scores (empty: none)."""
+            const float[:, ::1] mask, const uint8_t[:, ::1] maskb, int64_t mask_bs, int64_t mask_qs, bint causal,
+            float[:, :, ::1] out, float scaling, int nthreads):
+        """One step: q, out [B, Hkv * R, D] (row r of a KV head: query head r // nq, token r % nq); rk/rv
+        [B * Hkv, nr, D] the residual after the bound tokens (nr may be 0); mask [rows, kv_len] added to the
+        scores or maskb [rows, kv_len] (0: masked), one of them empty or both: the row of batch row b and
+        token i is b * mask_bs + i * mask_qs; causal: token i sees positions up to kv_len - nq + i."""
         cdef kvcx_attn_layout L = self.c
         cdef kvcx_attn_args A = self.a
         cdef int64_t ntasks = L.B * L.Hkv * L.nsplit
@@ -906,10 +913,14 @@ cdef class AttnKernel:
         L.pos_r = L.ns + L.Tq
         L.kv_len = L.pos_r + L.nr
         L.scaling = scaling
+        L.mask_bs = mask_bs
+        L.mask_qs = mask_qs
+        L.causal = causal
         A.q = &q[0, 0, 0]
         A.rk = &rk[0, 0, 0] if L.nr > 0 else NULL
         A.rv = &rv[0, 0, 0] if L.nr > 0 else NULL
         A.mask = &mask[0, 0] if mask.shape[0] > 0 else NULL
+        A.maskb = &maskb[0, 0] if maskb.shape[0] > 0 and A.mask == NULL else NULL
         A.out = &out[0, 0, 0]
         with nogil:
             for i in prange(ntasks, num_threads=nthreads, schedule="static"):

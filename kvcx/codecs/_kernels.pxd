@@ -66,6 +66,8 @@ cdef extern from "_attn.h" nogil:
         KVCX_ATTN_TILE
         KVCX_ATTN_MAX_GROUP
         KVCX_ATTN_MAX_D
+        KVCX_ATTN_MAX_ROWS
+        KVCX_ATTN_TILE_ROWS
     const bint KVCX_ATTN_AVX2
 
     ctypedef struct kvcx_attn_layout:
@@ -76,6 +78,8 @@ cdef extern from "_attn.h" nogil:
         int v_asym, v_rotate
         int64_t v_group, v_nscale
         int k_bits, v_bits
+        int64_t nq, mask_bs, mask_qs
+        int causal
 
     ctypedef struct kvcx_attn_args:
         const float *q
@@ -91,6 +95,7 @@ cdef extern from "_attn.h" nogil:
         const float *rk
         const float *rv
         const float *mask
+        const uint8_t *maskb
         float *work
         float *out
 

@@ -25,6 +25,20 @@ def _reference(q, K, V, mask, scaling):
     return out
 
 
+def _reference_multi(q, K, V, keep, scaling):
+    """q [B, Hq, Q, D]; keep [B, Q, kv_len] booleans (True attends)."""
+    B, Hq, Q, D = q.shape
+    R = Hq // K.shape[1]
+    out = np.zeros(q.shape, dtype=np.float64)
+    for b in range(B):
+        for h in range(Hq):
+            s = q[b, h].astype(np.float64) @ K[b, h // R].astype(np.float64).T * scaling
+            s = np.where(keep[b], s, -np.inf)
+            p = np.exp(s - s.max(-1, keepdims=True))
+            out[b, h] = (p / p.sum(-1, keepdims=True)) @ V[b, h // R].astype(np.float64)
+    return out
+
+
 def _build(kv: KVConfig, K, V, chunks):
     """A PackedKV from chunks of K/V, and the decoded K/V the materialising path would see."""
     B, H, _, D = K.shape
@@ -117,6 +131,45 @@ def test_long_context_splits_across_threads_and_rotated_keys():
                                    atol=3e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("scheme", ["kvcx", "reference", "kvcx3", "kvcx2"])
+@pytest.mark.parametrize("B,H,R,Q,chunks,nr", [(2, 3, 3, 7, [128, 128], 9), (1, 2, 4, 40, [256, 64], 41),
+                                              (2, 1, 1, 2, [128], 2), (1, 3, 3, 130, [512], 150)])
+def test_multi_token_steps(scheme, B, H, R, Q, chunks, nr):
+    """Q query tokens per row over the packed history and the residual (the step's own tokens its last Q):
+    causal among them with no mask, a boolean and a float mask with left padding, one padding row broadcast
+    over the tokens; both the per-row products (R x Q < 12 rows) and the float tiles (>= 12)."""
+    rng = np.random.default_rng(Q * 3 + B)
+    D = 64
+    T = sum(chunks)
+    K, V = _kv(rng, B, H, T + nr, D)
+    store, Kd, Vd = _build(KVConfig.from_scheme(scheme), K, V, chunks)
+    rk, rv = np.ascontiguousarray(K[:, :, T:]), np.ascontiguousarray(V[:, :, T:])
+    Kf, Vf = np.concatenate([Kd, rk], 2), np.concatenate([Vd, rv], 2)
+    n = T + nr
+    q = rng.standard_normal((B, H * R, Q, D)).astype(np.float32)
+    causal = np.arange(n)[None, :] <= (n - Q + np.arange(Q))[:, None]           # [Q, n]
+    keep = np.broadcast_to(causal, (B, Q, n)).copy()
+    for threads in (1, 2):
+        out = store.attend(q, rk, rv, None, D ** -0.5, n_threads=threads)
+        np.testing.assert_allclose(out, _reference_multi(q, Kf, Vf, keep, D ** -0.5), atol=3e-5, rtol=1e-4)
+    if B > 1:
+        keep[1, :, :min(70, n - Q)] = False                                       # a left-padded row
+    ref = _reference_multi(q, Kf, Vf, keep, D ** -0.5)
+    np.testing.assert_allclose(store.attend(q, rk, rv, keep, D ** -0.5, n_threads=2), ref, atol=3e-5, rtol=1e-4)
+    add = np.where(keep, 0.0, -np.inf).astype(np.float32)
+    np.testing.assert_allclose(store.attend(q, rk, rv, add, D ** -0.5, n_threads=2), ref, atol=3e-5, rtol=1e-4)
+    # a padding mask of one row per batch row ([B, 1, kv_len] as transformers may pass): the step stays causal
+    pad = fused.step_mask(keep[:, -1:].copy(), B, Q)
+    assert pad.causal and pad.qs == 0
+    out = np.empty((B, H * R * Q, D), np.float32)
+    store.step(q.reshape(B, -1, D), rk.reshape(B * H, nr, D), rv.reshape(B * H, nr, D), pad, D ** -0.5, 2, out, Q)
+    np.testing.assert_allclose(out.reshape(q.shape), ref, atol=3e-5, rtol=1e-4)
+    # one query token per row through the 4-D form equals the 3-D form
+    one = store.attend(np.ascontiguousarray(q[:, :, -1]), rk, rv, None, D ** -0.5)
+    np.testing.assert_allclose(store.attend(np.ascontiguousarray(q[:, :, -1:]), rk, rv, None, D ** -0.5)[:, :, 0], one,
+                               atol=1e-6, rtol=1e-6)
+
+
 def test_fully_masked_prefix_and_extreme_scores():
     """Masked tokens never leak in (even with scores far above the rest); exact zeros where masked."""
     rng = np.random.default_rng(1)
@@ -173,7 +226,7 @@ def test_bad_inputs_are_clear_errors():
         store.attend(rng.standard_normal((1, 8, 64)).astype(np.float32), None, None, None, 0.125)
     with pytest.raises(CodecError, match="residual must be"):
         store.attend(q, np.zeros((1, 3, 2, 64), np.float32), np.zeros((1, 3, 3, 64), np.float32), None, 0.125)
-    with pytest.raises(CodecError, match=r"mask must be a C-contiguous float32 \[B=1, kv_len=128\]"):
+    with pytest.raises(CodecError, match=r"mask must be a C-contiguous float32 or boolean \[1, 128\]"):
         store.attend(q, None, None, np.zeros((1, 127), np.float32), 0.125)
     with pytest.raises(CodecError, match="out must be"):
         store.attend(q, None, None, None, 0.125, out=np.empty((1, 9, 63), np.float32))
@@ -185,21 +238,34 @@ def test_bad_inputs_are_clear_errors():
         eight.attend(q, None, None, None, 0.125)
     with pytest.raises(CodecError, match="does not fit this store"):
         store.append(kv.key.encode(K[:, :2]), kv.value.encode(V[:, :2]))
+    with pytest.raises(CodecError, match="query tokens but 0 residual"):
+        store.attend(rng.standard_normal((1, 9, 2, 64)).astype(np.float32), None, None, None, 0.125)
+    with pytest.raises(CodecError, match="more than the kernel's"):
+        big = fused.ATTN_MAX_ROWS // 3 + 1
+        r = np.zeros((1, 3, big, 64), np.float32)
+        store.attend(rng.standard_normal((1, 9, big, 64)).astype(np.float32), r, r, None, 0.125)
+    with pytest.raises(CodecError, match=r"mask must be a C-contiguous float32 or boolean \[1, 2, 130\]"):
+        r = np.zeros((1, 3, 2, 64), np.float32)
+        store.attend(rng.standard_normal((1, 9, 2, 64)).astype(np.float32), r, r, np.zeros((1, 130), bool), 0.125)
     # step(): the per-layer path for callers that build the arrays (KvcxCache) still refuses sizes the
     # kernel would index out of bounds, and its typed arguments refuse other dtypes
     out = np.empty_like(q)
     r2 = np.zeros((3, 2, 64), np.float32)
-    bad = [(q[:, :8].copy(), r2, r2, NO_MASK, out),                          # query heads
-           (q, r2, np.zeros((3, 3, 64), np.float32), NO_MASK, out),          # residual keys vs values
-           (q, np.zeros((2, 2, 64), np.float32), np.zeros((2, 2, 64), np.float32), NO_MASK, out),
-           (q, r2, r2, np.zeros((1, 129), np.float32), out),                 # mask: 128 held + 2 residual
-           (q, r2, r2, np.zeros((1, 0), np.float32), out),                   # a mask without its columns
-           (q, r2, r2, NO_MASK, np.empty((1, 9, 32), np.float32)),
-           (np.empty((0, 9, 64), np.float32), r2, r2, NO_MASK, out)]
+    M = fused.Mask
+    bad = [(q[:, :8].copy(), r2, r2, NO_MASK, out, 1),                       # query heads
+           (q, r2, np.zeros((3, 3, 64), np.float32), NO_MASK, out, 1),       # residual keys vs values
+           (q, np.zeros((2, 2, 64), np.float32), np.zeros((2, 2, 64), np.float32), NO_MASK, out, 1),
+           (q, r2, r2, M(add=np.zeros((1, 129), np.float32), bs=1), out, 1),  # mask: 128 held + 2 residual
+           (q, r2, r2, M(keep=np.ones((1, 130), np.uint8), bs=1, qs=1), out, 3),  # rows the mask lacks
+           (q, r2, r2, M(add=np.zeros((1, 130), np.float32), bs=-1), out, 1),
+           (q, r2, r2, NO_MASK, np.empty((1, 9, 32), np.float32), 1),
+           (q, r2, r2, NO_MASK, out, 2),                                      # 9 rows are not 2 tokens per head
+           (q, r2, r2, NO_MASK, out, 9),                                      # more tokens than the residual
+           (np.empty((0, 9, 64), np.float32), r2, r2, NO_MASK, out, 1)]
     for args in bad:
         with pytest.raises(CodecError, match="do not fit the packed stores"):
-            store.step(args[0], args[1], args[2], args[3], 0.125, 2, args[4])
+            store.step(args[0], args[1], args[2], args[3], 0.125, 2, args[4], args[5])
     with pytest.raises(ValueError):
         store.step(q.astype(np.float64), r2, r2, NO_MASK, 0.125, 2, out)
     ref = store.attend(q, r2.reshape(1, 3, 2, 64), r2.reshape(1, 3, 2, 64), np.zeros((1, 130), np.float32), 0.125)
-    np.testing.assert_array_equal(store.step(q, r2, r2, np.zeros((1, 130), np.float32), 0.125, 2, out), ref)
+    np.testing.assert_array_equal(store.step(q, r2, r2, M(add=np.zeros((1, 130), np.float32), bs=1), 0.125, 2, out), ref)

@@ -236,6 +236,95 @@ def test_fused_attention_equals_materialised_every_layer_batch_with_left_padding
     assert (l_f - l_m).abs().max() <= 1e-2, (l_f - l_m).abs().max()
 
 
+@pytest.mark.parametrize("scheme", ["kvcx", "reference", "kvcx2"])
+def test_multi_token_steps_fused_equal_materialised_batch_with_left_padding(checked_attention, loaded, wiki_ids,
+                                                                            scheme):
+    """A 1,020-token context packed, batch 2 (row 1 left-padded by 60), then chunks of 40 and 7 tokens (a long
+    prompt fed in chunks; a draft verified) and one decode step: every layer's multi-token attention equals
+    SDPA over the materialised cache with the same causal mask within FP32 rounding."""
+    from kvcx.cache.kvcx_cache import KvcxCache
+
+    model, tok, _ = loaded
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    n, padn, chunks = 1020, 60, (40, 7, 1)
+    ids = torch.full((2, n + sum(chunks)), pad)
+    ids[0] = wiki_ids[0, :n + sum(chunks)]
+    ids[1, padn:] = wiki_ids[0, 2000:2000 + n + sum(chunks) - padn]
+    mask = torch.ones(2, n, dtype=torch.long)
+    mask[1, :padn] = 0
+    base = DynamicCache()
+    with torch.inference_mode():
+        model(ids[:, :n], attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0), past_key_values=base)
+    logits = {}
+    for fused in (True, False):
+        cache = _copy_into(base, KvcxCache(model.config, scheme=scheme, fused=fused))
+        m, o, out = mask, n, []
+        with torch.inference_mode():
+            for c in chunks:
+                m = torch.cat([m, torch.ones(2, c, dtype=m.dtype)], dim=1)
+                pos = (m.cumsum(-1) - 1)[:, -c:]
+                out.append(model(ids[:, o:o + c], attention_mask=m, position_ids=pos, past_key_values=cache).logits)
+                o += c
+        logits[fused] = torch.cat(out, dim=1)
+        steps = cache.memory_report()["attention_steps"]
+        layers = model.config.num_hidden_layers
+        if fused:
+            assert steps == {"fused": 3 * layers, "materialised": 0, "full_precision": layers}, steps  # the copy
+            records = list(checked_attention)
+        else:
+            assert steps["materialised"] == 3 * layers, steps
+    assert len(records) == 3 * layers and sorted({r[0] for r in records}) == list(range(layers))
+    worst = max(records, key=lambda r: r[1] / r[2])
+    assert worst[1] <= 1e-5 * worst[2], worst
+    assert (logits[True] - logits[False]).abs().max() <= 1e-2
+
+
+def test_speculative_decoding_verifies_drafts_fused_and_crops(kvcx_attention, loaded, wiki_ids):
+    """generate() with prompt-lookup drafts: the model verifies several draft tokens per step (fused multi-token
+    steps) and crop() drops the rejected ones; the tokens equal the materialising path's and plain greedy
+    decoding's with the same cache; nothing of context size is decoded into full precision."""
+    from kvcx.cache.kvcx_cache import KvcxCache
+
+    model, _, _ = loaded
+    prompt, new = wiki_ids[:, :600], 24
+    layers = model.config.num_hidden_layers
+    with torch.inference_mode():
+        fused = KvcxCache(model.config)
+        g_f = model.generate(prompt, past_key_values=fused, max_new_tokens=new, do_sample=False,
+                             prompt_lookup_num_tokens=5)
+        mat = KvcxCache(model.config, fused=False)
+        g_m = model.generate(prompt, past_key_values=mat, max_new_tokens=new, do_sample=False,
+                             prompt_lookup_num_tokens=5)
+        g_g = model.generate(prompt, past_key_values=KvcxCache(model.config), max_new_tokens=new, do_sample=False)
+    rep = fused.memory_report()
+    steps = rep["attention_steps"]
+    assert steps["materialised"] == 0 and 0 < steps["fused"] < (new - 1) * layers, steps  # several tokens a step
+    assert rep["scratch_bytes"] < 2 ** 16   # the last step's mask: nothing of context size in full precision
+    assert fused.get_seq_length() == mat.get_seq_length() == 600 + new - 1
+    assert g_f.tolist() == g_m.tolist() == g_g.tolist()
+
+
+def test_crop_drops_only_full_precision_tokens(loaded):
+    from kvcx.cache.kvcx_cache import KvcxCache
+
+    model = loaded[0]
+    cfg = model.config
+    cache = KvcxCache(cfg)
+    k = torch.randn(1, cfg.num_key_value_heads, 130, cfg.head_dim)
+    for i in range(cfg.num_hidden_layers):
+        cache.update(k[:, :, :128], k[:, :, :128].clone(), i)   # a prompt chunk: packed at once
+    assert cache.layers[0].quantized_length == 128 and cache.get_seq_length() == 128
+    with pytest.raises(KvcxError, match="only the last 0 are still in full precision"):
+        cache.crop(-1)
+    for i in range(cfg.num_hidden_layers):
+        cache.update(k[:, :, 128:], k[:, :, 128:].clone(), i)   # 2 draft tokens: kept for crop()
+    cache.crop(-1)
+    assert cache.get_seq_length() == 129 and cache.layers[0].keys.shape[-2] == 1
+    cache.crop(0)
+    with pytest.raises(KvcxError, match="negative count"):
+        cache.crop(5)
+
+
 def test_generate_uses_the_fused_path(kvcx_attention, loaded, wiki_ids):
     import warnings
 
