@@ -19,7 +19,12 @@ preset: fused where the kernel reads the preset's codes, else materialising (lab
    copied into every cache, then the caches decode in interleaved rounds (median step). Per step:
    tokens/s and ratio vs DynamicCache, the attention part (all layers: the attention functions timed
    apart, SDPA for DynamicCache), the bytes the attention reads, and the kvcx kernel share.
-3. Peak RSS while decoding after an 8,000-token context, each cache in a fresh process: the growth of
+3. A multi-token step (a long prompt's next chunk, or a batch of draft tokens to verify): after a
+   --chunk-prefix-token context (prefilled once, copied into every cache: packed in KvcxCache), one
+   --chunk-token step, --chunk-reps times per cache interleaved (median): step time, the attention part
+   (all layers) vs SDPA over DynamicCache, the layer steps per path and the full-precision scratch the
+   cache holds after it (the materialising path decodes the whole context into it; the fused path none).
+4. Peak RSS while decoding after an 8,000-token context, each cache in a fresh process: the growth of
    the resident set during the decode steps (VmHWM after a reset minus VmRSS before).
 Threads: torch and kvcx both on torch.get_num_threads() (printed).
 """
@@ -195,6 +200,50 @@ def rss_child(kind, context, steps, dataset_file):
     print(json.dumps({"kind": kind, "rss_before": before, "peak": peak, "growth": peak - before, "held": held}))
 
 
+def multi_token(model, ids, caches, args, emit):
+    """Section 3: one step of args.chunk tokens after args.chunk_prefix tokens, every cache, interleaved reps."""
+    import numpy as np
+    import torch
+    from transformers import DynamicCache
+
+    P, C = args.chunk_prefix, args.chunk
+    emit(f"\n## A {C}-token step after {P:,} tokens (a prompt's next chunk, or drafts to verify): "
+         f"{args.chunk_reps} interleaved reps per cache, median\n")
+    emit("| cache | step ms | vs DynamicCache | attention ms (all layers) | attention vs SDPA | layer steps "
+         "(fused / materialised) | full-precision scratch held after the step |")
+    emit("|---|---:|---:|---:|---:|---:|---:|")
+    base = DynamicCache()
+    with torch.inference_mode():
+        model(ids[:, :P], past_key_values=base, use_cache=True)
+    chunk = ids[:, P:P + C]
+    times = {k: {"step": [], "attn": []} for k in caches}
+    last = {}
+    for _ in range(args.chunk_reps):
+        for label, mk in caches.items():
+            cache = copy_cache(base, mk)
+            a0 = ATTN_TIME["s"]
+            t = time.perf_counter()
+            with torch.inference_mode():
+                model(chunk, past_key_values=cache, use_cache=True)
+            times[label]["step"].append(time.perf_counter() - t)
+            times[label]["attn"].append(ATTN_TIME["s"] - a0)
+            last[label] = cache
+    dyn = {k: float(np.median(v)) for k, v in times["DynamicCache"].items()}
+    for label in caches:
+        step, attn = (float(np.median(times[label][k])) for k in ("step", "attn"))
+        cache = last[label]
+        paths, scratch = "", ""
+        if label.startswith("KvcxCache"):
+            rep = cache.memory_report()
+            st = rep["attention_steps"]
+            paths = f"{st['fused']} / {st['materialised']}"
+            scratch = f"{rep['scratch_bytes'] / 2**20:.2f} MiB"
+        emit(f"| {label} | {1000 * step:.0f} | {dyn['step'] / step:.2f}x | {1000 * attn:.0f} | "
+             f"{dyn['attn'] / attn:.2f}x | {paths} | {scratch} |", flush=True)
+    emit("\n(scratch: the materialising path's decoded context plus the step's attention mask; DynamicCache holds "
+         "its whole context in FP32 by design)")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompt", type=int, default=4000)
@@ -206,7 +255,10 @@ def main(argv=None):
     ap.add_argument("--dataset-file", type=Path, default=DEFAULT_DATA)  # the Makefile passes it explicitly
     ap.add_argument("--no-quanto", action="store_true")
     ap.add_argument("--presets", nargs="*", default=[], help="KvcxCache presets to add (kvcx3 kvcx2 kvcx2w ...)")
-    ap.add_argument("--skip", nargs="*", default=[], choices=["agreement", "speed", "rss"])
+    ap.add_argument("--chunk", type=int, default=128, help="tokens of the multi-token step")
+    ap.add_argument("--chunk-prefix", type=int, default=8000, help="context before the multi-token step")
+    ap.add_argument("--chunk-reps", type=int, default=5)
+    ap.add_argument("--skip", nargs="*", default=[], choices=["agreement", "speed", "chunk", "rss"])
     ap.add_argument("--rss-child", nargs=2, metavar=("KIND", "STEPS"), help=argparse.SUPPRESS)
     ap.add_argument("--markdown", type=Path, default=None, help="also write the tables to this file")
     args = ap.parse_args(argv)
@@ -227,7 +279,7 @@ def main(argv=None):
     cfg = model.config
     L, Hkv, D = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
     text = load_dataset_text(args.dataset_file)
-    need = max(args.prompt + args.steps, max(args.contexts) + 1)
+    need = max(args.prompt + args.steps, max(args.contexts) + 1, args.chunk_prefix + args.chunk)
     ids = torch.tensor(tok(text[: need * 12])["input_ids"][:need])[None]
     emit(f"# {name}: {L} layers, {Hkv} KV heads of {D}, {cfg.num_attention_heads} query heads; FP32 on CPU; "
           f"torch threads {torch.get_num_threads()}, kvcx threads {torch.get_num_threads()}")
@@ -299,6 +351,9 @@ def main(argv=None):
                           f"{steps['materialised']}, full precision {steps['full_precision']}) |||||||| ")
             del live
 
+    if "chunk" not in args.skip:
+        multi_token(model, ids, caches, args, emit)
+
     if "rss" not in args.skip:
         emit(f"\n## Peak RSS while decoding 32 steps after a {args.rss_context}-token context (fresh process "
               "each)\n")
@@ -320,7 +375,9 @@ def main(argv=None):
     if args.markdown:
         parts = [p for p, skip in (("agreement with DynamicCache", "agreement"),
                                    ("decode speed after contexts of " + ", ".join(f"{c:,}" for c in args.contexts)
-                                    + " tokens", "speed"), ("peak RSS", "rss")) if skip not in args.skip]
+                                    + " tokens", "speed"),
+                                   (f"a {args.chunk}-token step after {args.chunk_prefix:,} tokens", "chunk"),
+                                   ("peak RSS", "rss")) if skip not in args.skip]
         presets = f" (presets: {', '.join(args.presets)})" if args.presets else ""
         emit.write(args.markdown, f"KvcxCache decoding the embedded model (FP32 on CPU){presets}: "
                                   f"{', '.join(parts)}.")
