@@ -139,8 +139,8 @@ _FALLBACK_HINT = "pass fused=None to fall back to materialising"
 
 @dataclass(frozen=True)
 class StepMode:
-    """What the cache decided for one step: single-token layer steps may run fused unless ``reason`` says
-    why not; ``required`` (``KvcxCache(fused=True)``) makes a step that cannot run fused an error."""
+    """What the cache decided for one step: layer steps may run fused (one token, or a few hundred over a
+    packed history) unless ``reason`` says why not; ``required`` (``KvcxCache(fused=True)``) makes a step that cannot run fused an error."""
 
     reason: Optional[str] = None
     required: bool = False
@@ -263,9 +263,10 @@ class KvcxLayer(DynamicLayer):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, cache_kwargs=None,
                mode: StepMode = StepMode(reason="materialising")):
-        """Add a step's keys and values. A single-token step runs fused when ``mode`` allows it and this
-        layer's stores can be read by the fused kernel: the layer is then handed to the attention function
-        (which calls :meth:`attend`), and the new token's own states are returned."""
+        """Add a step's keys and values. A step of one token (or of several over a packed history) runs fused
+        when ``mode`` allows it and this layer's stores can be read by the fused kernel: the layer is then
+        handed to the attention function (which calls :meth:`attend`), and the step's own states are
+        returned."""
         self._check_states(key_states, value_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
@@ -403,9 +404,9 @@ class KvcxCache(Cache):
         group size when keys are grouped per channel).
     kv_config: a ready :class:`kvcx.codecs.KVConfig` instead of the options above (a plan: ``kvcx.api.load_plan``).
     n_threads: OpenMP threads of the kernels (None = all).
-    fused: None (default): single-token steps run the fused kernel when the model's attention is
-        ``"kvcx"`` and the codecs allow it, else the materialising path; False: always materialise;
-        True: a step that cannot run fused is an error.
+    fused: None (default): decode steps and steps of up to a few hundred tokens over a packed history run
+        the fused kernel when the model's attention is ``"kvcx"`` and the codecs allow it, else the
+        materialising path; False: always materialise; True: such a step that cannot run fused is an error.
     """
 
     def __init__(self, config, group_size: Optional[int] = None, scheme: str = DEFAULT_SCHEME,
@@ -455,7 +456,7 @@ class KvcxCache(Cache):
         return self._timer.seconds
 
     def _step_mode(self, key_states: torch.Tensor) -> StepMode:
-        """Whether this step's single-token layer steps may run fused (read once per step: a config
+        """Whether this step's layer steps may run fused (read once per step: a config
         attribute is slow to read)."""
         if self.fused is False:
             return StepMode(reason="fused=False")
