@@ -26,9 +26,9 @@ Attention over the store takes one of two paths per step, which the cache decide
   layers and hands ``[decoded, residual, new]`` to attention (on CUDA the decoded
   scratch is copied to the device; the kernels are CPU kernels).
 
-A step of at most ``residual_length`` tokens stays in full precision until the next step, so that
+A step of fewer than ``residual_length`` tokens stays in full precision until the next step, so that
 ``crop()`` can drop rejected draft tokens (speculative / assisted decoding); a longer step (a prompt
-chunk) is packed at once.
+chunk, or generation-mode validation's chunks of ``residual_length``) is packed at once.
 
 Control runs one way: the cache builds its layers with everything they share (scratch, the fused
 kernel's workspace, the mask converter, the kernel timer) and calls them; a layer never reaches back.
@@ -273,7 +273,7 @@ class KvcxLayer(DynamicLayer):
         self.pack_residual()  # what the last step left in full precision for crop() goes now
         Q = key_states.shape[-2]
         self.cumulative_length += Q
-        self.last_step = Q if Q <= self.residual_length else 0   # a longer step is a prompt chunk: packed now
+        self.last_step = Q if Q < self.residual_length else 0   # a longer step is a prompt chunk: packed now
         if self._fusable(Q) and self._takes_fused_step(mode):
             self.keys = torch.cat([self.keys, key_states], dim=-2)
             self.values = torch.cat([self.values, value_states], dim=-2)
@@ -355,7 +355,7 @@ class KvcxLayer(DynamicLayer):
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the last ``-tokens_to_remove`` tokens (transformers' convention: a negative count), e.g. the draft
         tokens speculative decoding rejected. Only tokens still in full precision can go: a step's own tokens
-        (up to residual_length of them) stay unpacked until the next step."""
+        (fewer than residual_length of them) stay unpacked until the next step."""
         if tokens_to_remove > 0:
             raise KvcxError(f"crop({tokens_to_remove}): pass a negative count of tokens to remove, as "
                             "transformers' caches take it")
@@ -366,7 +366,7 @@ class KvcxLayer(DynamicLayer):
         if n > n_res:
             raise KvcxError(f"KvcxCache layer {self.layer_idx}: cannot remove {n} tokens, only the last {n_res} are "
                             f"still in full precision (the others are packed, append-only); speculative decoding "
-                            f"with more than residual_length={self.residual_length} draft tokens needs a larger "
+                            f"with residual_length={self.residual_length} draft tokens or more needs a larger "
                             "residual_length")
         self.keys = self.keys[:, :, :n_res - n].contiguous()
         self.values = self.values[:, :, :n_res - n].contiguous()
