@@ -522,6 +522,23 @@ static inline float kvcx_attn_exp(const float *s, int64_t n, float m, float *p) 
     return sum;
 }
 
+/* Head r's running max meets a tile's max mt: where it grows, the partial (sum, accumulators, W, Z) is
+   rescaled to it. Returns the new max (-inf while the head has seen nothing). */
+static inline float kvcx_attn_newmax(float *part, int64_t R, int64_t D, int64_t r, float mt, float *W, float *Z) {
+    float *pr = part + 2 * r;
+    const float m = pr[0], mnew = mt > m ? mt : m;
+    if (mnew != -INFINITY && mnew > m) {
+        const float alpha = m == -INFINITY ? 0.0f : expf(m - mnew);
+        pr[1] *= alpha;
+        W[r] *= alpha;
+        Z[r] *= alpha;
+        float *accv = part + 2 * R + r * D, *accp = part + 2 * R + (R + r) * D;
+        for (int64_t d = 0; d < D; d++) { accv[d] *= alpha; accp[d] *= alpha; }
+        pr[0] = mnew;
+    }
+    return mnew;
+}
+
 /* One tile of n scores per head (sc, row stride KVCX_ATTN_TILE) joins the running softmax:
    rescales the partial where the max grows and leaves the probabilities in p (same layout).
    Returns 0 for the heads that see nothing yet (their p row is zero). */
@@ -531,21 +548,10 @@ static inline void kvcx_attn_softmax(float *part, int64_t R, int64_t D, const fl
         float *pr = part + 2 * r;
         const float *s = sc + r * KVCX_ATTN_TILE;
         float *pj = p + r * KVCX_ATTN_TILE;
-        float mt = kvcx_max_f32(s, n);
-        float m = pr[0];
-        float mnew = mt > m ? mt : m;
+        const float mnew = kvcx_attn_newmax(part, R, D, r, kvcx_max_f32(s, n), W, Z);
         if (mnew == -INFINITY) {
             for (int64_t j = 0; j < n; j++) pj[j] = 0.0f;
             continue;
-        }
-        if (mnew > m) {
-            float alpha = m == -INFINITY ? 0.0f : expf(m - mnew);
-            pr[1] *= alpha;
-            W[r] *= alpha;
-            Z[r] *= alpha;
-            float *accv = part + 2 * R + r * D, *accp = part + 2 * R + (R + r) * D;
-            for (int64_t d = 0; d < D; d++) { accv[d] *= alpha; accp[d] *= alpha; }
-            pr[0] = mnew;
         }
         pr[1] += kvcx_attn_exp(s, n, mnew, pj);
     }
@@ -559,21 +565,10 @@ static inline void kvcx_attn_softmax_v(float *part, int64_t R, int64_t D, const 
         float *pr = part + 2 * r;
         const float *s = sc + r * KVCX_ATTN_TILE;
         float *pj = p + r * KVCX_ATTN_TILE;
-        float mt = kvcx_max_f32(s, n);
-        float m = pr[0];
-        float mnew = mt > m ? mt : m;
+        const float mnew = kvcx_attn_newmax(part, R, D, r, kvcx_max_f32(s, n), W, Z);
         if (mnew == -INFINITY) {
             for (int64_t j = 0; j < n; j++) pj[j] = 0.0f;
             continue;
-        }
-        if (mnew > m) {
-            float alpha = m == -INFINITY ? 0.0f : expf(m - mnew);
-            pr[1] *= alpha;
-            W[r] *= alpha;
-            Z[r] *= alpha;
-            float *accv = part + 2 * R + r * D, *accp = part + 2 * R + (R + r) * D;
-            for (int64_t d = 0; d < D; d++) { accv[d] *= alpha; accp[d] *= alpha; }
-            pr[0] = mnew;
         }
         float l = 0.0f, w = 0.0f, z = 0.0f;
         int64_t j = 0;
