@@ -5,6 +5,18 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# The Triton kernels run in Triton's interpreter on CPU tensors where there is no GPU (CI): set before the
+# kernels are first imported. On a CUDA machine they compile and run on the GPU.
+if "TRITON_INTERPRET" not in os.environ:
+    try:
+        import torch
+
+        _cuda = torch.cuda.is_available()
+    except ImportError:
+        _cuda = False
+    if not _cuda:
+        os.environ["TRITON_INTERPRET"] = "1"
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 WIKITEXT = Path(os.environ.get("KVCX_WIKITEXT", ROOT.parent / "shared/data/wikitext-2-raw/wiki.test.raw"))
 

@@ -8,8 +8,11 @@ the kernels share with their callers: dtypes, conversions, threads and error met
 - :mod:`kvcx.codecs.intcodec`: :class:`IntCodec` (2/3/4/8-bit groups per token or per channel);
 - :mod:`kvcx.codecs.widths`: :class:`WidthCodec` (a bit width per key channel);
 - :mod:`kvcx.codecs.kvconfig`: :class:`KVConfig` (a key and a value codec, the named schemes, plans' layers);
+- :mod:`kvcx.codecs.backends`, :mod:`kvcx.codecs.gpu`: where torch tensors are worked on (the Triton kernels
+  of :mod:`kvcx.codecs._triton` for CUDA tensors, the same bytes as the CPU kernels);
 - :mod:`kvcx.codecs.convert`, :mod:`kvcx.codecs.metrics`, :mod:`kvcx.codecs.runtime`, :mod:`kvcx.codecs.dtypes`.
 """
+from kvcx.codecs import gpu  # noqa: F401  - registers the Triton backend (torch and triton load when used)
 from kvcx.codecs.base import Codec, Layout, Packed, decode, get_codec, register_codec, registered_codecs
 from kvcx.codecs.intcodec import IntCodec
 from kvcx.codecs.kvconfig import KVConfig

@@ -119,7 +119,8 @@ class Codec:
     :meth:`get_config` records), and implements :meth:`layout`, :meth:`encode`, :meth:`decode` and
     :meth:`bits_per_value`. Equality, hashing, ``repr`` (eval-able), the config round trip and
     :meth:`with_threads` come from here. ``n_threads`` is how many threads the codec runs on; it is not
-    part of the config (a file decodes the same on any machine).
+    part of the config (a file decodes the same on any machine), nor is ``backend`` (where torch tensors are
+    worked on: :mod:`kvcx.codecs.backends`; the bytes are the same on every backend).
 
     Facts other layers read instead of testing types: :attr:`has_zeros`, ``sinks`` (exact leading tokens),
     ``format_version`` (the lowest packed-file version that can hold its records), ``takes_weights`` (its
@@ -131,6 +132,7 @@ class Codec:
     format_version: ClassVar[str] = "1"
     takes_weights: ClassVar[bool] = False
     n_threads: Optional[int] = None
+    backend: Optional[str] = None   # where torch tensors are worked on (kvcx.codecs.backends); None: by device
     sinks: int = 0              # leading tokens kept exact (records carry them as ``sinks``)
 
     @property
@@ -151,15 +153,16 @@ class Codec:
         codec_id = config.pop("id", cls.codec_id)
         if codec_id != cls.codec_id:
             raise CodecError(f"codec id {codec_id!r} is not {cls.codec_id!r}; this file was not written by kvcx")
-        known = set(cls.settings) | {"n_threads"}
+        known = set(cls.settings) | {"n_threads", "backend"}
         unknown = set(config) - known
         if unknown:
             raise CodecError(f"unknown codec settings {sorted(unknown)}; known: {sorted(known)}")
         return cls(**config)
 
     def with_threads(self, n_threads: Optional[int]) -> "Codec":
-        """The same codec running on ``n_threads`` threads."""
-        return type(self).from_config({**self.get_config(), "n_threads": n_threads})
+        """The same codec running on ``n_threads`` threads (on the same backend)."""
+        extra = {"backend": self.backend} if self.backend is not None else {}
+        return type(self).from_config({**self.get_config(), "n_threads": n_threads, **extra})
 
     def __eq__(self, other) -> bool:
         return type(other) is type(self) and self.get_config() == other.get_config()

@@ -17,6 +17,7 @@ from typing import Optional
 import numpy as np
 
 from kvcx.codecs import _core
+from kvcx.codecs.backends import backend_for, check_backend
 from kvcx.codecs.base import (
     Codec,
     Layout,
@@ -70,13 +71,17 @@ class IntCodec(Codec):
         (last axis, a power of two) before quantizing; decode applies the inverse.
     sinks: keep the first ``sinks`` tokens (axis -2) of tensors with 2+ dims exact.
     n_threads: OpenMP threads (None = all).
+    backend: where torch tensors are worked on: ``"triton"`` (4 bits; the same bytes as the CPU kernels),
+        ``"cpu"``, or None (by the tensor's device: CUDA tensors go to Triton). NumPy arrays always run on the
+        CPU kernels. Not part of the config.
     """
 
     codec_id = "kvcx.int"
     settings = ("bits", "group_size", "scheme", "axis", "rotate", "sinks")
 
     def __init__(self, group_size: int = 64, scheme: str = "symmetric", bits: int = 4, axis: str = "token",
-                 rotate: bool = False, sinks: int = 0, n_threads: Optional[int] = None):
+                 rotate: bool = False, sinks: int = 0, n_threads: Optional[int] = None,
+                 backend: Optional[str] = None):
         group_size = check_group_size(group_size)
         if not isinstance(scheme, str) or scheme not in SCHEMES:
             raise CodecError(f"scheme {scheme!r} is not supported; use one of {', '.join(SCHEMES)}")
@@ -93,6 +98,7 @@ class IntCodec(Codec):
         self.rotate = bool(rotate)
         self.sinks = check_sinks(sinks)
         self.n_threads = resolve_threads(n_threads) if n_threads is not None else None
+        self.backend = check_backend(backend)
 
     def __repr__(self) -> str:
         return (f"IntCodec(group_size={self.group_size}, scheme={self.scheme!r}, bits={self.bits}, "
@@ -122,7 +128,7 @@ class IntCodec(Codec):
     def fallback(self) -> "IntCodec":
         """These scheme, bits and group size grouped per token, without rotation or sinks: any shape fits."""
         return IntCodec(group_size=self.group_size, scheme=self.scheme, bits=self.bits, axis="token", rotate=False,
-                        sinks=0, n_threads=self.n_threads)
+                        sinks=0, n_threads=self.n_threads, backend=self.backend)
 
     # -- layout ------------------------------------------------------------
     def layout(self, shape: tuple, name: str = "tensor") -> Layout:
@@ -167,6 +173,9 @@ class IntCodec(Codec):
         if weights is not None:
             raise CodecError(f"tensor {name!r}: key weights choose per-channel widths; this codec has one width "
                              "(use --scheme kvcx2w)")
+        backend = backend_for(self, x, name)
+        if backend is not None:
+            return backend.encode(self, self.layout(tuple(x.shape), name), x, out, name)
         x = check_float(x, name)
         lay = self.layout(x.shape, name)
         N, S, D, t0 = lay.N, lay.S, lay.D, lay.t0
@@ -211,6 +220,9 @@ class IntCodec(Codec):
         if t0 != packed.config.get("sinks", 0):
             raise CodecError(f"tensor {name!r}: recorded sinks {packed.config.get('sinks')} do not fit shape "
                              f"{list(lay.shape)}")
+        backend = backend_for(self, packed.codes, name)
+        if backend is not None:
+            return backend.decode(self, lay, packed, out, token_offset, name)
         out, out_S = decode_out(packed, out, token_offset, name)
         codes = np.ascontiguousarray(packed.codes, dtype=np.uint8).reshape(-1)
         scales = np.ascontiguousarray(packed.scales, dtype=np.float16)

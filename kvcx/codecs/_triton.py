@@ -1,0 +1,206 @@
+"""Triton kernels of the integer codec at 4 bits: the GPU twins of the CPU kernels in ``_core.pyx``.
+
+Every kernel writes **the same bytes** as its CPU twin for the same input (codes, FP16 scales and zero
+points, decoded values), so a packed record moves between the CPU and the GPU unchanged. That needs the CPU
+kernels' arithmetic exactly, in the same order:
+
+- group statistics on the float bits as integers (max of ``bits & 0x7fffffff``; min and max of the order keys
+  ``bits ^ ((bits >> 31) & 0x7fffffff)``), so ``-0.0`` and ``+0.0`` are told apart as on the CPU;
+- ``scale = fp16(max|x| / 7)`` or ``fp16((max - min) / 15)``, ``zero = fp16(min)``, round to nearest even;
+- ``code = clamp(rint((x - zero) / scale), qmin, qmax) + off`` with the division correctly rounded
+  (``div_rn``), 0 where the scale is 0; ``rint`` (half to even) as ``(t + 1.5 * 2**23) - 1.5 * 2**23`` on
+  the clamped value, exact for |t| < 2**22 (the clamp bounds are integers, so clamping first is the same);
+- decode ``(q - off) * scale + zero`` as a product then a sum (the launcher turns FP fusion off: an FMA would
+  round once instead of twice), then the inverse rotation, then the output dtype (FP16 saturating at 65504);
+- the Walsh-Hadamard butterflies in the CPU's order (stages h = 1, 2, 4, ... D/2, a + b and a - b, then one
+  product by ``1 / sqrt(D)``).
+
+This module holds kernels only; :mod:`kvcx.codecs.gpu` checks, allocates and launches them. It is imported
+only when a tensor goes to the Triton backend (``triton`` is the ``kvcx[gpu]`` extra). Under
+``TRITON_INTERPRET=1`` Triton's interpreter runs the same kernels on CPU tensors (the tests do).
+"""
+import triton
+import triton.language as tl
+
+# rint by the round-to-nearest-even of an FP32 sum at 2**23 (libdevice's rint does not run in the interpreter)
+_RINT_MAGIC = 12582912.0
+
+
+@triton.jit
+def _fwht_rows(x, T: tl.constexpr, D: tl.constexpr, norm):
+    """The orthonormal Walsh-Hadamard transform of each of the T rows of D values of ``x`` ([T, D])."""
+    for s in tl.static_range(0, D.bit_length() - 1):
+        H: tl.constexpr = 1 << s
+        y = tl.permute(tl.reshape(x, (T, D // (2 * H), 2, H)), (0, 1, 3, 2))
+        a, b = tl.split(y)
+        x = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)), (T, D))
+    return x * norm
+
+
+@triton.jit
+def _group_params(x, valid, axis: tl.constexpr, ASYM: tl.constexpr):
+    """(FP16 scales, FP16 zero points, scales as divisors, keep, zeros as floats) of the groups of ``x``
+    along ``axis`` (values where ``valid`` is false are not part of any group)."""
+    bits = x.to(tl.int32, bitcast=True)
+    if ASYM:
+        key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+        kmin = tl.min(tl.where(valid, key, 0x7FFFFFFF), axis=axis)
+        kmax = tl.max(tl.where(valid, key, -0x7FFFFFFF - 1), axis=axis)
+        lo = (kmin ^ ((kmin >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+        hi = (kmax ^ ((kmax >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+        s16 = tl.math.div_rn(hi - lo, 15.0).to(tl.float16)
+        z16 = lo.to(tl.float16)
+    else:
+        amax = tl.max(tl.where(valid, bits & 0x7FFFFFFF, 0), axis=axis).to(tl.float32, bitcast=True)
+        s16 = tl.math.div_rn(amax, 7.0).to(tl.float16)
+        z16 = tl.zeros_like(s16)
+    scale = s16.to(tl.float32)
+    keep = scale != 0.0
+    return s16, z16, tl.where(keep, scale, 1.0), keep, z16.to(tl.float32)
+
+
+@triton.jit
+def _codes(x, zero, sdiv, keep, valid, ASYM: tl.constexpr):
+    """4-bit codes (int32) of ``x`` with broadcast group parameters; 0 where ``valid`` is false."""
+    if ASYM:
+        t = tl.math.div_rn(x - zero, sdiv)
+        t = tl.minimum(tl.maximum(t, 0.0), 15.0)
+        off = 0
+    else:
+        t = tl.math.div_rn(x, sdiv)
+        t = tl.minimum(tl.maximum(t, -8.0), 7.0)
+        off = 8
+    t = (t + _RINT_MAGIC) - _RINT_MAGIC
+    t = tl.where(keep, t, 0.0)
+    return tl.where(valid, t.to(tl.int32) + off, 0)
+
+
+@triton.jit
+def _pack(code, R: tl.constexpr, C: tl.constexpr):
+    """[R, C] codes (< 16) -> [R, C // 2] bytes, element 2i in the low nibble of byte i."""
+    lo, hi = tl.split(tl.reshape(code, (R, C // 2, 2)))
+    return (lo | (hi << 4)).to(tl.uint8)
+
+
+@triton.jit
+def _unpack(byte, R: tl.constexpr, C: tl.constexpr):
+    """[R, C // 2] bytes -> [R, C] codes as float32."""
+    b = byte.to(tl.int32)
+    return tl.reshape(tl.join(b & 15, b >> 4), (R, C)).to(tl.float32)
+
+
+@triton.jit
+def _dequant(q, scale, zero, ASYM: tl.constexpr):
+    if ASYM:
+        return q * scale + zero
+    return (q - 8.0) * scale
+
+
+@triton.jit
+def _store_out(ptr, y, mask, SAT: tl.constexpr, BF16: tl.constexpr):
+    """Decoded values to the output dtype. FP16: saturating, as the CPU decoder (a finite input never decodes
+    to +-inf). BF16 (``ptr`` an int16 view): round to nearest even on the bits, as kvcx_f2b (the values are
+    finite), so the result does not hang on how a backend converts."""
+    if SAT:
+        y = tl.minimum(tl.maximum(y, -65504.0), 65504.0)
+    if BF16:
+        f = y.to(tl.int32, bitcast=True)
+        tl.store(ptr, (((f + 0x7FFF + ((f >> 16) & 1)) >> 16) & 0xFFFF).to(tl.int16), mask=mask)
+    else:
+        tl.store(ptr, y.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def encode_token_kernel(x_ptr, codes_ptr, scales_ptr, zeros_ptr, S, t0, L, row_bytes, ngroups, norm,
+                        D: tl.constexpr, G: tl.constexpr, R: tl.constexpr, ASYM: tl.constexpr,
+                        ROTATE: tl.constexpr):
+    """Groups of G consecutive values of each slab's tokens [t0, S) (C order): R groups per program.
+    Grid (slabs, cdiv(groups per slab, R)); with ROTATE, R * G is a multiple of D (whole tokens)."""
+    slab = tl.program_id(0)
+    g = tl.program_id(1) * R + tl.arange(0, R)
+    v = g[:, None] * G + tl.arange(0, G)[None, :]
+    valid = v < L
+    base = slab.to(tl.int64) * S * D + t0 * D
+    x = tl.load(x_ptr + base + v, mask=valid, other=0.0).to(tl.float32)
+    if ROTATE:
+        x = tl.reshape(_fwht_rows(tl.reshape(x, (R * G // D, D)), R * G // D, D, norm), (R, G))
+    s16, z16, sdiv, keep, zero = _group_params(x, valid, 1, ASYM)
+    code = _codes(x, zero[:, None], sdiv[:, None], keep[:, None], valid, ASYM)
+    gm = g < ngroups
+    tl.store(scales_ptr + slab.to(tl.int64) * ngroups + g, s16, mask=gm)
+    if ASYM:
+        tl.store(zeros_ptr + slab.to(tl.int64) * ngroups + g, z16, mask=gm)
+    j = g[:, None] * (G // 2) + tl.arange(0, G // 2)[None, :]
+    tl.store(codes_ptr + slab.to(tl.int64) * row_bytes + j, _pack(code, R, G), mask=j * 2 < L)
+
+
+@triton.jit
+def decode_token_kernel(codes_ptr, scales_ptr, zeros_ptr, out_ptr, S, t0, L, row_bytes, ngroups, out_S, out_off,
+                        norm, D: tl.constexpr, G: tl.constexpr, R: tl.constexpr, ASYM: tl.constexpr,
+                        ROTATE: tl.constexpr, SAT: tl.constexpr, BF16: tl.constexpr):
+    """The inverse of encode_token_kernel, into ``out`` seen as (slabs, out_S, D) at token out_off."""
+    slab = tl.program_id(0)
+    g = tl.program_id(1) * R + tl.arange(0, R)
+    gm = g < ngroups
+    j = g[:, None] * (G // 2) + tl.arange(0, G // 2)[None, :]
+    byte = tl.load(codes_ptr + slab.to(tl.int64) * row_bytes + j, mask=j * 2 < L, other=0)
+    scale = tl.load(scales_ptr + slab.to(tl.int64) * ngroups + g, mask=gm, other=0.0).to(tl.float32)
+    zero = tl.zeros_like(scale)
+    if ASYM:
+        zero = tl.load(zeros_ptr + slab.to(tl.int64) * ngroups + g, mask=gm, other=0.0).to(tl.float32)
+    y = _dequant(_unpack(byte, R, G), scale[:, None], zero[:, None], ASYM)
+    if ROTATE:
+        y = tl.reshape(_fwht_rows(tl.reshape(y, (R * G // D, D)), R * G // D, D, norm), (R, G))
+    v = g[:, None] * G + tl.arange(0, G)[None, :]
+    _store_out(out_ptr + slab.to(tl.int64) * out_S * D + (out_off + t0) * D + v, y, v < L, SAT, BF16)
+
+
+@triton.jit
+def encode_channel_kernel(x_ptr, codes_ptr, scales_ptr, zeros_ptr, S, t0, D, row_bytes, nblk, norm,
+                          DP: tl.constexpr, G: tl.constexpr, ASYM: tl.constexpr, ROTATE: tl.constexpr):
+    """Groups of G tokens per channel: one program per (slab, token block), the block's [G, D] values as a
+    [G, DP] tile (DP: D rounded up to a power of two; D = DP when ROTATE)."""
+    slab = tl.program_id(0)
+    blk = tl.program_id(1)
+    i = blk * G + tl.arange(0, G)[:, None]           # token - t0
+    d = tl.arange(0, DP)[None, :]
+    valid = (i < S - t0) & (d < D)
+    base = slab.to(tl.int64) * S * D + t0 * D
+    x = tl.load(x_ptr + base + i * D + d, mask=valid, other=0.0).to(tl.float32)
+    if ROTATE:
+        x = _fwht_rows(x, G, DP, norm)
+    s16, z16, sdiv, keep, zero = _group_params(x, valid, 0, ASYM)
+    code = _codes(x, zero[None, :], sdiv[None, :], keep[None, :], valid, ASYM)
+    dd = tl.arange(0, DP)
+    k = (slab.to(tl.int64) * nblk + blk) * D + dd
+    tl.store(scales_ptr + k, s16, mask=dd < D)
+    if ASYM:
+        tl.store(zeros_ptr + k, z16, mask=dd < D)
+    jb = tl.arange(0, DP // 2)[None, :]
+    tl.store(codes_ptr + slab.to(tl.int64) * row_bytes + (i * D) // 2 + jb, _pack(code, G, DP),
+             mask=(i < S - t0) & (jb * 2 < D))
+
+
+@triton.jit
+def decode_channel_kernel(codes_ptr, scales_ptr, zeros_ptr, out_ptr, S, t0, D, row_bytes, nblk, out_S, out_off,
+                          norm, DP: tl.constexpr, G: tl.constexpr, ASYM: tl.constexpr, ROTATE: tl.constexpr,
+                          SAT: tl.constexpr, BF16: tl.constexpr):
+    """The inverse of encode_channel_kernel, into ``out`` seen as (slabs, out_S, D) at token out_off."""
+    slab = tl.program_id(0)
+    blk = tl.program_id(1)
+    i = blk * G + tl.arange(0, G)[:, None]
+    jb = tl.arange(0, DP // 2)[None, :]
+    byte = tl.load(codes_ptr + slab.to(tl.int64) * row_bytes + (i * D) // 2 + jb,
+                   mask=(i < S - t0) & (jb * 2 < D), other=0)
+    dd = tl.arange(0, DP)
+    k = (slab.to(tl.int64) * nblk + blk) * D + dd
+    scale = tl.load(scales_ptr + k, mask=dd < D, other=0.0).to(tl.float32)
+    zero = tl.zeros_like(scale)
+    if ASYM:
+        zero = tl.load(zeros_ptr + k, mask=dd < D, other=0.0).to(tl.float32)
+    y = _dequant(_unpack(byte, G, DP), scale[None, :], zero[None, :], ASYM)
+    if ROTATE:
+        y = _fwht_rows(y, G, DP, norm)
+    d = dd[None, :]
+    _store_out(out_ptr + slab.to(tl.int64) * out_S * D + (out_off + t0) * D + i * D + d, y,
+               (i < S - t0) & (d < D), SAT, BF16)

@@ -1,0 +1,216 @@
+"""The integer codec on torch tensors through Triton kernels (:mod:`kvcx.codecs._triton`): checks,
+allocation, launches and errors, as :mod:`kvcx.codecs.intcodec` does for the CPU kernels.
+
+A CUDA tensor reaches this backend by itself (``IntCodec().encode(x_cuda)``); ``IntCodec(backend="triton")``
+forces it for a tensor on any device (Triton's interpreter, ``TRITON_INTERPRET=1``, runs it on CPU tensors).
+The record it returns holds torch tensors on the input's device, with **the bytes the CPU kernels write**
+for the same input: :func:`to_host` and :func:`to_device` move records between NumPy and a device unchanged.
+4-bit codes, per-token or per-channel groups, zero points, sinks and the Hadamard rotation (the default and
+reference schemes); other widths stay on the CPU backend. torch and triton are imported when first used.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import numpy as np
+
+from kvcx.codecs.backends import is_tensor, register_backend
+from kvcx.codecs.base import Packed
+from kvcx.codecs.dtypes import BFLOAT16
+from kvcx.codecs.runtime import check_status
+from kvcx.errors import CodecError
+
+# values a program of the Triton kernels quantizes at least (whole groups; whole tokens when rotating)
+PROGRAM_VALUES = 1024
+_TORCH_DTYPES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32"}
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+def _kernels():
+    try:
+        from kvcx.codecs import _triton
+    except ImportError as exc:  # triton is the kvcx[gpu] extra
+        raise CodecError("the Triton backend needs triton: pip install 'kvcx[gpu]' (or pass backend='cpu')") from exc
+    return _triton
+
+
+def dtype_name_of(x) -> Optional[str]:
+    """'F16' / 'BF16' / 'F32' for a torch float tensor the kernels take, else None."""
+    torch = _torch()
+    return {torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32"}.get(x.dtype)
+
+
+def _status(x, t0: int, scales, zeros, sinks_ok: bool) -> int:
+    """The kvcx_status bits of an encode (checked on the device; the tensor is copied to the host only to say
+    what is wrong with it)."""
+    from kvcx.codecs import _core
+
+    torch = _torch()
+    if not sinks_ok or not bool(torch.isfinite(scales).all()) or (zeros is not None and not bool(torch.isfinite(zeros).all())):
+        return _core.STATUS_NONFINITE if not bool(torch.isfinite(x).all()) else _core.STATUS_SCALE_OVERFLOW
+    return _core.STATUS_OK
+
+
+def _norm(D: int) -> float:
+    """1 / sqrt(D) as the CPU kernels compute it (a float division in double of 1 by the float sqrtf(D))."""
+    return float(np.float32(1.0 / float(np.sqrt(np.float32(D)))))
+
+
+def _programs(codec, lay) -> tuple:
+    """(kernel arguments common to encode and decode, grid) for a layout."""
+    G, D, S, t0, N = codec.group_size, lay.D, lay.S, lay.t0, lay.N
+    row_bytes = ((S - t0) * D * 4 + 7) // 8
+    if codec.axis == "token":
+        L = (S - t0) * D
+        ngroups = -(-L // G)
+        R = max(PROGRAM_VALUES, D if codec.rotate else 1) // G
+        R = 1 << max(0, (R - 1).bit_length())
+        return dict(S=S, t0=t0, L=L, row_bytes=row_bytes, ngroups=ngroups), (N, -(-ngroups // R)), \
+            dict(D=D, G=G, R=R)
+    nblk = -(-(S - t0) // G)
+    return dict(S=S, t0=t0, D=D, row_bytes=row_bytes, nblk=nblk), (N, nblk), \
+        dict(DP=1 << (D - 1).bit_length(), G=G)
+
+
+@register_backend("kvcx.int", "triton")
+class TritonIntBackend:
+    """:class:`~kvcx.codecs.intcodec.IntCodec`'s encode and decode in Triton (4 bits)."""
+
+    name = "triton"
+
+    def check(self, codec, name: str) -> None:
+        if codec.bits != 4:
+            raise CodecError(f"tensor {name!r}: the Triton backend runs 4-bit codecs; {codec.bits}-bit codes run on "
+                             "the CPU (pass backend='cpu' and a CPU tensor)")
+
+    def encode(self, codec, lay, x, out: Optional[Packed], name: str) -> Packed:
+        self.check(codec, name)
+        torch, k = _torch(), _kernels()
+        dt = dtype_name_of(x)
+        if dt is None:
+            raise CodecError(f"tensor {name!r} has dtype {x.dtype}; kvcx handles float16, bfloat16 and float32 "
+                             "(cast it with .float() first)")
+        x = x.detach().contiguous()
+        dev = x.device
+        if out is not None:
+            raise CodecError(f"tensor {name!r}: out= records are for NumPy arrays; the Triton backend allocates "
+                             "its record on the tensor's device")
+        codes = torch.empty(lay.codes_nbytes, dtype=torch.uint8, device=dev)
+        scales = torch.empty(lay.scale_shape, dtype=torch.float16, device=dev)
+        zeros = torch.empty(lay.scale_shape, dtype=torch.float16, device=dev) if codec.asym else None
+        N, S, D, t0 = lay.N, lay.S, lay.D, lay.t0
+        x3 = x.view(N, S, D)
+        if S > t0:
+            args, grid, const = _programs(codec, lay)
+            zp = zeros if zeros is not None else scales
+            if codec.axis == "token":
+                k.encode_token_kernel[grid](x3, codes, scales, zp, **args, norm=_norm(D), ASYM=codec.asym,
+                                            ROTATE=codec.rotate, **const)
+            else:
+                k.encode_channel_kernel[grid](x3, codes, scales, zp, **args, norm=_norm(D), ASYM=codec.asym,
+                                              ROTATE=codec.rotate, **const)
+        sinks = x3[:, :t0, :].clone().view(*lay.shape[:-2], t0, D) if t0 else None
+        status = _status(x, t0, scales, zeros, sinks is None or bool(torch.isfinite(sinks).all()))
+        if status:
+            check_status(status, name, x.float().cpu().numpy())
+        cfg = codec.get_config()
+        cfg["sinks"] = t0
+        return Packed(codes=codes, scales=scales, zeros=zeros, sinks=sinks, shape=lay.shape, dtype=dt, config=cfg,
+                      meta={"partial_group": lay.partial_group})
+
+    def decode(self, codec, lay, packed: Packed, out, token_offset: int, name: str):
+        self.check(codec, name)
+        torch, k = _torch(), _kernels()
+        codes, scales, zeros = packed.codes, packed.scales, packed.zeros
+        dev = codes.device
+        if not all(is_tensor(a) and a.device == dev for a in (scales, zeros if codec.asym else scales)):
+            raise CodecError(f"tensor {name!r}: its codes, scales and zero points must be torch tensors on one device "
+                             "(move the record with kvcx.codecs.gpu.to_device)")
+        N, S, D, t0 = lay.N, lay.S, lay.D, lay.t0
+        if codes.dtype != torch.uint8 or codes.numel() != lay.codes_nbytes:
+            raise CodecError(f"tensor {name!r}: expected {lay.codes_nbytes} bytes of packed codes (uint8), got "
+                             f"{codes.numel()} {codes.dtype}")
+        if scales.dtype != torch.float16 or scales.numel() != math.prod(lay.scale_shape):
+            raise CodecError(f"tensor {name!r}: expected {math.prod(lay.scale_shape)} FP16 scales, got "
+                             f"{scales.numel()} {scales.dtype}")
+        if codec.asym and (zeros is None or zeros.dtype != torch.float16 or zeros.numel() != scales.numel()):
+            raise CodecError(f"tensor {name!r}: the asymmetric scheme needs {scales.numel()} FP16 zero points")
+        finite = bool(torch.isfinite(scales).all()) and bool((scales >= 0).all()) and \
+            (not codec.asym or bool(torch.isfinite(zeros).all()))
+        if not finite:
+            raise CodecError(f"tensor {name!r}: its scales or zero points hold NaN/Inf or negative scales, which no "
+                             "kvcx encoder writes; the data is damaged: encode it again")
+        want = getattr(torch, _TORCH_DTYPES[packed.dtype])
+        if out is None:
+            if token_offset:
+                raise CodecError("token_offset needs an out= tensor")
+            out = torch.empty(lay.shape, dtype=want, device=dev)
+        ok = is_tensor(out) and out.dtype == want and out.device == dev and out.is_contiguous() and \
+            out.dim() == len(lay.shape) and tuple(out.shape[:-2]) == lay.shape[:-2] and out.shape[-1] == D and \
+            0 <= token_offset and token_offset + S <= out.shape[-2]
+        if not ok:
+            raise CodecError(f"tensor {name!r}: out must be a contiguous {want} tensor on {dev} of shape "
+                             f"{list(lay.shape)} (or longer on axis -2 with token_offset)")
+        out3 = out.view(N, out.shape[-2] if len(lay.shape) >= 2 else 1, D)
+        if t0:
+            sinks = packed.sinks
+            if sinks is None or not is_tensor(sinks) or sinks.numel() != N * t0 * D:
+                raise CodecError(f"tensor {name!r}: {t0} exact sink tokens are recorded but their values are missing")
+            if not bool(torch.isfinite(sinks).all()):
+                raise CodecError(f"tensor {name!r}: its exact sink tokens hold NaN/Inf, which no kvcx encoder writes; "
+                                 "the data is damaged: encode it again")
+            out3[:, token_offset:token_offset + t0, :] = sinks.reshape(N, t0, D).to(device=dev, dtype=want)
+        if S > t0:
+            args, grid, const = _programs(codec, lay)
+            zp = zeros if codec.asym else scales
+            kern = k.decode_token_kernel if codec.axis == "token" else k.decode_channel_kernel
+            dst = out3.view(torch.int16) if packed.dtype == "BF16" else out3
+            kern[grid](codes, scales, zp, dst, **args, out_S=out3.shape[1], out_off=token_offset, norm=_norm(D),
+                       ASYM=codec.asym, ROTATE=codec.rotate, SAT=packed.dtype == "F16", BF16=packed.dtype == "BF16",
+                       **const, enable_fp_fusion=False)
+        return out
+
+
+def _np_to_torch(a, device):
+    torch = _torch()
+    if a is None:
+        return None
+    a = np.ascontiguousarray(a)
+    if BFLOAT16 is not None and a.dtype == BFLOAT16:
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16).to(device)
+    return torch.from_numpy(a).to(device)
+
+
+def _torch_to_np(t):
+    torch = _torch()
+    if t is None:
+        return None
+    t = t.detach().cpu().contiguous()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(BFLOAT16)
+    return t.numpy()
+
+
+def to_device(packed: Packed, device) -> Packed:
+    """The same record with its arrays as torch tensors on ``device`` (bytes unchanged; arrays already there
+    are shared, not copied)."""
+    fields = {f: (_np_to_torch(getattr(packed, f), device) if not is_tensor(getattr(packed, f))
+                  else getattr(packed, f).to(device)) if getattr(packed, f) is not None else None
+              for f in ("codes", "scales", "zeros", "sinks")}
+    return Packed(**fields, shape=tuple(packed.shape), dtype=packed.dtype, config=dict(packed.config),
+                  meta=dict(packed.meta))
+
+
+def to_host(packed: Packed) -> Packed:
+    """The same record with its arrays as NumPy arrays (what the formats write; bytes unchanged; CPU tensors
+    are shared, not copied)."""
+    fields = {f: _torch_to_np(getattr(packed, f)) if is_tensor(getattr(packed, f)) else getattr(packed, f)
+              for f in ("codes", "scales", "zeros", "sinks")}
+    return Packed(**fields, shape=tuple(packed.shape), dtype=packed.dtype, config=dict(packed.config),
+                  meta=dict(packed.meta))

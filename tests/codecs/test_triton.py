@@ -1,0 +1,157 @@
+"""The Triton backend of the integer codec: the same bytes as the CPU kernels, both ways, and its errors.
+
+Without a GPU (CI) Triton's interpreter runs the kernels on CPU tensors (tests/conftest.py sets
+TRITON_INTERPRET=1); with one they run on it. Nothing here is skipped for lack of a GPU.
+"""
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from kvcx.codecs import IntCodec, KVConfig
+from kvcx.codecs.gpu import to_device, to_host
+from kvcx.errors import CodecError
+
+from helpers import keys_like, random_array
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+SETTINGS = [
+    dict(scheme="symmetric"),                                           # the reference design
+    dict(scheme="asymmetric"),
+    dict(scheme="symmetric", rotate=True, sinks=1),                     # the default's values
+    dict(scheme="asymmetric", axis="channel", sinks=1),                 # the default's keys
+    dict(scheme="symmetric", axis="channel", group_size=32),
+    dict(scheme="asymmetric", axis="channel", rotate=True, sinks=3),
+    dict(scheme="symmetric", group_size=128, rotate=True),              # groups of two tokens
+    dict(scheme="asymmetric", group_size=16, rotate=True, sinks=2),     # four groups per token
+]
+# odd lengths, partial groups (token and channel), a head dim that is not a power of two, sinks > tokens
+SHAPES = [(2, 3, 37, 64), (1, 2, 100, 32), (3, 130, 64), (1, 1, 1, 64)]
+DTYPES = [np.float32, np.float16, "bfloat16"]
+
+
+def _bits(a):
+    a = np.ascontiguousarray(a)
+    return a.view(np.uint8) if a.dtype.itemsize == 1 else a.view(f"u{a.dtype.itemsize}")
+
+
+def _same_record(cpu, gpu):
+    host = to_host(gpu)
+    assert host.shape == cpu.shape and host.dtype == cpu.dtype and host.config == cpu.config
+    assert np.array_equal(cpu.codes, host.codes)
+    assert np.array_equal(_bits(cpu.scales), _bits(host.scales))
+    assert (cpu.zeros is None) == (host.zeros is None)
+    if cpu.zeros is not None:
+        assert np.array_equal(_bits(cpu.zeros), _bits(host.zeros))
+    if cpu.sinks is not None:
+        assert np.array_equal(_bits(cpu.sinks), _bits(host.sinks))
+
+
+def _check(settings, x):
+    """x (NumPy) through the CPU kernels and (as a tensor) through Triton: records and decoded values equal
+    bit for bit, and each side decodes the other's record to the same bits."""
+    cpu_codec, tri_codec = IntCodec(**settings), IntCodec(**settings, backend="triton")
+    cpu = cpu_codec.encode(x)
+    gpu = tri_codec.encode(_as_tensor(x))
+    _same_record(cpu, gpu)
+    y = cpu_codec.decode(cpu)
+    assert np.array_equal(_bits(y), _bits(_numpy(tri_codec.decode(gpu))))
+    assert np.array_equal(_bits(y), _bits(_numpy(tri_codec.decode(to_device(cpu, DEVICE)))))
+    assert np.array_equal(_bits(y), _bits(cpu_codec.decode(to_host(gpu))))
+
+
+def _as_tensor(x):
+    x = np.ascontiguousarray(x)
+    if x.dtype.name == "bfloat16":
+        return torch.from_numpy(x.view(np.int16)).view(torch.bfloat16).to(DEVICE)
+    return torch.from_numpy(x).to(DEVICE)
+
+
+def _numpy(t):
+    t = t.cpu()
+    if t.dtype == torch.bfloat16:
+        from kvcx.codecs.dtypes import BFLOAT16
+
+        return t.view(torch.int16).numpy().view(BFLOAT16)
+    return t.numpy()
+
+
+@pytest.mark.parametrize("settings", SETTINGS, ids=lambda s: "-".join(f"{k}={v}" for k, v in s.items()))
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_same_bytes_as_the_cpu_kernels(settings, shape):
+    if IntCodec(**settings).supports(shape):
+        _check(settings, keys_like(shape, seed=len(shape) + shape[-2]))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("settings", [SETTINGS[0], SETTINGS[2], SETTINGS[3]], ids=["reference", "values", "keys"])
+def test_same_bytes_for_every_dtype(dtype, settings):
+    from kvcx.codecs.dtypes import BFLOAT16
+
+    x = random_array((2, 2, 45, 64), np.float32, seed=3, outlier_channels=2)
+    x[0, 0, 5, :] = 0.0                   # a token of zeros (scale 0 groups in token mode)
+    x[1, 1, :, 7] = -0.0                  # a channel of negative zeros (min/max of order keys)
+    x = x.astype(BFLOAT16 if dtype == "bfloat16" else dtype)
+    _check(settings, x)
+
+
+def test_real_cache_data_through_the_default_scheme(loaded):
+    """Keys and values of the embedded model (37 tokens: partial channel groups) under kvcx's default scheme."""
+    model, tok, _ = loaded
+    ids = tok("The quick brown fox jumps over the lazy dog. " * 4, return_tensors="pt").input_ids[:, :37]
+    with torch.no_grad():
+        cache = model(ids, use_cache=True).past_key_values
+    cfg = KVConfig.from_scheme("kvcx")
+    for layer in (0, len(cache.layers) // 2):
+        for which, codec in (("keys", cfg.key), ("values", cfg.value)):
+            x = getattr(cache.layers[layer], which).float().numpy()
+            _check(_settings(codec), x)
+
+
+def _settings(codec):
+    return {k: v for k, v in codec.get_config().items() if k != "id"}
+
+
+def test_decode_into_a_longer_tensor_at_an_offset():
+    x = keys_like((1, 2, 40, 64), seed=5)
+    codec = IntCodec(scheme="asymmetric", axis="channel", sinks=1, backend="triton")
+    p = codec.encode(_as_tensor(x))
+    out = torch.full((1, 2, 100, 64), 7.0, device=DEVICE)
+    codec.decode(p, out=out, token_offset=30)
+    want = IntCodec(scheme="asymmetric", axis="channel", sinks=1).decode(IntCodec(scheme="asymmetric", axis="channel", sinks=1).encode(x))
+    assert np.array_equal(out[:, :, 30:70].cpu().numpy(), want)
+    assert bool((out[:, :, :30] == 7).all()) and bool((out[:, :, 70:] == 7).all())
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")   # the interpreter's FP16 scale
+def test_errors_name_the_tensor_and_the_fix():
+    codec = IntCodec(backend="triton")
+    bad = torch.ones(2, 8, 64, device=DEVICE)
+    bad[1, 3, 5] = float("nan")
+    with pytest.raises(CodecError, match=r"'k'.*1 NaN/Inf"):
+        codec.encode(bad, name="k")
+    with pytest.raises(CodecError, match="too large for FP16 scales"):
+        codec.encode(torch.full((2, 8, 64), 1e6, device=DEVICE), name="k")
+    with pytest.raises(CodecError, match="4-bit codecs"):
+        IntCodec(bits=3, backend="triton").encode(torch.ones(2, 8, 64, device=DEVICE), name="k")
+    with pytest.raises(CodecError, match="dtype torch.int32"):
+        codec.encode(torch.ones(2, 8, 64, dtype=torch.int32, device=DEVICE), name="k")
+    with pytest.raises(CodecError, match="backend 'gpu' is not supported"):
+        IntCodec(backend="gpu")
+    p = codec.encode(torch.ones(2, 8, 64, device=DEVICE))
+    damaged = to_device(to_host(p), DEVICE)
+    damaged = type(p)(**{**damaged.__dict__, "scales": damaged.scales.clone()})
+    damaged.scales[0, 0] = float("inf")
+    with pytest.raises(CodecError, match="damaged"):
+        codec.decode(damaged, name="k")
+    with pytest.raises(CodecError, match="out must be"):
+        codec.decode(p, out=torch.empty(2, 8, 63, device=DEVICE))
+
+
+def test_backend_is_not_part_of_the_config():
+    codec = IntCodec(scheme="asymmetric", backend="triton")
+    assert codec.get_config() == IntCodec(scheme="asymmetric").get_config()
+    assert codec.with_threads(1).backend == "triton"
+    # a NumPy array always runs on the CPU kernels, whatever the codec names
+    assert isinstance(codec.encode(np.ones((4, 64), np.float32)).codes, np.ndarray)
