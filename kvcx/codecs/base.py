@@ -164,6 +164,11 @@ class Codec:
         extra = {"backend": self.backend} if self.backend is not None else {}
         return type(self).from_config({**self.get_config(), "n_threads": n_threads, **extra})
 
+    def with_backend(self, backend: Optional[str]) -> "Codec":
+        """The same codec working torch tensors on ``backend`` (None: by the tensor's device)."""
+        extra = {"n_threads": self.n_threads} if self.n_threads is not None else {}
+        return type(self).from_config({**self.get_config(), "backend": backend, **extra})
+
     def __eq__(self, other) -> bool:
         return type(other) is type(self) and self.get_config() == other.get_config()
 

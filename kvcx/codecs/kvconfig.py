@@ -427,6 +427,13 @@ class KVConfig:
                         variants=tuple((n, c.with_threads(n_threads)) for n, c in self.variants),
                         key_weights=self.key_weights)
 
+    def with_backend(self, backend: Optional[str]) -> "KVConfig":
+        """This config with its codecs working torch tensors on ``backend`` (see kvcx.codecs.backends)."""
+        return KVConfig(key=self.key.with_backend(backend), value=self.value.with_backend(backend),
+                        scheme=self.scheme, layer_bits=self.layer_bits,
+                        variants=tuple((n, c.with_backend(backend)) for n, c in self.variants),
+                        key_weights=self.key_weights)
+
     def for_layer(self, layer: Optional[int]) -> "KVConfig":
         """This config with the key and value bits of ``layer`` (no per-layer widths left)."""
         for L, kb, vb in self.layer_bits:

@@ -42,7 +42,9 @@ from typing import Optional
 
 import numpy as np
 
+from kvcx.codecs.backends import is_tensor
 from kvcx.codecs.base import Packed
+from kvcx.codecs.gpu import dtype_name_of, to_device, to_host
 from kvcx.codecs.dtypes import DTYPE_NAMES, dtype_name, is_int, numpy_dtype
 from kvcx.codecs.intcodec import IntCodec
 from kvcx.codecs.kvconfig import KVConfig
@@ -155,7 +157,7 @@ class ChunkCodec:
         view = (L, T * H, self.head_dim) if codec.rotate else (L, T, HD)
         if codec.rotate and codec.sinks:
             codec = IntCodec.from_config({**codec.get_config(), "sinks": min(codec.sinks, T) * H,
-                                          "n_threads": codec.n_threads})
+                                          "n_threads": codec.n_threads, "backend": codec.backend})
         lay = codec.layout(view, "chunk")
         off = start
         codes = (off, lay.codes_nbytes)
@@ -182,10 +184,10 @@ class ChunkCodec:
         if k not in self._stored_cache:
             if len(self._stored_cache) > 16:
                 self._stored_cache.clear()
-            n = self.config.value.n_threads
-            self._stored_cache[k] = ChunkCodec(KVConfig(key=hdr["key"].with_threads(n),
-                                                        value=hdr["value"].with_threads(n), scheme="stored"),
-                                               hdr["head_dim"])
+            n, b = self.config.value.n_threads, self.config.value.backend
+            self._stored_cache[k] = ChunkCodec(KVConfig(key=hdr["key"].with_threads(n).with_backend(b),
+                                                        value=hdr["value"].with_threads(n).with_backend(b),
+                                                        scheme="stored"), hdr["head_dim"])
         return self._stored_cache[k]
 
     def _kinds(self, shape, itemsize: int):
@@ -209,17 +211,20 @@ class ChunkCodec:
         return self._kinds(shape, numpy_dtype(name).itemsize)[1].end
 
     # -- encode -------------------------------------------------------------------
-    def encode_into(self, chunk: np.ndarray, out: np.ndarray, where: str = "chunk",
-                    key: Optional[bytes] = None) -> int:
+    def encode_into(self, chunk, out: np.ndarray, where: str = "chunk", key: Optional[bytes] = None) -> int:
         """Serialize ``chunk`` into the uint8 buffer ``out``; returns the bytes written. ``key``: the store key it
-        is written under (bytes), which reading it under another key then refuses."""
-        name = dtype_name(chunk.dtype)
+        is written under (bytes), which reading it under another key then refuses. ``chunk``: a NumPy array, or
+        a torch tensor, encoded where its codecs' backend works (a CUDA chunk on the GPU: only the packed
+        sections travel to ``out``, with the bytes the CPU kernels would write)."""
+        on_device = is_tensor(chunk)
+        name = dtype_name_of(chunk) if on_device else dtype_name(chunk.dtype)
         if name is None:
             raise CodecError(f"{where}: dtype {chunk.dtype} is not bfloat16, float16 or float32")
         shape = self._check_shape(chunk.shape, where)
-        if not chunk.flags.c_contiguous:
+        if not (chunk.is_contiguous() if on_device else chunk.flags.c_contiguous):
             raise CodecError(f"{where}: the chunk must be C-contiguous")
-        ks, vs = self._kinds(shape, chunk.dtype.itemsize)
+        dtype = numpy_dtype(name)
+        ks, vs = self._kinds(shape, dtype.itemsize)
         total = vs.end
         if out.dtype != np.uint8 or out.ndim != 1 or not out.flags.c_contiguous or not out.flags.writeable \
                 or out.size < total:
@@ -228,7 +233,10 @@ class ChunkCodec:
         buf = out[:total]
         for sec, x in ((ks, chunk[0]), (vs, chunk[1])):
             # the codec straight into the buffer's sections: every size was checked when they were laid out
-            sec.codec.encode(x.reshape(sec.view), out=sec.record(buf, chunk.dtype), name=where)
+            if on_device:
+                _copy_record(to_host(sec.codec.encode(x.reshape(sec.view), name=where)), sec.record(buf, dtype))
+            else:
+                sec.codec.encode(x.reshape(sec.view), out=sec.record(buf, dtype), name=where)
             for part in (sec.codes, sec.scales, sec.zeros, sec.sinks):  # the padding too: the same chunk
                 if part:                                                 # gives the same bytes in any buffer
                     buf[part[0] + part[1]:_pad8(part[0] + part[1])] = 0
@@ -246,23 +254,24 @@ class ChunkCodec:
         return (c.bits, int(c.asym), _AXES[c.axis], int(c.rotate), c.group_size, 0, c.sinks)
 
     # -- decode -------------------------------------------------------------------
-    def decode_into(self, data: np.ndarray, out: np.ndarray, where: str = "chunk",
-                    key: Optional[bytes] = None) -> None:
+    def decode_into(self, data: np.ndarray, out, where: str = "chunk", key: Optional[bytes] = None) -> None:
         """Decode a serialized chunk into ``out`` (the chunk's shape and dtype). Anything that is not a
         chunk this codec's format describes exactly (foreign bytes, a damaged buffer, another shape or
         dtype, a chunk bound to another ``key``) raises :class:`FormatError`; ``out`` is then not fully
-        written."""
+        written. ``out`` may be a torch tensor: the packed sections go to its device and are decoded there."""
         hdr = read_header(data, where)
-        name = dtype_name(out.dtype)
-        if name is None or not out.flags.c_contiguous or not out.flags.writeable:
+        on_device = is_tensor(out)
+        name = dtype_name_of(out) if on_device else dtype_name(out.dtype)
+        if name is None or not (out.is_contiguous() if on_device else out.flags.c_contiguous and out.flags.writeable):
             raise CodecError(f"{where}: the destination must be a writeable C-contiguous bfloat16/float16/float32 "
                              f"array, got {out.dtype}")
+        dtype = numpy_dtype(name)
         shape = (2, hdr["layers"], hdr["tokens"], hdr["kv_heads"] * hdr["head_dim"])
         if tuple(out.shape) != shape or hdr["dtype"] != name:
             raise FormatError(f"{where}: the stored chunk is {hdr['dtype']} {list(shape)}, the destination is "
                               f"{name} {list(out.shape)}; it was written for another model or layout")
         try:
-            ks, vs = self._stored(hdr)._kinds(shape, out.dtype.itemsize)
+            ks, vs = self._stored(hdr)._kinds(shape, dtype.itemsize)
         except CodecError as exc:
             raise FormatError(f"{where}: the chunk header describes settings kvcx cannot decode ({exc})") from None
         if vs.end - HEADER_BYTES != hdr["payload"] or data.size < vs.end:
@@ -275,14 +284,23 @@ class ChunkCodec:
             raise FormatError(f"{where}: the chunk was written under another key (a valid chunk in the wrong place); "
                               "it is not this key's data")
         for sec, dst in ((ks, out[0]), (vs, out[1])):
-            packed = sec.record(body, out.dtype)
+            packed = sec.record(body, dtype)
             for part in (packed.scales, packed.zeros):
                 if part is not None and not np.isfinite(part).all():
                     raise FormatError(f"{where}: the chunk holds non-finite scales; it is damaged")
+            if on_device:
+                packed = to_device(packed, out.device)
             try:   # the codec refuses every parameter an encoder could not have written
                 sec.codec.decode(packed, out=dst.reshape(sec.view), name=where)
             except CodecError as exc:
                 raise FormatError(f"{where}: the chunk is damaged ({exc})") from None
+
+
+def _copy_record(src: Packed, dst: Packed) -> None:
+    """A record's arrays into another's buffers of the same sizes (a device-encoded record into its sections)."""
+    for a, b in ((src.codes, dst.codes), (src.scales, dst.scales), (src.zeros, dst.zeros), (src.sinks, dst.sinks)):
+        if b is not None:
+            b.reshape(-1).view(np.uint8)[...] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
 
 
 def read_header(data: np.ndarray, where: str = "chunk") -> dict:

@@ -10,8 +10,12 @@ then, in an L2 adapter's config::
 
 Options (all optional but ``head_dim`` when the model's head size is not 64): ``scheme`` (kvcx,
 reference, symmetric, asymmetric, kivi), ``group_size``, ``bits``, ``sinks``, ``rotate``, ``head_dim``,
-``threads`` (OpenMP threads per chunk; default all cores) and ``max_workers`` (LMCache's serde
-worker threads, default 1).
+``threads`` (OpenMP threads per chunk; default all cores), ``max_workers`` (LMCache's serde
+worker threads, default 1) and ``backend`` (``"triton"`` or ``"cpu"``; default: by where the chunk lives).
+
+A chunk that lives on the GPU (a CUDA memory object) is encoded and decoded there by the Triton kernels:
+only its packed sections cross to the host buffer (or back), never the uncompressed chunk, and the bytes
+are the ones the CPU kernels write, so a chunk written on the GPU decodes on the CPU and back, bit for bit.
 
 Each chunk is bound to the store key LMCache writes it under: a valid chunk read under another key (a
 mix-up in the store no checksum sees) fails the load instead of returning another chunk's tensor.
@@ -23,8 +27,8 @@ buffer; ``deserialize`` decodes straight into the destination object. The size i
 magic, a wire version, its shape, dtype and codec settings and a CRC-32 (see :mod:`kvcx.formats.chunk`), so
 it always decodes with what wrote it, and a foreign or damaged payload is refused with an error.
 
-Needs ``lmcache==0.5.6`` and torch (``pip install kvcx[lmcache]``); torch is used only to view
-memory objects' buffers, never for math.
+Needs ``lmcache==0.5.6`` and torch (``pip install kvcx[lmcache]``; ``kvcx[gpu]`` for the Triton kernels);
+torch is used only to view memory objects' buffers, never for math.
 """
 from __future__ import annotations
 
@@ -49,7 +53,7 @@ except ImportError as exc:  # pragma: no cover - exercised without the extra ins
                     "pip install torch==2.13.0 lmcache==0.5.6 (or kvcx[lmcache])") from None
 
 SERDE_NAME = "kvcx"
-_OPTIONS = {"scheme", "group_size", "bits", "sinks", "rotate", "head_dim", "threads", "max_workers"}
+_OPTIONS = {"scheme", "group_size", "bits", "sinks", "rotate", "head_dim", "threads", "max_workers", "backend"}
 _TORCH_TO_NUMPY = {torch.float32: np.dtype(np.float32), torch.float16: np.dtype(np.float16),
                    torch.bfloat16: BFLOAT16}
 
@@ -84,6 +88,7 @@ def chunk_codec_from_options(options: dict) -> tuple:
         cfg = KVConfig.from_scheme(scheme, group_size=_int_option(options, "group_size", 1, 1 << 16),
                                    bits=_int_option(options, "bits", 1, 64), sinks=_int_option(options, "sinks", 0, 2 ** 31 - 1),
                                    rotate=rotate, n_threads=_int_option(options, "threads", 1, 1024))
+        cfg = cfg.with_backend(options.get("backend"))
         codec = ChunkCodec(cfg, head_dim=_int_option(options, "head_dim", 1, 65535, default=64))
     except KvcxError as exc:
         raise KvcxSerdeError(f"kvcx serde options: {exc}") from None
@@ -108,10 +113,20 @@ def _bytes_of(obj: MemoryObj, where: str) -> np.ndarray:
     return t.view(torch.uint8).reshape(-1).numpy()
 
 
-def _kv_view(obj: MemoryObj, where: str) -> np.ndarray:
+def _kv_view(obj: MemoryObj, where: str, backend: Optional[str] = None):
+    """The chunk as a NumPy view of a CPU memory object, or as a torch view (no copy) where it lives on a
+    device or the serde's backend is Triton (then the codecs work it there)."""
     shapes = obj.get_shapes() if obj.meta.shapes is not None else [obj.get_shape()]
     dtypes = obj.get_dtypes() if obj.meta.dtypes is not None else [obj.get_dtype()]
     shape, dtype = _layout_of(shapes, dtypes, where)
+    t = obj.tensor
+    if t is not None and (t.device.type != "cpu" or backend == "triton"):
+        if not t.is_contiguous():
+            raise KvcxSerdeError(f"{where}: the memory object's tensor is not contiguous")
+        flat, n = t.view(torch.uint8).reshape(-1), int(np.prod(shape)) * dtype.itemsize
+        if flat.numel() < n:
+            raise KvcxSerdeError(f"{where}: the memory object holds {flat.numel()} bytes, its layout needs {n}")
+        return flat[:n].view(dtypes[0]).view(shape)
     raw = _bytes_of(obj, where)
     n = int(np.prod(shape)) * dtype.itemsize
     if raw.size < n:
@@ -141,7 +156,8 @@ class KvcxSerializer(Serializer):
 
     def serialize(self, src: MemoryObj, dst: MemoryObj, key: ObjectKey) -> int:
         where = _where(key)
-        return self.codec.encode_into(_kv_view(src, where), _bytes_of(dst, where), where, key=key_bytes(key))
+        chunk = _kv_view(src, where, self.codec.config.value.backend)
+        return self.codec.encode_into(chunk, _bytes_of(dst, where), where, key=key_bytes(key))
 
     def estimate_serialized_size(self, layout_desc: MemoryLayoutDesc) -> int:
         shape, dtype = _layout_of(layout_desc.shapes, layout_desc.dtypes, "layout")
@@ -156,7 +172,8 @@ class KvcxDeserializer(Deserializer):
 
     def deserialize(self, src: MemoryObj, dst: MemoryObj, key: ObjectKey) -> None:
         where = _where(key)
-        self.codec.decode_into(_bytes_of(src, where), _kv_view(dst, where), where, key=key_bytes(key))
+        out = _kv_view(dst, where, self.codec.config.value.backend)
+        self.codec.decode_into(_bytes_of(src, where), out, where, key=key_bytes(key))
 
 
 def create_serde(options: dict) -> SerdeProcessor:

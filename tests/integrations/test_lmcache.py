@@ -83,6 +83,31 @@ def test_serializer_pair_equals_kvcx_compress(chunks):
 
 
 @pytest.mark.model
+def test_the_triton_kernels_write_and_read_the_cpu_chunk(chunks):
+    """The serde on the Triton backend (as a chunk on a GPU takes; here Triton's interpreter on the CPU when
+    there is none): the same wire bytes as the CPU kernels, and each side decodes the other's chunk bit for bit.
+    A slice of a real chunk (4 layers x 64 tokens): the interpreter is slow."""
+    from kvcx.integrations.lmcache import KvcxDeserializer, KvcxSerializer, chunk_codec_from_options
+
+    x = np.ascontiguousarray(chunks[0][:, :4, :64])
+    tri = chunk_codec_from_options({"backend": "triton"})[0]
+    n = KvcxSerializer().estimate_serialized_size(ls.layout(x.shape))
+    on_cpu, on_gpu = np.zeros(n, np.uint8), np.full(n, 0xAB, np.uint8)
+    assert KvcxSerializer().serialize(ls.memobj(x), ls.memobj(on_cpu), ls.key(3)) == n
+    assert KvcxSerializer(tri).serialize(ls.memobj(x), ls.memobj(on_gpu), ls.key(3)) == n
+    assert np.array_equal(on_cpu, on_gpu)
+    y_cpu, y_gpu = np.zeros_like(x), np.zeros_like(x)
+    KvcxDeserializer().deserialize(ls.memobj(on_gpu), ls.memobj(y_cpu), ls.key(3))
+    KvcxDeserializer(tri).deserialize(ls.memobj(on_cpu), ls.memobj(y_gpu), ls.key(3))
+    assert np.array_equal(y_cpu.view(np.uint16), y_gpu.view(np.uint16))
+    assert float(np.abs(y_cpu.astype(np.float32) - x.astype(np.float32)).max()) < 0.5 * float(np.abs(x.astype(np.float32)).max())
+    damaged = on_gpu.copy()
+    damaged[200] ^= 1
+    with pytest.raises(FormatError, match="CRC"):
+        KvcxDeserializer(tri).deserialize(ls.memobj(damaged), ls.memobj(y_gpu), ls.key(3))
+
+
+@pytest.mark.model
 def test_factory_and_async_processor(chunks):
     from lmcache.v1.distributed.serde import SerdeConfig, create_serde_processor, get_registered_serde_types
 
@@ -241,6 +266,7 @@ def test_foreign_and_damaged_payloads():
     ({"bits": 5}, "bits 5"),
     ({"unknown": 1}, "unknown kvcx serde options"),
     ({"max_workers": 0}, "max_workers"),
+    ({"backend": "gpu"}, "backend 'gpu' is not supported"),
 ])
 def test_bad_options(options, message):
     from kvcx.integrations.lmcache import KvcxSerdeError, create_serde
