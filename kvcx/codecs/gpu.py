@@ -214,3 +214,98 @@ def to_host(packed: Packed) -> Packed:
               for f in ("codes", "scales", "zeros", "sinks")}
     return Packed(**fields, shape=tuple(packed.shape), dtype=packed.dtype, config=dict(packed.config),
                   meta=dict(packed.meta))
+
+
+# -- fused decode attention over packed records ----------------------------------------------------------
+ATTN_BLOCK_TOKENS = 64       # packed tokens a program reads per step
+ATTN_SPLIT_TOKENS = 1024     # packed tokens per split (flash-decoding along the context), at least
+
+
+def _hadamard(D: int, device):
+    """The orthonormal Walsh-Hadamard matrix of size D (symmetric: its own inverse)."""
+    torch = _torch()
+    h = torch.ones(1, 1, dtype=torch.float32)
+    while h.shape[0] < D:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return (h * _norm(D)).to(device)
+
+
+def attend(q, keys: Packed, values: Packed, key_codec, value_codec, residual_k=None, residual_v=None, mask=None,
+           scaling: Optional[float] = None, per_split: Optional[int] = None):
+    """One decode step of one layer over packed keys and values on the device, without decoding them.
+
+    q: [B, Hq, D] queries (one token per row); keys / values: the Triton backend's records of [B, Hkv, S, D]
+    (4-bit :class:`~kvcx.codecs.intcodec.IntCodec`, sinks, rotation and either grouping); residual_k / _v:
+    [B, Hkv, nr, D] full-precision tokens after them, or None; mask: [B, S + nr] float added to the scores
+    (or boolean, True = attend), or None; scaling: default 1 / sqrt(D). Query head j reads KV head j // (Hq /
+    Hkv), as transformers' repeat_kv. The packed tokens run in the Triton kernel, split along the context
+    (``per_split`` tokens each); the exact tokens (sinks, residual) and the merge of the splits in FP32 torch.
+    Returns [B, Hq, D] float32."""
+    torch, k = _torch(), _kernels()
+    B, Hq, D = q.shape
+    shape = tuple(keys.shape)
+    for codec, rec, what in ((key_codec, keys, "keys"), (value_codec, values, "values")):
+        if getattr(codec, "codec_id", None) != "kvcx.int" or codec.bits != 4 or not is_tensor(rec.codes):
+            raise CodecError(f"attention: the {what} must be a 4-bit kvcx.int record on the device (the Triton "
+                             f"backend's), got {getattr(codec, 'codec_id', codec)!r}")
+        if tuple(rec.shape) != shape or len(shape) != 4 or shape[0] != B or shape[3] != D or Hq % shape[1]:
+            raise CodecError(f"attention: q {list(q.shape)} does not fit {what} of shape {list(rec.shape)}")
+    Hkv, S = shape[1], shape[2]
+    R, N = Hq // Hkv, B * Hkv
+    kl, vl = key_codec.layout(shape, "keys"), value_codec.layout(shape, "values")
+    if kl.t0 != vl.t0:
+        raise CodecError(f"attention: keys keep {kl.t0} exact tokens, values {vl.t0}; they must keep the same")
+    t0, T = kl.t0, S - kl.t0
+    nr = 0 if residual_k is None else residual_k.shape[2]
+    scaling = D ** -0.5 if scaling is None else float(scaling)
+    dev = keys.codes.device
+    qs = q.float().reshape(N, R, D) * scaling
+    add = None
+    if mask is not None:
+        if tuple(mask.shape) != (B, S + nr):
+            raise CodecError(f"attention: mask must be [B={B}, kv_len={S + nr}], got {list(mask.shape)}")
+        add = mask.float() if mask.dtype != torch.bool else torch.zeros(mask.shape, device=dev).masked_fill(~mask, float("-inf"))
+        add = add.contiguous()
+    parts = []                                       # (max, sum, accumulator) of each part: [N, R], [N, R, D]
+    if T:
+        per = max(ATTN_BLOCK_TOKENS, per_split or ATTN_SPLIT_TOKENS)
+        per = -(-per // ATTN_BLOCK_TOKENS) * ATTN_BLOCK_TOKENS
+        sp = -(-T // per)
+        qr = (qs @ _hadamard(D, dev) if key_codec.rotate else qs).contiguous()
+        m = torch.empty(N, sp, R, device=dev)
+        l, acc = torch.empty_like(m), torch.empty(N, sp, R, D, device=dev)
+        kz = keys.zeros if keys.zeros is not None else keys.scales
+        vz = values.zeros if values.zeros is not None else values.scales
+        rb = (T * D * 4 + 7) // 8
+        k.attend_packed_kernel[(N, sp)](
+            qr, keys.codes, keys.scales, kz, values.codes, values.scales, vz, add if add is not None else qr, m, l, acc,
+            Hkv, T, rb, rb, kl.scale_shape[1], vl.scale_shape[1],
+            add.shape[1] if add is not None else 0, t0, per, R=R, RP=max(2, 1 << (R - 1).bit_length()), D=D,
+            BT=ATTN_BLOCK_TOKENS, KG=key_codec.group_size, K_CHANNEL=key_codec.axis == "channel",
+            K_ASYM=key_codec.asym, VG=value_codec.group_size, V_CHANNEL=value_codec.axis == "channel",
+            V_ASYM=value_codec.asym, HAS_MASK=add is not None, enable_fp_fusion=False)
+        top = m.amax(dim=1)
+        w = torch.exp(m - torch.where(torch.isinf(top), 0.0, top)[:, None])
+        acc = (acc * w[..., None]).sum(1)
+        parts.append((top, (l * w).sum(1), acc @ _hadamard(D, dev) if value_codec.rotate else acc))
+    ek = [keys.sinks.float().reshape(N, t0, D)] if t0 else []
+    ev = [values.sinks.float().reshape(N, t0, D)] if t0 else []
+    cols = list(range(t0))
+    if nr:
+        ek.append(residual_k.float().reshape(N, nr, D))
+        ev.append(residual_v.float().reshape(N, nr, D))
+        cols += list(range(S, S + nr))
+    if ek:
+        s = qs @ torch.cat(ek, 1).transpose(1, 2)                       # [N, R, ne]
+        if add is not None:
+            s = s + add[:, cols].repeat_interleave(Hkv, 0)[:, None, :]
+        top = s.amax(-1)
+        p = torch.exp(s - torch.where(torch.isinf(top), 0.0, top)[..., None])
+        parts.append((top, p.sum(-1), p @ torch.cat(ev, 1)))
+    if not parts:
+        raise CodecError("attention: there are no tokens to attend to")
+    top = torch.stack([p[0] for p in parts]).amax(0)
+    top = torch.where(torch.isinf(top), 0.0, top)
+    num = sum(a * torch.exp(m - top)[..., None] for m, _, a in parts)
+    den = sum(s * torch.exp(m - top) for m, s, _ in parts)
+    return (num / den[..., None]).reshape(B, Hq, D)

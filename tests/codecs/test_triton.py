@@ -155,3 +155,50 @@ def test_backend_is_not_part_of_the_config():
     assert codec.with_threads(1).backend == "triton"
     # a NumPy array always runs on the CPU kernels, whatever the codec names
     assert isinstance(codec.encode(np.ones((4, 64), np.float32)).codes, np.ndarray)
+
+
+@pytest.mark.parametrize("scheme,D,R,nr,mask_kind,per", [
+    ("kvcx", 64, 3, 5, "float", 64),          # the default: channel keys + sinks, rotated values; 3 splits
+    ("kvcx", 128, 1, 0, "bool", 1024),        # two value groups per token, no residual, one split
+    ("reference", 64, 2, 1, None, 64),        # per-token keys and values, no sinks
+])
+def test_fused_attention_equals_sdpa_over_the_decoded_cache(scheme, D, R, nr, mask_kind, per):
+    """The Triton decode step over packed codes equals SDPA over the decoded cache within FP32 rounding (batch 2,
+    row 1 left-padded)."""
+    from kvcx.codecs.gpu import attend
+
+    g = torch.Generator().manual_seed(D + R)
+    cfg = KVConfig.from_scheme(scheme)
+    kc, vc = cfg.key.with_backend("triton"), cfg.value.with_backend("triton")
+    B, Hkv, S = 2, 2, 150
+    K = (torch.randn(B, Hkv, S, D, generator=g) * torch.rand(D, generator=g) * 2 + torch.randn(D, generator=g))
+    V = torch.randn(B, Hkv, S, D, generator=g)
+    rk, rv = torch.randn(B, Hkv, nr, D, generator=g), torch.randn(B, Hkv, nr, D, generator=g)
+    q = torch.randn(B, Hkv * R, D, generator=g)
+    K, V, rk, rv, q = (t.to(DEVICE) for t in (K, V, rk, rv, q))
+    pk, pv = kc.encode(K), vc.encode(V)
+    keep = torch.ones(B, S + nr, dtype=torch.bool, device=DEVICE)
+    keep[1, :20] = False
+    mask = None if mask_kind is None else keep if mask_kind == "bool" else \
+        torch.zeros(B, S + nr, device=DEVICE).masked_fill(~keep, float("-inf"))
+    out = attend(q, pk, pv, kc, vc, rk if nr else None, rv if nr else None, mask, per_split=per)
+    Kf = torch.cat([kc.decode(pk), rk], 2).repeat_interleave(R, 1)
+    Vf = torch.cat([vc.decode(pv), rv], 2).repeat_interleave(R, 1)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q[:, :, None], Kf, Vf, attn_mask=None if mask is None else (keep if mask_kind == "bool" else mask)[:, None, None, :])
+    assert out.shape == q.shape and out.dtype == torch.float32
+    assert float((out - ref[:, :, 0]).abs().max()) < 3e-5 * max(1.0, float(ref.abs().max()))
+
+
+def test_fused_attention_refuses_what_it_cannot_read():
+    from kvcx.codecs.gpu import attend
+
+    kc = IntCodec(scheme="asymmetric", axis="channel", backend="triton")
+    pk = kc.encode(torch.randn(1, 2, 64, 64, device=DEVICE))
+    with pytest.raises(CodecError, match="does not fit"):
+        attend(torch.randn(1, 3, 64, device=DEVICE), pk, pk, kc, kc)
+    cpu = IntCodec(scheme="asymmetric", axis="channel").encode(np.zeros((1, 2, 64, 64), np.float32))
+    with pytest.raises(CodecError, match="on the device"):
+        attend(torch.randn(1, 2, 64, device=DEVICE), cpu, pk, kc, kc)
+    with pytest.raises(CodecError, match="mask must be"):
+        attend(torch.randn(1, 2, 64, device=DEVICE), pk, pk, kc, kc, mask=torch.zeros(1, 5, device=DEVICE))
