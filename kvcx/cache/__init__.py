@@ -3,8 +3,8 @@
 - :mod:`kvcx.cache.kvcx_cache`: :class:`KvcxCache` for transformers (imports torch and transformers);
 - :mod:`kvcx.cache.attention_fn`: the ``"kvcx"`` attention implementation it registers;
 - :mod:`kvcx.cache.store`: a layer's packed stores and the fused decode step over them (NumPy);
-- :mod:`kvcx.cache.fused`: the fused attention kernel's wrapper;
-- :mod:`kvcx.cache.tensors`: torch <-> NumPy without copies.
+- :mod:`kvcx.cache.fused`: the fused attention kernel's wrapper
+  (torch <-> NumPy without copies: :mod:`kvcx.codecs.tensors`).
 
 ``from kvcx.cache import KvcxCache`` imports torch and transformers then, not before.
 """

@@ -50,7 +50,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 from kvcx.cache.attention_fn import ATTN_IMPLEMENTATION, HANDOFF
 from kvcx.cache.fused import ATTN_MAX_ROWS, CAUSAL, NO_MASK, Mask, Workspace, step_mask
 from kvcx.cache.store import PackedKV
-from kvcx.cache.tensors import torch_to_numpy
+from kvcx.codecs.tensors import torch_to_numpy
 from kvcx.codecs.dtypes import is_int
 from kvcx.codecs.kvconfig import DEFAULT_SCHEME, KVConfig
 from kvcx.codecs.runtime import resolve_threads

@@ -10,6 +10,7 @@ the kernels share with their callers: dtypes, conversions, threads and error met
 - :mod:`kvcx.codecs.kvconfig`: :class:`KVConfig` (a key and a value codec, the named schemes, plans' layers);
 - :mod:`kvcx.codecs.backends`, :mod:`kvcx.codecs.gpu`: where torch tensors are worked on (the Triton kernels
   of :mod:`kvcx.codecs._triton` for CUDA tensors, the same bytes as the CPU kernels);
+  :mod:`kvcx.codecs.tensors`: torch <-> NumPy without copies (torch imported when used);
 - :mod:`kvcx.codecs.convert`, :mod:`kvcx.codecs.metrics`, :mod:`kvcx.codecs.runtime`, :mod:`kvcx.codecs.dtypes`.
 """
 from kvcx.codecs import gpu  # noqa: F401  - registers the Triton backend (torch and triton load when used)

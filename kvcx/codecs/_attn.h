@@ -260,17 +260,27 @@ static inline float kvcx_dot_f32(const float *a, const float *b, int64_t n) {
 }
 #endif
 
+/* Rows in register blocks: CALL(r0, MAX) for each whole block of MAX rows, then CALL(r0, k) once for the k < MAX
+   rows left, with k a constant in every call so that each instance compiles for its own block size (MAX <= 6). */
+#define KVCX_ROW_BLOCKS(R, MAX, CALL) do { \
+    int64_t r0 = 0; \
+    for (; r0 + (MAX) <= (R); r0 += (MAX)) CALL(r0, MAX); \
+    switch ((R) - r0) { \
+    case 5: if ((MAX) > 5) CALL(r0, 5); break; \
+    case 4: if ((MAX) > 4) CALL(r0, 4); break; \
+    case 3: CALL(r0, 3); break; \
+    case 2: CALL(r0, 2); break; \
+    case 1: CALL(r0, 1); break; \
+    default: break; \
+    } \
+} while (0)
+
 static inline void kvcx_q4_dots(const uint8_t *c, int64_t n, int64_t D, const float *qp, const float *bias, int64_t R,
                                 float *dots, int64_t ds) {
 #if KVCX_ATTN_AVX2
-    int64_t r0 = 0;
-    for (; r0 + 4 <= R; r0 += 4) kvcx_q4_dots_rb(c, n, D, qp + r0 * D, bias + r0, 4, dots + r0 * ds, ds);
-    switch (R - r0) {
-    case 3: kvcx_q4_dots_rb(c, n, D, qp + r0 * D, bias + r0, 3, dots + r0 * ds, ds); break;
-    case 2: kvcx_q4_dots_rb(c, n, D, qp + r0 * D, bias + r0, 2, dots + r0 * ds, ds); break;
-    case 1: kvcx_q4_dots_rb(c, n, D, qp + r0 * D, bias + r0, 1, dots + r0 * ds, ds); break;
-    default: break;
-    }
+#define KVCX_Q4_DOTS_BLOCK(r0, k) kvcx_q4_dots_rb(c, n, D, qp + (r0) * D, bias + (r0), k, dots + (r0) * ds, ds)
+    KVCX_ROW_BLOCKS(R, 4, KVCX_Q4_DOTS_BLOCK);
+#undef KVCX_Q4_DOTS_BLOCK
 #else
     for (int64_t r = 0; r < R; r++)
         for (int64_t j = 0; j < n; j++) {
@@ -289,14 +299,9 @@ static inline void kvcx_q4_dots(const uint8_t *c, int64_t n, int64_t D, const fl
 static inline void kvcx_q4_axpy(const uint8_t *c, int64_t n, int64_t D, const float *w, int64_t ws, int64_t R,
                                 float *acc) {
 #if KVCX_ATTN_AVX2
-    int64_t r0 = 0;
-    for (; r0 + 4 <= R; r0 += 4) kvcx_q4_axpy_rb(c, n, D, w + r0 * ws, ws, 4, acc + r0 * D);
-    switch (R - r0) {
-    case 3: kvcx_q4_axpy_rb(c, n, D, w + r0 * ws, ws, 3, acc + r0 * D); break;
-    case 2: kvcx_q4_axpy_rb(c, n, D, w + r0 * ws, ws, 2, acc + r0 * D); break;
-    case 1: kvcx_q4_axpy_rb(c, n, D, w + r0 * ws, ws, 1, acc + r0 * D); break;
-    default: break;
-    }
+#define KVCX_Q4_AXPY_BLOCK(r0, k) kvcx_q4_axpy_rb(c, n, D, w + (r0) * ws, ws, k, acc + (r0) * D)
+    KVCX_ROW_BLOCKS(R, 4, KVCX_Q4_AXPY_BLOCK);
+#undef KVCX_Q4_AXPY_BLOCK
 #else
     for (int64_t r = 0; r < R; r++)
         for (int64_t j = 0; j < n; j++) {
@@ -439,16 +444,10 @@ static inline void kvcx_f_dots(const float *kT, int64_t n, int64_t D, const floa
                                float *sc) {
     const int64_t n16 = (n + 15) & ~(int64_t)15;
 #if KVCX_ATTN_AVX2
-    int64_t r0 = 0;
-    for (; r0 + 6 <= R; r0 += 6)
-        kvcx_f_dots_rb(kT, n16, D, q + r0 * D, bias ? bias + r0 : NULL, 6, sc + r0 * KVCX_ATTN_TILE);
-    switch (R - r0) {
-#define KVCX_F_DOTS_TAIL(k) case k: kvcx_f_dots_rb(kT, n16, D, q + r0 * D, bias ? bias + r0 : NULL, k, \
-                                                   sc + r0 * KVCX_ATTN_TILE); break;
-    KVCX_F_DOTS_TAIL(5) KVCX_F_DOTS_TAIL(4) KVCX_F_DOTS_TAIL(3) KVCX_F_DOTS_TAIL(2) KVCX_F_DOTS_TAIL(1)
-#undef KVCX_F_DOTS_TAIL
-    default: break;
-    }
+#define KVCX_F_DOTS_BLOCK(r0, k) \
+    kvcx_f_dots_rb(kT, n16, D, q + (r0) * D, bias ? bias + (r0) : NULL, k, sc + (r0) * KVCX_ATTN_TILE)
+    KVCX_ROW_BLOCKS(R, 6, KVCX_F_DOTS_BLOCK);
+#undef KVCX_F_DOTS_BLOCK
 #else
     for (int64_t r = 0; r < R; r++)
         for (int64_t j = 0; j < n16; j++) {
@@ -463,14 +462,9 @@ static inline void kvcx_f_dots(const float *kT, int64_t n, int64_t D, const floa
 static inline void kvcx_f_axpy(const float *x, int64_t n, int64_t D, const float *w, int64_t ws, int64_t R,
                                float *acc) {
 #if KVCX_ATTN_AVX2
-    int64_t r0 = 0;
-    for (; r0 + 6 <= R; r0 += 6) kvcx_f_axpy_rb(x, n, D, w + r0 * ws, ws, 6, acc + r0 * D);
-    switch (R - r0) {
-#define KVCX_F_AXPY_TAIL(k) case k: kvcx_f_axpy_rb(x, n, D, w + r0 * ws, ws, k, acc + r0 * D); break;
-    KVCX_F_AXPY_TAIL(5) KVCX_F_AXPY_TAIL(4) KVCX_F_AXPY_TAIL(3) KVCX_F_AXPY_TAIL(2) KVCX_F_AXPY_TAIL(1)
-#undef KVCX_F_AXPY_TAIL
-    default: break;
-    }
+#define KVCX_F_AXPY_BLOCK(r0, k) kvcx_f_axpy_rb(x, n, D, w + (r0) * ws, ws, k, acc + (r0) * D)
+    KVCX_ROW_BLOCKS(R, 6, KVCX_F_AXPY_BLOCK);
+#undef KVCX_F_AXPY_BLOCK
 #else
     for (int64_t r = 0; r < R; r++)
         for (int64_t j = 0; j < n; j++)

@@ -17,19 +17,14 @@ import numpy as np
 
 from kvcx.codecs.backends import is_tensor, register_backend
 from kvcx.codecs.base import Packed
-from kvcx.codecs.dtypes import BFLOAT16
 from kvcx.codecs.runtime import check_status
+from kvcx.codecs.tensors import numpy_to_torch, torch_to_numpy
+from kvcx.deps import import_torch as _torch
 from kvcx.errors import CodecError
 
 # values a program of the Triton kernels quantizes at least (whole groups; whole tokens when rotating)
 PROGRAM_VALUES = 1024
 _TORCH_DTYPES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32"}
-
-
-def _torch():
-    import torch
-
-    return torch
 
 
 def _kernels():
@@ -96,11 +91,11 @@ class TritonIntBackend:
         if dt is None:
             raise CodecError(f"tensor {name!r} has dtype {x.dtype}; kvcx handles float16, bfloat16 and float32 "
                              "(cast it with .float() first)")
-        x = x.detach().contiguous()
-        dev = x.device
         if out is not None:
             raise CodecError(f"tensor {name!r}: out= records are for NumPy arrays; the Triton backend allocates "
                              "its record on the tensor's device")
+        x = x.detach().contiguous()
+        dev = x.device
         codes = torch.empty(lay.codes_nbytes, dtype=torch.uint8, device=dev)
         scales = torch.empty(lay.scale_shape, dtype=torch.float16, device=dev)
         zeros = torch.empty(lay.scale_shape, dtype=torch.float16, device=dev) if codec.asym else None
@@ -177,32 +172,13 @@ class TritonIntBackend:
         return out
 
 
-def _np_to_torch(a, device):
-    torch = _torch()
-    if a is None:
-        return None
-    a = np.ascontiguousarray(a)
-    if BFLOAT16 is not None and a.dtype == BFLOAT16:
-        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16).to(device)
-    return torch.from_numpy(a).to(device)
-
-
-def _torch_to_np(t):
-    torch = _torch()
-    if t is None:
-        return None
-    t = t.detach().cpu().contiguous()
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(BFLOAT16)
-    return t.numpy()
-
-
 def to_device(packed: Packed, device) -> Packed:
     """The same record with its arrays as torch tensors on ``device`` (bytes unchanged; arrays already there
     are shared, not copied)."""
-    fields = {f: (_np_to_torch(getattr(packed, f), device) if not is_tensor(getattr(packed, f))
-                  else getattr(packed, f).to(device)) if getattr(packed, f) is not None else None
-              for f in ("codes", "scales", "zeros", "sinks")}
+    def move(a):
+        return None if a is None else a.to(device) if is_tensor(a) else numpy_to_torch(a, device)
+
+    fields = {f: move(getattr(packed, f)) for f in ("codes", "scales", "zeros", "sinks")}
     return Packed(**fields, shape=tuple(packed.shape), dtype=packed.dtype, config=dict(packed.config),
                   meta=dict(packed.meta))
 
@@ -210,7 +186,7 @@ def to_device(packed: Packed, device) -> Packed:
 def to_host(packed: Packed) -> Packed:
     """The same record with its arrays as NumPy arrays (what the formats write; bytes unchanged; CPU tensors
     are shared, not copied)."""
-    fields = {f: _torch_to_np(getattr(packed, f)) if is_tensor(getattr(packed, f)) else getattr(packed, f)
+    fields = {f: torch_to_numpy(getattr(packed, f)) if is_tensor(getattr(packed, f)) else getattr(packed, f)
               for f in ("codes", "scales", "zeros", "sinks")}
     return Packed(**fields, shape=tuple(packed.shape), dtype=packed.dtype, config=dict(packed.config),
                   meta=dict(packed.meta))
@@ -228,6 +204,11 @@ def _hadamard(D: int, device):
     while h.shape[0] < D:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
     return (h * _norm(D)).to(device)
+
+
+def _finite(top):
+    """A running max with -inf (a row with nothing to attend to) as 0, so that exp(m - top) stays 0, not NaN."""
+    return _torch().where(_torch().isinf(top), 0.0, top)
 
 
 def attend(q, keys: Packed, values: Packed, key_codec, value_codec, residual_k=None, residual_v=None, mask=None,
@@ -285,7 +266,7 @@ def attend(q, keys: Packed, values: Packed, key_codec, value_codec, residual_k=N
             K_ASYM=key_codec.asym, VG=value_codec.group_size, V_CHANNEL=value_codec.axis == "channel",
             V_ASYM=value_codec.asym, HAS_MASK=add is not None, enable_fp_fusion=False)
         top = m.amax(dim=1)
-        w = torch.exp(m - torch.where(torch.isinf(top), 0.0, top)[:, None])
+        w = torch.exp(m - _finite(top)[:, None])
         acc = (acc * w[..., None]).sum(1)
         parts.append((top, (l * w).sum(1), acc @ _hadamard(D, dev) if value_codec.rotate else acc))
     ek = [keys.sinks.float().reshape(N, t0, D)] if t0 else []
@@ -300,12 +281,11 @@ def attend(q, keys: Packed, values: Packed, key_codec, value_codec, residual_k=N
         if add is not None:
             s = s + add[:, cols].repeat_interleave(Hkv, 0)[:, None, :]
         top = s.amax(-1)
-        p = torch.exp(s - torch.where(torch.isinf(top), 0.0, top)[..., None])
+        p = torch.exp(s - _finite(top)[..., None])
         parts.append((top, p.sum(-1), p @ torch.cat(ev, 1)))
     if not parts:
         raise CodecError("attention: there are no tokens to attend to")
-    top = torch.stack([p[0] for p in parts]).amax(0)
-    top = torch.where(torch.isinf(top), 0.0, top)
+    top = _finite(torch.stack([p[0] for p in parts]).amax(0))
     num = sum(a * torch.exp(m - top)[..., None] for m, _, a in parts)
     den = sum(s * torch.exp(m - top) for m, s, _ in parts)
     return (num / den[..., None]).reshape(B, Hq, D)

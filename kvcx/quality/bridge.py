@@ -14,7 +14,7 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from kvcx.cache.tensors import numpy_to_torch, torch_to_numpy
+from kvcx.codecs.tensors import numpy_to_torch, torch_to_numpy
 from kvcx.codecs.metrics import ErrorStats, error_stats
 from kvcx.deps import import_torch
 from kvcx.errors import KvcxError

@@ -144,7 +144,7 @@ def perplexity_engine(model, ids, starts: List[int], window: int, stride: int, c
     import torch
     from transformers import DynamicCache
 
-    from kvcx.cache.tensors import numpy_to_torch, torch_to_numpy
+    from kvcx.codecs.tensors import numpy_to_torch, torch_to_numpy
 
     sizes = [0, 0, 0]       # bytes as the model holds them, bytes written by the codec, values
 

@@ -11,6 +11,7 @@ import torch
 
 from kvcx.codecs import IntCodec, KVConfig
 from kvcx.codecs.gpu import to_device, to_host
+from kvcx.codecs.tensors import numpy_to_torch, torch_to_numpy
 from kvcx.errors import CodecError
 
 from helpers import keys_like, random_array
@@ -56,25 +57,13 @@ def _check(settings, x):
     gpu = tri_codec.encode(_as_tensor(x))
     _same_record(cpu, gpu)
     y = cpu_codec.decode(cpu)
-    assert np.array_equal(_bits(y), _bits(_numpy(tri_codec.decode(gpu))))
-    assert np.array_equal(_bits(y), _bits(_numpy(tri_codec.decode(to_device(cpu, DEVICE)))))
+    assert np.array_equal(_bits(y), _bits(torch_to_numpy(tri_codec.decode(gpu))))
+    assert np.array_equal(_bits(y), _bits(torch_to_numpy(tri_codec.decode(to_device(cpu, DEVICE)))))
     assert np.array_equal(_bits(y), _bits(cpu_codec.decode(to_host(gpu))))
 
 
 def _as_tensor(x):
-    x = np.ascontiguousarray(x)
-    if x.dtype.name == "bfloat16":
-        return torch.from_numpy(x.view(np.int16)).view(torch.bfloat16).to(DEVICE)
-    return torch.from_numpy(x).to(DEVICE)
-
-
-def _numpy(t):
-    t = t.cpu()
-    if t.dtype == torch.bfloat16:
-        from kvcx.codecs.dtypes import BFLOAT16
-
-        return t.view(torch.int16).numpy().view(BFLOAT16)
-    return t.numpy()
+    return numpy_to_torch(x, DEVICE)
 
 
 @pytest.mark.parametrize("settings", SETTINGS, ids=lambda s: "-".join(f"{k}={v}" for k, v in s.items()))
