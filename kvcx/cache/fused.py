@@ -53,14 +53,13 @@ class Mask:
     causal: bool = False
 
     @property
-    def columns(self) -> Optional[int]:
-        """The mask arrays' kv_len (None without one)."""
-        a = self.add if self.add.shape[0] else self.keep
-        return int(a.shape[1]) if a.shape[0] else None
+    def array(self) -> np.ndarray:
+        """The array the mask holds: ``add`` or ``keep`` (an empty one when nothing is masked)."""
+        return self.add if self.add.shape[0] else self.keep
 
     def fits(self, B: int, nq: int, kv_len: int) -> bool:
         """Whether the arrays hold every row the kernel reads for B batch rows of nq tokens over kv_len."""
-        a = self.add if self.add.shape[0] else self.keep
+        a = self.array
         if not a.shape[0]:
             return True
         last = (B - 1) * self.bs + (nq - 1) * self.qs

@@ -124,7 +124,7 @@ class MaskConverter:
         view = m.dtype in (torch.bool, torch.float32)   # numpy() then shares the tensor's memory
         arr = m.numpy() if m.dtype == torch.bool else m.to(torch.float32).numpy()
         mask = step_mask(arr, B, nq)
-        held = mask.add if mask.add.shape[0] else mask.keep
+        held = mask.array
         copy = 0 if view and np.shares_memory(held, arr) else held.nbytes
         # holds the tensor, so its identity stays its own
         self._last = (attention_mask, mask, attention_mask.numel() * attention_mask.element_size() + copy)

@@ -336,7 +336,7 @@ class PackedKV:
                 or rv.shape != rk.shape or out.shape != q.shape or not mask.fits(B, nq, held + nr)
                 or held + nr == 0 or (nq > 1 and nq > nr) or Hq // (N // B) > fused.ATTN_MAX_ROWS):
             raise CodecError(f"attention: q {list(q.shape)} ({nq} per row), residual {list(rk.shape)} / "
-                             f"{list(rv.shape)}, mask {list((mask.add if mask.add.shape[0] else mask.keep).shape)}, "
+                             f"{list(rv.shape)}, mask {list(mask.array.shape)}, "
                              f"out {list(out.shape)} do not fit the packed stores ({N} rows x KV heads of head dim "
                              f"{self.keys.D}, {held} tokens)")
         rows = Hq // (N // B)
