@@ -23,7 +23,8 @@ KERNEL_DOOR = ("kvcx.codecs.", "kvcx.cache.fused")      # the only importers of 
 TRITON_DOOR = {"kvcx.codecs.gpu"}
 MAX_FLOORS = 9
 MAX_LINES = 600
-TORCH_AT_MODULE_LEVEL = {"kvcx.cache.kvcx_cache", "kvcx.cache.attention_fn"}
+TORCH_AT_MODULE_LEVEL = {"kvcx.cache.kvcx_cache", "kvcx.cache.attention_fn", "kvcx.cache.buffers",
+                         "kvcx.cache.device_store"}
 RICH_MODULES = {"kvcx.cli", "kvcx.cli.render"}
 
 

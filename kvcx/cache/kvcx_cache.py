@@ -40,7 +40,7 @@ from __future__ import annotations
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Optional
 
 import numpy as np
 import torch
@@ -48,9 +48,12 @@ import transformers
 from transformers.cache_utils import Cache, DynamicLayer
 
 from kvcx.cache.attention_fn import ATTN_IMPLEMENTATION, HANDOFF
-from kvcx.cache.fused import ATTN_MAX_ROWS, CAUSAL, NO_MASK, Mask, Workspace, step_mask
+from kvcx.cache.buffers import MaskConverter, Scratch
+from kvcx.cache.fused import ATTN_MAX_ROWS, CAUSAL, NO_MASK, Workspace
+from kvcx.cache.device_store import DevicePackedKV, device_ready, runs_on_device
 from kvcx.cache.store import PackedKV
 from kvcx.codecs.tensors import torch_to_numpy
+from kvcx.codecs.backends import check_backend
 from kvcx.codecs.dtypes import is_int
 from kvcx.codecs.kvconfig import DEFAULT_SCHEME, KVConfig
 from kvcx.codecs.runtime import resolve_threads
@@ -70,70 +73,6 @@ class KernelTimer:
         self.seconds += seconds
 
 
-class _Scratch:
-    """Growable full-precision buffers, one for keys and one for values, shared by every layer."""
-
-    def __init__(self):
-        self.host = {}
-        self.device = {}
-
-    def get(self, kind: str, shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device):
-        n = int(np.prod(shape))
-        buf = self.host.get(kind)
-        if buf is None or buf.numel() < n or buf.dtype != dtype:
-            cap = max(n, int(n * 1.5))
-            buf = torch.empty(cap, dtype=dtype, pin_memory=device.type == "cuda" and torch.cuda.is_available())
-            self.host[kind] = buf
-        host = buf[:n].view(shape)
-        if device.type == "cpu":
-            return host, host
-        dbuf = self.device.get(kind)
-        if dbuf is None or dbuf.numel() < n or dbuf.dtype != dtype or dbuf.device != device:
-            dbuf = torch.empty(max(n, int(n * 1.5)), dtype=dtype, device=device)
-            self.device[kind] = dbuf
-        return host, dbuf[:n].view(shape)
-
-    def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for d in (self.host, self.device) for b in d.values())
-
-    def release(self) -> None:
-        if self.host or self.device:
-            self.host.clear()
-            self.device.clear()
-
-
-class MaskConverter:
-    """transformers' attention mask as the fused kernel reads it (:class:`kvcx.cache.fused.Mask`): a boolean
-    mask viewed as bytes where it is contiguous, a float mask as float32; converted once per step, as every
-    layer of a step gets the same mask tensor."""
-
-    def __init__(self):
-        self._last = None   # (the step's mask tensor, its Mask)
-
-    def convert(self, attention_mask: torch.Tensor, B: int, nq: int) -> Mask:
-        if self._last is not None and self._last[0] is attention_mask:
-            return self._last[1]
-        m = attention_mask.detach()
-        if m.dim() == 4 and m.shape[1] == 1:
-            m = m[:, 0]
-        elif m.dim() == 2:
-            m = m[:, None]
-        if m.dim() != 3 or m.shape[0] not in (1, B) or m.shape[1] not in (1, nq) or m.device.type != "cpu":
-            raise KvcxError(f"KvcxCache: the attention mask {list(attention_mask.shape)} is not one mask per batch "
-                            f"row of {B} (and query token of {nq}) on the CPU; pass the mask generate() builds")
-        view = m.dtype in (torch.bool, torch.float32)   # numpy() then shares the tensor's memory
-        arr = m.numpy() if m.dtype == torch.bool else m.to(torch.float32).numpy()
-        mask = step_mask(arr, B, nq)
-        held = mask.array
-        copy = 0 if view and np.shares_memory(held, arr) else held.nbytes
-        # holds the tensor, so its identity stays its own
-        self._last = (attention_mask, mask, attention_mask.numel() * attention_mask.element_size() + copy)
-        return mask
-
-    def nbytes(self) -> int:
-        return 0 if self._last is None else self._last[2]
-
-
 _FALLBACK_HINT = "pass fused=None to fall back to materialising"
 
 
@@ -151,7 +90,7 @@ class KvcxLayer(DynamicLayer):
 
     is_compileable = False
 
-    def __init__(self, kv_config: KVConfig, residual_length: int, scratch: _Scratch, workspace: Workspace,
+    def __init__(self, kv_config: KVConfig, residual_length: int, scratch: Scratch, workspace: Workspace,
                  masks: MaskConverter, timer: KernelTimer, query_group: int,
                  key_weights: Optional[np.ndarray] = None, layer_idx: int = 0):
         super().__init__()
@@ -167,11 +106,13 @@ class KvcxLayer(DynamicLayer):
         self._codecs_first = first
         # later chunks: the same codecs without sinks, and with the same threads
         self._codecs_next = {k: type(c).from_config({**c.get_config(), "n_threads": c.n_threads,
+                                                     **({"backend": c.backend} if c.backend else {}),
                                                      **({"sinks": 0} if "sinks" in c.settings else {})})
                              for k, c in first.items()}
         self._key_weights = key_weights  # per-channel widths: how much the queries weigh each key channel
         self.n_threads = kv_config.value.n_threads
-        self.store: Optional[PackedKV] = None
+        self.store = None                 # PackedKV (NumPy, CPU kernels) or DevicePackedKV (on the device, Triton)
+        self.on_device = False            # whether the store is the device one
         self.cumulative_length = 0
         self.steps = {"fused": 0, "materialised": 0, "full_precision": 0}
         self.last_step = 0   # tokens of the last step kept in full precision (crop() may drop them)
@@ -192,11 +133,24 @@ class KvcxLayer(DynamicLayer):
     def _encode(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         codecs = self._codecs_first if not len(self.store) else self._codecs_next
         t = time.perf_counter()
-        pk = codecs["key"].encode(torch_to_numpy(keys), name="key", weights=self._key_weights)
-        pv = codecs["value"].encode(torch_to_numpy(values), name="value")
+        if self.on_device:   # the Triton encoder, on the tensors where they are
+            pk, pv = codecs["key"].encode(keys, name="key"), codecs["value"].encode(values, name="value")
+        else:
+            pk = codecs["key"].encode(torch_to_numpy(keys), name="key", weights=self._key_weights)
+            pv = codecs["value"].encode(torch_to_numpy(values), name="value")
         self.store.append(pk, pv)
         self._timer.add(time.perf_counter() - t)
-        self._unsupported = self.store.unsupported(self.store.keys.D, self._query_group)
+        self._unsupported = self._why_not_fused()
+
+    def _why_not_fused(self) -> Optional[str]:
+        """Why this layer's steps cannot run fused (None when they can)."""
+        if self.on_device:
+            return self.store.unsupported(self._query_group)
+        if self.device.type != "cpu":
+            return (f"fused attention over a CPU store runs on CPU tensors (this layer's codecs, "
+                    f"{self.kv_config.key.describe()} / {self.kv_config.value.describe()}, have no {self.device.type} "
+                    "backend)")
+        return self.store.unsupported(self.store.keys.D, self._query_group)
 
     def pack_residual(self, keep: int = 0) -> None:
         """Pack the residual's whole multiples of residual_length tokens, leaving at least its last ``keep``
@@ -216,11 +170,14 @@ class KvcxLayer(DynamicLayer):
         total = self.quantized_length + n_res + n_new
         out = []
         for kind, res, new in (("key", self.keys, new_k), ("value", self.values, new_v)):
-            store = self.store.keys if kind == "key" else self.store.values
-            host, dev = self._scratch.get(kind, (B, H, total, D), self.dtype, self.device)
-            arr = torch_to_numpy(host)  # a view: decoding writes straight into the scratch
+            host, dev = self._scratch.get(kind, (B, H, total, D), self.dtype, self.device, host=not self.on_device)
             t = time.perf_counter()
-            off = store.decode_into(arr, name=kind, n_threads=self.n_threads)
+            if self.on_device:   # decoded by the Triton kernels into the device scratch
+                off = self.store.decode_into(kind, dev)
+            else:
+                store = self.store.keys if kind == "key" else self.store.values
+                # a view of the host scratch: decoding writes straight into it
+                off = store.decode_into(torch_to_numpy(host), name=kind, n_threads=self.n_threads)
             self._timer.add(time.perf_counter() - t)
             if dev is not host:
                 dev[:, :, :off].copy_(host[:, :, :off])
@@ -238,9 +195,11 @@ class KvcxLayer(DynamicLayer):
         B, H, _, D = key_states.shape
         self.keys = key_states.new_empty((B, H, 0, D))
         self.values = value_states.new_empty((B, H, 0, D))
-        self.store = PackedKV(B * H, D, self._codecs_first["key"], self._codecs_first["value"],
-                              workspace=self._workspace)
-        self._unsupported = self.store.unsupported(D, self._query_group)
+        kc, vc = self._codecs_first["key"], self._codecs_first["value"]
+        self.on_device = runs_on_device(kc, vc, self.device)
+        self.store = DevicePackedKV(B, H, D, self.device) if self.on_device else \
+            PackedKV(B * H, D, kc, vc, workspace=self._workspace)
+        self._unsupported = self._why_not_fused()
         self.is_initialized = True
 
     def _check_states(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -294,6 +253,8 @@ class KvcxLayer(DynamicLayer):
     def _fusable(self, Q: int) -> bool:
         """Whether a step of Q tokens may run fused: one token, or a few hundred over a packed history (a
         chunk of a long prompt, speculative decoding's draft tokens) within the kernel's rows."""
+        if self.on_device:   # the Triton kernel runs single-token steps; longer ones decode into device scratch
+            return Q == 1
         return Q == 1 or (len(self.store) > 0 and 0 < Q * self._query_group <= ATTN_MAX_ROWS)
 
     def _takes_fused_step(self, mode: StepMode) -> bool:
@@ -309,6 +270,8 @@ class KvcxLayer(DynamicLayer):
         residual (the step's own tokens its last, causal among them).
 
         Returns the attention output as transformers' attention functions do: [B, Q, Hq, D]."""
+        if self.on_device:
+            return self._attend_on_device(query, attention_mask, scaling)
         # every step of every layer comes here: the arrays are built to the kernel's contract (float32,
         # C-contiguous, the shapes PackedKV.step checks), so the step skips PackedKV.attend's type checks
         B, Hq, Q, D = query.shape
@@ -333,6 +296,19 @@ class KvcxLayer(DynamicLayer):
         self.pack_residual(self.last_step)
         out = torch.from_numpy(out).view(B, Hq, Q, D).transpose(1, 2)
         return out if fp32 else out.to(query.dtype)
+
+    def _attend_on_device(self, query: torch.Tensor, attention_mask: Optional[torch.Tensor], scaling: float):
+        """The fused single-token step over the device store (the Triton kernel), as :meth:`attend`."""
+        B, Hq, _, D = query.shape
+        add = None
+        if attention_mask is not None:
+            add = self._masks.additive(attention_mask, B, self.cumulative_length)
+        t = time.perf_counter()
+        out = self.store.attend(query.reshape(B, Hq, D), self.keys, self.values, add, scaling)
+        self._timer.add(time.perf_counter() - t)
+        self.steps["fused"] += 1
+        self.pack_residual(self.last_step)
+        return out.to(query.dtype).view(B, 1, Hq, D)
 
     def materialised_step(self):
         """Keys and values of every held token for a step the fused kernel cannot run (counted as such)."""
@@ -407,12 +383,16 @@ class KvcxCache(Cache):
     fused: None (default): decode steps and steps of up to a few hundred tokens over a packed history run
         the fused kernel when the model's attention is ``"kvcx"`` and the codecs allow it, else the
         materialising path; False: always materialise; True: such a step that cannot run fused is an error.
+    backend: where the packed store lives and which kernels run: None (default) by the model's device (CUDA:
+        the Triton kernels, with the store on the GPU, for 4-bit integer codecs where triton is installed;
+        CPU: the CPU kernels); ``"triton"`` forces the device store and the Triton kernels (Triton's
+        interpreter runs them on CPU tensors); ``"cpu"`` keeps the store on the host and the CPU kernels.
     """
 
     def __init__(self, config, group_size: Optional[int] = None, scheme: str = DEFAULT_SCHEME,
                  residual_length: int = 64, bits: Optional[int] = None, sinks: Optional[int] = None, rotate: Optional[bool] = None,
                  kv_config: Optional[KVConfig] = None, n_threads: Optional[int] = None,
-                 fused: Optional[bool] = None):
+                 fused: Optional[bool] = None, backend: Optional[str] = None):
         kv = kv_config or KVConfig.from_scheme(scheme, group_size=group_size, bits=bits, sinks=sinks, rotate=rotate,
                                                n_threads=n_threads)
         if kv_config is not None and n_threads is not None:  # n_threads applies to a ready config too
@@ -430,6 +410,8 @@ class KvcxCache(Cache):
             raise KvcxError(f"KvcxCache supports full-attention models only; this model has {sorted(bad)} layers")
         if fused not in (None, True, False):
             raise KvcxError(f"fused must be None (automatic), True or False, got {fused!r}")
+        if backend is not None:
+            kv = _on_backend(kv, check_backend(backend), text.num_hidden_layers)
         heads = getattr(text, "num_attention_heads", None)
         kv_heads = getattr(text, "num_key_value_heads", None) or heads
         head_dim = getattr(text, "head_dim", None) or (text.hidden_size // heads if heads else None)
@@ -439,7 +421,7 @@ class KvcxCache(Cache):
         self.query_group = heads // kv_heads if heads and kv_heads and heads % kv_heads == 0 else 0
         self._config = text
         self._timer = KernelTimer()
-        self._scratch = _Scratch()
+        self._scratch = Scratch()
         self._masks = MaskConverter()
         self._mode: Optional[StepMode] = None   # this step's, decided at its first layer
         self._hinted = False                    # told how to turn the fused path on (once per cache)
@@ -465,9 +447,6 @@ class KvcxCache(Cache):
                 f"KvcxCache(fused=True) needs the model's attention to be {ATTN_IMPLEMENTATION!r}: "
                 f"load it with attn_implementation={ATTN_IMPLEMENTATION!r} or call "
                 f"model.set_attn_implementation({ATTN_IMPLEMENTATION!r}) (after importing kvcx.cache)"))
-        if key_states.device.type != "cpu":
-            return StepMode(required=bool(self.fused),
-                            reason=f"KvcxCache(fused=True): fused attention runs on CPU tensors; {_FALLBACK_HINT}")
         return StepMode(required=bool(self.fused))
 
     def _hint_fused(self, key_states: torch.Tensor) -> None:
@@ -476,8 +455,7 @@ class KvcxCache(Cache):
         kernel reads)."""
         self._hinted = True
         impl = getattr(self._config, "_attn_implementation", None)
-        if (self.fused is not None or impl == ATTN_IMPLEMENTATION or key_states.device.type != "cpu"
-                or self.layers[0].fused_unsupported):
+        if self.fused is not None or impl == ATTN_IMPLEMENTATION or self.layers[0].fused_unsupported:
             return
         warnings.warn(
             f"KvcxCache: the model's attention is {impl!r}, so every decode step decodes the whole packed context "
@@ -521,10 +499,29 @@ class KvcxCache(Cache):
                 "fp16_equivalent_bytes": 2 * values,
                 "model_dtype_equivalent_bytes": values * (self.layers[0].dtype.itemsize
                                                           if self.layers and self.layers[0].is_initialized else 2),
-                "bits_per_value": 8.0 * (packed + residual) / values if values else 0.0}
+                "bits_per_value": 8.0 * (packed + residual) / values if values else 0.0,
+                "backend": self.backend}
 
     def nbytes(self) -> int:
         return self.memory_report()["total_bytes"]
+
+    @property
+    def backend(self) -> str:
+        """Where the layers' packed stores are and which kernels run: "triton" (on the device), "cpu", both
+        ("cpu+triton": a plan whose layers differ), or "" before the first step."""
+        return "+".join(sorted({"triton" if layer.on_device else "cpu" for layer in self.layers
+                                if layer.is_initialized}))
+
+
+def _on_backend(kv: KVConfig, backend: str, layers: int) -> KVConfig:
+    """``kv`` with its codecs on ``backend``; KvcxError when a layer's codecs have no such backend."""
+    if backend == "triton":
+        bad = sorted({c.describe() for i in range(layers) for c in (kv.for_layer(i).key, kv.for_layer(i).value)
+                      if not device_ready(c)})
+        if bad:
+            raise KvcxError(f"KvcxCache(backend='triton') runs 4-bit integer codecs; this config has {', '.join(bad)}: "
+                            "pass backend=None (by device) or 'cpu', or a 4-bit scheme (kvcx, reference, kivi)")
+    return kv.with_backend(backend)
 
 
 def _fitted(kv: KVConfig, kv_heads, residual_length: int, head_dim) -> KVConfig:

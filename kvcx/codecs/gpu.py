@@ -11,6 +11,7 @@ reference schemes); other widths stay on the CPU backend. torch and triton are i
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
@@ -211,6 +212,107 @@ def _finite(top):
     return _torch().where(_torch().isinf(top), 0.0, top)
 
 
+@dataclass(frozen=True)
+class PackedSpan:
+    """Packed tokens of one kind that continue one another, laid out per slab (batch row x KV head) as the
+    attention kernel reads them: ``codes`` uint8 [N, row bytes], ``scales`` FP16 [N, groups] (per-token groups)
+    or [N, blocks, D] (per-channel groups), ``zeros`` like ``scales`` or None, ``tokens`` packed tokens from
+    the first; rows may be longer than the tokens need (a growing store's capacity)."""
+
+    codes: object
+    scales: object
+    zeros: object
+    tokens: int
+
+
+def span_of(rec: Packed, codec) -> PackedSpan:
+    """The span of a Triton-backend record of [B, Hkv, S, D] (its packed tokens: S minus the sinks)."""
+    lay = codec.layout(tuple(rec.shape), "span")
+    return PackedSpan(rec.codes.view(lay.N, -1), rec.scales.view(lay.scale_shape),
+                      None if rec.zeros is None else rec.zeros.view(lay.scale_shape), lay.S - lay.t0)
+
+
+def split_tokens(slabs: int, tokens: int, per_split: Optional[int] = None) -> int:
+    """Packed tokens per split: ``per_split`` if given, else enough splits for about four programs per
+    multiprocessor (flash-decoding), at least :data:`ATTN_SPLIT_TOKENS` // 4 tokens each; whole blocks."""
+    if per_split is None:
+        torch = _torch()
+        sms = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 8
+        want = max(1, -(-4 * sms // max(1, slabs)))
+        per_split = max(ATTN_SPLIT_TOKENS // 4, -(-tokens // want))
+    per = max(ATTN_BLOCK_TOKENS, int(per_split))
+    return -(-per // ATTN_BLOCK_TOKENS) * ATTN_BLOCK_TOKENS
+
+
+def scaled_query(q, rotate: bool, N: int, scaling: float):
+    """[B, Hq, D] queries as the kernel reads them: (scaled, scaled and rotated where ``rotate``) [N, R, D]
+    float32 (the keys' rotation moved from every key onto the query: its matrix is orthogonal and symmetric)."""
+    B, Hq, D = q.shape
+    qs = (q.float().reshape(N, Hq * B // N, D) * scaling).contiguous()
+    return qs, (qs @ _hadamard(D, qs.device)).contiguous() if rotate else qs
+
+
+def packed_part(qr, keys: PackedSpan, values: PackedSpan, key_codec, value_codec, Hkv: int, add=None,
+                mask_off: int = 0, per_split: Optional[int] = None):
+    """(max, sum, accumulator) [N, R], [N, R], [N, R, D] of the query rows ``qr`` (:func:`scaled_query`) over
+    one span of packed keys and values (the same tokens), in the Triton kernel split along the context; ``add``
+    float32 [B, kv_len] added to the scores, the span's first token at column ``mask_off``."""
+    k = _kernels()
+    torch = _torch()
+    N, R, D = qr.shape
+    T = keys.tokens
+    per = split_tokens(N, T, per_split)
+    sp = -(-T // per)
+    m = torch.empty(N, sp, R, device=qr.device)
+    l, acc = torch.empty_like(m), torch.empty(N, sp, R, D, device=qr.device)
+    k.attend_packed_kernel[(N, sp)](
+        qr, keys.codes, keys.scales, keys.zeros if keys.zeros is not None else keys.scales,
+        values.codes, values.scales, values.zeros if values.zeros is not None else values.scales,
+        add if add is not None else qr, m, l, acc,
+        Hkv, T, keys.codes.shape[1], values.codes.shape[1], keys.scales.shape[1], values.scales.shape[1],
+        add.shape[1] if add is not None else 0, mask_off, per, R=R, RP=max(2, 1 << (R - 1).bit_length()), D=D,
+        BT=ATTN_BLOCK_TOKENS, KG=key_codec.group_size, K_CHANNEL=key_codec.axis == "channel",
+        K_ASYM=key_codec.asym, VG=value_codec.group_size, V_CHANNEL=value_codec.axis == "channel",
+        V_ASYM=value_codec.asym, HAS_MASK=add is not None, enable_fp_fusion=False)
+    top = m.amax(dim=1)
+    w = torch.exp(m - _finite(top)[:, None])
+    acc = (acc * w[..., None]).sum(1)
+    return top, (l * w).sum(1), acc @ _hadamard(D, qr.device) if value_codec.rotate else acc
+
+
+def exact_part(qs, ek, ev, add=None, Hkv: int = 1):
+    """(max, sum, accumulator) of the query rows ``qs`` [N, R, D] over exact keys and values [N, n, D] (sinks,
+    residual); ``add`` [B, n]: the mask's columns of these tokens, added to their scores (or None)."""
+    torch = _torch()
+    s = qs @ ek.float().transpose(1, 2)                       # [N, R, n]
+    if add is not None:
+        s = s + add.repeat_interleave(Hkv, 0)[:, None, :]
+    top = s.amax(-1)
+    p = torch.exp(s - _finite(top)[..., None])
+    return top, p.sum(-1), p @ ev.float()
+
+
+def merge(parts):
+    """The softmax-weighted output [N, R, D] of parts over disjoint tokens (CodecError when there are none)."""
+    torch = _torch()
+    if not parts:
+        raise CodecError("attention: there are no tokens to attend to")
+    top = _finite(torch.stack([p[0] for p in parts]).amax(0))
+    num = sum(a * torch.exp(m - top)[..., None] for m, _, a in parts)
+    den = sum(s * torch.exp(m - top) for m, s, _ in parts)
+    return num / den[..., None]
+
+
+def float_mask(mask, B: int, kv_len: int):
+    """A [B, kv_len] mask as float32 added to the scores (a boolean one: True attends), or CodecError."""
+    torch = _torch()
+    if tuple(mask.shape) != (B, kv_len):
+        raise CodecError(f"attention: mask must be [B={B}, kv_len={kv_len}], got {list(mask.shape)}")
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, device=mask.device).masked_fill(~mask, float("-inf"))
+    return mask.float().contiguous()
+
+
 def attend(q, keys: Packed, values: Packed, key_codec, value_codec, residual_k=None, residual_v=None, mask=None,
            scaling: Optional[float] = None, per_split: Optional[int] = None):
     """One decode step of one layer over packed keys and values on the device, without decoding them.
@@ -222,7 +324,6 @@ def attend(q, keys: Packed, values: Packed, key_codec, value_codec, residual_k=N
     Hkv), as transformers' repeat_kv. The packed tokens run in the Triton kernel, split along the context
     (``per_split`` tokens each); the exact tokens (sinks, residual) and the merge of the splits in FP32 torch.
     Returns [B, Hq, D] float32."""
-    torch, k = _torch(), _kernels()
     B, Hq, D = q.shape
     shape = tuple(keys.shape)
     for codec, rec, what in ((key_codec, keys, "keys"), (value_codec, values, "values")):
@@ -232,60 +333,25 @@ def attend(q, keys: Packed, values: Packed, key_codec, value_codec, residual_k=N
         if tuple(rec.shape) != shape or len(shape) != 4 or shape[0] != B or shape[3] != D or Hq % shape[1]:
             raise CodecError(f"attention: q {list(q.shape)} does not fit {what} of shape {list(rec.shape)}")
     Hkv, S = shape[1], shape[2]
-    R, N = Hq // Hkv, B * Hkv
+    N = B * Hkv
     kl, vl = key_codec.layout(shape, "keys"), value_codec.layout(shape, "values")
     if kl.t0 != vl.t0:
         raise CodecError(f"attention: keys keep {kl.t0} exact tokens, values {vl.t0}; they must keep the same")
-    t0, T = kl.t0, S - kl.t0
+    t0 = kl.t0
     nr = 0 if residual_k is None else residual_k.shape[2]
-    scaling = D ** -0.5 if scaling is None else float(scaling)
-    dev = keys.codes.device
-    qs = q.float().reshape(N, R, D) * scaling
-    add = None
-    if mask is not None:
-        if tuple(mask.shape) != (B, S + nr):
-            raise CodecError(f"attention: mask must be [B={B}, kv_len={S + nr}], got {list(mask.shape)}")
-        add = mask.float() if mask.dtype != torch.bool else torch.zeros(mask.shape, device=dev).masked_fill(~mask, float("-inf"))
-        add = add.contiguous()
-    parts = []                                       # (max, sum, accumulator) of each part: [N, R], [N, R, D]
-    if T:
-        per = max(ATTN_BLOCK_TOKENS, per_split or ATTN_SPLIT_TOKENS)
-        per = -(-per // ATTN_BLOCK_TOKENS) * ATTN_BLOCK_TOKENS
-        sp = -(-T // per)
-        qr = (qs @ _hadamard(D, dev) if key_codec.rotate else qs).contiguous()
-        m = torch.empty(N, sp, R, device=dev)
-        l, acc = torch.empty_like(m), torch.empty(N, sp, R, D, device=dev)
-        kz = keys.zeros if keys.zeros is not None else keys.scales
-        vz = values.zeros if values.zeros is not None else values.scales
-        rb = (T * D * 4 + 7) // 8
-        k.attend_packed_kernel[(N, sp)](
-            qr, keys.codes, keys.scales, kz, values.codes, values.scales, vz, add if add is not None else qr, m, l, acc,
-            Hkv, T, rb, rb, kl.scale_shape[1], vl.scale_shape[1],
-            add.shape[1] if add is not None else 0, t0, per, R=R, RP=max(2, 1 << (R - 1).bit_length()), D=D,
-            BT=ATTN_BLOCK_TOKENS, KG=key_codec.group_size, K_CHANNEL=key_codec.axis == "channel",
-            K_ASYM=key_codec.asym, VG=value_codec.group_size, V_CHANNEL=value_codec.axis == "channel",
-            V_ASYM=value_codec.asym, HAS_MASK=add is not None, enable_fp_fusion=False)
-        top = m.amax(dim=1)
-        w = torch.exp(m - _finite(top)[:, None])
-        acc = (acc * w[..., None]).sum(1)
-        parts.append((top, (l * w).sum(1), acc @ _hadamard(D, dev) if value_codec.rotate else acc))
-    ek = [keys.sinks.float().reshape(N, t0, D)] if t0 else []
-    ev = [values.sinks.float().reshape(N, t0, D)] if t0 else []
-    cols = list(range(t0))
+    qs, qr = scaled_query(q, key_codec.rotate, N, D ** -0.5 if scaling is None else float(scaling))
+    add = None if mask is None else float_mask(mask, B, S + nr)
+    parts = []
+    if S > t0:
+        parts.append(packed_part(qr, span_of(keys, key_codec), span_of(values, value_codec), key_codec, value_codec,
+                                 Hkv, add, t0, per_split))
+    ek = [keys.sinks.reshape(N, t0, D)] if t0 else []
+    ev = [values.sinks.reshape(N, t0, D)] if t0 else []
     if nr:
-        ek.append(residual_k.float().reshape(N, nr, D))
-        ev.append(residual_v.float().reshape(N, nr, D))
-        cols += list(range(S, S + nr))
+        ek.append(residual_k.reshape(N, nr, D))
+        ev.append(residual_v.reshape(N, nr, D))
     if ek:
-        s = qs @ torch.cat(ek, 1).transpose(1, 2)                       # [N, R, ne]
-        if add is not None:
-            s = s + add[:, cols].repeat_interleave(Hkv, 0)[:, None, :]
-        top = s.amax(-1)
-        p = torch.exp(s - _finite(top)[..., None])
-        parts.append((top, p.sum(-1), p @ torch.cat(ev, 1)))
-    if not parts:
-        raise CodecError("attention: there are no tokens to attend to")
-    top = _finite(torch.stack([p[0] for p in parts]).amax(0))
-    num = sum(a * torch.exp(m - top)[..., None] for m, _, a in parts)
-    den = sum(s * torch.exp(m - top) for m, s, _ in parts)
-    return (num / den[..., None]).reshape(B, Hq, D)
+        torch = _torch()
+        parts.append(exact_part(qs, torch.cat([e.float() for e in ek], 1), torch.cat([e.float() for e in ev], 1),
+                                None if add is None else torch.cat([add[:, :t0], add[:, S:]], 1), Hkv))
+    return merge(parts).reshape(B, Hq, D)

@@ -123,7 +123,6 @@ def test_long_context_splits_across_threads_and_rotated_keys():
                   value=IntCodec(scheme="asymmetric", rotate=True, sinks=0))
     K, V = _kv(rng, B, H, 8064, D)
     store, Kd, Vd = _build(kv, K, V, [128] * 63)
-    rk, rv = np.ascontiguousarray(K[:, :, 8064:]), np.ascontiguousarray(V[:, :, 8064:])
     q = (rng.standard_normal((B, H * R, D)) * 3).astype(np.float32)
     ref = _reference(q, Kd, Vd, None, 0.125)
     for threads in (1, 2, 3):

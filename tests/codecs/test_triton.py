@@ -3,7 +3,6 @@
 Without a GPU (CI) Triton's interpreter runs the kernels on CPU tensors (tests/conftest.py sets
 TRITON_INTERPRET=1); with one they run on it. Nothing here is skipped for lack of a GPU.
 """
-import itertools
 
 import numpy as np
 import pytest

@@ -1,0 +1,95 @@
+"""Buffers a KvcxCache's layers share: the materialising path's full-precision scratch and the step's
+attention mask as the attention kernels read it (converted once per step: every layer gets the same mask)."""
+from __future__ import annotations
+
+from typing import Tuple
+
+import numpy as np
+import torch
+
+from kvcx.cache.fused import Mask, step_mask
+from kvcx.errors import KvcxError
+
+
+class Scratch:
+    """Growable full-precision buffers, one for keys and one for values, shared by every layer."""
+
+    def __init__(self):
+        self.host = {}
+        self.device = {}
+
+    @staticmethod
+    def _buffer(pool: dict, kind: str, n: int, dtype: torch.dtype, device: torch.device, pin: bool = False):
+        buf = pool.get(kind)
+        if buf is None or buf.numel() < n or buf.dtype != dtype or buf.device != device:
+            buf = torch.empty(max(n, int(n * 1.5)), dtype=dtype, device=device, pin_memory=pin)
+            pool[kind] = buf
+        return buf[:n]
+
+    def get(self, kind: str, shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device, host: bool = True):
+        """(host buffer, buffer on ``device``) of ``shape`` (the same tensor on the CPU); ``host=False``: (None,
+        buffer on the device), for a store that decodes there."""
+        n = int(np.prod(shape))
+        if device.type == "cpu":
+            buf = self._buffer(self.host, kind, n, dtype, device).view(shape)
+            return buf, buf
+        dev = self._buffer(self.device, kind, n, dtype, device).view(shape)
+        if not host:
+            return None, dev
+        return self._buffer(self.host, kind, n, dtype, torch.device("cpu"), torch.cuda.is_available()).view(shape), dev
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for d in (self.host, self.device) for b in d.values())
+
+    def release(self) -> None:
+        if self.host or self.device:
+            self.host.clear()
+            self.device.clear()
+
+
+class MaskConverter:
+    """transformers' attention mask as the fused kernel reads it (:class:`kvcx.cache.fused.Mask`): a boolean
+    mask viewed as bytes where it is contiguous, a float mask as float32; converted once per step, as every
+    layer of a step gets the same mask tensor."""
+
+    def __init__(self):
+        self._last = None       # (the step's mask tensor, its Mask, bytes held)
+        self._last_add = None   # (the step's mask tensor, its float32 [B, kv_len] on its device, bytes held)
+
+    def convert(self, attention_mask: torch.Tensor, B: int, nq: int) -> Mask:
+        if self._last is not None and self._last[0] is attention_mask:
+            return self._last[1]
+        m = attention_mask.detach()
+        if m.dim() == 4 and m.shape[1] == 1:
+            m = m[:, 0]
+        elif m.dim() == 2:
+            m = m[:, None]
+        if m.dim() != 3 or m.shape[0] not in (1, B) or m.shape[1] not in (1, nq) or m.device.type != "cpu":
+            raise KvcxError(f"KvcxCache: the attention mask {list(attention_mask.shape)} is not one mask per batch "
+                            f"row of {B} (and query token of {nq}) on the CPU; pass the mask generate() builds")
+        view = m.dtype in (torch.bool, torch.float32)   # numpy() then shares the tensor's memory
+        arr = m.numpy() if m.dtype == torch.bool else m.to(torch.float32).numpy()
+        mask = step_mask(arr, B, nq)
+        held = mask.array
+        copy = 0 if view and np.shares_memory(held, arr) else held.nbytes
+        # holds the tensor, so its identity stays its own
+        self._last = (attention_mask, mask, attention_mask.numel() * attention_mask.element_size() + copy)
+        return mask
+
+    def nbytes(self) -> int:
+        return sum(last[2] for last in (self._last, self._last_add) if last is not None)
+
+    def additive(self, attention_mask: torch.Tensor, B: int, kv_len: int) -> torch.Tensor:
+        """A single-token step's mask as a float32 [B, kv_len] tensor on its device, added to the scores (0:
+        attend, -inf: masked), as the Triton attention reads it."""
+        if self._last_add is not None and self._last_add[0] is attention_mask:
+            return self._last_add[1]
+        m = attention_mask.detach()
+        m = m.reshape(m.shape[0], -1) if m.dim() in (2, 3, 4) and m.numel() == m.shape[0] * kv_len else None
+        if m is None or m.shape[0] not in (1, B) or m.shape[1] != kv_len:
+            raise KvcxError(f"KvcxCache: the attention mask {list(attention_mask.shape)} is not one mask row of "
+                            f"{kv_len} tokens per batch row of {B}; pass the mask generate() builds")
+        add = (torch.zeros(m.shape, dtype=torch.float32, device=m.device).masked_fill(~m, float("-inf"))
+               if m.dtype == torch.bool else m.to(torch.float32)).expand(B, kv_len).contiguous()
+        self._last_add = (attention_mask, add, attention_mask.numel() * attention_mask.element_size() + add.numel() * 4)
+        return add

@@ -1,0 +1,249 @@
+"""A layer's packed store on the device (torch tensors, the Triton backend) and the fused decode step over it.
+
+The device counterpart of :mod:`kvcx.cache.store`: :class:`DevicePackedKV` keeps one layer's packed keys and
+values where the model runs (a CUDA GPU; a CPU tensor when the Triton backend is forced, in Triton's
+interpreter), appends the chunks the Triton encoder writes, and attends over them with the Triton kernel of
+:func:`kvcx.codecs.gpu.packed_part` (flash-decoding along the context; the exact sinks and the residual in the
+same softmax). Nothing crosses to the host.
+
+Chunks that continue one another (the same codecs, the last chunk ending on whole groups) are kept in one
+*segment*: growing buffers per slab (batch row x KV head) that the kernel reads as one span. A chunk that
+cannot continue (the first chunk after the sinks ends in a partial channel block) starts the next segment;
+a step runs the kernel once per segment (two in practice) and merges them in FP32.
+"""
+from __future__ import annotations
+
+import math
+from importlib.util import find_spec
+from typing import Dict, List, Optional
+
+import torch
+
+from kvcx.codecs import gpu
+from kvcx.codecs.backends import BY_DEVICE
+from kvcx.codecs.base import Codec, Packed, get_codec
+from kvcx.errors import CodecError
+
+BACKEND = "triton"
+# a segment's buffers grow by at least this fraction of what they hold (and to whole groups of 64 tokens):
+# appends copy the segment about 1 / GROWTH times over in all, and hold at most GROWTH more than they use
+GROWTH = 1 / 8
+_TOKEN_UNIT = 64
+
+
+def runs_on_device(key: Codec, value: Codec, device: torch.device) -> bool:
+    """Whether a layer with these codecs keeps its packed store on ``device`` (the Triton backend): both
+    codecs name it (``backend="triton"``), or name none and the device calls for it (CUDA) and they are
+    4-bit integer codecs and triton is installed. Otherwise the store is the CPU one."""
+    named = {c.backend for c in (key, value)}
+    if named == {BACKEND}:
+        return True
+    if named != {None} or BY_DEVICE.get(device.type) != BACKEND:
+        return False
+    return all(device_ready(c) for c in (key, value)) and find_spec("triton") is not None
+
+
+def device_ready(codec: Codec) -> bool:
+    """Whether the Triton backend runs this codec (4-bit integer codes)."""
+    return codec.codec_id == "kvcx.int" and getattr(codec, "bits", None) == 4
+
+
+class _Span:
+    """One kind's packed tokens of a segment: growing codes [N, bytes], scales and zero points."""
+
+    def __init__(self, codec: Codec, N: int, D: int, device):
+        self.codec, self.N, self.D, self.device = codec, N, D, device
+        self.tokens = 0
+        self.capacity = 0
+        self.codes = torch.empty((N, 0), dtype=torch.uint8, device=device)
+        self.scales = self.zeros = None
+        G = codec.group_size
+        per = G if codec.axis == "channel" else G // math.gcd(G, D)   # tokens of a whole number of groups
+        self.unit = per * _TOKEN_UNIT // math.gcd(per, _TOKEN_UNIT)
+
+    def _groups(self, tokens: int) -> int:
+        """Scale columns (per-token groups) or blocks (per-channel groups) of ``tokens`` whole-group tokens."""
+        G = self.codec.group_size
+        return tokens // G if self.codec.axis == "channel" else tokens * self.D // G
+
+    def ends_whole(self) -> bool:
+        G = self.codec.group_size
+        return (self.tokens % G == 0) if self.codec.axis == "channel" else (self.tokens * self.D % G == 0)
+
+    def _grow(self, need: int) -> None:
+        cap = max(need, self.capacity + int(self.capacity * GROWTH))
+        cap = -(-cap // self.unit) * self.unit
+        codes = torch.empty((self.N, cap * self.D // 2), dtype=torch.uint8, device=self.device)
+        codes[:, :self.codes.shape[1]] = self.codes
+        tail = (self.D,) if self.codec.axis == "channel" else ()
+        scales = torch.empty((self.N, self._groups(cap)) + tail, dtype=torch.float16, device=self.device)
+        zeros = torch.empty_like(scales) if self.codec.asym else None
+        if self.scales is not None:
+            n = self.scales.shape[1]
+            scales[:, :n] = self.scales
+            if zeros is not None:
+                zeros[:, :n] = self.zeros
+        self.codes, self.scales, self.zeros, self.capacity = codes, scales, zeros, cap
+
+    def append(self, p: Packed, T: int) -> None:
+        """Write a chunk's T packed tokens after the held ones (they start on a whole group)."""
+        if self.tokens + T > self.capacity:
+            self._grow(self.tokens + T)
+        a = self.tokens * self.D // 2
+        codes = p.codes.view(self.N, -1)
+        self.codes[:, a:a + codes.shape[1]] = codes
+        g = self._groups(self.tokens)
+        s = p.scales.view(self.N, -1, self.D) if self.codec.axis == "channel" else p.scales.view(self.N, -1)
+        self.scales[:, g:g + s.shape[1]] = s
+        if self.zeros is not None:
+            self.zeros[:, g:g + s.shape[1]] = p.zeros.view(s.shape)
+        self.tokens += T
+
+    def span(self) -> gpu.PackedSpan:
+        """What the attention kernel reads (the buffers whole: rows as long as the capacity)."""
+        return gpu.PackedSpan(self.codes, self.scales, self.zeros, self.tokens)
+
+    def record(self, lead: tuple, dtype: str) -> Packed:
+        """The held tokens as a record of [*lead, tokens, D] (copies), to decode."""
+        lay = self.codec.layout(tuple(lead) + (self.tokens, self.D), "span")
+        nb = lay.codes_nbytes // self.N
+        cols = lay.scale_shape[1]
+        return Packed(codes=self.codes[:, :nb].contiguous().view(-1), scales=self.scales[:, :cols].contiguous(),
+                      zeros=None if self.zeros is None else self.zeros[:, :cols].contiguous(), sinks=None,
+                      shape=tuple(lead) + (self.tokens, self.D), dtype=dtype, config=self.codec.get_config(),
+                      meta={"partial_group": lay.partial_group})
+
+    @property
+    def nbytes(self) -> int:
+        return int(sum(a.numel() * a.element_size() for a in (self.codes, self.scales, self.zeros) if a is not None))
+
+
+class _Segment:
+    """Chunks that continue one another: keys and values from packed token ``start`` (after the sinks)."""
+
+    def __init__(self, kc: Codec, vc: Codec, N: int, D: int, device, start: int, dtype: str):
+        self.keys, self.values = _Span(kc, N, D, device), _Span(vc, N, D, device)
+        self.start, self.dtype = start, dtype
+
+    def continues(self, kc: Codec, vc: Codec, dtype: str) -> bool:
+        return (kc is self.keys.codec and vc is self.values.codec and dtype == self.dtype
+                and self.keys.ends_whole() and self.values.ends_whole())
+
+
+class DevicePackedKV:
+    """One layer's packed keys and values on the device, and the fused decode step over them (the device
+    counterpart of :class:`kvcx.cache.store.PackedKV`, with the same questions answered: tokens, chunks,
+    bytes, why a step cannot run fused)."""
+
+    def __init__(self, B: int, H: int, D: int, device):
+        self.B, self.H, self.D, self.N, self.device = B, H, D, B * H, device
+        self.sinks: Dict[str, Optional[torch.Tensor]] = {"key": None, "value": None}   # [N, t0, D] as written
+        self._exact: Dict[str, torch.Tensor] = {}   # the sinks in float32, read by every step
+        self.segments: List[_Segment] = []
+        self.chunks = 0
+        self._codecs: Dict[tuple, Codec] = {}
+
+    def __len__(self) -> int:
+        return self.chunks
+
+    def _t0(self, kind: str) -> int:
+        s = self.sinks[kind]
+        return 0 if s is None else int(s.shape[1])
+
+    @property
+    def tokens(self) -> int:
+        """Tokens held (sinks included)."""
+        seg = self.segments[-1] if self.segments else None
+        return self._t0("key") + (seg.start + seg.keys.tokens if seg else 0)
+
+    def _codec(self, config: dict) -> Codec:
+        """The codec of a chunk's config, without sinks, on the Triton backend (one object per config)."""
+        k = tuple(sorted((n, repr(v)) for n, v in config.items() if n != "sinks"))
+        if k not in self._codecs:
+            self._codecs[k] = get_codec({**config, "sinks": 0}).with_backend(BACKEND)
+        return self._codecs[k]
+
+    def append(self, pk: Packed, pv: Packed) -> None:
+        """Add the Triton encoder's records of a chunk [B, H, S, D] (only the first may hold sinks)."""
+        if tuple(pk.shape) != tuple(pv.shape) or tuple(pk.shape[:2]) != (self.B, self.H) or pk.shape[-1] != self.D:
+            raise CodecError(f"packed keys {list(pk.shape)} and values {list(pv.shape)} do not fit this store "
+                             f"([{self.B}, {self.H}, *, {self.D}])")
+        S = int(pk.shape[-2])
+        t0 = {kind: int(p.config.get("sinks", 0)) for kind, p in (("key", pk), ("value", pv))}
+        if any(t0.values()):
+            if self.chunks:
+                raise CodecError("only the first packed chunk may hold exact sink tokens")
+            for kind, p in (("key", pk), ("value", pv)):
+                if t0[kind]:
+                    self.sinks[kind] = p.sinks.reshape(self.N, t0[kind], self.D)
+                    self._exact[kind] = self.sinks[kind].float()
+        kc, vc = self._codec(pk.config), self._codec(pv.config)
+        seg = self.segments[-1] if self.segments else None
+        if seg is None or not seg.continues(kc, vc, pk.dtype):
+            start = seg.start + seg.keys.tokens if seg else 0
+            seg = _Segment(kc, vc, self.N, self.D, self.device, start, pk.dtype)
+            self.segments.append(seg)
+        seg.keys.append(pk, S - t0["key"])
+        seg.values.append(pv, S - t0["value"])
+        self.chunks += 1
+
+    def unsupported(self, group: int) -> Optional[str]:
+        """Why the Triton attention cannot read this store for ``group`` query heads per KV head (None: it can)."""
+        D = self.D
+        if D & (D - 1) or D < 16:
+            return f"fused attention on the device needs a head dim that is a power of two from 16, got {D}"
+        if self._t0("key") != self._t0("value"):
+            return (f"fused attention on the device needs keys and values to keep the same sink tokens (keys "
+                    f"{self._t0('key')}, values {self._t0('value')})")
+        if group < 1:
+            return "fused attention needs the query heads to be a multiple of the KV heads"
+        return None
+
+    def decode_into(self, kind: str, out: torch.Tensor) -> int:
+        """Decode every held token of ``kind`` ("key" / "value") into ``out`` [B, H, >= tokens, D] (a tensor on
+        the store's device) from token 0; returns the tokens written."""
+        t0 = self._t0(kind)
+        if t0:
+            out[:, :, :t0] = self.sinks[kind].view(self.B, self.H, t0, self.D)
+        off = t0
+        for seg in self.segments:
+            span = seg.keys if kind == "key" else seg.values
+            if span.tokens:
+                span.codec.decode(span.record((self.B, self.H), seg.dtype), out, name=kind, token_offset=off)
+                off += span.tokens
+        return off
+
+    def attend(self, q: torch.Tensor, residual_k: torch.Tensor, residual_v: torch.Tensor,
+               add: Optional[torch.Tensor], scaling: float, per_split: Optional[int] = None) -> torch.Tensor:
+        """One decode step: q [B, Hq, D] (one token per row) against the held tokens, then the residual
+        [B, H, nr, D] (the step's own token its last); ``add`` float32 [B, held + nr] added to the scores, or
+        None. Returns [B, Hq, D] float32. The caller checked :meth:`unsupported`."""
+        B, Hq, D = q.shape
+        held, nr = self.tokens, residual_k.shape[2]
+        t0 = self._t0("key")
+        rotate = {seg.keys.codec.rotate for seg in self.segments}
+        qs, qr = gpu.scaled_query(q, True in rotate, self.N, scaling)
+        parts = [gpu.packed_part(qr if seg.keys.codec.rotate else qs, seg.keys.span(), seg.values.span(), seg.keys.codec, seg.values.codec, self.H,
+                                 add, t0 + seg.start, per_split)
+                 for seg in self.segments if seg.keys.tokens]
+        ek = [self._exact["key"]] if t0 else []
+        ev = [self._exact["value"]] if t0 else []
+        if nr:
+            ek.append(residual_k.reshape(self.N, nr, D).float())
+            ev.append(residual_v.reshape(self.N, nr, D).float())
+        if ek:
+            exact = None if add is None else torch.cat([add[:, :t0], add[:, held:]], 1)
+            parts.append(gpu.exact_part(qs, torch.cat(ek, 1), torch.cat(ev, 1), exact, self.H))
+        return gpu.merge(parts).reshape(B, Hq, D)
+
+    @property
+    def nbytes(self) -> int:
+        """Every tensor held: the segments' buffers (their capacity), the sinks and their float32 copies."""
+        n = sum(seg.keys.nbytes + seg.values.nbytes for seg in self.segments)
+        for kind, s in self.sinks.items():
+            if s is not None:
+                n += s.numel() * s.element_size()
+                if self._exact[kind] is not s:
+                    n += self._exact[kind].numel() * 4
+        return int(n)
+

@@ -1,0 +1,130 @@
+"""KvcxCache with its packed store on the device (the Triton backend): generate() through the Triton encoder and
+fused attention, the same packed bytes as the CPU store, multi-token steps, memory and errors.
+
+Without a GPU (CI) ``backend="triton"`` forces the device store on CPU tensors and Triton's interpreter runs
+its kernels (tests/conftest.py); on a CUDA machine the same tests run on the GPU. Nothing is skipped.
+"""
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+import kvcx.cache  # noqa: E402,F401  (registers the "kvcx" attention implementation)
+from kvcx.cache.device_store import DevicePackedKV, runs_on_device  # noqa: E402
+from kvcx.cache.kvcx_cache import KvcxCache  # noqa: E402
+from kvcx.codecs import KVConfig  # noqa: E402
+from kvcx.errors import CodecError, KvcxError  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# head dim 32; groups of 32 (keys per channel: the first chunk's 63 packed tokens after the sink end in a partial
+# block, so the store holds two segments, as in real use)
+OPTS = dict(group_size=32, residual_length=32)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    cfg = LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=128,
+                      intermediate_size=256, vocab_size=256, max_position_embeddings=512)
+    model = LlamaForCausalLM(cfg).eval().to(DEVICE)
+    model.set_attn_implementation("kvcx")
+    return model
+
+
+def _generate(model, cache, ids, mask, n=14):
+    with torch.inference_mode():
+        return model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=n, do_sample=False,
+                              output_scores=True, return_dict_in_generate=True)
+
+
+def test_generate_through_the_triton_path_equals_the_cpu_path(tiny):
+    """A left-padded batch of two: every decode step runs the Triton attention over the device store, the
+    greedy tokens equal the CPU kernels' path and the logits agree within FP32 rounding; the store's packed
+    bytes are the CPU store's, segment by segment."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 256, (2, 90), generator=g).to(DEVICE)
+    mask = torch.ones_like(ids)
+    mask[1, :6] = 0
+    cpu = KvcxCache(tiny.config, backend="cpu", **OPTS)
+    dev = KvcxCache(tiny.config, backend="triton", **OPTS)
+    a, b = _generate(tiny, cpu, ids, mask), _generate(tiny, dev, ids, mask)
+    assert dev.backend == "triton" and cpu.backend == "cpu" and dev.memory_report()["backend"] == "triton"
+    steps = dev.memory_report()["attention_steps"]
+    assert steps["fused"] == 2 * 13 and steps["materialised"] == 0
+    assert torch.equal(a.sequences, b.sequences)
+    assert max(float((x - y).abs().max()) for x, y in zip(a.scores, b.scores)) < 1e-4
+    for lc, ld in zip(cpu.layers, dev.layers):
+        store = ld.store
+        assert isinstance(store, DevicePackedKV) and len(store.segments) == 2 and store.tokens == lc.store.tokens
+        for kind, host in (("key", lc.store.keys), ("value", lc.store.values)):
+            spans = [s.keys if kind == "key" else s.values for s in store.segments]
+            codes = torch.cat([s.codes[:, :s.tokens * 16] for s in spans], 1).cpu().numpy()
+            assert np.array_equal(codes, host.codes)
+            assert np.array_equal(store.sinks[kind].cpu().numpy(), host.sinks.reshape(store.N, 1, 32))
+            assert ld.store.segments[0].keys.codes.device.type == DEVICE
+    rep = dev.memory_report()
+    assert rep["packed_bytes"] == sum(layer.store.nbytes for layer in dev.layers)
+    assert rep["scratch_bytes"] < 4096                     # no full-precision copy of the context, only the mask
+    # capacity grows by whole 64-token units: at most one spare unit per segment and kind at this size
+    assert cpu.memory_report()["packed_bytes"] <= rep["packed_bytes"] <= 2 * cpu.memory_report()["packed_bytes"]
+
+
+def test_multi_token_steps_decode_into_device_scratch(tiny):
+    """Steps of several tokens over a packed history (a prompt's later chunks) decode the device store into
+    device scratch: the logits equal the CPU store's materialising path."""
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, 256, (1, 110), generator=g).to(DEVICE)
+    out = {}
+    for backend, fused in (("cpu", False), ("triton", None)):
+        cache = KvcxCache(tiny.config, backend=backend, fused=fused, **OPTS)
+        with torch.inference_mode():
+            tiny(ids[:, :64], past_key_values=cache)
+            out[backend] = tiny(ids[:, 64:], past_key_values=cache).logits
+        assert cache.memory_report()["attention_steps"]["materialised"] == 2   # one step, two layers
+    assert float((out["cpu"] - out["triton"]).abs().max()) < 1e-4
+    with torch.inference_mode():
+        ref = tiny(ids, past_key_values=DynamicCache()).logits[:, 64:]
+    cos = torch.nn.functional.cosine_similarity(ref.flatten(), out["triton"].flatten(), dim=0)
+    assert cos > 0.99
+
+
+def test_the_backend_is_chosen_by_device_and_checked():
+    cfg = KVConfig.from_scheme()
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert runs_on_device(cfg.key, cfg.value, cuda)                    # 4-bit codecs on CUDA: the device store
+    assert not runs_on_device(cfg.key, cfg.value, cpu)                 # on the CPU: the CPU kernels
+    low = KVConfig.from_scheme("kvcx3")
+    assert not runs_on_device(low.key, low.value, cuda)                # 3-bit codes: the CPU store (no Triton kernel)
+    on = cfg.with_backend("triton")
+    assert runs_on_device(on.key, on.value, cpu)                       # forced (the interpreter runs it)
+    off = cfg.with_backend("cpu")
+    assert not runs_on_device(off.key, off.value, cuda)
+    small = LlamaConfig(num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, hidden_size=64)
+    with pytest.raises(KvcxError, match="runs 4-bit integer codecs.*3-bit"):
+        KvcxCache(small, scheme="kvcx3", backend="triton")
+    with pytest.raises(CodecError, match="backend 'gpu' is not supported"):
+        KvcxCache(small, backend="gpu")
+
+
+def test_device_store_errors_and_what_it_cannot_fuse():
+    from kvcx.codecs import IntCodec
+
+    store = DevicePackedKV(1, 2, 32, torch.device(DEVICE))
+    kc = IntCodec(scheme="asymmetric", axis="channel", group_size=32, sinks=1, backend="triton")
+    vc = IntCodec(scheme="symmetric", group_size=32, sinks=2, backend="triton")
+    x = torch.randn(1, 2, 64, 32, device=DEVICE)
+    with pytest.raises(CodecError, match="do not fit this store"):
+        store.append(kc.encode(x), vc.encode(x[..., :16].contiguous()))
+    store.append(kc.encode(x), vc.encode(x))
+    assert "same sink tokens" in store.unsupported(2)
+    with pytest.raises(CodecError, match="only the first packed chunk"):
+        store.append(kc.encode(x), vc.encode(x))
+    out = torch.empty(1, 2, 64, 32, device=DEVICE)
+    for kind, codec in (("key", kc), ("value", vc)):   # sinks that differ still decode, kind by kind
+        assert store.decode_into(kind, out) == 64
+        assert torch.equal(out, codec.decode(codec.encode(x)))
+    odd = DevicePackedKV(1, 1, 48, torch.device(DEVICE))
+    assert "power of two" in odd.unsupported(1)
