@@ -14,13 +14,12 @@ a step runs the kernel once per segment (two in practice) and merges them in FP3
 from __future__ import annotations
 
 import math
-from importlib.util import find_spec
 from typing import Dict, List, Optional
 
 import torch
 
 from kvcx.codecs import gpu
-from kvcx.codecs.backends import BY_DEVICE
+from kvcx.codecs.backends import backend_name
 from kvcx.codecs.base import Codec, Packed, get_codec
 from kvcx.errors import CodecError
 
@@ -32,15 +31,10 @@ _TOKEN_UNIT = 64
 
 
 def runs_on_device(key: Codec, value: Codec, device: torch.device) -> bool:
-    """Whether a layer with these codecs keeps its packed store on ``device`` (the Triton backend): both
-    codecs name it (``backend="triton"``), or name none and the device calls for it (CUDA) and they are
-    4-bit integer codecs and triton is installed. Otherwise the store is the CPU one."""
-    named = {c.backend for c in (key, value)}
-    if named == {BACKEND}:
-        return True
-    if named != {None} or BY_DEVICE.get(device.type) != BACKEND:
-        return False
-    return all(device_ready(c) for c in (key, value)) and find_spec("triton") is not None
+    """Whether a layer with these codecs keeps its packed store on ``device`` with the Triton backend: both
+    codecs are worked there on it (named, ``backend="triton"``, or chosen by the device: CUDA, 4-bit codes,
+    triton installed; :func:`kvcx.codecs.backends.backend_name`). Otherwise the store is the CPU one."""
+    return all(backend_name(c, device.type) == BACKEND for c in (key, value))
 
 
 def device_ready(codec: Codec) -> bool:

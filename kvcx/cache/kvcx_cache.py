@@ -16,15 +16,19 @@ sink tokens) and dropped from the residual. Nothing is stored dequantized.
 Attention over the store takes one of two paths per step, which the cache decides once per step
 (at its first layer) and each layer applies with what it can do:
 
-- fused (steps on CPU with the model's attention set to ``"kvcx"``: single tokens, and steps of a few
-  hundred tokens over a packed history: a long prompt's later chunks, speculative decoding's drafts): the
-  layer hands itself to the ``"kvcx"`` attention function (:mod:`kvcx.cache.attention_fn`), which
-  runs the fused kernel over the packed store, the sinks and the residual (kvcx/codecs/_attn.h);
-  no full-precision copy of the context exists;
-- materialising (``fused=False``, other attention implementations, CUDA, steps of more tokens than the
-  kernel's rows): the layer decodes its packed store into one scratch buffer shared by all
-  layers and hands ``[decoded, residual, new]`` to attention (on CUDA the decoded
-  scratch is copied to the device; the kernels are CPU kernels).
+- fused (the model's attention set to ``"kvcx"``: single tokens, and on the CPU steps of a few hundred
+  tokens over a packed history: a long prompt's later chunks, speculative decoding's drafts): the layer
+  hands itself to the ``"kvcx"`` attention function (:mod:`kvcx.cache.attention_fn`), which runs the fused
+  kernel over the packed store, the sinks and the residual (kvcx/codecs/_attn.h on the CPU, the Triton
+  kernel of :mod:`kvcx.cache.device_store` on the device); no full-precision copy of the context exists;
+- materialising (``fused=False``, other attention implementations, steps of more tokens than the kernel's
+  rows): the layer decodes its packed store into one scratch buffer shared by all layers and hands
+  ``[decoded, residual, new]`` to attention (a device store decodes on the device; a CPU store on a CUDA
+  model decodes on the host and copies the scratch to the device).
+
+Where the store lives: on the model's device with the Triton backend (:class:`DevicePackedKV`) when the
+codecs run there (CUDA and 4-bit integer codes, or ``backend="triton"``), else on the host
+(:class:`~kvcx.cache.store.PackedKV`, the CPU kernels).
 
 A step of fewer than ``residual_length`` tokens stays in full precision until the next step, so that
 ``crop()`` can drop rejected draft tokens (speculative / assisted decoding); a longer step (a prompt
@@ -179,7 +183,7 @@ class KvcxLayer(DynamicLayer):
                 # a view of the host scratch: decoding writes straight into it
                 off = store.decode_into(torch_to_numpy(host), name=kind, n_threads=self.n_threads)
             self._timer.add(time.perf_counter() - t)
-            if dev is not host:
+            if host is not None and dev is not host:   # a CPU store on a CUDA model: decoded context to the device
                 dev[:, :, :off].copy_(host[:, :, :off])
             dev[:, :, off:off + n_res] = res
             if n_new:

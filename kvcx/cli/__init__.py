@@ -314,6 +314,9 @@ def validate(
                                            "as the model runs; engine: every key/value, the current token's included, "
                                            "through the codec before attention (vLLM, llama.cpp).")] = "prefix",
     cpu: Annotated[bool, typer.Option("--cpu", help="Force CPU even when CUDA is available.")] = False,
+    backend: Annotated[Optional[str], typer.Option("--backend", help="Where kvcx compresses the cache: triton (on "
+                                                                     "the GPU; 4-bit codecs) or cpu (default: by "
+                                                                     "the model's device).")] = None,
     plan: PlanOpt = None,
     threads: ThreadsOpt = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Only the verdict line.")] = False,
@@ -361,7 +364,7 @@ def validate(
                 results = validation.run_validations(
                     configs, threshold=threshold, model=model, dataset_file=dataset_file, window=window,
                     stride=stride, max_windows=max_windows, mode=mode, cpu=cpu, on_phase=on_phase,
-                    on_window=on_window)
+                    on_window=on_window, backend=backend)
         if pareto is not None:
             from kvcx.quality.plots import validation_pareto
 

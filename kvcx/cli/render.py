@@ -134,6 +134,8 @@ def print_validation(r) -> None:
         t.add_row("cosine similarity", f"{r.cosine_similarity:.6f}")
         t.add_row("RMSE (absolute)", f"{r.rmse:.5f}")
         t.add_row(REFERENCE_LEVEL, r.quality_level)
+    if r.backend:
+        t.add_row("kernels", f"{r.backend} ({r.device})" if r.device else r.backend)
     t.add_row("wall time", f"{r.wall_time_s:.1f} s (codec {r.codec_time_s:.2f} s)")
     out.print(t)
 
@@ -148,11 +150,12 @@ def print_validations(results, gated, quiet: bool) -> None:
     t = Table(title=escape("quick test (no model)" if r0.quick_test else
                            f"{r0.model}: baseline perplexity {r0.baseline_perplexity:.4f}, {r0.tokens_scored:,} tokens "
                            f"in {r0.windows} windows of {r0.window} ({r0.mode} mode)"), header_style="bold")
-    for col in ("setting", "bits/value", "vs FP16", "delta", "KLD", "top-1", "verdict"):
-        t.add_column(col, justify="left" if col in ("setting", "verdict") else "right")
+    for col in ("setting", "bits/value", "vs FP16", "delta", "KLD", "top-1", "kernels", "verdict"):
+        t.add_column(col, justify="left" if col in ("setting", "kernels", "verdict") else "right")
     for r in results:
         figures = ["-"] * 3 if r.quick_test else [f"{r.delta:+.4f}", f"{r.kld:.5f}", f"{100 * r.top1_agreement:.2f}%"]
         t.add_row(escape(r.setting), f"{r.bits_per_value:.3f}", f"{r.compression_ratio:.2f}x", *figures,
+                  r.backend or "-",
                   ("[green]PASS[/]" if r.passed else "[red]FAIL[/]") + ("" if r.setting in gated else " (not gated)"))
     out.print(t)
     out.print(f"wall time {r0.wall_time_s:.1f} s")

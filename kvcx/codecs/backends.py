@@ -60,6 +60,17 @@ def backend_for(codec, x, name: str = "tensor"):
     return found
 
 
+def backend_name(codec, device_type: str) -> str:
+    """The backend a torch tensor on ``device_type`` ("cuda", "cpu") is worked on for ``codec``, without running
+    it: the codec's own (``backend=``), else its device's (:data:`BY_DEVICE`) where one is registered for the
+    codec and takes it (the Triton backend: 4-bit codes, triton installed), else "cpu"."""
+    if getattr(codec, "backend", None):
+        return codec.backend
+    name = BY_DEVICE.get(device_type, "cpu")
+    found = _REGISTRY.get((codec.codec_id, name))
+    return name if found is not None and found.takes(codec) else "cpu"
+
+
 def registered_backends() -> Tuple[Tuple[str, str], ...]:
     """The (codec id, backend) pairs registered."""
     return tuple(sorted(_REGISTRY))

@@ -10,8 +10,10 @@ reference schemes); other widths stay on the CPU backend. torch and triton are i
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
+from importlib.util import find_spec
 from typing import Optional
 
 import numpy as np
@@ -79,6 +81,11 @@ class TritonIntBackend:
     """:class:`~kvcx.codecs.intcodec.IntCodec`'s encode and decode in Triton (4 bits)."""
 
     name = "triton"
+
+    @staticmethod
+    def takes(codec) -> bool:
+        """Whether this backend runs ``codec`` here (4-bit codes; triton installed)."""
+        return getattr(codec, "bits", None) == 4 and find_spec("triton") is not None
 
     def check(self, codec, name: str) -> None:
         if codec.bits != 4:
@@ -198,8 +205,9 @@ ATTN_BLOCK_TOKENS = 64       # packed tokens a program reads per step
 ATTN_SPLIT_TOKENS = 1024     # packed tokens per split (flash-decoding along the context), at least
 
 
+@functools.lru_cache(maxsize=None)
 def _hadamard(D: int, device):
-    """The orthonormal Walsh-Hadamard matrix of size D (symmetric: its own inverse)."""
+    """The orthonormal Walsh-Hadamard matrix of size D (symmetric: its own inverse), built once per device."""
     torch = _torch()
     h = torch.ones(1, 1, dtype=torch.float32)
     while h.shape[0] < D:
@@ -232,13 +240,19 @@ def span_of(rec: Packed, codec) -> PackedSpan:
                       None if rec.zeros is None else rec.zeros.view(lay.scale_shape), lay.S - lay.t0)
 
 
+@functools.lru_cache(maxsize=None)
+def _multiprocessors() -> int:
+    """The current GPU's multiprocessors (8 without one: the interpreter's splits), read once."""
+    torch = _torch()
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count \
+        if torch.cuda.is_available() else 8
+
+
 def split_tokens(slabs: int, tokens: int, per_split: Optional[int] = None) -> int:
     """Packed tokens per split: ``per_split`` if given, else enough splits for about four programs per
     multiprocessor (flash-decoding), at least :data:`ATTN_SPLIT_TOKENS` // 4 tokens each; whole blocks."""
     if per_split is None:
-        torch = _torch()
-        sms = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 8
-        want = max(1, -(-4 * sms // max(1, slabs)))
+        want = max(1, -(-4 * _multiprocessors() // max(1, slabs)))
         per_split = max(ATTN_SPLIT_TOKENS // 4, -(-tokens // want))
     per = max(ATTN_BLOCK_TOKENS, int(per_split))
     return -(-per // ATTN_BLOCK_TOKENS) * ATTN_BLOCK_TOKENS

@@ -14,6 +14,7 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
+from kvcx.codecs.backends import backend_name, check_backend, is_tensor
 from kvcx.codecs.tensors import numpy_to_torch, torch_to_numpy
 from kvcx.codecs.metrics import ErrorStats, error_stats
 from kvcx.deps import import_torch
@@ -84,7 +85,7 @@ def tensors_to_layers(tensors: Dict[str, np.ndarray], device=None):
         if pair[0].shape != pair[1].shape:
             raise KvcxError(f"KV cache layer {i}: key {list(pair[0].shape)} and value {list(pair[1].shape)} "
                             "shapes differ")
-        layers.append(tuple(numpy_to_torch(a, device) for a in pair))
+        layers.append(tuple(a.to(device) if is_tensor(a) else numpy_to_torch(a, device) for a in pair))
     return layers
 
 
@@ -220,8 +221,63 @@ def roundtrip_tensors(tensors: Dict[str, np.ndarray], config, n_threads=None):
     return decoded, len(blob), total
 
 
-def original_nbytes(tensors: Dict[str, np.ndarray]) -> int:
+def cache_to_device_tensors(cache) -> Dict[str, object]:
+    """The cache's tensors by name, where they are (torch tensors on the model's device; no copies)."""
+    out = {}
+    for i, (k, v) in enumerate(cache_layers(cache)):
+        out[f"layer_{i}_key"], out[f"layer_{i}_value"] = k, v
+    return out
+
+
+def backend_of(config, device_type: str, backend: Optional[str] = None) -> str:
+    """Where ``validate`` encodes and decodes a setting's cache: "triton" (on the device, the Triton kernels)
+    when every codec of the setting runs there (``backend="triton"`` forces it: KvcxError if one cannot; None:
+    chosen by the model's device, CUDA for 4-bit integer codecs), else "cpu" (the CPU kernels and the packed file
+    format, on the host)."""
+    check_backend(backend)
+    if backend == "cpu":
+        return "cpu"
+    codecs = list(config.codecs().values())
+    if backend == "triton":
+        bad = sorted({c.describe() for c in codecs if backend_name(c.with_backend(None), "cuda") != "triton"})
+        if bad:
+            raise KvcxError(f"--backend triton runs 4-bit integer codecs; this setting has {', '.join(bad)}: "
+                            "pass --backend cpu (or leave it out)")
+        return "triton"
+    return "triton" if all(backend_name(c, device_type) == "triton" for c in codecs) else "cpu"
+
+
+class DeviceRoundtrip:
+    """A setting's round trip on the device: every tensor of the cache encoded and decoded where it is by the
+    Triton kernels (the same bytes as the CPU kernels), the error sums in float64 there. Size: the packed
+    records' bytes (codes, scales, zero points, sinks; the packed file adds only its header)."""
+
+    def __init__(self, config):
+        self.config = config.with_backend("triton")
+
+    def __call__(self, tensors: Dict[str, object]):
+        decoded, nbytes, total = {}, 0, ErrorStats()
+        for name, t in tensors.items():
+            _, codec = self.config.codec_for(name, tuple(t.shape))
+            p = codec.encode(t, name=name)
+            y = codec.decode(p, name=name)
+            decoded[name], nbytes = y, nbytes + p.nbytes
+            a, b = t.double(), y.double()
+            e = a - b
+            total += ErrorStats(n=a.numel(), sum_xx=float((a * a).sum()), sum_ee=float((e * e).sum()),
+                                sum_yy=float((b * b).sum()), sum_xy=float((a * b).sum()),
+                                max_error=float(e.abs().max()) if a.numel() else 0.0)
+        return decoded, nbytes, total
+
+
+def original_nbytes(tensors: Dict[str, object]) -> int:
+    """Bytes of the tensors (NumPy arrays or torch tensors) as they are held."""
     return int(sum(a.nbytes for a in tensors.values()))
+
+
+def value_count(tensors: Dict[str, object]) -> int:
+    """Values in the tensors (NumPy arrays or torch tensors)."""
+    return int(sum(a.numel() if is_tensor(a) else a.size for a in tensors.values()))
 
 
 __all__ = ["KVCacheMetadata", "extract_kv_cache", "save_kv_cache", "load_kv_cache", "validate_kv_cache_shape",

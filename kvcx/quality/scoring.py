@@ -178,7 +178,15 @@ def compare_prefix(model, ids, starts: List[int], window: int, stride: int, roun
     once, then every round trip compresses that same cache and scores the same continuation tokens."""
     import torch
 
-    from kvcx.quality.bridge import cache_to_tensors, make_dynamic_cache, original_nbytes, tensors_to_layers
+    from kvcx.quality.bridge import (
+        DeviceRoundtrip,
+        cache_to_device_tensors,
+        cache_to_tensors,
+        make_dynamic_cache,
+        original_nbytes,
+        tensors_to_layers,
+        value_count,
+    )
 
     dev = next(model.parameters()).device
     runs = {label: PerplexityRun() for label in roundtrips}
@@ -189,11 +197,15 @@ def compare_prefix(model, ids, starts: List[int], window: int, stride: int, roun
             cont = ids[a + ctx_len:a + window][None].to(dev)
             targets = cont[0, 1:]
             _, cache = forward_hidden(model, ctx)
-            tensors = cache_to_tensors(cache)
+            # device round trips read the cache where it is; the others a host copy (made once)
+            on_device = cache_to_device_tensors(cache)
+            host = cache_to_tensors(cache) if not all(isinstance(r, DeviceRoundtrip) for r in roundtrips.values()) \
+                else None
             base_hidden = forward_hidden(model, cont, cache)[0][:-1]
             del cache
             for label, roundtrip in roundtrips.items():
                 t, c = time.perf_counter(), time.process_time()
+                tensors = on_device if isinstance(roundtrip, DeviceRoundtrip) else host
                 decoded, nbytes, stats = roundtrip(tensors)
                 comp_cache = make_dynamic_cache(tensors_to_layers(decoded, dev))
                 del decoded
@@ -202,7 +214,7 @@ def compare_prefix(model, ids, starts: List[int], window: int, stride: int, roun
                 del comp_cache
                 base, comp, divergence = score_hidden(model, base_hidden, comp_hidden, targets)
                 runs[label].add_window(base, comp, targets.numel(), original_nbytes(tensors), nbytes,
-                                       sum(x.size for x in tensors.values()), codec_s, stats, codec_cpu, divergence)
+                                       value_count(tensors), codec_s, stats, codec_cpu, divergence)
             if on_window:
                 on_window(w + 1, len(starts))
     return runs

@@ -29,6 +29,7 @@ import numpy as np
 from kvcx.codecs.kvconfig import KVConfig
 from kvcx.codecs.metrics import Thresholds, check_thresholds, json_safe, quality_level
 from kvcx.errors import KvcxError
+from kvcx.quality.bridge import DeviceRoundtrip, backend_of
 from kvcx.quality.models import load_dataset_text, load_model_and_tokenizer, resolve_model
 from kvcx.quality.peers import PeerSetting, roundtrip_of
 from kvcx.quality.scoring import (  # noqa: F401
@@ -87,6 +88,7 @@ class ValidationResult:
     quick_test: bool = False
     violations: List[str] = field(default_factory=list)
     setting: str = ""                 # the setting's label (its --scheme, or the plan's name)
+    backend: str = ""                 # where the cache was compressed: "triton" (on the device) or "cpu"
 
     def to_dict(self) -> dict:
         return json_safe(asdict(self))
@@ -106,7 +108,8 @@ def perplexity_prefix(model, ids, starts: List[int], window: int, stride: int, r
     return compare_prefix(model, ids, starts, window, stride, {"kvcx": roundtrip}, on_window)["kvcx"]
 
 def perplexity_generation(model, ids, starts: List[int], window: int, stride: int, config: KVConfig,
-                          residual_length: int = 128, on_window: Optional[WindowCallback] = None) -> PerplexityRun:
+                          residual_length: int = 128, on_window: Optional[WindowCallback] = None,
+                          backend: Optional[str] = None) -> PerplexityRun:
     """Generation mode: every key/value goes through KvcxCache as the model runs over the window.
 
     The window is fed in chunks of ``residual_length`` tokens, so each chunk attends to all earlier
@@ -124,7 +127,7 @@ def perplexity_generation(model, ids, starts: List[int], window: int, stride: in
             win = ids[a:a + window][None].to(dev)
             targets = win[0, ctx_len + 1:]
             base_hidden = forward_hidden(model, win)[0][ctx_len:-1]
-            cache = KvcxCache(model.config, kv_config=config, residual_length=residual_length)
+            cache = KvcxCache(model.config, kv_config=config, residual_length=residual_length, backend=backend)
             comp_hidden = forward_hidden(model, win, cache, chunk=residual_length)[0][ctx_len:-1]
             mem = cache.memory_report()
             base, comp, divergence = score_hidden(model, base_hidden, comp_hidden, targets)
@@ -135,7 +138,7 @@ def perplexity_generation(model, ids, starts: List[int], window: int, stride: in
     return run
 
 def perplexity_engine(model, ids, starts: List[int], window: int, stride: int, config: KVConfig,
-                      on_window: Optional[WindowCallback] = None) -> PerplexityRun:
+                      on_window: Optional[WindowCallback] = None, backend: Optional[str] = None) -> PerplexityRun:
     """Engine mode: as vLLM and llama.cpp do, every key and value (the current token's included) is written
     through the codec before attention reads it: the window runs over a cache whose ``update`` stores and returns
     the codec's round trip of each layer's new states, in chunks of ``FORWARD_CHUNK`` (1,024) tokens as an
@@ -155,6 +158,11 @@ def perplexity_engine(model, ids, starts: List[int], window: int, stride: int, c
             for codec, t in ((cfg.key, key_states), (cfg.value, value_states)):
                 if not codec.supports(tuple(t.shape)):
                     codec = config.fallback
+                if backend == "triton":   # on the device, where the states are
+                    p = codec.with_backend("triton").encode(t)
+                    sizes[0], sizes[1], sizes[2] = sizes[0] + t.nbytes, sizes[1] + p.nbytes, sizes[2] + t.numel()
+                    out.append(codec.with_backend("triton").decode(p))
+                    continue
                 x = torch_to_numpy(t)
                 p = codec.encode(x)
                 sizes[0], sizes[1], sizes[2] = sizes[0] + x.nbytes, sizes[1] + p.nbytes, sizes[2] + x.size
@@ -182,12 +190,13 @@ def run_validation(config: KVConfig, threshold: float = DEFAULT_THRESHOLD, model
                    dataset_file=None, window: Optional[int] = None, stride: int = DEFAULT_STRIDE,
                    max_windows: int = 32, mode: str = "prefix", cpu: bool = False, device=None,
                    on_phase: Optional[PhaseCallback] = None, on_window: Optional[WindowCallback] = None,
-                   roundtrip: Optional[Roundtrip] = None, loaded=None) -> ValidationResult:
+                   roundtrip: Optional[Roundtrip] = None, loaded=None, backend: Optional[str] = None) -> ValidationResult:
     """The six phases of ``kvcx validate`` for one setting (see :func:`run_validations`)."""
     return run_validations({config.scheme: config}, threshold=threshold, model=model, dataset_file=dataset_file,
                            window=window, stride=stride, max_windows=max_windows, mode=mode, cpu=cpu, device=device,
                            on_phase=on_phase, on_window=on_window,
-                           roundtrips={config.scheme: roundtrip} if roundtrip else None, loaded=loaded)[0]
+                           roundtrips={config.scheme: roundtrip} if roundtrip else None, loaded=loaded,
+                           backend=backend)[0]
 
 
 def run_validations(configs: Mapping[str, KVConfig], threshold: float = DEFAULT_THRESHOLD,
@@ -195,12 +204,14 @@ def run_validations(configs: Mapping[str, KVConfig], threshold: float = DEFAULT_
                     stride: int = DEFAULT_STRIDE, max_windows: int = 32, mode: str = "prefix", cpu: bool = False,
                     device=None, on_phase: Optional[PhaseCallback] = None,
                     on_window: Optional[WindowCallback] = None, roundtrips: Optional[Mapping[str, Roundtrip]] = None,
-                    loaded=None) -> List[ValidationResult]:
+                    loaded=None, backend: Optional[str] = None) -> List[ValidationResult]:
     """The six phases of ``kvcx validate`` for several settings (label -> KVConfig) on the same windows and
     tokens: one result per setting, in order. In prefix mode each window's context runs once, its exact
     continuation is scored once, and each setting adds one compressed pass (a setting alone costs the same
     three passes). ``loaded`` = (model, tokenizer, name) skips loading; ``roundtrips`` replace a setting's
-    codec round trip (by label).
+    codec round trip (by label). ``backend``: where kvcx's settings compress the cache: None (by the model's
+    device: the Triton kernels on CUDA for 4-bit integer codecs), "triton" (forced: the interpreter runs it on
+    CPU) or "cpu"; each result says which ran.
 
     Every input (options, evaluation text, model path and packages) is resolved before the model loads.
     """
@@ -235,20 +246,25 @@ def run_validations(configs: Mapping[str, KVConfig], threshold: float = DEFAULT_
     window = min(DEFAULT_WINDOW, ctx_limit) if window is None else window
     check_window(window, stride, max_windows, ctx_limit)
     phase(2, f"model: {name} on {dev} ({next(m.parameters()).dtype}), {m.config.num_hidden_layers} layers")
+    backends = {label: "" if isinstance(cfg, PeerSetting) else backend_of(cfg, dev.type, backend)
+                for label, cfg in configs.items()}
     ids = torch.tensor(tok(text, return_tensors=None)["input_ids"], dtype=torch.long)
     starts = window_starts(ids.numel(), window, stride, max_windows)
     phase(3, f"tokenized: {ids.numel():,} tokens, {len(starts)} windows of {window} (stride {stride})")
     what = (f"codec: {next(iter(configs.values())).describe()}" if len(configs) == 1 else
             f"{len(configs)} settings: {', '.join(configs)}")
-    phase(4, f"{what}; scoring each window with the exact and with the compressed cache, same tokens ({mode} mode)")
+    where = ", ".join(sorted({b for b in backends.values() if b}))
+    phase(4, f"{what}; scoring each window with the exact and with the compressed cache, same tokens ({mode} mode"
+             f"{f', {where} kernels' if where else ''})")
     roundtrips = roundtrips or {}
     if mode == "prefix":
         runs = compare_prefix(m, ids, starts, window, stride,
-                              {label: roundtrips.get(label) or roundtrip_of(cfg) for label, cfg in configs.items()},
-                              on_window)
+                              {label: roundtrips.get(label) or (DeviceRoundtrip(cfg) if backends[label] == "triton"
+                                                                else roundtrip_of(cfg))
+                               for label, cfg in configs.items()}, on_window)
     else:
         score = perplexity_generation if mode == "generation" else perplexity_engine
-        runs = {label: score(m, ids, starts, window, stride, cfg, on_window=on_window)
+        runs = {label: score(m, ids, starts, window, stride, cfg, on_window=on_window, backend=backends[label])
                 for label, cfg in configs.items()}
     first = next(iter(runs.values()))
     phase(5, f"baseline perplexity   {first.baseline_ppl:.4f} ({first.tokens:,} tokens)")
@@ -256,12 +272,12 @@ def run_validations(configs: Mapping[str, KVConfig], threshold: float = DEFAULT_
                                                   for label, r in runs.items()))
     wall = time.perf_counter() - t_start
     dtype = str(next(m.parameters()).dtype).replace("torch.", "")
-    return [_result(label, runs[label], configs[label], threshold, window, stride, mode, name, str(dev), dtype, wall)
-            for label in configs]
+    return [_result(label, runs[label], configs[label], threshold, window, stride, mode, name, str(dev), dtype, wall,
+                    backends[label]) for label in configs]
 
 
 def _result(label: str, run: PerplexityRun, config: KVConfig, threshold: float, window: int, stride: int, mode: str,
-            model: str, device: str, cache_dtype: str, wall: float) -> ValidationResult:
+            model: str, device: str, cache_dtype: str, wall: float, backend: str = "") -> ValidationResult:
     base, comp = run.baseline_ppl, run.compressed_ppl
     delta = comp - base
     s = run.stats
@@ -275,7 +291,8 @@ def _result(label: str, run: PerplexityRun, config: KVConfig, threshold: float, 
         max_error=s.max_error, quality_level=quality_level(s.rmse, s.snr_db) if s.n else "",
         passed=delta < threshold, threshold=threshold,
         tokens_scored=run.tokens, windows=run.windows, window=window, stride=stride, mode=mode, model=model,
-        device=device, config=config.get_config(), wall_time_s=wall, codec_time_s=run.codec_time_s, setting=label)
+        device=device, config=config.get_config(), wall_time_s=wall, codec_time_s=run.codec_time_s, setting=label,
+        backend=backend)
 
 
 def quick_test(config: KVConfig, seq_len: int = 128, seed: int = 0, thresholds: Optional[Thresholds] = None,

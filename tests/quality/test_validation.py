@@ -183,3 +183,27 @@ def test_engine_mode_writes_every_token_through_the_codec(loaded, wikitext_path)
     prefix = run_validation(KVConfig.from_scheme("q4_0"), dataset_file=wikitext_path, window=256, stride=128,
                             max_windows=1, loaded=loaded)
     assert q4.kld > prefix.kld      # the scored tokens' own keys and values are quantized too
+
+
+@pytest.mark.model
+def test_validate_on_the_device_backend_equals_the_cpu_kernels(loaded, wikitext_path):
+    """--backend triton compresses and decodes the cache with the Triton kernels where the model's cache is (in
+    Triton's interpreter here, on a GPU there): the same bytes as the CPU kernels, so the same perplexity, KL
+    divergence and error figures; each result says which kernels ran. Settings the Triton backend cannot run
+    are refused by name."""
+    torch = pytest.importorskip("torch")
+    from kvcx.quality.validation import run_validations
+
+    kw = dict(dataset_file=wikitext_path, window=64, stride=32, max_windows=1, loaded=loaded)
+    cfg = {"kvcx": KVConfig.from_scheme()}
+    dev, cpu = run_validations(cfg, backend="triton", **kw)[0], run_validations(cfg, backend="cpu", **kw)[0]
+    assert (dev.backend, cpu.backend) == ("triton", "cpu")
+    assert dev.compressed_perplexity == cpu.compressed_perplexity and dev.kld == cpu.kld
+    assert dev.top1_agreement == cpu.top1_agreement
+    assert dev.rmse == pytest.approx(cpu.rmse, rel=1e-9) and dev.max_error == cpu.max_error
+    # the device counts the packed records, the CPU the packed file (the records and its header)
+    assert dev.bits_per_value < cpu.bits_per_value < dev.bits_per_value + 1.0   # 32-token contexts: a large header
+    # by device: CPU here (the default), Triton on CUDA
+    assert run_validations(cfg, **kw)[0].backend == ("triton" if torch.cuda.is_available() else "cpu")
+    with pytest.raises(KvcxError, match="runs 4-bit integer codecs.*3-bit"):
+        run_validations({"kvcx3": KVConfig.from_scheme("kvcx3")}, backend="triton", **kw)

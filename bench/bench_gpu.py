@@ -1,0 +1,249 @@
+"""kvcx on a CUDA GPU: fused decode attention over packed codes, encode/decode bandwidth, generate(), memory.
+
+    python bench/bench_gpu.py --markdown docs/results/gpu.md          # on a CUDA machine, < 10 minutes
+    python bench/bench_gpu.py --smoke                                 # tiny shapes, any device (the interpreter)
+
+Llama-3-8B's attention shapes (32 query heads, 8 KV heads, head dim 128), random data, BF16, the default
+scheme (keys per channel with zero points, values rotated per token; one exact sink token):
+
+1. Decode attention at 4k, 16k, 32k, 64k and 128k tokens, batch 1 and 8: one layer's step through
+   ``DevicePackedKV.attend`` (what a KvcxCache decode step runs: the Triton kernel over the packed segments,
+   the sink and a 32-token residual in the same softmax) vs SDPA over the BF16 keys and values (GQA), and
+   FlashAttention's ``flash_attn_with_kvcache`` where flash-attn is installed. Median of CUDA-event timings;
+   ratio = baseline time / kvcx time (> 1: kvcx faster). Bytes: what each reads.
+2. Encode and decode bandwidth of the Triton codecs on [8, 8, 32k, 128] BF16 keys and values vs a
+   device-to-device copy of the same tensor (bytes of the BF16 tensor / time, both).
+3. ``generate()`` with a random-weight model of Llama-3-8B's shape (BF16): KvcxCache (fused, Triton) vs
+   DynamicCache (SDPA), tokens/s after a 4k and a 32k prompt, and the cache bytes each holds.
+4. Memory held by the packed store vs BF16 keys and values at 32k (section 1's store).
+
+Without CUDA the kernels run in Triton's interpreter (``--smoke`` shrinks every shape so that it finishes):
+figures from it say nothing about speed, only that every path runs.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+SCHEME = "kvcx"
+HQ, HKV, D = 32, 8, 128
+CONTEXTS = (4096, 16384, 32768, 65536, 131072)
+BATCHES = (1, 8)
+RESIDUAL = 32
+
+
+def _setup(smoke: bool):
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")   # before the kernels are first imported
+    return torch, torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def timer(torch, dev, fn, reps: int, warmup: int = 3) -> float:
+    """Median seconds of fn(): CUDA events on a GPU, perf_counter elsewhere."""
+    for _ in range(warmup if reps > 1 else 1):
+        fn()
+    times = []
+    for _ in range(reps):
+        if dev.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) / 1e3)
+        else:
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def build_store(torch, dev, cfg, K, V):
+    """A layer's device store as KvcxCache builds it: the prompt's first half as its first chunk (with the sink,
+    so a partial channel block), the rest as the next chunk: two segments, as in use."""
+    from kvcx.cache.device_store import DevicePackedKV
+    from kvcx.codecs import get_codec
+
+    kc, vc = cfg.key.with_backend("triton"), cfg.value.with_backend("triton")
+    kn, vn = (get_codec({**c.get_config(), "sinks": 0}).with_backend("triton") for c in (kc, vc))
+    B, H, S, _ = K.shape
+    store = DevicePackedKV(B, H, K.shape[-1], dev)
+    first = S // 2
+    store.append(kc.encode(K[:, :, :first].contiguous()), vc.encode(V[:, :, :first].contiguous()))
+    store.append(kn.encode(K[:, :, first:].contiguous()), vn.encode(V[:, :, first:].contiguous()))
+    return store
+
+
+def attention(torch, dev, cfg, contexts, batches, reps, out, hq, hkv, d):
+    import torch.nn.functional as F
+
+    try:
+        from flash_attn import flash_attn_with_kvcache
+    except ImportError:
+        flash_attn_with_kvcache = None
+    out("## 1. Decode attention, one layer's step")
+    out("")
+    out(f"{hq} query heads, {hkv} KV heads, head dim {d}, BF16; kvcx: the {SCHEME} scheme's packed store (+ 1 sink "
+        f"and {RESIDUAL} residual tokens) through DevicePackedKV.attend; ratio = baseline / kvcx (> 1: kvcx faster).")
+    out("")
+    cols = ["tokens", "batch", "SDPA BF16 (us)"] + (["FlashAttention (us)"] if flash_attn_with_kvcache else []) + \
+        ["kvcx (us)", "vs SDPA"] + (["vs FlashAttention"] if flash_attn_with_kvcache else []) + \
+        ["BF16 K/V MiB", "kvcx store MiB", "store / BF16"]
+    out("| " + " | ".join(cols) + " |")
+    out("|" + "---:|" * len(cols))
+    memory = {}
+    for S in contexts:
+        for B in batches:
+            g = torch.Generator(device=dev).manual_seed(S + B)
+            K = torch.randn(B, hkv, S + RESIDUAL, d, device=dev, dtype=torch.bfloat16, generator=g)
+            V = torch.randn(B, hkv, S + RESIDUAL, d, device=dev, dtype=torch.bfloat16, generator=g)
+            q = torch.randn(B, hq, 1, d, device=dev, dtype=torch.bfloat16, generator=g)
+            store = build_store(torch, dev, cfg, K[:, :, :S], V[:, :, :S])
+            rk, rv = K[:, :, S:].contiguous(), V[:, :, S:].contiguous()
+            scale = d ** -0.5
+            t_kvcx = timer(torch, dev, lambda: store.attend(q.view(B, hq, d), rk, rv, None, scale), reps)
+            t_sdpa = timer(torch, dev, lambda: F.scaled_dot_product_attention(q, K, V, scale=scale, enable_gqa=True),
+                           reps)
+            row = [f"{S:,}", str(B), f"{t_sdpa * 1e6:.1f}"]
+            if flash_attn_with_kvcache:
+                kf, vf, qf = K.transpose(1, 2).contiguous(), V.transpose(1, 2).contiguous(), q.transpose(1, 2)
+                t_fa = timer(torch, dev, lambda: flash_attn_with_kvcache(qf, kf, vf, softmax_scale=scale), reps)
+                row.append(f"{t_fa * 1e6:.1f}")
+            row += [f"{t_kvcx * 1e6:.1f}", f"{t_sdpa / t_kvcx:.2f}x"]
+            if flash_attn_with_kvcache:
+                row.append(f"{t_fa / t_kvcx:.2f}x")
+            kv = (K.numel() + V.numel()) * 2
+            row += [f"{kv / 2**20:.1f}", f"{store.nbytes / 2**20:.1f}", f"{store.nbytes / kv:.3f}x"]
+            memory[(S, B)] = store.nbytes / kv
+            out("| " + " | ".join(row) + " |")
+            K = V = store = rk = rv = kf = vf = None   # released before the next shape is allocated
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+    out("")
+    return memory
+
+
+def bandwidth(torch, dev, cfg, shape, reps, out):
+    out("## 2. Encode / decode bandwidth vs a device-to-device copy")
+    out("")
+    out(f"[{', '.join(map(str, shape))}] BF16; GB/s = bytes of the BF16 tensor / median time (1 GB = 1e9 bytes).")
+    out("")
+    out("| codec | encode GB/s | decode GB/s | copy GB/s | encode / copy | decode / copy |")
+    out("|---|---:|---:|---:|---:|---:|")
+    x = torch.randn(*shape, device=dev, dtype=torch.bfloat16)
+    y = torch.empty_like(x)
+    nbytes = x.numel() * 2
+    t_copy = timer(torch, dev, lambda: y.copy_(x), reps)
+    copy = nbytes / t_copy / 1e9
+    for label, codec in (("kvcx keys (channel, zero points)", cfg.key), ("kvcx values (token, rotated)", cfg.value)):
+        codec = codec.with_backend("triton")
+        p = codec.encode(x)
+        t_enc = timer(torch, dev, lambda: codec.encode(x), reps)
+        t_dec = timer(torch, dev, lambda: codec.decode(p, y), reps)
+        enc, dec = nbytes / t_enc / 1e9, nbytes / t_dec / 1e9
+        out(f"| {label} | {enc:.1f} | {dec:.1f} | {copy:.1f} | {enc / copy:.2f} | {dec / copy:.2f} |")
+    out("")
+
+
+def generation(torch, dev, prompts, new_tokens, out, layers, hidden, inter, vocab, hq, hkv):
+    from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+    import kvcx.cache  # noqa: F401  (registers the "kvcx" attention implementation)
+    from kvcx.cache.kvcx_cache import KvcxCache, dynamic_cache_bytes
+
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    out(f"## 3. generate(), a random-weight model of Llama-3-8B's shape ({layers} layers, hidden {hidden}, "
+        f"{hq}/{hkv} heads), {str(dtype).replace('torch.', '')}, greedy, {new_tokens} new tokens")
+    out("")
+    out("| prompt | DynamicCache tok/s | KvcxCache tok/s | ratio | DynamicCache MiB | KvcxCache MiB | KvcxCache / "
+        "DynamicCache | kvcx backend | fused steps |")
+    out("|---:|---:|---:|---:|---:|---:|---:|---|---:|")
+    cfg = LlamaConfig(num_hidden_layers=layers, hidden_size=hidden, intermediate_size=inter, vocab_size=vocab,
+                      num_attention_heads=hq, num_key_value_heads=hkv, max_position_embeddings=max(prompts) * 2)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(dev):          # initialised where it runs (8B parameters: not through the host)
+            model = LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(default)
+    model.eval()
+    model.set_attn_implementation("kvcx")
+    for n in prompts:
+        ids = torch.randint(0, vocab, (1, n), device=dev)
+        rates, sizes = {}, {}
+        for name in ("dynamic", "kvcx"):
+            cache = DynamicCache() if name == "dynamic" else KvcxCache(model.config, backend="triton")
+            with torch.inference_mode():
+                model(ids, past_key_values=cache)   # the prompt, then timed decode steps
+                tok = ids[:, -1:]
+                if dev.type == "cuda":
+                    torch.cuda.synchronize()
+                t = time.perf_counter()
+                for _ in range(new_tokens):
+                    logits = model(tok, past_key_values=cache).logits
+                    tok = logits[:, -1:].argmax(-1)
+                if dev.type == "cuda":
+                    torch.cuda.synchronize()
+                rates[name] = new_tokens / (time.perf_counter() - t)
+            sizes[name] = dynamic_cache_bytes(cache) if name == "dynamic" else cache.memory_report()["total_bytes"]
+            if name == "kvcx":
+                rep = cache.memory_report()
+            del cache
+        out(f"| {n:,} | {rates['dynamic']:.1f} | {rates['kvcx']:.1f} | {rates['kvcx'] / rates['dynamic']:.2f}x | "
+            f"{sizes['dynamic'] / 2**20:.1f} | {sizes['kvcx'] / 2**20:.1f} | {sizes['kvcx'] / sizes['dynamic']:.3f}x | "
+            f"{rep['backend']} | {rep['attention_steps']['fused']} |")
+    out("")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes: every path runs (any device, the interpreter)")
+    ap.add_argument("--reps", type=int, default=None, help="timed repetitions per figure (median)")
+    ap.add_argument("--skip", nargs="*", default=[], choices=["attention", "bandwidth", "generate"])
+    ap.add_argument("--markdown", default=None, help="also write the tables to this file")
+    args = ap.parse_args(argv)
+    torch, dev = _setup(args.smoke)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from report import Report
+
+    from kvcx.codecs import KVConfig
+
+    out = Report()
+    name = torch.cuda.get_device_name(0) if dev.type == "cuda" else "no GPU: Triton's interpreter on the CPU"
+    out(f"Device: {name}; torch {torch.__version__}; triton {__import__('triton').__version__}")
+    out("")
+    cfg = KVConfig.from_scheme(SCHEME)
+    t0 = time.perf_counter()
+    if args.smoke:
+        shapes = dict(contexts=(128, 192), batches=(1, 2), reps=args.reps or 1, hq=4, hkv=2, d=32,
+                      bw=(2, 2, 256, 32), prompts=(96,), new=4, model=(2, 128, 256, 256, 4, 2))
+    else:
+        shapes = dict(contexts=CONTEXTS, batches=BATCHES, reps=args.reps or 50, hq=HQ, hkv=HKV, d=D,
+                      bw=(8, 8, 32768, 128), prompts=(4096, 32768), new=32, model=(32, 4096, 14336, 128256, 32, 8))
+    memory = {}
+    if "attention" not in args.skip:
+        memory = attention(torch, dev, cfg, shapes["contexts"], shapes["batches"], shapes["reps"], out,
+                           shapes["hq"], shapes["hkv"], shapes["d"])
+    if "bandwidth" not in args.skip:
+        bandwidth(torch, dev, cfg, shapes["bw"], shapes["reps"], out)
+    if "generate" not in args.skip:
+        generation(torch, dev, shapes["prompts"], shapes["new"], out, *shapes["model"])
+    if memory:
+        S = 32768 if (32768, 1) in memory else shapes["contexts"][-1]
+        out(f"## 4. Memory: the packed store holds {memory[(S, 1)]:.3f}x the BF16 keys and values at {S:,} tokens "
+            "(batch 1; section 1)")
+        out("")
+    out(f"Total {time.perf_counter() - t0:.0f} s.")
+    if args.markdown:
+        out.write(args.markdown, "kvcx on the GPU: fused decode attention, codec bandwidth, generate(), memory "
+                                 "(bench/bench_gpu.py).")
+
+
+if __name__ == "__main__":
+    main()
