@@ -37,11 +37,6 @@ def runs_on_device(key: Codec, value: Codec, device: torch.device) -> bool:
     return all(backend_name(c, device.type) == BACKEND for c in (key, value))
 
 
-def device_ready(codec: Codec) -> bool:
-    """Whether the Triton backend runs this codec (4-bit integer codes)."""
-    return codec.codec_id == "kvcx.int" and getattr(codec, "bits", None) == 4
-
-
 class _Span:
     """One kind's packed tokens of a segment: growing codes [N, bytes], scales and zero points."""
 

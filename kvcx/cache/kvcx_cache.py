@@ -54,10 +54,10 @@ from transformers.cache_utils import Cache, DynamicLayer
 from kvcx.cache.attention_fn import ATTN_IMPLEMENTATION, HANDOFF
 from kvcx.cache.buffers import MaskConverter, Scratch
 from kvcx.cache.fused import ATTN_MAX_ROWS, CAUSAL, NO_MASK, Workspace
-from kvcx.cache.device_store import DevicePackedKV, device_ready, runs_on_device
+from kvcx.cache.device_store import BACKEND, DevicePackedKV, runs_on_device
 from kvcx.cache.store import PackedKV
 from kvcx.codecs.tensors import torch_to_numpy
-from kvcx.codecs.backends import check_backend
+from kvcx.codecs.backends import backend_takes, check_backend
 from kvcx.codecs.dtypes import is_int
 from kvcx.codecs.kvconfig import DEFAULT_SCHEME, KVConfig
 from kvcx.codecs.runtime import resolve_threads
@@ -519,9 +519,9 @@ class KvcxCache(Cache):
 
 def _on_backend(kv: KVConfig, backend: str, layers: int) -> KVConfig:
     """``kv`` with its codecs on ``backend``; KvcxError when a layer's codecs have no such backend."""
-    if backend == "triton":
+    if backend == BACKEND:
         bad = sorted({c.describe() for i in range(layers) for c in (kv.for_layer(i).key, kv.for_layer(i).value)
-                      if not device_ready(c)})
+                      if not backend_takes(c, BACKEND)})
         if bad:
             raise KvcxError(f"KvcxCache(backend='triton') runs 4-bit integer codecs; this config has {', '.join(bad)}: "
                             "pass backend=None (by device) or 'cpu', or a 4-bit scheme (kvcx, reference, kivi)")

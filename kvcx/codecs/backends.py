@@ -68,7 +68,13 @@ def backend_name(codec, device_type: str) -> str:
         return codec.backend
     name = BY_DEVICE.get(device_type, "cpu")
     found = _REGISTRY.get((codec.codec_id, name))
-    return name if found is not None and found.takes(codec) else "cpu"
+    return name if found is not None and found.takes(codec) and found.available() else "cpu"
+
+
+def backend_takes(codec, name: str) -> bool:
+    """Whether backend ``name`` is registered for ``codec`` and runs its settings (installed or not)."""
+    found = _REGISTRY.get((codec.codec_id, name))
+    return found is not None and found.takes(codec)
 
 
 def registered_backends() -> Tuple[Tuple[str, str], ...]:

@@ -84,8 +84,13 @@ class TritonIntBackend:
 
     @staticmethod
     def takes(codec) -> bool:
-        """Whether this backend runs ``codec`` here (4-bit codes; triton installed)."""
-        return getattr(codec, "bits", None) == 4 and find_spec("triton") is not None
+        """Whether this backend runs ``codec``'s settings (4-bit codes)."""
+        return getattr(codec, "bits", None) == 4
+
+    @staticmethod
+    def available() -> bool:
+        """Whether triton is installed (the kvcx[gpu] extra)."""
+        return find_spec("triton") is not None
 
     def check(self, codec, name: str) -> None:
         if codec.bits != 4:

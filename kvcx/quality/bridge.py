@@ -14,7 +14,7 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from kvcx.codecs.backends import backend_name, check_backend, is_tensor
+from kvcx.codecs.backends import backend_name, backend_takes, check_backend, is_tensor
 from kvcx.codecs.tensors import numpy_to_torch, torch_to_numpy
 from kvcx.codecs.metrics import ErrorStats, error_stats
 from kvcx.deps import import_torch
@@ -239,7 +239,7 @@ def backend_of(config, device_type: str, backend: Optional[str] = None) -> str:
         return "cpu"
     codecs = list(config.codecs().values())
     if backend == "triton":
-        bad = sorted({c.describe() for c in codecs if backend_name(c.with_backend(None), "cuda") != "triton"})
+        bad = sorted({c.describe() for c in codecs if not backend_takes(c, "triton")})
         if bad:
             raise KvcxError(f"--backend triton runs 4-bit integer codecs; this setting has {', '.join(bad)}: "
                             "pass --backend cpu (or leave it out)")
