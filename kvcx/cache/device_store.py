@@ -127,7 +127,6 @@ class DevicePackedKV:
     def __init__(self, B: int, H: int, D: int, device):
         self.B, self.H, self.D, self.N, self.device = B, H, D, B * H, device
         self.sinks: Dict[str, Optional[torch.Tensor]] = {"key": None, "value": None}   # [N, t0, D] as written
-        self._exact: Dict[str, torch.Tensor] = {}   # the sinks in float32, read by every step
         self.segments: List[_Segment] = []
         self.chunks = 0
         self._codecs: Dict[tuple, Codec] = {}
@@ -164,8 +163,7 @@ class DevicePackedKV:
                 raise CodecError("only the first packed chunk may hold exact sink tokens")
             for kind, p in (("key", pk), ("value", pv)):
                 if t0[kind]:
-                    self.sinks[kind] = p.sinks.reshape(self.N, t0[kind], self.D)
-                    self._exact[kind] = self.sinks[kind].float()
+                    self.sinks[kind] = p.sinks.reshape(self.N, t0[kind], self.D).contiguous()
         kc, vc = self._codec(pk.config), self._codec(pv.config)
         seg = self.segments[-1] if self.segments else None
         if seg is None or not seg.continues(kc, vc, pk.dtype):
@@ -186,6 +184,8 @@ class DevicePackedKV:
                     f"{self._t0('key')}, values {self._t0('value')})")
         if group < 1:
             return "fused attention needs the query heads to be a multiple of the KV heads"
+        if len({seg.values.codec.rotate for seg in self.segments}) > 1:
+            return "fused attention on the device needs every packed chunk's values to rotate alike"
         return None
 
     def decode_into(self, kind: str, out: torch.Tensor) -> int:
@@ -212,27 +212,15 @@ class DevicePackedKV:
         t0 = self._t0("key")
         rotate = {seg.keys.codec.rotate for seg in self.segments}
         qs, qr = gpu.scaled_query(q, True in rotate, self.N, scaling)
-        parts = [gpu.packed_part(qr if seg.keys.codec.rotate else qs, seg.keys.span(), seg.values.span(), seg.keys.codec, seg.values.codec, self.H,
-                                 add, t0 + seg.start, per_split)
-                 for seg in self.segments if seg.keys.tokens]
-        ek = [self._exact["key"]] if t0 else []
-        ev = [self._exact["value"]] if t0 else []
-        if nr:
-            ek.append(residual_k.reshape(self.N, nr, D).float())
-            ev.append(residual_v.reshape(self.N, nr, D).float())
-        if ek:
-            exact = None if add is None else torch.cat([add[:, :t0], add[:, held:]], 1)
-            parts.append(gpu.exact_part(qs, torch.cat(ek, 1), torch.cat(ev, 1), exact, self.H))
-        return gpu.merge(parts).reshape(B, Hq, D)
+        spans = [gpu.Span(seg.keys.span(), seg.values.span(), seg.keys.codec, seg.values.codec, t0 + seg.start)
+                 for seg in self.segments]
+        sinks = (self.sinks["key"], self.sinks["value"]) if t0 else (None, None)
+        residual = (residual_k.reshape(self.N, nr, D), residual_v.reshape(self.N, nr, D)) if nr else (None, None)
+        return gpu.attend_spans(qs, qr, spans, self.H, sinks, residual, add, held, per_split).reshape(B, Hq, D)
 
     @property
     def nbytes(self) -> int:
-        """Every tensor held: the segments' buffers (their capacity), the sinks and their float32 copies."""
+        """Every tensor held: the segments' buffers (their capacity) and the sinks."""
         n = sum(seg.keys.nbytes + seg.values.nbytes for seg in self.segments)
-        for kind, s in self.sinks.items():
-            if s is not None:
-                n += s.numel() * s.element_size()
-                if self._exact[kind] is not s:
-                    n += self._exact[kind].numel() * 4
-        return int(n)
+        return int(n + sum(s.numel() * s.element_size() for s in self.sinks.values() if s is not None))
 

@@ -228,14 +228,15 @@ def _tile(codes_ptr, scales_ptr, zeros_ptr, n, row_bytes, nsc, t, tm, D: tl.cons
 
 @triton.jit
 def attend_packed_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr,
-                         Hkv, T, k_row_bytes, v_row_bytes, k_nsc, v_nsc, mask_stride, mask_off, per_split,
+                         Hkv, T, k_row_bytes, v_row_bytes, k_nsc, v_nsc, mask_stride, mask_off, per_split, sp_off, SPT,
                          R: tl.constexpr, RP: tl.constexpr, D: tl.constexpr, BT: tl.constexpr,
                          KG: tl.constexpr, K_CHANNEL: tl.constexpr, K_ASYM: tl.constexpr,
                          VG: tl.constexpr, V_CHANNEL: tl.constexpr, V_ASYM: tl.constexpr, HAS_MASK: tl.constexpr):
     """Flash-decoding over packed codes: program (slab n = batch row x KV head, split sp) reads its KV head's
     packed tokens [sp * per_split, (sp + 1) * per_split) once for the R query rows that share it (q already
     scaled, and rotated where the keys are), and writes the split's running max, sum and (rotated where the
-    values are) FP32 accumulator; the caller merges the splits with the exact tokens (sinks, residual)."""
+    values are) FP32 accumulator at split ``sp_off + sp`` of ``SPT`` per slab (the spans of a store share the
+    buffers); :func:`merge_kernel` merges the splits with the exact tokens (sinks, residual)."""
     n = tl.program_id(0)
     sp = tl.program_id(1)
     r = tl.arange(0, RP)
@@ -263,7 +264,68 @@ def attend_packed_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, 
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
         m_i = m_new
-    o = (n.to(tl.int64) * tl.num_programs(1) + sp) * R + r
+    o = (n.to(tl.int64) * SPT + sp_off + sp) * R + r
     tl.store(m_ptr + o, m_i, mask=rm)
     tl.store(l_ptr + o, l_i, mask=rm)
     tl.store(acc_ptr + o[:, None] * D + d[None, :], acc, mask=rm[:, None])
+
+
+@triton.jit
+def _exact_scores(q, e_ptr, n, ne, add_ptr, add_stride, add_off, Hkv, D: tl.constexpr, EB: tl.constexpr,
+                  HAS_MASK: tl.constexpr):
+    """Scores [RP, EB] of the query rows ``q`` over slab n's ``ne`` exact keys ([N, ne, D], any float dtype),
+    their mask columns from ``add_off``; -inf past ``ne``."""
+    e = tl.arange(0, EB)
+    em = e < ne
+    k = tl.load(e_ptr + (n.to(tl.int64) * ne + e[:, None]) * D + tl.arange(0, D)[None, :], mask=em[:, None],
+                other=0.0).to(tl.float32)
+    s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
+    if HAS_MASK:
+        s += tl.load(add_ptr + (n // Hkv).to(tl.int64) * add_stride + add_off + e, mask=em, other=0.0)[None, :]
+    return tl.where(em[None, :], s, float("-inf"))
+
+
+@triton.jit
+def _exact_values(p, e_ptr, n, ne, D: tl.constexpr, EB: tl.constexpr):
+    """The weighted sum [RP, D] of slab n's ``ne`` exact values by ``p`` [RP, EB]."""
+    e = tl.arange(0, EB)
+    v = tl.load(e_ptr + (n.to(tl.int64) * ne + e[:, None]) * D + tl.arange(0, D)[None, :], mask=(e < ne)[:, None],
+                other=0.0).to(tl.float32)
+    return tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+
+
+@triton.jit
+def merge_kernel(qs_ptr, m_ptr, l_ptr, acc_ptr, SPT, sk_ptr, sv_ptr, n_sinks, rk_ptr, rv_ptr, n_res, add_ptr,
+                 add_stride, res_off, Hkv, out_ptr, norm, R: tl.constexpr, RP: tl.constexpr, D: tl.constexpr,
+                 SB: tl.constexpr, RB: tl.constexpr, HAS_MASK: tl.constexpr, ROTATE: tl.constexpr):
+    """One program per slab: the softmax merge of its ``SPT`` splits (:func:`attend_packed_kernel`; their
+    accumulators rotated back where the values are) with its exact tokens, the sinks (``n_sinks`` at mask column
+    0) and the residual (``n_res`` at column ``res_off``), read as they are held; writes [R, D] float32."""
+    n = tl.program_id(0)
+    r = tl.arange(0, RP)
+    rm = r < R
+    d = tl.arange(0, D)
+    base = n.to(tl.int64) * SPT
+    top = tl.full([RP], float("-inf"), tl.float32)
+    for sp in range(0, SPT):
+        top = tl.maximum(top, tl.load(m_ptr + (base + sp) * R + r, mask=rm, other=float("-inf")))
+    q = tl.load(qs_ptr + (n.to(tl.int64) * R + r[:, None]) * D + d[None, :], mask=rm[:, None], other=0.0)
+    s_sink = _exact_scores(q, sk_ptr, n, n_sinks, add_ptr, add_stride, 0, Hkv, D, SB, HAS_MASK)
+    s_res = _exact_scores(q, rk_ptr, n, n_res, add_ptr, add_stride, res_off, Hkv, D, RB, HAS_MASK)
+    top = tl.maximum(top, tl.maximum(tl.max(s_sink, axis=1), tl.max(s_res, axis=1)))
+    top = tl.where(top == float("-inf"), 0.0, top)          # a row with nothing to attend to
+    acc = tl.zeros([RP, D], tl.float32)
+    den = tl.zeros([RP], tl.float32)
+    for sp in range(0, SPT):
+        o = (base + sp) * R + r
+        w = tl.exp(tl.load(m_ptr + o, mask=rm, other=float("-inf")) - top)
+        den += w * tl.load(l_ptr + o, mask=rm, other=0.0)
+        acc += w[:, None] * tl.load(acc_ptr + o[:, None] * D + d[None, :], mask=rm[:, None], other=0.0)
+    if ROTATE:
+        acc = _fwht_rows(acc, RP, D, norm)
+    p_sink = tl.exp(s_sink - top[:, None])
+    p_res = tl.exp(s_res - top[:, None])
+    den += tl.sum(p_sink, axis=1) + tl.sum(p_res, axis=1)
+    acc += _exact_values(p_sink, sv_ptr, n, n_sinks, D, SB) + _exact_values(p_res, rv_ptr, n, n_res, D, RB)
+    den = tl.where(rm, den, 1.0)                             # the padding rows past R (not stored)
+    tl.store(out_ptr + (n.to(tl.int64) * R + r[:, None]) * D + d[None, :], acc / den[:, None], mask=rm[:, None])

@@ -220,11 +220,6 @@ def _hadamard(D: int, device):
     return (h * _norm(D)).to(device)
 
 
-def _finite(top):
-    """A running max with -inf (a row with nothing to attend to) as 0, so that exp(m - top) stays 0, not NaN."""
-    return _torch().where(_torch().isinf(top), 0.0, top)
-
-
 @dataclass(frozen=True)
 class PackedSpan:
     """Packed tokens of one kind that continue one another, laid out per slab (batch row x KV head) as the
@@ -271,55 +266,71 @@ def scaled_query(q, rotate: bool, N: int, scaling: float):
     return qs, (qs @ _hadamard(D, qs.device)).contiguous() if rotate else qs
 
 
-def packed_part(qr, keys: PackedSpan, values: PackedSpan, key_codec, value_codec, Hkv: int, add=None,
-                mask_off: int = 0, per_split: Optional[int] = None):
-    """(max, sum, accumulator) [N, R], [N, R], [N, R, D] of the query rows ``qr`` (:func:`scaled_query`) over
-    one span of packed keys and values (the same tokens), in the Triton kernel split along the context; ``add``
-    float32 [B, kv_len] added to the scores, the span's first token at column ``mask_off``."""
-    k = _kernels()
-    torch = _torch()
-    N, R, D = qr.shape
-    T = keys.tokens
-    per = split_tokens(N, T, per_split)
-    sp = -(-T // per)
-    m = torch.empty(N, sp, R, device=qr.device)
-    l, acc = torch.empty_like(m), torch.empty(N, sp, R, D, device=qr.device)
-    k.attend_packed_kernel[(N, sp)](
-        qr, keys.codes, keys.scales, keys.zeros if keys.zeros is not None else keys.scales,
-        values.codes, values.scales, values.zeros if values.zeros is not None else values.scales,
-        add if add is not None else qr, m, l, acc,
-        Hkv, T, keys.codes.shape[1], values.codes.shape[1], keys.scales.shape[1], values.scales.shape[1],
-        add.shape[1] if add is not None else 0, mask_off, per, R=R, RP=max(2, 1 << (R - 1).bit_length()), D=D,
-        BT=ATTN_BLOCK_TOKENS, KG=key_codec.group_size, K_CHANNEL=key_codec.axis == "channel",
-        K_ASYM=key_codec.asym, VG=value_codec.group_size, V_CHANNEL=value_codec.axis == "channel",
-        V_ASYM=value_codec.asym, HAS_MASK=add is not None, enable_fp_fusion=False)
-    top = m.amax(dim=1)
-    w = torch.exp(m - _finite(top)[:, None])
-    acc = (acc * w[..., None]).sum(1)
-    return top, (l * w).sum(1), acc @ _hadamard(D, qr.device) if value_codec.rotate else acc
+@dataclass(frozen=True)
+class Span:
+    """Packed keys and values of the same tokens for :func:`attend_spans`: their spans and codecs, and the mask
+    column of their first token."""
+
+    keys: PackedSpan
+    values: PackedSpan
+    key_codec: object
+    value_codec: object
+    mask_off: int
 
 
-def exact_part(qs, ek, ev, add=None, Hkv: int = 1):
-    """(max, sum, accumulator) of the query rows ``qs`` [N, R, D] over exact keys and values [N, n, D] (sinks,
-    residual); ``add`` [B, n]: the mask's columns of these tokens, added to their scores (or None)."""
-    torch = _torch()
-    s = qs @ ek.float().transpose(1, 2)                       # [N, R, n]
-    if add is not None:
-        s = s + add.repeat_interleave(Hkv, 0)[:, None, :]
-    top = s.amax(-1)
-    p = torch.exp(s - _finite(top)[..., None])
-    return top, p.sum(-1), p @ ev.float()
+def _pow2(n: int) -> int:
+    """n rounded up to a power of two, at least 2 (a Triton block's extent)."""
+    return max(2, 1 << (max(1, n) - 1).bit_length())
 
 
-def merge(parts):
-    """The softmax-weighted output [N, R, D] of parts over disjoint tokens (CodecError when there are none)."""
-    torch = _torch()
-    if not parts:
+def attend_spans(qs, qr, spans, Hkv: int, sinks=(None, None), residual=(None, None), add=None, res_off: int = 0,
+                 per_split: Optional[int] = None):
+    """The attention output [N, R, D] float32 of the query rows ``qs`` (scaled; ``qr``: also rotated, for spans
+    whose keys rotate: :func:`scaled_query`) over packed spans (:class:`Span`, flash-decoding splits along each
+    in :func:`~kvcx.codecs._triton.attend_packed_kernel`) and the exact tokens: ``sinks`` (keys, values) [N, t0,
+    D] at mask columns 0.., ``residual`` [N, nr, D] (any float dtype, as held) at columns ``res_off``..; ``add``
+    float32 [B, kv_len] added to the scores, or None. Every span's values rotate alike (the merge rotates the
+    accumulator back once). Two kernels per span and one merge: no other launch. The caller checks shapes."""
+    torch, k = _torch(), _kernels()
+    N, R, D = qs.shape
+    rotate = {sp.value_codec.rotate for sp in spans}
+    if len(rotate) > 1:
+        raise CodecError("attention: the packed spans' values must all rotate, or none")
+    plan = []
+    for sp in spans:
+        T = sp.keys.tokens
+        if T:
+            per = split_tokens(N, T, per_split)
+            plan.append((sp, T, per, -(-T // per)))
+    spt = max(1, sum(n for *_, n in plan))
+    m = torch.empty(N, spt, R, device=qs.device)
+    if not plan:
+        m.fill_(float("-inf"))
+    l, acc = torch.empty_like(m), torch.empty(N, spt, R, D, device=qs.device)
+    off, RP = 0, _pow2(R)
+    for sp, T, per, n in plan:
+        kc, vc, ks, vs = sp.key_codec, sp.value_codec, sp.keys, sp.values
+        k.attend_packed_kernel[(N, n)](
+            qr if kc.rotate else qs, ks.codes, ks.scales, ks.zeros if ks.zeros is not None else ks.scales,
+            vs.codes, vs.scales, vs.zeros if vs.zeros is not None else vs.scales, add if add is not None else qs,
+            m, l, acc, Hkv, T, ks.codes.shape[1], vs.codes.shape[1], ks.scales.shape[1], vs.scales.shape[1],
+            add.shape[1] if add is not None else 0, sp.mask_off, per, off, spt, R=R, RP=RP, D=D,
+            BT=ATTN_BLOCK_TOKENS, KG=kc.group_size, K_CHANNEL=kc.axis == "channel", K_ASYM=kc.asym,
+            VG=vc.group_size, V_CHANNEL=vc.axis == "channel", V_ASYM=vc.asym, HAS_MASK=add is not None,
+            enable_fp_fusion=False)
+        off += n
+    sk, sv = sinks
+    rk, rv = residual
+    t0 = 0 if sk is None else sk.shape[1]
+    nr = 0 if rk is None else rk.shape[1]
+    if not plan and not t0 and not nr:
         raise CodecError("attention: there are no tokens to attend to")
-    top = _finite(torch.stack([p[0] for p in parts]).amax(0))
-    num = sum(a * torch.exp(m - top)[..., None] for m, _, a in parts)
-    den = sum(s * torch.exp(m - top) for m, s, _ in parts)
-    return num / den[..., None]
+    out = torch.empty(N, R, D, device=qs.device)
+    k.merge_kernel[(N,)](qs, m, l, acc, spt, sk if t0 else qs, sv if t0 else qs, t0, rk if nr else qs,
+                         rv if nr else qs, nr, add if add is not None else qs, add.shape[1] if add is not None else 0,
+                         res_off, Hkv, out, _norm(D), R=R, RP=RP, D=D, SB=_pow2(t0), RB=_pow2(nr),
+                         HAS_MASK=add is not None, ROTATE=bool(plan) and True in rotate, enable_fp_fusion=False)
+    return out
 
 
 def float_mask(mask, B: int, kv_len: int):
@@ -360,17 +371,9 @@ def attend(q, keys: Packed, values: Packed, key_codec, value_codec, residual_k=N
     nr = 0 if residual_k is None else residual_k.shape[2]
     qs, qr = scaled_query(q, key_codec.rotate, N, D ** -0.5 if scaling is None else float(scaling))
     add = None if mask is None else float_mask(mask, B, S + nr)
-    parts = []
-    if S > t0:
-        parts.append(packed_part(qr, span_of(keys, key_codec), span_of(values, value_codec), key_codec, value_codec,
-                                 Hkv, add, t0, per_split))
-    ek = [keys.sinks.reshape(N, t0, D)] if t0 else []
-    ev = [values.sinks.reshape(N, t0, D)] if t0 else []
-    if nr:
-        ek.append(residual_k.reshape(N, nr, D))
-        ev.append(residual_v.reshape(N, nr, D))
-    if ek:
-        torch = _torch()
-        parts.append(exact_part(qs, torch.cat([e.float() for e in ek], 1), torch.cat([e.float() for e in ev], 1),
-                                None if add is None else torch.cat([add[:, :t0], add[:, S:]], 1), Hkv))
-    return merge(parts).reshape(B, Hq, D)
+    spans = [Span(span_of(keys, key_codec), span_of(values, value_codec), key_codec, value_codec, t0)] if S > t0 else []
+    sinks = (keys.sinks.reshape(N, t0, D).contiguous(), values.sinks.reshape(N, t0, D).contiguous()) if t0 else \
+        (None, None)
+    residual = (residual_k.reshape(N, nr, D).contiguous(), residual_v.reshape(N, nr, D).contiguous()) if nr else \
+        (None, None)
+    return attend_spans(qs, qr, spans, Hkv, sinks, residual, add, S, per_split).reshape(B, Hq, D)

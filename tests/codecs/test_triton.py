@@ -190,3 +190,18 @@ def test_fused_attention_refuses_what_it_cannot_read():
         attend(torch.randn(1, 2, 64, device=DEVICE), cpu, pk, kc, kc)
     with pytest.raises(CodecError, match="mask must be"):
         attend(torch.randn(1, 2, 64, device=DEVICE), pk, pk, kc, kc, mask=torch.zeros(1, 5, device=DEVICE))
+
+
+def test_fused_attention_with_no_packed_token_yet():
+    """A record of only its exact sink token and a residual (a cache's first steps): the merge kernel alone."""
+    from kvcx.codecs.gpu import attend
+
+    cfg = KVConfig.from_scheme()
+    kc, vc = cfg.key.with_backend("triton"), cfg.value.with_backend("triton")
+    g = torch.Generator().manual_seed(3)
+    K, V, rk, rv = (torch.randn(1, 2, n, 64, generator=g).to(DEVICE) for n in (1, 1, 3, 3))
+    q = torch.randn(1, 4, 64, generator=g).to(DEVICE)
+    out = attend(q, kc.encode(K), vc.encode(V), kc, vc, rk, rv)
+    Kf, Vf = (torch.cat(p, 2).repeat_interleave(2, 1) for p in ((K, rk), (V, rv)))
+    ref = torch.nn.functional.scaled_dot_product_attention(q[:, :, None], Kf, Vf)[:, :, 0]
+    assert float((out - ref).abs().max()) < 3e-5
