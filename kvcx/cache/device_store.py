@@ -2,14 +2,14 @@
 
 The device counterpart of :mod:`kvcx.cache.store`: :class:`DevicePackedKV` keeps one layer's packed keys and
 values where the model runs (a CUDA GPU; a CPU tensor when the Triton backend is forced, in Triton's
-interpreter), appends the chunks the Triton encoder writes, and attends over them with the Triton kernel of
-:func:`kvcx.codecs.gpu.packed_part` (flash-decoding along the context; the exact sinks and the residual in the
+interpreter), appends the chunks the Triton encoder writes, and attends over them with the Triton kernels of
+:func:`kvcx.codecs.gpu.attend_spans` (flash-decoding along the context; the exact sinks and the residual in the
 same softmax). Nothing crosses to the host.
 
 Chunks that continue one another (the same codecs, the last chunk ending on whole groups) are kept in one
 *segment*: growing buffers per slab (batch row x KV head) that the kernel reads as one span. A chunk that
 cannot continue (the first chunk after the sinks ends in a partial channel block) starts the next segment;
-a step runs the kernel once per segment (two in practice) and merges them in FP32.
+a step runs the kernel once per segment (two in practice) and one merge kernel over them in FP32.
 """
 from __future__ import annotations
 
