@@ -13,8 +13,9 @@ scheme (keys per channel with zero points, values rotated per token; one exact s
    ratio = baseline time / kvcx time (> 1: kvcx faster). Bytes: what each reads.
 2. Encode and decode bandwidth of the Triton codecs on [8, 8, 32k, 128] BF16 keys and values vs a
    device-to-device copy of the same tensor (bytes of the BF16 tensor / time, both).
-3. ``generate()`` with a random-weight model of Llama-3-8B's shape (BF16): KvcxCache (fused, Triton) vs
-   DynamicCache (SDPA), tokens/s after a 4k and a 32k prompt, and the cache bytes each holds.
+3. Greedy decoding (one forward per token, as ``generate()`` steps) with a random-weight model of Llama-3-8B's
+   shape (BF16): KvcxCache (fused, Triton) vs DynamicCache (SDPA), tokens/s after a 4k and a 32k prompt, and
+   the cache bytes each holds.
 4. Memory held by the packed store vs BF16 keys and values at 32k (section 1's store).
 
 Without CUDA the kernels run in Triton's interpreter (``--smoke`` shrinks every shape so that it finishes):
@@ -157,7 +158,7 @@ def generation(torch, dev, prompts, new_tokens, out, layers, hidden, inter, voca
     from kvcx.cache.kvcx_cache import KvcxCache, dynamic_cache_bytes
 
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    out(f"## 3. generate(), a random-weight model of Llama-3-8B's shape ({layers} layers, hidden {hidden}, "
+    out(f"## 3. Greedy decoding, a random-weight model of Llama-3-8B's shape ({layers} layers, hidden {hidden}, "
         f"{hq}/{hkv} heads), {str(dtype).replace('torch.', '')}, greedy, {new_tokens} new tokens")
     out("")
     out("| prompt | DynamicCache tok/s | KvcxCache tok/s | ratio | DynamicCache MiB | KvcxCache MiB | KvcxCache / "
