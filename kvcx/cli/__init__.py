@@ -355,6 +355,9 @@ def validate(
         if task != "passkey" and lengths is not None:
             raise KvcxError("--lengths sets the passkey task's contexts; add --task passkey, or use --window for "
                             "perplexity")
+        if backend is not None and (task == "passkey" or quick_test):
+            raise KvcxError("--backend chooses where a model's cache is compressed for perplexity; --task passkey "
+                            "and --quick-test do not take it: leave it out")
         if task == "passkey":
             return _passkey(configs, gated, lengths, prompts, tolerance, model, cpu, mode, quiet, json_out, on_phase)
         if quick_test:

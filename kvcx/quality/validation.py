@@ -235,6 +235,10 @@ def run_validations(configs: Mapping[str, KVConfig], threshold: float = DEFAULT_
         configs[label].check_installed()
     # the context limit is checked again once the model is known
     check_window(DEFAULT_WINDOW if window is None else window, stride, max_windows, context_limit=1 << 62)
+    if backend is not None:   # a bad or impossible --backend fails here, not after the model loads
+        for cfg in configs.values():
+            if not isinstance(cfg, PeerSetting):
+                backend_of(cfg, "cpu", backend)
     text = load_dataset_text(dataset_file)
     source = resolve_model(model) if loaded is None else None
     phase(1, f"evaluation text: {len(text):,} characters")
