@@ -109,9 +109,7 @@ class KvcxLayer(DynamicLayer):
         first = {"key": kv_config.key, "value": kv_config.value}
         self._codecs_first = first
         # later chunks: the same codecs without sinks, and with the same threads
-        self._codecs_next = {k: type(c).from_config({**c.get_config(), "n_threads": c.n_threads,
-                                                     **({"backend": c.backend} if c.backend else {}),
-                                                     **({"sinks": 0} if "sinks" in c.settings else {})})
+        self._codecs_next = {k: c.replace(**({"sinks": 0} if "sinks" in c.settings else {}))
                              for k, c in first.items()}
         self._key_weights = key_weights  # per-channel widths: how much the queries weigh each key channel
         self.n_threads = kv_config.value.n_threads

@@ -159,15 +159,18 @@ class Codec:
             raise CodecError(f"unknown codec settings {sorted(unknown)}; known: {sorted(known)}")
         return cls(**config)
 
+    def replace(self, **settings) -> "Codec":
+        """The same codec with ``settings`` changed (its own, ``n_threads``, ``backend``); the others kept."""
+        run = {k: v for k, v in (("n_threads", self.n_threads), ("backend", self.backend)) if v is not None}
+        return type(self).from_config({**self.get_config(), **run, **settings})
+
     def with_threads(self, n_threads: Optional[int]) -> "Codec":
         """The same codec running on ``n_threads`` threads (on the same backend)."""
-        extra = {"backend": self.backend} if self.backend is not None else {}
-        return type(self).from_config({**self.get_config(), "n_threads": n_threads, **extra})
+        return self.replace(n_threads=n_threads)
 
     def with_backend(self, backend: Optional[str]) -> "Codec":
         """The same codec working torch tensors on ``backend`` (None: by the tensor's device)."""
-        extra = {"n_threads": self.n_threads} if self.n_threads is not None else {}
-        return type(self).from_config({**self.get_config(), "backend": backend, **extra})
+        return self.replace(backend=backend)
 
     def __eq__(self, other) -> bool:
         return type(other) is type(self) and self.get_config() == other.get_config()

@@ -30,6 +30,7 @@ from typing import Optional, Union
 import numpy as np
 
 from kvcx.codecs import _core
+from kvcx.codecs.backends import check_backend
 from kvcx.codecs.base import Codec, Layout, Packed, check_shape, decode_out, register_codec, view3
 from kvcx.codecs.dtypes import DTYPE_NAMES, check_float, dtype_name, kernel_dtype, raw
 from kvcx.codecs.runtime import check_status, resolve_threads
@@ -86,7 +87,8 @@ class GGMLCodec(Codec):
     settings = ("type", "rotate")
     format_version = ENGINE_FORMAT_VERSION
 
-    def __init__(self, type: str = "q4_0", rotate: Union[bool, str] = False, n_threads: Optional[int] = None):
+    def __init__(self, type: str = "q4_0", rotate: Union[bool, str] = False, n_threads: Optional[int] = None,
+                 backend: Optional[str] = None):
         if type not in GGML_TYPES:
             raise CodecError(f"llama.cpp KV type {type!r} is not one kvcx emulates; use one of "
                              f"{', '.join(GGML_TYPES)}")
@@ -95,6 +97,7 @@ class GGMLCodec(Codec):
                              f"power of two dividing the head dim: llama.cpp's K), got {rotate!r}")
         self.type, self.rotate = type, (rotate if rotate == "key" else bool(rotate))
         self.n_threads = resolve_threads(n_threads) if n_threads is not None else None
+        self.backend = check_backend(backend)   # no backend but the CPU kernels is registered for it
 
     @property
     def has_zeros(self) -> bool:
@@ -194,7 +197,8 @@ class FP8Codec(Codec):
     settings = ("format", "scale")
     format_version = ENGINE_FORMAT_VERSION
 
-    def __init__(self, format: str = "e4m3", scale: Union[float, str] = 1.0, n_threads: Optional[int] = None):
+    def __init__(self, format: str = "e4m3", scale: Union[float, str] = 1.0, n_threads: Optional[int] = None,
+                 backend: Optional[str] = None):
         if format not in FP8_FORMATS:
             raise CodecError(f"fp8 format {format!r} is not one vLLM uses; use 'e4m3' or 'e5m2'")
         if scale != "amax" and not (isinstance(scale, (int, float)) and not isinstance(scale, bool)
@@ -203,6 +207,7 @@ class FP8Codec(Codec):
         self.format = format
         self.scale = scale if scale == "amax" else float(scale)
         self.n_threads = resolve_threads(n_threads) if n_threads is not None else None
+        self.backend = check_backend(backend)   # no backend but the CPU kernels is registered for it
 
     def bits_per_value(self) -> float:
         return 8.0

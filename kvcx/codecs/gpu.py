@@ -93,7 +93,7 @@ class TritonIntBackend:
         return find_spec("triton") is not None
 
     def check(self, codec, name: str) -> None:
-        if codec.bits != 4:
+        if not self.takes(codec):
             raise CodecError(f"tensor {name!r}: the Triton backend runs 4-bit codecs; {codec.bits}-bit codes run on "
                              "the CPU (pass backend='cpu' and a CPU tensor)")
 

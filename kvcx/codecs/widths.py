@@ -6,6 +6,7 @@ from typing import Optional
 import numpy as np
 
 from kvcx.codecs import _core
+from kvcx.codecs.backends import check_backend
 from kvcx.codecs.base import (
     Codec,
     Layout,
@@ -58,7 +59,8 @@ class WidthCodec(Codec):
     format_version = "3"
     takes_weights = True
 
-    def __init__(self, bits: float = 2.0, group_size: int = 32, sinks: int = 0, n_threads: Optional[int] = None):
+    def __init__(self, bits: float = 2.0, group_size: int = 32, sinks: int = 0, n_threads: Optional[int] = None,
+                 backend: Optional[str] = None):
         if isinstance(bits, (bool, np.bool_)) or not isinstance(bits, (int, float, np.integer, np.floating)) \
                 or not (0 < float(bits) <= _core.W_MAX):
             raise CodecError(f"widths codec: mean bits {bits!r} must be a number in (0, {_core.W_MAX}]")
@@ -66,6 +68,7 @@ class WidthCodec(Codec):
         self.group_size = check_group_size(group_size)
         self.sinks = check_sinks(sinks)
         self.n_threads = resolve_threads(n_threads) if n_threads is not None else None
+        self.backend = check_backend(backend)   # no backend but the CPU kernels is registered for it
 
     def bits_per_value(self) -> float:
         """Nominal bits per value: codes + two range bytes per channel group (without sinks, the width table and

@@ -107,6 +107,10 @@ def test_the_backend_is_chosen_by_device_and_checked():
         KvcxCache(small, scheme="kvcx3", backend="triton")
     with pytest.raises(CodecError, match="backend 'gpu' is not supported"):
         KvcxCache(small, backend="gpu")
+    # engine formats have no Triton kernels: "cpu" is theirs to name, "triton" is refused by name
+    assert KvcxCache(small, scheme="q4_0", backend="cpu").layers[0]._codecs_next["key"].backend == "cpu"
+    with pytest.raises(KvcxError, match="runs 4-bit integer codecs.*q4_0"):
+        KvcxCache(small, scheme="q4_0", backend="triton")
 
 
 def test_device_store_errors_and_what_it_cannot_fuse():
