@@ -1,15 +1,18 @@
 """Validate what you deploy: kvcx's settings and the engines' KV formats on one model, one text, the same
-tokens (`kvcx validate --scheme A,B,...`), and what the shared pass costs against one setting alone.
+tokens (`kvcx validate --scheme A,B,...`), at each window size asked for, and what the shared pass costs
+against one setting alone.
 
-    python bench/bench_engines.py --all --max-windows 32 --markdown docs/results/engines.md
-    python bench/bench_engines.py --window 8192 --stride 4096 --max-windows 4 --skip-alone \
-        --markdown docs/results/engines-8k.md
+    python bench/bench_engines.py --all --at 1024:512:32 --at 8192:4096:4 --markdown docs/results/engines.md
+
+`--at WINDOW:STRIDE:MAX_WINDOWS` (repeatable; default 1024:512:32) names the window sizes: one table per
+size, in one run, the model loaded once.
 
 Settings (default; `--all` adds iq4_nl and the peers quanto / TurboQuant through their libraries): kvcx's
 default and KIVI at 4 bits; llama.cpp's q8_0, q5_1, q4_1, q4_0 as releases before
 the attention rotation (or with LLAMA_ATTN_ROT_DISABLE=1) write them, and q8_0, q4_0 with the rotation
-(llama.cpp's default since PR #21038); vLLM's fp8 e4m3 and e5m2 at scale 1.0. Timing: the same windows
-validated once for the first setting alone and once for all of them in one call, wall time and peak RSS.
+(llama.cpp's default since PR #21038); vLLM's fp8 e4m3 and e5m2 at scale 1.0. Timing: at the first window
+size, the same windows validated once for the first setting alone and once for all of them in one call; at
+every size the wall time of the call and the peak RSS of the process so far.
 """
 from __future__ import annotations
 
@@ -24,13 +27,21 @@ SETTINGS = "kvcx,kivi,q8_0,q8_0-rot,q5_1,q4_1,q4_0,q4_0-rot,fp8_e4m3,fp8_e5m2"
 ALL_SETTINGS = SETTINGS + ",iq4_nl,iq4_nl-rot,quanto-int4,quanto-int2,turboquant-4,turboquant-3"
 
 
+def window_spec(text: str) -> tuple:
+    """``"8192:4096:4"`` -> (8192, 4096, 4)."""
+    try:
+        window, stride, max_windows = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not WINDOW:STRIDE:MAX_WINDOWS (e.g. 8192:4096:4)") from None
+    return window, stride, max_windows
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--scheme", default=SETTINGS, help="settings, comma-separated (any `kvcx validate --scheme`)")
     ap.add_argument("--all", action="store_true", help="every format: " + ALL_SETTINGS)
-    ap.add_argument("--max-windows", type=int, default=32)
-    ap.add_argument("--window", type=int, default=1024)
-    ap.add_argument("--stride", type=int, default=512)
+    ap.add_argument("--at", action="append", type=window_spec, default=None, metavar="WINDOW:STRIDE:MAX_WINDOWS",
+                    help="a window size to validate at, repeatable (default 1024:512:32)")
     ap.add_argument("--threshold", type=float, default=0.5)
     ap.add_argument("--dataset-file", type=Path, default=DEFAULT_DATA)
     ap.add_argument("--markdown", type=Path, default=None)
@@ -41,27 +52,43 @@ def main(argv=None):
 
     from kvcx.api import validation_settings
     from kvcx.quality.models import load_model_and_tokenizer
-    from kvcx.quality.scoring import FORWARD_CHUNK, HEAD_SLICE
-    from kvcx.quality.validation import run_validations
-
     from kvcx.quality.peers import PEERS
 
     configs, _ = validation_settings(ALL_SETTINGS if args.all else args.scheme, peers=PEERS)
+    t0 = time.perf_counter()
     loaded = load_model_and_tokenizer(None, cpu=True)
-    common = dict(threshold=args.threshold, dataset_file=args.dataset_file, window=args.window, stride=args.stride,
-                  max_windows=args.max_windows, loaded=loaded)
+    out = Report()
+    for n, (window, stride, max_windows) in enumerate(args.at or [(1024, 512, 32)]):
+        common = dict(threshold=args.threshold, dataset_file=args.dataset_file, window=window, stride=stride,
+                      max_windows=max_windows, loaded=loaded)
+        run_size(out, configs, common, alone=not args.skip_alone and n == 0)
+    out(f"The whole run (model load included): {time.perf_counter() - t0:.0f} s; peak RSS "
+        f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20:.2f} GiB.")
+    if args.markdown:
+        out.write(args.markdown, "kvcx's settings and the engines' KV formats (llama.cpp, vLLM fp8) and the peers "
+                                 "(quanto, TurboQuant) on the embedded model: perplexity, KL divergence and top-1 "
+                                 "agreement against the exact cache, every setting on the same windows and tokens, "
+                                 "at each window size.")
+
+
+def run_size(out, configs: dict, common: dict, alone: bool) -> None:
+    """Validate every setting at one window size (and the first alone, when ``alone``); print its section."""
+    from kvcx.quality.scoring import FORWARD_CHUNK, HEAD_SLICE
+    from kvcx.quality.validation import run_validations
+
     first = next(iter(configs))
     t = time.perf_counter()
-    alone = None if args.skip_alone else run_validations({first: configs[first]}, **common)[0]
+    single = run_validations({first: configs[first]}, **common)[0] if alone else None
     t_alone = time.perf_counter() - t
     t = time.perf_counter()
     results = run_validations(configs, **common)
     t_all = time.perf_counter() - t
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
     # the shared pass changes nothing
-    assert alone is None or results[0].compressed_perplexity == alone.compressed_perplexity
-    out = Report()
+    assert single is None or results[0].compressed_perplexity == single.compressed_perplexity
     r0 = results[0]
+    out(f"## Windows of {r0.window:,}")
+    out("")
     out(f"Embedded {r0.model}, WikiText-2 raw test, {r0.windows} windows of {r0.window} (stride {r0.stride}), "
         f"{r0.tokens_scored:,} tokens scored, {r0.mode} mode; baseline perplexity {r0.baseline_perplexity:.4f}; "
         f"threshold {r0.threshold}.")
@@ -77,20 +104,17 @@ def main(argv=None):
             f"{r.compressed_perplexity:.4f} | {r.delta:+.4f} | {r.kld:.5f} | {100 * r.top1_agreement:.2f}% | "
             f"{'PASS' if r.passed else 'FAIL'} |")
     out("")
-    if alone is None:
-        out(f"All {len(results)} settings in one call: {t_all:.0f} s. Peak RSS {rss:.2f} GiB (model, text, caches "
-            f"and scoring; the model runs in chunks of {FORWARD_CHUNK:,} tokens and its output head in slices of "
-            f"{HEAD_SLICE} rows).")
+    if single is None:
+        out(f"All {len(results)} settings in one call: {t_all:.0f} s. Peak RSS so far {rss:.2f} GiB (model, text, "
+            f"caches and scoring; the model runs in chunks of {FORWARD_CHUNK:,} tokens and its output head in "
+            f"slices of {HEAD_SLICE} rows).")
     else:
         out(f"Cost of the shared pass: {first} alone {t_alone:.0f} s; all {len(results)} settings in one call "
             f"{t_all:.0f} s = {t_all / t_alone:.2f}x (a setting alone costs a context, a baseline and a compressed "
             f"pass per window; each further setting adds one compressed pass and its codec: in passes "
             f"{len(results)} settings are {len(results) + 2}/3 = {(len(results) + 2) / 3:.2f}x; a compressed pass "
-            f"costs less than the context pass, so the time ratio can be lower). Peak RSS {rss:.2f} GiB.")
-    if args.markdown:
-        out.write(args.markdown, "kvcx's settings and the engines' KV formats (llama.cpp, vLLM fp8) on the embedded "
-                                 "model: perplexity, KL divergence and top-1 agreement against the exact cache, "
-                                 "every setting on the same windows and tokens.")
+            f"costs less than the context pass, so the time ratio can be lower). Peak RSS so far {rss:.2f} GiB.")
+    out("")
 
 
 if __name__ == "__main__":

@@ -4,8 +4,8 @@
 
 - ``headline``: the summary table of headline figures, read from the tables the bench scripts wrote into
   docs/results/ (quality.md, codec.md, generate.md, lmcache.md), each row linking to its report;
-- ``engines`` / ``engines-8k``: the tables of kvcx's settings and the engines' KV formats from
-  docs/results/engines.md (windows of 1,024) and docs/results/engines-8k.md (windows of 8,192);
+- ``engines`` / ``engines-8k``: the tables of kvcx's settings and the engines' KV formats at windows of 1,024
+  and of 8,192 from docs/results/engines.md (one run of bench_engines.py, a section per window size);
 - ``passkey``: the retrieval table from docs/results/passkey.md;
 - ``validate`` (with ``--validate-log``): the output of one ``make validate`` run, progress bars removed.
 
@@ -84,12 +84,19 @@ def headline() -> str:
            "bench script named there):\n\n" + "\n".join(lines)
 
 
-def engines(name: str = "engines.md") -> str:
-    """An engine-formats table of docs/results/ as it was written, with the lines that name its run and cost."""
+def engines(window: str = "1,024", name: str = "engines.md") -> str:
+    """The section "Windows of ``window``" of an engine-formats report as it was written: the lines that name
+    its run, the table and its cost."""
     lines = (RESULTS / name).read_text().splitlines()
-    run = next(x for x in lines if x.startswith("Embedded "))
-    rows = [x for x in lines if x.startswith("|")]
-    cost = next(x for x in lines if x.startswith(("Cost of the shared pass", "All ")))
+    try:
+        start = lines.index(f"## Windows of {window}")
+    except ValueError:
+        raise SystemExit(f"publish: {name} has no section 'Windows of {window}'; run bench_engines.py --at") from None
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+    section = lines[start:end]
+    run = next(x for x in section if x.startswith("Embedded "))
+    rows = [x for x in section if x.startswith("|")]
+    cost = next(x for x in section if x.startswith(("Cost of the shared pass", "All ")))
     return run + "\n\n" + "\n".join(rows) + "\n\n" + cost + \
         f"\n\nFrom [docs/results/{name}](docs/results/{name}) (its command is at its top)."
 
@@ -126,8 +133,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     readme = ROOT / "README.md"
     text = replace_region(readme.read_text(), "headline", headline())
-    text = replace_region(text, "engines", engines())
-    text = replace_region(text, "engines-8k", engines("engines-8k.md"))
+    text = replace_region(text, "engines", engines("1,024"))
+    text = replace_region(text, "engines-8k", engines("8,192"))
     text = replace_region(text, "passkey", passkey())
     if args.validate_log is not None:
         text = replace_region(text, "validate", validate_output(args.validate_log))
