@@ -16,8 +16,11 @@ import numpy as np
 from kvcx.codecs import _core
 from kvcx.codecs.base import Codec
 
-# the codec whose packed layout the kernel reads (kvcx/codecs/_attn.h)
+# the codecs whose packed layouts the kernel reads (kvcx/codecs/_attn.h): integer codes for keys and values,
+# and keys with a width per channel
 READS = "kvcx.int"
+WIDTHS = "kvcx.widths"
+READS_KEYS = (READS, WIDTHS)
 
 # code widths the kernel reads (2 and 3 bits widened tile by tile into the 4-bit layout)
 FUSED_BITS = (2, 3, 4)
@@ -26,6 +29,8 @@ ATTN_MAX_D = _core.ATTN_MAX_D
 # rows per KV head a step may have: query heads per KV head x query tokens
 ATTN_MAX_ROWS = _core.ATTN_MAX_ROWS
 ATTN_TILE_ROWS = _core.ATTN_TILE_ROWS
+# how keys are grouped, as the kernel's settings name it
+AXIS_CHANNEL, AXIS_TOKEN = _core.AXIS_CHANNEL, _core.AXIS_TOKEN
 # tokens per task at least, when a (row x KV head) is split across threads
 _MIN_SPLIT_TOKENS = 128
 # below this many tokens of work per (row x KV head) (an exact token counting as 4 packed ones), one
@@ -85,9 +90,10 @@ def step_mask(m: np.ndarray, B: int, nq: int) -> Mask:
 
 def fused_unsupported(key: Codec, value: Codec, head_dim: int, group: int) -> Optional[str]:
     """Why the fused kernel cannot serve these codecs (None when it can; ``group``: query heads per KV head)."""
-    if key.codec_id != READS or value.codec_id != READS:
-        return "fused attention reads IntCodec codes (per-channel widths are decoded, then attended)"
-    if key.bits not in FUSED_BITS or value.bits not in FUSED_BITS:
+    if key.codec_id not in READS_KEYS or value.codec_id != READS:
+        return "fused attention reads IntCodec codes (and keys with a width per channel)"
+    widths = key.codec_id != READS
+    if (not widths and key.bits not in FUSED_BITS) or value.bits not in FUSED_BITS:
         return f"fused attention reads 2-, 3- and 4-bit codes (keys {key.bits}, values {value.bits} bits)"
     if head_dim % 16 or head_dim > ATTN_MAX_D:
         return f"fused attention needs a head dim that is a multiple of 16 up to {ATTN_MAX_D}, got {head_dim}"
@@ -96,7 +102,7 @@ def fused_unsupported(key: Codec, value: Codec, head_dim: int, group: int) -> Op
     if value.axis != "token":
         return "fused attention needs values grouped per token"
     for kind, c in (("key", key), ("value", value)):
-        if c.axis == "token" and c.group_size % head_dim:
+        if getattr(c, "axis", None) == "token" and c.group_size % head_dim:
             return (f"fused attention needs per-token {kind} groups of whole tokens (group size {c.group_size} "
                     f"is not a multiple of head dim {head_dim})")
     return None
@@ -131,22 +137,18 @@ class Workspace:
 
 def bind(key: Codec, value: Codec, B: int, Hkv: int, R: int, D: int, keys, values, head: tuple, Tq: int,
          workspace: Workspace, threads: int, nq: int = 1):
-    """The kernel bound to one layer's packed stores (``keys`` / ``values``: codes [N, bytes], FP16 scales,
-    zero points or None, the keys' block starts), its head rows (exact float32 [N, nh, D] each) and ``Tq``
+    """The kernel bound to one layer's packed stores (``keys``: a :class:`~kvcx.cache.store.PackedStore` or
+    the store its codec keeps, which names the kernel's key settings and arrays; ``values``: codes [N, bytes],
+    FP16 scales, zero points or None), its head rows (exact float32 [N, nh, D] each) and ``Tq``
     packed positions after them, for steps of ``nq`` query tokens of ``R`` query heads per KV head; the work
     split for ``threads``. Call ``run`` on it once per step."""
     rows = R * nq
     nsplit = splits(B * Hkv, Tq * max(1, rows // ATTN_TILE_ROWS), threads)
-    work = workspace.get(B * Hkv * nsplit, _core.attn_work_floats(rows, D))
-    kernel = _core.AttnKernel(B=B, Hkv=Hkv, R=rows, D=D,
-                              k_axis=_core.AXIS_CHANNEL if key.axis == "channel" else _core.AXIS_TOKEN,
-                              k_asym=key.asym, k_rotate=key.rotate, k_group=key.group_size,
-                              v_asym=value.asym, v_rotate=value.rotate, v_group=value.group_size,
-                              k_bits=key.bits, v_bits=value.bits, nq=nq)
-    kernel.bind(keys.codes, keys.scales.view(np.uint16),
-                keys.zeros.view(np.uint16) if keys.zeros is not None else EMPTY_U16,
-                keys.block_starts if key.axis == "channel" else EMPTY_I64,
-                values.codes, values.scales.view(np.uint16),
-                values.zeros.view(np.uint16) if values.zeros is not None else EMPTY_U16,
-                head[0], head[1], Tq, work, nsplit)
+    settings = keys.kernel_settings(key)
+    work = workspace.get(B * Hkv * nsplit, _core.attn_work_floats(rows, D, settings.get("k_widths", False)))
+    kernel = _core.AttnKernel(B=B, Hkv=Hkv, R=rows, D=D, v_asym=value.asym, v_rotate=value.rotate,
+                              v_group=value.group_size, v_bits=value.bits, nq=nq, **settings)
+    kernel.bind(vc=values.codes, vs=values.scales.view(np.uint16),
+                vz=values.zeros.view(np.uint16) if values.zeros is not None else EMPTY_U16,
+                hk=head[0], hv=head[1], Tq=Tq, work=work, nsplit=nsplit, **keys.kernel_keys(key))
     return kernel

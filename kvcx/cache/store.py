@@ -21,7 +21,17 @@ from typing import Dict, List, Optional
 import numpy as np
 
 from kvcx.cache import fused
-from kvcx.cache.fused import CAUSAL, EMPTY_F32_3, NO_MASK, Mask, Workspace, fused_unsupported, step_mask  # noqa: F401
+from kvcx.cache.fused import (  # noqa: F401
+    CAUSAL,
+    EMPTY_F32_3,
+    EMPTY_I64,
+    EMPTY_U16,
+    NO_MASK,
+    Mask,
+    Workspace,
+    fused_unsupported,
+    step_mask,
+)
 from kvcx.codecs.base import Codec, Packed, get_codec
 from kvcx.codecs.intcodec import IntCodec
 from kvcx.codecs.runtime import resolve_threads
@@ -170,6 +180,112 @@ class PackedStore:
                   self._sinks_f32 if self._sinks_f32 is not self.sinks else None]
         return int(sum(a.nbytes for a in arrays if a is not None))
 
+    @staticmethod
+    def kernel_settings(codec: Codec) -> dict:
+        """The fused kernel's settings for keys of ``codec`` kept in a store of this kind."""
+        return dict(k_axis=fused.AXIS_CHANNEL if codec.axis == "channel" else fused.AXIS_TOKEN, k_asym=codec.asym,
+                    k_rotate=codec.rotate, k_group=codec.group_size, k_bits=codec.bits)
+
+    def kernel_keys(self, codec: Codec) -> dict:
+        """The arrays the fused kernel reads when this store holds keys of ``codec`` (``AttnKernel.bind``'s key
+        arguments)."""
+        per_channel = codec.axis == "channel"
+        return dict(kc=self.codes, ks=self.scales.view(np.uint16),
+                    kz=self.zeros.view(np.uint16) if self.zeros is not None else EMPTY_U16,
+                    kblk=self.block_starts if per_channel else EMPTY_I64)
+
+
+class WidthStore(PackedStore):
+    """The packed keys of one layer encoded with a width per channel (:class:`~kvcx.codecs.widths.WidthCodec`),
+    laid out for the fused kernel: a slab's planes take as many bytes as its widths say, so they are kept
+    in one flat array with each group's offset, beside rectangular tables [N, ...] of the groups' range bytes
+    and of each chunk's widths and channel ranges (docs/FORMAT.md 2.4 has the chunk's own layout, which
+    :meth:`chunk` rebuilds)."""
+
+    PAD = 8   # bytes kept after the last plane: the kernel reads 8 bytes from any plane byte
+
+    def __init__(self, N: int, D: int):
+        super().__init__(N, D)
+        self.planes = np.zeros(self.PAD, dtype=np.uint8)
+        self.goff = np.empty((self.N, 0), dtype=np.int64)              # [N, groups] planes' offsets
+        self.stats = np.empty((self.N, 0), dtype=np.uint8)             # [N, groups * 2 D] range bytes
+        self.widths = np.empty((self.N, 0), dtype=np.uint8)            # [N, chunks * D]
+        self.ranges = np.empty((self.N, 0), dtype=np.float16)          # [N, chunks * 2 D]
+        self.group_chunk = np.empty(0, dtype=np.int64)                 # [groups]
+
+    def append(self, p: Packed) -> None:
+        if p.config.get("id") != fused.WIDTHS:
+            raise CodecError(f"a {p.config.get('id')!r} chunk does not fit a store of per-channel widths")
+        S, D = int(p.shape[-2]), int(p.shape[-1])
+        N = p.numel // (S * D)
+        t0, gs = int(p.config.get("sinks", 0)), int(p.config["group_size"])
+        if N != self.N or D != self.D:
+            raise CodecError(f"a packed chunk of shape {list(p.shape)} does not fit this store ({self.N} slabs of "
+                             f"head dim {self.D})")
+        if t0 and self._chunks:
+            raise CodecError("only the first packed chunk may hold exact sink tokens")
+        G = -(-(S - t0) // gs)
+        codes = np.asarray(p.codes).reshape(-1)
+        widths = codes[:N * D].reshape(N, D)
+        stats = codes[N * D:N * D + N * G * D * 2].reshape(N, G * D * 2)
+        planes = codes[N * D + N * G * D * 2:]
+        gbytes = widths.sum(axis=1, dtype=np.int64) * (gs // 8)   # a group's plane bytes, per slab
+        start = self.planes.size - self.PAD
+        slab_off = np.concatenate([[0], np.cumsum(gbytes * G)[:-1]]).astype(np.int64)
+        goff = start + slab_off[:, None] + np.arange(G, dtype=np.int64)[None, :] * gbytes[:, None]
+        chunk = {"shape": tuple(p.shape), "dtype": p.dtype, "config": dict(p.config), "meta": dict(p.meta),
+                 "groups": (self.stats.shape[1] // (2 * D), self.stats.shape[1] // (2 * D) + G),
+                 "planes": (start, start + planes.size)}
+        self.planes = np.concatenate([self.planes[:start], planes, np.zeros(self.PAD, dtype=np.uint8)])
+        self.goff = np.concatenate([self.goff, goff], axis=1)
+        self.stats = np.concatenate([self.stats, stats], axis=1)
+        self.widths = np.concatenate([self.widths, widths], axis=1)
+        self.ranges = np.concatenate([self.ranges, np.asarray(p.scales, dtype=np.float16).reshape(N, 2 * D)], axis=1)
+        self.group_chunk = np.concatenate([self.group_chunk, np.full(G, len(self._chunks), dtype=np.int64)])
+        starts = self.tokens + np.arange(gs, S - t0, gs, dtype=np.int64)
+        self.block_starts = np.concatenate([self.block_starts[:-1], [self.tokens], starts,
+                                            [self.tokens + S - t0]]).astype(np.int64)
+        if t0:
+            self.sinks = np.ascontiguousarray(p.sinks).reshape(N, t0, D)
+            self._sinks_f32 = None
+        self.tokens += S - t0
+        self._chunks.append(chunk)
+
+    def chunk(self, i: int) -> Packed:
+        c = self._chunks[i]
+        D = self.D
+        g0, g1 = c["groups"]
+        a, b = c["planes"]
+        codes = np.concatenate([self.widths[:, i * D:(i + 1) * D].reshape(-1),
+                                self.stats[:, g0 * 2 * D:g1 * 2 * D].reshape(-1), self.planes[a:b]])
+        return Packed(codes=codes, scales=np.ascontiguousarray(self.ranges[:, i * 2 * D:(i + 1) * 2 * D]).reshape(
+                          self.N, D, 2), zeros=None, sinks=self.sinks if c["config"].get("sinks", 0) else None,
+                      shape=c["shape"], dtype=c["dtype"], config=c["config"], meta=c["meta"])
+
+    def spans(self):
+        """Each chunk on its own (every chunk has its own widths)."""
+        for i in range(len(self._chunks)):
+            yield self.chunk(i)
+
+    @property
+    def nbytes(self) -> int:
+        arrays = [self.planes, self.goff, self.stats, self.widths, self.ranges, self.group_chunk, self.block_starts,
+                  self.sinks, self._sinks_f32 if self._sinks_f32 is not self.sinks else None]
+        return int(sum(a.nbytes for a in arrays if a is not None))
+
+    @staticmethod
+    def kernel_settings(codec: Codec) -> dict:
+        return dict(k_axis=fused.AXIS_CHANNEL, k_asym=True, k_rotate=False, k_group=codec.group_size, k_bits=0,
+                    k_widths=True)
+
+    def kernel_keys(self, codec: Codec) -> dict:
+        return dict(kc=self.planes[None, :], ks=self.stats.view(np.uint16), kz=EMPTY_U16, kblk=self.block_starts,
+                    kgoff=self.goff, kw=self.widths, krange=self.ranges.view(np.uint16), kgchunk=self.group_chunk)
+
+
+# the store that keeps each key codec's chunks (PackedStore for any other)
+KEY_STORES = {fused.WIDTHS: WidthStore}
+
 
 class PackedKV:
     """One layer's packed keys and values, and the fused decode step over them.
@@ -182,7 +298,7 @@ class PackedKV:
 
     def __init__(self, N: int, D: int, key_codec: Codec, value_codec: Codec,
                  workspace: Optional[Workspace] = None):
-        self.keys = PackedStore(N, D)
+        self.keys = KEY_STORES.get(key_codec.codec_id, PackedStore)(N, D)
         self.values = PackedStore(N, D)
         self.key_codec, self.value_codec = key_codec, value_codec
         self._head = None
@@ -244,7 +360,7 @@ class PackedKV:
     def _kernel(self, B: int, Hkv: int, R: int, D: int, threads: int, nq: int = 1):
         """The fused kernel bound to the stores as they are now (bound again on change: new chunks, another
         geometry, or the shared workspace reallocated by another layer)."""
-        key = (B, Hkv, R, D, threads, nq, len(self.keys._chunks))
+        key = (B, Hkv, R, D, threads, nq, len(self.keys))
         if self._bound_key == key and self.workspace.array is self._bound_work:
             return self._bound
         nh = max(self.keys.sink_tokens, self.values.sink_tokens)  # the head rows: exact in either kind

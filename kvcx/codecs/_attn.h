@@ -43,7 +43,15 @@
    scratch, then read by the same dot products and accumulations. A value code c becomes c' = c + 8 - 2^(bits - 1)
    (centred, as 4-bit codes are): s (c' - 8) is its value when symmetric, s (c' - 8) + z + 2^(bits - 1) s when
    asymmetric. A key code becomes c + 8 - 2^(bits - 1) when symmetric (s (c' - 8)), stays c when asymmetric
-   (s c + z). Nothing larger than a tile is ever unpacked. */
+   (s c + z). Nothing larger than a tile is ever unpacked.
+
+   Keys with a width per channel (kvcx.widths, kvcx2w; _widths.h): each group of gs tokens is a block whose
+   channel d decodes as base_d + step_d c (c of w_d bits, stored as w_d bit planes), so
+       q . k_t = sum_d q_d base_d + sum_{d: w_d > 0} (q_d step_d) c_td
+   Per block the query is scaled once and compacted to the channels that have codes (a width-0 channel is
+   its base alone: only the bias). Per tile of at most 32 tokens, each such channel's planes are turned into
+   a float row of codes (a [channels][tokens] tile in the task's scratch, as the many-rows keys) and the rows
+   run the same register-blocked products. Values are read as for the other presets. */
 #ifndef KVCX_ATTN_H
 #define KVCX_ATTN_H
 
@@ -73,32 +81,43 @@ typedef struct {
     int64_t v_group, v_nscale;
     int k_bits, v_bits;         /* 2, 3 or 4 */
     int64_t nq;                 /* query tokens per row: row r is query head r / nq, token r % nq */
+    int k_widths;               /* keys with a width per channel (k_bits unused, k_axis channel: blocks are
+                                   the groups of k_group tokens) */
+    int64_t k_chunks, k_groups; /* widths: chunks (width tables) and groups per (row, KV head) */
     int64_t mask_bs, mask_qs;   /* mask row of (batch row b, token i): b * mask_bs + i * mask_qs */
     int causal;                 /* token i sees positions up to kv_len - nq + i (exact runs only) */
 } kvcx_attn_layout;
 
 typedef struct {
     const float *q;                      /* [B, Hkv * R, D] */
-    const uint8_t *kc;                   /* [B * Hkv, k_tokens * D * k_bits / 8] */
-    const uint16_t *ks, *kz;             /* [B * Hkv, k_nscale] (kz: asymmetric only) */
+    const uint8_t *kc;                   /* [B * Hkv, k_tokens * D * k_bits / 8]; widths: every plane (kgoff) */
+    const uint16_t *ks, *kz;             /* [B * Hkv, k_nscale] (kz: asymmetric only); widths: the groups' range
+                                            bytes, 2 per channel (k_nscale = k_groups * D) */
     const int64_t *kblk;                 /* channel axis: block b = key tokens [kblk[b], kblk[b + 1]) */
     const uint8_t *vc;                   /* [B * Hkv, v_tokens * D * v_bits / 8] */
     const uint16_t *vs, *vz;
     const float *sk, *sv;                /* [B * Hkv, ns, D] */
     const float *rk, *rv;                /* [B * Hkv, nr, D] */
+    const int64_t *kgoff;                /* widths: [B * Hkv, k_groups] byte offsets in kc of the groups' planes */
+    const uint8_t *kw;                   /* widths: [B * Hkv, k_chunks, D] each chunk's channel widths */
+    const uint16_t *krange;              /* widths: [B * Hkv, k_chunks, D, 2] each chunk's channel ranges (FP16) */
+    const int64_t *kgchunk;              /* widths: [k_groups] the chunk of each group */
     const float *mask;                   /* [mask rows, kv_len] added to the scores, or NULL */
     const uint8_t *maskb;                /* [mask rows, kv_len]: 0 = masked (a boolean mask), or NULL */
-    float *work;                         /* [tasks, kvcx_attn_work_floats(R, D)] */
+    float *work;                         /* [tasks, kvcx_attn_work_floats(R, D, k_widths)] */
     float *out;                          /* [B, Hkv * R, D] */
 } kvcx_attn_args;
 
 /* floats of workspace per task: the partial (m and l per head, then accv[R][D] in the permuted order,
    then accp[R][D]), then scratch (T D / 8 floats: a tile's 2- or 3-bit codes widened to nibbles; with
-   KVCX_ATTN_TILE_ROWS rows or more, then the float tiles of keys [D][T] and values [T][D]) */
+   KVCX_ATTN_TILE_ROWS rows or more, then the float tiles of keys [D][T] and values [T][D]; keys with widths:
+   a block's channels (3 D int32), and the key tile [D][T] when it is not there already) */
 static inline int64_t kvcx_attn_part_floats(int64_t R, int64_t D) { return 2 * R + 2 * R * D; }
-static inline int64_t kvcx_attn_work_floats(int64_t R, int64_t D) {
+static inline int64_t kvcx_attn_work_floats(int64_t R, int64_t D, int widths) {
+    const int many = R >= KVCX_ATTN_TILE_ROWS;
     return kvcx_attn_part_floats(R, D) + 3 * R * D + 4 * R + 2 * R * KVCX_ATTN_TILE + 2 * KVCX_ATTN_TILE + 2 * D
-           + KVCX_ATTN_TILE * D / 8 + (R >= KVCX_ATTN_TILE_ROWS ? 2 * KVCX_ATTN_TILE * D : 0);
+           + KVCX_ATTN_TILE * D / 8 + (many ? 2 * KVCX_ATTN_TILE * D : 0)
+           + (widths ? 3 * D + (many ? 0 : KVCX_ATTN_TILE * D) : 0);
 }
 
 /* channel index of position p in the permuted order */
@@ -742,12 +761,88 @@ static inline void kvcx_attn_widen(const uint8_t *p, int64_t n, int bits, uint8_
         }
 }
 
+/* Keys with widths: tokens o .. o + 31 of a group (gs8 = gs / 8 bytes per plane; the planes of compacted
+   channel k at grp + off[k], wid[k] of them) as float rows of codes, kT[k * T + j] for k < nz, j < 32 (past
+   the group's end whatever its neighbours' bits say: those scores are not read). Reads up to 8 bytes from
+   a plane's byte o / 8 on: the store keeps 8 bytes after its last plane. */
+static inline void kvcx_attn_wtile(const uint8_t *grp, const int32_t *off, const int32_t *wid, int64_t nz,
+                                   int64_t gs8, int64_t o, float *kT) {
+    const int64_t T = KVCX_ATTN_TILE;
+#if KVCX_ATTN_AVX2
+    const __m256i idx = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                         2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+#endif
+    for (int64_t k = 0; k < nz; k++) {
+        const uint8_t *p = grp + off[k] + (o >> 3);
+        float *row = kT + k * T;
+#if KVCX_ATTN_AVX2
+        __m256i acc = _mm256_setzero_si256();
+        for (int j = 0; j < wid[k]; j++) {
+            uint64_t m;
+            memcpy(&m, p + j * gs8, 8);
+            const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)(uint32_t)(m >> (o & 7))), idx);
+            acc = _mm256_or_si256(acc, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit),
+                                                        _mm256_set1_epi8((char)(1 << j))));
+        }
+        const __m128i lo = _mm256_castsi256_si128(acc), hi = _mm256_extracti128_si256(acc, 1);
+        _mm256_storeu_ps(row, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)));
+        _mm256_storeu_ps(row + 8, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))));
+        _mm256_storeu_ps(row + 16, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)));
+        _mm256_storeu_ps(row + 24, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))));
+#else
+        uint32_t c[32] = {0};
+        for (int j = 0; j < wid[k]; j++) {
+            uint64_t m;
+            memcpy(&m, p + j * gs8, 8);
+            m >>= (o & 7);
+            for (int t = 0; t < 32; t++) c[t] |= (uint32_t)((m >> t) & 1) << j;
+        }
+        for (int t = 0; t < 32; t++) row[t] = (float)c[t];
+#endif
+    }
+}
+
+/* Keys with widths: block (group) blk of the task's slab begins. Its channels' bases go to base (D floats),
+   the compacted channels with codes (their index, plane offset inside the group and width) to idx / off /
+   wid; the rows' scaled queries q_d step_d over those channels to qs [R][nz] and their biases q . base to
+   bias. Decodes as kvcx_w_decode_tile does. Returns nz. */
+static inline int64_t kvcx_attn_wblock(const kvcx_attn_layout *L, const kvcx_attn_args *A, int64_t slab, int64_t blk,
+                                       const float *qn, float *qs, float *bias, float *base, float *step,
+                                       int32_t *idx, int32_t *off, int32_t *wid) {
+    const int64_t D = L->D, c = A->kgchunk[blk], gs8 = L->k_group / 8;
+    const uint8_t *w = A->kw + (slab * L->k_chunks + c) * D;
+    const uint16_t *rg = A->krange + (slab * L->k_chunks + c) * 2 * D;
+    const uint8_t *st = (const uint8_t *)(A->ks + (slab * L->k_groups + blk) * D);   /* 2 bytes per channel */
+    int64_t nz = 0, o = 0;
+    for (int64_t d = 0; d < D; d++) {
+        const float lo = kvcx_h2f_1(rg[2 * d]), hi = kvcx_h2f_1(rg[2 * d + 1]);
+        const float span = (hi - lo) / 255.0f, t = (float)((1 << w[d]) - 1);
+        const float glo = lo + (float)st[2 * d] * span, ghi = lo + (float)st[2 * d + 1] * span;
+        if (w[d]) {
+            base[d] = glo;
+            step[nz] = (ghi - glo) / t;
+            idx[nz] = (int32_t)d;
+            off[nz] = (int32_t)o;
+            wid[nz] = w[d];
+            o += w[d] * gs8;
+            nz++;
+        } else
+            base[d] = (glo + ghi) / 2.0f;
+    }
+    for (int64_t r = 0; r < L->R; r++) {
+        bias[r] = kvcx_dot_f32(qn + r * D, base, D);
+        for (int64_t k = 0; k < nz; k++) qs[r * nz + k] = qn[r * D + idx[k]] * step[k];
+    }
+    return nz;
+}
+
 /* One task: (row x KV head) `slab`, token range `split`; writes the partial to the task's workspace. */
 static inline void kvcx_attn_task(const kvcx_attn_layout *L, const kvcx_attn_args *A, int64_t task) {
     const int64_t R = L->R, D = L->D, T = KVCX_ATTN_TILE;
     const int64_t slab = task / L->nsplit, split = task % L->nsplit;
     const int64_t b = slab / L->Hkv, h = slab % L->Hkv;
-    float *part = A->work + task * kvcx_attn_work_floats(R, D);
+    float *part = A->work + task * kvcx_attn_work_floats(R, D, L->k_widths);
     float *qn = part + kvcx_attn_part_floats(R, D);   /* R x D: q * scaling */
     float *qp = qn + R * D;                            /* R x D: keys' rotation applied, permuted */
     float *qs = qp + R * D;                            /* R x D: what the dot products read: qp (times a
@@ -760,8 +855,13 @@ static inline void kvcx_attn_task(const kvcx_attn_layout *L, const kvcx_attn_arg
     uint8_t *wn = (uint8_t *)(zp + D);                 /* 2/3-bit codes: a tile's, widened to nibbles */
     float *kT = R >= KVCX_ATTN_TILE_ROWS ? zp + D + T * D / 8 : NULL;   /* many rows: keys [D][T] */
     float *vf = kT ? kT + T * D : NULL;                                  /* and values [T][D], floats */
-    const int64_t kbt = D * L->k_bits / 8, vbt = D * L->v_bits / 8;   /* code bytes per token */
-    const uint8_t kadd = L->k_asym ? 0 : (uint8_t)(8 - (1 << (L->k_bits - 1)));
+    /* keys with widths: a block's channels (index, plane offset, width) and the key tile [channels][T] */
+    int32_t *widx = (int32_t *)(zp + D + T * D / 8 + (kT ? 2 * T * D : 0)), *woff = widx + D, *wwid = woff + D;
+    float *wT = L->k_widths ? (kT ? kT : (float *)(wwid + D)) : NULL;
+    const uint8_t *wgrp = NULL;                        /* the block's planes */
+    int64_t wnz = 0;
+    const int64_t kbt = L->k_widths ? 0 : D * L->k_bits / 8, vbt = D * L->v_bits / 8;   /* code bytes per token */
+    const uint8_t kadd = (L->k_asym || L->k_widths) ? 0 : (uint8_t)(8 - (1 << (L->k_bits - 1)));
     const uint8_t vadd = (uint8_t)(8 - (1 << (L->v_bits - 1)));   /* values centred either way (see the end) */
 
     for (int64_t i = 0; i < kvcx_attn_part_floats(R, D); i++) part[i] = 0.0f;
@@ -813,16 +913,22 @@ static inline void kvcx_attn_task(const kvcx_attn_layout *L, const kvcx_attn_arg
             if (t >= blk_end) {                          /* next block: scale the query once */
                 blk++;
                 blk_end = A->kblk[blk + 1] - koff;
-                kvcx_h2f_perm(ks + blk * D, D, sp);
-                if (kz) kvcx_h2f_perm(kz + blk * D, D, zp);
-                else for (int64_t d = 0; d < D; d++) zp[d] = 0.0f;
-                for (int64_t r = 0; r < R; r++) {   /* k = s c + z, or s (c - 8): the bias is q . z or -8 q . s */
-                    bias[r] = kz ? kvcx_dot_f32(qp + r * D, zp, D) : -8.0f * kvcx_dot_f32(qp + r * D, sp, D);
-                    for (int64_t d = 0; d < D; d++) qs[r * D + d] = qp[r * D + d] * sp[d];
-                    kvcx_attn_halve_odd(qs + r * D, qs + r * D, D);
+                if (L->k_widths) {                       /* a group of widths: its channels */
+                    wnz = kvcx_attn_wblock(L, A, slab, blk, qn, qs, bias, zp, sp, widx, woff, wwid);
+                    wgrp = A->kc + A->kgoff[slab * L->k_groups + blk];
+                } else {
+                    kvcx_h2f_perm(ks + blk * D, D, sp);
+                    if (kz) kvcx_h2f_perm(kz + blk * D, D, zp);
+                    else for (int64_t d = 0; d < D; d++) zp[d] = 0.0f;
+                    for (int64_t r = 0; r < R; r++) {   /* k = s c + z, or s (c - 8): the bias is q . z or -8 q . s */
+                        bias[r] = kz ? kvcx_dot_f32(qp + r * D, zp, D) : -8.0f * kvcx_dot_f32(qp + r * D, sp, D);
+                        for (int64_t d = 0; d < D; d++) qs[r * D + d] = qp[r * D + d] * sp[d];
+                        kvcx_attn_halve_odd(qs + r * D, qs + r * D, D);
+                    }
                 }
             }
             end = end < blk_end ? end : blk_end;
+            if (L->k_widths && end - t > 32) end = t + 32;   /* a widths tile: 32 tokens at most */
         }
         const int64_t n = end - t;
 #if KVCX_ATTN_AVX2
@@ -834,15 +940,20 @@ static inline void kvcx_attn_task(const kvcx_attn_layout *L, const kvcx_attn_arg
         }
 #endif
         const uint8_t *kt = kc + t * kbt, *vt = vc + t * vbt;
-        if (L->k_bits != 4) {
-            kvcx_attn_widen(kt, n * D, L->k_bits, kadd, wn);
-            kt = wn;
+        if (L->k_widths) {                       /* the tile's codes as floats, over the channels with codes */
+            kvcx_attn_wtile(wgrp, woff, wwid, wnz, L->k_group / 8, t + koff - A->kblk[blk], wT);
+            kvcx_f_dots(wT, n, wnz, qs, bias, R, sc);
+        } else {
+            if (L->k_bits != 4) {
+                kvcx_attn_widen(kt, n * D, L->k_bits, kadd, wn);
+                kt = wn;
+            }
+            if (kT) {
+                kvcx_attn_tile_t(kt, NULL, n, D, kT);
+                kvcx_f_dots(kT, n, D, qs, bias, R, sc);
+            } else
+                kvcx_q4_dots(kt, n, D, qs, bias, R, sc, T);
         }
-        if (kT) {
-            kvcx_attn_tile_t(kt, NULL, n, D, kT);
-            kvcx_f_dots(kT, n, D, qs, bias, R, sc);
-        } else
-            kvcx_q4_dots(kt, n, D, qs, bias, R, sc, T);
         if (L->k_axis != KVCX_AXIS_CHANNEL) {
             if (L->k_group == D) {               /* one scale per token: convert the tile's at once */
                 kvcx_h2f_n(ks + t + koff, vs, n);
@@ -903,7 +1014,7 @@ static inline void kvcx_attn_task(const kvcx_attn_layout *L, const kvcx_attn_arg
 /* Merge the partials of (row x KV head) `slab`, query head r: out = (H(accv) + accp) / l. */
 static inline void kvcx_attn_merge(const kvcx_attn_layout *L, const kvcx_attn_args *A, int64_t i) {
     const int64_t R = L->R, D = L->D, slab = i / R, r = i % R;
-    const int64_t wf = kvcx_attn_work_floats(R, D);
+    const int64_t wf = kvcx_attn_work_floats(R, D, L->k_widths);
     float *o = A->out + (slab * R + r) * D;   /* [B, Hkv * R, D]: (b * Hkv + h) * R + r */
     float m = -INFINITY;
     for (int64_t s = 0; s < L->nsplit; s++) {

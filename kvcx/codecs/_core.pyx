@@ -821,9 +821,10 @@ ATTN_TILE_ROWS = KVCX_ATTN_TILE_ROWS
 ATTN_SIMD = bool(KVCX_ATTN_AVX2)
 
 
-def attn_work_floats(int64_t R, int64_t D):
-    """Floats of workspace one attention task needs (the caller allocates tasks x this)."""
-    return int(kvcx_attn_work_floats(R, D))
+def attn_work_floats(int64_t R, int64_t D, bint widths=False):
+    """Floats of workspace one attention task needs (the caller allocates tasks x this); ``widths``: keys with
+    a width per channel."""
+    return int(kvcx_attn_work_floats(R, D, widths))
 
 
 cdef class AttnKernel:
@@ -838,7 +839,7 @@ cdef class AttnKernel:
 
     def __init__(self, *, int64_t B, int64_t Hkv, int64_t R, int64_t D, int k_axis, bint k_asym, bint k_rotate,
                  int64_t k_group, bint v_asym, bint v_rotate, int64_t v_group, int k_bits=4, int v_bits=4,
-                 int64_t nq=1):
+                 int64_t nq=1, bint k_widths=False):
         self.c.B = B
         self.c.nq = nq
         self.c.Hkv = Hkv
@@ -853,14 +854,22 @@ cdef class AttnKernel:
         self.c.v_group = v_group
         self.c.k_bits = k_bits
         self.c.v_bits = v_bits
+        self.c.k_widths = k_widths
         self.c.nsplit = 1
         self._keep = ()
 
-    def bind(self, kc, ks, kz, kblk, vc, vs, vz, hk, hv, int64_t Tq, work, int64_t nsplit):
+    def bind(self, kc, ks, kz, kblk, vc, vs, vz, hk, hv, int64_t Tq, work, int64_t nsplit, kgoff=None, kw=None,
+             krange=None, kgchunk=None):
         """Bind the stores: codes [B * Hkv, tokens * D * bits / 8] (uint8), scales / zero points [B * Hkv, n]
         (FP16 bits; zero points empty when symmetric), key block starts (int64; empty unless keys are
         grouped per channel), head rows hk/hv [B * Hkv, nh, D] (float32), Tq packed positions after
-        them, the workspace [B * Hkv * nsplit, attn_work_floats(R, D)] (float32)."""
+        them, the workspace [B * Hkv * nsplit, attn_work_floats(R, D, k_widths)] (float32).
+
+        Keys with widths: kc [1, bytes] every group's planes (8 bytes after the last), ks [B * Hkv, groups * D]
+        the groups' range bytes (2 per channel, as uint16), kblk the groups' first key tokens (and the end),
+        kgoff [B * Hkv, groups] (int64) where each group's planes begin in kc, kw [B * Hkv, chunks * D] (uint8)
+        each chunk's channel widths, krange [B * Hkv, chunks * 2 D] (FP16 bits) each chunk's channel ranges,
+        kgchunk [groups] (int64) the chunk of each group."""
         cdef const uint8_t[:, ::1] kc_ = kc
         cdef const uint16_t[:, ::1] ks_ = ks
         cdef const uint16_t[:, ::1] kz_ = kz
@@ -876,7 +885,10 @@ cdef class AttnKernel:
         self.c.pos_q = hk_.shape[1]
         self.c.ns = hk_.shape[1]
         self.c.pos_s = 0
-        self.c.k_tokens = kc_.shape[1] // (D * self.c.k_bits // 8) if D else 0
+        if self.c.k_widths:
+            self._bind_widths(kgoff, kw, krange, kgchunk, kblk_)
+        else:
+            self.c.k_tokens = kc_.shape[1] // (D * self.c.k_bits // 8) if D else 0
         self.c.v_tokens = vc_.shape[1] // (D * self.c.v_bits // 8) if D else 0
         self.c.k_nscale = ks_.shape[1]
         self.c.v_nscale = vs_.shape[1]
@@ -891,7 +903,20 @@ cdef class AttnKernel:
         self.a.sk = &hk_[0, 0, 0] if hk_.shape[1] > 0 else NULL
         self.a.sv = &hv_[0, 0, 0] if hv_.shape[1] > 0 else NULL
         self.a.work = &work_[0, 0]
-        self._keep = (kc, ks, kz, kblk, vc, vs, vz, hk, hv, work)
+        self._keep = (kc, ks, kz, kblk, vc, vs, vz, hk, hv, work, kgoff, kw, krange, kgchunk)
+
+    cdef _bind_widths(self, kgoff, kw, krange, kgchunk, const int64_t[::1] kblk):
+        cdef const int64_t[:, ::1] kgoff_ = kgoff
+        cdef const uint8_t[:, ::1] kw_ = kw
+        cdef const uint16_t[:, ::1] krange_ = krange
+        cdef const int64_t[::1] kgchunk_ = kgchunk
+        self.c.k_groups = kgchunk_.shape[0]
+        self.c.k_chunks = kw_.shape[1] // self.c.D
+        self.c.k_tokens = kblk[kblk.shape[0] - 1]
+        self.a.kgoff = &kgoff_[0, 0] if kgoff_.shape[1] > 0 else NULL
+        self.a.kw = &kw_[0, 0] if kw_.shape[1] > 0 else NULL
+        self.a.krange = &krange_[0, 0] if krange_.shape[1] > 0 else NULL
+        self.a.kgchunk = &kgchunk_[0] if kgchunk_.shape[0] > 0 else NULL
 
     @property
     def tasks(self):

@@ -80,6 +80,8 @@ cdef extern from "_attn.h" nogil:
         int k_bits, v_bits
         int64_t nq, mask_bs, mask_qs
         int causal
+        int k_widths
+        int64_t k_chunks, k_groups
 
     ctypedef struct kvcx_attn_args:
         const float *q
@@ -94,12 +96,16 @@ cdef extern from "_attn.h" nogil:
         const float *sv
         const float *rk
         const float *rv
+        const int64_t *kgoff
+        const uint8_t *kw
+        const uint16_t *krange
+        const int64_t *kgchunk
         const float *mask
         const uint8_t *maskb
         float *work
         float *out
 
-    int64_t kvcx_attn_work_floats(int64_t R, int64_t D) noexcept
+    int64_t kvcx_attn_work_floats(int64_t R, int64_t D, int widths) noexcept
     void kvcx_attn_task(const kvcx_attn_layout *L, const kvcx_attn_args *A, int64_t task) noexcept
     void kvcx_attn_merge(const kvcx_attn_layout *L, const kvcx_attn_args *A, int64_t i) noexcept
 

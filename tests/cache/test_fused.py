@@ -7,7 +7,7 @@ import pytest
 
 from kvcx.cache import fused
 from kvcx.cache.store import NO_MASK, PackedKV, fused_unsupported
-from kvcx.codecs import IntCodec, KVConfig, decode
+from kvcx.codecs import IntCodec, KVConfig, WidthCodec, decode
 from kvcx.errors import CodecError
 
 
@@ -43,7 +43,7 @@ def _build(kv: KVConfig, K, V, chunks):
     """A PackedKV from chunks of K/V, and the decoded K/V the materialising path would see."""
     B, H, _, D = K.shape
     store = PackedKV(B * H, D, kv.key, kv.value)
-    nxt = [IntCodec.from_config({**c.get_config(), "sinks": 0}) for c in (kv.key, kv.value)]
+    nxt = [c.replace(sinks=0) for c in (kv.key, kv.value)]
     Kd, Vd = np.empty_like(K), np.empty_like(V)
     o = 0
     for i, n in enumerate(chunks):
@@ -63,7 +63,7 @@ def _kv(rng, B, H, T, D):
     return K, V
 
 
-@pytest.mark.parametrize("scheme", ["kvcx", "reference", "kivi", "asymmetric", "kvcx3", "kvcx2"])
+@pytest.mark.parametrize("scheme", ["kvcx", "reference", "kivi", "asymmetric", "kvcx3", "kvcx2", "kvcx2w"])
 @pytest.mark.parametrize("B,H,R,chunks,nr", [(1, 3, 3, [128, 128, 128], 37), (2, 2, 4, [128], 1),
                                              (1, 1, 1, [256, 128], 64), (2, 3, 5, [256] * 5, 20),
                                              (1, 2, 2, [], 9)])
@@ -115,6 +115,50 @@ def test_low_bit_codes_every_layout(kbits, vbits, asym):
                                        atol=3e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("group_size", [16, 32, 64, 128, 256])
+@pytest.mark.parametrize("bits,sinks", [(2.0, 1), (1.5, 0), (3.25, 3)])
+def test_keys_with_a_width_per_channel(group_size, bits, sinks):
+    """kvcx2w's keys (a width per channel, bit planes, groups of 16-256 tokens): chunks whose groups end part
+    way (a group straddles no chunk: every chunk has its own widths), splits starting inside a group, width-0
+    channels (their base alone), 1 and 3 threads, decode steps and a 14-token step (the float-tile rows); the
+    store gives every chunk back byte for byte."""
+    rng = np.random.default_rng(group_size + int(bits * 4) + sinks)
+    B, H, R, D = 2, 2, 3, 64
+    kv = KVConfig(key=WidthCodec(bits=bits, group_size=group_size, sinks=sinks),
+                  value=IntCodec(bits=2, scheme="asymmetric", rotate=True, sinks=sinks))
+    assert fused_unsupported(kv.key, kv.value, D, R) is None
+    chunks, nr = [203, 64, 320, 96], 30
+    T = sum(chunks)
+    K, V = _kv(rng, B, H, T + nr, D)
+    K[:, 1, :, :8] = 0.5   # flat channels: no codes there; wide ones: up to 8 bits
+    K[:, 0, :, 8:16] *= np.array([4, 8, 12, 16, 20, 24, 28, 32], np.float32)
+    store, Kd, Vd = _build(kv, K, V, chunks)
+    widths = store.keys.widths.reshape(B * H, len(chunks), D)
+    assert (widths == 0).any() and (widths > 4).any()
+    o = 0
+    for i, n in enumerate(chunks):   # the chunks as they were encoded, rebuilt from the kernel's tables
+        c = kv.key if i == 0 else kv.key.replace(sinks=0)
+        p, back = c.encode(np.ascontiguousarray(K[:, :, o:o + n])), store.keys.chunk(i)
+        assert np.array_equal(p.codes, back.codes) and np.array_equal(p.scales, back.scales)
+        o += n
+    rk, rv = np.ascontiguousarray(K[:, :, T:]), np.ascontiguousarray(V[:, :, T:])
+    Kf, Vf = np.concatenate([Kd, rk], 2), np.concatenate([Vd, rv], 2)
+    q = (rng.standard_normal((B, H * R, D)) * 2).astype(np.float32)
+    mask = np.zeros((B, T + nr), np.float32)
+    mask[1, :45] = -np.inf
+    ref = _reference(q, Kf, Vf, mask, D ** -0.5)   # (scores up to ~100 with the wide channels: atol 1e-4)
+    for threads in (1, 3):
+        np.testing.assert_allclose(store.attend(q, rk, rv, mask, D ** -0.5, n_threads=threads), ref,
+                                   atol=1e-4, rtol=1e-4)
+    Q = 14
+    qm = rng.standard_normal((B, H * R, Q, D)).astype(np.float32)
+    keep = np.ones((B, Q, T + nr), bool)
+    keep[:, :, T + nr - Q:] = np.tril(np.ones((Q, Q), bool))
+    keep[1, :, :45] = False
+    np.testing.assert_allclose(store.attend(qm, rk, rv, keep, D ** -0.5, n_threads=2),
+                               _reference_multi(qm, Kf, Vf, keep, D ** -0.5), atol=1e-4, rtol=1e-4)
+
+
 def test_long_context_splits_across_threads_and_rotated_keys():
     """8,000 tokens split into token ranges per thread; keys rotated too (q rotated once)."""
     rng = np.random.default_rng(5)
@@ -130,7 +174,7 @@ def test_long_context_splits_across_threads_and_rotated_keys():
                                    atol=3e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("scheme", ["kvcx", "reference", "kvcx3", "kvcx2"])
+@pytest.mark.parametrize("scheme", ["kvcx", "reference", "kvcx3", "kvcx2", "kvcx2w"])
 @pytest.mark.parametrize("B,H,R,Q,chunks,nr", [(2, 3, 3, 7, [128, 128], 9), (1, 2, 4, 40, [256, 64], 41),
                                               (2, 1, 1, 2, [128], 2), (1, 3, 3, 130, [512], 150)])
 def test_multi_token_steps(scheme, B, H, R, Q, chunks, nr):
@@ -193,7 +237,7 @@ def test_plan_follows_the_store_and_counts_its_workspace():
     q = rng.standard_normal((1, 9, 64)).astype(np.float32)
     store.attend(q, None, None, None, 0.125)
     before = store.nbytes
-    nxt = [IntCodec.from_config({**c.get_config(), "sinks": 0}) for c in (kv.key, kv.value)]
+    nxt = [c.replace(sinks=0) for c in (kv.key, kv.value)]
     store.append(nxt[0].encode(np.ascontiguousarray(K[:, :, 128:256])), nxt[1].encode(np.ascontiguousarray(V[:, :, 128:256])))
     out = store.attend(q, None, None, None, 0.125)
     Kd2 = np.concatenate([Kd, decode(nxt[0].encode(np.ascontiguousarray(K[:, :, 128:256])))], 2)
@@ -207,6 +251,8 @@ def test_what_the_kernel_does_not_take():
     assert fused_unsupported(k4, v4, 64, 3) is None
     assert fused_unsupported(IntCodec(bits=2), IntCodec(bits=3, rotate=True), 64, 3) is None
     assert "2-, 3- and 4-bit" in fused_unsupported(IntCodec(bits=8), v4, 64, 3)
+    assert fused_unsupported(WidthCodec(bits=2.5), IntCodec(bits=2, scheme="asymmetric"), 64, 3) is None
+    assert "IntCodec codes" in fused_unsupported(k4, WidthCodec(), 64, 3)
     assert "multiple of 16" in fused_unsupported(k4, v4, 72, 3)
     assert "per token" in fused_unsupported(k4, IntCodec(axis="channel"), 64, 3)
     assert "whole tokens" in fused_unsupported(IntCodec(group_size=32), v4, 64, 3)

@@ -197,7 +197,8 @@ def checked_attention(kvcx_attention):
         AttentionInterface.register("kvcx", kh.kvcx_attention_forward)
 
 
-@pytest.mark.parametrize("scheme", ["kvcx", "reference", "kvcx3", "kvcx2", "plan:smollm2-kvcx2-3.54"])
+@pytest.mark.parametrize("scheme", ["kvcx", "reference", "kvcx3", "kvcx2", "plan:smollm2-kvcx2-3.54", "kvcx2w",
+                                    "plan:smollm2-kvcx2w-2.47"])
 def test_fused_attention_equals_materialised_every_layer_batch_with_left_padding(checked_attention, loaded,
                                                                                  wiki_ids, scheme):
     """A real 1,020-token context, batch 2 (row 1 left-padded by 60), 6 decode steps crossing a packing
@@ -236,7 +237,7 @@ def test_fused_attention_equals_materialised_every_layer_batch_with_left_padding
     assert (l_f - l_m).abs().max() <= 1e-2, (l_f - l_m).abs().max()
 
 
-@pytest.mark.parametrize("scheme", ["kvcx", "reference", "kvcx2"])
+@pytest.mark.parametrize("scheme", ["kvcx", "reference", "kvcx2", "kvcx2w"])
 def test_multi_token_steps_fused_equal_materialised_batch_with_left_padding(checked_attention, loaded, wiki_ids,
                                                                             scheme):
     """A 1,020-token context packed, batch 2 (row 1 left-padded by 60), then chunks of 40 and 7 tokens (a long
@@ -430,7 +431,8 @@ def test_told_once_how_to_turn_the_fused_path_on(loaded, wiki_ids):
     assert len(msgs) == 1, msgs   # once, at the first decode step, not per layer or step
     assert "'sdpa'" in msgs[0] and "model.set_attn_implementation('kvcx')" in msgs[0]
     assert told(KvcxCache(model.config, fused=False)) == []   # materialising on purpose
-    assert told(KvcxCache(model.config, scheme="kvcx2w")) == []   # the kernel cannot read it: no false hope
+    assert len(told(KvcxCache(model.config, scheme="kvcx2w"))) == 1   # widths are fused too
+    assert told(KvcxCache(model.config, scheme="q4_0")) == []   # the kernel cannot read it: no false hope
 
 
 def test_kvcx_cache_honours_n_threads_for_every_chunk():
