@@ -61,17 +61,35 @@ class PackedStore:
     def sink_tokens(self) -> int:
         return 0 if self.sinks is None else int(self.sinks.shape[1])
 
-    def append(self, p: Packed) -> None:
-        """Add an encoded chunk (shape [..., S, D] with N slabs; only the first may hold sinks)."""
-        cfg = p.config
+    def _fit(self, p: Packed) -> tuple:
+        """(N, S, D, sinks) of a chunk this store can take next (an error naming the sizes if it cannot)."""
         S, D = int(p.shape[-2]), int(p.shape[-1])
         N = p.numel // (S * D)
-        t0 = int(cfg.get("sinks", 0))
+        t0 = int(p.config.get("sinks", 0))
         if N != self.N or D != self.D:
             raise CodecError(f"a packed chunk of shape {list(p.shape)} does not fit this store ({self.N} slabs of "
                              f"head dim {self.D})")
         if t0 and self._chunks:
             raise CodecError("only the first packed chunk may hold exact sink tokens")
+        return N, S, D, t0
+
+    def _add(self, p: Packed, chunk: dict, S: int, t0: int, group: Optional[int]) -> None:
+        """What every chunk adds once its codes are kept: key blocks of ``group`` tokens (None: keys per token),
+        its sinks, its tokens, its facts."""
+        if group is not None:
+            starts = self.tokens + np.arange(group, S - t0, group, dtype=np.int64)
+            self.block_starts = np.concatenate([self.block_starts[:-1], [self.tokens], starts,
+                                                [self.tokens + S - t0]]).astype(np.int64)
+        if t0:
+            self.sinks = np.ascontiguousarray(p.sinks).reshape(self.N, t0, self.D)
+            self._sinks_f32 = None
+        self.tokens += S - t0
+        self._chunks.append(chunk)
+
+    def append(self, p: Packed) -> None:
+        """Add an encoded chunk (shape [..., S, D] with N slabs; only the first may hold sinks)."""
+        cfg = p.config
+        N, S, D, t0 = self._fit(p)
         codes = p.codes.reshape(N, -1)
         scales = p.scales.reshape(N, -1)
         chunk = {"shape": tuple(p.shape), "dtype": p.dtype, "config": dict(cfg), "meta": dict(p.meta),
@@ -82,18 +100,9 @@ class PackedStore:
         if p.zeros is not None:
             z = p.zeros.reshape(N, -1)
             self.zeros = z.copy() if self.zeros is None else np.concatenate([self.zeros, z], axis=1)
-        if cfg.get("axis") == "channel":
-            G = int(cfg["group_size"])
-            starts = self.tokens + np.arange(G, S - t0, G, dtype=np.int64)
-            self.block_starts = np.concatenate([self.block_starts[:-1], [self.tokens], starts,
-                                                [self.tokens + S - t0]]).astype(np.int64)
         if cfg.get("axis") == "token" and ((S - t0) * D) % int(cfg["group_size"]):
             self.whole_groups = False
-        if t0:
-            self.sinks = np.ascontiguousarray(p.sinks).reshape(N, t0, D)
-            self._sinks_f32 = None
-        self.tokens += S - t0
-        self._chunks.append(chunk)
+        self._add(p, chunk, S, t0, int(cfg["group_size"]) if cfg.get("axis") == "channel" else None)
 
     def chunk(self, i: int) -> Packed:
         """Chunk i as a Packed of its own (copies of its slices), e.g. to decode it."""
@@ -176,8 +185,11 @@ class PackedStore:
     @property
     def nbytes(self) -> int:
         """Every array this store holds."""
-        arrays = [self.codes, self.scales, self.zeros, self.block_starts, self.sinks,
-                  self._sinks_f32 if self._sinks_f32 is not self.sinks else None]
+        return self._held(self.codes, self.scales, self.zeros)
+
+    def _held(self, *arrays) -> int:
+        """Bytes of ``arrays`` and of what every store holds: block starts and sinks (float32 copy included)."""
+        arrays += (self.block_starts, self.sinks, self._sinks_f32 if self._sinks_f32 is not self.sinks else None)
         return int(sum(a.nbytes for a in arrays if a is not None))
 
     @staticmethod
@@ -216,22 +228,15 @@ class WidthStore(PackedStore):
     def append(self, p: Packed) -> None:
         if p.config.get("id") != fused.WIDTHS:
             raise CodecError(f"a {p.config.get('id')!r} chunk does not fit a store of per-channel widths")
-        S, D = int(p.shape[-2]), int(p.shape[-1])
-        N = p.numel // (S * D)
-        t0, gs = int(p.config.get("sinks", 0)), int(p.config["group_size"])
-        if N != self.N or D != self.D:
-            raise CodecError(f"a packed chunk of shape {list(p.shape)} does not fit this store ({self.N} slabs of "
-                             f"head dim {self.D})")
-        if t0 and self._chunks:
-            raise CodecError("only the first packed chunk may hold exact sink tokens")
+        N, S, D, t0 = self._fit(p)
+        gs = int(p.config["group_size"])
         G = -(-(S - t0) // gs)
         codes = np.asarray(p.codes).reshape(-1)
         widths = codes[:N * D].reshape(N, D)
         stats = codes[N * D:N * D + N * G * D * 2].reshape(N, G * D * 2)
         planes = codes[N * D + N * G * D * 2:]
-        gbytes = widths.sum(axis=1, dtype=np.int64) * (gs // 8)   # a group's plane bytes, per slab
+        _, slab_off, gbytes = self._codec(p.config, None).plane_offsets(widths, G)
         start = self.planes.size - self.PAD
-        slab_off = np.concatenate([[0], np.cumsum(gbytes * G)[:-1]]).astype(np.int64)
         goff = start + slab_off[:, None] + np.arange(G, dtype=np.int64)[None, :] * gbytes[:, None]
         chunk = {"shape": tuple(p.shape), "dtype": p.dtype, "config": dict(p.config), "meta": dict(p.meta),
                  "groups": (self.stats.shape[1] // (2 * D), self.stats.shape[1] // (2 * D) + G),
@@ -242,14 +247,7 @@ class WidthStore(PackedStore):
         self.widths = np.concatenate([self.widths, widths], axis=1)
         self.ranges = np.concatenate([self.ranges, np.asarray(p.scales, dtype=np.float16).reshape(N, 2 * D)], axis=1)
         self.group_chunk = np.concatenate([self.group_chunk, np.full(G, len(self._chunks), dtype=np.int64)])
-        starts = self.tokens + np.arange(gs, S - t0, gs, dtype=np.int64)
-        self.block_starts = np.concatenate([self.block_starts[:-1], [self.tokens], starts,
-                                            [self.tokens + S - t0]]).astype(np.int64)
-        if t0:
-            self.sinks = np.ascontiguousarray(p.sinks).reshape(N, t0, D)
-            self._sinks_f32 = None
-        self.tokens += S - t0
-        self._chunks.append(chunk)
+        self._add(p, chunk, S, t0, gs)
 
     def chunk(self, i: int) -> Packed:
         c = self._chunks[i]
@@ -269,9 +267,7 @@ class WidthStore(PackedStore):
 
     @property
     def nbytes(self) -> int:
-        arrays = [self.planes, self.goff, self.stats, self.widths, self.ranges, self.group_chunk, self.block_starts,
-                  self.sinks, self._sinks_f32 if self._sinks_f32 is not self.sinks else None]
-        return int(sum(a.nbytes for a in arrays if a is not None))
+        return self._held(self.planes, self.goff, self.stats, self.widths, self.ranges, self.group_chunk)
 
     @staticmethod
     def kernel_settings(codec: Codec) -> dict:

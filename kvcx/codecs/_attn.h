@@ -56,6 +56,7 @@
 #define KVCX_ATTN_H
 
 #include "_kernels.h"
+#include "_widths.h"
 
 enum {
     KVCX_ATTN_TILE = 64,        /* tokens scored and accumulated per softmax update */
@@ -768,22 +769,15 @@ static inline void kvcx_attn_widen(const uint8_t *p, int64_t n, int bits, uint8_
 static inline void kvcx_attn_wtile(const uint8_t *grp, const int32_t *off, const int32_t *wid, int64_t nz,
                                    int64_t gs8, int64_t o, float *kT) {
     const int64_t T = KVCX_ATTN_TILE;
-#if KVCX_ATTN_AVX2
-    const __m256i idx = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
-                                         2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
-    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
-#endif
     for (int64_t k = 0; k < nz; k++) {
         const uint8_t *p = grp + off[k] + (o >> 3);
         float *row = kT + k * T;
-#if KVCX_ATTN_AVX2
+#if KVCX_ATTN_AVX2 && KVCX_W_AVX2
         __m256i acc = _mm256_setzero_si256();
         for (int j = 0; j < wid[k]; j++) {
             uint64_t m;
             memcpy(&m, p + j * gs8, 8);
-            const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)(uint32_t)(m >> (o & 7))), idx);
-            acc = _mm256_or_si256(acc, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit),
-                                                        _mm256_set1_epi8((char)(1 << j))));
+            acc = _mm256_or_si256(acc, kvcx_w_bits32((uint32_t)(m >> (o & 7)), j));
         }
         const __m128i lo = _mm256_castsi256_si128(acc), hi = _mm256_extracti128_si256(acc, 1);
         _mm256_storeu_ps(row, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)));

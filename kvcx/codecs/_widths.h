@@ -60,21 +60,26 @@ static inline void kvcx_w_plane(const uint8_t *q, int64_t n, int j, uint8_t *out
     }
 }
 
+#if KVCX_W_AVX2
+/* 32 bits of a plane (token t in bit t) -> 32 bytes, 1 << j where the token's bit is set, else 0 */
+static inline __m256i kvcx_w_bits32(uint32_t m, int j) {
+    const __m256i idx = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                         2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)m), idx);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit), _mm256_set1_epi8((char)(1 << j)));
+}
+#endif
+
 /* n / 8 plane bytes -> bit j added to n code bytes */
 static inline void kvcx_w_unplane(const uint8_t *p, int64_t n, int j, uint8_t *q) {
     int64_t b = 0;
 #if KVCX_W_AVX2
-    const __m256i idx = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
-                                         2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
-    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
-    const __m256i one = _mm256_set1_epi8((char)(1 << j));
     for (; b + 32 <= n; b += 32) {
         uint32_t m;
         memcpy(&m, p + b / 8, 4);
-        __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)m), idx);
-        v = _mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit);
         __m256i acc = _mm256_loadu_si256((const __m256i *)(q + b));
-        _mm256_storeu_si256((__m256i *)(q + b), _mm256_or_si256(acc, _mm256_and_si256(v, one)));
+        _mm256_storeu_si256((__m256i *)(q + b), _mm256_or_si256(acc, kvcx_w_bits32(m, j)));
     }
 #endif
     for (; b < n; b++) q[b] |= (uint8_t)(((p[b >> 3] >> (b & 7)) & 1) << j);

@@ -184,7 +184,7 @@ class WidthCodec(Codec):
                 spread = spread * np.tile(weights, (N // weights.shape[0], 1))
             widths = self.allocate(spread, lay.budget)
             codes[:N * D] = widths.reshape(-1)
-            off, slab_off, gbytes = self._offsets(widths, G)
+            off, slab_off, gbytes = self.plane_offsets(widths, G)
             status = _core.w_encode(raw(x), dt, klay, mn.reshape(-1), mx.reshape(-1),
                                     lo16.astype(np.float32).reshape(-1), hi16.astype(np.float32).reshape(-1),
                                     widths.reshape(-1), self._tops(widths), off.reshape(-1), slab_off, gbytes,
@@ -212,7 +212,7 @@ class WidthCodec(Codec):
         """The largest code of each channel, 2^w - 1, as the kernels take it (float32, flat)."""
         return ((1 << widths.astype(np.int32)) - 1).astype(np.float32).reshape(-1)
 
-    def _offsets(self, widths: np.ndarray, G: int) -> tuple:
+    def plane_offsets(self, widths: np.ndarray, G: int) -> tuple:
         """(each channel's byte offset inside its group's block (N, D), where each slab's planes start (N),
         each slab's bytes per group (N)), int64."""
         w = widths.astype(np.int64)
@@ -245,7 +245,7 @@ class WidthCodec(Codec):
             raise CodecError(f"tensor {name!r}: the channel widths must be at most {_core.W_MAX} bits and sum to "
                              f"{lay.budget * N} over its {N} slabs; the data is damaged")
         if G:
-            off, slab_off, gbytes = self._offsets(widths, G)
+            off, slab_off, gbytes = self.plane_offsets(widths, G)
             ch = scales.astype(np.float32)
             status = _core.w_decode(codes[N * D + N * G * D * 2:], codes[N * D:N * D + N * G * D * 2],
                                     self._kernel_layout(lay), np.ascontiguousarray(ch[..., 0]).reshape(-1),
