@@ -24,7 +24,8 @@ from pathlib import Path
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared/data/wikitext-2-raw/wiki.test.raw"
 SETTINGS = "kvcx,kivi,q8_0,q8_0-rot,q5_1,q4_1,q4_0,q4_0-rot,fp8_e4m3,fp8_e5m2"
 # every format validate takes (the --all list): the above, iq4_nl, and the peers through their libraries
-ALL_SETTINGS = SETTINGS + ",iq4_nl,iq4_nl-rot,quanto-int4,quanto-int2,turboquant-4,turboquant-3"
+ALL_SETTINGS = SETTINGS + (",iq4_nl,iq4_nl-rot,quanto-int4,quanto-int2,hqq-int4,hqq-int2,hqq-int4-axis1,"
+                            "hqq-int2-axis1,turboquant-4,turboquant-3")
 
 
 def window_spec(text: str) -> tuple:

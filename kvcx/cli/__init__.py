@@ -168,7 +168,9 @@ SchemeOpt = Annotated[str, typer.Option("--scheme", help="reference | symmetric 
                                                          "q8_0 q4_0 q4_1 q5_0 q5_1 iq4_nl (llama.cpp; -rot: with its "
                                                          "rotation) fp8_e4m3 fp8_e5m2 (vLLM; -amax: calibrated "
                                                          "scale); validate also: quanto-int4 quanto-int2 "
-                                                         "turboquant-4 turboquant-3 (kvcx[peers]).")]
+                                                         "hqq-int4 hqq-int2 hqq-int4-axis1 hqq-int2-axis1 "
+                                                         "turboquant-4 turboquant-3 "
+                                                         "(kvcx[peers]).")]
 PlanOpt = Annotated[Optional[str], typer.Option("--plan", help="A plan from `kvcx calibrate --out`, or a shipped "
                                                                "plan's name (smollm2-kvcx2w-2.47, ...); replaces "
                                                                "--scheme/--bits/--group-size.")]

@@ -5,13 +5,21 @@ on the same cache and tokens as kvcx's codecs (prefix mode): what a user of them
   ``QuantizedCache(backend="quanto")``) with its defaults: groups of 64 along the head dim, optimum-quanto's
   asymmetric int codes, a scale and a shift per group. Bytes counted as a GPU holds them: the codes plus an
   FP16 scale and shift per group (nbits + 0.5 bits per value; quanto keeps them in FP32 on a CPU FP32 cache).
+- ``hqq-int4``, ``hqq-int2``: transformers' ``HQQQuantizedLayer`` (``QuantizedCache(backend="hqq")``) with its
+  defaults: axis 0, groups of 64, HQQ's half-quadratic optimisation of each group's scale and zero point
+  (hqq's own ``Quantizer``). Axis 0 views the layer's [batch, heads, tokens, head dim] tensor as
+  [64, numel / 64] and groups each column: 64 values numel / 64 apart, which is one channel over 64 of the
+  tokens when heads x tokens is a multiple of 64 (per-channel groups for the values too) and mixes channels
+  otherwise, exactly as transformers quantizes the cache. ``hqq-int4-axis1``, ``hqq-int2-axis1``: axis 1 (HQQ's
+  own recommendation), [numel / 64, 64]: 64 consecutive values, a token's head dim. Counted as quanto:
+  nbits + 0.5 bits per value (FP16 scale and zero per group of 64).
 - ``turboquant-4``, ``turboquant-3``: fused-turboquant's ``TurboQuantMSE`` (a random Hadamard rotation,
   Lloyd-Max levels for the Gaussian, one FP32 norm per vector) on its CPU path; bytes are its packed indices
   and norms as it stores them.
 
-They need the ``peers`` extra (``pip install kvcx[peers]``: optimum-quanto, fused-turboquant). HQQ's layer
-needs the ``hqq`` package, which pulls CUDA builds: not offered here. These settings have no kvcx file format,
-so ``compress``, ``metrics`` and ``KvcxCache`` do not take them, and ``validate`` runs them in prefix mode.
+They need the ``peers`` extra (``pip install kvcx[peers]``: optimum-quanto, hqq, fused-turboquant). These
+settings have no kvcx file format, so ``compress``, ``metrics`` and ``KvcxCache`` do not take them, and
+``validate`` runs them in prefix mode.
 """
 from __future__ import annotations
 
@@ -23,39 +31,42 @@ import numpy as np
 from kvcx.codecs.metrics import ErrorStats, error_stats
 from kvcx.errors import KvcxError
 
-_LIBRARY = {"quanto": ("optimum.quanto", "optimum-quanto"), "turboquant": ("fused_turboquant", "fused-turboquant")}
+# library -> (module to find, package to install, prefix of the width in the scheme's name)
+_LIBRARY = {"quanto": ("optimum.quanto", "optimum-quanto", "int"), "hqq": ("hqq.core.quantize", "hqq", "int"),
+            "turboquant": ("fused_turboquant", "fused-turboquant", "")}
 
 
 @dataclass(frozen=True)
 class PeerSetting:
-    """One peer quantizer at one width: ``library`` "quanto" or "turboquant", ``bits`` its code width."""
+    """One peer quantizer at one width: ``library`` "quanto", "hqq" or "turboquant", ``bits`` its code width."""
 
     library: str
     bits: int
+    axis: int = 0          # the transformers layer's axis_key and axis_value (HQQ: 0 or 1)
 
     @property
     def scheme(self) -> str:
-        return f"{self.library}-{'int' if self.library == 'quanto' else ''}{self.bits}"
+        return f"{self.library}-{_LIBRARY[self.library][2]}{self.bits}" + (f"-axis{self.axis}" if self.axis else "")
 
     def describe(self) -> str:
         return {"quanto": f"transformers QuantoQuantizedLayer int{self.bits}, groups of 64",
+                "hqq": f"transformers HQQQuantizedLayer int{self.bits}, axis {self.axis}, groups of 64",
                 "turboquant": f"fused-turboquant TurboQuantMSE {self.bits}-bit"}[self.library]
 
     def get_config(self) -> dict:
-        return {"id": "peer", "library": self.library, "bits": self.bits}
+        return {"id": "peer", "library": self.library, "bits": self.bits, **({"axis": self.axis} if self.axis else {})}
 
     def check_installed(self) -> None:
         import importlib.util
 
-        module, package = _LIBRARY[self.library]
+        module, package, _ = _LIBRARY[self.library]
         if importlib.util.find_spec(module.split(".")[0]) is None or importlib.util.find_spec(module) is None:
             raise KvcxError(f"scheme={self.scheme!r} runs through {package}, which is not installed; "
                             "pip install 'kvcx[peers]'")
 
     def roundtrip(self, tensors):
         """(decoded tensors, bytes, ErrorStats) of the cache through the library."""
-        fn = _quanto if self.library == "quanto" else _turboquant
-        decoded, nbytes = fn(tensors, self.bits)
+        decoded, nbytes = _ROUNDTRIPS[self.library](tensors, self.bits, self.axis)
         total = ErrorStats()
         for name, a in tensors.items():
             total += error_stats(a, decoded[name], name=name)
@@ -71,23 +82,31 @@ def roundtrip_of(setting):
     return lambda tensors: roundtrip_tensors(tensors, setting)
 
 
-PEERS = {p.scheme: p for p in (PeerSetting("quanto", 4), PeerSetting("quanto", 2), PeerSetting("turboquant", 4),
-                               PeerSetting("turboquant", 3))}
+PEERS = {p.scheme: p for p in (PeerSetting("quanto", 4), PeerSetting("quanto", 2), PeerSetting("hqq", 4),
+                               PeerSetting("hqq", 2), PeerSetting("hqq", 4, axis=1), PeerSetting("hqq", 2, axis=1),
+                               PeerSetting("turboquant", 4), PeerSetting("turboquant", 3))}
 
 
-def _quanto(tensors, nbits):
+def _transformers_layer(layer_name, tensors, nbits, axis):
+    """Each tensor through a transformers quantized cache layer with its defaults (groups of 64, the given axis
+    for keys and values): the layer's own quantize and dequantize, as its ``update`` runs them on a prefill."""
     import torch
-    from transformers.cache_utils import QuantoQuantizedLayer
+    import transformers.cache_utils
 
-    layer = QuantoQuantizedLayer(nbits=nbits, axis_key=0, axis_value=0, q_group_size=64, residual_length=128)
+    layer = getattr(transformers.cache_utils, layer_name)(nbits=nbits, axis_key=axis, axis_value=axis,
+                                                          q_group_size=64, residual_length=128)
     dec = {}
     for k, v in tensors.items():
+        if v.size % 64:
+            raise KvcxError(f"tensor {k!r} of shape {tuple(v.shape)} does not split into {layer_name}'s groups of 64 "
+                            "values; validate it with a kvcx scheme (their group size divides the head dim)")
         x = torch.from_numpy(np.ascontiguousarray(v))
-        dec[k] = layer._dequantize(layer._quantize(x, axis=0)).numpy().astype(v.dtype)
+        layer.lazy_initialization(x, x)      # the layer's dtype and device, as its first update sets them
+        dec[k] = layer._dequantize(layer._quantize(x, axis=axis)).numpy().astype(v.dtype)
     return dec, sum(x.size for x in tensors.values()) * (nbits + 32 / 64) / 8
 
 
-def _turboquant(tensors, bits):
+def _turboquant(tensors, bits, _axis):
     import torch
 
     dec, nbytes = {}, 0
@@ -97,6 +116,10 @@ def _turboquant(tensors, bits):
         nbytes += c.indices.numel() * c.indices.element_size() + c.norms.numel() * c.norms.element_size()
         dec[k] = q.decode(c).float().numpy().astype(v.dtype)
     return dec, nbytes
+
+
+_ROUNDTRIPS = {"quanto": functools.partial(_transformers_layer, "QuantoQuantizedLayer"),
+               "hqq": functools.partial(_transformers_layer, "HQQQuantizedLayer"), "turboquant": _turboquant}
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,4 +1,4 @@
-"""Other libraries' quantizers as validate settings (kvcx[peers]: optimum-quanto through transformers,
+"""Other libraries' quantizers as validate settings (kvcx[peers]: optimum-quanto and hqq through transformers,
 fused-turboquant), on the same windows and tokens as kvcx's codecs. CI installs the extra: never skipped."""
 import json
 
@@ -23,7 +23,8 @@ def test_peer_round_trips_count_their_bytes_and_errors():
     tensors = {f"layer_0_{k}": rng.standard_normal((1, 3, 40, 64)).astype(np.float32) for k in ("key", "value")}
     values = sum(a.size for a in tensors.values())
     errors = {}
-    for name, bits_per_value in (("quanto-int4", 4.5), ("quanto-int2", 2.5), ("turboquant-4", 4.5),
+    for name, bits_per_value in (("quanto-int4", 4.5), ("quanto-int2", 2.5), ("hqq-int4", 4.5), ("hqq-int2", 2.5),
+                                 ("hqq-int4-axis1", 4.5), ("hqq-int2-axis1", 2.5), ("turboquant-4", 4.5),
                                  ("turboquant-3", 3.5)):
         decoded, nbytes, stats = PEERS[name].roundtrip(tensors)
         assert set(decoded) == set(tensors) and all(decoded[k].shape == tensors[k].shape for k in tensors)
@@ -31,7 +32,50 @@ def test_peer_round_trips_count_their_bytes_and_errors():
         assert stats.n == values and 0 < stats.relative_rmse < 0.6
         errors[name] = stats.relative_rmse
     assert errors["quanto-int2"] > errors["quanto-int4"] and errors["turboquant-3"] > errors["turboquant-4"]
+    assert errors["hqq-int2"] > errors["hqq-int4"] and errors["hqq-int2-axis1"] > errors["hqq-int4-axis1"]
     assert roundtrip_of(PEERS["quanto-int4"]) == PEERS["quanto-int4"].roundtrip
+
+
+@pytest.mark.parametrize("scheme,axis", [("quanto-int4", 0), ("quanto-int2", 0), ("hqq-int4", 0), ("hqq-int2", 0),
+                                         ("hqq-int4-axis1", 1), ("hqq-int2-axis1", 1)])
+def test_peer_layers_decode_what_transformers_quantized_cache_serves(scheme, axis):
+    """The round trip equals what transformers' own QuantizedCache(backend=...) returns after a prefill of the
+    same keys and values (groups of 64, its default axis 0 or HQQ's axis 1), bit for bit."""
+    from transformers import LlamaConfig
+    from transformers.cache_utils import QuantizedCache
+
+    backend, nbits = PEERS[scheme].library, PEERS[scheme].bits
+    rng = np.random.default_rng(nbits)
+    k, v = (rng.standard_normal((1, 3, 200, 64)).astype(np.float32) * 2 for _ in range(2))
+    config = LlamaConfig(num_hidden_layers=1, num_attention_heads=3, num_key_value_heads=3, hidden_size=192)
+    cache = QuantizedCache(backend=backend, config=config, nbits=nbits, **({"axis_key": 1, "axis_value": 1} if axis
+                                                                            else {}))
+    cache.update(torch.from_numpy(k), torch.from_numpy(v), 0)         # a prefill: quantizes all 200 tokens
+    keys, values = cache.update(torch.zeros(1, 3, 1, 64), torch.zeros(1, 3, 1, 64), 0)
+    decoded, _, _ = PEERS[scheme].roundtrip({"k": k, "v": v})
+    np.testing.assert_array_equal(decoded["k"], keys[:, :, :200].numpy())
+    np.testing.assert_array_equal(decoded["v"], values[:, :, :200].numpy())
+
+
+@pytest.mark.parametrize("nbits", [4, 2])
+def test_hqq_groups_are_64_values_numel_over_64_apart(nbits):
+    """HQQ's axis 0 (transformers' default) views the tensor as [64, numel / 64] and gives each column a scale
+    and a zero point: each column decodes to at most 2**nbits levels on one affine grid."""
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((1, 2, 48, 64)).astype(np.float32)
+    d, _, _ = PEERS[f"hqq-int{nbits}"].roundtrip({"k": x})
+    cols = d["k"].reshape(64, -1)
+    for j in range(0, cols.shape[1], 97):
+        levels = np.unique(cols[:, j])
+        assert len(levels) <= 2 ** nbits
+        steps = np.diff(levels)
+        assert np.allclose(steps / steps.min(), np.round(steps / steps.min()), atol=1e-3)
+    assert np.abs(d["k"] - x).max() < 2 * np.abs(x).max()
+    rows = PEERS[f"hqq-int{nbits}-axis1"].roundtrip({"k": x})[0]["k"].reshape(-1, 64)   # axis 1: a token's head dim
+    assert all(len(np.unique(r)) <= 2 ** nbits for r in rows[::37])
+    assert PEERS["hqq-int4-axis1"].get_config() == {"id": "peer", "library": "hqq", "bits": 4, "axis": 1}
+    with pytest.raises(KvcxError, match="groups of 64"):
+        PEERS["hqq-int4"].roundtrip({"layer_0_key": rng.standard_normal((1, 1, 3, 7)).astype(np.float32)})
 
 
 def test_peer_settings_are_named_and_refuse_kvcx_options():
@@ -46,10 +90,11 @@ def test_peer_settings_are_named_and_refuse_kvcx_options():
 
 
 def test_peers_beside_kvcx_on_the_same_tokens(loaded, wikitext_path):
-    configs, _ = validation_settings("kvcx,quanto-int4,quanto-int2,turboquant-3", peers=PEERS)
+    configs, _ = validation_settings("kvcx,quanto-int4,quanto-int2,hqq-int4,turboquant-3", peers=PEERS)
     r = {x.setting: x for x in run_validations(configs, max_windows=1, dataset_file=wikitext_path, loaded=loaded)}
     assert len({x.baseline_perplexity for x in r.values()}) == 1 and r["kvcx"].tokens_scored == 511
     assert 0 < r["kvcx"].kld < r["quanto-int4"].kld < r["quanto-int2"].kld
+    assert 0 < r["hqq-int4"].kld < r["quanto-int2"].kld and r["hqq-int4"].bits_per_value == 4.5
     assert r["turboquant-3"].bits_per_value == pytest.approx(3.5, abs=0.02) and r["turboquant-3"].kld > 0
     assert r["quanto-int4"].config == {"id": "peer", "library": "quanto", "bits": 4}
     with pytest.raises(KvcxError, match="prefix mode only"):
