@@ -63,7 +63,9 @@ enum {
     KVCX_ATTN_MAX_GROUP = 64,   /* query heads per KV head, at most */
     KVCX_ATTN_MAX_D = 512,      /* head dim, at most (a multiple of 16) */
     KVCX_ATTN_MAX_ROWS = 4096,  /* rows per KV head (query heads x query tokens), at most */
-    KVCX_ATTN_TILE_ROWS = 12    /* rows per KV head from which tiles are unpacked to floats once */
+    KVCX_ATTN_TILE_ROWS = 12,   /* rows per KV head from which tiles are unpacked to floats once */
+    KVCX_ATTN_WROWS = 6         /* keys with widths: rows per KV head up to which scores come straight from
+                                   the planes (codes rebuilt per 3 rows), past it through a float tile */
 };
 
 typedef struct {
@@ -112,13 +114,14 @@ typedef struct {
 /* floats of workspace per task: the partial (m and l per head, then accv[R][D] in the permuted order,
    then accp[R][D]), then scratch (T D / 8 floats: a tile's 2- or 3-bit codes widened to nibbles; with
    KVCX_ATTN_TILE_ROWS rows or more, then the float tiles of keys [D][T] and values [T][D]; keys with widths:
-   a block's channels (3 D int32), and the key tile [D][T] when it is not there already) */
+   a chunk's channels (3 D int32), the key tile [D][T] when it is not there already, the chunk's compacted
+   query terms [R][D] and biases [R], and a group's compacted code steps [D]) */
 static inline int64_t kvcx_attn_part_floats(int64_t R, int64_t D) { return 2 * R + 2 * R * D; }
 static inline int64_t kvcx_attn_work_floats(int64_t R, int64_t D, int widths) {
     const int many = R >= KVCX_ATTN_TILE_ROWS;
     return kvcx_attn_part_floats(R, D) + 3 * R * D + 4 * R + 2 * R * KVCX_ATTN_TILE + 2 * KVCX_ATTN_TILE + 2 * D
            + KVCX_ATTN_TILE * D / 8 + (many ? 2 * KVCX_ATTN_TILE * D : 0)
-           + (widths ? 3 * D + (many ? 0 : KVCX_ATTN_TILE * D) : 0);
+           + (widths ? 3 * D + (many ? 0 : KVCX_ATTN_TILE * D) + R * D + R + D : 0);
 }
 
 /* channel index of position p in the permuted order */
@@ -797,38 +800,134 @@ static inline void kvcx_attn_wtile(const uint8_t *grp, const int32_t *off, const
     }
 }
 
-/* Keys with widths: block (group) blk of the task's slab begins. Its channels' bases go to base (D floats),
-   the compacted channels with codes (their index, plane offset inside the group and width) to idx / off /
-   wid; the rows' scaled queries q_d step_d over those channels to qs [R][nz] and their biases q . base to
-   bias. Decodes as kvcx_w_decode_tile does. Returns nz. */
-static inline int64_t kvcx_attn_wblock(const kvcx_attn_layout *L, const kvcx_attn_args *A, int64_t slab, int64_t blk,
-                                       const float *qn, float *qs, float *bias, float *base, float *step,
-                                       int32_t *idx, int32_t *off, int32_t *wid) {
-    const int64_t D = L->D, c = A->kgchunk[blk], gs8 = L->k_group / 8;
+#if KVCX_ATTN_AVX2 && KVCX_W_AVX2
+/* Keys with widths, few rows: the scores of RB <= 3 rows over tokens o .. o + 31 of a group straight from the
+   planes (as kvcx_attn_wtile reads them, each channel's codes converted in registers, not stored):
+   sc[r * T + j] = qs[r] . codes[:, j] + bias[r] */
+static inline __attribute__((always_inline)) void kvcx_attn_wdots_rb(const uint8_t *grp, const int32_t *off,
+                                                                     const int32_t *wid, int64_t nz, int64_t gs8,
+                                                                     int64_t o, const float *qs, const float *bias,
+                                                                     const int RB, float *sc) {
+    __m256 acc[3][4];
+    for (int r = 0; r < RB; r++)
+        for (int i = 0; i < 4; i++) acc[r][i] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < nz; k++) {
+        const uint8_t *p = grp + off[k] + (o >> 3);
+        __m256i c = _mm256_setzero_si256();
+        for (int j = 0; j < wid[k]; j++) {
+            uint64_t m;
+            memcpy(&m, p + j * gs8, 8);
+            c = _mm256_or_si256(c, kvcx_w_bits32((uint32_t)(m >> (o & 7)), j));
+        }
+        __m256 b[3];
+        for (int r = 0; r < RB; r++) b[r] = _mm256_broadcast_ss(qs + r * nz + k);
+        const __m128i lo = _mm256_castsi256_si128(c), hi = _mm256_extracti128_si256(c, 1);
+        const __m128i part[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+        for (int i = 0; i < 4; i++) {
+            const __m256 x = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(part[i]));
+            for (int r = 0; r < RB; r++) acc[r][i] = _mm256_fmadd_ps(b[r], x, acc[r][i]);
+        }
+    }
+    for (int r = 0; r < RB; r++) {
+        const __m256 bv = _mm256_set1_ps(bias[r]);
+        for (int i = 0; i < 4; i++) _mm256_storeu_ps(sc + r * KVCX_ATTN_TILE + 8 * i, _mm256_add_ps(acc[r][i], bv));
+    }
+}
+#endif
+
+/* Keys with widths: the scores of R rows over tokens o .. o + 31 of a group (n <= 32 of them read): from the
+   planes for a few rows, else through a float tile of codes (kT: [nz][T]) and the float-tile products. */
+static inline void kvcx_attn_wdots(const uint8_t *grp, const int32_t *off, const int32_t *wid, int64_t nz,
+                                   int64_t gs8, int64_t o, int64_t n, const float *qs, const float *bias, int64_t R,
+                                   float *kT, float *sc) {
+#if KVCX_ATTN_AVX2 && KVCX_W_AVX2
+    if (R <= KVCX_ATTN_WROWS) {
+#define KVCX_WDOTS_BLOCK(r0, k) \
+        kvcx_attn_wdots_rb(grp, off, wid, nz, gs8, o, qs + (r0) * nz, bias + (r0), k, sc + (r0) * KVCX_ATTN_TILE)
+        KVCX_ROW_BLOCKS(R, 3, KVCX_WDOTS_BLOCK);
+#undef KVCX_WDOTS_BLOCK
+        return;
+    }
+#endif
+    kvcx_attn_wtile(grp, off, wid, nz, gs8, o, kT);
+    kvcx_f_dots(kT, n, nz, qs, bias, R, sc);
+}
+
+/* Keys with widths, a chunk (its widths and channel ranges) c of the task's slab begins: the channels with
+   codes (their index, plane offset inside a group and width) to idx / off / wid; per row r the terms that
+   stay for every group of the chunk: qspan[r][d] = q_d span_d (the range bytes' unit), the compacted
+   qc[r][k] = q_d span_d / (2^w_d - 1) (d = idx[k], a code step per range byte) and lo_r = q . lo. Returns nz.
+   A group's channel d decodes as base_d + code step_d (kvcx_w_decode_tile): with the group's range bytes
+   a_d, b_d, base_d = lo_d + e_d span_d (e_d = a_d, or (a_d + b_d) / 2 for a width-0 channel, the middle)
+   and step_d = (b_d - a_d) span_d / (2^w_d - 1), so a group costs the bytes' differences and one dot. */
+static inline int64_t kvcx_attn_wchunk(const kvcx_attn_layout *L, const kvcx_attn_args *A, int64_t slab, int64_t c,
+                                       const float *qn, float *qspan, float *qc, float *lo_r, int32_t *idx,
+                                       int32_t *off, int32_t *wid) {
+    const int64_t D = L->D, R = L->R, gs8 = L->k_group / 8;
     const uint8_t *w = A->kw + (slab * L->k_chunks + c) * D;
     const uint16_t *rg = A->krange + (slab * L->k_chunks + c) * 2 * D;
-    const uint8_t *st = (const uint8_t *)(A->ks + (slab * L->k_groups + blk) * D);   /* 2 bytes per channel */
     int64_t nz = 0, o = 0;
-    for (int64_t d = 0; d < D; d++) {
-        const float lo = kvcx_h2f_1(rg[2 * d]), hi = kvcx_h2f_1(rg[2 * d + 1]);
-        const float span = (hi - lo) / 255.0f, t = (float)((1 << w[d]) - 1);
-        const float glo = lo + (float)st[2 * d] * span, ghi = lo + (float)st[2 * d + 1] * span;
+    for (int64_t d = 0; d < D; d++)
         if (w[d]) {
-            base[d] = glo;
-            step[nz] = (ghi - glo) / t;
             idx[nz] = (int32_t)d;
             off[nz] = (int32_t)o;
             wid[nz] = w[d];
             o += w[d] * gs8;
             nz++;
-        } else
-            base[d] = (glo + ghi) / 2.0f;
+        }
+    for (int64_t r = 0; r < R; r++) lo_r[r] = 0.0f;
+    for (int64_t d = 0; d < D; d++) {
+        const float lo = kvcx_h2f_1(rg[2 * d]), span = (kvcx_h2f_1(rg[2 * d + 1]) - lo) / 255.0f;
+        for (int64_t r = 0; r < R; r++) {
+            lo_r[r] += qn[r * D + d] * lo;
+            qspan[r * D + d] = qn[r * D + d] * span;
+        }
     }
-    for (int64_t r = 0; r < L->R; r++) {
-        bias[r] = kvcx_dot_f32(qn + r * D, base, D);
-        for (int64_t k = 0; k < nz; k++) qs[r * nz + k] = qn[r * D + idx[k]] * step[k];
-    }
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t k = 0; k < nz; k++)
+            qc[r * nz + k] = qspan[r * D + idx[k]] / (float)((1 << wid[k]) - 1);
     return nz;
+}
+
+/* Keys with widths: group blk of the task's slab begins (its chunk's terms from kvcx_attn_wchunk). The rows'
+   scaled queries over the nz channels with codes go to qs [R][nz], their biases q . base to bias (e and dc:
+   D floats of scratch each). */
+static inline void kvcx_attn_wblock(const kvcx_attn_layout *L, const kvcx_attn_args *A, int64_t slab, int64_t blk,
+                                    int64_t nz, const float *qspan, const float *qc, const float *lo_r,
+                                    const int32_t *idx, float *qs, float *bias, float *e, float *dc) {
+    const int64_t D = L->D, R = L->R;
+    const uint8_t *w = A->kw + (slab * L->k_chunks + A->kgchunk[blk]) * D;
+    const uint8_t *st = (const uint8_t *)(A->ks + (slab * L->k_groups + blk) * D);   /* 2 bytes per channel */
+    int64_t d = 0;
+#if KVCX_ATTN_AVX2
+    const __m128i split = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    for (; d + 8 <= D; d += 8) {   /* 8 channels: their range bytes apart, e, and the byte differences */
+        const __m128i ab = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(st + 2 * d)), split);
+        const __m256 a = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(ab));
+        const __m256 b = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(ab, 8)));
+        const __m256 zero = _mm256_castsi256_ps(_mm256_cmpeq_epi32(
+            _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w + d))), _mm256_setzero_si256()));
+        _mm256_storeu_ps(e + d, _mm256_blendv_ps(a, _mm256_mul_ps(_mm256_add_ps(a, b), _mm256_set1_ps(0.5f)), zero));
+        _mm256_storeu_ps(dc + d, _mm256_sub_ps(b, a));
+    }
+#endif
+    for (; d < D; d++) {
+        const float a = (float)st[2 * d], b = (float)st[2 * d + 1];
+        e[d] = w[d] ? a : (a + b) * 0.5f;
+        dc[d] = b - a;
+    }
+    for (int64_t r = 0; r < R; r++) bias[r] = lo_r[r] + kvcx_dot_f32(qspan + r * D, e, D);
+    for (int64_t k = 0; k < nz; k++) e[k] = dc[idx[k]];   /* the differences, compacted (e is free again) */
+    for (int64_t r = 0; r < R; r++) {
+        const float *qr = qc + r * nz;
+        float *o = qs + r * nz;
+        int64_t k = 0;
+#if KVCX_ATTN_AVX2
+        for (; k + 8 <= nz; k += 8) _mm256_storeu_ps(o + k, _mm256_mul_ps(_mm256_loadu_ps(qr + k),
+                                                                           _mm256_loadu_ps(e + k)));
+#endif
+        for (; k < nz; k++) o[k] = qr[k] * e[k];
+    }
 }
 
 /* One task: (row x KV head) `slab`, token range `split`; writes the partial to the task's workspace. */
@@ -852,8 +951,10 @@ static inline void kvcx_attn_task(const kvcx_attn_layout *L, const kvcx_attn_arg
     /* keys with widths: a block's channels (index, plane offset, width) and the key tile [channels][T] */
     int32_t *widx = (int32_t *)(zp + D + T * D / 8 + (kT ? 2 * T * D : 0)), *woff = widx + D, *wwid = woff + D;
     float *wT = L->k_widths ? (kT ? kT : (float *)(wwid + D)) : NULL;
+    float *wqc = L->k_widths ? (float *)(wwid + D) + (kT ? 0 : T * D) : NULL;   /* R x D: a chunk's query terms */
+    float *wlo = wqc ? wqc + R * D : NULL, *wdc = wlo ? wlo + R : NULL;        /* R biases, D differences */
     const uint8_t *wgrp = NULL;                        /* the block's planes */
-    int64_t wnz = 0;
+    int64_t wnz = 0, wchunk = -1;
     const int64_t kbt = L->k_widths ? 0 : D * L->k_bits / 8, vbt = D * L->v_bits / 8;   /* code bytes per token */
     const uint8_t kadd = (L->k_asym || L->k_widths) ? 0 : (uint8_t)(8 - (1 << (L->k_bits - 1)));
     const uint8_t vadd = (uint8_t)(8 - (1 << (L->v_bits - 1)));   /* values centred either way (see the end) */
@@ -903,26 +1004,41 @@ static inline void kvcx_attn_task(const kvcx_attn_layout *L, const kvcx_attn_arg
     }
     for (int64_t t = ta; t < tb;) {
         int64_t end = t + T < tb ? t + T : tb;
-        if (L->k_axis == KVCX_AXIS_CHANNEL) {
+        if (L->k_widths) {   /* keys with widths: the tile's scores in two pieces of at most 32 tokens, each
+                                inside one group (a piece starts at most 32 tokens in: its scores fit the tile) */
+            int64_t u = t;
+            for (int piece = 0; piece < 2 && u < tb; piece++) {
+                if (u >= blk_end) {                      /* next group (and chunk): its query terms */
+                    blk++;
+                    blk_end = A->kblk[blk + 1] - koff;
+                    if (A->kgchunk[blk] != wchunk) {     /* qp holds the chunk's q span (no use for it here) */
+                        wchunk = A->kgchunk[blk];
+                        wnz = kvcx_attn_wchunk(L, A, slab, wchunk, qn, qp, wqc, wlo, widx, woff, wwid);
+                    }
+                    kvcx_attn_wblock(L, A, slab, blk, wnz, qp, wqc, wlo, widx, qs, bias, zp, wdc);
+                    wgrp = A->kc + A->kgoff[slab * L->k_groups + blk];
+                }
+                int64_t e2 = u + 32 < blk_end ? u + 32 : blk_end;
+                e2 = e2 < tb ? e2 : tb;
+                kvcx_attn_wdots(wgrp, woff, wwid, wnz, L->k_group / 8, u + koff - A->kblk[blk], e2 - u, qs, bias, R,
+                                wT, sc + (u - t));
+                u = e2;
+            }
+            end = u;
+        } else if (L->k_axis == KVCX_AXIS_CHANNEL) {
             if (t >= blk_end) {                          /* next block: scale the query once */
                 blk++;
                 blk_end = A->kblk[blk + 1] - koff;
-                if (L->k_widths) {                       /* a group of widths: its channels */
-                    wnz = kvcx_attn_wblock(L, A, slab, blk, qn, qs, bias, zp, sp, widx, woff, wwid);
-                    wgrp = A->kc + A->kgoff[slab * L->k_groups + blk];
-                } else {
-                    kvcx_h2f_perm(ks + blk * D, D, sp);
-                    if (kz) kvcx_h2f_perm(kz + blk * D, D, zp);
-                    else for (int64_t d = 0; d < D; d++) zp[d] = 0.0f;
-                    for (int64_t r = 0; r < R; r++) {   /* k = s c + z, or s (c - 8): the bias is q . z or -8 q . s */
-                        bias[r] = kz ? kvcx_dot_f32(qp + r * D, zp, D) : -8.0f * kvcx_dot_f32(qp + r * D, sp, D);
-                        for (int64_t d = 0; d < D; d++) qs[r * D + d] = qp[r * D + d] * sp[d];
-                        kvcx_attn_halve_odd(qs + r * D, qs + r * D, D);
-                    }
+                kvcx_h2f_perm(ks + blk * D, D, sp);
+                if (kz) kvcx_h2f_perm(kz + blk * D, D, zp);
+                else for (int64_t d = 0; d < D; d++) zp[d] = 0.0f;
+                for (int64_t r = 0; r < R; r++) {   /* k = s c + z, or s (c - 8): the bias is q . z or -8 q . s */
+                    bias[r] = kz ? kvcx_dot_f32(qp + r * D, zp, D) : -8.0f * kvcx_dot_f32(qp + r * D, sp, D);
+                    for (int64_t d = 0; d < D; d++) qs[r * D + d] = qp[r * D + d] * sp[d];
+                    kvcx_attn_halve_odd(qs + r * D, qs + r * D, D);
                 }
             }
             end = end < blk_end ? end : blk_end;
-            if (L->k_widths && end - t > 32) end = t + 32;   /* a widths tile: 32 tokens at most */
         }
         const int64_t n = end - t;
 #if KVCX_ATTN_AVX2
@@ -934,10 +1050,7 @@ static inline void kvcx_attn_task(const kvcx_attn_layout *L, const kvcx_attn_arg
         }
 #endif
         const uint8_t *kt = kc + t * kbt, *vt = vc + t * vbt;
-        if (L->k_widths) {                       /* the tile's codes as floats, over the channels with codes */
-            kvcx_attn_wtile(wgrp, woff, wwid, wnz, L->k_group / 8, t + koff - A->kblk[blk], wT);
-            kvcx_f_dots(wT, n, wnz, qs, bias, R, sc);
-        } else {
+        if (!L->k_widths) {                      /* (keys with widths: scored above) */
             if (L->k_bits != 4) {
                 kvcx_attn_widen(kt, n * D, L->k_bits, kadd, wn);
                 kt = wn;
