@@ -7,7 +7,7 @@ against one setting alone.
 `--at WINDOW:STRIDE:MAX_WINDOWS` (repeatable; default 1024:512:32) names the window sizes: one table per
 size, in one run, the model loaded once.
 
-Settings (default; `--all` adds iq4_nl and the peers quanto / TurboQuant through their libraries): kvcx's
+Settings (default; `--all` adds iq4_nl and the peers quanto / HQQ / TurboQuant through their libraries): kvcx's
 default and KIVI at 4 bits; llama.cpp's q8_0, q5_1, q4_1, q4_0 as releases before
 the attention rotation (or with LLAMA_ATTN_ROT_DISABLE=1) write them, and q8_0, q4_0 with the rotation
 (llama.cpp's default since PR #21038); vLLM's fp8 e4m3 and e5m2 at scale 1.0. Timing: at the first window
