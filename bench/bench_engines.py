@@ -67,7 +67,7 @@ def main(argv=None):
         f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20:.2f} GiB.")
     if args.markdown:
         out.write(args.markdown, "kvcx's settings and the engines' KV formats (llama.cpp, vLLM fp8) and the peers "
-                                 "(quanto, TurboQuant) on the embedded model: perplexity, KL divergence and top-1 "
+                                 "(quanto, HQQ, TurboQuant) on the embedded model: perplexity, KL divergence and top-1 "
                                  "agreement against the exact cache, every setting on the same windows and tokens, "
                                  "at each window size.")
 
