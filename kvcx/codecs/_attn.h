@@ -765,6 +765,26 @@ static inline void kvcx_attn_widen(const uint8_t *p, int64_t n, int bits, uint8_
         }
 }
 
+#if KVCX_ATTN_AVX2 && KVCX_W_AVX2
+/* Keys with widths: the 32 codes (bytes) of one channel for tokens o .. o + 31 of a group, from its wid planes
+   of gs8 bytes at p (the channel's planes, p already at byte o / 8) */
+static inline __m256i kvcx_attn_wcodes32(const uint8_t *p, int wid, int64_t gs8, int64_t o) {
+    __m256i c = _mm256_setzero_si256();
+    for (int j = 0; j < wid; j++) {
+        uint64_t m;
+        memcpy(&m, p + j * gs8, 8);
+        c = _mm256_or_si256(c, kvcx_w_bits32((uint32_t)(m >> (o & 7)), j));
+    }
+    return c;
+}
+
+/* code bytes i * 8 .. i * 8 + 7 of 32 as floats */
+static inline __m256 kvcx_attn_wcodes_f8(__m256i c, int i) {
+    const __m128i h = i < 2 ? _mm256_castsi256_si128(c) : _mm256_extracti128_si256(c, 1);
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(i & 1 ? _mm_srli_si128(h, 8) : h));
+}
+#endif
+
 /* Keys with widths: tokens o .. o + 31 of a group (gs8 = gs / 8 bytes per plane; the planes of compacted
    channel k at grp + off[k], wid[k] of them) as float rows of codes, kT[k * T + j] for k < nz, j < 32 (past
    the group's end whatever its neighbours' bits say: those scores are not read). Reads up to 8 bytes from
@@ -776,17 +796,8 @@ static inline void kvcx_attn_wtile(const uint8_t *grp, const int32_t *off, const
         const uint8_t *p = grp + off[k] + (o >> 3);
         float *row = kT + k * T;
 #if KVCX_ATTN_AVX2 && KVCX_W_AVX2
-        __m256i acc = _mm256_setzero_si256();
-        for (int j = 0; j < wid[k]; j++) {
-            uint64_t m;
-            memcpy(&m, p + j * gs8, 8);
-            acc = _mm256_or_si256(acc, kvcx_w_bits32((uint32_t)(m >> (o & 7)), j));
-        }
-        const __m128i lo = _mm256_castsi256_si128(acc), hi = _mm256_extracti128_si256(acc, 1);
-        _mm256_storeu_ps(row, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)));
-        _mm256_storeu_ps(row + 8, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))));
-        _mm256_storeu_ps(row + 16, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)));
-        _mm256_storeu_ps(row + 24, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))));
+        const __m256i c = kvcx_attn_wcodes32(p, wid[k], gs8, o);
+        for (int i = 0; i < 4; i++) _mm256_storeu_ps(row + 8 * i, kvcx_attn_wcodes_f8(c, i));
 #else
         uint32_t c[32] = {0};
         for (int j = 0; j < wid[k]; j++) {
@@ -812,19 +823,11 @@ static inline __attribute__((always_inline)) void kvcx_attn_wdots_rb(const uint8
     for (int r = 0; r < RB; r++)
         for (int i = 0; i < 4; i++) acc[r][i] = _mm256_setzero_ps();
     for (int64_t k = 0; k < nz; k++) {
-        const uint8_t *p = grp + off[k] + (o >> 3);
-        __m256i c = _mm256_setzero_si256();
-        for (int j = 0; j < wid[k]; j++) {
-            uint64_t m;
-            memcpy(&m, p + j * gs8, 8);
-            c = _mm256_or_si256(c, kvcx_w_bits32((uint32_t)(m >> (o & 7)), j));
-        }
+        const __m256i c = kvcx_attn_wcodes32(grp + off[k] + (o >> 3), wid[k], gs8, o);
         __m256 b[3];
         for (int r = 0; r < RB; r++) b[r] = _mm256_broadcast_ss(qs + r * nz + k);
-        const __m128i lo = _mm256_castsi256_si128(c), hi = _mm256_extracti128_si256(c, 1);
-        const __m128i part[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
         for (int i = 0; i < 4; i++) {
-            const __m256 x = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(part[i]));
+            const __m256 x = kvcx_attn_wcodes_f8(c, i);
             for (int r = 0; r < RB; r++) acc[r][i] = _mm256_fmadd_ps(b[r], x, acc[r][i]);
         }
     }
