@@ -18,7 +18,7 @@ from typing import Callable, Dict, List, Optional
 import numpy as np
 
 from kvcx.codecs.dtypes import dtype_name
-from kvcx.codecs.kvconfig import DEFAULT_SCHEME, KVConfig, check_plan_record
+from kvcx.codecs.kvconfig import DEFAULT_SCHEME, SCHEME_NAMES, KVConfig, check_plan_record
 from kvcx.codecs.metrics import (  # noqa: F401
     COSINE_THRESHOLD,
     RMSE_THRESHOLD,
@@ -280,6 +280,10 @@ def validation_settings(scheme: str, plan=None, gate: Optional[str] = None, grou
     if given and any(x in peers for x in labels):
         raise CodecError(f"scheme={','.join(x for x in labels if x in peers)} runs through its own library with its "
                          f"own settings; leave out {', '.join(given)}")
+    unknown = [x for x in labels if x not in peers and x not in SCHEME_NAMES]
+    if unknown and peers:   # (without peers, KVConfig.from_scheme names kvcx's schemes)
+        raise CodecError(f"unknown scheme {unknown[0]!r}; use one of {', '.join(SCHEME_NAMES)}, or another "
+                         f"library's: {', '.join(peers)}")
     configs = {x: peers[x] if x in peers else KVConfig.from_scheme(x, group_size=group_size, bits=bits, sinks=sinks,
                                                                    rotate=rotate, n_threads=n_threads)
                for x in labels}

@@ -87,6 +87,8 @@ def test_peer_settings_are_named_and_refuse_kvcx_options():
         validation_settings("quanto-int4", bits=3, peers=PEERS)
     with pytest.raises(KvcxError, match="unknown scheme|not one of|scheme"):
         validation_settings("quanto-int4")           # without the peers, not a kvcx scheme
+    with pytest.raises(KvcxError, match=r"unknown scheme 'hqq-int8'; use one of reference, .*q4_0, .*another library's: .*hqq-int4"):
+        validation_settings("kvcx,hqq-int8", peers=PEERS)   # a typo names kvcx's schemes and the peers
 
 
 def test_peers_beside_kvcx_on_the_same_tokens(loaded, wikitext_path):
