@@ -75,11 +75,28 @@ NO_MASK = Mask()   # nothing masked (a single-token step)
 CAUSAL = Mask(causal=True)   # a multi-token step with no mask: causal among its tokens
 
 
+def _causal_only(m: np.ndarray, nq: int) -> bool:
+    """Whether a [b, q, kv_len] mask (q 1 or nq) shows each query token every position up to its own and hides
+    the rest: nothing the kernel's causal flag does not do alone (transformers builds such a mask for a step of
+    several tokens after a prefix with no padding; one check per step spares every layer reading it)."""
+    b, q, kv = m.shape
+    vis = m if m.dtype == np.bool_ else m == 0
+    if m.dtype != np.bool_ and not (vis | np.isneginf(m)).all():
+        return False
+    if q == 1:
+        return bool(vis.all())
+    p = kv - nq + 1
+    return p > 0 and bool(vis[:, :, :p].all()) and bool((vis[:, :, p:] == np.tri(nq, nq - 1, -1, dtype=bool)).all())
+
+
 def step_mask(m: np.ndarray, B: int, nq: int) -> Mask:
     """The Mask of a [b, q, kv_len] array (b 1 or B, q 1 or nq; boolean: True attends, or float32 added to the
     scores), viewed without a copy where it is C-contiguous. A mask with one query row in a step of several
-    tokens is a padding mask: the step is also causal."""
+    tokens is a padding mask: the step is also causal. A mask that hides nothing but what causality hides is
+    :data:`CAUSAL` (or :data:`NO_MASK` for one token)."""
     b, q = m.shape[0], m.shape[1]
+    if _causal_only(m, nq):
+        return CAUSAL if nq > 1 else NO_MASK
     bs, qs = (q if b == B else 0), (1 if q == nq else 0)
     rows = np.ascontiguousarray(m).reshape(b * q, m.shape[2])
     causal = nq > 1 and q == 1

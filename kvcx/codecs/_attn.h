@@ -57,6 +57,9 @@
 
 #include "_kernels.h"
 #include "_widths.h"
+#if defined(__SSE2__)
+#include <xmmintrin.h>
+#endif
 
 enum {
     KVCX_ATTN_TILE = 64,        /* tokens scored and accumulated per softmax update */
@@ -115,13 +118,14 @@ typedef struct {
    then accp[R][D]), then scratch (T D / 8 floats: a tile's 2- or 3-bit codes widened to nibbles; with
    KVCX_ATTN_TILE_ROWS rows or more, then the float tiles of keys [D][T] and values [T][D]; keys with widths:
    a chunk's channels (3 D int32), the key tile [D][T] when it is not there already, the chunk's compacted
-   query terms [R][D] and biases [R], and a group's compacted code steps [D]) */
+   query terms [R][D] and biases [R], a group's compacted code steps [D], and through float tiles the chunk's
+   channel ranges [3][D]) */
 static inline int64_t kvcx_attn_part_floats(int64_t R, int64_t D) { return 2 * R + 2 * R * D; }
 static inline int64_t kvcx_attn_work_floats(int64_t R, int64_t D, int widths) {
     const int many = R >= KVCX_ATTN_TILE_ROWS;
     return kvcx_attn_part_floats(R, D) + 3 * R * D + 4 * R + 2 * R * KVCX_ATTN_TILE + 2 * KVCX_ATTN_TILE + 2 * D
            + KVCX_ATTN_TILE * D / 8 + (many ? 2 * KVCX_ATTN_TILE * D : 0)
-           + (widths ? 3 * D + (many ? 0 : KVCX_ATTN_TILE * D) + R * D + R + D : 0);
+           + (widths ? 3 * D + (many ? 0 : KVCX_ATTN_TILE * D) + R * D + R + 4 * D : 0);
 }
 
 /* channel index of position p in the permuted order */
@@ -159,6 +163,40 @@ static inline __m256 kvcx_exp8(__m256 x) {
     y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
     __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
     return _mm256_and_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(e)), keep);
+}
+
+/* kvcx_exp8 of two vectors, the two computations interleaved (each is a chain of ~20 dependent steps: side
+   by side, a core with a small scheduler overlaps them) */
+static inline void kvcx_exp8x2(__m256 x0, __m256 x1, __m256 *e0, __m256 *e1) {
+    const __m256 ninf = _mm256_set1_ps(-INFINITY), lo = _mm256_set1_ps(-87.3365f);
+    const __m256 log2e = _mm256_set1_ps(1.44269504088896341f), half = _mm256_set1_ps(0.5f);
+    const __m256 c1 = _mm256_set1_ps(0.693359375f), c2 = _mm256_set1_ps(-2.12194440e-4f);
+    const __m256 keep0 = _mm256_cmp_ps(x0, ninf, _CMP_NEQ_OQ), keep1 = _mm256_cmp_ps(x1, ninf, _CMP_NEQ_OQ);
+    x0 = _mm256_max_ps(x0, lo);
+    x1 = _mm256_max_ps(x1, lo);
+    const __m256 f0 = _mm256_floor_ps(_mm256_fmadd_ps(x0, log2e, half));
+    const __m256 f1 = _mm256_floor_ps(_mm256_fmadd_ps(x1, log2e, half));
+    x0 = _mm256_fnmadd_ps(f0, c1, x0);
+    x1 = _mm256_fnmadd_ps(f1, c1, x1);
+    x0 = _mm256_fnmadd_ps(f0, c2, x0);
+    x1 = _mm256_fnmadd_ps(f1, c2, x1);
+    __m256 y0 = _mm256_set1_ps(1.9875691500E-4f), y1 = y0;
+#define KVCX_EXP_STEP(c) do { const __m256 cv = _mm256_set1_ps(c); \
+        y0 = _mm256_fmadd_ps(y0, x0, cv); y1 = _mm256_fmadd_ps(y1, x1, cv); } while (0)
+    KVCX_EXP_STEP(1.3981999507E-3f);
+    KVCX_EXP_STEP(8.3334519073E-3f);
+    KVCX_EXP_STEP(4.1665795894E-2f);
+    KVCX_EXP_STEP(1.6666665459E-1f);
+    KVCX_EXP_STEP(5.0000001201E-1f);
+#undef KVCX_EXP_STEP
+    const __m256 one = _mm256_set1_ps(1.0f);
+    y0 = _mm256_fmadd_ps(y0, _mm256_mul_ps(x0, x0), _mm256_add_ps(x0, one));
+    y1 = _mm256_fmadd_ps(y1, _mm256_mul_ps(x1, x1), _mm256_add_ps(x1, one));
+    const __m256i b = _mm256_set1_epi32(127);
+    const __m256i n0 = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(f0), b), 23);
+    const __m256i n1 = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(f1), b), 23);
+    *e0 = _mm256_and_ps(_mm256_mul_ps(y0, _mm256_castsi256_ps(n0)), keep0);
+    *e1 = _mm256_and_ps(_mm256_mul_ps(y1, _mm256_castsi256_ps(n1)), keep1);
 }
 
 /* 8 code bytes -> the 8 even channels' codes c (low nibbles) and the 8 odd channels' 16 c (high nibbles
@@ -393,6 +431,20 @@ static inline void kvcx_attn_tile_t(const uint8_t *c, const float *x, int64_t n,
 #endif
 }
 
+/* kT[p * T + j] = s[p] kT[p * T + j] + z[p] for p < D, j < n rounded up to 16: a tile of codes to the keys */
+static inline void kvcx_attn_tile_scale(float *kT, int64_t n, int64_t D, const float *s, const float *z) {
+    const int64_t T = KVCX_ATTN_TILE, n16 = (n + 15) & ~(int64_t)15;
+    for (int64_t p = 0; p < D; p++) {
+        float *row = kT + p * T;
+        int64_t j = 0;
+#if KVCX_ATTN_AVX2
+        const __m256 sv = _mm256_set1_ps(s[p]), zv = _mm256_set1_ps(z[p]);
+        for (; j < n16; j += 8) _mm256_storeu_ps(row + j, _mm256_fmadd_ps(_mm256_loadu_ps(row + j), sv, zv));
+#endif
+        for (; j < n16; j++) row[j] = fmaf(row[j], s[p], z[p]);
+    }
+}
+
 /* vf[j * D + p] = the centred codes (c - 8, odd halves 16 (c - 8), permuted order) of n 4-bit layout tokens */
 static inline void kvcx_attn_tile_v(const uint8_t *c, int64_t n, int64_t D, float *vf) {
 #if KVCX_ATTN_AVX2
@@ -592,6 +644,17 @@ static inline void kvcx_attn_softmax_v(float *part, int64_t R, int64_t D, const 
 #if KVCX_ATTN_AVX2
         __m256 la = _mm256_setzero_ps(), wa = _mm256_setzero_ps(), za = _mm256_setzero_ps();
         const __m256 mv = _mm256_set1_ps(mnew);
+        for (; j + 16 <= n; j += 16) {
+            __m256 e0, e1;
+            kvcx_exp8x2(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv), _mm256_sub_ps(_mm256_loadu_ps(s + j + 8), mv),
+                        &e0, &e1);
+            const __m256 p0 = _mm256_mul_ps(e0, _mm256_loadu_ps(vs + j)), p1 = _mm256_mul_ps(e1, _mm256_loadu_ps(vs + j + 8));
+            _mm256_storeu_ps(pj + j, p0);
+            _mm256_storeu_ps(pj + j + 8, p1);
+            la = _mm256_add_ps(la, _mm256_add_ps(e0, e1));
+            wa = _mm256_add_ps(wa, _mm256_add_ps(p0, p1));
+            if (vz) za = _mm256_fmadd_ps(e1, _mm256_loadu_ps(vz + j + 8), _mm256_fmadd_ps(e0, _mm256_loadu_ps(vz + j), za));
+        }
         for (; j + 8 <= n; j += 8) {
             const __m256 e = kvcx_exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
             const __m256 ps = _mm256_mul_ps(e, _mm256_loadu_ps(vs + j));
@@ -785,19 +848,31 @@ static inline __m256 kvcx_attn_wcodes_f8(__m256i c, int i) {
 }
 #endif
 
+/* Keys with widths: whether R rows take their scores straight from the planes (else through float tiles) */
+static inline int kvcx_attn_wreg(int64_t R) {
+#if KVCX_ATTN_AVX2 && KVCX_W_AVX2
+    return R <= KVCX_ATTN_WROWS;
+#else
+    (void)R;
+    return 0;
+#endif
+}
+
 /* Keys with widths: tokens o .. o + 31 of a group (gs8 = gs / 8 bytes per plane; the planes of compacted
-   channel k at grp + off[k], wid[k] of them) as float rows of codes, kT[k * T + j] for k < nz, j < 32 (past
+   channel k at grp + off[k], wid[k] of them) as float rows of codes times their channel's step,
+   kT[k * T + j] = step[k] code for k < nz, j < 32 (past
    the group's end whatever its neighbours' bits say: those scores are not read). Reads up to 8 bytes from
    a plane's byte o / 8 on: the store keeps 8 bytes after its last plane. */
 static inline void kvcx_attn_wtile(const uint8_t *grp, const int32_t *off, const int32_t *wid, int64_t nz,
-                                   int64_t gs8, int64_t o, float *kT) {
+                                   int64_t gs8, int64_t o, const float *step, float *kT) {
     const int64_t T = KVCX_ATTN_TILE;
     for (int64_t k = 0; k < nz; k++) {
         const uint8_t *p = grp + off[k] + (o >> 3);
         float *row = kT + k * T;
 #if KVCX_ATTN_AVX2 && KVCX_W_AVX2
         const __m256i c = kvcx_attn_wcodes32(p, wid[k], gs8, o);
-        for (int i = 0; i < 4; i++) _mm256_storeu_ps(row + 8 * i, kvcx_attn_wcodes_f8(c, i));
+        const __m256 sv = _mm256_set1_ps(step[k]);
+        for (int i = 0; i < 4; i++) _mm256_storeu_ps(row + 8 * i, _mm256_mul_ps(kvcx_attn_wcodes_f8(c, i), sv));
 #else
         uint32_t c[32] = {0};
         for (int j = 0; j < wid[k]; j++) {
@@ -806,7 +881,7 @@ static inline void kvcx_attn_wtile(const uint8_t *grp, const int32_t *off, const
             m >>= (o & 7);
             for (int t = 0; t < 32; t++) c[t] |= (uint32_t)((m >> t) & 1) << j;
         }
-        for (int t = 0; t < 32; t++) row[t] = (float)c[t];
+        for (int t = 0; t < 32; t++) row[t] = (float)c[t] * step[k];
 #endif
     }
 }
@@ -839,12 +914,14 @@ static inline __attribute__((always_inline)) void kvcx_attn_wdots_rb(const uint8
 #endif
 
 /* Keys with widths: the scores of R rows over tokens o .. o + 31 of a group (n <= 32 of them read): from the
-   planes for a few rows, else through a float tile of codes (kT: [nz][T]) and the float-tile products. */
+   planes for a few rows (kvcx_attn_wreg: qs the group's scaled query, kvcx_attn_wblock), else through a float
+   tile of codes times steps (kT: [nz][T]) and the float-tile products (qs the chunk's query over its channels,
+   kvcx_attn_wchunk_t; step the group's, kvcx_attn_wblock_t). */
 static inline void kvcx_attn_wdots(const uint8_t *grp, const int32_t *off, const int32_t *wid, int64_t nz,
                                    int64_t gs8, int64_t o, int64_t n, const float *qs, const float *bias, int64_t R,
-                                   float *kT, float *sc) {
+                                   const float *step, float *kT, float *sc) {
 #if KVCX_ATTN_AVX2 && KVCX_W_AVX2
-    if (R <= KVCX_ATTN_WROWS) {
+    if (kvcx_attn_wreg(R)) {
 #define KVCX_WDOTS_BLOCK(r0, k) \
         kvcx_attn_wdots_rb(grp, off, wid, nz, gs8, o, qs + (r0) * nz, bias + (r0), k, sc + (r0) * KVCX_ATTN_TILE)
         KVCX_ROW_BLOCKS(R, 3, KVCX_WDOTS_BLOCK);
@@ -852,8 +929,26 @@ static inline void kvcx_attn_wdots(const uint8_t *grp, const int32_t *off, const
         return;
     }
 #endif
-    kvcx_attn_wtile(grp, off, wid, nz, gs8, o, kT);
+    kvcx_attn_wtile(grp, off, wid, nz, gs8, o, step, kT);
     kvcx_f_dots(kT, n, nz, qs, bias, R, sc);
+}
+
+/* Keys with widths: chunk c's channels with codes (index, plane offset inside a group, width) to idx / off /
+   wid; returns how many (nz) */
+static inline int64_t kvcx_attn_wchannels(const kvcx_attn_layout *L, const kvcx_attn_args *A, int64_t slab,
+                                          int64_t c, int32_t *idx, int32_t *off, int32_t *wid) {
+    const int64_t D = L->D, gs8 = L->k_group / 8;
+    const uint8_t *w = A->kw + (slab * L->k_chunks + c) * D;
+    int64_t nz = 0, o = 0;
+    for (int64_t d = 0; d < D; d++)
+        if (w[d]) {
+            idx[nz] = (int32_t)d;
+            off[nz] = (int32_t)o;
+            wid[nz] = w[d];
+            o += w[d] * gs8;
+            nz++;
+        }
+    return nz;
 }
 
 /* Keys with widths, a chunk (its widths and channel ranges) c of the task's slab begins: the channels with
@@ -866,18 +961,9 @@ static inline void kvcx_attn_wdots(const uint8_t *grp, const int32_t *off, const
 static inline int64_t kvcx_attn_wchunk(const kvcx_attn_layout *L, const kvcx_attn_args *A, int64_t slab, int64_t c,
                                        const float *qn, float *qspan, float *qc, float *lo_r, int32_t *idx,
                                        int32_t *off, int32_t *wid) {
-    const int64_t D = L->D, R = L->R, gs8 = L->k_group / 8;
-    const uint8_t *w = A->kw + (slab * L->k_chunks + c) * D;
+    const int64_t D = L->D, R = L->R;
     const uint16_t *rg = A->krange + (slab * L->k_chunks + c) * 2 * D;
-    int64_t nz = 0, o = 0;
-    for (int64_t d = 0; d < D; d++)
-        if (w[d]) {
-            idx[nz] = (int32_t)d;
-            off[nz] = (int32_t)o;
-            wid[nz] = w[d];
-            o += w[d] * gs8;
-            nz++;
-        }
+    const int64_t nz = kvcx_attn_wchannels(L, A, slab, c, idx, off, wid);
     for (int64_t r = 0; r < R; r++) lo_r[r] = 0.0f;
     for (int64_t d = 0; d < D; d++) {
         const float lo = kvcx_h2f_1(rg[2 * d]), span = (kvcx_h2f_1(rg[2 * d + 1]) - lo) / 255.0f;
@@ -933,8 +1019,74 @@ static inline void kvcx_attn_wblock(const kvcx_attn_layout *L, const kvcx_attn_a
     }
 }
 
+/* out[r] = sum_d qT[d * R + r] x[d] for r < R: the rows' dot products with x from the query transposed */
+static inline void kvcx_attn_gemv_t(const float *qT, int64_t R, int64_t D, const float *x, float *out) {
+    int64_t r = 0;
+#if KVCX_ATTN_AVX2
+    for (; r + 32 <= R; r += 32) {
+        __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+        for (int64_t d = 0; d < D; d++) {
+            const __m256 xv = _mm256_broadcast_ss(x + d);
+            for (int i = 0; i < 4; i++) a[i] = _mm256_fmadd_ps(_mm256_loadu_ps(qT + d * R + r + 8 * i), xv, a[i]);
+        }
+        for (int i = 0; i < 4; i++) _mm256_storeu_ps(out + r + 8 * i, a[i]);
+    }
+    for (; r + 8 <= R; r += 8) {
+        __m256 a = _mm256_setzero_ps();
+        for (int64_t d = 0; d < D; d++) a = _mm256_fmadd_ps(_mm256_loadu_ps(qT + d * R + r), _mm256_broadcast_ss(x + d), a);
+        _mm256_storeu_ps(out + r, a);
+    }
+#endif
+    for (; r < R; r++) {
+        float a = 0.0f;
+        for (int64_t d = 0; d < D; d++) a += qT[d * R + r] * x[d];
+        out[r] = a;
+    }
+}
+
+/* Keys with widths through float tiles (more than KVCX_ATTN_WROWS rows): the tiles hold each channel's codes
+   times its step and the bias the query's dot product with the bases, as kvcx_w_decode_tile decodes
+   (k_d = base_d + step_d code). Chunk c begins: its channels (kvcx_attn_wchannels), the query over them
+   qc[r][k] = qn[r][idx[k]], and each channel's range lo, unit (span / 255) and top code (2^w - 1) to cr. */
+static inline int64_t kvcx_attn_wchunk_t(const kvcx_attn_layout *L, const kvcx_attn_args *A, int64_t slab,
+                                         int64_t c, const float *qn, float *qc, float *cr, int32_t *idx,
+                                         int32_t *off, int32_t *wid) {
+    const int64_t D = L->D, R = L->R;
+    const uint8_t *w = A->kw + (slab * L->k_chunks + c) * D;
+    const uint16_t *rg = A->krange + (slab * L->k_chunks + c) * 2 * D;
+    const int64_t nz = kvcx_attn_wchannels(L, A, slab, c, idx, off, wid);
+    for (int64_t d = 0; d < D; d++) {
+        cr[d] = kvcx_h2f_1(rg[2 * d]);
+        cr[D + d] = (kvcx_h2f_1(rg[2 * d + 1]) - cr[d]) / 255.0f;
+        cr[2 * D + d] = (float)((1 << w[d]) - 1);
+    }
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t k = 0; k < nz; k++) qc[r * nz + k] = qn[r * D + idx[k]];
+    return nz;
+}
+
+/* ... group blk begins: the biases bias[r] = q_r . base from the query transposed (qT [D][R]) and the
+   compacted channels' steps to step (base: D floats of scratch) */
+static inline void kvcx_attn_wblock_t(const kvcx_attn_layout *L, const kvcx_attn_args *A, int64_t slab,
+                                      int64_t blk, int64_t nz, const float *cr, const int32_t *idx,
+                                      const float *qT, float *bias, float *base, float *step) {
+    const int64_t D = L->D;
+    const uint8_t *st = (const uint8_t *)(A->ks + (slab * L->k_groups + blk) * D);   /* 2 bytes per channel */
+    const float *lo = cr, *unit = cr + D, *top = cr + 2 * D;
+    for (int64_t d = 0; d < D; d++) {
+        const float glo = lo[d] + (float)st[2 * d] * unit[d], ghi = lo[d] + (float)st[2 * d + 1] * unit[d];
+        base[d] = top[d] > 0.0f ? glo : (glo + ghi) / 2.0f;
+    }
+    for (int64_t k = 0; k < nz; k++) {
+        const int64_t d = idx[k];
+        const float glo = lo[d] + (float)st[2 * d] * unit[d], ghi = lo[d] + (float)st[2 * d + 1] * unit[d];
+        step[k] = (ghi - glo) / top[d];
+    }
+    kvcx_attn_gemv_t(qT, L->R, D, base, bias);
+}
+
 /* One task: (row x KV head) `slab`, token range `split`; writes the partial to the task's workspace. */
-static inline void kvcx_attn_task(const kvcx_attn_layout *L, const kvcx_attn_args *A, int64_t task) {
+static inline void kvcx_attn_task_run(const kvcx_attn_layout *L, const kvcx_attn_args *A, int64_t task) {
     const int64_t R = L->R, D = L->D, T = KVCX_ATTN_TILE;
     const int64_t slab = task / L->nsplit, split = task % L->nsplit;
     const int64_t b = slab / L->Hkv, h = slab % L->Hkv;
@@ -956,6 +1108,8 @@ static inline void kvcx_attn_task(const kvcx_attn_layout *L, const kvcx_attn_arg
     float *wT = L->k_widths ? (kT ? kT : (float *)(wwid + D)) : NULL;
     float *wqc = L->k_widths ? (float *)(wwid + D) + (kT ? 0 : T * D) : NULL;   /* R x D: a chunk's query terms */
     float *wlo = wqc ? wqc + R * D : NULL, *wdc = wlo ? wlo + R : NULL;        /* R biases, D differences */
+    float *wcr = wdc ? wdc + D : NULL;                 /* tiles: the chunk's ranges (3 D) */
+    const int wtiles = L->k_widths && !kvcx_attn_wreg(R);
     const uint8_t *wgrp = NULL;                        /* the block's planes */
     int64_t wnz = 0, wchunk = -1;
     const int64_t kbt = L->k_widths ? 0 : D * L->k_bits / 8, vbt = D * L->v_bits / 8;   /* code bytes per token */
@@ -984,6 +1138,9 @@ static inline void kvcx_attn_task(const kvcx_attn_layout *L, const kvcx_attn_arg
         kvcx_attn_halve_odd(qp, qs, R * D);
         for (int64_t r = 0; r < R; r++) bias[r] = 0.0f;
     }
+    if (wtiles)                                        /* keys with widths through tiles: qs the query transposed */
+        for (int64_t r = 0; r < R; r++)
+            for (int64_t d = 0; d < D; d++) qs[d * R + r] = qn[r * D + d];
 
     /* this task's packed tokens: splits share the work, an exact token counting as 4 packed ones */
     const int64_t ne = L->ns + L->nr;
@@ -1014,17 +1171,21 @@ static inline void kvcx_attn_task(const kvcx_attn_layout *L, const kvcx_attn_arg
                 if (u >= blk_end) {                      /* next group (and chunk): its query terms */
                     blk++;
                     blk_end = A->kblk[blk + 1] - koff;
-                    if (A->kgchunk[blk] != wchunk) {     /* qp holds the chunk's q span (no use for it here) */
+                    if (A->kgchunk[blk] != wchunk && wtiles) {
+                        wchunk = A->kgchunk[blk];
+                        wnz = kvcx_attn_wchunk_t(L, A, slab, wchunk, qn, wqc, wcr, widx, woff, wwid);
+                    } else if (A->kgchunk[blk] != wchunk) {   /* qp holds the chunk's q span (no use for it here) */
                         wchunk = A->kgchunk[blk];
                         wnz = kvcx_attn_wchunk(L, A, slab, wchunk, qn, qp, wqc, wlo, widx, woff, wwid);
                     }
-                    kvcx_attn_wblock(L, A, slab, blk, wnz, qp, wqc, wlo, widx, qs, bias, zp, wdc);
+                    if (wtiles) kvcx_attn_wblock_t(L, A, slab, blk, wnz, wcr, widx, qs, bias, zp, wdc);
+                    else kvcx_attn_wblock(L, A, slab, blk, wnz, qp, wqc, wlo, widx, qs, bias, zp, wdc);
                     wgrp = A->kc + A->kgoff[slab * L->k_groups + blk];
                 }
                 int64_t e2 = u + 32 < blk_end ? u + 32 : blk_end;
                 e2 = e2 < tb ? e2 : tb;
-                kvcx_attn_wdots(wgrp, woff, wwid, wnz, L->k_group / 8, u + koff - A->kblk[blk], e2 - u, qs, bias, R,
-                                wT, sc + (u - t));
+                kvcx_attn_wdots(wgrp, woff, wwid, wnz, L->k_group / 8, u + koff - A->kblk[blk], e2 - u,
+                                wtiles ? wqc : qs, bias, R, wdc, wT, sc + (u - t));
                 u = e2;
             }
             end = u;
@@ -1035,7 +1196,12 @@ static inline void kvcx_attn_task(const kvcx_attn_layout *L, const kvcx_attn_arg
                 kvcx_h2f_perm(ks + blk * D, D, sp);
                 if (kz) kvcx_h2f_perm(kz + blk * D, D, zp);
                 else for (int64_t d = 0; d < D; d++) zp[d] = 0.0f;
-                for (int64_t r = 0; r < R; r++) {   /* k = s c + z, or s (c - 8): the bias is q . z or -8 q . s */
+                if (kT)                          /* many rows: the tiles hold the keys (kvcx_attn_tile_scale) */
+                    for (int64_t d = 0; d < D; d++) {
+                        if (!kz) zp[d] = -8.0f * sp[d];
+                        if (d & 8) sp[d] *= 0.0625f;   /* odd halves: codes 16 c */
+                    }
+                else for (int64_t r = 0; r < R; r++) {   /* k = s c + z, or s (c - 8): the bias is q . z or -8 q . s */
                     bias[r] = kz ? kvcx_dot_f32(qp + r * D, zp, D) : -8.0f * kvcx_dot_f32(qp + r * D, sp, D);
                     for (int64_t d = 0; d < D; d++) qs[r * D + d] = qp[r * D + d] * sp[d];
                     kvcx_attn_halve_odd(qs + r * D, qs + r * D, D);
@@ -1058,7 +1224,11 @@ static inline void kvcx_attn_task(const kvcx_attn_layout *L, const kvcx_attn_arg
                 kvcx_attn_widen(kt, n * D, L->k_bits, kadd, wn);
                 kt = wn;
             }
-            if (kT) {
+            if (kT && L->k_axis == KVCX_AXIS_CHANNEL) {   /* the keys themselves: the query as it is */
+                kvcx_attn_tile_t(kt, NULL, n, D, kT);
+                kvcx_attn_tile_scale(kT, n, D, sp, zp);
+                kvcx_f_dots(kT, n, D, qp, NULL, R, sc);
+            } else if (kT) {
                 kvcx_attn_tile_t(kt, NULL, n, D, kT);
                 kvcx_f_dots(kT, n, D, qs, bias, R, sc);
             } else
@@ -1119,6 +1289,20 @@ static inline void kvcx_attn_task(const kvcx_attn_layout *L, const kvcx_attn_arg
             for (int64_t d = 0; d < D; d++) accv[d] += c;
         }
     }
+}
+
+/* kvcx_attn_task_run with subnormal floats flushed to zero (x86: MXCSR FTZ and DAZ, restored after): the
+   weights of scores far below a row's max (under ~1e-38 of the max's) would be subnormal, and every
+   product with them slow on some cores; as zeros they change no sum beyond its rounding. */
+static inline void kvcx_attn_task(const kvcx_attn_layout *L, const kvcx_attn_args *A, int64_t task) {
+#if defined(__SSE2__)
+    const unsigned int csr = _mm_getcsr();
+    _mm_setcsr(csr | 0x8040);
+    kvcx_attn_task_run(L, A, task);
+    _mm_setcsr(csr);
+#else
+    kvcx_attn_task_run(L, A, task);
+#endif
 }
 
 /* Merge the partials of (row x KV head) `slab`, query head r: out = (H(accv) + accp) / l. */

@@ -176,11 +176,13 @@ def test_long_context_splits_across_threads_and_rotated_keys():
 
 @pytest.mark.parametrize("scheme", ["kvcx", "reference", "kvcx3", "kvcx2", "kvcx2w"])
 @pytest.mark.parametrize("B,H,R,Q,chunks,nr", [(2, 3, 3, 7, [128, 128], 9), (1, 2, 4, 40, [256, 64], 41),
-                                              (2, 1, 1, 2, [128], 2), (1, 3, 3, 130, [512], 150)])
+                                              (2, 1, 1, 2, [128], 2), (1, 2, 3, 3, [192], 5),
+                                              (1, 3, 3, 130, [512], 150)])
 def test_multi_token_steps(scheme, B, H, R, Q, chunks, nr):
     """Q query tokens per row over the packed history and the residual (the step's own tokens its last Q):
     causal among them with no mask, a boolean and a float mask with left padding, one padding row broadcast
-    over the tokens; both the per-row products (R x Q < 12 rows) and the float tiles (>= 12)."""
+    over the tokens; both the per-row products (R x Q < 12 rows) and the float tiles (>= 12; kvcx2w's keys
+    from 7 rows, 9 here)."""
     rng = np.random.default_rng(Q * 3 + B)
     D = 64
     T = sum(chunks)
@@ -227,6 +229,30 @@ def test_fully_masked_prefix_and_extreme_scores():
     ref = _reference(q, np.concatenate([Kd, rk], 2), np.concatenate([Vd, rv], 2), mask, 0.125)
     assert np.isfinite(out).all()
     np.testing.assert_allclose(out, ref, atol=1e-4, rtol=1e-4)
+    # the kernel flushes subnormal weights to zero inside its tasks only: this thread's float mode is restored
+    tiny = np.array([1e-38], np.float32) * np.float32(1e-3)
+    assert 0 < tiny[0] < np.finfo(np.float32).tiny
+
+
+def test_masks_that_only_restate_causality_are_dropped():
+    """A mask that hides nothing but what causality hides (transformers builds one for a step of several tokens
+    after a prefix) becomes the kernel's causal flag, read by no layer; one that masks more stays a mask."""
+    Q, kv = 5, 12
+    causal = np.arange(kv)[None, :] <= (kv - Q + np.arange(Q))[:, None]
+    assert fused.step_mask(causal[None].copy(), 1, Q) is fused.CAUSAL
+    assert fused.step_mask(np.broadcast_to(causal, (2, Q, kv)).copy(), 2, Q) is fused.CAUSAL
+    add = np.where(causal, 0.0, -np.inf).astype(np.float32)[None]
+    assert fused.step_mask(add, 1, Q) is fused.CAUSAL
+    assert fused.step_mask(np.ones((2, 1, kv), bool), 2, 1) is fused.NO_MASK
+    assert fused.step_mask(np.ones((1, 1, kv), bool), 1, Q) is fused.CAUSAL   # a padding row that pads nothing
+    padded = np.broadcast_to(causal, (2, Q, kv)).copy()
+    padded[1, :, :3] = False
+    m = fused.step_mask(padded, 2, Q)
+    assert m.keep.shape == (2 * Q, kv) and not m.causal
+    assert fused.step_mask(np.where(causal, 0.5, -np.inf).astype(np.float32)[None], 1, Q).add.shape == (Q, kv)
+    shifted = causal.copy()
+    shifted[0, kv - Q + 1] = True                                          # sees one token past its own
+    assert fused.step_mask(shifted[None], 1, Q).keep.shape == (Q, kv)
 
 
 def test_plan_follows_the_store_and_counts_its_workspace():
