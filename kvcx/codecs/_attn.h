@@ -146,27 +146,9 @@ static inline __m256 kvcx_hsum8(const __m256 *v) {
     return _mm256_add_ps(_mm256_permute2f128_ps(e, f, 0x20), _mm256_permute2f128_ps(e, f, 0x31));
 }
 
-/* exp(x) for x <= 0 or -inf (exactly 0 there), Cephes' expf polynomial: relative error ~1e-7 */
-static inline __m256 kvcx_exp8(__m256 x) {
-    const __m256 ninf = _mm256_set1_ps(-INFINITY);
-    __m256 keep = _mm256_cmp_ps(x, ninf, _CMP_NEQ_OQ);
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3365f));
-    __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-    __m256 y = _mm256_set1_ps(1.9875691500E-4f);
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
-    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
-    return _mm256_and_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(e)), keep);
-}
-
-/* kvcx_exp8 of two vectors, the two computations interleaved (each is a chain of ~20 dependent steps: side
-   by side, a core with a small scheduler overlaps them) */
+/* exp(x) for x <= 0 or -inf (exactly 0 there), Cephes' expf polynomial (relative error ~1e-7), of two vectors
+   at once: each is a chain of ~20 dependent steps, and side by side a core with a small scheduler overlaps
+   them */
 static inline void kvcx_exp8x2(__m256 x0, __m256 x1, __m256 *e0, __m256 *e1) {
     const __m256 ninf = _mm256_set1_ps(-INFINITY), lo = _mm256_set1_ps(-87.3365f);
     const __m256 log2e = _mm256_set1_ps(1.44269504088896341f), half = _mm256_set1_ps(0.5f);
@@ -197,6 +179,13 @@ static inline void kvcx_exp8x2(__m256 x0, __m256 x1, __m256 *e0, __m256 *e1) {
     const __m256i n1 = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(f1), b), 23);
     *e0 = _mm256_and_ps(_mm256_mul_ps(y0, _mm256_castsi256_ps(n0)), keep0);
     *e1 = _mm256_and_ps(_mm256_mul_ps(y1, _mm256_castsi256_ps(n1)), keep1);
+}
+
+/* exp(x) of one vector (the compiler merges the two identical computations) */
+static inline __m256 kvcx_exp8(__m256 x) {
+    __m256 e, same;
+    kvcx_exp8x2(x, x, &e, &same);
+    return e;
 }
 
 /* 8 code bytes -> the 8 even channels' codes c (low nibbles) and the 8 odd channels' 16 c (high nibbles
@@ -648,12 +637,14 @@ static inline void kvcx_attn_softmax_v(float *part, int64_t R, int64_t D, const 
             __m256 e0, e1;
             kvcx_exp8x2(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv), _mm256_sub_ps(_mm256_loadu_ps(s + j + 8), mv),
                         &e0, &e1);
-            const __m256 p0 = _mm256_mul_ps(e0, _mm256_loadu_ps(vs + j)), p1 = _mm256_mul_ps(e1, _mm256_loadu_ps(vs + j + 8));
+            const __m256 p0 = _mm256_mul_ps(e0, _mm256_loadu_ps(vs + j));
+            const __m256 p1 = _mm256_mul_ps(e1, _mm256_loadu_ps(vs + j + 8));
             _mm256_storeu_ps(pj + j, p0);
             _mm256_storeu_ps(pj + j + 8, p1);
             la = _mm256_add_ps(la, _mm256_add_ps(e0, e1));
             wa = _mm256_add_ps(wa, _mm256_add_ps(p0, p1));
-            if (vz) za = _mm256_fmadd_ps(e1, _mm256_loadu_ps(vz + j + 8), _mm256_fmadd_ps(e0, _mm256_loadu_ps(vz + j), za));
+            if (vz)
+                za = _mm256_fmadd_ps(e1, _mm256_loadu_ps(vz + j + 8), _mm256_fmadd_ps(e0, _mm256_loadu_ps(vz + j), za));
         }
         for (; j + 8 <= n; j += 8) {
             const __m256 e = kvcx_exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
@@ -1033,7 +1024,8 @@ static inline void kvcx_attn_gemv_t(const float *qT, int64_t R, int64_t D, const
     }
     for (; r + 8 <= R; r += 8) {
         __m256 a = _mm256_setzero_ps();
-        for (int64_t d = 0; d < D; d++) a = _mm256_fmadd_ps(_mm256_loadu_ps(qT + d * R + r), _mm256_broadcast_ss(x + d), a);
+        for (int64_t d = 0; d < D; d++)
+            a = _mm256_fmadd_ps(_mm256_loadu_ps(qT + d * R + r), _mm256_broadcast_ss(x + d), a);
         _mm256_storeu_ps(out + r, a);
     }
 #endif
