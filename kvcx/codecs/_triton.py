@@ -23,15 +23,15 @@ import triton
 import triton.language as tl
 
 # rint by the round-to-nearest-even of an FP32 sum at 2**23 (libdevice's rint does not run in the interpreter)
-_RINT_MAGIC = 12582912.0
+_RINT_MAGIC = tl.constexpr(12582912.0)
 
 
 @triton.jit
 def _fwht_rows(x, T: tl.constexpr, D: tl.constexpr, norm):
     """The orthonormal Walsh-Hadamard transform of each of the T rows of D values of ``x`` ([T, D])."""
     for s in tl.static_range(0, D.bit_length() - 1):
-        H: tl.constexpr = 1 << s
-        y = tl.permute(tl.reshape(x, (T, D // (2 * H), 2, H)), (0, 1, 3, 2))
+        # stage s pairs values 2**s apart (written inline: a name assigned in the loop would become a tensor)
+        y = tl.permute(tl.reshape(x, (T, D // (2 * 2 ** s), 2, 2 ** s)), (0, 1, 3, 2))
         a, b = tl.split(y)
         x = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)), (T, D))
     return x * norm

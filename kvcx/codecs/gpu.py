@@ -206,8 +206,12 @@ def to_host(packed: Packed) -> Packed:
 
 
 # -- fused decode attention over packed records ----------------------------------------------------------
-ATTN_BLOCK_TOKENS = 64       # packed tokens a program reads per step
+ATTN_BLOCK_TOKENS = 32       # packed tokens a program reads per step
 ATTN_SPLIT_TOKENS = 1024     # packed tokens per split (flash-decoding along the context), at least
+# warps per attention program. From ptxas's report for sm_90 (not yet timed on a GPU): the [rows, 32, 128]
+# products of up to 8 query rows per KV head fit in 8 warps' registers with no spill; 64-token blocks spill
+# (88 bytes a thread at 4 rows, 1.6 KB at 8) and 4 warps spill more (2.9 KB at 4 rows and 64 tokens).
+ATTN_WARPS = 8
 
 
 @functools.lru_cache(maxsize=None)
@@ -317,7 +321,7 @@ def attend_spans(qs, qr, spans, Hkv: int, sinks=(None, None), residual=(None, No
             add.shape[1] if add is not None else 0, sp.mask_off, per, off, spt, R=R, RP=RP, D=D,
             BT=ATTN_BLOCK_TOKENS, KG=kc.group_size, K_CHANNEL=kc.axis == "channel", K_ASYM=kc.asym,
             VG=vc.group_size, V_CHANNEL=vc.axis == "channel", V_ASYM=vc.asym, HAS_MASK=add is not None,
-            enable_fp_fusion=False)
+            enable_fp_fusion=False, num_warps=ATTN_WARPS)
         off += n
     sk, sv = sinks
     rk, rv = residual

@@ -1,0 +1,75 @@
+"""Compile every Triton kernel of kvcx for a real GPU (sm_90, Hopper) with no GPU present: Triton's front end,
+its MLIR passes and ptxas run as they would at the first launch on an H100, for the launch settings the backend
+uses (constexprs from kvcx.codecs.gpu's own helpers). Run without TRITON_INTERPRET (the interpreter accepts
+code that the compiler refuses: a global that is not a constexpr, a constexpr assigned in a loop).
+
+    python tests/codecs/_compile_for_gpu.py        # exit 1 and the compiler's message on the first failure
+"""
+import sys
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from kvcx.codecs import IntCodec, KVConfig, gpu
+from kvcx.codecs import _triton as k
+
+TARGET = GPUTarget("cuda", 90, 32)
+D = 128
+# pointer arguments by name (what the launchers pass); every other argument is an int but ``norm``
+POINTERS = {
+    "x_ptr": "*bf16", "codes_ptr": "*u8", "kc_ptr": "*u8", "vc_ptr": "*u8", "out_ptr": "*i16",
+    **{n: "*fp16" for n in ("scales_ptr", "zeros_ptr", "ks_ptr", "kz_ptr", "vs_ptr", "vz_ptr")},
+    **{n: "*fp32" for n in ("q_ptr", "qs_ptr", "mask_ptr", "add_ptr", "m_ptr", "l_ptr", "acc_ptr")},
+    **{n: "*bf16" for n in ("sk_ptr", "sv_ptr", "rk_ptr", "rv_ptr")},
+}
+
+
+def compile_one(fn, consts: dict, num_warps: int = 4, **pointers) -> None:
+    """Compile ``fn`` with these constexprs; ``pointers`` overrides :data:`POINTERS` by argument name."""
+    types = {**POINTERS, **pointers}
+    sig = {a: "constexpr" if a in consts else "fp32" if a == "norm" else types.get(a, "i32") for a in fn.arg_names}
+    try:
+        triton.compile(ASTSource(fn, sig, consts), target=TARGET,
+                       options=dict(num_warps=num_warps, enable_fp_fusion=False))
+    except Exception as exc:  # the compiler's own message, with the kernel and its settings
+        cause = exc.__cause__ if exc.__cause__ is not None else exc
+        sys.exit(f"{fn.__name__} {consts} does not compile for sm_90: {type(cause).__name__}: {cause}")
+    print(f"ok {fn.__name__} {consts}")
+
+
+def codec_kernels() -> int:
+    """Encode and decode, each branch of ASYM and ROTATE in each kernel once (the default's keys and values, the
+    reference, a rotated channel grouping)."""
+    n = 0
+    for scheme, axis, rotate in (("asymmetric", "channel", False), ("symmetric", "token", True),
+                                 ("symmetric", "token", False), ("symmetric", "channel", True)):
+        codec = IntCodec(scheme=scheme, axis=axis, rotate=rotate, sinks=1)
+        _, _, const = gpu._programs(codec, codec.layout((1, 8, 100, D), "x"))
+        const = {**const, "ASYM": codec.asym, "ROTATE": rotate}
+        enc, dec = ((k.encode_token_kernel, k.decode_token_kernel) if axis == "token" else
+                    (k.encode_channel_kernel, k.decode_channel_kernel))
+        compile_one(enc, const)
+        compile_one(dec, {**const, "SAT": False, "BF16": True})
+        n += 2
+    return n
+
+
+def attention_kernels() -> int:
+    """The packed attention and the merge for the default scheme (with a mask) and the reference (without)."""
+    n = 0
+    for scheme, has_mask in (("kvcx", True), ("reference", False)):
+        cfg = KVConfig.from_scheme(scheme)
+        kc, vc = cfg.key, cfg.value
+        compile_one(k.attend_packed_kernel, dict(
+            R=4, RP=4, D=D, BT=gpu.ATTN_BLOCK_TOKENS, KG=kc.group_size, K_CHANNEL=kc.axis == "channel",
+            K_ASYM=kc.asym, VG=vc.group_size, V_CHANNEL=vc.axis == "channel", V_ASYM=vc.asym,
+            HAS_MASK=has_mask), num_warps=gpu.ATTN_WARPS)
+        compile_one(k.merge_kernel, dict(R=4, RP=4, D=D, SB=gpu._pow2(1), RB=gpu._pow2(32), HAS_MASK=has_mask,
+                                         ROTATE=vc.rotate), out_ptr="*fp32")
+        n += 2
+    return n
+
+
+if __name__ == "__main__":
+    print(f"{codec_kernels() + attention_kernels()} kernels compiled for sm_90 (triton {triton.__version__})")
