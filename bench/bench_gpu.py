@@ -9,8 +9,10 @@ scheme (keys per channel with zero points, values rotated per token; one exact s
 1. Decode attention at 4k, 16k, 32k, 64k and 128k tokens, batch 1 and 8: one layer's step through
    ``DevicePackedKV.attend`` (what a KvcxCache decode step runs: the Triton kernel over the packed segments,
    the sink and a 32-token residual in the same softmax) vs SDPA over the BF16 keys and values (GQA), and
-   FlashAttention's ``flash_attn_with_kvcache`` where flash-attn is installed. Median of CUDA-event timings;
-   ratio = baseline time / kvcx time (> 1: kvcx faster). Bytes: what each reads.
+   FlashAttention's ``flash_attn_with_kvcache`` where flash-attn is installed. Median of CUDA-event timings
+   with the L2 cache flushed before each run; eager (each call launched from Python) and replayed from a CUDA
+   graph (as serving engines run decode: the kernels alone). ratio = baseline time / kvcx time (> 1: kvcx
+   faster). Bytes: what each reads.
 2. Encode and decode bandwidth of the Triton codecs on [8, 8, 32k, 128] BF16 keys and values vs a
    device-to-device copy of the same tensor (bytes of the BF16 tensor / time, both).
 3. Greedy decoding (one forward per token, as ``generate()`` steps) with a random-weight model of Llama-3-8B's
@@ -44,13 +46,20 @@ def _setup(smoke: bool):
     return torch, torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+_FLUSH = {}
+
+
 def timer(torch, dev, fn, reps: int, warmup: int = 3) -> float:
-    """Median seconds of fn(): CUDA events on a GPU, perf_counter elsewhere."""
+    """Median seconds of fn(): CUDA events on a GPU (the L2 cache flushed before each run, outside the timed
+    region: a packed store of a few tens of MiB would otherwise be read from the 50 MB L2), perf_counter
+    elsewhere."""
     for _ in range(warmup if reps > 1 else 1):
         fn()
     times = []
     for _ in range(reps):
         if dev.type == "cuda":
+            flush = _FLUSH.setdefault("buf", torch.empty(256 * 2**20, dtype=torch.int8, device=dev))
+            flush.zero_()
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
             fn()
@@ -62,6 +71,31 @@ def timer(torch, dev, fn, reps: int, warmup: int = 3) -> float:
             fn()
             times.append(time.perf_counter() - t)
     return statistics.median(times)
+
+
+def graph_timer(torch, dev, fn, reps: int):
+    """Median seconds of replaying fn() captured in a CUDA graph (no Python or launch overhead between its
+    kernels, as serving engines run decode steps); None off CUDA or where fn cannot be captured."""
+    if dev.type != "cuda":
+        return None
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+    except Exception as exc:  # reported, and the table says n/a
+        print(f"CUDA graph capture failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return None
+    return timer(torch, dev, graph.replay, reps)
+
+
+def _us(t) -> str:
+    return "n/a" if t is None else f"{t * 1e6:.1f}"
 
 
 def build_store(torch, dev, cfg, K, V):
@@ -90,11 +124,12 @@ def attention(torch, dev, cfg, contexts, batches, reps, out, hq, hkv, d):
     out("## 1. Decode attention, one layer's step")
     out("")
     out(f"{hq} query heads, {hkv} KV heads, head dim {d}, BF16; kvcx: the {SCHEME} scheme's packed store (+ 1 sink "
-        f"and {RESIDUAL} residual tokens) through DevicePackedKV.attend; ratio = baseline / kvcx (> 1: kvcx faster).")
+        f"and {RESIDUAL} residual tokens) through DevicePackedKV.attend; ratio = baseline / kvcx (> 1: kvcx "
+        "faster); L2 flushed before each timed run; graphs: one step captured in a CUDA graph and replayed.")
     out("")
     cols = ["tokens", "batch", "SDPA BF16 (us)"] + (["FlashAttention (us)"] if flash_attn_with_kvcache else []) + \
         ["kvcx (us)", "vs SDPA"] + (["vs FlashAttention"] if flash_attn_with_kvcache else []) + \
-        ["BF16 K/V MiB", "kvcx store MiB", "store / BF16"]
+        ["SDPA graph (us)", "kvcx graph (us)", "vs SDPA, graphs", "BF16 K/V MiB", "kvcx store MiB", "store / BF16"]
     out("| " + " | ".join(cols) + " |")
     out("|" + "---:|" * len(cols))
     memory = {}
@@ -118,6 +153,10 @@ def attention(torch, dev, cfg, contexts, batches, reps, out, hq, hkv, d):
             row += [f"{t_kvcx * 1e6:.1f}", f"{t_sdpa / t_kvcx:.2f}x"]
             if flash_attn_with_kvcache:
                 row.append(f"{t_fa / t_kvcx:.2f}x")
+            g_kvcx = graph_timer(torch, dev, lambda: store.attend(q.view(B, hq, d), rk, rv, None, scale), reps)
+            g_sdpa = graph_timer(torch, dev, lambda: F.scaled_dot_product_attention(q, K, V, scale=scale,
+                                                                                     enable_gqa=True), reps)
+            row += [_us(g_sdpa), _us(g_kvcx), f"{g_sdpa / g_kvcx:.2f}x" if g_sdpa and g_kvcx else "n/a"]
             kv = (K.numel() + V.numel()) * 2
             row += [f"{kv / 2**20:.1f}", f"{store.nbytes / 2**20:.1f}", f"{store.nbytes / kv:.3f}x"]
             memory[(S, B)] = store.nbytes / kv
@@ -181,7 +220,8 @@ def generation(torch, dev, prompts, new_tokens, out, layers, hidden, inter, voca
         for name in ("dynamic", "kvcx"):
             cache = DynamicCache() if name == "dynamic" else KvcxCache(model.config, backend="triton")
             with torch.inference_mode():
-                model(ids, past_key_values=cache)   # the prompt, then timed decode steps
+                # the prompt (its last logits only: all of 32k x 128k in BF16 would be 8 GB), then timed steps
+                model(ids, past_key_values=cache, logits_to_keep=1)
                 tok = ids[:, -1:]
                 if dev.type == "cuda":
                     torch.cuda.synchronize()

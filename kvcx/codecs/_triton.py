@@ -231,12 +231,16 @@ def attend_packed_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, 
                          Hkv, T, k_row_bytes, v_row_bytes, k_nsc, v_nsc, mask_stride, mask_off, per_split, sp_off, SPT,
                          R: tl.constexpr, RP: tl.constexpr, D: tl.constexpr, BT: tl.constexpr,
                          KG: tl.constexpr, K_CHANNEL: tl.constexpr, K_ASYM: tl.constexpr,
-                         VG: tl.constexpr, V_CHANNEL: tl.constexpr, V_ASYM: tl.constexpr, HAS_MASK: tl.constexpr):
+                         VG: tl.constexpr, V_CHANNEL: tl.constexpr, V_ASYM: tl.constexpr, HAS_MASK: tl.constexpr,
+                         DOT: tl.constexpr = ""):
     """Flash-decoding over packed codes: program (slab n = batch row x KV head, split sp) reads its KV head's
     packed tokens [sp * per_split, (sp + 1) * per_split) once for the R query rows that share it (q already
     scaled, and rotated where the keys are), and writes the split's running max, sum and (rotated where the
     values are) FP32 accumulator at split ``sp_off + sp`` of ``SPT`` per slab (the spans of a store share the
-    buffers); :func:`merge_kernel` merges the splits with the exact tokens (sinks, residual)."""
+    buffers); :func:`merge_kernel` merges the splits with the exact tokens (sinks, residual).
+
+    Products as FP32 broadcast sums (``DOT`` empty), or as ``tl.dot`` at that input precision ("ieee",
+    "tf32x3"; needs RP >= 16)."""
     n = tl.program_id(0)
     sp = tl.program_id(1)
     r = tl.arange(0, RP)
@@ -252,7 +256,10 @@ def attend_packed_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, 
         t = tb + tl.arange(0, BT)
         tm = t < t_end
         k = _tile(kc_ptr, ks_ptr, kz_ptr, n, k_row_bytes, k_nsc, t, tm, D, BT, KG, K_CHANNEL, K_ASYM)
-        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
+        if DOT != "":
+            s = tl.dot(q, tl.trans(k), input_precision=DOT)
+        else:
+            s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
         if HAS_MASK:
             s += tl.load(mask_ptr + (n // Hkv).to(tl.int64) * mask_stride + mask_off + t, mask=tm, other=0.0)[None, :]
         s = tl.where(tm[None, :], s, float("-inf"))
@@ -262,7 +269,10 @@ def attend_packed_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, 
         alpha = tl.exp(m_i - m_use)
         p = tl.exp(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        if DOT != "":
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT)
+        else:
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
         m_i = m_new
     o = (n.to(tl.int64) * SPT + sp_off + sp) * R + r
     tl.store(m_ptr + o, m_i, mask=rm)

@@ -212,6 +212,9 @@ ATTN_SPLIT_TOKENS = 1024     # packed tokens per split (flash-decoding along the
 # products of up to 8 query rows per KV head fit in 8 warps' registers with no spill; 64-token blocks spill
 # (88 bytes a thread at 4 rows, 1.6 KB at 8) and 4 warps spill more (2.9 KB at 4 rows and 64 tokens).
 ATTN_WARPS = 8
+# the kernel's products: "" FP32 broadcast sums (CUDA cores), or tl.dot at this input precision ("ieee",
+# "tf32x3": tensor cores, query rows padded to 16). A setting for a GPU session to time both; not yet timed.
+ATTN_DOT = ""
 
 
 @functools.lru_cache(maxsize=None)
@@ -312,16 +315,17 @@ def attend_spans(qs, qr, spans, Hkv: int, sinks=(None, None), residual=(None, No
         m.fill_(float("-inf"))
     l, acc = torch.empty_like(m), torch.empty(N, spt, R, D, device=qs.device)
     off, RP = 0, _pow2(R)
+    kernel_rows = max(16, RP) if ATTN_DOT else RP
     for sp, T, per, n in plan:
         kc, vc, ks, vs = sp.key_codec, sp.value_codec, sp.keys, sp.values
         k.attend_packed_kernel[(N, n)](
             qr if kc.rotate else qs, ks.codes, ks.scales, ks.zeros if ks.zeros is not None else ks.scales,
             vs.codes, vs.scales, vs.zeros if vs.zeros is not None else vs.scales, add if add is not None else qs,
             m, l, acc, Hkv, T, ks.codes.shape[1], vs.codes.shape[1], ks.scales.shape[1], vs.scales.shape[1],
-            add.shape[1] if add is not None else 0, sp.mask_off, per, off, spt, R=R, RP=RP, D=D,
+            add.shape[1] if add is not None else 0, sp.mask_off, per, off, spt, R=R, RP=kernel_rows, D=D,
             BT=ATTN_BLOCK_TOKENS, KG=kc.group_size, K_CHANNEL=kc.axis == "channel", K_ASYM=kc.asym,
             VG=vc.group_size, V_CHANNEL=vc.axis == "channel", V_ASYM=vc.asym, HAS_MASK=add is not None,
-            enable_fp_fusion=False, num_warps=ATTN_WARPS)
+            DOT=ATTN_DOT, enable_fp_fusion=False, num_warps=ATTN_WARPS)
         off += n
     sk, sv = sinks
     rk, rv = residual

@@ -64,10 +64,16 @@ def attention_kernels() -> int:
         compile_one(k.attend_packed_kernel, dict(
             R=4, RP=4, D=D, BT=gpu.ATTN_BLOCK_TOKENS, KG=kc.group_size, K_CHANNEL=kc.axis == "channel",
             K_ASYM=kc.asym, VG=vc.group_size, V_CHANNEL=vc.axis == "channel", V_ASYM=vc.asym,
-            HAS_MASK=has_mask), num_warps=gpu.ATTN_WARPS)
+            HAS_MASK=has_mask, DOT=gpu.ATTN_DOT), num_warps=gpu.ATTN_WARPS)
         compile_one(k.merge_kernel, dict(R=4, RP=4, D=D, SB=gpu._pow2(1), RB=gpu._pow2(32), HAS_MASK=has_mask,
                                          ROTATE=vc.rotate), out_ptr="*fp32")
         n += 2
+    # the products through tl.dot (gpu.ATTN_DOT), query rows padded to 16
+    for prec in ("ieee", "tf32x3"):
+        compile_one(k.attend_packed_kernel, dict(R=4, RP=16, D=D, BT=gpu.ATTN_BLOCK_TOKENS, KG=32, K_CHANNEL=True,
+                                                 K_ASYM=True, VG=32, V_CHANNEL=False, V_ASYM=False, HAS_MASK=True,
+                                                 DOT=prec), num_warps=gpu.ATTN_WARPS)
+        n += 1
     return n
 
 

@@ -145,15 +145,19 @@ def test_backend_is_not_part_of_the_config():
     assert isinstance(codec.encode(np.ones((4, 64), np.float32)).codes, np.ndarray)
 
 
-@pytest.mark.parametrize("scheme,D,R,nr,mask_kind,per", [
-    ("kvcx", 64, 3, 5, "float", 64),          # the default: channel keys + sinks, rotated values; 3 splits
-    ("kvcx", 128, 1, 0, "bool", 1024),        # two value groups per token, no residual, one split
-    ("reference", 64, 2, 1, None, 64),        # per-token keys and values, no sinks
+@pytest.mark.parametrize("scheme,D,R,nr,mask_kind,per,dot", [
+    ("kvcx", 64, 3, 5, "float", 64, ""),          # the default: channel keys + sinks, rotated values; 3 splits
+    ("kvcx", 128, 1, 0, "bool", 1024, ""),        # two value groups per token, no residual, one split
+    ("reference", 64, 2, 1, None, 64, ""),        # per-token keys and values, no sinks
+    ("kvcx", 64, 3, 5, "float", 64, "ieee"),      # the products as tl.dot (query rows padded to 16)
 ])
-def test_fused_attention_equals_sdpa_over_the_decoded_cache(scheme, D, R, nr, mask_kind, per):
+def test_fused_attention_equals_sdpa_over_the_decoded_cache(scheme, D, R, nr, mask_kind, per, dot, monkeypatch):
     """The Triton decode step over packed codes equals SDPA over the decoded cache within FP32 rounding (batch 2,
     row 1 left-padded)."""
+    from kvcx.codecs import gpu
     from kvcx.codecs.gpu import attend
+
+    monkeypatch.setattr(gpu, "ATTN_DOT", dot)
 
     g = torch.Generator().manual_seed(D + R)
     cfg = KVConfig.from_scheme(scheme)
