@@ -2,6 +2,7 @@
 
     python bench/bench_gpu.py --markdown docs/results/gpu.md          # on a CUDA machine, < 10 minutes
     python bench/bench_gpu.py --smoke                                 # tiny shapes, any device (the interpreter)
+    python bench/bench_gpu.py --skip attention bandwidth generate --variants   # the attention kernel's settings
 
 Llama-3-8B's attention shapes (32 query heads, 8 KV heads, head dim 128), random data, BF16, the default
 scheme (keys per channel with zero points, values rotated per token; one exact sink token):
@@ -19,6 +20,8 @@ scheme (keys per channel with zero points, values rotated per token; one exact s
    shape (BF16): KvcxCache (fused, Triton) vs DynamicCache (SDPA), tokens/s after a 4k and a 32k prompt, and
    the cache bytes each holds.
 4. Memory held by the packed store vs BF16 keys and values at 32k (section 1's store).
+5. With ``--variants``: the attention kernel's launch settings (block tokens, warps, FP32 sums or ``tl.dot``)
+   timed on one store, to choose its defaults on the GPU at hand.
 
 Without CUDA the kernels run in Triton's interpreter (``--smoke`` shrinks every shape so that it finishes):
 figures from it say nothing about speed, only that every path runs.
@@ -168,6 +171,42 @@ def attention(torch, dev, cfg, contexts, batches, reps, out, hq, hkv, d):
     return memory
 
 
+def variants(torch, dev, cfg, contexts, reps, out, hq, hkv, d):
+    """The attention kernel's launch settings (gpu.ATTN_BLOCK_TOKENS, ATTN_WARPS, ATTN_DOT), each timed on the
+    same store at batch 1, eager and from a CUDA graph, with its relative error vs the default settings."""
+    from kvcx.codecs import gpu
+
+    settings = [(32, 8, ""), (64, 8, ""), (32, 4, ""), (16, 4, ""), (32, 4, "ieee"), (64, 4, "ieee"),
+                (32, 4, "tf32x3"), (64, 8, "tf32x3")]
+    default = (gpu.ATTN_BLOCK_TOKENS, gpu.ATTN_WARPS, gpu.ATTN_DOT)
+    out(f"## 5. Attention kernel settings (batch 1; default {default})")
+    out("")
+    out("| tokens | block tokens | warps | products | eager (us) | graph (us) | rel. error vs default |")
+    out("|---:|---:|---:|---|---:|---:|---:|")
+    for S in contexts:
+        g = torch.Generator(device=dev).manual_seed(S)
+        K, V = (torch.randn(1, hkv, S + RESIDUAL, d, device=dev, dtype=torch.bfloat16, generator=g) for _ in "kv")
+        q = torch.randn(1, hq, d, device=dev, dtype=torch.bfloat16, generator=g)
+        store = build_store(torch, dev, cfg, K[:, :, :S], V[:, :, :S])
+        rk, rv = K[:, :, S:].contiguous(), V[:, :, S:].contiguous()
+        step = lambda: store.attend(q, rk, rv, None, d ** -0.5)  # noqa: E731
+        ref = step().double()
+        for bt, warps, dot in settings:
+            gpu.ATTN_BLOCK_TOKENS, gpu.ATTN_WARPS, gpu.ATTN_DOT = bt, warps, dot
+            try:
+                err = float((step().double() - ref).norm() / ref.norm())
+                row = [_us(timer(torch, dev, step, reps)), _us(graph_timer(torch, dev, step, reps)), f"{err:.1e}"]
+            except Exception as exc:  # a setting that does not compile or run is a row, not the end of the run
+                row = ["failed", f"{type(exc).__name__}", str(exc).splitlines()[0][:60] if str(exc) else ""]
+            finally:
+                gpu.ATTN_BLOCK_TOKENS, gpu.ATTN_WARPS, gpu.ATTN_DOT = default
+            out(f"| {S:,} | {bt} | {warps} | {dot or 'FP32 sums'} | " + " | ".join(row) + " |")
+        K = V = store = rk = rv = None
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    out("")
+
+
 def bandwidth(torch, dev, cfg, shape, reps, out):
     out("## 2. Encode / decode bandwidth vs a device-to-device copy")
     out("")
@@ -247,6 +286,8 @@ def main(argv=None):
     ap.add_argument("--smoke", action="store_true", help="tiny shapes: every path runs (any device, the interpreter)")
     ap.add_argument("--reps", type=int, default=None, help="timed repetitions per figure (median)")
     ap.add_argument("--skip", nargs="*", default=[], choices=["attention", "bandwidth", "generate"])
+    ap.add_argument("--variants", action="store_true",
+                    help="also time the attention kernel's launch settings (section 5; for choosing its defaults)")
     ap.add_argument("--markdown", default=None, help="also write the tables to this file")
     args = ap.parse_args(argv)
     torch, dev = _setup(args.smoke)
@@ -280,6 +321,9 @@ def main(argv=None):
         out(f"## 4. Memory: the packed store holds {memory[(S, 1)]:.3f}x the BF16 keys and values at {S:,} tokens "
             "(batch 1; section 1)")
         out("")
+    if args.variants:
+        variants(torch, dev, cfg, shapes["contexts"][-1:] if args.smoke else (32768, 131072), shapes["reps"], out,
+                 shapes["hq"], shapes["hkv"], shapes["d"])
     out(f"Total {time.perf_counter() - t0:.0f} s.")
     if args.markdown:
         out.write(args.markdown, "kvcx on the GPU: fused decode attention, codec bandwidth, generate(), memory "

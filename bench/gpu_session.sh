@@ -1,0 +1,34 @@
+#!/bin/bash
+# One call on a lent CUDA machine (the device tool; see the note on issue 25): build the extension, run the
+# Triton tests on the GPU, then bench_gpu.py with its table under $OUT. Steps as arguments, in order:
+#     bash bench/gpu_session.sh tests bench variants        (each bounded: TESTS_T, BENCH_T, VARIANTS_T seconds)
+# A built extension carried in .dev/so/ (from an earlier call's $OUT) skips the build.
+set -u
+export PYTHONUNBUFFERED=1
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/kvcx-gpu}
+mkdir -p "$OUT"
+T0=$(date +%s)
+log() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,
+'transformers', transformers.__version__)"
+if ls .dev/so/_core*.so >/dev/null 2>&1; then
+  cp .dev/so/_core*.so kvcx/codecs/ && log "extension carried"
+else
+  log build && python3 setup.py -q build_ext --inplace 2>&1 | tail -3 && cp kvcx/codecs/_core.*.so "$OUT"/ && log built
+fi
+python3 -c "import kvcx.codecs._core" || exit 1
+for step in "$@"; do
+  case $step in
+    tests) log tests; timeout "${TESTS_T:-240}" python3 -m pytest -q -x -p no:cacheprovider tests/codecs/test_triton.py \
+             tests/codecs/test_triton_compile.py tests/cache/test_device_cache.py tests/test_bench_gpu.py 2>&1 \
+             | tee "$OUT"/tests.log | tail -30 ;;
+    bench) log bench; timeout "${BENCH_T:-540}" python3 bench/bench_gpu.py --markdown "$OUT"/gpu.md 2>&1 \
+             | tee "$OUT"/bench.log | tail -60 ;;
+    variants) log variants; timeout "${VARIANTS_T:-240}" python3 bench/bench_gpu.py --skip attention bandwidth \
+             generate --variants --markdown "$OUT"/variants.md 2>&1 | tee "$OUT"/variants.log | tail -30 ;;
+    *) echo "unknown step $step (tests, bench, variants)"; exit 2 ;;
+  esac
+done
+log done
