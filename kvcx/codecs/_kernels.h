@@ -436,7 +436,7 @@ static inline int64_t kvcx_pack3_blocks(const uint8_t *q, int64_t n, uint8_t *ou
         memcpy(out + (i / 8) * 3, t, 12);
     }
 #endif
-    (void)q; (void)out;
+    (void)q; (void)n; (void)out;
     return i;
 }
 static inline int64_t kvcx_pack2_blocks(const uint8_t *q, int64_t n, uint8_t *out) {
@@ -453,7 +453,7 @@ static inline int64_t kvcx_pack2_blocks(const uint8_t *q, int64_t n, uint8_t *ou
         memcpy(out + i / 4, &w, 8);
     }
 #endif
-    (void)q; (void)out;
+    (void)q; (void)n; (void)out;
     return i;
 }
 

@@ -310,10 +310,12 @@ def attend_spans(qs, qr, spans, Hkv: int, sinks=(None, None), residual=(None, No
             per = split_tokens(N, T, per_split)
             plan.append((sp, T, per, -(-T // per)))
     spt = max(1, sum(n for *_, n in plan))
-    m = torch.empty(N, spt, R, device=qs.device)
-    if not plan:
-        m.fill_(float("-inf"))
-    l, acc = torch.empty_like(m), torch.empty(N, spt, R, D, device=qs.device)
+    if plan:   # every split written by the kernel
+        m, l, acc = (torch.empty(N, spt, R, *d, device=qs.device) for d in ((), (), (D,)))
+    else:      # no packed token yet: one empty split (weight exp(-inf) = 0 times a sum and an accumulator of 0,
+        # not of whatever the allocator held: 0 x NaN would be NaN)
+        m = torch.full((N, 1, R), float("-inf"), device=qs.device)
+        l, acc = torch.zeros(N, 1, R, device=qs.device), torch.zeros(N, 1, R, D, device=qs.device)
     off, RP = 0, _pow2(R)
     kernel_rows = max(16, RP) if ATTN_DOT else RP
     for sp, T, per, n in plan:
