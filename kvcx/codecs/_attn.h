@@ -36,8 +36,8 @@
    with no mask given the rows of a multi-token step are causal among the step's tokens (the last nq
    positions). With many rows per KV head (KVCX_ATTN_TILE_ROWS or more) a tile's codes are unpacked once
    into float tiles in the task's scratch (keys transposed), and the rows run register-blocked products
-   over them (6 rows x 16 tokens or channels per block): the unpacking is shared by every row, and nothing
-   larger than a tile is ever unpacked.
+   over them (6 rows x 16 tokens or channels per block; with AVX-512 12 rows x 32, the same sums in the same
+   order): the unpacking is shared by every row, and nothing larger than a tile is ever unpacked.
 
    2- and 3-bit codes (kvcx3, kvcx2) are widened tile by tile (64 tokens) into the 4-bit layout in the task's
    scratch, then read by the same dot products and accumulations. A value code c becomes c' = c + 8 - 2^(bits - 1)
@@ -310,12 +310,30 @@ static inline float kvcx_dot_f32(const float *a, const float *b, int64_t n) {
 }
 #endif
 
+/* AVX-512: the float-tile products (many rows per KV head) run 16 lanes per vector, 12 rows per register block */
+#if KVCX_ATTN_AVX2 && defined(__AVX512F__)
+#define KVCX_ATTN_AVX512 1
+#else
+#define KVCX_ATTN_AVX512 0
+#endif
+/* float key tiles are zero-padded to a multiple of this many tokens (one column block of the products) */
+#define KVCX_ATTN_PAD (KVCX_ATTN_AVX512 ? 32 : 16)
+/* rows per register block of the float-tile products */
+#define KVCX_ATTN_FROWS (KVCX_ATTN_AVX512 ? 12 : 6)
+
 /* Rows in register blocks: CALL(r0, MAX) for each whole block of MAX rows, then CALL(r0, k) once for the k < MAX
-   rows left, with k a constant in every call so that each instance compiles for its own block size (MAX <= 6). */
+   rows left, with k a constant in every call so that each instance compiles for its own block size (MAX <= 12;
+   the instances past MAX are dead code). */
 #define KVCX_ROW_BLOCKS(R, MAX, CALL) do { \
     int64_t r0 = 0; \
     for (; r0 + (MAX) <= (R); r0 += (MAX)) CALL(r0, MAX); \
     switch ((R) - r0) { \
+    case 11: if ((MAX) > 11) CALL(r0, 11); break; \
+    case 10: if ((MAX) > 10) CALL(r0, 10); break; \
+    case 9: if ((MAX) > 9) CALL(r0, 9); break; \
+    case 8: if ((MAX) > 8) CALL(r0, 8); break; \
+    case 7: if ((MAX) > 7) CALL(r0, 7); break; \
+    case 6: if ((MAX) > 6) CALL(r0, 6); break; \
     case 5: if ((MAX) > 5) CALL(r0, 5); break; \
     case 4: if ((MAX) > 4) CALL(r0, 4); break; \
     case 3: CALL(r0, 3); break; \
@@ -385,13 +403,13 @@ static inline void kvcx_tr8(__m256 *r) {
 }
 #endif
 
-/* kT[p * T + j] (p < D, j < n rounded up to 16, zero past n) = the value at position p of token j: the codes
+/* kT[p * T + j] (p < D, j < n rounded up to KVCX_ATTN_PAD, zero past n) = the value at position p of token j: the codes
    of 4-bit layout tokens c (code bytes, D / 2 per token) as the dot products read them (permuted order, odd
    halves 16 c) when c is not NULL, else the float rows x ([n][D], as they are) */
 static inline void kvcx_attn_tile_t(const uint8_t *c, const float *x, int64_t n, int64_t D, float *kT) {
-    const int64_t T = KVCX_ATTN_TILE, n16 = (n + 15) & ~(int64_t)15;
+    const int64_t T = KVCX_ATTN_TILE, np = (n + KVCX_ATTN_PAD - 1) & ~(int64_t)(KVCX_ATTN_PAD - 1);
 #if KVCX_ATTN_AVX2
-    for (int64_t j0 = 0; j0 < n16; j0 += 8)
+    for (int64_t j0 = 0; j0 < np; j0 += 8)
         for (int64_t k = 0; k < D / 16; k++) {
             __m256 lo[8], hi[8];
             for (int64_t j = 0; j < 8; j++) {
@@ -407,7 +425,7 @@ static inline void kvcx_attn_tile_t(const uint8_t *c, const float *x, int64_t n,
             }
         }
 #else
-    for (int64_t j = 0; j < n16; j++)
+    for (int64_t j = 0; j < np; j++)
         for (int64_t p = 0; p < D; p++) {
             float v = 0.0f;
             if (j < n && c) {
@@ -420,17 +438,18 @@ static inline void kvcx_attn_tile_t(const uint8_t *c, const float *x, int64_t n,
 #endif
 }
 
-/* kT[p * T + j] = s[p] kT[p * T + j] + z[p] for p < D, j < n rounded up to 16: a tile of codes to the keys */
+/* kT[p * T + j] = s[p] kT[p * T + j] + z[p] for p < D, j < n rounded up to KVCX_ATTN_PAD: a tile of codes to
+   the keys */
 static inline void kvcx_attn_tile_scale(float *kT, int64_t n, int64_t D, const float *s, const float *z) {
-    const int64_t T = KVCX_ATTN_TILE, n16 = (n + 15) & ~(int64_t)15;
+    const int64_t T = KVCX_ATTN_TILE, np = (n + KVCX_ATTN_PAD - 1) & ~(int64_t)(KVCX_ATTN_PAD - 1);
     for (int64_t p = 0; p < D; p++) {
         float *row = kT + p * T;
         int64_t j = 0;
 #if KVCX_ATTN_AVX2
         const __m256 sv = _mm256_set1_ps(s[p]), zv = _mm256_set1_ps(z[p]);
-        for (; j < n16; j += 8) _mm256_storeu_ps(row + j, _mm256_fmadd_ps(_mm256_loadu_ps(row + j), sv, zv));
+        for (; j < np; j += 8) _mm256_storeu_ps(row + j, _mm256_fmadd_ps(_mm256_loadu_ps(row + j), sv, zv));
 #endif
-        for (; j < n16; j++) row[j] = fmaf(row[j], s[p], z[p]);
+        for (; j < np; j++) row[j] = fmaf(row[j], s[p], z[p]);
     }
 }
 
@@ -453,13 +472,64 @@ static inline void kvcx_attn_tile_v(const uint8_t *c, int64_t n, int64_t D, floa
 #endif
 }
 
-#if KVCX_ATTN_AVX2
-/* sc[r * T + j] = q[r] . kT[:, j] (+ bias[r]) for RB <= 6 rows and the tile's n16 tokens (a multiple of 16) */
-static inline __attribute__((always_inline)) void kvcx_f_dots_rb(const float *kT, int64_t n16, int64_t D,
+#if KVCX_ATTN_AVX512
+/* sc[r * T + j] = q[r] . kT[:, j] (+ bias[r]) for RB <= 12 rows and the tile's np tokens (a multiple of 32) */
+static inline __attribute__((always_inline)) void kvcx_f_dots_rb(const float *kT, int64_t np, int64_t D,
                                                                  const float *q, const float *bias, const int RB,
                                                                  float *sc) {
     const int64_t T = KVCX_ATTN_TILE;
-    for (int64_t j = 0; j < n16; j += 16) {
+    for (int64_t j = 0; j < np; j += 32) {
+        __m512 a[12], c[12];
+        for (int r = 0; r < RB; r++) { a[r] = _mm512_setzero_ps(); c[r] = _mm512_setzero_ps(); }
+        for (int64_t p = 0; p < D; p++) {
+            const __m512 k0 = _mm512_loadu_ps(kT + p * T + j), k1 = _mm512_loadu_ps(kT + p * T + j + 16);
+            for (int r = 0; r < RB; r++) {
+                const __m512 qv = _mm512_set1_ps(q[r * D + p]);
+                a[r] = _mm512_fmadd_ps(qv, k0, a[r]);
+                c[r] = _mm512_fmadd_ps(qv, k1, c[r]);
+            }
+        }
+        for (int r = 0; r < RB; r++) {
+            const __m512 bv = _mm512_set1_ps(bias ? bias[r] : 0.0f);
+            _mm512_storeu_ps(sc + r * T + j, _mm512_add_ps(a[r], bv));
+            _mm512_storeu_ps(sc + r * T + j + 16, _mm512_add_ps(c[r], bv));
+        }
+    }
+}
+
+/* acc[r][p0 .. p0 + 16 NV) += sum_j w[r * ws + j] x[j][p0 ..] for RB <= 12 rows (NV 1 or 2 vectors a row) */
+static inline __attribute__((always_inline)) void kvcx_f_axpy_cols(const float *x, int64_t n, int64_t D,
+                                                                   const float *w, int64_t ws, const int RB,
+                                                                   const int NV, int64_t p0, float *acc) {
+    __m512 a[12][2];
+    for (int r = 0; r < RB; r++)
+        for (int v = 0; v < NV; v++) a[r][v] = _mm512_loadu_ps(acc + r * D + p0 + 16 * v);
+    for (int64_t j = 0; j < n; j++) {
+        __m512 xv[2];
+        for (int v = 0; v < NV; v++) xv[v] = _mm512_loadu_ps(x + j * D + p0 + 16 * v);
+        for (int r = 0; r < RB; r++) {
+            const __m512 wv = _mm512_set1_ps(w[r * ws + j]);
+            for (int v = 0; v < NV; v++) a[r][v] = _mm512_fmadd_ps(wv, xv[v], a[r][v]);
+        }
+    }
+    for (int r = 0; r < RB; r++)
+        for (int v = 0; v < NV; v++) _mm512_storeu_ps(acc + r * D + p0 + 16 * v, a[r][v]);
+}
+
+/* acc[r] += sum_j w[r * ws + j] x[j] for RB <= 12 rows, n rows x of D floats (D a multiple of 16) */
+static inline __attribute__((always_inline)) void kvcx_f_axpy_rb(const float *x, int64_t n, int64_t D, const float *w,
+                                                                 int64_t ws, const int RB, float *acc) {
+    int64_t p = 0;
+    for (; p + 32 <= D; p += 32) kvcx_f_axpy_cols(x, n, D, w, ws, RB, 2, p, acc);
+    if (p < D) kvcx_f_axpy_cols(x, n, D, w, ws, RB, 1, p, acc);
+}
+#elif KVCX_ATTN_AVX2
+/* sc[r * T + j] = q[r] . kT[:, j] (+ bias[r]) for RB <= 6 rows and the tile's np tokens (a multiple of 16) */
+static inline __attribute__((always_inline)) void kvcx_f_dots_rb(const float *kT, int64_t np, int64_t D,
+                                                                 const float *q, const float *bias, const int RB,
+                                                                 float *sc) {
+    const int64_t T = KVCX_ATTN_TILE;
+    for (int64_t j = 0; j < np; j += 16) {
         __m256 a[6], c[6];
         for (int r = 0; r < RB; r++) { a[r] = _mm256_setzero_ps(); c[r] = _mm256_setzero_ps(); }
         for (int64_t p = 0; p < D; p++) {
@@ -506,15 +576,15 @@ static inline __attribute__((always_inline)) void kvcx_f_axpy_rb(const float *x,
 /* the scores of R rows over a float tile: sc[r * T + j] = q[r] . kT[:, j] + (bias ? bias[r] : 0), j < n */
 static inline void kvcx_f_dots(const float *kT, int64_t n, int64_t D, const float *q, const float *bias, int64_t R,
                                float *sc) {
-    const int64_t n16 = (n + 15) & ~(int64_t)15;
+    const int64_t np = (n + KVCX_ATTN_PAD - 1) & ~(int64_t)(KVCX_ATTN_PAD - 1);
 #if KVCX_ATTN_AVX2
 #define KVCX_F_DOTS_BLOCK(r0, k) \
-    kvcx_f_dots_rb(kT, n16, D, q + (r0) * D, bias ? bias + (r0) : NULL, k, sc + (r0) * KVCX_ATTN_TILE)
-    KVCX_ROW_BLOCKS(R, 6, KVCX_F_DOTS_BLOCK);
+    kvcx_f_dots_rb(kT, np, D, q + (r0) * D, bias ? bias + (r0) : NULL, k, sc + (r0) * KVCX_ATTN_TILE)
+    KVCX_ROW_BLOCKS(R, KVCX_ATTN_FROWS, KVCX_F_DOTS_BLOCK);
 #undef KVCX_F_DOTS_BLOCK
 #else
     for (int64_t r = 0; r < R; r++)
-        for (int64_t j = 0; j < n16; j++) {
+        for (int64_t j = 0; j < np; j++) {
             float s = bias ? bias[r] : 0.0f;
             for (int64_t p = 0; p < D; p++) s += q[r * D + p] * kT[p * KVCX_ATTN_TILE + j];
             sc[r * KVCX_ATTN_TILE + j] = s;
@@ -527,7 +597,7 @@ static inline void kvcx_f_axpy(const float *x, int64_t n, int64_t D, const float
                                float *acc) {
 #if KVCX_ATTN_AVX2
 #define KVCX_F_AXPY_BLOCK(r0, k) kvcx_f_axpy_rb(x, n, D, w + (r0) * ws, ws, k, acc + (r0) * D)
-    KVCX_ROW_BLOCKS(R, 6, KVCX_F_AXPY_BLOCK);
+    KVCX_ROW_BLOCKS(R, KVCX_ATTN_FROWS, KVCX_F_AXPY_BLOCK);
 #undef KVCX_F_AXPY_BLOCK
 #else
     for (int64_t r = 0; r < R; r++)

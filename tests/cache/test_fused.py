@@ -215,6 +215,27 @@ def test_multi_token_steps(scheme, B, H, R, Q, chunks, nr):
                                atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("D", [16, 32, 128])
+@pytest.mark.parametrize("scheme", ["reference", "kivi"])
+def test_multi_token_steps_at_other_head_dims(scheme, D):
+    """Head dims other than 64 on the float tiles: 16 channels (a vector of 16 alone), 32 and 128; rows in
+    whole register blocks and a remainder (3 x 29 = 87 rows)."""
+    rng = np.random.default_rng(D)
+    B, H, R, Q, nr = 1, 2, 3, 29, 33
+    kv = KVConfig.from_scheme(scheme, group_size=max(D, 64))
+    T = 256
+    K, V = _kv(rng, B, H, T + nr, D)
+    store, Kd, Vd = _build(kv, K, V, [T])
+    rk, rv = np.ascontiguousarray(K[:, :, T:]), np.ascontiguousarray(V[:, :, T:])
+    n = T + nr
+    q = rng.standard_normal((B, H * R, Q, D)).astype(np.float32)
+    keep = np.broadcast_to(np.arange(n)[None, :] <= (n - Q + np.arange(Q))[:, None], (B, Q, n))
+    ref = _reference_multi(q, np.concatenate([Kd, rk], 2), np.concatenate([Vd, rv], 2), keep, D ** -0.5)
+    for threads in (1, 2):
+        np.testing.assert_allclose(store.attend(q, rk, rv, None, D ** -0.5, n_threads=threads), ref,
+                                   atol=3e-5, rtol=1e-4)
+
+
 def test_fully_masked_prefix_and_extreme_scores():
     """Masked tokens never leak in (even with scores far above the rest); exact zeros where masked."""
     rng = np.random.default_rng(1)
