@@ -137,6 +137,13 @@ static inline int64_t kvcx_attn_perm(int64_t p) {
 /* ---- SIMD helpers ------------------------------------------------------------------------ */
 #if defined(__AVX2__) && defined(__FMA__)
 #define KVCX_ATTN_AVX2 1
+/* AVX-512: 16 lanes a vector where it pays (the codes' products 32 channels at a time, the float tiles' 32 tokens
+   or channels and 12 rows at a time) */
+#if defined(__AVX512F__)
+#define KVCX_ATTN_AVX512 1
+#else
+#define KVCX_ATTN_AVX512 0
+#endif
 
 /* the 8 horizontal sums of v[0..7], in order */
 static inline __m256 kvcx_hsum8(const __m256 *v) {
@@ -202,6 +209,62 @@ static inline __m256 kvcx_exp8(__m256 x) {
     hi = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(x_, _mm256_set1_epi32(0xF0)), _mm256_set1_epi32(128))); \
 } while (0)
 
+#if KVCX_ATTN_AVX512
+/* AVX-512, 32 channels (two 16-channel groups k, k + 1 of the permuted order) at a time: 16 code bytes widen to
+   one vector of bytes whose low nibbles are [even channels of k, even of k + 1] and high nibbles the odd ones;
+   a 16-float table turns a nibble into its float in one permute (lo: the low 4 bits index it; hi: shifted down).
+   Floats kept as [even k, odd k, even k + 1, odd k + 1] (the permuted order) become [even k, even k + 1] and
+   [odd k, odd k + 1] with KVCX_Q4_EVEN / KVCX_Q4_ODD as two-source permutes, and back with the same two. */
+#define KVCX_Q4_EVEN _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
+#define KVCX_Q4_ODD _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31)
+/* the table of f(i) for nibbles i = 0 .. 15: f(i) = m (i + a) */
+static inline __m512 kvcx_q4_table(float a, float m) {
+    return _mm512_mul_ps(_mm512_add_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                       _mm512_set1_ps(a)), _mm512_set1_ps(m));
+}
+/* the 16 code bytes at ptr: lo = table tl at the low nibbles, hi = table th at the high ones */
+#define KVCX_Q4_UNPACK32(ptr, tl, th, lo, hi) do { \
+    const __m512i x_ = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(ptr))); \
+    lo = _mm512_permutexvar_ps(x_, tl); \
+    hi = _mm512_permutexvar_ps(_mm512_srli_epi32(x_, 4), th); \
+} while (0)
+/* the 8 lanes of a vector's two halves added */
+static inline __m256 kvcx_fold16(__m512 v) {
+    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+/* the 16 horizontal sums of v[0..15], in order (a transposing tree: 15 pairs of shuffles and adds) */
+static inline __m512 kvcx_hsum16(const __m512 *v) {
+    __m512 u[8], w[4];
+    for (int i = 0; i < 8; i++)   /* per 128-bit chunk: [a0 + a2, b0 + b2, a1 + a3, b1 + b3] */
+        u[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++)   /* per chunk: tokens 4 i .. 4 i + 3 over the chunk's lanes */
+        w[i] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * i], u[2 * i + 1], 0x44),
+                             _mm512_shuffle_ps(u[2 * i], u[2 * i + 1], 0xEE));
+    const __m512 x = _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
+    const __m512 y = _mm512_add_ps(_mm512_shuffle_f32x4(w[2], w[3], 0x88), _mm512_shuffle_f32x4(w[2], w[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xDD));
+}
+
+/* kvcx_exp8x2's exp(x) (x <= 0 or -inf: exactly 0 there), the same steps on 16 lanes */
+static inline __m512 kvcx_exp16(__m512 x) {
+    const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3365f));
+    const __m512 f = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f),
+                                                          _mm512_set1_ps(0.5f)), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    x = _mm512_fnmadd_ps(f, _mm512_set1_ps(0.693359375f), x);
+    x = _mm512_fnmadd_ps(f, _mm512_set1_ps(-2.12194440e-4f), x);
+    __m512 y = _mm512_set1_ps(1.9875691500E-4f);
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507E-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073E-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894E-2f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459E-1f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201E-1f));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(f), _mm512_set1_epi32(127)), 23);
+    return _mm512_maskz_mov_ps(keep, _mm512_mul_ps(y, _mm512_castsi512_ps(e)));
+}
+#endif
+
 /* dots[r * ds + j] = qh[r] . codes of token j (permuted order, odd halves read as 16 c) + bias[r],
    RB <= 4 heads, n tokens */
 static inline __attribute__((always_inline)) void kvcx_q4_dots_rb(const uint8_t *c, int64_t n, int64_t D,
@@ -210,6 +273,42 @@ static inline __attribute__((always_inline)) void kvcx_q4_dots_rb(const uint8_t 
                                                                   int64_t ds) {
     __m256 part[4][8];
     float tmp[8];
+    int64_t k0 = 0;   /* the first 16-channel group the 8-lane products read */
+#if KVCX_ATTN_AVX512
+    k0 = (D / 32) * 2;
+    float qq[4 * KVCX_ATTN_MAX_D];   /* the query's 32-channel blocks as [even k, even k + 1, odd k, odd k + 1] */
+    for (int r = 0; r < RB; r++)
+        for (int64_t i = 0; i < D / 32; i++) {
+            const __m512 x0 = _mm512_loadu_ps(qp + r * D + 32 * i), x1 = _mm512_loadu_ps(qp + r * D + 32 * i + 16);
+            _mm512_storeu_ps(qq + r * D + 32 * i, _mm512_permutex2var_ps(x0, KVCX_Q4_EVEN, x1));
+            _mm512_storeu_ps(qq + r * D + 32 * i + 16, _mm512_permutex2var_ps(x0, KVCX_Q4_ODD, x1));
+        }
+    const __m512 tl = kvcx_q4_table(0.0f, 1.0f), th = kvcx_q4_table(0.0f, 16.0f);   /* c, 16 c */
+    if (k0 == D / 16) {   /* every channel in 32-blocks: 16 tokens' sums at a time, one tree per row */
+        __m512 sum[4][16];
+        for (int64_t j0 = 0; j0 < n; j0 += 16) {
+            const int64_t nj = n - j0 < 16 ? n - j0 : 16;
+            for (int64_t j = 0; j < 16; j++) {
+                __m512 az[4], bz[4];
+                for (int r = 0; r < RB; r++) { az[r] = _mm512_setzero_ps(); bz[r] = _mm512_setzero_ps(); }
+                if (j < nj)
+                    for (int64_t i = 0; i < D / 32; i++) {
+                        __m512 lo, hi;
+                        KVCX_Q4_UNPACK32(c + (j0 + j) * (D / 2) + 16 * i, tl, th, lo, hi);
+                        for (int r = 0; r < RB; r++) {
+                            az[r] = _mm512_fmadd_ps(_mm512_loadu_ps(qq + r * D + 32 * i), lo, az[r]);
+                            bz[r] = _mm512_fmadd_ps(_mm512_loadu_ps(qq + r * D + 32 * i + 16), hi, bz[r]);
+                        }
+                    }
+                for (int r = 0; r < RB; r++) sum[r][j] = _mm512_add_ps(az[r], bz[r]);
+            }
+            for (int r = 0; r < RB; r++)
+                _mm512_mask_storeu_ps(dots + r * ds + j0, (__mmask16)((1u << nj) - 1),
+                                      _mm512_add_ps(kvcx_hsum16(sum[r]), _mm512_set1_ps(bias[r])));
+        }
+        return;
+    }
+#endif
     for (int64_t j0 = 0; j0 < n; j0 += 8) {
         const int64_t nj = n - j0 < 8 ? n - j0 : 8;
         for (int64_t j = 0; j < 8; j++) {
@@ -217,7 +316,22 @@ static inline __attribute__((always_inline)) void kvcx_q4_dots_rb(const uint8_t 
             for (int r = 0; r < RB; r++) { a[r] = _mm256_setzero_ps(); b[r] = _mm256_setzero_ps(); }
             if (j < nj) {
                 const uint8_t *cj = c + (j0 + j) * (D / 2);
-                for (int64_t k = 0; k < D / 16; k++) {
+#if KVCX_ATTN_AVX512
+                if (k0) {
+                    __m512 az[4], bz[4];
+                    for (int r = 0; r < RB; r++) { az[r] = _mm512_setzero_ps(); bz[r] = _mm512_setzero_ps(); }
+                    for (int64_t i = 0; i < D / 32; i++) {
+                        __m512 lo, hi;
+                        KVCX_Q4_UNPACK32(cj + 16 * i, tl, th, lo, hi);
+                        for (int r = 0; r < RB; r++) {
+                            az[r] = _mm512_fmadd_ps(_mm512_loadu_ps(qq + r * D + 32 * i), lo, az[r]);
+                            bz[r] = _mm512_fmadd_ps(_mm512_loadu_ps(qq + r * D + 32 * i + 16), hi, bz[r]);
+                        }
+                    }
+                    for (int r = 0; r < RB; r++) a[r] = kvcx_fold16(_mm512_add_ps(az[r], bz[r]));
+                }
+#endif
+                for (int64_t k = k0; k < D / 16; k++) {
                     __m256 lo, hi;
                     KVCX_Q4_UNPACK16(cj + 8 * k, lo, hi);
                     for (int r = 0; r < RB; r++) {
@@ -244,7 +358,33 @@ static inline __attribute__((always_inline)) void kvcx_q4_dots_rb(const uint8_t 
 static inline __attribute__((always_inline)) void kvcx_q4_axpy_rb(const uint8_t *c, int64_t n, int64_t D,
                                                                   const float *w, int64_t ws, const int RB,
                                                                   float *acc) {
-    for (int64_t k = 0; k < D / 16; k++) {
+    int64_t k0 = 0;   /* the first 16-channel group the 8-lane accumulations write */
+#if KVCX_ATTN_AVX512
+    const __m512 tl = kvcx_q4_table(-8.0f, 1.0f), th = kvcx_q4_table(-8.0f, 16.0f);   /* c - 8, 16 (c - 8) */
+    for (int64_t i = 0; i < D / 32; i++) {
+        __m512 e[4], o[4];   /* the rows' accumulators as [even k, even k + 1] and [odd k, odd k + 1] */
+        for (int r = 0; r < RB; r++) {
+            const __m512 x0 = _mm512_loadu_ps(acc + r * D + 32 * i), x1 = _mm512_loadu_ps(acc + r * D + 32 * i + 16);
+            e[r] = _mm512_permutex2var_ps(x0, KVCX_Q4_EVEN, x1);
+            o[r] = _mm512_permutex2var_ps(x0, KVCX_Q4_ODD, x1);
+        }
+        for (int64_t j = 0; j < n; j++) {
+            __m512 lo, hi;
+            KVCX_Q4_UNPACK32(c + j * (D / 2) + 16 * i, tl, th, lo, hi);
+            for (int r = 0; r < RB; r++) {
+                const __m512 wv = _mm512_set1_ps(w[r * ws + j]);
+                e[r] = _mm512_fmadd_ps(wv, lo, e[r]);
+                o[r] = _mm512_fmadd_ps(wv, hi, o[r]);
+            }
+        }
+        for (int r = 0; r < RB; r++) {
+            _mm512_storeu_ps(acc + r * D + 32 * i, _mm512_permutex2var_ps(e[r], KVCX_Q4_EVEN, o[r]));
+            _mm512_storeu_ps(acc + r * D + 32 * i + 16, _mm512_permutex2var_ps(e[r], KVCX_Q4_ODD, o[r]));
+        }
+    }
+    k0 = (D / 32) * 2;
+#endif
+    for (int64_t k = k0; k < D / 16; k++) {
         __m256 a[4], b[4];
         for (int r = 0; r < RB; r++) {
             a[r] = _mm256_loadu_ps(acc + r * D + 16 * k);
@@ -298,6 +438,7 @@ static inline float kvcx_dot_f32(const float *a, const float *b, int64_t n) {
 }
 #else
 #define KVCX_ATTN_AVX2 0
+#define KVCX_ATTN_AVX512 0
 static inline float kvcx_max_f32(const float *a, int64_t n) {
     float m = -INFINITY;
     for (int64_t i = 0; i < n; i++) m = a[i] > m ? a[i] : m;
@@ -310,12 +451,6 @@ static inline float kvcx_dot_f32(const float *a, const float *b, int64_t n) {
 }
 #endif
 
-/* AVX-512: the float-tile products (many rows per KV head) run 16 lanes per vector, 12 rows per register block */
-#if KVCX_ATTN_AVX2 && defined(__AVX512F__)
-#define KVCX_ATTN_AVX512 1
-#else
-#define KVCX_ATTN_AVX512 0
-#endif
 /* float key tiles are zero-padded to a multiple of this many tokens (one column block of the products) */
 #define KVCX_ATTN_PAD (KVCX_ATTN_AVX512 ? 32 : 16)
 /* rows per register block of the float-tile products */
@@ -703,6 +838,23 @@ static inline void kvcx_attn_softmax_v(float *part, int64_t R, int64_t D, const 
 #if KVCX_ATTN_AVX2
         __m256 la = _mm256_setzero_ps(), wa = _mm256_setzero_ps(), za = _mm256_setzero_ps();
         const __m256 mv = _mm256_set1_ps(mnew);
+#if KVCX_ATTN_AVX512
+        {
+            __m512 l16 = _mm512_setzero_ps(), w16 = _mm512_setzero_ps(), z16 = _mm512_setzero_ps();
+            const __m512 m16 = _mm512_set1_ps(mnew);
+            for (; j + 16 <= n; j += 16) {
+                const __m512 e = kvcx_exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), m16));
+                const __m512 ps = _mm512_mul_ps(e, _mm512_loadu_ps(vs + j));
+                _mm512_storeu_ps(pj + j, ps);
+                l16 = _mm512_add_ps(l16, e);
+                w16 = _mm512_add_ps(w16, ps);
+                if (vz) z16 = _mm512_fmadd_ps(e, _mm512_loadu_ps(vz + j), z16);
+            }
+            la = kvcx_fold16(l16);
+            wa = kvcx_fold16(w16);
+            za = kvcx_fold16(z16);
+        }
+#endif
         for (; j + 16 <= n; j += 16) {
             __m256 e0, e1;
             kvcx_exp8x2(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv), _mm256_sub_ps(_mm256_loadu_ps(s + j + 8), mv),
