@@ -1107,6 +1107,25 @@ static inline __attribute__((always_inline)) void kvcx_attn_wdots_rb(const uint8
                                                                      const int32_t *wid, int64_t nz, int64_t gs8,
                                                                      int64_t o, const float *qs, const float *bias,
                                                                      const int RB, float *sc) {
+#if KVCX_ATTN_AVX512   /* the 32 tokens in two vectors of 16 (each token's sum in the same order) */
+    __m512 az[3][2];
+    for (int r = 0; r < RB; r++) az[r][0] = az[r][1] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < nz; k++) {
+        const __m256i c = kvcx_attn_wcodes32(grp + off[k] + (o >> 3), wid[k], gs8, o);
+        const __m512 x0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(c)));
+        const __m512 x1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(c, 1)));
+        for (int r = 0; r < RB; r++) {
+            const __m512 b = _mm512_set1_ps(qs[r * nz + k]);
+            az[r][0] = _mm512_fmadd_ps(b, x0, az[r][0]);
+            az[r][1] = _mm512_fmadd_ps(b, x1, az[r][1]);
+        }
+    }
+    for (int r = 0; r < RB; r++) {
+        const __m512 bv = _mm512_set1_ps(bias[r]);
+        _mm512_storeu_ps(sc + r * KVCX_ATTN_TILE, _mm512_add_ps(az[r][0], bv));
+        _mm512_storeu_ps(sc + r * KVCX_ATTN_TILE + 16, _mm512_add_ps(az[r][1], bv));
+    }
+#else
     __m256 acc[3][4];
     for (int r = 0; r < RB; r++)
         for (int i = 0; i < 4; i++) acc[r][i] = _mm256_setzero_ps();
@@ -1123,6 +1142,7 @@ static inline __attribute__((always_inline)) void kvcx_attn_wdots_rb(const uint8
         const __m256 bv = _mm256_set1_ps(bias[r]);
         for (int i = 0; i < 4; i++) _mm256_storeu_ps(sc + r * KVCX_ATTN_TILE + 8 * i, _mm256_add_ps(acc[r][i], bv));
     }
+#endif
 }
 #endif
 
