@@ -63,11 +63,15 @@ static inline void kvcx_w_plane(const uint8_t *q, int64_t n, int j, uint8_t *out
 #if KVCX_W_AVX2
 /* 32 bits of a plane (token t in bit t) -> 32 bytes, 1 << j where the token's bit is set, else 0 */
 static inline __m256i kvcx_w_bits32(uint32_t m, int j) {
+#if defined(__AVX512BW__) && defined(__AVX512VL__)   /* one masked broadcast */
+    return _mm256_maskz_set1_epi8((__mmask32)m, (char)(1 << j));
+#else
     const __m256i idx = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
                                          2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
     const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
     const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)m), idx);
     return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit), _mm256_set1_epi8((char)(1 << j)));
+#endif
 }
 #endif
 
