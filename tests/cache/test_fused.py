@@ -159,6 +159,31 @@ def test_keys_with_a_width_per_channel(group_size, bits, sinks):
                                _reference_multi(qm, Kf, Vf, keep, D ** -0.5), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("D", [32, 128, 256])
+@pytest.mark.parametrize("scheme", ["kvcx", "reference", "kivi"])
+def test_decode_steps_at_other_head_dims(scheme, D):
+    """Single-token steps at head dims other than 64 (the codes' products 32 channels a vector: one block, 4,
+    8), rows per KV head 1, 4 and 7 (register blocks of 4 and a remainder), a batch row left-padded, 3 threads
+    (token ranges that end part way through a block of 16 scores)."""
+    rng = np.random.default_rng(D + len(scheme))
+    kv = KVConfig.from_scheme(scheme, group_size=max(D, 64))
+    B, H, nr = 2, 2, 11
+    chunks = [256 + kv.value.sinks, 512 if D < 256 else 256]
+    T = sum(chunks)
+    K, V = _kv(rng, B, H, T + nr, D)
+    store, Kd, Vd = _build(kv, K, V, chunks)
+    rk, rv = np.ascontiguousarray(K[:, :, T:]), np.ascontiguousarray(V[:, :, T:])
+    Kf, Vf = np.concatenate([Kd, rk], 2), np.concatenate([Vd, rv], 2)
+    mask = np.zeros((B, T + nr), np.float32)
+    mask[1, :77] = -np.inf
+    for R in (1, 4, 7):
+        q = rng.standard_normal((B, H * R, D)).astype(np.float32)
+        ref = _reference(q, Kf, Vf, mask, D ** -0.5)
+        for threads in (1, 3):
+            np.testing.assert_allclose(store.attend(q, rk, rv, mask, D ** -0.5, n_threads=threads), ref,
+                                       atol=3e-5, rtol=1e-4)
+
+
 def test_long_context_splits_across_threads_and_rotated_keys():
     """8,000 tokens split into token ranges per thread; keys rotated too (q rotated once)."""
     rng = np.random.default_rng(5)
