@@ -80,8 +80,8 @@ def headline() -> str:
         f"{kv[7]} vs {fp8[7]} GB/s, deserialize {kv[9]} vs {fp8[9]} GB/s (2 threads) | "
         "[lmcache](docs/results/lmcache.md) |",
     ]
-    return "Headline figures on this machine (2 CPU cores; every figure from the linked report, written by the " \
-           "bench script named there):\n\n" + "\n".join(lines)
+    return "Headline figures (2 CPU cores; every figure from the linked report, written by the bench script " \
+           "named there, which names the machine and the date of its run):\n\n" + "\n".join(lines)
 
 
 def engines(window: str = "1,024", name: str = "engines.md") -> str:
