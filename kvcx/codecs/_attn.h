@@ -211,7 +211,7 @@ static inline __m256 kvcx_exp8(__m256 x) {
 
 #if KVCX_ATTN_AVX512
 /* AVX-512, 32 channels (two 16-channel groups k, k + 1 of the permuted order) at a time: 16 code bytes widen to
-   one vector of bytes whose low nibbles are [even channels of k, even of k + 1] and high nibbles the odd ones;
+   16 lanes whose low nibbles are [even channels of k, even of k + 1] and high nibbles the odd ones;
    a 16-float table turns a nibble into its float in one permute (lo: the low 4 bits index it; hi: shifted down).
    Floats kept as [even k, odd k, even k + 1, odd k + 1] (the permuted order) become [even k, even k + 1] and
    [odd k, odd k + 1] with KVCX_Q4_EVEN / KVCX_Q4_ODD as two-source permutes, and back with the same two. */
@@ -249,8 +249,8 @@ static inline __m512 kvcx_hsum16(const __m512 *v) {
 static inline __m512 kvcx_exp16(__m512 x) {
     const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
     x = _mm512_max_ps(x, _mm512_set1_ps(-87.3365f));
-    const __m512 f = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f),
-                                                          _mm512_set1_ps(0.5f)), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    const __m512 t = _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f));
+    const __m512 f = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
     x = _mm512_fnmadd_ps(f, _mm512_set1_ps(0.693359375f), x);
     x = _mm512_fnmadd_ps(f, _mm512_set1_ps(-2.12194440e-4f), x);
     __m512 y = _mm512_set1_ps(1.9875691500E-4f);
@@ -273,18 +273,18 @@ static inline __attribute__((always_inline)) void kvcx_q4_dots_rb(const uint8_t 
                                                                   int64_t ds) {
     __m256 part[4][8];
     float tmp[8];
-    int64_t k0 = 0;   /* the first 16-channel group the 8-lane products read */
 #if KVCX_ATTN_AVX512
-    k0 = (D / 32) * 2;
-    float qq[4 * KVCX_ATTN_MAX_D];   /* the query's 32-channel blocks as [even k, even k + 1, odd k, odd k + 1] */
-    for (int r = 0; r < RB; r++)
-        for (int64_t i = 0; i < D / 32; i++) {
-            const __m512 x0 = _mm512_loadu_ps(qp + r * D + 32 * i), x1 = _mm512_loadu_ps(qp + r * D + 32 * i + 16);
-            _mm512_storeu_ps(qq + r * D + 32 * i, _mm512_permutex2var_ps(x0, KVCX_Q4_EVEN, x1));
-            _mm512_storeu_ps(qq + r * D + 32 * i + 16, _mm512_permutex2var_ps(x0, KVCX_Q4_ODD, x1));
-        }
-    const __m512 tl = kvcx_q4_table(0.0f, 1.0f), th = kvcx_q4_table(0.0f, 16.0f);   /* c, 16 c */
-    if (k0 == D / 16) {   /* every channel in 32-blocks: 16 tokens' sums at a time, one tree per row */
+    if (D % 32 == 0) {   /* 32-channel blocks, 16 tokens' sums at a time, one tree per row (a head dim of 16: the
+                            8-lane products below) */
+        float qq[4 * KVCX_ATTN_MAX_D];   /* the query's 32-channel blocks as [even k, even k + 1, odd k, odd k + 1] */
+        for (int r = 0; r < RB; r++)
+            for (int64_t i = 0; i < D / 32; i++) {
+                const __m512 x0 = _mm512_loadu_ps(qp + r * D + 32 * i);
+                const __m512 x1 = _mm512_loadu_ps(qp + r * D + 32 * i + 16);
+                _mm512_storeu_ps(qq + r * D + 32 * i, _mm512_permutex2var_ps(x0, KVCX_Q4_EVEN, x1));
+                _mm512_storeu_ps(qq + r * D + 32 * i + 16, _mm512_permutex2var_ps(x0, KVCX_Q4_ODD, x1));
+            }
+        const __m512 tl = kvcx_q4_table(0.0f, 1.0f), th = kvcx_q4_table(0.0f, 16.0f);   /* c, 16 c */
         __m512 sum[4][16];
         for (int64_t j0 = 0; j0 < n; j0 += 16) {
             const int64_t nj = n - j0 < 16 ? n - j0 : 16;
@@ -316,22 +316,7 @@ static inline __attribute__((always_inline)) void kvcx_q4_dots_rb(const uint8_t 
             for (int r = 0; r < RB; r++) { a[r] = _mm256_setzero_ps(); b[r] = _mm256_setzero_ps(); }
             if (j < nj) {
                 const uint8_t *cj = c + (j0 + j) * (D / 2);
-#if KVCX_ATTN_AVX512
-                if (k0) {
-                    __m512 az[4], bz[4];
-                    for (int r = 0; r < RB; r++) { az[r] = _mm512_setzero_ps(); bz[r] = _mm512_setzero_ps(); }
-                    for (int64_t i = 0; i < D / 32; i++) {
-                        __m512 lo, hi;
-                        KVCX_Q4_UNPACK32(cj + 16 * i, tl, th, lo, hi);
-                        for (int r = 0; r < RB; r++) {
-                            az[r] = _mm512_fmadd_ps(_mm512_loadu_ps(qq + r * D + 32 * i), lo, az[r]);
-                            bz[r] = _mm512_fmadd_ps(_mm512_loadu_ps(qq + r * D + 32 * i + 16), hi, bz[r]);
-                        }
-                    }
-                    for (int r = 0; r < RB; r++) a[r] = kvcx_fold16(_mm512_add_ps(az[r], bz[r]));
-                }
-#endif
-                for (int64_t k = k0; k < D / 16; k++) {
+                for (int64_t k = 0; k < D / 16; k++) {
                     __m256 lo, hi;
                     KVCX_Q4_UNPACK16(cj + 8 * k, lo, hi);
                     for (int r = 0; r < RB; r++) {

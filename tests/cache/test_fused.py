@@ -159,11 +159,11 @@ def test_keys_with_a_width_per_channel(group_size, bits, sinks):
                                _reference_multi(qm, Kf, Vf, keep, D ** -0.5), atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("D", [32, 128, 256])
+@pytest.mark.parametrize("D", [16, 32, 128, 256])
 @pytest.mark.parametrize("scheme", ["kvcx", "reference", "kivi"])
 def test_decode_steps_at_other_head_dims(scheme, D):
-    """Single-token steps at head dims other than 64 (the codes' products 32 channels a vector: one block, 4,
-    8), rows per KV head 1, 4 and 7 (register blocks of 4 and a remainder), a batch row left-padded, 3 threads
+    """Single-token steps at head dims other than 64 (with AVX-512 the codes' products run 32 channels a vector:
+    one block, 4, 8; 16 channels take the 8-lane products), rows per KV head 1, 4 and 7 (register blocks of 4 and a remainder), a batch row left-padded, 3 threads
     (token ranges that end part way through a block of 16 scores)."""
     rng = np.random.default_rng(D + len(scheme))
     kv = KVConfig.from_scheme(scheme, group_size=max(D, 64))
