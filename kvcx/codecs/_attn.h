@@ -153,13 +153,26 @@ static inline __m256 kvcx_hsum8(const __m256 *v) {
     return _mm256_add_ps(_mm256_permute2f128_ps(e, f, 0x20), _mm256_permute2f128_ps(e, f, 0x31));
 }
 
+/* Cephes' expf: x clamped at KVCX_EXP_LO, n = floor(x log2 e + 1/2), r = x - n C1 - n C2, then
+   exp(x) = 2^n (1 + r + r^2 P(r)) with P of degree 5 (coefficients from the highest power down) */
+#define KVCX_EXP_LO (-87.3365f)
+#define KVCX_EXP_LOG2E 1.44269504088896341f
+#define KVCX_EXP_C1 0.693359375f
+#define KVCX_EXP_C2 (-2.12194440e-4f)
+#define KVCX_EXP_P0 1.9875691500E-4f
+#define KVCX_EXP_P1 1.3981999507E-3f
+#define KVCX_EXP_P2 8.3334519073E-3f
+#define KVCX_EXP_P3 4.1665795894E-2f
+#define KVCX_EXP_P4 1.6666665459E-1f
+#define KVCX_EXP_P5 5.0000001201E-1f
+
 /* exp(x) for x <= 0 or -inf (exactly 0 there), Cephes' expf polynomial (relative error ~1e-7), of two vectors
    at once: each is a chain of ~20 dependent steps, and side by side a core with a small scheduler overlaps
    them */
 static inline void kvcx_exp8x2(__m256 x0, __m256 x1, __m256 *e0, __m256 *e1) {
-    const __m256 ninf = _mm256_set1_ps(-INFINITY), lo = _mm256_set1_ps(-87.3365f);
-    const __m256 log2e = _mm256_set1_ps(1.44269504088896341f), half = _mm256_set1_ps(0.5f);
-    const __m256 c1 = _mm256_set1_ps(0.693359375f), c2 = _mm256_set1_ps(-2.12194440e-4f);
+    const __m256 ninf = _mm256_set1_ps(-INFINITY), lo = _mm256_set1_ps(KVCX_EXP_LO);
+    const __m256 log2e = _mm256_set1_ps(KVCX_EXP_LOG2E), half = _mm256_set1_ps(0.5f);
+    const __m256 c1 = _mm256_set1_ps(KVCX_EXP_C1), c2 = _mm256_set1_ps(KVCX_EXP_C2);
     const __m256 keep0 = _mm256_cmp_ps(x0, ninf, _CMP_NEQ_OQ), keep1 = _mm256_cmp_ps(x1, ninf, _CMP_NEQ_OQ);
     x0 = _mm256_max_ps(x0, lo);
     x1 = _mm256_max_ps(x1, lo);
@@ -169,14 +182,14 @@ static inline void kvcx_exp8x2(__m256 x0, __m256 x1, __m256 *e0, __m256 *e1) {
     x1 = _mm256_fnmadd_ps(f1, c1, x1);
     x0 = _mm256_fnmadd_ps(f0, c2, x0);
     x1 = _mm256_fnmadd_ps(f1, c2, x1);
-    __m256 y0 = _mm256_set1_ps(1.9875691500E-4f), y1 = y0;
+    __m256 y0 = _mm256_set1_ps(KVCX_EXP_P0), y1 = y0;
 #define KVCX_EXP_STEP(c) do { const __m256 cv = _mm256_set1_ps(c); \
         y0 = _mm256_fmadd_ps(y0, x0, cv); y1 = _mm256_fmadd_ps(y1, x1, cv); } while (0)
-    KVCX_EXP_STEP(1.3981999507E-3f);
-    KVCX_EXP_STEP(8.3334519073E-3f);
-    KVCX_EXP_STEP(4.1665795894E-2f);
-    KVCX_EXP_STEP(1.6666665459E-1f);
-    KVCX_EXP_STEP(5.0000001201E-1f);
+    KVCX_EXP_STEP(KVCX_EXP_P1);
+    KVCX_EXP_STEP(KVCX_EXP_P2);
+    KVCX_EXP_STEP(KVCX_EXP_P3);
+    KVCX_EXP_STEP(KVCX_EXP_P4);
+    KVCX_EXP_STEP(KVCX_EXP_P5);
 #undef KVCX_EXP_STEP
     const __m256 one = _mm256_set1_ps(1.0f);
     y0 = _mm256_fmadd_ps(y0, _mm256_mul_ps(x0, x0), _mm256_add_ps(x0, one));
@@ -248,17 +261,17 @@ static inline __m512 kvcx_hsum16(const __m512 *v) {
 /* kvcx_exp8x2's exp(x) (x <= 0 or -inf: exactly 0 there), the same steps on 16 lanes */
 static inline __m512 kvcx_exp16(__m512 x) {
     const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3365f));
-    const __m512 t = _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f));
+    x = _mm512_max_ps(x, _mm512_set1_ps(KVCX_EXP_LO));
+    const __m512 t = _mm512_fmadd_ps(x, _mm512_set1_ps(KVCX_EXP_LOG2E), _mm512_set1_ps(0.5f));
     const __m512 f = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    x = _mm512_fnmadd_ps(f, _mm512_set1_ps(0.693359375f), x);
-    x = _mm512_fnmadd_ps(f, _mm512_set1_ps(-2.12194440e-4f), x);
-    __m512 y = _mm512_set1_ps(1.9875691500E-4f);
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507E-3f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073E-3f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894E-2f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459E-1f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201E-1f));
+    x = _mm512_fnmadd_ps(f, _mm512_set1_ps(KVCX_EXP_C1), x);
+    x = _mm512_fnmadd_ps(f, _mm512_set1_ps(KVCX_EXP_C2), x);
+    __m512 y = _mm512_set1_ps(KVCX_EXP_P0);
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(KVCX_EXP_P1));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(KVCX_EXP_P2));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(KVCX_EXP_P3));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(KVCX_EXP_P4));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(KVCX_EXP_P5));
     y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
     const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(f), _mm512_set1_epi32(127)), 23);
     return _mm512_maskz_mov_ps(keep, _mm512_mul_ps(y, _mm512_castsi512_ps(e)));
@@ -436,10 +449,36 @@ static inline float kvcx_dot_f32(const float *a, const float *b, int64_t n) {
 }
 #endif
 
+/* The float-tile products (many rows per KV head) are written once for a vector of KVCX_FV_LANES floats:
+   AVX-512's 16 (12 rows per register block: 32 registers) or AVX2's 8 (6 rows: 16 registers). */
+#if KVCX_ATTN_AVX512
+typedef __m512 kvcx_fv;
+#define KVCX_FV_LANES 16
+#define KVCX_ATTN_FROWS 12
+#define kvcx_fv_load _mm512_loadu_ps
+#define kvcx_fv_store _mm512_storeu_ps
+#define kvcx_fv_set1 _mm512_set1_ps
+#define kvcx_fv_zero _mm512_setzero_ps
+#define kvcx_fv_add _mm512_add_ps
+#define kvcx_fv_fmadd _mm512_fmadd_ps
+#elif KVCX_ATTN_AVX2
+typedef __m256 kvcx_fv;
+#define KVCX_FV_LANES 8
+#define KVCX_ATTN_FROWS 6
+#define kvcx_fv_load _mm256_loadu_ps
+#define kvcx_fv_store _mm256_storeu_ps
+#define kvcx_fv_set1 _mm256_set1_ps
+#define kvcx_fv_zero _mm256_setzero_ps
+#define kvcx_fv_add _mm256_add_ps
+#define kvcx_fv_fmadd _mm256_fmadd_ps
+#else
+#define KVCX_FV_LANES 8
+#endif
 /* float key tiles are zero-padded to a multiple of this many tokens (one column block of the products) */
-#define KVCX_ATTN_PAD (KVCX_ATTN_AVX512 ? 32 : 16)
-/* rows per register block of the float-tile products */
-#define KVCX_ATTN_FROWS (KVCX_ATTN_AVX512 ? 12 : 6)
+#define KVCX_ATTN_PAD (2 * KVCX_FV_LANES)
+
+/* n rounded up to a multiple of KVCX_ATTN_PAD */
+static inline int64_t kvcx_attn_pad(int64_t n) { return (n + KVCX_ATTN_PAD - 1) & ~(int64_t)(KVCX_ATTN_PAD - 1); }
 
 /* Rows in register blocks: CALL(r0, MAX) for each whole block of MAX rows, then CALL(r0, k) once for the k < MAX
    rows left, with k a constant in every call so that each instance compiles for its own block size (MAX <= 12;
@@ -527,7 +566,7 @@ static inline void kvcx_tr8(__m256 *r) {
    of 4-bit layout tokens c (code bytes, D / 2 per token) as the dot products read them (permuted order, odd
    halves 16 c) when c is not NULL, else the float rows x ([n][D], as they are) */
 static inline void kvcx_attn_tile_t(const uint8_t *c, const float *x, int64_t n, int64_t D, float *kT) {
-    const int64_t T = KVCX_ATTN_TILE, np = (n + KVCX_ATTN_PAD - 1) & ~(int64_t)(KVCX_ATTN_PAD - 1);
+    const int64_t T = KVCX_ATTN_TILE, np = kvcx_attn_pad(n);
 #if KVCX_ATTN_AVX2
     for (int64_t j0 = 0; j0 < np; j0 += 8)
         for (int64_t k = 0; k < D / 16; k++) {
@@ -561,7 +600,7 @@ static inline void kvcx_attn_tile_t(const uint8_t *c, const float *x, int64_t n,
 /* kT[p * T + j] = s[p] kT[p * T + j] + z[p] for p < D, j < n rounded up to KVCX_ATTN_PAD: a tile of codes to
    the keys */
 static inline void kvcx_attn_tile_scale(float *kT, int64_t n, int64_t D, const float *s, const float *z) {
-    const int64_t T = KVCX_ATTN_TILE, np = (n + KVCX_ATTN_PAD - 1) & ~(int64_t)(KVCX_ATTN_PAD - 1);
+    const int64_t T = KVCX_ATTN_TILE, np = kvcx_attn_pad(n);
     for (int64_t p = 0; p < D; p++) {
         float *row = kT + p * T;
         int64_t j = 0;
@@ -592,111 +631,67 @@ static inline void kvcx_attn_tile_v(const uint8_t *c, int64_t n, int64_t D, floa
 #endif
 }
 
-#if KVCX_ATTN_AVX512
-/* sc[r * T + j] = q[r] . kT[:, j] (+ bias[r]) for RB <= 12 rows and the tile's np tokens (a multiple of 32) */
+#if KVCX_ATTN_AVX2
+/* sc[r * T + j] = q[r] . kT[:, j] (+ bias[r]) for RB <= KVCX_ATTN_FROWS rows and the tile's np tokens (a multiple
+   of KVCX_ATTN_PAD: two vectors) */
 static inline __attribute__((always_inline)) void kvcx_f_dots_rb(const float *kT, int64_t np, int64_t D,
                                                                  const float *q, const float *bias, const int RB,
                                                                  float *sc) {
-    const int64_t T = KVCX_ATTN_TILE;
-    for (int64_t j = 0; j < np; j += 32) {
-        __m512 a[12], c[12];
-        for (int r = 0; r < RB; r++) { a[r] = _mm512_setzero_ps(); c[r] = _mm512_setzero_ps(); }
+    const int64_t T = KVCX_ATTN_TILE, L = KVCX_FV_LANES;
+    for (int64_t j = 0; j < np; j += 2 * L) {
+        kvcx_fv a[KVCX_ATTN_FROWS], c[KVCX_ATTN_FROWS];
+        for (int r = 0; r < RB; r++) { a[r] = kvcx_fv_zero(); c[r] = kvcx_fv_zero(); }
         for (int64_t p = 0; p < D; p++) {
-            const __m512 k0 = _mm512_loadu_ps(kT + p * T + j), k1 = _mm512_loadu_ps(kT + p * T + j + 16);
+            const kvcx_fv k0 = kvcx_fv_load(kT + p * T + j), k1 = kvcx_fv_load(kT + p * T + j + L);
             for (int r = 0; r < RB; r++) {
-                const __m512 qv = _mm512_set1_ps(q[r * D + p]);
-                a[r] = _mm512_fmadd_ps(qv, k0, a[r]);
-                c[r] = _mm512_fmadd_ps(qv, k1, c[r]);
+                const kvcx_fv qv = kvcx_fv_set1(q[r * D + p]);
+                a[r] = kvcx_fv_fmadd(qv, k0, a[r]);
+                c[r] = kvcx_fv_fmadd(qv, k1, c[r]);
             }
         }
         for (int r = 0; r < RB; r++) {
-            const __m512 bv = _mm512_set1_ps(bias ? bias[r] : 0.0f);
-            _mm512_storeu_ps(sc + r * T + j, _mm512_add_ps(a[r], bv));
-            _mm512_storeu_ps(sc + r * T + j + 16, _mm512_add_ps(c[r], bv));
+            const kvcx_fv bv = kvcx_fv_set1(bias ? bias[r] : 0.0f);
+            kvcx_fv_store(sc + r * T + j, kvcx_fv_add(a[r], bv));
+            kvcx_fv_store(sc + r * T + j + L, kvcx_fv_add(c[r], bv));
         }
     }
 }
 
-/* acc[r][p0 .. p0 + 16 NV) += sum_j w[r * ws + j] x[j][p0 ..] for RB <= 12 rows (NV 1 or 2 vectors a row) */
+/* acc[r][p0 .. p0 + NV lanes) += sum_j w[r * ws + j] x[j][p0 ..] for RB <= KVCX_ATTN_FROWS rows (NV 1 or 2 vectors
+   a row, held in registers across the n rows x) */
 static inline __attribute__((always_inline)) void kvcx_f_axpy_cols(const float *x, int64_t n, int64_t D,
                                                                    const float *w, int64_t ws, const int RB,
                                                                    const int NV, int64_t p0, float *acc) {
-    __m512 a[12][2];
+    const int64_t L = KVCX_FV_LANES;
+    kvcx_fv a[KVCX_ATTN_FROWS][2];
     for (int r = 0; r < RB; r++)
-        for (int v = 0; v < NV; v++) a[r][v] = _mm512_loadu_ps(acc + r * D + p0 + 16 * v);
+        for (int v = 0; v < NV; v++) a[r][v] = kvcx_fv_load(acc + r * D + p0 + L * v);
     for (int64_t j = 0; j < n; j++) {
-        __m512 xv[2];
-        for (int v = 0; v < NV; v++) xv[v] = _mm512_loadu_ps(x + j * D + p0 + 16 * v);
+        kvcx_fv xv[2];
+        for (int v = 0; v < NV; v++) xv[v] = kvcx_fv_load(x + j * D + p0 + L * v);
         for (int r = 0; r < RB; r++) {
-            const __m512 wv = _mm512_set1_ps(w[r * ws + j]);
-            for (int v = 0; v < NV; v++) a[r][v] = _mm512_fmadd_ps(wv, xv[v], a[r][v]);
+            const kvcx_fv wv = kvcx_fv_set1(w[r * ws + j]);
+            for (int v = 0; v < NV; v++) a[r][v] = kvcx_fv_fmadd(wv, xv[v], a[r][v]);
         }
     }
     for (int r = 0; r < RB; r++)
-        for (int v = 0; v < NV; v++) _mm512_storeu_ps(acc + r * D + p0 + 16 * v, a[r][v]);
+        for (int v = 0; v < NV; v++) kvcx_fv_store(acc + r * D + p0 + L * v, a[r][v]);
 }
 
-/* acc[r] += sum_j w[r * ws + j] x[j] for RB <= 12 rows, n rows x of D floats (D a multiple of 16) */
+/* acc[r] += sum_j w[r * ws + j] x[j] for RB <= KVCX_ATTN_FROWS rows, n rows x of D floats (D a multiple of 16:
+   two vectors at a time, one for the last 16 channels with AVX-512) */
 static inline __attribute__((always_inline)) void kvcx_f_axpy_rb(const float *x, int64_t n, int64_t D, const float *w,
                                                                  int64_t ws, const int RB, float *acc) {
     int64_t p = 0;
-    for (; p + 32 <= D; p += 32) kvcx_f_axpy_cols(x, n, D, w, ws, RB, 2, p, acc);
+    for (; p + 2 * KVCX_FV_LANES <= D; p += 2 * KVCX_FV_LANES) kvcx_f_axpy_cols(x, n, D, w, ws, RB, 2, p, acc);
     if (p < D) kvcx_f_axpy_cols(x, n, D, w, ws, RB, 1, p, acc);
-}
-#elif KVCX_ATTN_AVX2
-/* sc[r * T + j] = q[r] . kT[:, j] (+ bias[r]) for RB <= 6 rows and the tile's np tokens (a multiple of 16) */
-static inline __attribute__((always_inline)) void kvcx_f_dots_rb(const float *kT, int64_t np, int64_t D,
-                                                                 const float *q, const float *bias, const int RB,
-                                                                 float *sc) {
-    const int64_t T = KVCX_ATTN_TILE;
-    for (int64_t j = 0; j < np; j += 16) {
-        __m256 a[6], c[6];
-        for (int r = 0; r < RB; r++) { a[r] = _mm256_setzero_ps(); c[r] = _mm256_setzero_ps(); }
-        for (int64_t p = 0; p < D; p++) {
-            const __m256 k0 = _mm256_loadu_ps(kT + p * T + j), k1 = _mm256_loadu_ps(kT + p * T + j + 8);
-            for (int r = 0; r < RB; r++) {
-                const __m256 qv = _mm256_broadcast_ss(q + r * D + p);
-                a[r] = _mm256_fmadd_ps(qv, k0, a[r]);
-                c[r] = _mm256_fmadd_ps(qv, k1, c[r]);
-            }
-        }
-        for (int r = 0; r < RB; r++) {
-            const __m256 bv = _mm256_set1_ps(bias ? bias[r] : 0.0f);
-            _mm256_storeu_ps(sc + r * T + j, _mm256_add_ps(a[r], bv));
-            _mm256_storeu_ps(sc + r * T + j + 8, _mm256_add_ps(c[r], bv));
-        }
-    }
-}
-
-/* acc[r] += sum_j w[r * ws + j] x[j] for RB <= 6 rows, n rows x of D floats */
-static inline __attribute__((always_inline)) void kvcx_f_axpy_rb(const float *x, int64_t n, int64_t D, const float *w,
-                                                                 int64_t ws, const int RB, float *acc) {
-    for (int64_t p = 0; p < D; p += 16) {
-        __m256 a[6], c[6];
-        for (int r = 0; r < RB; r++) {
-            a[r] = _mm256_loadu_ps(acc + r * D + p);
-            c[r] = _mm256_loadu_ps(acc + r * D + p + 8);
-        }
-        for (int64_t j = 0; j < n; j++) {
-            const __m256 x0 = _mm256_loadu_ps(x + j * D + p), x1 = _mm256_loadu_ps(x + j * D + p + 8);
-            for (int r = 0; r < RB; r++) {
-                const __m256 wv = _mm256_broadcast_ss(w + r * ws + j);
-                a[r] = _mm256_fmadd_ps(wv, x0, a[r]);
-                c[r] = _mm256_fmadd_ps(wv, x1, c[r]);
-            }
-        }
-        for (int r = 0; r < RB; r++) {
-            _mm256_storeu_ps(acc + r * D + p, a[r]);
-            _mm256_storeu_ps(acc + r * D + p + 8, c[r]);
-        }
-    }
 }
 #endif
 
 /* the scores of R rows over a float tile: sc[r * T + j] = q[r] . kT[:, j] + (bias ? bias[r] : 0), j < n */
 static inline void kvcx_f_dots(const float *kT, int64_t n, int64_t D, const float *q, const float *bias, int64_t R,
                                float *sc) {
-    const int64_t np = (n + KVCX_ATTN_PAD - 1) & ~(int64_t)(KVCX_ATTN_PAD - 1);
+    const int64_t np = kvcx_attn_pad(n);
 #if KVCX_ATTN_AVX2
 #define KVCX_F_DOTS_BLOCK(r0, k) \
     kvcx_f_dots_rb(kT, np, D, q + (r0) * D, bias ? bias + (r0) : NULL, k, sc + (r0) * KVCX_ATTN_TILE)
