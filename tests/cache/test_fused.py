@@ -161,20 +161,23 @@ def test_keys_with_a_width_per_channel(group_size, bits, sinks):
 
 @pytest.mark.parametrize("D", [16, 32, 128, 256])
 @pytest.mark.parametrize("scheme", ["kvcx", "reference", "kivi"])
-def test_decode_steps_at_other_head_dims(scheme, D):
-    """Single-token steps at head dims other than 64 (with AVX-512 the codes' products run 32 channels a vector:
-    one block, 4, 8; 16 channels take the 8-lane products), rows per KV head 1, 4 and 7 (register blocks of 4 and a remainder), a batch row left-padded, 3 threads
-    (token ranges that end part way through a block of 16 scores)."""
+def test_steps_at_other_head_dims(scheme, D):
+    """Head dims other than 64. Single-token steps: with AVX-512 the codes' products run 32 channels a vector (one
+    block, 4, 8; 16 channels take the 8-lane products), rows per KV head 1, 4 and 7 (register blocks of 4 and a
+    remainder), a batch row left-padded, 3 threads (token ranges that end part way through a block of 16 scores).
+    A step of 29 tokens (3 x 29 = 87 rows: the float tiles, whole register blocks and a remainder; 16 channels a
+    vector of 16 alone)."""
     rng = np.random.default_rng(D + len(scheme))
     kv = KVConfig.from_scheme(scheme, group_size=max(D, 64))
-    B, H, nr = 2, 2, 11
+    B, H, nr = 2, 2, 33
     chunks = [256 + kv.value.sinks, 512 if D < 256 else 256]
     T = sum(chunks)
     K, V = _kv(rng, B, H, T + nr, D)
     store, Kd, Vd = _build(kv, K, V, chunks)
     rk, rv = np.ascontiguousarray(K[:, :, T:]), np.ascontiguousarray(V[:, :, T:])
     Kf, Vf = np.concatenate([Kd, rk], 2), np.concatenate([Vd, rv], 2)
-    mask = np.zeros((B, T + nr), np.float32)
+    n = T + nr
+    mask = np.zeros((B, n), np.float32)
     mask[1, :77] = -np.inf
     for R in (1, 4, 7):
         q = rng.standard_normal((B, H * R, D)).astype(np.float32)
@@ -182,6 +185,13 @@ def test_decode_steps_at_other_head_dims(scheme, D):
         for threads in (1, 3):
             np.testing.assert_allclose(store.attend(q, rk, rv, mask, D ** -0.5, n_threads=threads), ref,
                                        atol=3e-5, rtol=1e-4)
+    R, Q = 3, 29
+    q = rng.standard_normal((B, H * R, Q, D)).astype(np.float32)
+    keep = np.broadcast_to(np.arange(n)[None, :] <= (n - Q + np.arange(Q))[:, None], (B, Q, n))
+    ref = _reference_multi(q, Kf, Vf, keep, D ** -0.5)
+    for threads in (1, 2):
+        np.testing.assert_allclose(store.attend(q, rk, rv, None, D ** -0.5, n_threads=threads), ref,
+                                   atol=3e-5, rtol=1e-4)
 
 
 def test_long_context_splits_across_threads_and_rotated_keys():
@@ -238,27 +248,6 @@ def test_multi_token_steps(scheme, B, H, R, Q, chunks, nr):
     one = store.attend(np.ascontiguousarray(q[:, :, -1]), rk, rv, None, D ** -0.5)
     np.testing.assert_allclose(store.attend(np.ascontiguousarray(q[:, :, -1:]), rk, rv, None, D ** -0.5)[:, :, 0], one,
                                atol=1e-6, rtol=1e-6)
-
-
-@pytest.mark.parametrize("D", [16, 32, 128])
-@pytest.mark.parametrize("scheme", ["reference", "kivi"])
-def test_multi_token_steps_at_other_head_dims(scheme, D):
-    """Head dims other than 64 on the float tiles: 16 channels (a vector of 16 alone), 32 and 128; rows in
-    whole register blocks and a remainder (3 x 29 = 87 rows)."""
-    rng = np.random.default_rng(D)
-    B, H, R, Q, nr = 1, 2, 3, 29, 33
-    kv = KVConfig.from_scheme(scheme, group_size=max(D, 64))
-    T = 256
-    K, V = _kv(rng, B, H, T + nr, D)
-    store, Kd, Vd = _build(kv, K, V, [T])
-    rk, rv = np.ascontiguousarray(K[:, :, T:]), np.ascontiguousarray(V[:, :, T:])
-    n = T + nr
-    q = rng.standard_normal((B, H * R, Q, D)).astype(np.float32)
-    keep = np.broadcast_to(np.arange(n)[None, :] <= (n - Q + np.arange(Q))[:, None], (B, Q, n))
-    ref = _reference_multi(q, np.concatenate([Kd, rk], 2), np.concatenate([Vd, rv], 2), keep, D ** -0.5)
-    for threads in (1, 2):
-        np.testing.assert_allclose(store.attend(q, rk, rv, None, D ** -0.5, n_threads=threads), ref,
-                                   atol=3e-5, rtol=1e-4)
 
 
 def test_fully_masked_prefix_and_extreme_scores():
