@@ -43,7 +43,8 @@
    scratch, then read by the same dot products and accumulations. A value code c becomes c' = c + 8 - 2^(bits - 1)
    (centred, as 4-bit codes are): s (c' - 8) is its value when symmetric, s (c' - 8) + z + 2^(bits - 1) s when
    asymmetric. A key code becomes c + 8 - 2^(bits - 1) when symmetric (s (c' - 8)), stays c when asymmetric
-   (s c + z). Nothing larger than a tile is ever unpacked.
+   (s c + z). Nothing larger than a tile is ever unpacked. (With AVX-512 VBMI, 128 codes a round: one byte
+   permute and one multishift put every pair of codes side by side in a byte.)
 
    Keys with a width per channel (kvcx.widths, kvcx2w; _widths.h): each group of gs tokens is a block whose
    channel d decodes as base_d + step_d c (c of w_d bits, stored as w_d bit planes), so
@@ -973,6 +974,29 @@ static inline void kvcx_h2f_perm(const uint16_t *h, int64_t D, float *out) {
    (n / 2 bytes: code 2i in the low nibble of byte i). */
 static inline void kvcx_attn_widen(const uint8_t *p, int64_t n, int bits, uint8_t add, uint8_t *out) {
     int64_t i = 0;
+#if defined(__AVX512VBMI__) && defined(__AVX512BW__)
+    {   /* 128 codes a round: each 16 codes' 2 bits bytes into a 64-bit lane; output byte k of a lane is the 8 bits
+           from bit 2 bits k (codes 2k and 2k + 1 side by side, one multishift), the second code moved up to bit 4 */
+        const uint64_t rep = 0x0101010101010101ULL * (uint64_t)(2 * bits);   /* 2 bits source bytes per lane */
+        const uint64_t pat = bits == 3 ? 0x0000050403020100ULL : 0x0000000003020100ULL;
+        const __m512i idx = _mm512_set_epi64((long long)(pat + 7 * rep), (long long)(pat + 6 * rep),
+                                             (long long)(pat + 5 * rep), (long long)(pat + 4 * rep),
+                                             (long long)(pat + 3 * rep), (long long)(pat + 2 * rep),
+                                             (long long)(pat + rep), (long long)pat);
+        const __m512i ctl = _mm512_set1_epi64(bits == 3 ? 0x2A241E18120C0600LL : 0x1C1814100C080400LL);
+        const __m512i lo = _mm512_set1_epi8((char)((1 << bits) - 1));
+        const __m512i hi = _mm512_set1_epi8((char)(((1 << bits) - 1) << 4));
+        const __m512i a16 = _mm512_set1_epi8((char)(add * 17));
+        const __mmask64 m = (__mmask64)((1ULL << (16 * bits)) - 1);   /* the round's 16 bits bytes */
+        for (; i + 128 <= n; i += 128) {
+            const __m512i x = _mm512_multishift_epi64_epi8(
+                ctl, _mm512_permutexvar_epi8(idx, _mm512_maskz_loadu_epi8(m, p + i * bits / 8)));
+            const __m512i r = _mm512_or_si512(_mm512_and_si512(x, lo),
+                                              _mm512_and_si512(_mm512_slli_epi16(x, 4 - bits), hi));
+            _mm512_storeu_si512(out + i / 2, _mm512_add_epi8(r, a16));
+        }
+    }
+#endif
 #if KVCX_ATTN_AVX2
     if (bits == 3) {   /* 64 codes (24 bytes) per round: 3 bytes (8 codes) to each 32-bit lane, where code j moves
                           from bit 3j to bit 4j (nibble j: the 4-bit layout) */

@@ -858,6 +858,9 @@ static const char *kvcx_simd_flags(void) {
 #ifdef __AVX512BW__
     "avx512bw "
 #endif
+#ifdef __AVX512VBMI__
+    "avx512vbmi "
+#endif
 #ifdef __ARM_NEON
     "neon "
 #endif
