@@ -56,7 +56,7 @@ def headline() -> str:
         return f"{r[6]} perplexity at {r[1]} bits/value ({r[2]} vs FP16), KLD {float(r[7]):.4f}, top-1 {r[8]}"
 
     ref = find(codec, "reference")
-    fused8k = gen[("8000", "KvcxCache fused")]
+    fused8k = gen[("8000", "KvcxCache fused")]   # context, cache, tok/s, vs DynamicCache, step, its step, attn, vs SDPA
     fused_held = find(table(RESULTS / "generate.md", "Agreement"), "KvcxCache fused")   # bytes held, vs FP16
     kv = find(lmc, "kvcx default")
     fp8 = find(lmc, "LMCache fp8")
@@ -73,7 +73,7 @@ def headline() -> str:
         f"| encode / decode (reference scheme, 2 threads) | {ref[2]} / {ref[4]} GB/s: {ref[8]}x / {ref[10]}x a "
         f"memory copy | [codec](docs/results/codec.md) |",
         f"| decode after 8,000 tokens, `KvcxCache` fused vs `DynamicCache` | {fused8k[2]} tok/s, {fused8k[3]} end "
-        f"to end; attention {fused8k[6]} SDPA | [generate](docs/results/generate.md) |",
+        f"to end; attention {fused8k[7]} SDPA | [generate](docs/results/generate.md) |",
         f"| memory held, `KvcxCache` fused | {fused_held[4]} an FP16 `DynamicCache` (everything reachable) | "
         "[generate](docs/results/generate.md) |",
         f"| LMCache chunk, kvcx serde vs LMCache fp8 | {kv[2]} vs {fp8[2]} smaller than BF16; serialize "
