@@ -16,8 +16,9 @@ preset: fused where the kernel reads the preset's codes, else materialising (lab
    logits with the materialising path's (max |difference|). Greedy generation from the same prompt
    reports the first diverging position (not a gate). Bytes held: every array the cache keeps alive.
 2. Decode speed after a context of each length, each cache against DynamicCache in a fresh process of
-   its own (the two alone: in a process that also holds the other caches DynamicCache's step ran 10-40 %
-   slower, from its allocations' page faults among them): the context is prefilled once (DynamicCache)
+   its own (the two alone: in a process that also holds the other caches DynamicCache's step ran slower,
+   83-108 ms vs 65-78 ms after 8,000 tokens in ad hoc runs, partly from page faults of its allocations):
+   the context is prefilled once (DynamicCache)
    and copied into both, then the two decode in interleaved rounds (median step). Per step: tokens/s and
    ratio vs that process's DynamicCache, the attention part (all layers: the attention functions timed
    apart, SDPA for DynamicCache), the bytes the attention reads, and the kvcx kernel share.
