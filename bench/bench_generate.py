@@ -16,10 +16,9 @@ preset: fused where the kernel reads the preset's codes, else materialising (lab
    logits with the materialising path's (max |difference|). Greedy generation from the same prompt
    reports the first diverging position (not a gate). Bytes held: every array the cache keeps alive.
 2. Decode speed after a context of each length, each cache against DynamicCache in a fresh process of
-   its own (the two alone: in a process that also holds the other caches DynamicCache's step ran slower,
-   83-108 ms vs 65-78 ms after 8,000 tokens in ad hoc runs, partly from page faults of its allocations):
-   the context is prefilled once (DynamicCache)
-   and copied into both, then the two decode in interleaved rounds (median step). Per step: tokens/s and
+   its own (the two alone: in a process that also holds the other caches DynamicCache's step is slower,
+   which overstated the ratios; see docs/RESULTS.md): the context is prefilled once (DynamicCache) and
+   copied into both, then the two decode in interleaved rounds (median step). Per step: tokens/s and
    ratio vs that process's DynamicCache, the attention part (all layers: the attention functions timed
    apart, SDPA for DynamicCache), the bytes the attention reads, and the kvcx kernel share.
 3. A multi-token step (a long prompt's next chunk, or a batch of draft tokens to verify): after a
@@ -63,6 +62,20 @@ def timed_attention():
         return timed
 
     AttentionInterface.register(attention_fn.ATTN_IMPLEMENTATION, wrap(attention_fn.kvcx_attention_forward))
+
+
+def model_and_ids(dataset_file, n, timed=True):
+    """The embedded model with kvcx's attention (timed apart when `timed`), the first n tokens of the text."""
+    import torch
+
+    from kvcx.quality.models import load_dataset_text, load_model_and_tokenizer
+
+    model, tok, name = load_model_and_tokenizer(cpu=True)
+    if timed:
+        timed_attention()
+    model.set_attn_implementation("kvcx")  # SDPA for everything but KvcxCache's fused steps
+    ids = torch.tensor(tok(load_dataset_text(dataset_file)[: n * 12])["input_ids"][:n])[None]
+    return model, ids, name
 
 
 def make_caches(model, with_quanto=True, presets=()):
@@ -174,14 +187,15 @@ def speed_child(label, context, args):
     import torch
     from transformers import DynamicCache
 
-    from kvcx.quality.models import load_dataset_text, load_model_and_tokenizer
-
-    model, tok, _ = load_model_and_tokenizer(cpu=True)
-    timed_attention()
-    model.set_attn_implementation("kvcx")
+    model, ids, _ = model_and_ids(args.dataset_file, context + 1)
+    ids = ids[:, :context]
     cfg = model.config
-    ids = torch.tensor(tok(load_dataset_text(args.dataset_file)[: (context + 1) * 12])["input_ids"][:context])[None]
-    mk = make_caches(model, label == QUANTO, args.presets)[label]
+    caches = make_caches(model, label == QUANTO, args.presets)
+    if label not in caches or label == "DynamicCache":
+        others = ", ".join(c for c in caches if c != "DynamicCache")
+        raise SystemExit(f"bench_generate: --speed-child: no cache {label!r} to compare (with --presets "
+                         f"{' '.join(args.presets) or '(none)'}: {others})")
+    mk = caches[label]
     base = DynamicCache()
     with torch.inference_mode():
         out = model(ids, past_key_values=base, use_cache=True)
@@ -214,17 +228,13 @@ def rss_child(kind, context, steps, dataset_file):
     from transformers import DynamicCache
 
     from kvcx.cache.kvcx_cache import KvcxCache
-    from kvcx.quality.models import load_dataset_text, load_model_and_tokenizer
-
     def status(field):
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
         return None
 
-    model, tok, _ = load_model_and_tokenizer(cpu=True)
-    model.set_attn_implementation("kvcx")
-    ids = torch.tensor(tok(load_dataset_text(dataset_file)[: context * 12])["input_ids"][:context + 1])[None]
+    model, ids, _ = model_and_ids(dataset_file, context + 1, timed=False)
     cache = DynamicCache() if kind == "dynamic" else KvcxCache(model.config, fused=True)
     with torch.inference_mode():
         out = model(ids[:, :context], past_key_values=cache, use_cache=True)
@@ -307,24 +317,29 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.rss_child:
         return rss_child(args.rss_child[0], args.rss_context, int(args.rss_child[1]), args.dataset_file)
+    from kvcx.codecs import KVConfig
+    from kvcx.errors import KvcxError
+
+    for p in args.presets:   # a clear error before the model loads
+        try:
+            KVConfig.from_scheme(p)
+        except KvcxError as e:
+            ap.error(f"--presets {p}: {e}")
     if args.speed_child:
-        return speed_child(args.speed_child[0], int(args.speed_child[1]), args)
+        ctx = args.speed_child[1]
+        if not ctx.isdigit() or int(ctx) < 1:
+            ap.error(f"--speed-child: the context must be a positive number of tokens, got {ctx!r}")
+        return speed_child(args.speed_child[0], int(ctx), args)
 
     import torch
     from report import Report
 
     emit = Report()
 
-    from kvcx.quality.models import load_dataset_text, load_model_and_tokenizer
-
-    model, tok, name = load_model_and_tokenizer(cpu=True)
-    timed_attention()
-    model.set_attn_implementation("kvcx")  # SDPA for everything but KvcxCache's fused steps
+    need = max(args.prompt + args.steps, max(args.contexts) + 1, args.chunk_prefix + args.chunk)
+    model, ids, name = model_and_ids(args.dataset_file, need)
     cfg = model.config
     L, Hkv, D = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
-    text = load_dataset_text(args.dataset_file)
-    need = max(args.prompt + args.steps, max(args.contexts) + 1, args.chunk_prefix + args.chunk)
-    ids = torch.tensor(tok(text[: need * 12])["input_ids"][:need])[None]
     emit(f"# {name}: {L} layers, {Hkv} KV heads of {D}, {cfg.num_attention_heads} query heads; FP32 on CPU; "
           f"torch threads {torch.get_num_threads()}, kvcx threads {torch.get_num_threads()}")
     caches = make_caches(model, not args.no_quanto, args.presets)
