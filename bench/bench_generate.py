@@ -26,8 +26,9 @@ preset: fused where the kernel reads the preset's codes, else materialising (lab
    --chunk-token step, --chunk-reps times per cache interleaved (median): step time, the attention part
    (all layers) vs SDPA over DynamicCache, the layer steps per path and the full-precision scratch the
    cache holds after it (the materialising path decodes the whole context into it; the fused path none).
-4. Peak RSS while decoding after an 8,000-token context, each cache in a fresh process: the growth of
-   the resident set during the decode steps (VmHWM after a reset minus VmRSS before).
+4. Peak RSS of an 8,000-token prefill and of the decode steps after it, each cache in a fresh process
+   (VmHWM after a reset): DynamicCache, KvcxCache, and KvcxCache with release_heap=False (the C heap's
+   free pages kept: what the prefill's temporaries leave resident without kvcx handing them back).
 Threads: torch and kvcx both on torch.get_num_threads() (printed).
 """
 from __future__ import annotations
@@ -43,6 +44,9 @@ from pathlib import Path
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared/data/wikitext-2-raw/wiki.test.raw"
 QUANTO = "QuantizedCache (quanto int4 g64)"
 ATTN_TIME = {"s": 0.0}
+# the RSS section's fresh processes: kind -> row label
+RSS_KINDS = {"dynamic": "DynamicCache", "kvcx": "KvcxCache fused",
+             "kvcx-heap-kept": "KvcxCache fused, release_heap=False"}
 
 
 def timed_attention():
@@ -235,9 +239,14 @@ def rss_child(kind, context, steps, dataset_file):
         return None
 
     model, ids, _ = model_and_ids(dataset_file, context + 1, timed=False)
-    cache = DynamicCache() if kind == "dynamic" else KvcxCache(model.config, fused=True)
+    cache = DynamicCache() if kind == "dynamic" else KvcxCache(model.config, fused=True,
+                                                               release_heap=kind != "kvcx-heap-kept")
+    gc.collect()
+    loaded = status("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
     with torch.inference_mode():
         out = model(ids[:, :context], past_key_values=cache, use_cache=True)
+        prefill_peak = status("VmHWM")
         t = out.logits[:, -1:].argmax(-1)
         del out
         gc.collect()
@@ -249,7 +258,8 @@ def rss_child(kind, context, steps, dataset_file):
             t = model(t, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
     peak = status("VmHWM")
     held = cache_bytes(cache)
-    print(json.dumps({"kind": kind, "rss_before": before, "peak": peak, "growth": peak - before, "held": held}))
+    print(json.dumps({"kind": kind, "loaded": loaded, "prefill_peak": prefill_peak, "rss_before": before, "peak": peak,
+                      "growth": peak - before, "held": held}))
 
 
 def multi_token(model, ids, caches, args, emit):
@@ -316,6 +326,8 @@ def main(argv=None):
     ap.add_argument("--markdown", type=Path, default=None, help="also write the tables to this file")
     args = ap.parse_args(argv)
     if args.rss_child:
+        if args.rss_child[0] not in RSS_KINDS or not args.rss_child[1].isdigit():
+            ap.error(f"--rss-child {' '.join(args.rss_child)}: KIND is one of {', '.join(RSS_KINDS)}, STEPS a count")
         return rss_child(args.rss_child[0], args.rss_context, int(args.rss_child[1]), args.dataset_file)
     from kvcx.codecs import KVConfig
     from kvcx.errors import KvcxError
@@ -410,21 +422,25 @@ def main(argv=None):
         multi_token(model, ids, caches, args, emit)
 
     if "rss" not in args.skip:
-        emit(f"\n## Peak RSS while decoding 32 steps after a {args.rss_context}-token context (fresh process "
+        emit(f"\n## Peak RSS while prefilling {args.rss_context:,} tokens, then decoding 32 steps (fresh process "
               "each)\n")
-        emit("| cache | RSS before decode | peak during decode | growth | bytes held |")
-        emit("|---|---:|---:|---:|---:|")
-        for kind in ("dynamic", "kvcx"):
+        emit("RSS with the model loaded, its peak during the prefill, RSS after it (and a first step), peak while "
+             "decoding; KvcxCache with and without `release_heap` (default on: the C heap's free pages handed back "
+             "after each layer packs the prompt).\n")
+        emit("| cache | RSS loaded | peak during prefill | RSS before decode | peak during decode | growth | "
+             "bytes held |")
+        emit("|---|---:|---:|---:|---:|---:|---:|")
+        for kind, label in RSS_KINDS.items():
             r = subprocess.run([sys.executable, __file__, "--rss-child", kind, "32", "--rss-context",
                                 str(args.rss_context), "--dataset-file", str(args.dataset_file)],
                                capture_output=True, text=True, env=child_env())
             line = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
             if r.returncode or not line:
-                emit(f"| {kind} | failed: {r.stderr.strip().splitlines()[-1:]} |||")
+                emit(f"| {label} | failed: {r.stderr.strip().splitlines()[-1:]} ||||||")
                 continue
             d = json.loads(line[-1])
-            label = "DynamicCache" if kind == "dynamic" else "KvcxCache fused"
-            emit(f"| {label} | {d['rss_before'] / 2**20:.0f} MiB | {d['peak'] / 2**20:.0f} MiB | "
+            mib = {k: f"{d[k] / 2**20:.0f} MiB" for k in ("loaded", "prefill_peak", "rss_before", "peak")}
+            emit(f"| {label} | {mib['loaded']} | {mib['prefill_peak']} | {mib['rss_before']} | {mib['peak']} | "
                   f"{d['growth'] / 2**20:.1f} MiB | {d['held'] / 2**20:.1f} MiB |", flush=True)
 
     if args.markdown:

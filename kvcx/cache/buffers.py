@@ -1,8 +1,10 @@
-"""Buffers a KvcxCache's layers share: the materialising path's full-precision scratch and the step's
-attention mask as the attention kernels read it (converted once per step: every layer gets the same mask)."""
+"""Buffers a KvcxCache's layers share: the materialising path's full-precision scratch, the step's
+attention mask as the attention kernels read it (converted once per step: every layer gets the same mask),
+and the release of the C heap's free pages after a prompt is packed."""
 from __future__ import annotations
 
-from typing import Tuple
+import ctypes
+from typing import Callable, Optional, Tuple
 
 import numpy as np
 import torch
@@ -93,3 +95,40 @@ class MaskConverter:
                if m.dtype == torch.bool else m.to(torch.float32)).expand(B, kv_len).contiguous()
         self._last_add = (attention_mask, add, attention_mask.numel() * attention_mask.element_size() + add.numel() * 4)
         return add
+
+
+def _malloc_trim() -> Optional[Callable[[int], int]]:
+    """glibc's ``malloc_trim``, or None where the C library has none (macOS, musl, Windows)."""
+    try:
+        fn = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError, TypeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
+    return fn
+
+
+class HeapRelease:
+    """Hands the C heap's free pages back to the OS (glibc's ``malloc_trim``) after a layer packs a prompt
+    chunk of at least ``min_tokens`` tokens on the CPU.
+
+    Why: a long prompt's prefill makes large short-lived tensors (each layer's hidden states, queries and
+    full-precision keys and values; 18 MB each for 8,000 tokens of a 576-wide model), and glibc serves them
+    from its heap once its mmap threshold has risen. The packed store a layer keeps is small and born among
+    them, so the freed space is split into holes the next layer's tensors do not fit: the heap grows layer
+    after layer, and the process keeps the holes resident (with and without: the RSS table of
+    docs/results/generate.md, ``bench/bench_generate.py``). A no-op where the C library has no ``malloc_trim``.
+    """
+
+    def __init__(self, enabled: bool = True, min_tokens: int = 1024):
+        self._trim = _malloc_trim() if enabled else None
+        self.min_tokens = min_tokens
+        self.count = 0   # releases so far
+
+    @property
+    def active(self) -> bool:
+        return self._trim is not None
+
+    def after_pack(self, tokens: int) -> None:
+        if self._trim is not None and tokens >= self.min_tokens:
+            self._trim(0)
+            self.count += 1

@@ -52,7 +52,7 @@ import transformers
 from transformers.cache_utils import Cache, DynamicLayer
 
 from kvcx.cache.attention_fn import ATTN_IMPLEMENTATION, HANDOFF
-from kvcx.cache.buffers import MaskConverter, Scratch
+from kvcx.cache.buffers import HeapRelease, MaskConverter, Scratch
 from kvcx.cache.fused import ATTN_MAX_ROWS, CAUSAL, NO_MASK, Workspace
 from kvcx.cache.device_store import BACKEND, DevicePackedKV, runs_on_device
 from kvcx.cache.store import PackedKV
@@ -96,7 +96,7 @@ class KvcxLayer(DynamicLayer):
 
     def __init__(self, kv_config: KVConfig, residual_length: int, scratch: Scratch, workspace: Workspace,
                  masks: MaskConverter, timer: KernelTimer, query_group: int,
-                 key_weights: Optional[np.ndarray] = None, layer_idx: int = 0):
+                 key_weights: Optional[np.ndarray] = None, layer_idx: int = 0, heap: Optional[HeapRelease] = None):
         super().__init__()
         self.layer_idx = layer_idx
         self.kv_config = kv_config
@@ -105,6 +105,7 @@ class KvcxLayer(DynamicLayer):
         self._workspace = workspace
         self._masks = masks
         self._timer = timer
+        self._heap = heap if heap is not None else HeapRelease(enabled=False)
         self._query_group = query_group
         first = {"key": kv_config.key, "value": kv_config.value}
         self._codecs_first = first
@@ -161,8 +162,9 @@ class KvcxLayer(DynamicLayer):
         if n_res >= self.residual_length:
             n_flush = (n_res // self.residual_length) * self.residual_length
             self._encode(self.keys[:, :, :n_flush], self.values[:, :, :n_flush])
-            self.keys = self.keys[:, :, n_flush:].contiguous()
-            self.values = self.values[:, :, n_flush:].contiguous()
+            self.keys, self.values = _owned(self.keys[:, :, n_flush:]), _owned(self.values[:, :, n_flush:])
+            if self.device.type == "cpu":   # the model's prefill temporaries are on the C heap
+                self._heap.after_pack(n_flush)
 
     def _materialize(self, new_k: Optional[torch.Tensor], new_v: Optional[torch.Tensor]):
         """[dequantized chunks, residual, new tokens] for attention, in the shared scratch buffers."""
@@ -236,21 +238,30 @@ class KvcxLayer(DynamicLayer):
         self.cumulative_length += Q
         self.last_step = Q if Q < self.residual_length else 0   # a longer step is a prompt chunk: packed now
         if self._fusable(Q) and self._takes_fused_step(mode):
-            self.keys = torch.cat([self.keys, key_states], dim=-2)
-            self.values = torch.cat([self.values, value_states], dim=-2)
+            self._extend(key_states, value_states)
             HANDOFF.post(key_states, self)
             return key_states, value_states
-        if len(self.store):
+        packed = len(self.store) > 0
+        if packed:
             keys_out, values_out = self._materialize(key_states, value_states)
             self.steps["materialised"] += 1
         else:
-            keys_out = torch.cat([self.keys, key_states], dim=-2)
-            values_out = torch.cat([self.values, value_states], dim=-2)
             self.steps["full_precision"] += 1
-        self.keys = torch.cat([self.keys, key_states], dim=-2)
-        self.values = torch.cat([self.values, value_states], dim=-2)
+        self._extend(key_states, value_states)
+        if not packed:   # nothing packed yet: attention reads the residual itself
+            keys_out, values_out = self.keys, self.values
         self.pack_residual(self.last_step)
         return keys_out, values_out
+
+    def _extend(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Append the step's states to the residual (contiguous: the fused kernel reads it as an array). A
+        prompt chunk (``residual_length`` tokens or more) after an empty residual is taken as it comes, without
+        a copy where contiguous: it is packed before the step returns, and only the copy of its remainder stays."""
+        if self.keys.shape[-2] == 0 and key_states.shape[-2] >= self.residual_length:
+            self.keys, self.values = key_states.contiguous(), value_states.contiguous()
+        else:
+            self.keys = torch.cat([self.keys, key_states], dim=-2)
+            self.values = torch.cat([self.values, value_states], dim=-2)
 
     def _fusable(self, Q: int) -> bool:
         """Whether a step of Q tokens may run fused: one token, or a few hundred over a packed history (a
@@ -346,8 +357,7 @@ class KvcxLayer(DynamicLayer):
                             f"still in full precision (the others are packed, append-only); speculative decoding "
                             f"with residual_length={self.residual_length} draft tokens or more needs a larger "
                             "residual_length")
-        self.keys = self.keys[:, :, :n_res - n].contiguous()
-        self.values = self.values[:, :, :n_res - n].contiguous()
+        self.keys, self.values = _owned(self.keys[:, :, :n_res - n]), _owned(self.values[:, :, :n_res - n])
         self.cumulative_length -= n
         self.last_step = max(0, self.last_step - n)
 
@@ -366,9 +376,10 @@ class KvcxLayer(DynamicLayer):
         return self.store.nbytes if self.store is not None else 0
 
     def residual_bytes(self) -> int:
+        """Bytes the full-precision residual holds (its tensors' whole storage)."""
         if not self.is_initialized:
             return 0
-        return (self.keys.numel() + self.values.numel()) * self.keys.element_size()
+        return self.keys.untyped_storage().nbytes() + self.values.untyped_storage().nbytes()
 
 
 class KvcxCache(Cache):
@@ -385,6 +396,10 @@ class KvcxCache(Cache):
     fused: None (default): decode steps and steps of up to a few hundred tokens over a packed history run
         the fused kernel when the model's attention is ``"kvcx"`` and the codecs allow it, else the
         materialising path; False: always materialise; True: such a step that cannot run fused is an error.
+    release_heap: True (default): after a layer packs a prompt chunk of 1,024 tokens or more on the CPU, hand
+        the C heap's free pages back to the OS (glibc's ``malloc_trim``; see :class:`kvcx.cache.buffers.HeapRelease`):
+        without it a long prompt's prefill leaves the process holding GBs of freed temporaries. False: leave the
+        heap to the C library.
     backend: where the packed store lives and which kernels run: None (default) by the model's device (CUDA:
         the Triton kernels, with the store on the GPU, for 4-bit integer codecs where triton is installed;
         CPU: the CPU kernels); ``"triton"`` forces the device store and the Triton kernels (Triton's
@@ -394,7 +409,7 @@ class KvcxCache(Cache):
     def __init__(self, config, group_size: Optional[int] = None, scheme: str = DEFAULT_SCHEME,
                  residual_length: int = 64, bits: Optional[int] = None, sinks: Optional[int] = None, rotate: Optional[bool] = None,
                  kv_config: Optional[KVConfig] = None, n_threads: Optional[int] = None,
-                 fused: Optional[bool] = None, backend: Optional[str] = None):
+                 fused: Optional[bool] = None, backend: Optional[str] = None, release_heap: bool = True):
         kv = kv_config or KVConfig.from_scheme(scheme, group_size=group_size, bits=bits, sinks=sinks, rotate=rotate,
                                                n_threads=n_threads)
         if kv_config is not None and n_threads is not None:  # n_threads applies to a ready config too
@@ -412,6 +427,8 @@ class KvcxCache(Cache):
             raise KvcxError(f"KvcxCache supports full-attention models only; this model has {sorted(bad)} layers")
         if fused not in (None, True, False):
             raise KvcxError(f"fused must be None (automatic), True or False, got {fused!r}")
+        if not isinstance(release_heap, bool):
+            raise KvcxError(f"release_heap must be True or False, got {release_heap!r}")
         if backend is not None:
             kv = _on_backend(kv, check_backend(backend), text.num_hidden_layers)
         heads = getattr(text, "num_attention_heads", None)
@@ -425,12 +442,14 @@ class KvcxCache(Cache):
         self._timer = KernelTimer()
         self._scratch = Scratch()
         self._masks = MaskConverter()
+        self._heap = HeapRelease(enabled=release_heap)
         self._mode: Optional[StepMode] = None   # this step's, decided at its first layer
         self._hinted = False                    # told how to turn the fused path on (once per cache)
         workspace = Workspace()  # the fused kernel's scratch, one for all layers
         super().__init__(layers=[KvcxLayer(_fitted(kv.for_layer(i), kv_heads, residual_length, head_dim),
                                            residual_length, self._scratch, workspace, self._masks, self._timer,
-                                           self.query_group, kv.weights_for(f"layer_{i}_key"), layer_idx=i)
+                                           self.query_group, kv.weights_for(f"layer_{i}_key"), layer_idx=i,
+                                           heap=self._heap)
                                  for i in range(text.num_hidden_layers)])
         self._workspace = workspace
 
@@ -483,7 +502,9 @@ class KvcxCache(Cache):
         attention mask (scratch_bytes) + the fused kernel's workspace (a few KiB per task, shared by
         the layers).
 
-        ``attention_steps``: layer steps per path (fused kernel, materialised scratch, or all full precision)."""
+        ``attention_steps``: layer steps per path (fused kernel, materialised scratch, or all full precision).
+        ``heap_releases``: times a layer handed the C heap's free pages back after packing a prompt chunk
+        (``release_heap``)."""
         packed = sum(layer.packed_bytes() for layer in self.layers)
         residual = sum(layer.residual_bytes() for layer in self.layers)
         scratch = self._scratch.nbytes() + self._masks.nbytes()
@@ -502,7 +523,7 @@ class KvcxCache(Cache):
                 "model_dtype_equivalent_bytes": values * (self.layers[0].dtype.itemsize
                                                           if self.layers and self.layers[0].is_initialized else 2),
                 "bits_per_value": 8.0 * (packed + residual) / values if values else 0.0,
-                "backend": self.backend}
+                "backend": self.backend, "heap_releases": self._heap.count}
 
     def nbytes(self) -> int:
         return self.memory_report()["total_bytes"]
@@ -513,6 +534,13 @@ class KvcxCache(Cache):
         ("cpu+triton": a plan whose layers differ), or "" before the first step."""
         return "+".join(sorted({"triton" if layer.on_device else "cpu" for layer in self.layers
                                 if layer.is_initialized}))
+
+
+def _owned(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of a slice of the residual that holds only its own elements. ``.contiguous()`` would
+    return the slice itself where it already is contiguous (every packed token dropped, or one KV head), and
+    keep the whole step's storage alive: an 8,000-token prompt packed whole kept 12 MB a layer in FP32."""
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 def _on_backend(kv: KVConfig, backend: str, layers: int) -> KVConfig:
