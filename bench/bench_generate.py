@@ -245,7 +245,9 @@ def rss_child(kind, context, steps, dataset_file):
     loaded = status("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
     with torch.inference_mode():
+        t0 = time.perf_counter()
         out = model(ids[:, :context], past_key_values=cache, use_cache=True)
+        prefill_s = time.perf_counter() - t0
         prefill_peak = status("VmHWM")
         t = out.logits[:, -1:].argmax(-1)
         del out
@@ -258,7 +260,8 @@ def rss_child(kind, context, steps, dataset_file):
             t = model(t, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
     peak = status("VmHWM")
     held = cache_bytes(cache)
-    print(json.dumps({"kind": kind, "loaded": loaded, "prefill_peak": prefill_peak, "rss_before": before, "peak": peak,
+    print(json.dumps({"kind": kind, "loaded": loaded, "prefill_s": prefill_s, "prefill_peak": prefill_peak,
+                      "rss_before": before, "peak": peak,
                       "growth": peak - before, "held": held}))
 
 
@@ -424,24 +427,25 @@ def main(argv=None):
     if "rss" not in args.skip:
         emit(f"\n## Peak RSS while prefilling {args.rss_context:,} tokens, then decoding 32 steps (fresh process "
               "each)\n")
-        emit("RSS with the model loaded, its peak during the prefill, RSS after it (and a first step), peak while "
+        emit("RSS with the model loaded, the prefill's time and peak RSS, RSS after it (and a first step), peak while "
              "decoding; KvcxCache with and without `release_heap` (default on: the C heap's free pages handed back "
              "after each layer packs the prompt).\n")
-        emit("| cache | RSS loaded | peak during prefill | RSS before decode | peak during decode | growth | "
+        emit("| cache | RSS loaded | prefill | peak during prefill | RSS before decode | peak during decode | growth | "
              "bytes held |")
-        emit("|---|---:|---:|---:|---:|---:|---:|")
+        emit("|---|---:|---:|---:|---:|---:|---:|---:|")
         for kind, label in RSS_KINDS.items():
             r = subprocess.run([sys.executable, __file__, "--rss-child", kind, "32", "--rss-context",
                                 str(args.rss_context), "--dataset-file", str(args.dataset_file)],
                                capture_output=True, text=True, env=child_env())
             line = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
             if r.returncode or not line:
-                emit(f"| {label} | failed: {r.stderr.strip().splitlines()[-1:]} ||||||")
+                emit(f"| {label} | failed: {r.stderr.strip().splitlines()[-1:]} |||||||")
                 continue
             d = json.loads(line[-1])
             mib = {k: f"{d[k] / 2**20:.0f} MiB" for k in ("loaded", "prefill_peak", "rss_before", "peak")}
-            emit(f"| {label} | {mib['loaded']} | {mib['prefill_peak']} | {mib['rss_before']} | {mib['peak']} | "
-                  f"{d['growth'] / 2**20:.1f} MiB | {d['held'] / 2**20:.1f} MiB |", flush=True)
+            emit(f"| {label} | {mib['loaded']} | {d['prefill_s']:.1f} s | {mib['prefill_peak']} | "
+                  f"{mib['rss_before']} | {mib['peak']} | {d['growth'] / 2**20:.1f} MiB | "
+                  f"{d['held'] / 2**20:.1f} MiB |", flush=True)
 
     if args.markdown:
         parts = [p for p, skip in (("agreement with DynamicCache", "agreement"),

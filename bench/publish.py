@@ -58,6 +58,8 @@ def headline() -> str:
     ref = find(codec, "reference")
     fused8k = gen[("8000", "KvcxCache fused")]   # context, cache, tok/s, vs DynamicCache, step, its step, attn, vs SDPA
     fused_held = find(table(RESULTS / "generate.md", "Agreement"), "KvcxCache fused")   # bytes held, vs FP16
+    rss = table(RESULTS / "generate.md", "Peak RSS")  # cache, loaded, prefill s, prefill peak, before decode, ...
+    rss_kv, rss_dyn = find(rss, "KvcxCache fused"), find(rss, "DynamicCache")  # the first such row: release_heap on
     kv = find(lmc, "kvcx default")
     fp8 = find(lmc, "LMCache fp8")
     q_rel = "[quality](docs/results/quality.md)"
@@ -76,6 +78,8 @@ def headline() -> str:
         f"to end; attention {fused8k[7]} SDPA | [generate](docs/results/generate.md) |",
         f"| memory held, `KvcxCache` fused | {fused_held[4]} an FP16 `DynamicCache` (everything reachable) | "
         "[generate](docs/results/generate.md) |",
+        f"| process RSS after an 8,000-token prompt, `KvcxCache` vs `DynamicCache` | {rss_kv[4]} vs {rss_dyn[4]} "
+        f"(peak during the prefill {rss_kv[3]} vs {rss_dyn[3]}) | [generate](docs/results/generate.md) |",
         f"| LMCache chunk, kvcx serde vs LMCache fp8 | {kv[2]} vs {fp8[2]} smaller than BF16; serialize "
         f"{kv[7]} vs {fp8[7]} GB/s, deserialize {kv[9]} vs {fp8[9]} GB/s (2 threads) | "
         "[lmcache](docs/results/lmcache.md) |",
