@@ -220,8 +220,15 @@ def speed_child(label, context, args):
     print(json.dumps(res))
 
 
-def child_env():
-    return {**os.environ, "TQDM_DISABLE": "1"}
+def run_child(*argv):
+    """This script run again in a fresh process with ``argv``: (the JSON object of its last such line, None) or
+    (None, the last line of its stderr) when it failed."""
+    r = subprocess.run([sys.executable, __file__, *argv], capture_output=True, text=True,
+                       env={**os.environ, "TQDM_DISABLE": "1"})
+    line = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
+    if r.returncode or not line:
+        return None, r.stderr.strip().splitlines()[-1:]
+    return json.loads(line[-1]), None
 
 
 def rss_child(kind, context, steps, dataset_file):
@@ -261,8 +268,7 @@ def rss_child(kind, context, steps, dataset_file):
     peak = status("VmHWM")
     held = cache_bytes(cache)
     print(json.dumps({"kind": kind, "loaded": loaded, "prefill_s": prefill_s, "prefill_peak": prefill_peak,
-                      "rss_before": before, "peak": peak,
-                      "growth": peak - before, "held": held}))
+                      "rss_before": before, "peak": peak, "growth": peak - before, "held": held}))
 
 
 def multi_token(model, ids, caches, args, emit):
@@ -399,15 +405,12 @@ def main(argv=None):
         for ctx in args.contexts:
             paths = []
             for label in (lb for lb in caches if lb != "DynamicCache"):
-                cmd = [sys.executable, __file__, "--speed-child", label, str(ctx), "--rounds", str(args.rounds),
-                       "--per-round", str(args.per_round), "--dataset-file", str(args.dataset_file),
-                       "--presets", *args.presets]
-                r = subprocess.run(cmd, capture_output=True, text=True, env=child_env())
-                line = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
-                if r.returncode or not line:
-                    emit(f"| {ctx} | {label} | failed: {r.stderr.strip().splitlines()[-1:]} ||||||||")
+                res, err = run_child("--speed-child", label, str(ctx), "--rounds", str(args.rounds), "--per-round",
+                                     str(args.per_round), "--dataset-file", str(args.dataset_file),
+                                     "--presets", *args.presets)
+                if res is None:
+                    emit(f"| {ctx} | {label} | failed: {err} ||||||||")
                     continue
-                res = json.loads(line[-1])
                 d, k = res["DynamicCache"], res[label]
                 mb = (lambda b: f"{b / 1e6:.1f} MB" if b is not None else "n/a")
                 share = f"{k['share']:.0%}" if label.startswith("KvcxCache") else ""
@@ -434,14 +437,11 @@ def main(argv=None):
              "bytes held |")
         emit("|---|---:|---:|---:|---:|---:|---:|---:|")
         for kind, label in RSS_KINDS.items():
-            r = subprocess.run([sys.executable, __file__, "--rss-child", kind, "32", "--rss-context",
-                                str(args.rss_context), "--dataset-file", str(args.dataset_file)],
-                               capture_output=True, text=True, env=child_env())
-            line = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
-            if r.returncode or not line:
-                emit(f"| {label} | failed: {r.stderr.strip().splitlines()[-1:]} |||||||")
+            d, err = run_child("--rss-child", kind, "32", "--rss-context", str(args.rss_context), "--dataset-file",
+                               str(args.dataset_file))
+            if d is None:
+                emit(f"| {label} | failed: {err} |||||||")
                 continue
-            d = json.loads(line[-1])
             mib = {k: f"{d[k] / 2**20:.0f} MiB" for k in ("loaded", "prefill_peak", "rss_before", "peak")}
             emit(f"| {label} | {mib['loaded']} | {d['prefill_s']:.1f} s | {mib['prefill_peak']} | "
                   f"{mib['rss_before']} | {mib['peak']} | {d['growth'] / 2**20:.1f} MiB | "

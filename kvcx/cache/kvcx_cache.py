@@ -95,8 +95,8 @@ class KvcxLayer(DynamicLayer):
     is_compileable = False
 
     def __init__(self, kv_config: KVConfig, residual_length: int, scratch: Scratch, workspace: Workspace,
-                 masks: MaskConverter, timer: KernelTimer, query_group: int,
-                 key_weights: Optional[np.ndarray] = None, layer_idx: int = 0, heap: Optional[HeapRelease] = None):
+                 masks: MaskConverter, timer: KernelTimer, heap: HeapRelease, query_group: int,
+                 key_weights: Optional[np.ndarray] = None, layer_idx: int = 0):
         super().__init__()
         self.layer_idx = layer_idx
         self.kv_config = kv_config
@@ -105,7 +105,7 @@ class KvcxLayer(DynamicLayer):
         self._workspace = workspace
         self._masks = masks
         self._timer = timer
-        self._heap = heap if heap is not None else HeapRelease(enabled=False)
+        self._heap = heap
         self._query_group = query_group
         first = {"key": kv_config.key, "value": kv_config.value}
         self._codecs_first = first
@@ -448,8 +448,8 @@ class KvcxCache(Cache):
         workspace = Workspace()  # the fused kernel's scratch, one for all layers
         super().__init__(layers=[KvcxLayer(_fitted(kv.for_layer(i), kv_heads, residual_length, head_dim),
                                            residual_length, self._scratch, workspace, self._masks, self._timer,
-                                           self.query_group, kv.weights_for(f"layer_{i}_key"), layer_idx=i,
-                                           heap=self._heap)
+                                           self._heap, self.query_group, kv.weights_for(f"layer_{i}_key"),
+                                           layer_idx=i)
                                  for i in range(text.num_hidden_layers)])
         self._workspace = workspace
 
