@@ -2,10 +2,12 @@
 # One call on a lent CUDA machine (the device tool; see the note on issue 25): build the extension, run the
 # Triton tests on the GPU, then bench_gpu.py with its table under $OUT. Steps as arguments, in order:
 #     bash bench/gpu_session.sh tests bench variants        (each bounded: TESTS_T, BENCH_T, VARIANTS_T seconds)
-# A built extension carried in .dev/so/ (from an earlier call's $OUT) skips the build.
+# A built extension carried in .dev/so/ (from an earlier call's $OUT) skips the build. BENCH_ARGS: more arguments
+# for bench_gpu.py (e.g. --tune).
 set -u
 export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"   # kvcx from this checkout (not installed there)
 OUT=${OUT:-/tmp/kvcx-gpu}
 mkdir -p "$OUT"
 T0=$(date +%s)
@@ -13,10 +15,16 @@ log() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,
 'transformers', transformers.__version__)"
-if ls .dev/so/_core*.so >/dev/null 2>&1; then
-  cp .dev/so/_core*.so kvcx/codecs/ && log "extension carried"
+if ls .dev/so/_core*.so >/dev/null 2>&1 && cp .dev/so/_core*.so kvcx/codecs/ && python3 -c "import kvcx.codecs._core"
+then
+  log "extension carried"
 else
-  log build && python3 setup.py -q build_ext --inplace 2>&1 | tail -3 && cp kvcx/codecs/_core.*.so "$OUT"/ && log built
+  log build; python3 setup.py -q build_ext --inplace 2>&1 | tail -3
+  if ! ls kvcx/codecs/_core.*.so >/dev/null 2>&1; then   # a setuptools too old for pyproject's metadata: without it
+    mv pyproject.toml /tmp/kvcx-pyproject.toml && python3 setup.py -q build_ext --inplace 2>&1 | tail -3
+    mv /tmp/kvcx-pyproject.toml pyproject.toml
+  fi
+  cp kvcx/codecs/_core.*.so "$OUT"/ && log built
 fi
 python3 -c "import kvcx.codecs._core" || exit 1
 for step in "$@"; do
@@ -24,8 +32,8 @@ for step in "$@"; do
     tests) log tests; timeout "${TESTS_T:-240}" python3 -m pytest -q -x -p no:cacheprovider tests/codecs/test_triton.py \
              tests/codecs/test_triton_compile.py tests/cache/test_device_cache.py tests/test_bench_gpu.py 2>&1 \
              | tee "$OUT"/tests.log | tail -30 ;;
-    bench) log bench; timeout "${BENCH_T:-540}" python3 bench/bench_gpu.py --markdown "$OUT"/gpu.md 2>&1 \
-             | tee "$OUT"/bench.log | tail -60 ;;
+    bench) log bench; timeout "${BENCH_T:-540}" python3 bench/bench_gpu.py ${BENCH_ARGS:-} --markdown docs/results/gpu.md \
+             2>&1 | tee "$OUT"/bench.log | tail -60; cp docs/results/gpu.md "$OUT"/ ;;
     variants) log variants; timeout "${VARIANTS_T:-240}" python3 bench/bench_gpu.py --skip attention bandwidth \
              generate --variants --markdown "$OUT"/variants.md 2>&1 | tee "$OUT"/variants.log | tail -30 ;;
     *) echo "unknown step $step (tests, bench, variants)"; exit 2 ;;

@@ -190,7 +190,12 @@ class DevicePackedKV:
 
     def decode_into(self, kind: str, out: torch.Tensor) -> int:
         """Decode every held token of ``kind`` ("key" / "value") into ``out`` [B, H, >= tokens, D] (a tensor on
-        the store's device) from token 0; returns the tokens written."""
+        the store's device, FP16, BF16 or FP32: the codes are decoded to its dtype, e.g. FP32 for a reference
+        without the model dtype's rounding) from token 0; returns the tokens written."""
+        dtype = gpu.dtype_name_of(out)
+        if dtype is None:
+            raise CodecError(f"decoding the store's {kind}s: out must be a float16, bfloat16 or float32 tensor, got "
+                             f"{out.dtype}")
         t0 = self._t0(kind)
         if t0:
             out[:, :, :t0] = self.sinks[kind].view(self.B, self.H, t0, self.D)
@@ -198,7 +203,7 @@ class DevicePackedKV:
         for seg in self.segments:
             span = seg.keys if kind == "key" else seg.values
             if span.tokens:
-                span.codec.decode(span.record((self.B, self.H), seg.dtype), out, name=kind, token_offset=off)
+                span.codec.decode(span.record((self.B, self.H), dtype), out, name=kind, token_offset=off)
                 off += span.tokens
         return off
 

@@ -15,7 +15,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E4
 import kvcx.cache  # noqa: E402,F401  (registers the "kvcx" attention implementation)
 from kvcx.cache.device_store import DevicePackedKV, runs_on_device  # noqa: E402
 from kvcx.cache.kvcx_cache import KvcxCache  # noqa: E402
-from kvcx.codecs import KVConfig  # noqa: E402
+from kvcx.codecs import KVConfig, get_codec  # noqa: E402
 from kvcx.errors import CodecError, KvcxError  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -132,3 +132,21 @@ def test_device_store_errors_and_what_it_cannot_fuse():
         assert torch.equal(out, codec.decode(codec.encode(x)))
     odd = DevicePackedKV(1, 1, 48, torch.device(DEVICE))
     assert "power of two" in odd.unsupported(1)
+
+
+def test_the_store_decodes_to_the_dtype_it_is_given():
+    """decode_into writes the dtype of its out tensor: FP32 (a reference without the model dtype's rounding)
+    rounds to the BF16 decode bit for bit; other dtypes are refused by name."""
+    cfg = KVConfig.from_scheme().with_backend("triton")
+    x = torch.randn(1, 2, 100, 32, device=DEVICE).to(torch.bfloat16)
+    store = DevicePackedKV(1, 2, 32, torch.device(DEVICE))
+    kc, vc = (get_codec({**c.get_config(), "group_size": 32}).with_backend("triton") for c in (cfg.key, cfg.value))
+    store.append(kc.encode(x), vc.encode(x))
+    for kind in ("key", "value"):
+        wide = torch.full((1, 2, 100, 32), float("nan"), device=DEVICE)
+        narrow = torch.empty(1, 2, 100, 32, dtype=torch.bfloat16, device=DEVICE)
+        assert store.decode_into(kind, wide) == store.decode_into(kind, narrow) == 100
+        assert not bool(torch.isnan(wide).any()) and torch.equal(wide.to(torch.bfloat16), narrow)
+        assert float((wide - narrow.float()).abs().max()) > 0          # FP32 keeps what BF16 rounds away
+    with pytest.raises(CodecError, match="value.*float16, bfloat16 or float32.*torch.int32"):
+        store.decode_into("value", torch.empty(1, 2, 100, 32, dtype=torch.int32, device=DEVICE))
