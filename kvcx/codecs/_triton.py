@@ -281,6 +281,173 @@ def attend_packed_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, 
 
 
 @triton.jit
+def _mm(a, b, DOT: tl.constexpr):
+    """a [M, K] @ b [K, N] in FP32: broadcast sums (``DOT`` empty) or ``tl.dot`` at that input precision
+    ("tf32x2" takes "tf32x3" here: both operands are split)."""
+    if DOT == "tf32x2":
+        return tl.dot(a, b, input_precision="tf32x3")
+    elif DOT != "":
+        return tl.dot(a, b, input_precision=DOT)
+    return tl.sum(a[:, :, None] * b[None, :, :], axis=1)
+
+
+@triton.jit
+def _mmc(a, c, DOT: tl.constexpr):
+    """a [M, K] (FP32) @ c [K, N], codes (small integers, exact in TF32). "tf32x2": a split in its TF32 bits and
+    the rest, two TF32 products (FP32's accuracy: c needs no split); "tf32": one product (a rounded to TF32)."""
+    if DOT == "tf32x2":
+        hi = (a.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
+        return tl.dot(hi, c, input_precision="tf32") + tl.dot(a - hi, c, input_precision="tf32")
+    return _mm(a, c, DOT)
+
+
+@triton.jit
+def _streams(b):
+    """A tile of packed bytes -> (even, odd) channel codes as float32: the low and the high nibbles, each put in
+    the low mantissa bits of 2**23 and 2**23 subtracted (exact; no integer-to-float conversions)."""
+    b = b.to(tl.int32)
+    lo = ((b & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+    hi = ((b >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+    return lo, hi
+
+
+@triton.jit
+def _channel_params(s_ptr, z_ptr, j, ASYM: tl.constexpr):
+    """A per-channel block's scales and zero points (FP32; -8 x scale without zero points), even and odd
+    channels: (se, so, ze, zo), so that a value is ``code * s + z``."""
+    se = tl.load(s_ptr + 2 * j).to(tl.float32)
+    so = tl.load(s_ptr + 2 * j + 1).to(tl.float32)
+    if ASYM:
+        ze = tl.load(z_ptr + 2 * j).to(tl.float32)
+        zo = tl.load(z_ptr + 2 * j + 1).to(tl.float32)
+    else:
+        ze = -8.0 * se
+        zo = -8.0 * so
+    return se, so, ze, zo
+
+
+@triton.jit
+def _token_params(s_ptr, z_ptr, off, mask, ASYM: tl.constexpr):
+    """Per-token groups' scales and zero points at offsets ``off`` (FP32; zero points 0 without them)."""
+    sc = tl.load(s_ptr + off, mask=mask, other=0.0).to(tl.float32)
+    zc = tl.zeros_like(sc)
+    if ASYM:
+        zc = tl.load(z_ptr + off, mask=mask, other=0.0).to(tl.float32)
+    return sc, zc
+
+
+@triton.jit
+def attend_nibbles_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr,
+                          Hkv, T, k_row_bytes, v_row_bytes, k_nsc, v_nsc, mask_stride, mask_off, per_split, sp_off,
+                          SPT, R: tl.constexpr, RP: tl.constexpr, D: tl.constexpr, BT: tl.constexpr,
+                          KG: tl.constexpr, K_CHANNEL: tl.constexpr, K_ASYM: tl.constexpr,
+                          VG: tl.constexpr, V_CHANNEL: tl.constexpr, V_ASYM: tl.constexpr, HAS_MASK: tl.constexpr,
+                          DOT: tl.constexpr, NG: tl.constexpr, PREFETCH: tl.constexpr):
+    """:func:`attend_packed_kernel`'s step (same arguments and outputs; ``NG`` value groups per token, 1 for
+    per-channel values) with few instructions per code, so that reading the codes, not working them, bounds it:
+
+    - the packed bytes are two streams, even channels (low nibbles) and odd channels (high nibbles): nothing is
+      interleaved; the query and the accumulator are split alike;
+    - codes become floats by their bits (:func:`_streams`) and go into the products as they are: per-channel
+      blocks' scales fold into the query (``q . (c s + z) = (q s) . c + q . z``; a tile of BT tokens lies in one
+      block), per-token groups' value scales into the weights: row (r, g) of the weights is ``p[r] * s[:, g]``
+      and multiplies every code; the accumulator's row (r, g) is kept for the channels of group g at the end,
+      with the offset term (``-8 sum(p s)``, or ``sum(p z)``) accumulated beside it;
+    - per-token key groups (the reference scheme) dequantize in the tile.
+
+    ``DOT`` "tf32x2": products of codes in two TF32 passes (FP32's accuracy); "tf32": one; "": FP32 sums.
+    ``PREFETCH``: the next tile's codes are loaded before this tile is worked (in flight meanwhile)."""
+    n = tl.program_id(0)
+    sp = tl.program_id(1)
+    r = tl.arange(0, RP)
+    rm = r < R
+    j = tl.arange(0, D // 2)
+    tt = tl.arange(0, BT)
+    g = tl.arange(0, NG)
+    q_row = q_ptr + (n.to(tl.int64) * R + r[:, None]) * D + 2 * j[None, :]
+    qe = tl.load(q_row, mask=rm[:, None], other=0.0)
+    qo = tl.load(q_row + 1, mask=rm[:, None], other=0.0)
+    m_i = tl.full([RP], float("-inf"), tl.float32)
+    l_i = tl.zeros([RP], tl.float32)
+    a_e = tl.zeros([RP * NG, D // 2], tl.float32)
+    a_o = tl.zeros([RP * NG, D // 2], tl.float32)
+    cz = tl.zeros([RP, NG], tl.float32)      # per row and value group: sum of p x scale (or p x zero point)
+    # offsets from a tile's first token, computed once: its bytes, per-token key groups' scales, value scales [NG, BT]
+    c_off = tt[:, None] * (D // 2) + j[None, :]
+    kg_off = (tt[:, None] * D + 2 * j[None, :]) // KG
+    vg_off = (tt[None, :] * D) // VG + g[:, None]
+    kc_row = kc_ptr + n.to(tl.int64) * k_row_bytes
+    vc_row = vc_ptr + n.to(tl.int64) * v_row_bytes
+    ks_row = ks_ptr + n.to(tl.int64) * k_nsc * (D if K_CHANNEL else 1)
+    kz_row = kz_ptr + n.to(tl.int64) * k_nsc * (D if K_CHANNEL else 1)
+    vs_row = vs_ptr + n.to(tl.int64) * v_nsc * (D if V_CHANNEL else 1)
+    vz_row = vz_ptr + n.to(tl.int64) * v_nsc * (D if V_CHANNEL else 1)
+    t_begin = sp * per_split
+    t_end = tl.minimum(T, t_begin + per_split)
+    if PREFETCH:
+        first = (t_begin + tt < t_end)[:, None]
+        kb = tl.load(kc_row + t_begin * (D // 2) + c_off, mask=first, other=0)
+        vb = tl.load(vc_row + t_begin * (D // 2) + c_off, mask=first, other=0)
+    for tb in range(t_begin, t_end, BT):
+        tm = tb + tt < t_end
+        if PREFETCH:
+            following = (tb + BT + tt < t_end)[:, None]
+            kn = tl.load(kc_row + (tb + BT) * (D // 2) + c_off, mask=following, other=0)
+            vn = tl.load(vc_row + (tb + BT) * (D // 2) + c_off, mask=following, other=0)
+        else:
+            kb = tl.load(kc_row + tb * (D // 2) + c_off, mask=tm[:, None], other=0)
+            vb = tl.load(vc_row + tb * (D // 2) + c_off, mask=tm[:, None], other=0)
+        klo, khi = _streams(kb)
+        if K_CHANNEL:
+            se, so, ze, zo = _channel_params(ks_row + (tb // KG) * D, kz_row + (tb // KG) * D, j, K_ASYM)
+            bias = tl.sum(qe * ze[None, :] + qo * zo[None, :], axis=1)
+            s = _mmc(qe * se[None, :], tl.trans(klo), DOT) + _mmc(qo * so[None, :], tl.trans(khi), DOT) + \
+                bias[:, None]
+        else:
+            sc, zc = _token_params(ks_row, kz_row, tb * D // KG + kg_off, tm[:, None], K_ASYM)
+            s = _mm(qe, tl.trans(_dequant(klo, sc, zc, K_ASYM)), DOT) + \
+                _mm(qo, tl.trans(_dequant(khi, sc, zc, K_ASYM)), DOT)
+        if HAS_MASK:
+            s += tl.load(mask_ptr + (n // Hkv).to(tl.int64) * mask_stride + mask_off + tb + tt, mask=tm,
+                         other=0.0)[None, :]
+        s = tl.where(tm[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)      # a row with nothing to attend to yet
+        alpha = tl.exp(m_i - m_use)
+        p = tl.exp(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        vlo, vhi = _streams(vb)
+        if V_CHANNEL:
+            se, so, ze, zo = _channel_params(vs_row + (tb // VG) * D, vz_row + (tb // VG) * D, j, V_ASYM)
+            psum = tl.sum(p, axis=1)[:, None]
+            a_e = a_e * alpha[:, None] + _mmc(p, vlo, DOT) * se[None, :] + psum * ze[None, :]
+            a_o = a_o * alpha[:, None] + _mmc(p, vhi, DOT) * so[None, :] + psum * zo[None, :]
+        else:
+            sc, zc = _token_params(vs_row, vz_row, tb * D // VG + vg_off, tm[None, :], V_ASYM)   # [NG, BT]
+            w = p[:, None, :] * sc[None, :, :]                                                   # [RP, NG, BT]
+            cz = cz * alpha[:, None] + tl.sum(p[:, None, :] * zc[None, :, :] if V_ASYM else w, axis=2)
+            ax = tl.reshape(tl.broadcast_to(alpha[:, None], (RP, NG)), (RP * NG,))[:, None]
+            w = tl.reshape(w, (RP * NG, BT))
+            a_e = a_e * ax + _mmc(w, vlo, DOT)
+            a_o = a_o * ax + _mmc(w, vhi, DOT)
+        m_i = m_new
+        if PREFETCH:
+            kb, vb = kn, vn
+    if V_CHANNEL:
+        acc_e, acc_o = a_e, a_o
+    else:   # row (r, g) of the sums holds group g's channels; then the offset term
+        sel = ((2 * j) // VG)[None, None, :] == g[None, :, None]
+        off = tl.sum(tl.where(sel, cz[:, :, None], 0.0), axis=1) * (1.0 if V_ASYM else -8.0)
+        acc_e = tl.sum(tl.where(sel, tl.reshape(a_e, (RP, NG, D // 2)), 0.0), axis=1) + off
+        acc_o = tl.sum(tl.where(sel, tl.reshape(a_o, (RP, NG, D // 2)), 0.0), axis=1) + off
+    o = (n.to(tl.int64) * SPT + sp_off + sp) * R + r
+    tl.store(m_ptr + o, m_i, mask=rm)
+    tl.store(l_ptr + o, l_i, mask=rm)
+    tl.store(acc_ptr + o[:, None] * D + 2 * j[None, :], acc_e, mask=rm[:, None])
+    tl.store(acc_ptr + o[:, None] * D + 2 * j[None, :] + 1, acc_o, mask=rm[:, None])
+
+
+@triton.jit
 def _exact_scores(q, e_ptr, n, ne, add_ptr, add_stride, add_off, Hkv, D: tl.constexpr, EB: tl.constexpr,
                   HAS_MASK: tl.constexpr):
     """Scores [RP, EB] of the query rows ``q`` over slab n's ``ne`` exact keys ([N, ne, D], any float dtype),
@@ -307,18 +474,23 @@ def _exact_values(p, e_ptr, n, ne, D: tl.constexpr, EB: tl.constexpr):
 @triton.jit
 def merge_kernel(qs_ptr, m_ptr, l_ptr, acc_ptr, SPT, sk_ptr, sv_ptr, n_sinks, rk_ptr, rv_ptr, n_res, add_ptr,
                  add_stride, res_off, Hkv, out_ptr, norm, R: tl.constexpr, RP: tl.constexpr, D: tl.constexpr,
-                 SB: tl.constexpr, RB: tl.constexpr, HAS_MASK: tl.constexpr, ROTATE: tl.constexpr):
+                 SB: tl.constexpr, RB: tl.constexpr, HAS_MASK: tl.constexpr, ROTATE: tl.constexpr,
+                 CH: tl.constexpr):
     """One program per slab: the softmax merge of its ``SPT`` splits (:func:`attend_packed_kernel`; their
     accumulators rotated back where the values are) with its exact tokens, the sinks (``n_sinks`` at mask column
-    0) and the residual (``n_res`` at column ``res_off``), read as they are held; writes [R, D] float32."""
+    0) and the residual (``n_res`` at column ``res_off``), read as they are held; writes [R, D] float32. The
+    splits are read CH at a time (loads in flight together, not one split after another)."""
     n = tl.program_id(0)
     r = tl.arange(0, RP)
     rm = r < R
     d = tl.arange(0, D)
+    c = tl.arange(0, CH)
     base = n.to(tl.int64) * SPT
     top = tl.full([RP], float("-inf"), tl.float32)
-    for sp in range(0, SPT):
-        top = tl.maximum(top, tl.load(m_ptr + (base + sp) * R + r, mask=rm, other=float("-inf")))
+    for s0 in range(0, SPT, CH):
+        cm = (s0 + c < SPT)[:, None] & rm[None, :]
+        mm = tl.load(m_ptr + (base + s0 + c[:, None]) * R + r[None, :], mask=cm, other=float("-inf"))
+        top = tl.maximum(top, tl.max(mm, axis=0))
     q = tl.load(qs_ptr + (n.to(tl.int64) * R + r[:, None]) * D + d[None, :], mask=rm[:, None], other=0.0)
     s_sink = _exact_scores(q, sk_ptr, n, n_sinks, add_ptr, add_stride, 0, Hkv, D, SB, HAS_MASK)
     s_res = _exact_scores(q, rk_ptr, n, n_res, add_ptr, add_stride, res_off, Hkv, D, RB, HAS_MASK)
@@ -326,11 +498,13 @@ def merge_kernel(qs_ptr, m_ptr, l_ptr, acc_ptr, SPT, sk_ptr, sv_ptr, n_sinks, rk
     top = tl.where(top == float("-inf"), 0.0, top)          # a row with nothing to attend to
     acc = tl.zeros([RP, D], tl.float32)
     den = tl.zeros([RP], tl.float32)
-    for sp in range(0, SPT):
-        o = (base + sp) * R + r
-        w = tl.exp(tl.load(m_ptr + o, mask=rm, other=float("-inf")) - top)
-        den += w * tl.load(l_ptr + o, mask=rm, other=0.0)
-        acc += w[:, None] * tl.load(acc_ptr + o[:, None] * D + d[None, :], mask=rm[:, None], other=0.0)
+    for s0 in range(0, SPT, CH):
+        cm = (s0 + c < SPT)[:, None] & rm[None, :]
+        o = (base + s0 + c[:, None]) * R + r[None, :]
+        w = tl.exp(tl.load(m_ptr + o, mask=cm, other=float("-inf")) - top[None, :])
+        den += tl.sum(w * tl.load(l_ptr + o, mask=cm, other=0.0), axis=0)
+        a = tl.load(acc_ptr + o[:, :, None] * D + d[None, None, :], mask=cm[:, :, None], other=0.0)
+        acc += tl.sum(w[:, :, None] * a, axis=0)
     if ROTATE:
         acc = _fwht_rows(acc, RP, D, norm)
     p_sink = tl.exp(s_sink - top[:, None])

@@ -208,6 +208,13 @@ def to_host(packed: Packed) -> Packed:
 # -- fused decode attention over packed records ----------------------------------------------------------
 ATTN_BLOCK_TOKENS = 32       # packed tokens a program reads per step
 ATTN_SPLIT_TOKENS = 1024     # packed tokens per split (flash-decoding along the context), at least
+ATTN_PROGRAMS_PER_SM = 4     # splits enough for about this many programs per multiprocessor
+MERGE_SPLITS = 8             # splits the merge kernel reads at a time
+# the kernel: "nibbles" (even and odd channels as two streams, per-channel key scales folded into the query:
+# attend_nibbles_kernel) or "tiles" (each tile dequantized whole: attend_packed_kernel)
+ATTN_KERNEL = "nibbles"
+ATTN_PREFETCH = False        # nibbles: load the next tile's codes before working this one
+ATTN_STAGES = None           # Triton's software pipelining depth for the attention kernel (None: its default)
 # warps per attention program. From ptxas's report for sm_90 (not yet timed on a GPU): the [rows, 32, 128]
 # products of up to 8 query rows per KV head fit in 8 warps' registers with no spill; 64-token blocks spill
 # (88 bytes a thread at 4 rows, 1.6 KB at 8) and 4 warps spill more (2.9 KB at 4 rows and 64 tokens).
@@ -259,7 +266,7 @@ def split_tokens(slabs: int, tokens: int, per_split: Optional[int] = None) -> in
     """Packed tokens per split: ``per_split`` if given, else enough splits for about four programs per
     multiprocessor (flash-decoding), at least :data:`ATTN_SPLIT_TOKENS` // 4 tokens each; whole blocks."""
     if per_split is None:
-        want = max(1, -(-4 * _multiprocessors() // max(1, slabs)))
+        want = max(1, -(-ATTN_PROGRAMS_PER_SM * _multiprocessors() // max(1, slabs)))
         per_split = max(ATTN_SPLIT_TOKENS // 4, -(-tokens // want))
     per = max(ATTN_BLOCK_TOKENS, int(per_split))
     return -(-per // ATTN_BLOCK_TOKENS) * ATTN_BLOCK_TOKENS
@@ -317,17 +324,28 @@ def attend_spans(qs, qr, spans, Hkv: int, sinks=(None, None), residual=(None, No
         m = torch.full((N, 1, R), float("-inf"), device=qs.device)
         l, acc = torch.zeros(N, 1, R, device=qs.device), torch.zeros(N, 1, R, D, device=qs.device)
     off, RP = 0, _pow2(R)
-    kernel_rows = max(16, RP) if ATTN_DOT else RP
+    dot = ATTN_DOT if D >= 32 else ""    # tl.dot needs 16 along each side: D // 2 channels a stream
+    kernel_rows = max(16, RP) if dot else RP
+    nibbles = ATTN_KERNEL == "nibbles"
+    if not nibbles and dot == "tf32x2":  # the tiles kernel's products are of two split operands
+        dot = "tf32x3"
     for sp, T, per, n in plan:
         kc, vc, ks, vs = sp.key_codec, sp.value_codec, sp.keys, sp.values
-        k.attend_packed_kernel[(N, n)](
+        # a tile lies within one per-channel block (splits are whole ATTN_BLOCK_TOKENS, a multiple of this)
+        bt = min([ATTN_BLOCK_TOKENS] + [c.group_size for c in (kc, vc) if c.axis == "channel"])
+        kernel = k.attend_nibbles_kernel if nibbles else k.attend_packed_kernel
+        extra = dict(NG=1 if vc.axis == "channel" else max(1, D // vc.group_size), PREFETCH=ATTN_PREFETCH) \
+            if nibbles else {}
+        if ATTN_STAGES is not None:
+            extra["num_stages"] = ATTN_STAGES
+        kernel[(N, n)](
             qr if kc.rotate else qs, ks.codes, ks.scales, ks.zeros if ks.zeros is not None else ks.scales,
             vs.codes, vs.scales, vs.zeros if vs.zeros is not None else vs.scales, add if add is not None else qs,
             m, l, acc, Hkv, T, ks.codes.shape[1], vs.codes.shape[1], ks.scales.shape[1], vs.scales.shape[1],
             add.shape[1] if add is not None else 0, sp.mask_off, per, off, spt, R=R, RP=kernel_rows, D=D,
-            BT=ATTN_BLOCK_TOKENS, KG=kc.group_size, K_CHANNEL=kc.axis == "channel", K_ASYM=kc.asym,
+            BT=bt, KG=kc.group_size, K_CHANNEL=kc.axis == "channel", K_ASYM=kc.asym,
             VG=vc.group_size, V_CHANNEL=vc.axis == "channel", V_ASYM=vc.asym, HAS_MASK=add is not None,
-            DOT=ATTN_DOT, enable_fp_fusion=False, num_warps=ATTN_WARPS)
+            DOT=dot, **extra, enable_fp_fusion=False, num_warps=ATTN_WARPS)
         off += n
     sk, sv = sinks
     rk, rv = residual
@@ -339,7 +357,8 @@ def attend_spans(qs, qr, spans, Hkv: int, sinks=(None, None), residual=(None, No
     k.merge_kernel[(N,)](qs, m, l, acc, spt, sk if t0 else qs, sv if t0 else qs, t0, rk if nr else qs,
                          rv if nr else qs, nr, add if add is not None else qs, add.shape[1] if add is not None else 0,
                          res_off, Hkv, out, _norm(D), R=R, RP=RP, D=D, SB=_pow2(t0), RB=_pow2(nr),
-                         HAS_MASK=add is not None, ROTATE=bool(plan) and True in rotate, enable_fp_fusion=False)
+                         HAS_MASK=add is not None, ROTATE=bool(plan) and True in rotate, CH=MERGE_SPLITS,
+                         enable_fp_fusion=False)
     return out
 
 

@@ -145,24 +145,43 @@ def test_backend_is_not_part_of_the_config():
     assert isinstance(codec.encode(np.ones((4, 64), np.float32)).codes, np.ndarray)
 
 
-@pytest.mark.parametrize("scheme,D,R,nr,mask_kind,per,dot", [
-    ("kvcx", 64, 3, 5, "float", 64, ""),          # the default: channel keys + sinks, rotated values; 3 splits
-    ("kvcx", 128, 1, 0, "bool", 1024, ""),        # two value groups per token, no residual, one split
-    ("reference", 64, 2, 1, None, 64, ""),        # per-token keys and values, no sinks
-    ("kvcx", 64, 3, 5, "float", 64, "ieee"),      # the products as tl.dot (query rows padded to 16)
+# per-channel values with zero points, keys in per-channel blocks of 16 tokens (tiles of 16 tokens)
+CHANNELS = (dict(scheme="asymmetric", axis="channel", group_size=16, sinks=2),
+            dict(scheme="asymmetric", axis="channel", group_size=32, sinks=2))
+
+
+@pytest.mark.parametrize("kernel", ["nibbles", "nibbles-prefetch", "tiles"])
+@pytest.mark.parametrize("scheme,D,R,nr,mask_kind,per,dot,S", [
+    ("kvcx", 64, 3, 5, "float", 64, "", 150),          # the default: channel keys + sinks, rotated values; 3 splits
+    ("kvcx", 128, 1, 0, "bool", 1024, "", 150),        # two value groups per token, no residual, one split
+    ("reference", 64, 2, 1, None, 64, "", 150),        # per-token keys and values, no sinks
+    ("kvcx", 64, 3, 5, "float", 64, "ieee", 150),      # the products as tl.dot (query rows padded to 16)
+    ("kvcx", 32, 4, 2, "bool", 32, "tf32x3", 333),     # 11 splits: the merge reads them in two chunks
+    ("kvcx", 64, 4, 3, "float", 64, "tf32x2", 150),    # codes' products in two TF32 passes
+    ("reference", 128, 2, 2, "bool", 96, "tf32x2", 260),   # two value and key groups per token, through tl.dot
+    ("kivi", 64, 8, 1, "float", 64, "tf32x2", 180),    # per-token values with zero points, 8 query rows a head
+    ((CHANNELS[0], dict(scheme="symmetric", group_size=256, sinks=2)), 64, 2, 1, None, 64, "", 140),  # 4-token groups
+    (CHANNELS, 64, 2, 3, "float", 48, "", 200),        # per-channel values, 16-token key blocks
+    (CHANNELS, 32, 2, 0, None, 32, "ieee", 97),        # the same through tl.dot, a partial last tile
 ])
-def test_fused_attention_equals_sdpa_over_the_decoded_cache(scheme, D, R, nr, mask_kind, per, dot, monkeypatch):
+def test_fused_attention_equals_sdpa_over_the_decoded_cache(kernel, scheme, D, R, nr, mask_kind, per, dot, S,
+                                                            monkeypatch):
     """The Triton decode step over packed codes equals SDPA over the decoded cache within FP32 rounding (batch 2,
-    row 1 left-padded)."""
+    row 1 left-padded), through either attention kernel."""
     from kvcx.codecs import gpu
     from kvcx.codecs.gpu import attend
 
     monkeypatch.setattr(gpu, "ATTN_DOT", dot)
+    monkeypatch.setattr(gpu, "ATTN_KERNEL", kernel.split("-")[0])
+    monkeypatch.setattr(gpu, "ATTN_PREFETCH", kernel.endswith("-prefetch"))
 
     g = torch.Generator().manual_seed(D + R)
-    cfg = KVConfig.from_scheme(scheme)
-    kc, vc = cfg.key.with_backend("triton"), cfg.value.with_backend("triton")
-    B, Hkv, S = 2, 2, 150
+    if isinstance(scheme, tuple):
+        kc, vc = (IntCodec(**c, backend="triton") for c in scheme)
+    else:
+        cfg = KVConfig.from_scheme(scheme)
+        kc, vc = cfg.key.with_backend("triton"), cfg.value.with_backend("triton")
+    B, Hkv = 2, 2
     K = (torch.randn(B, Hkv, S, D, generator=g) * torch.rand(D, generator=g) * 2 + torch.randn(D, generator=g))
     V = torch.randn(B, Hkv, S, D, generator=g)
     rk, rv = torch.randn(B, Hkv, nr, D, generator=g), torch.randn(B, Hkv, nr, D, generator=g)
