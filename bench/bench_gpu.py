@@ -231,14 +231,13 @@ def attention(torch, dev, cfg, contexts, batches, reps, out, hq, hkv, d):
 
 # the attention kernel's launch settings timed by --variants / --tune: (kernel, block tokens, warps, products,
 # prefetch, pipelining stages (None: Triton's default), programs per multiprocessor)
-SETTINGS = [("tiles", 32, 4, "tf32x3", False, None, 4),      # the first kernel's fastest in the first GPU run
+SETTINGS = [("tiles", 32, 4, "tf32x3", False, None, 4),      # the first kernel's fastest in the first H100 run
             ("nibbles", 32, 4, "", False, None, 4),          # FP32 sums (the error reference)
-            ("nibbles", 32, 4, "tf32", False, None, 4), ("nibbles", 32, 4, "tf32", True, None, 4),
-            ("nibbles", 32, 4, "tf32x2", False, None, 4), ("nibbles", 32, 4, "tf32x2", True, None, 4),
-            ("nibbles", 64, 8, "tf32", True, None, 4), ("nibbles", 64, 8, "tf32x2", True, None, 4),
-            ("nibbles", 64, 4, "tf32x2", True, None, 4), ("nibbles", 16, 4, "tf32x2", True, None, 4),
-            ("nibbles", 32, 4, "tf32x2", True, 1, 4), ("nibbles", 32, 4, "tf32x2", False, 1, 4),
-            ("nibbles", 32, 4, "tf32x2", True, None, 8), ("nibbles", 32, 4, "tf32x2", True, None, 2)]
+            ("nibbles", 64, 4, "tf32x2", True, None, 4),     # the second run's fastest
+            ("nibbles", 64, 4, "tf32x2", False, None, 4), ("nibbles", 64, 4, "tf32", True, None, 4),
+            ("nibbles", 32, 4, "tf32", False, None, 4), ("nibbles", 32, 4, "tf32x2", False, None, 2),
+            ("nibbles", 64, 4, "tf32x2", True, None, 2), ("nibbles", 64, 4, "tf32x2", True, None, 8),
+            ("nibbles", 64, 2, "tf32x2", True, None, 4), ("nibbles", 32, 2, "tf32x2", False, None, 4)]
 _KNOBS = ("ATTN_KERNEL", "ATTN_BLOCK_TOKENS", "ATTN_WARPS", "ATTN_DOT", "ATTN_PREFETCH", "ATTN_STAGES",
           "ATTN_PROGRAMS_PER_SM")
 
@@ -261,8 +260,8 @@ def describe(setting) -> str:
 def variants(torch, dev, cfg, contexts, reps, out, hq, hkv, d):
     """The attention kernel's launch settings (:data:`SETTINGS`), each timed on the same store at batch 1, eager
     and from a CUDA graph, with its relative error vs FP32 sums (the nibbles kernel). Returns the fastest (sum of
-    graph times over the contexts) of those within 1e-3 of it (TF32 products round the query side to 10 bits;
-    BF16 attention rounds its output to 8)."""
+    graph times over the contexts) of those within 1e-4 of it (FP32's accuracy but for the order of the sums; one
+    TF32 pass rounds the query side to 10 bits and is timed, not chosen)."""
     from kvcx.codecs import gpu
 
     default = current(gpu)
@@ -287,7 +286,7 @@ def variants(torch, dev, cfg, contexts, reps, out, hq, hkv, d):
                 err = float((step().double() - ref).norm() / ref.norm())
                 eager, graph = timer(torch, dev, step, reps), graph_timer(torch, dev, step, reps)
                 row = [_us(eager), _us(graph), f"{err:.1e}"]
-                if err < 1e-3:
+                if err < 1e-4:
                     times.setdefault(setting, []).append(graph if graph is not None else eager)
             except Exception as exc:  # a setting that does not compile or run is a row, not the end of the run
                 row = ["failed", f"{type(exc).__name__}", str(exc).splitlines()[0][:60] if str(exc) else ""]

@@ -3,7 +3,7 @@
 # Triton tests on the GPU, then bench_gpu.py with its table under $OUT. Steps as arguments, in order:
 #     bash bench/gpu_session.sh tests bench variants        (each bounded: TESTS_T, BENCH_T, VARIANTS_T seconds)
 # A built extension carried in .dev/so/ (from an earlier call's $OUT) skips the build. BENCH_ARGS: more arguments
-# for bench_gpu.py (e.g. --tune).
+# for bench_gpu.py (e.g. --tune); TEST_FILES: the tests to run (default: the four Triton test files).
 set -u
 export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
@@ -29,9 +29,9 @@ fi
 python3 -c "import kvcx.codecs._core" || exit 1
 for step in "$@"; do
   case $step in
-    tests) log tests; timeout "${TESTS_T:-240}" python3 -m pytest -q -x -p no:cacheprovider tests/codecs/test_triton.py \
-             tests/codecs/test_triton_compile.py tests/cache/test_device_cache.py tests/test_bench_gpu.py 2>&1 \
-             | tee "$OUT"/tests.log | tail -30 ;;
+    tests) log tests; timeout "${TESTS_T:-240}" python3 -m pytest -q -x -rs -p no:cacheprovider ${TEST_FILES:-\
+             tests/codecs/test_triton.py tests/codecs/test_triton_compile.py tests/cache/test_device_cache.py \
+             tests/test_bench_gpu.py} 2>&1 | tee "$OUT"/tests.log | tail -30 ;;
     bench) log bench; timeout "${BENCH_T:-540}" python3 bench/bench_gpu.py ${BENCH_ARGS:-} --markdown docs/results/gpu.md \
              2>&1 | tee "$OUT"/bench.log | tail -60; cp docs/results/gpu.md "$OUT"/ ;;
     variants) log variants; timeout "${VARIANTS_T:-240}" python3 bench/bench_gpu.py --skip attention bandwidth \

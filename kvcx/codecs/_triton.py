@@ -303,36 +303,38 @@ def _mmc(a, c, DOT: tl.constexpr):
 
 @triton.jit
 def _streams(b):
-    """A tile of packed bytes -> (even, odd) channel codes as float32: the low and the high nibbles, each put in
-    the low mantissa bits of 2**23 and 2**23 subtracted (exact; no integer-to-float conversions)."""
+    """A tile of packed bytes -> (even, odd) channel codes minus 8 as float32 (centred: -8..7): the low and the
+    high nibbles, each put in the low mantissa bits of 2**23 and 2**23 + 8 subtracted (exact; no integer-to-float
+    conversions). Centred codes keep the products' terms from cancelling: sum(p s c) - 8 sum(p s) would lose the
+    bits that a product in TF32 or BF16 rounds away, more with every token."""
     b = b.to(tl.int32)
-    lo = ((b & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-    hi = ((b >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+    lo = ((b & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+    hi = ((b >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
     return lo, hi
 
 
 @triton.jit
 def _channel_params(s_ptr, z_ptr, j, ASYM: tl.constexpr):
-    """A per-channel block's scales and zero points (FP32; -8 x scale without zero points), even and odd
-    channels: (se, so, ze, zo), so that a value is ``code * s + z``."""
+    """A per-channel block's scales and offsets (FP32), even and odd channels: (se, so, ze, zo), so that a value is
+    ``(code - 8) * s + z`` (z: the zero point + 8 s; 0 without zero points)."""
     se = tl.load(s_ptr + 2 * j).to(tl.float32)
     so = tl.load(s_ptr + 2 * j + 1).to(tl.float32)
+    ze = tl.zeros_like(se)
+    zo = tl.zeros_like(so)
     if ASYM:
-        ze = tl.load(z_ptr + 2 * j).to(tl.float32)
-        zo = tl.load(z_ptr + 2 * j + 1).to(tl.float32)
-    else:
-        ze = -8.0 * se
-        zo = -8.0 * so
+        ze = tl.load(z_ptr + 2 * j).to(tl.float32) + 8.0 * se
+        zo = tl.load(z_ptr + 2 * j + 1).to(tl.float32) + 8.0 * so
     return se, so, ze, zo
 
 
 @triton.jit
 def _token_params(s_ptr, z_ptr, off, mask, ASYM: tl.constexpr):
-    """Per-token groups' scales and zero points at offsets ``off`` (FP32; zero points 0 without them)."""
+    """Per-token groups' scales and offsets at offsets ``off`` (FP32), a value being ``(code - 8) * s + z`` (z: the
+    zero point + 8 s; 0 without zero points)."""
     sc = tl.load(s_ptr + off, mask=mask, other=0.0).to(tl.float32)
     zc = tl.zeros_like(sc)
     if ASYM:
-        zc = tl.load(z_ptr + off, mask=mask, other=0.0).to(tl.float32)
+        zc = tl.load(z_ptr + off, mask=mask, other=0.0).to(tl.float32) + 8.0 * sc
     return sc, zc
 
 
@@ -344,15 +346,15 @@ def attend_nibbles_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
                           VG: tl.constexpr, V_CHANNEL: tl.constexpr, V_ASYM: tl.constexpr, HAS_MASK: tl.constexpr,
                           DOT: tl.constexpr, NG: tl.constexpr, PREFETCH: tl.constexpr):
     """:func:`attend_packed_kernel`'s step (same arguments and outputs; ``NG`` value groups per token, 1 for
-    per-channel values) with few instructions per code, so that reading the codes, not working them, bounds it:
+    per-channel values) with fewer instructions per code:
 
     - the packed bytes are two streams, even channels (low nibbles) and odd channels (high nibbles): nothing is
       interleaved; the query and the accumulator are split alike;
-    - codes become floats by their bits (:func:`_streams`) and go into the products as they are: per-channel
-      blocks' scales fold into the query (``q . (c s + z) = (q s) . c + q . z``; a tile of BT tokens lies in one
-      block), per-token groups' value scales into the weights: row (r, g) of the weights is ``p[r] * s[:, g]``
-      and multiplies every code; the accumulator's row (r, g) is kept for the channels of group g at the end,
-      with the offset term (``-8 sum(p s)``, or ``sum(p z)``) accumulated beside it;
+    - codes become centred floats c = code - 8 by their bits (:func:`_streams`) and go into the products as they
+      are: per-channel blocks' scales fold into the query (``q . (c s + z) = (q s) . c + q . z``; a tile of BT
+      tokens lies in one block), per-token groups' value scales into the weights: row (r, g) of the weights is
+      ``p[r] * s[:, g]`` and multiplies every code; the accumulator's row (r, g) is kept for the channels of
+      group g at the end, with the zero points' term (``sum(p z)``) accumulated beside it;
     - per-token key groups (the reference scheme) dequantize in the tile.
 
     ``DOT`` "tf32x2": products of codes in two TF32 passes (FP32's accuracy); "tf32": one; "": FP32 sums.
@@ -371,7 +373,7 @@ def attend_nibbles_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
     l_i = tl.zeros([RP], tl.float32)
     a_e = tl.zeros([RP * NG, D // 2], tl.float32)
     a_o = tl.zeros([RP * NG, D // 2], tl.float32)
-    cz = tl.zeros([RP, NG], tl.float32)      # per row and value group: sum of p x scale (or p x zero point)
+    cz = tl.zeros([RP, NG], tl.float32)      # per row and value group: sum of p x offset (with zero points)
     # offsets from a tile's first token, computed once: its bytes, per-token key groups' scales, value scales [NG, BT]
     c_off = tt[:, None] * (D // 2) + j[None, :]
     kg_off = (tt[:, None] * D + 2 * j[None, :]) // KG
@@ -405,8 +407,7 @@ def attend_nibbles_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
                 bias[:, None]
         else:
             sc, zc = _token_params(ks_row, kz_row, tb * D // KG + kg_off, tm[:, None], K_ASYM)
-            s = _mm(qe, tl.trans(_dequant(klo, sc, zc, K_ASYM)), DOT) + \
-                _mm(qo, tl.trans(_dequant(khi, sc, zc, K_ASYM)), DOT)
+            s = _mm(qe, tl.trans(klo * sc + zc), DOT) + _mm(qo, tl.trans(khi * sc + zc), DOT)
         if HAS_MASK:
             s += tl.load(mask_ptr + (n // Hkv).to(tl.int64) * mask_stride + mask_off + tb + tt, mask=tm,
                          other=0.0)[None, :]
@@ -425,7 +426,8 @@ def attend_nibbles_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
         else:
             sc, zc = _token_params(vs_row, vz_row, tb * D // VG + vg_off, tm[None, :], V_ASYM)   # [NG, BT]
             w = p[:, None, :] * sc[None, :, :]                                                   # [RP, NG, BT]
-            cz = cz * alpha[:, None] + tl.sum(p[:, None, :] * zc[None, :, :] if V_ASYM else w, axis=2)
+            if V_ASYM:
+                cz = cz * alpha[:, None] + tl.sum(p[:, None, :] * zc[None, :, :], axis=2)
             ax = tl.reshape(tl.broadcast_to(alpha[:, None], (RP, NG)), (RP * NG,))[:, None]
             w = tl.reshape(w, (RP * NG, BT))
             a_e = a_e * ax + _mmc(w, vlo, DOT)
@@ -435,9 +437,9 @@ def attend_nibbles_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
             kb, vb = kn, vn
     if V_CHANNEL:
         acc_e, acc_o = a_e, a_o
-    else:   # row (r, g) of the sums holds group g's channels; then the offset term
+    else:   # row (r, g) of the sums holds group g's channels; then the zero points' term
         sel = ((2 * j) // VG)[None, None, :] == g[None, :, None]
-        off = tl.sum(tl.where(sel, cz[:, :, None], 0.0), axis=1) * (1.0 if V_ASYM else -8.0)
+        off = tl.sum(tl.where(sel, cz[:, :, None], 0.0), axis=1)
         acc_e = tl.sum(tl.where(sel, tl.reshape(a_e, (RP, NG, D // 2)), 0.0), axis=1) + off
         acc_o = tl.sum(tl.where(sel, tl.reshape(a_o, (RP, NG, D // 2)), 0.0), axis=1) + off
     o = (n.to(tl.int64) * SPT + sp_off + sp) * R + r

@@ -206,22 +206,21 @@ def to_host(packed: Packed) -> Packed:
 
 
 # -- fused decode attention over packed records ----------------------------------------------------------
-ATTN_BLOCK_TOKENS = 32       # packed tokens a program reads per step
+# Launch settings of the attention kernel, chosen on an H100 by bench/bench_gpu.py --tune (docs/results/gpu.md,
+# section 5: every setting's time and error): the nibbles kernel, tiles of 64 tokens, 4 warps, products of the
+# codes in two TF32 passes, the next tile prefetched.
+ATTN_KERNEL = "nibbles"      # "nibbles" (attend_nibbles_kernel) or "tiles" (attend_packed_kernel: tiles dequantized)
+ATTN_BLOCK_TOKENS = 64       # packed tokens a program reads per step
+ATTN_WARPS = 4               # warps per attention program
+# the products: "" FP32 broadcast sums (CUDA cores), or tl.dot at this input precision: "tf32x2" (the nibbles
+# kernel: the non-code operand split in two TF32 parts, FP32's accuracy), "tf32", "tf32x3", "ieee"; query rows
+# padded to 16
+ATTN_DOT = "tf32x2"
+ATTN_PREFETCH = True         # nibbles: load the next tile's codes before working this one
+ATTN_STAGES = None           # Triton's software pipelining depth for the attention kernel (None: its default)
 ATTN_SPLIT_TOKENS = 1024     # packed tokens per split (flash-decoding along the context), at least
 ATTN_PROGRAMS_PER_SM = 4     # splits enough for about this many programs per multiprocessor
 MERGE_SPLITS = 8             # splits the merge kernel reads at a time
-# the kernel: "nibbles" (even and odd channels as two streams, per-channel key scales folded into the query:
-# attend_nibbles_kernel) or "tiles" (each tile dequantized whole: attend_packed_kernel)
-ATTN_KERNEL = "nibbles"
-ATTN_PREFETCH = False        # nibbles: load the next tile's codes before working this one
-ATTN_STAGES = None           # Triton's software pipelining depth for the attention kernel (None: its default)
-# warps per attention program. From ptxas's report for sm_90 (not yet timed on a GPU): the [rows, 32, 128]
-# products of up to 8 query rows per KV head fit in 8 warps' registers with no spill; 64-token blocks spill
-# (88 bytes a thread at 4 rows, 1.6 KB at 8) and 4 warps spill more (2.9 KB at 4 rows and 64 tokens).
-ATTN_WARPS = 8
-# the kernel's products: "" FP32 broadcast sums (CUDA cores), or tl.dot at this input precision ("ieee",
-# "tf32x3": tensor cores, query rows padded to 16). A setting for a GPU session to time both; not yet timed.
-ATTN_DOT = ""
 
 
 @functools.lru_cache(maxsize=None)

@@ -56,7 +56,8 @@ def codec_kernels() -> int:
 
 
 def attention_kernels() -> int:
-    """The packed attention and the merge for the default scheme (with a mask) and the reference (without)."""
+    """The packed attention (the tiles kernel, FP32 sums) and the merge for the default scheme (with a mask) and
+    the reference (without); the nibbles kernel (the default, gpu.ATTN_KERNEL) for three schemes."""
     n = 0
     for scheme, has_mask in (("kvcx", True), ("reference", False)):
         cfg = KVConfig.from_scheme(scheme)
@@ -64,13 +65,14 @@ def attention_kernels() -> int:
         compile_one(k.attend_packed_kernel, dict(
             R=4, RP=4, D=D, BT=gpu.ATTN_BLOCK_TOKENS, KG=kc.group_size, K_CHANNEL=kc.axis == "channel",
             K_ASYM=kc.asym, VG=vc.group_size, V_CHANNEL=vc.axis == "channel", V_ASYM=vc.asym,
-            HAS_MASK=has_mask, DOT=gpu.ATTN_DOT), num_warps=gpu.ATTN_WARPS)
+            HAS_MASK=has_mask, DOT=""), num_warps=gpu.ATTN_WARPS)
         compile_one(k.merge_kernel, dict(R=4, RP=4, D=D, SB=gpu._pow2(1), RB=gpu._pow2(32), HAS_MASK=has_mask,
                                          ROTATE=vc.rotate, CH=gpu.MERGE_SPLITS), out_ptr="*fp32")
         n += 2
     # the nibbles kernel (gpu.ATTN_KERNEL): the default, the reference (per-token keys), kivi (per-token values
     # with zero points), each with a different product and prefetch setting
-    for scheme, dot, prefetch in (("kvcx", "tf32x2", True), ("reference", "", False), ("kivi", "tf32", True)):
+    for scheme, dot, prefetch in (("kvcx", gpu.ATTN_DOT, gpu.ATTN_PREFETCH), ("reference", "", False),
+                                  ("kivi", "tf32", True)):
         cfg = KVConfig.from_scheme(scheme)
         kc, vc = cfg.key, cfg.value
         compile_one(k.attend_nibbles_kernel, dict(

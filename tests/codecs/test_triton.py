@@ -160,6 +160,7 @@ CHANNELS = (dict(scheme="asymmetric", axis="channel", group_size=16, sinks=2),
     ("kvcx", 64, 4, 3, "float", 64, "tf32x2", 150),    # codes' products in two TF32 passes
     ("reference", 128, 2, 2, "bool", 96, "tf32x2", 260),   # two value and key groups per token, through tl.dot
     ("kivi", 64, 8, 1, "float", 64, "tf32x2", 180),    # per-token values with zero points, 8 query rows a head
+    ("kivi", 32, 2, 1, None, 32, "tf32", 150),         # one TF32 pass (exact in the interpreter)
     ((CHANNELS[0], dict(scheme="symmetric", group_size=256, sinks=2)), 64, 2, 1, None, 64, "", 140),  # 4-token groups
     (CHANNELS, 64, 2, 3, "float", 48, "", 200),        # per-channel values, 16-token key blocks
     (CHANNELS, 32, 2, 0, None, 32, "ieee", 97),        # the same through tl.dot, a partial last tile
