@@ -207,16 +207,16 @@ def to_host(packed: Packed) -> Packed:
 
 # -- fused decode attention over packed records ----------------------------------------------------------
 # Launch settings of the attention kernel, chosen on an H100 by bench/bench_gpu.py --tune (docs/results/gpu.md,
-# section 5: every setting's time and error): the nibbles kernel, tiles of 64 tokens, 4 warps, products of the
-# codes in two TF32 passes, the next tile prefetched.
+# section 5: every setting's time and error): the nibbles kernel, tiles of 32 tokens, 2 warps, products of the
+# codes in two TF32 passes, no prefetch (64 tokens and 4 warps within 3 %; the tiles kernel 1.5-1.8x slower).
 ATTN_KERNEL = "nibbles"      # "nibbles" (attend_nibbles_kernel) or "tiles" (attend_packed_kernel: tiles dequantized)
-ATTN_BLOCK_TOKENS = 64       # packed tokens a program reads per step
-ATTN_WARPS = 4               # warps per attention program
+ATTN_BLOCK_TOKENS = 32       # packed tokens a program reads per step
+ATTN_WARPS = 2               # warps per attention program
 # the products: "" FP32 broadcast sums (CUDA cores), or tl.dot at this input precision: "tf32x2" (the nibbles
 # kernel: the non-code operand split in two TF32 parts, FP32's accuracy), "tf32", "tf32x3", "ieee"; query rows
 # padded to 16
 ATTN_DOT = "tf32x2"
-ATTN_PREFETCH = True         # nibbles: load the next tile's codes before working this one
+ATTN_PREFETCH = False        # nibbles: load the next tile's codes before working this one
 ATTN_STAGES = None           # Triton's software pipelining depth for the attention kernel (None: its default)
 ATTN_SPLIT_TOKENS = 1024     # packed tokens per split (flash-decoding along the context), at least
 ATTN_PROGRAMS_PER_SM = 4     # splits enough for about this many programs per multiprocessor

@@ -199,7 +199,9 @@ def test_fused_attention_equals_sdpa_over_the_decoded_cache(kernel, scheme, D, R
     ref = torch.nn.functional.scaled_dot_product_attention(
         q[:, :, None], Kf, Vf, attn_mask=None if mask is None else (keep if mask_kind == "bool" else mask)[:, None, None, :])
     assert out.shape == q.shape and out.dtype == torch.float32
-    assert float((out - ref[:, :, 0]).abs().max()) < 3e-5 * max(1.0, float(ref.abs().max()))
+    # one TF32 pass rounds the query side to 10 bits on a GPU (the interpreter computes it in FP32)
+    tol = 2e-3 if dot == "tf32" and DEVICE == "cuda" else 3e-5
+    assert float((out - ref[:, :, 0]).abs().max()) < tol * max(1.0, float(ref.abs().max()))
 
 
 def test_fused_attention_refuses_what_it_cannot_read():
