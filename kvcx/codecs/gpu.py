@@ -300,10 +300,11 @@ def attend_spans(qs, qr, spans, Hkv: int, sinks=(None, None), residual=(None, No
                  per_split: Optional[int] = None):
     """The attention output [N, R, D] float32 of the query rows ``qs`` (scaled; ``qr``: also rotated, for spans
     whose keys rotate: :func:`scaled_query`) over packed spans (:class:`Span`, flash-decoding splits along each
-    in :func:`~kvcx.codecs._triton.attend_packed_kernel`) and the exact tokens: ``sinks`` (keys, values) [N, t0,
-    D] at mask columns 0.., ``residual`` [N, nr, D] (any float dtype, as held) at columns ``res_off``..; ``add``
-    float32 [B, kv_len] added to the scores, or None. Every span's values rotate alike (the merge rotates the
-    accumulator back once). Two kernels per span and one merge: no other launch. The caller checks shapes."""
+    in the kernel :data:`ATTN_KERNEL` names: :func:`~kvcx.codecs._triton.attend_nibbles_kernel` or
+    ``attend_packed_kernel``) and the exact tokens: ``sinks`` (keys, values) [N, t0, D] at mask columns 0..,
+    ``residual`` [N, nr, D] (any float dtype, as held) at columns ``res_off``..; ``add`` float32 [B, kv_len]
+    added to the scores, or None. Every span's values rotate alike (the merge rotates the accumulator back once).
+    One kernel per span and one merge: no other launch. The caller checks shapes."""
     torch, k = _torch(), _kernels()
     N, R, D = qs.shape
     rotate = {sp.value_codec.rotate for sp in spans}
