@@ -207,16 +207,14 @@ def to_host(packed: Packed) -> Packed:
 
 # -- fused decode attention over packed records ----------------------------------------------------------
 # Launch settings of the attention kernel, chosen on an H100 by bench/bench_gpu.py --tune (docs/results/gpu.md,
-# section 5: every setting's time and error): the nibbles kernel, tiles of 32 tokens, 2 warps, products of the
-# codes in two TF32 passes, no prefetch (64 tokens and 4 warps within 3 %; the tiles kernel 1.5-1.8x slower).
-ATTN_KERNEL = "nibbles"      # "nibbles" (attend_nibbles_kernel) or "tiles" (attend_packed_kernel: tiles dequantized)
+# section 5: every setting's time and error): tiles of 32 tokens, 2 warps, products of the codes in two TF32
+# passes, no prefetch (64 tokens and 4 warps within 3 %).
 ATTN_BLOCK_TOKENS = 32       # packed tokens a program reads per step
 ATTN_WARPS = 2               # warps per attention program
-# the products: "" FP32 broadcast sums (CUDA cores), or tl.dot at this input precision: "tf32x2" (the nibbles
-# kernel: the non-code operand split in two TF32 parts, FP32's accuracy), "tf32", "tf32x3", "ieee"; query rows
-# padded to 16
+# the products: "" FP32 broadcast sums (CUDA cores), or tl.dot at this input precision: "tf32x2" (the operand
+# that is not codes split in two TF32 parts: FP32's accuracy), "tf32", "tf32x3", "ieee"; query rows padded to 16
 ATTN_DOT = "tf32x2"
-ATTN_PREFETCH = False        # nibbles: load the next tile's codes before working this one
+ATTN_PREFETCH = False        # load the next tile's codes before working this one
 ATTN_STAGES = None           # Triton's software pipelining depth for the attention kernel (None: its default)
 ATTN_SPLIT_TOKENS = 1024     # packed tokens per split (flash-decoding along the context), at least
 ATTN_PROGRAMS_PER_SM = 4     # splits enough for about this many programs per multiprocessor
@@ -300,11 +298,10 @@ def attend_spans(qs, qr, spans, Hkv: int, sinks=(None, None), residual=(None, No
                  per_split: Optional[int] = None):
     """The attention output [N, R, D] float32 of the query rows ``qs`` (scaled; ``qr``: also rotated, for spans
     whose keys rotate: :func:`scaled_query`) over packed spans (:class:`Span`, flash-decoding splits along each
-    in the kernel :data:`ATTN_KERNEL` names: :func:`~kvcx.codecs._triton.attend_nibbles_kernel` or
-    ``attend_packed_kernel``) and the exact tokens: ``sinks`` (keys, values) [N, t0, D] at mask columns 0..,
-    ``residual`` [N, nr, D] (any float dtype, as held) at columns ``res_off``..; ``add`` float32 [B, kv_len]
-    added to the scores, or None. Every span's values rotate alike (the merge rotates the accumulator back once).
-    One kernel per span and one merge: no other launch. The caller checks shapes."""
+    in :func:`~kvcx.codecs._triton.attend_packed_kernel`) and the exact tokens: ``sinks`` (keys, values) [N, t0,
+    D] at mask columns 0.., ``residual`` [N, nr, D] (any float dtype, as held) at columns ``res_off``..; ``add``
+    float32 [B, kv_len] added to the scores, or None. Every span's values rotate alike (the merge rotates the
+    accumulator back once). One kernel per span and one merge: no other launch. The caller checks shapes."""
     torch, k = _torch(), _kernels()
     N, R, D = qs.shape
     rotate = {sp.value_codec.rotate for sp in spans}
@@ -326,26 +323,20 @@ def attend_spans(qs, qr, spans, Hkv: int, sinks=(None, None), residual=(None, No
     off, RP = 0, _pow2(R)
     dot = ATTN_DOT if D >= 32 else ""    # tl.dot needs 16 along each side: D // 2 channels a stream
     kernel_rows = max(16, RP) if dot else RP
-    nibbles = ATTN_KERNEL == "nibbles"
-    if not nibbles and dot == "tf32x2":  # the tiles kernel's products are of two split operands
-        dot = "tf32x3"
     for sp, T, per, n in plan:
         kc, vc, ks, vs = sp.key_codec, sp.value_codec, sp.keys, sp.values
         # a tile lies within one per-channel block (splits are whole ATTN_BLOCK_TOKENS, a multiple of this)
         bt = min([ATTN_BLOCK_TOKENS] + [c.group_size for c in (kc, vc) if c.axis == "channel"])
-        kernel = k.attend_nibbles_kernel if nibbles else k.attend_packed_kernel
-        extra = dict(NG=1 if vc.axis == "channel" else max(1, D // vc.group_size), PREFETCH=ATTN_PREFETCH) \
-            if nibbles else {}
-        if ATTN_STAGES is not None:
-            extra["num_stages"] = ATTN_STAGES
-        kernel[(N, n)](
+        extra = {} if ATTN_STAGES is None else dict(num_stages=ATTN_STAGES)
+        k.attend_packed_kernel[(N, n)](
             qr if kc.rotate else qs, ks.codes, ks.scales, ks.zeros if ks.zeros is not None else ks.scales,
             vs.codes, vs.scales, vs.zeros if vs.zeros is not None else vs.scales, add if add is not None else qs,
             m, l, acc, Hkv, T, ks.codes.shape[1], vs.codes.shape[1], ks.scales.shape[1], vs.scales.shape[1],
             add.shape[1] if add is not None else 0, sp.mask_off, per, off, spt, R=R, RP=kernel_rows, D=D,
             BT=bt, KG=kc.group_size, K_CHANNEL=kc.axis == "channel", K_ASYM=kc.asym,
             VG=vc.group_size, V_CHANNEL=vc.axis == "channel", V_ASYM=vc.asym, HAS_MASK=add is not None,
-            DOT=dot, **extra, enable_fp_fusion=False, num_warps=ATTN_WARPS)
+            DOT=dot, NG=1 if vc.axis == "channel" else max(1, D // vc.group_size), PREFETCH=ATTN_PREFETCH, **extra,
+            enable_fp_fusion=False, num_warps=ATTN_WARPS)
         off += n
     sk, sv = sinks
     rk, rv = residual

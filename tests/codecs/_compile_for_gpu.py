@@ -56,35 +56,22 @@ def codec_kernels() -> int:
 
 
 def attention_kernels() -> int:
-    """The packed attention (the tiles kernel, FP32 sums) and the merge for the default scheme (with a mask) and
-    the reference (without); the nibbles kernel (the default, gpu.ATTN_KERNEL) for three schemes."""
+    """The packed attention with the default launch settings (gpu.ATTN_*) for the default scheme, the reference
+    (per-token keys, FP32 sums) and kivi (per-token values with zero points, one TF32 pass, prefetch), the other
+    products (tl.dot in FP32 and in three TF32 passes), and the merge with and without a mask."""
     n = 0
-    for scheme, has_mask in (("kvcx", True), ("reference", False)):
+    for scheme, dot, prefetch in (("kvcx", gpu.ATTN_DOT, gpu.ATTN_PREFETCH), ("reference", "", False),
+                                  ("kivi", "tf32", True), ("kvcx", "ieee", False), ("kvcx", "tf32x3", False)):
         cfg = KVConfig.from_scheme(scheme)
         kc, vc = cfg.key, cfg.value
         compile_one(k.attend_packed_kernel, dict(
-            R=4, RP=4, D=D, BT=gpu.ATTN_BLOCK_TOKENS, KG=kc.group_size, K_CHANNEL=kc.axis == "channel",
-            K_ASYM=kc.asym, VG=vc.group_size, V_CHANNEL=vc.axis == "channel", V_ASYM=vc.asym,
-            HAS_MASK=has_mask, DOT=""), num_warps=gpu.ATTN_WARPS)
-        compile_one(k.merge_kernel, dict(R=4, RP=4, D=D, SB=gpu._pow2(1), RB=gpu._pow2(32), HAS_MASK=has_mask,
-                                         ROTATE=vc.rotate, CH=gpu.MERGE_SPLITS), out_ptr="*fp32")
-        n += 2
-    # the nibbles kernel (gpu.ATTN_KERNEL): the default, the reference (per-token keys), kivi (per-token values
-    # with zero points), each with a different product and prefetch setting
-    for scheme, dot, prefetch in (("kvcx", gpu.ATTN_DOT, gpu.ATTN_PREFETCH), ("reference", "", False),
-                                  ("kivi", "tf32", True)):
-        cfg = KVConfig.from_scheme(scheme)
-        kc, vc = cfg.key, cfg.value
-        compile_one(k.attend_nibbles_kernel, dict(
             R=4, RP=16 if dot else 4, D=D, BT=gpu.ATTN_BLOCK_TOKENS, KG=kc.group_size, K_CHANNEL=kc.axis == "channel",
             K_ASYM=kc.asym, VG=vc.group_size, V_CHANNEL=vc.axis == "channel", V_ASYM=vc.asym, HAS_MASK=True,
             DOT=dot, NG=D // vc.group_size, PREFETCH=prefetch), num_warps=gpu.ATTN_WARPS)
         n += 1
-    # the products through tl.dot (gpu.ATTN_DOT), query rows padded to 16
-    for prec in ("ieee", "tf32x3"):
-        compile_one(k.attend_packed_kernel, dict(R=4, RP=16, D=D, BT=gpu.ATTN_BLOCK_TOKENS, KG=32, K_CHANNEL=True,
-                                                 K_ASYM=True, VG=32, V_CHANNEL=False, V_ASYM=False, HAS_MASK=True,
-                                                 DOT=prec), num_warps=gpu.ATTN_WARPS)
+    for has_mask, rotate in ((True, True), (False, False)):
+        compile_one(k.merge_kernel, dict(R=4, RP=4, D=D, SB=gpu._pow2(1), RB=gpu._pow2(32), HAS_MASK=has_mask,
+                                         ROTATE=rotate, CH=gpu.MERGE_SPLITS), out_ptr="*fp32")
         n += 1
     return n
 

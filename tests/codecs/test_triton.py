@@ -150,7 +150,7 @@ CHANNELS = (dict(scheme="asymmetric", axis="channel", group_size=16, sinks=2),
             dict(scheme="asymmetric", axis="channel", group_size=32, sinks=2))
 
 
-@pytest.mark.parametrize("kernel", ["nibbles", "nibbles-prefetch", "tiles"])
+@pytest.mark.parametrize("prefetch", [False, True], ids=["load", "prefetch"])
 @pytest.mark.parametrize("scheme,D,R,nr,mask_kind,per,dot,S", [
     ("kvcx", 64, 3, 5, "float", 64, "", 150),          # the default: channel keys + sinks, rotated values; 3 splits
     ("kvcx", 128, 1, 0, "bool", 1024, "", 150),        # two value groups per token, no residual, one split
@@ -165,16 +165,15 @@ CHANNELS = (dict(scheme="asymmetric", axis="channel", group_size=16, sinks=2),
     (CHANNELS, 64, 2, 3, "float", 48, "", 200),        # per-channel values, 16-token key blocks
     (CHANNELS, 32, 2, 0, None, 32, "ieee", 97),        # the same through tl.dot, a partial last tile
 ])
-def test_fused_attention_equals_sdpa_over_the_decoded_cache(kernel, scheme, D, R, nr, mask_kind, per, dot, S,
+def test_fused_attention_equals_sdpa_over_the_decoded_cache(prefetch, scheme, D, R, nr, mask_kind, per, dot, S,
                                                             monkeypatch):
     """The Triton decode step over packed codes equals SDPA over the decoded cache within FP32 rounding (batch 2,
-    row 1 left-padded), through either attention kernel."""
+    row 1 left-padded), with the next tile's codes loaded in each step or prefetched."""
     from kvcx.codecs import gpu
     from kvcx.codecs.gpu import attend
 
     monkeypatch.setattr(gpu, "ATTN_DOT", dot)
-    monkeypatch.setattr(gpu, "ATTN_KERNEL", kernel.split("-")[0])
-    monkeypatch.setattr(gpu, "ATTN_PREFETCH", kernel.endswith("-prefetch"))
+    monkeypatch.setattr(gpu, "ATTN_PREFETCH", prefetch)
 
     g = torch.Generator().manual_seed(D + R)
     if isinstance(scheme, tuple):
