@@ -154,6 +154,7 @@ CHANNELS = (dict(scheme="asymmetric", axis="channel", group_size=16, sinks=2),
 @pytest.mark.parametrize("scheme,D,R,nr,mask_kind,per,dot,S", [
     ("kvcx", 64, 3, 5, "float", 64, "", 150),          # the default: channel keys + sinks, rotated values; 3 splits
     ("kvcx", 128, 1, 0, "bool", 1024, "", 150),        # two value groups per token, no residual, one split
+    ("kvcx", 16, 2, 2, "float", 64, "tf32x2", 130),    # head dim 16: FP32 sums (tl.dot needs 16 a stream)
     ("reference", 64, 2, 1, None, 64, "", 150),        # per-token keys and values, no sinks
     ("kvcx", 64, 3, 5, "float", 64, "ieee", 150),      # the products as tl.dot (query rows padded to 16)
     ("kvcx", 32, 4, 2, "bool", 32, "tf32x3", 333),     # 11 splits: the merge reads them in two chunks
