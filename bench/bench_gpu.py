@@ -106,15 +106,14 @@ def sdpa_baseline(torch, dev, q, K, V, scale, reps):
     """SDPA over the BF16 keys and values (GQA) through each backend that takes these shapes (flash, cuDNN,
     memory-efficient; the default's choice too): (name, step, median seconds) of the fastest, so that kvcx is
     compared with the best BF16 attention torch has here, not with whatever its dispatcher picks."""
+    import contextlib
+
     import torch.nn.functional as F
+    from torch.nn.attention import sdpa_kernel
 
     def step_with(backend):
-        if backend is None:
-            return lambda: F.scaled_dot_product_attention(q, K, V, scale=scale, enable_gqa=True)
-        from torch.nn.attention import sdpa_kernel
-
         def step():
-            with sdpa_kernel([backend]):
+            with sdpa_kernel([backend]) if backend is not None else contextlib.nullcontext():
                 return F.scaled_dot_product_attention(q, K, V, scale=scale, enable_gqa=True)
         return step
 
@@ -152,6 +151,17 @@ def reference_error(torch, store, q, rk, rv, scale, out) -> float:
     qg = q.float().reshape(B, H, -1, D)
     ref = torch.softmax((qg @ K.transpose(-1, -2)) * scale, -1) @ V
     return float((out.float().reshape(ref.shape) - ref).norm() / ref.norm())
+
+
+def case(torch, dev, cfg, B, S, hq, hkv, d, seed):
+    """One layer's decode step at S tokens: random BF16 keys and values [B, hkv, S + RESIDUAL, d] and the query
+    [B, hq, 1, d], the first S tokens packed (:func:`build_store`), the rest the residual: (q, K, V, store, rk,
+    rv)."""
+    g = torch.Generator(device=dev).manual_seed(seed)
+    K, V = (torch.randn(B, hkv, S + RESIDUAL, d, device=dev, dtype=torch.bfloat16, generator=g) for _ in "kv")
+    q = torch.randn(B, hq, 1, d, device=dev, dtype=torch.bfloat16, generator=g)
+    store = build_store(torch, dev, cfg, K[:, :, :S], V[:, :, :S])
+    return q, K, V, store, K[:, :, S:].contiguous(), V[:, :, S:].contiguous()
 
 
 def build_store(torch, dev, cfg, K, V):
@@ -196,12 +206,7 @@ def attention(torch, dev, cfg, contexts, batches, reps, out, hq, hkv, d):
     memory = {}
     for S in contexts:
         for B in batches:
-            g = torch.Generator(device=dev).manual_seed(S + B)
-            K = torch.randn(B, hkv, S + RESIDUAL, d, device=dev, dtype=torch.bfloat16, generator=g)
-            V = torch.randn(B, hkv, S + RESIDUAL, d, device=dev, dtype=torch.bfloat16, generator=g)
-            q = torch.randn(B, hq, 1, d, device=dev, dtype=torch.bfloat16, generator=g)
-            store = build_store(torch, dev, cfg, K[:, :, :S], V[:, :, :S])
-            rk, rv = K[:, :, S:].contiguous(), V[:, :, S:].contiguous()
+            q, K, V, store, rk, rv = case(torch, dev, cfg, B, S, hq, hkv, d, seed=S + B)
             scale = d ** -0.5
             kvcx_step = lambda: store.attend(q.view(B, hq, d), rk, rv, None, scale)  # noqa: E731
             err = reference_error(torch, store, q, rk, rv, scale, kvcx_step())
@@ -270,11 +275,8 @@ def variants(torch, dev, cfg, contexts, reps, out, hq, hkv, d):
         "| rel. error vs FP32 sums |")
     out("|---:|---:|---:|---|---|---:|---:|---:|---:|---:|")
     for S in contexts:
-        g = torch.Generator(device=dev).manual_seed(S)
-        K, V = (torch.randn(1, hkv, S + RESIDUAL, d, device=dev, dtype=torch.bfloat16, generator=g) for _ in "kv")
-        q = torch.randn(1, hq, d, device=dev, dtype=torch.bfloat16, generator=g)
-        store = build_store(torch, dev, cfg, K[:, :, :S], V[:, :, :S])
-        rk, rv = K[:, :, S:].contiguous(), V[:, :, S:].contiguous()
+        q, _, _, store, rk, rv = case(torch, dev, cfg, 1, S, hq, hkv, d, seed=S)
+        q = q.view(1, hq, d)
         step = lambda: store.attend(q, rk, rv, None, d ** -0.5)  # noqa: E731
         apply(gpu, SETTINGS[0])
         ref = step().double()
@@ -293,7 +295,7 @@ def variants(torch, dev, cfg, contexts, reps, out, hq, hkv, d):
             bt, warps, dot, prefetch, stages, per_sm = setting
             out(f"| {S:,} | {bt} | {warps} | {dot or 'FP32 sums'} | {'yes' if prefetch else 'no'} | "
                 f"{stages or 'default'} | {per_sm} | " + " | ".join(row) + " |")
-        K = V = store = rk = rv = None
+        _ = store = rk = rv = None
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     out("")

@@ -211,10 +211,12 @@ def _mm(a, b, DOT: tl.constexpr):
     """a [M, K] @ b [K, N] in FP32: broadcast sums (``DOT`` empty) or ``tl.dot`` at that input precision
     ("tf32x2" takes "tf32x3" here: both operands are split)."""
     if DOT == "tf32x2":
-        return tl.dot(a, b, input_precision="tf32x3")
+        out = tl.dot(a, b, input_precision="tf32x3")
     elif DOT != "":
-        return tl.dot(a, b, input_precision=DOT)
-    return tl.sum(a[:, :, None] * b[None, :, :], axis=1)
+        out = tl.dot(a, b, input_precision=DOT)
+    else:
+        out = tl.sum(a[:, :, None] * b[None, :, :], axis=1)
+    return out   # one return: Triton traces what follows a return in a constexpr branch too
 
 
 @triton.jit
@@ -223,8 +225,16 @@ def _mmc(a, c, DOT: tl.constexpr):
     the rest, two TF32 products (FP32's accuracy: c needs no split); "tf32": one product (a rounded to TF32)."""
     if DOT == "tf32x2":
         hi = (a.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
-        return tl.dot(hi, c, input_precision="tf32") + tl.dot(a - hi, c, input_precision="tf32")
-    return _mm(a, c, DOT)
+        out = tl.dot(hi, c, input_precision="tf32") + tl.dot(a - hi, c, input_precision="tf32")
+    else:
+        out = _mm(a, c, DOT)
+    return out
+
+
+@triton.jit
+def _tile_bytes(row, tb, c_off, tt, t_end, D: tl.constexpr):
+    """The packed bytes [BT, D // 2] of the tile from token ``tb`` of a slab's row (0 past ``t_end``)."""
+    return tl.load(row + tb * (D // 2) + c_off, mask=(tb + tt < t_end)[:, None], other=0)
 
 
 @triton.jit
@@ -318,18 +328,14 @@ def attend_packed_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, 
     t_begin = sp * per_split
     t_end = tl.minimum(T, t_begin + per_split)
     if PREFETCH:
-        first = (t_begin + tt < t_end)[:, None]
-        kb = tl.load(kc_row + t_begin * (D // 2) + c_off, mask=first, other=0)
-        vb = tl.load(vc_row + t_begin * (D // 2) + c_off, mask=first, other=0)
+        kb, vb = _tile_bytes(kc_row, t_begin, c_off, tt, t_end, D), _tile_bytes(vc_row, t_begin, c_off, tt, t_end, D)
     for tb in range(t_begin, t_end, BT):
         tm = tb + tt < t_end
         if PREFETCH:
-            following = (tb + BT + tt < t_end)[:, None]
-            kn = tl.load(kc_row + (tb + BT) * (D // 2) + c_off, mask=following, other=0)
-            vn = tl.load(vc_row + (tb + BT) * (D // 2) + c_off, mask=following, other=0)
+            kn = _tile_bytes(kc_row, tb + BT, c_off, tt, t_end, D)
+            vn = _tile_bytes(vc_row, tb + BT, c_off, tt, t_end, D)
         else:
-            kb = tl.load(kc_row + tb * (D // 2) + c_off, mask=tm[:, None], other=0)
-            vb = tl.load(vc_row + tb * (D // 2) + c_off, mask=tm[:, None], other=0)
+            kb, vb = _tile_bytes(kc_row, tb, c_off, tt, t_end, D), _tile_bytes(vc_row, tb, c_off, tt, t_end, D)
         klo, khi = _streams(kb)
         if K_CHANNEL:
             se, so, ze, zo = _channel_params(ks_row + (tb // KG) * D, kz_row + (tb // KG) * D, j, K_ASYM)
