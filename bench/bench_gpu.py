@@ -390,6 +390,8 @@ def main(argv=None):
                     help="time the launch settings first (section 5) and run the other sections with the fastest")
     ap.add_argument("--markdown", default=None, help="also write the tables to this file")
     args = ap.parse_args(argv)
+    if args.reps is not None and args.reps < 1:
+        ap.error(f"--reps must be 1 or more, got {args.reps}")
     torch, dev = _setup(args.smoke)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from report import Report
