@@ -20,7 +20,9 @@ preset: fused where the kernel reads the preset's codes, else materialising (lab
    which overstated the ratios; see docs/RESULTS.md): the context is prefilled once (DynamicCache) and
    copied into both, then the two decode in interleaved rounds (median step). Per step: tokens/s and
    ratio vs that process's DynamicCache, the attention part (all layers: the attention functions timed
-   apart, SDPA for DynamicCache), the bytes the attention reads, and the kvcx kernel share.
+   apart, SDPA for DynamicCache), the bytes the attention reads, and the kvcx kernel share. Bounds: the step
+   outside attention (the model's own work) and the ratio vs DynamicCache a cache would reach with its
+   attention free, or costing only the time to read its bytes at the read bandwidth the process measures.
 3. A multi-token step (a long prompt's next chunk, or a batch of draft tokens to verify): after a
    --chunk-prefix-token context (prefilled once, copied into every cache: packed in KvcxCache), one
    --chunk-token step, --chunk-reps times per cache interleaved (median): step time, the attention part
@@ -208,7 +210,7 @@ def speed_child(label, context, args):
     live = {"DynamicCache": copy_cache(base, DynamicCache), label: copy_cache(base, mk)}
     del base
     stats = decode_rounds(model, live, start, args.rounds, args.per_round)
-    res = {}
+    res = {"read_bw": read_bandwidth()}
     for name, s in stats.items():
         rb = read_bytes(name, live[name], cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
                         context + args.rounds * args.per_round // 2)
@@ -218,6 +220,20 @@ def speed_child(label, context, args):
         res[name] = {"step": float(np.median(s["step"])), "attn": s["attn"] / s["n"], "rb": rb,
                      "share": s["kernel"] / sum(s["step"]), "steps": steps}
     print(json.dumps(res))
+
+
+def read_bandwidth(nbytes=256 * 2**20, reps=5):
+    """Bytes/s this process reads from memory: the best of `reps` torch sums over an FP32 array of `nbytes`
+    (far past the caches), on torch's threads (as the step's). What the attention's reads cost at the least."""
+    import torch
+
+    x = torch.ones(nbytes // 4)
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t)
+    return nbytes / best
 
 
 def run_child(*argv):
@@ -400,8 +416,9 @@ def main(argv=None):
              f"interleaved rounds of {args.per_round} greedy steps each (median step)\n")
         emit("| context | cache | tok/s | vs DynamicCache | step ms | DynamicCache step ms (same process) "
              "| attention ms / step (all layers) | attention vs SDPA | attention reads / step | "
-             "DynamicCache reads / step | kvcx kernel share |")
-        emit("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+             "DynamicCache reads / step | kvcx kernel share | step outside attention ms | bound: attention free | "
+             "bound: attention at the read bandwidth |")
+        emit("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for ctx in args.contexts:
             paths = []
             for label in (lb for lb in caches if lb != "DynamicCache"):
@@ -409,20 +426,29 @@ def main(argv=None):
                                      str(args.per_round), "--dataset-file", str(args.dataset_file),
                                      "--presets", *args.presets)
                 if res is None:
-                    emit(f"| {ctx} | {label} | failed: {err} ||||||||")
+                    emit(f"| {ctx} | {label} | failed: {err} |||||||||||")
                     continue
                 d, k = res["DynamicCache"], res[label]
                 mb = (lambda b: f"{b / 1e6:.1f} MB" if b is not None else "n/a")
                 share = f"{k['share']:.0%}" if label.startswith("KvcxCache") else ""
+                # the ratio vs DynamicCache this cache would reach with its attention free, or reading its bytes
+                # at the machine's read bandwidth: the model's own work outside attention stays
+                outside = k["step"] - k["attn"]
+                at_bw = f"{d['step'] / (outside + k['rb'] / res['read_bw']):.2f}x" if k["rb"] else "n/a"
                 emit(f"| {ctx} | {label} | {1 / k['step']:.2f} | {d['step'] / k['step']:.2f}x | "
                      f"{1000 * k['step']:.1f} | {1000 * d['step']:.1f} | {1000 * k['attn']:.2f} | "
-                     f"{d['attn'] / k['attn']:.2f}x | {mb(k['rb'])} | {mb(d['rb'])} | {share} |", flush=True)
+                     f"{d['attn'] / k['attn']:.2f}x | {mb(k['rb'])} | {mb(d['rb'])} | {share} | "
+                     f"{1000 * outside:.1f} | {d['step'] / outside:.2f}x | {at_bw} |", flush=True)
                 if k["steps"] is not None:
                     st = k["steps"]
                     paths.append(f"{label}: layer steps fused {st['fused']}, materialised {st['materialised']}, "
                                  f"full precision {st['full_precision']}")
             for p in paths:
-                emit(f"|  | ({p}) |||||||||| ")
+                emit(f"|  | ({p}) ||||||||||||| ")
+        emit("\nBounds: the ratio vs DynamicCache a cache would reach if its attention took no time (the step minus "
+             "its attention: the model's own work stays), and if its attention took only the time to read its bytes "
+             "once at the read bandwidth measured in the same process (the best of 5 sums over 256 MiB, torch's "
+             "threads).")
 
     if "chunk" not in args.skip:
         multi_token(model, ids, caches, args, emit)
