@@ -25,3 +25,29 @@ def test_every_section_runs_and_writes_its_table(tmp_path):
     gen = rows[-1].split(" | ")
     assert gen[-2] == "triton" and int(gen[-1].rstrip(" |")) > 0   # generate() ran the fused Triton steps
     assert "## 4. Memory: the packed store holds" in text
+
+
+def test_the_offline_instruction_count_finds_the_kernels_loop(tmp_path):
+    """bench/sass_gpu.py compiles the attention kernel for sm_90 (no GPU), disassembles it and counts its main
+    loop: the FP32-sums setting has no tensor-core products in it, the default's TF32 products are there."""
+    pytest.importorskip("triton")
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "sass.md"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, str(BENCH.with_name("sass_gpu.py")), "--limit", "2", "--markdown", str(out)],
+                         env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    lines = out.read_text().splitlines()
+    head = next(line for line in lines if line.startswith("| setting |")).strip("| ").split(" | ")
+    rows = [dict(zip(head, line.strip("| ").split(" | "))) for line in lines if line.startswith("| 32 tokens")]
+    assert len(rows) == 2
+    sums, tf32 = rows
+    assert "FP32 sums" in sums["setting"] and float(sums["MMA"]) == 0
+    assert "tf32x2" in tf32["setting"] and float(tf32["MMA"]) > 0
+    for r in rows:
+        per_token = float(r["loop instructions / token"])
+        assert 0 < per_token * int(r["tile tokens"]) < int(r["kernel instructions"])
+        assert float(r["warp instructions / token"]) >= per_token

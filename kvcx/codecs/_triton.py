@@ -207,27 +207,29 @@ def decode_channel_kernel(codes_ptr, scales_ptr, zeros_ptr, out_ptr, S, t0, D, r
 
 
 @triton.jit
-def _mm(a, b, DOT: tl.constexpr):
-    """a [M, K] @ b [K, N] in FP32: broadcast sums (``DOT`` empty) or ``tl.dot`` at that input precision
-    ("tf32x2" takes "tf32x3" here: both operands are split)."""
+def _mm(a, b, acc, DOT: tl.constexpr):
+    """acc + a [M, K] @ b [K, N] in FP32: broadcast sums (``DOT`` empty) or ``tl.dot`` at that input precision
+    ("tf32x2" takes "tf32x3" here: both operands are split), summed into ``acc`` [M, N] by the products
+    themselves (tl.dot's accumulator: no separate additions)."""
     if DOT == "tf32x2":
-        out = tl.dot(a, b, input_precision="tf32x3")
+        out = tl.dot(a, b, acc, input_precision="tf32x3")
     elif DOT != "":
-        out = tl.dot(a, b, input_precision=DOT)
+        out = tl.dot(a, b, acc, input_precision=DOT)
     else:
-        out = tl.sum(a[:, :, None] * b[None, :, :], axis=1)
+        out = acc + tl.sum(a[:, :, None] * b[None, :, :], axis=1)
     return out   # one return: Triton traces what follows a return in a constexpr branch too
 
 
 @triton.jit
-def _mmc(a, c, DOT: tl.constexpr):
-    """a [M, K] (FP32) @ c [K, N], codes (small integers, exact in TF32). "tf32x2": a split in its TF32 bits and
-    the rest, two TF32 products (FP32's accuracy: c needs no split); "tf32": one product (a rounded to TF32)."""
+def _mmc(a, c, acc, DOT: tl.constexpr):
+    """acc + a [M, K] (FP32) @ c [K, N], codes (small integers, exact in TF32), as :func:`_mm`. "tf32x2": a split
+    in its TF32 bits and the rest, two TF32 products (FP32's accuracy: c needs no split), the second summing into
+    the first; "tf32": one product (a rounded to TF32)."""
     if DOT == "tf32x2":
         hi = (a.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
-        out = tl.dot(hi, c, input_precision="tf32") + tl.dot(a - hi, c, input_precision="tf32")
+        out = tl.dot(a - hi, c, tl.dot(hi, c, acc, input_precision="tf32"), input_precision="tf32")
     else:
-        out = _mm(a, c, DOT)
+        out = _mm(a, c, acc, DOT)
     return out
 
 
@@ -293,9 +295,12 @@ def attend_packed_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, 
       interleaved; the query and the accumulator are split alike;
     - codes become centred floats c = code - 8 by their bits (:func:`_streams`) and go into the products as they
       are: per-channel blocks' scales fold into the query (``q . (c s + z) = (q s) . c + q . z``; a tile of BT
-      tokens lies in one block), per-token groups' value scales into the weights: row (r, g) of the weights is
-      ``p[r] * s[:, g]`` and multiplies every code; the accumulator's row (r, g) is kept for the channels of
+      tokens lies in one block), per-token groups' value scales into the weights: row (g, r) of the weights is
+      ``p[r] * s[:, g]`` and multiplies every code; the accumulator's row (g, r) is kept for the channels of
       group g at the end, with the zero points' term (``sum(p z)``) accumulated beside it;
+    - so every product has RP x NG rows, query row r once per value group g (its scores computed NG times over):
+      the launcher pads the R query rows to RP only as far as tl.dot's 16 rows need, RP x NG >= 16, so that
+      value groups fill rows that would be padding (the default's 4 query rows and 2 groups: 16 rows, not 32);
     - per-token key groups (the reference scheme) dequantize in the tile.
 
     ``DOT`` "tf32x2": products of codes in two TF32 passes (FP32's accuracy); "tf32": one; "": FP32 sums.
@@ -304,17 +309,18 @@ def attend_packed_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, 
     sp = tl.program_id(1)
     r = tl.arange(0, RP)
     rm = r < R
+    ri = tl.arange(0, RP * NG) % RP          # the query row of each product row (g, r), r fastest
     j = tl.arange(0, D // 2)
     tt = tl.arange(0, BT)
     g = tl.arange(0, NG)
-    q_row = q_ptr + (n.to(tl.int64) * R + r[:, None]) * D + 2 * j[None, :]
-    qe = tl.load(q_row, mask=rm[:, None], other=0.0)
-    qo = tl.load(q_row + 1, mask=rm[:, None], other=0.0)
-    m_i = tl.full([RP], float("-inf"), tl.float32)
-    l_i = tl.zeros([RP], tl.float32)
+    q_row = q_ptr + (n.to(tl.int64) * R + ri[:, None]) * D + 2 * j[None, :]
+    qe = tl.load(q_row, mask=(ri < R)[:, None], other=0.0)
+    qo = tl.load(q_row + 1, mask=(ri < R)[:, None], other=0.0)
+    m_i = tl.full([RP * NG], float("-inf"), tl.float32)
+    l_i = tl.zeros([RP * NG], tl.float32)
     a_e = tl.zeros([RP * NG, D // 2], tl.float32)
     a_o = tl.zeros([RP * NG, D // 2], tl.float32)
-    cz = tl.zeros([RP, NG], tl.float32)      # per row and value group: sum of p x offset (with zero points)
+    cz = tl.zeros([RP * NG], tl.float32)     # per product row: sum of p x its group's offset (zero points)
     # offsets from a tile's first token, computed once: its bytes, per-token key groups' scales, value scales [NG, BT]
     c_off = tt[:, None] * (D // 2) + j[None, :]
     kg_off = (tt[:, None] * D + 2 * j[None, :]) // KG
@@ -339,12 +345,12 @@ def attend_packed_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, 
         klo, khi = _streams(kb)
         if K_CHANNEL:
             se, so, ze, zo = _channel_params(ks_row + (tb // KG) * D, kz_row + (tb // KG) * D, j, K_ASYM)
-            bias = tl.sum(qe * ze[None, :] + qo * zo[None, :], axis=1)
-            s = _mmc(qe * se[None, :], tl.trans(klo), DOT) + _mmc(qo * so[None, :], tl.trans(khi), DOT) + \
-                bias[:, None]
+            bias = tl.broadcast_to(tl.sum(qe * ze[None, :] + qo * zo[None, :], axis=1)[:, None], (RP * NG, BT))
+            s = _mmc(qo * so[None, :], tl.trans(khi), _mmc(qe * se[None, :], tl.trans(klo), bias, DOT), DOT)
         else:
             sc, zc = _token_params(ks_row, kz_row, tb * D // KG + kg_off, tm[:, None], K_ASYM)
-            s = _mm(qe, tl.trans(klo * sc + zc), DOT) + _mm(qo, tl.trans(khi * sc + zc), DOT)
+            s = _mm(qe, tl.trans(klo * sc + zc), tl.zeros([RP * NG, BT], tl.float32), DOT)
+            s = _mm(qo, tl.trans(khi * sc + zc), s, DOT)
         if HAS_MASK:
             s += tl.load(mask_ptr + (n // Hkv).to(tl.int64) * mask_stride + mask_off + tb + tt, mask=tm,
                          other=0.0)[None, :]
@@ -358,30 +364,31 @@ def attend_packed_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, 
         if V_CHANNEL:
             se, so, ze, zo = _channel_params(vs_row + (tb // VG) * D, vz_row + (tb // VG) * D, j, V_ASYM)
             psum = tl.sum(p, axis=1)[:, None]
-            a_e = a_e * alpha[:, None] + _mmc(p, vlo, DOT) * se[None, :] + psum * ze[None, :]
-            a_o = a_o * alpha[:, None] + _mmc(p, vhi, DOT) * so[None, :] + psum * zo[None, :]
+            zero = tl.zeros([RP * NG, D // 2], tl.float32)
+            a_e = a_e * alpha[:, None] + _mmc(p, vlo, zero, DOT) * se[None, :] + psum * ze[None, :]
+            a_o = a_o * alpha[:, None] + _mmc(p, vhi, zero, DOT) * so[None, :] + psum * zo[None, :]
         else:
             sc, zc = _token_params(vs_row, vz_row, tb * D // VG + vg_off, tm[None, :], V_ASYM)   # [NG, BT]
-            w = p[:, None, :] * sc[None, :, :]                                                   # [RP, NG, BT]
+            w = p * tl.reshape(tl.broadcast_to(sc[:, None, :], (NG, RP, BT)), (RP * NG, BT))   # (g, r): p[r] s[g]
             if V_ASYM:
-                cz = cz * alpha[:, None] + tl.sum(p[:, None, :] * zc[None, :, :], axis=2)
-            ax = tl.reshape(tl.broadcast_to(alpha[:, None], (RP, NG)), (RP * NG,))[:, None]
-            w = tl.reshape(w, (RP * NG, BT))
-            a_e = a_e * ax + _mmc(w, vlo, DOT)
-            a_o = a_o * ax + _mmc(w, vhi, DOT)
+                zr = tl.reshape(tl.broadcast_to(zc[:, None, :], (NG, RP, BT)), (RP * NG, BT))
+                cz = cz * alpha + tl.sum(p * zr, axis=1)
+            a_e = _mmc(w, vlo, a_e * alpha[:, None], DOT)
+            a_o = _mmc(w, vhi, a_o * alpha[:, None], DOT)
         m_i = m_new
         if PREFETCH:
             kb, vb = kn, vn
     if V_CHANNEL:
         acc_e, acc_o = a_e, a_o
-    else:   # row (r, g) of the sums holds group g's channels; then the zero points' term
-        sel = ((2 * j) // VG)[None, None, :] == g[None, :, None]
-        off = tl.sum(tl.where(sel, cz[:, :, None], 0.0), axis=1)
-        acc_e = tl.sum(tl.where(sel, tl.reshape(a_e, (RP, NG, D // 2)), 0.0), axis=1) + off
-        acc_o = tl.sum(tl.where(sel, tl.reshape(a_o, (RP, NG, D // 2)), 0.0), axis=1) + off
+    else:   # row (g, r) of the sums holds group g's channels; then the zero points' term
+        sel = ((2 * j) // VG)[None, None, :] == g[:, None, None]
+        off = tl.sum(tl.where(sel, tl.reshape(cz, (NG, RP))[:, :, None], 0.0), axis=0)
+        acc_e = tl.sum(tl.where(sel, tl.reshape(a_e, (NG, RP, D // 2)), 0.0), axis=0) + off
+        acc_o = tl.sum(tl.where(sel, tl.reshape(a_o, (NG, RP, D // 2)), 0.0), axis=0) + off
     o = (n.to(tl.int64) * SPT + sp_off + sp) * R + r
-    tl.store(m_ptr + o, m_i, mask=rm)
-    tl.store(l_ptr + o, l_i, mask=rm)
+    # the rows of every group saw the same scores: their running max and sum are equal, any of them will do
+    tl.store(m_ptr + o, tl.max(tl.reshape(m_i, (NG, RP)), axis=0), mask=rm)
+    tl.store(l_ptr + o, tl.max(tl.reshape(l_i, (NG, RP)), axis=0), mask=rm)
     tl.store(acc_ptr + o[:, None] * D + 2 * j[None, :], acc_e, mask=rm[:, None])
     tl.store(acc_ptr + o[:, None] * D + 2 * j[None, :] + 1, acc_o, mask=rm[:, None])
 

@@ -219,6 +219,9 @@ ATTN_STAGES = None           # Triton's software pipelining depth for the attent
 ATTN_SPLIT_TOKENS = 1024     # packed tokens per split (flash-decoding along the context), at least
 ATTN_PROGRAMS_PER_SM = 4     # splits enough for about this many programs per multiprocessor
 MERGE_SPLITS = 8             # splits the merge kernel reads at a time
+# a * b + c as one FMA in the attention kernels (one rounding instead of two: no less accurate, and a multiply and
+# an add fewer to issue). The codec kernels keep it off: they must round as the CPU kernels do, bit for bit.
+ATTN_FP_FUSION = True
 
 
 @functools.lru_cache(maxsize=None)
@@ -294,6 +297,13 @@ def _pow2(n: int) -> int:
     return max(2, 1 << (max(1, n) - 1).bit_length())
 
 
+def attention_rows(R: int, NG: int, dot: str) -> int:
+    """The query rows RP the attention kernel pads R to, for NG value groups a token: its products have RP x NG
+    rows (each query row once per group), and tl.dot needs at least 16, so with ``dot`` the groups fill rows that
+    would otherwise be padding."""
+    return max(_pow2(R), -(-16 // NG)) if dot else _pow2(R)
+
+
 def attend_spans(qs, qr, spans, Hkv: int, sinks=(None, None), residual=(None, None), add=None, res_off: int = 0,
                  per_split: Optional[int] = None):
     """The attention output [N, R, D] float32 of the query rows ``qs`` (scaled; ``qr``: also rotated, for spans
@@ -322,21 +332,21 @@ def attend_spans(qs, qr, spans, Hkv: int, sinks=(None, None), residual=(None, No
         l, acc = torch.zeros(N, 1, R, device=qs.device), torch.zeros(N, 1, R, D, device=qs.device)
     off, RP = 0, _pow2(R)
     dot = ATTN_DOT if D >= 32 else ""    # tl.dot needs 16 along each side: D // 2 channels a stream
-    kernel_rows = max(16, RP) if dot else RP
     for sp, T, per, n in plan:
         kc, vc, ks, vs = sp.key_codec, sp.value_codec, sp.keys, sp.values
         # a tile lies within one per-channel block (splits are whole ATTN_BLOCK_TOKENS, a multiple of this)
         bt = min([ATTN_BLOCK_TOKENS] + [c.group_size for c in (kc, vc) if c.axis == "channel"])
+        ng = 1 if vc.axis == "channel" else max(1, D // vc.group_size)
         extra = {} if ATTN_STAGES is None else dict(num_stages=ATTN_STAGES)
         k.attend_packed_kernel[(N, n)](
             qr if kc.rotate else qs, ks.codes, ks.scales, ks.zeros if ks.zeros is not None else ks.scales,
             vs.codes, vs.scales, vs.zeros if vs.zeros is not None else vs.scales, add if add is not None else qs,
             m, l, acc, Hkv, T, ks.codes.shape[1], vs.codes.shape[1], ks.scales.shape[1], vs.scales.shape[1],
-            add.shape[1] if add is not None else 0, sp.mask_off, per, off, spt, R=R, RP=kernel_rows, D=D,
-            BT=bt, KG=kc.group_size, K_CHANNEL=kc.axis == "channel", K_ASYM=kc.asym,
+            add.shape[1] if add is not None else 0, sp.mask_off, per, off, spt, R=R, RP=attention_rows(R, ng, dot),
+            D=D, BT=bt, KG=kc.group_size, K_CHANNEL=kc.axis == "channel", K_ASYM=kc.asym,
             VG=vc.group_size, V_CHANNEL=vc.axis == "channel", V_ASYM=vc.asym, HAS_MASK=add is not None,
-            DOT=dot, NG=1 if vc.axis == "channel" else max(1, D // vc.group_size), PREFETCH=ATTN_PREFETCH, **extra,
-            enable_fp_fusion=False, num_warps=ATTN_WARPS)
+            DOT=dot, NG=ng, PREFETCH=ATTN_PREFETCH, **extra,
+            enable_fp_fusion=ATTN_FP_FUSION, num_warps=ATTN_WARPS)
         off += n
     sk, sv = sinks
     rk, rv = residual
@@ -349,7 +359,7 @@ def attend_spans(qs, qr, spans, Hkv: int, sinks=(None, None), residual=(None, No
                          rv if nr else qs, nr, add if add is not None else qs, add.shape[1] if add is not None else 0,
                          res_off, Hkv, out, _norm(D), R=R, RP=RP, D=D, SB=_pow2(t0), RB=_pow2(nr),
                          HAS_MASK=add is not None, ROTATE=bool(plan) and True in rotate, CH=MERGE_SPLITS,
-                         enable_fp_fusion=False)
+                         enable_fp_fusion=ATTN_FP_FUSION)
     return out
 
 

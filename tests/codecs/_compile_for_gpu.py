@@ -25,13 +25,14 @@ POINTERS = {
 }
 
 
-def compile_one(fn, consts: dict, num_warps: int = 4, **pointers) -> None:
-    """Compile ``fn`` with these constexprs; ``pointers`` overrides :data:`POINTERS` by argument name."""
+def compile_one(fn, consts: dict, num_warps: int = 4, fusion: bool = False, **pointers) -> None:
+    """Compile ``fn`` with these constexprs (and FMA fusion as its launcher sets it); ``pointers`` overrides
+    :data:`POINTERS` by argument name."""
     types = {**POINTERS, **pointers}
     sig = {a: "constexpr" if a in consts else "fp32" if a == "norm" else types.get(a, "i32") for a in fn.arg_names}
     try:
         triton.compile(ASTSource(fn, sig, consts), target=TARGET,
-                       options=dict(num_warps=num_warps, enable_fp_fusion=False))
+                       options=dict(num_warps=num_warps, enable_fp_fusion=fusion))
     except Exception as exc:  # the compiler's own message, with the kernel and its settings
         cause = exc.__cause__ if exc.__cause__ is not None else exc
         sys.exit(f"{fn.__name__} {consts} does not compile for sm_90: {type(cause).__name__}: {cause}")
@@ -64,14 +65,17 @@ def attention_kernels() -> int:
                                   ("kivi", "tf32", True), ("kvcx", "ieee", False), ("kvcx", "tf32x3", False)):
         cfg = KVConfig.from_scheme(scheme)
         kc, vc = cfg.key, cfg.value
+        ng = 1 if vc.axis == "channel" else D // vc.group_size
         compile_one(k.attend_packed_kernel, dict(
-            R=4, RP=16 if dot else 4, D=D, BT=gpu.ATTN_BLOCK_TOKENS, KG=kc.group_size, K_CHANNEL=kc.axis == "channel",
+            R=4, RP=gpu.attention_rows(4, ng, dot), D=D, BT=gpu.ATTN_BLOCK_TOKENS, KG=kc.group_size,
+            K_CHANNEL=kc.axis == "channel",
             K_ASYM=kc.asym, VG=vc.group_size, V_CHANNEL=vc.axis == "channel", V_ASYM=vc.asym, HAS_MASK=True,
-            DOT=dot, NG=D // vc.group_size, PREFETCH=prefetch), num_warps=gpu.ATTN_WARPS)
+            DOT=dot, NG=ng, PREFETCH=prefetch), num_warps=gpu.ATTN_WARPS, fusion=gpu.ATTN_FP_FUSION)
         n += 1
     for has_mask, rotate in ((True, True), (False, False)):
         compile_one(k.merge_kernel, dict(R=4, RP=4, D=D, SB=gpu._pow2(1), RB=gpu._pow2(32), HAS_MASK=has_mask,
-                                         ROTATE=rotate, CH=gpu.MERGE_SPLITS), out_ptr="*fp32")
+                                         ROTATE=rotate, CH=gpu.MERGE_SPLITS), fusion=gpu.ATTN_FP_FUSION,
+                    out_ptr="*fp32")
         n += 1
     return n
 
