@@ -126,18 +126,38 @@ def test_an_input_truncated_while_read_is_an_error(tmp_path, monkeypatch):
     assert not (tmp_path / "o.safetensors").exists()
 
 
+def _opened(pid: int, path, timeout: float = 120.0) -> bool:
+    """Wait until process ``pid`` holds ``path`` open (Linux's /proc); False if it exits or /proc cannot tell."""
+    fds, end = f"/proc/{pid}/fd", time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            if any(os.readlink(os.path.join(fds, fd)) == str(path) for fd in os.listdir(fds)):
+                return True
+        except FileNotFoundError:   # an fd closed while listed, or the process is gone
+            if not os.path.exists(fds):
+                return False
+        except OSError:
+            return False
+        time.sleep(0.001)
+    return False
+
+
 def test_a_real_truncation_race_never_kills_kvcx_with_a_signal(tmp_path):
     """A 128 MiB cache truncated by another process while `kvcx compress` reads it (the old reader mapped the
-    file, and a truncation under the mapping killed it with SIGBUS)."""
+    file, and a truncation under the mapping killed it with SIGBUS). The truncation comes at once (before kvcx has
+    started, let alone opened the file), then at delays after kvcx opened it, whatever the machine's speed (fixed
+    delays from the start landed before the open on a slow machine, where the interpreter's imports alone take
+    longer)."""
     src = tmp_path / "big.safetensors"
     kst.save_file({f"layer_{i}_value": np.ones((1, 8, 32768, 64), np.float16) for i in range(4)}, src)
     data = src.read_bytes()
     seen = set()
-    for delay in (0.05, 0.2, 0.4, 0.8):
+    for delay in (None, 0.0, 0.01, 0.05):
         src.write_bytes(data)
         p = subprocess.Popen(KVCX + ["compress", str(src), str(tmp_path / "o.safetensors")], stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
-        time.sleep(delay)
+        if delay is not None and _opened(p.pid, src):
+            time.sleep(delay)
         os.truncate(src, 1 << 20)
         _, err = p.communicate(timeout=120)
         assert p.returncode in (0, 1), (p.returncode, err)   # never -SIGBUS
