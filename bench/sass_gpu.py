@@ -75,7 +75,8 @@ def main_loop(instrs):
 
 
 def compile_setting(setting, dump: Path | None):
-    """(SASS text, registers, spill bytes, kernel name) of the attention kernel at one launch setting."""
+    """(SASS text, registers, stack bytes, kernel name, tile tokens) of the attention kernel at one launch
+    setting."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -177,7 +178,7 @@ def main(argv=None):
          "by kind; registers a thread and the bytes of its stack frame (spills; ptxas).\n")
     head = [label for label, _ in KINDS] + ["other"]
     emit("| setting | tile tokens | warp instructions / token | loop instructions / token | " + " | ".join(head) +
-         " | registers | spill bytes | kernel instructions |")
+         " | registers | stack bytes (spills) | kernel instructions |")
     emit("|---|---:|---:|---:|" + "---:|" * len(head) + "---:|---:|---:|")
     for setting in SETTINGS[:args.limit]:
         r = count(setting, args.dump)
