@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 D = 128
 SCHEME = "kvcx"
-# (label, prefixes of SASS opcodes) in the order of the table; the first match wins, the rest is "other"
+# (label, SASS opcode names) in the order of the table (see kind_of); any other opcode is "other"
 KINDS = (("MMA", ("HMMA", "IMMA", "HGMMA")), ("shared", ("LDS", "STS", "LDSM", "LDGSTS")),
          ("global", ("LDG", "STG")), ("float", ("FFMA", "FMUL", "FADD", "FMNMX", "FSETP", "FSEL", "FCHK")),
          ("half", ("HADD2", "HMUL2", "HFMA2")), ("convert", ("F2F", "I2F", "F2I", "F2FP", "I2FP")),
@@ -41,11 +41,11 @@ _TARGET = re.compile(r"\b0x([0-9a-f]+)\b")
 
 
 def kind_of(op: str) -> str:
+    """The table's kind of a SASS opcode (its name before the first dot): the first kind that names it, or names
+    a start of it of 4 letters or more (IADD takes IADD3; LDS does not take LDSM by itself)."""
     base = op.split(".")[0]
-    for label, prefixes in KINDS:
-        if base in prefixes or any(base.startswith(p) for p in prefixes if len(p) > 3):
-            return label
-    return "other"
+    return next((label for label, names in KINDS
+                 if base in names or base.startswith(tuple(n for n in names if len(n) > 3))), "other")
 
 
 def parse(sass: str, function: str):
@@ -74,7 +74,7 @@ def main_loop(instrs):
     return best
 
 
-def compile_setting(setting, dump: Path | None):
+def compile_setting(setting, arch: int, dump: Path | None):
     """(SASS text, registers, stack bytes, kernel name, tile tokens) of the attention kernel at one launch
     setting."""
     import triton
@@ -85,11 +85,8 @@ def compile_setting(setting, dump: Path | None):
     from kvcx.codecs import _triton as k
 
     bt, warps, dot, prefetch, stages, _ = setting
-    kc, vc = (lambda c: (c.key, c.value))(KVConfig.from_scheme(SCHEME))
-    ng = 1 if vc.axis == "channel" else D // vc.group_size
-    consts = dict(R=4, RP=gpu.attention_rows(4, ng, dot), D=D, BT=min(bt, kc.group_size), KG=kc.group_size,
-                  K_CHANNEL=kc.axis == "channel", K_ASYM=kc.asym, VG=vc.group_size, V_CHANNEL=vc.axis == "channel",
-                  V_ASYM=vc.asym, HAS_MASK=False, DOT=dot, NG=ng, PREFETCH=prefetch)
+    cfg = KVConfig.from_scheme(SCHEME)
+    consts = gpu.attention_constexprs(cfg.key, cfg.value, 4, D, dot, bt, False, prefetch)
     fn = k.attend_packed_kernel
     pointers = {"q_ptr": "*fp32", "mask_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32",
                 "kc_ptr": "*u8", "vc_ptr": "*u8", "ks_ptr": "*fp16", "kz_ptr": "*fp16", "vs_ptr": "*fp16",
@@ -102,7 +99,7 @@ def compile_setting(setting, dump: Path | None):
     opts = dict(num_warps=warps, enable_fp_fusion=gpu.ATTN_FP_FUSION)
     if stages:
         opts["num_stages"] = stages
-    ck = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", gpu_arch(), 32), options=opts)
+    ck = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", arch, 32), options=opts)
     cubin = ck.asm["cubin"]
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "k.cubin"
@@ -121,13 +118,6 @@ def compile_setting(setting, dump: Path | None):
         consts["BT"]
 
 
-_ARCH = {"arch": 90}
-
-
-def gpu_arch() -> int:
-    return _ARCH["arch"]
-
-
 def run_tool(name: str, *args: str) -> str:
     """Triton's own copy of a CUDA binary tool (it ships cuobjdump and nvdisasm with ptxas)."""
     from triton.backends.nvidia import compiler
@@ -138,8 +128,8 @@ def run_tool(name: str, *args: str) -> str:
     return subprocess.run([str(tool), *args], check=True, capture_output=True, text=True).stdout
 
 
-def count(setting, dump):
-    sass, regs, stack, name, bt = compile_setting(setting, dump)
+def count(setting, arch, dump):
+    sass, regs, stack, name, bt = compile_setting(setting, arch, dump)
     instrs = parse(sass, name)
     loop = main_loop(instrs)
     if loop is None:
@@ -160,7 +150,6 @@ def main(argv=None):
         ap.error(f"--limit {args.limit}: count at least one setting")
     if args.arch < 80:
         ap.error(f"--arch {args.arch}: the kernel's tensor-core products need sm_80 or newer (80, 86, 89, 90, ...)")
-    _ARCH["arch"] = args.arch
     import triton
 
     from bench_gpu import SETTINGS, current, describe
@@ -181,7 +170,7 @@ def main(argv=None):
          " | registers | stack bytes (spills) | kernel instructions |")
     emit("|---|---:|---:|---:|" + "---:|" * len(head) + "---:|---:|---:|")
     for setting in SETTINGS[:args.limit]:
-        r = count(setting, args.dump)
+        r = count(setting, args.arch, args.dump)
         bt = r["loop"] / r["per_token"]
         cells = " | ".join(f"{r['kinds'].get(h, 0) / bt:.1f}" for h in head)
         emit(f"| {describe(setting)} | {bt:.0f} | {r['per_token'] * setting[1]:.0f} | {r['per_token']:.1f} | {cells} | "

@@ -304,6 +304,19 @@ def attention_rows(R: int, NG: int, dot: str) -> int:
     return max(_pow2(R), -(-16 // NG)) if dot else _pow2(R)
 
 
+def attention_constexprs(key_codec, value_codec, R: int, D: int, dot: str, block_tokens: int, has_mask: bool,
+                         prefetch: bool) -> dict:
+    """The constexprs of :func:`~kvcx.codecs._triton.attend_packed_kernel` for these codecs and launch settings
+    (what the launcher passes; the offline compile test and bench/sass_gpu.py build the kernel the same way). A
+    tile lies within one per-channel block: ``block_tokens`` is cut to the smallest per-channel group."""
+    ng = 1 if value_codec.axis == "channel" else max(1, D // value_codec.group_size)
+    bt = min([block_tokens] + [c.group_size for c in (key_codec, value_codec) if c.axis == "channel"])
+    return dict(R=R, RP=attention_rows(R, ng, dot), D=D, BT=bt, KG=key_codec.group_size,
+                K_CHANNEL=key_codec.axis == "channel", K_ASYM=key_codec.asym, VG=value_codec.group_size,
+                V_CHANNEL=value_codec.axis == "channel", V_ASYM=value_codec.asym, HAS_MASK=has_mask, DOT=dot, NG=ng,
+                PREFETCH=prefetch)
+
+
 def attend_spans(qs, qr, spans, Hkv: int, sinks=(None, None), residual=(None, None), add=None, res_off: int = 0,
                  per_split: Optional[int] = None):
     """The attention output [N, R, D] float32 of the query rows ``qs`` (scaled; ``qr``: also rotated, for spans
@@ -334,18 +347,14 @@ def attend_spans(qs, qr, spans, Hkv: int, sinks=(None, None), residual=(None, No
     dot = ATTN_DOT if D >= 32 else ""    # tl.dot needs 16 along each side: D // 2 channels a stream
     for sp, T, per, n in plan:
         kc, vc, ks, vs = sp.key_codec, sp.value_codec, sp.keys, sp.values
-        # a tile lies within one per-channel block (splits are whole ATTN_BLOCK_TOKENS, a multiple of this)
-        bt = min([ATTN_BLOCK_TOKENS] + [c.group_size for c in (kc, vc) if c.axis == "channel"])
-        ng = 1 if vc.axis == "channel" else max(1, D // vc.group_size)
+        # a tile lies within one per-channel block (splits are whole ATTN_BLOCK_TOKENS, a multiple of it)
+        const = attention_constexprs(kc, vc, R, D, dot, ATTN_BLOCK_TOKENS, add is not None, ATTN_PREFETCH)
         extra = {} if ATTN_STAGES is None else dict(num_stages=ATTN_STAGES)
         k.attend_packed_kernel[(N, n)](
             qr if kc.rotate else qs, ks.codes, ks.scales, ks.zeros if ks.zeros is not None else ks.scales,
             vs.codes, vs.scales, vs.zeros if vs.zeros is not None else vs.scales, add if add is not None else qs,
             m, l, acc, Hkv, T, ks.codes.shape[1], vs.codes.shape[1], ks.scales.shape[1], vs.scales.shape[1],
-            add.shape[1] if add is not None else 0, sp.mask_off, per, off, spt, R=R, RP=attention_rows(R, ng, dot),
-            D=D, BT=bt, KG=kc.group_size, K_CHANNEL=kc.axis == "channel", K_ASYM=kc.asym,
-            VG=vc.group_size, V_CHANNEL=vc.axis == "channel", V_ASYM=vc.asym, HAS_MASK=add is not None,
-            DOT=dot, NG=ng, PREFETCH=ATTN_PREFETCH, **extra,
+            add.shape[1] if add is not None else 0, sp.mask_off, per, off, spt, **const, **extra,
             enable_fp_fusion=ATTN_FP_FUSION, num_warps=ATTN_WARPS)
         off += n
     sk, sv = sinks

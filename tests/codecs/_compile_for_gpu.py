@@ -64,13 +64,9 @@ def attention_kernels() -> int:
     for scheme, dot, prefetch in (("kvcx", gpu.ATTN_DOT, gpu.ATTN_PREFETCH), ("reference", "", False),
                                   ("kivi", "tf32", True), ("kvcx", "ieee", False), ("kvcx", "tf32x3", False)):
         cfg = KVConfig.from_scheme(scheme)
-        kc, vc = cfg.key, cfg.value
-        ng = 1 if vc.axis == "channel" else D // vc.group_size
-        compile_one(k.attend_packed_kernel, dict(
-            R=4, RP=gpu.attention_rows(4, ng, dot), D=D, BT=gpu.ATTN_BLOCK_TOKENS, KG=kc.group_size,
-            K_CHANNEL=kc.axis == "channel",
-            K_ASYM=kc.asym, VG=vc.group_size, V_CHANNEL=vc.axis == "channel", V_ASYM=vc.asym, HAS_MASK=True,
-            DOT=dot, NG=ng, PREFETCH=prefetch), num_warps=gpu.ATTN_WARPS, fusion=gpu.ATTN_FP_FUSION)
+        compile_one(k.attend_packed_kernel,
+                    gpu.attention_constexprs(cfg.key, cfg.value, 4, D, dot, gpu.ATTN_BLOCK_TOKENS, True, prefetch),
+                    num_warps=gpu.ATTN_WARPS, fusion=gpu.ATTN_FP_FUSION)
         n += 1
     for has_mask, rotate in ((True, True), (False, False)):
         compile_one(k.merge_kernel, dict(R=4, RP=4, D=D, SB=gpu._pow2(1), RB=gpu._pow2(32), HAS_MASK=has_mask,
