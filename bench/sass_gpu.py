@@ -107,7 +107,6 @@ def compile_setting(setting, arch: int, dump: Path | None):
         sass = run_tool("cuobjdump", "-sass", str(path))
         res = run_tool("cuobjdump", "-res-usage", str(path))
     if dump is not None:
-        dump.mkdir(parents=True, exist_ok=True)
         name = f"attend_{bt}t_{warps}w_{dot or 'fp32'}{'_prefetch' if prefetch else ''}" + \
             (f"_s{stages}" if stages else "")
         (dump / f"{name}.sass").write_text(sass)
@@ -148,6 +147,11 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.limit is not None and args.limit < 1:
         ap.error(f"--limit {args.limit}: count at least one setting")
+    if args.dump is not None:
+        try:
+            args.dump.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            ap.error(f"--dump {args.dump}: cannot make the folder ({exc.strerror}); give a writable path")
     if args.arch < 80:
         ap.error(f"--arch {args.arch}: the kernel's tensor-core products need sm_80 or newer (80, 86, 89, 90, ...)")
     import triton
