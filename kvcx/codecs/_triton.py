@@ -209,9 +209,9 @@ def decode_channel_kernel(codes_ptr, scales_ptr, zeros_ptr, out_ptr, S, t0, D, r
 @triton.jit
 def _mm(a, b, acc, DOT: tl.constexpr):
     """acc + a [M, K] @ b [K, N] in FP32: broadcast sums (``DOT`` empty) or ``tl.dot`` at that input precision
-    ("tf32x2" takes "tf32x3" here: both operands are split), summed into ``acc`` [M, N] by the products
-    themselves (tl.dot's accumulator: no separate additions)."""
-    if DOT == "tf32x2":
+    ("tf32x2" and "int8x3" take "tf32x3" here: both operands are split), summed into ``acc`` [M, N] by the
+    products themselves (tl.dot's accumulator: no separate additions)."""
+    if DOT == "tf32x2" or DOT == "int8x3":
         out = tl.dot(a, b, acc, input_precision="tf32x3")
     elif DOT != "":
         out = tl.dot(a, b, acc, input_precision=DOT)
@@ -222,15 +222,56 @@ def _mm(a, b, acc, DOT: tl.constexpr):
 
 @triton.jit
 def _mmc(a, c, acc, DOT: tl.constexpr):
-    """acc + a [M, K] (FP32) @ c [K, N], codes (small integers, exact in TF32), as :func:`_mm`. "tf32x2": a split
-    in its TF32 bits and the rest, two TF32 products (FP32's accuracy: c needs no split), the second summing into
-    the first; "tf32": one product (a rounded to TF32)."""
-    if DOT == "tf32x2":
+    """acc + a [M, K] (FP32) @ (c - 8) [K, N], c the codes (0..15), as :func:`_streams` gives them for ``DOT``
+    (centred floats, or the raw codes as int8 for "int8x3"), as :func:`_mm`. "tf32x2": a split in its TF32 bits
+    and the rest, two TF32 products (FP32's accuracy: c needs no split), the second summing into the first;
+    "tf32": one product (a rounded to TF32); "int8x3": :func:`_mm_int8x3`."""
+    if DOT == "int8x3":
+        out = _mm_int8x3(a, c, acc)
+    elif DOT == "tf32x2":
         hi = (a.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
         out = tl.dot(a - hi, c, tl.dot(hi, c, acc, input_precision="tf32"), input_precision="tf32")
     else:
         out = _mm(a, c, acc, DOT)
     return out
+
+
+@triton.jit
+def _unit(amax):
+    """(1 / u, u) for rows whose largest magnitude is ``amax``: u the power of two with amax <= 2**20 u < 2 amax
+    (from the exponent's bits: no division), u NaN where amax is not finite (so is the product then)."""
+    e = tl.maximum((amax.to(tl.int32, bitcast=True) + 0x7FFFFF) >> 23, 21)     # 2**(e - 127) >= amax
+    inv = ((274 - e) << 23).to(tl.float32, bitcast=True)                        # 2**(20 - (e - 127))
+    return inv, ((e - 20) << 23).to(tl.float32, bitcast=True) + (amax - amax)
+
+
+@triton.jit
+def _fixed(a, inv):
+    """The rows of ``a`` as a fixed point, x = round(a * inv) (|x| <= 2**20), in three int8 pieces x = x0 * 2**14 +
+    x1 * 2**7 + x2 (x0 signed, x1 and x2 0..127), and x itself: rounded by the bits of x + 1.5 * 2**23 (nearest,
+    ties to even), the pieces being the low bits of those bits (the offset 2**22 is a multiple of 2**14)."""
+    xb = (a * inv[:, None] + 12582912.0).to(tl.int32, bitcast=True)
+    return (xb >> 14).to(tl.int8), ((xb >> 7) & 127).to(tl.int8), (xb & 127).to(tl.int8), xb - 0x4B400000
+
+
+@triton.jit
+def _dot3(x0, x1, x2, c):
+    """x @ c in int32 for x in :func:`_fixed`'s pieces and int8 codes c: exact where the result fits (the terms
+    may wrap in int32, the sum does not)."""
+    return tl.dot(x0, c, out_dtype=tl.int32) * 16384 + tl.dot(x1, c, out_dtype=tl.int32) * 128 + \
+        tl.dot(x2, c, out_dtype=tl.int32)
+
+
+@triton.jit
+def _mm_int8x3(a, c, acc):
+    """acc + a @ (c - 8) on the integer tensor cores, c int8 codes 0..15 [K, N] (K <= 256): each row of ``a`` a
+    21-bit fixed point of its largest magnitude (:func:`_fixed`), three int8 products summed in int32 with the
+    codes' centring (- 8 * sum(x)): the centred sum is exact (|x (c - 8)| < 2**31 for K <= 256), then one
+    conversion to FP32 and a scaling. Error: the rounding of x, 2**-21 of the row's largest |a| a term."""
+    inv, unit = _unit(tl.max(tl.abs(a), axis=1))
+    x0, x1, x2, x = _fixed(a, inv)
+    s = _dot3(x0, x1, x2, c) - 8 * tl.sum(x, axis=1)[:, None]
+    return acc + s.to(tl.float32) * unit[:, None]
 
 
 @triton.jit
@@ -240,28 +281,41 @@ def _tile_bytes(row, tb, c_off, tt, t_end, D: tl.constexpr):
 
 
 @triton.jit
-def _streams(b):
-    """A tile of packed bytes -> (even, odd) channel codes minus 8 as float32 (centred: -8..7): the low and the
-    high nibbles, each put in the low mantissa bits of 2**23 and 2**23 + 8 subtracted (exact; no integer-to-float
-    conversions). Centred codes keep the products' terms from cancelling: sum(p s c) - 8 sum(p s) would lose the
-    bits that a product in TF32 or BF16 rounds away, more with every token."""
-    b = b.to(tl.int32)
-    lo = ((b & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
-    hi = ((b >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+def _streams(b, DOT: tl.constexpr):
+    """A tile of packed bytes -> (even, odd) channel codes as :func:`_mmc` takes them for ``DOT``: the low and
+    the high nibbles, as int8 (0..15) for "int8x3"; else minus 8 as float32 (centred: -8..7), each put in the low
+    mantissa bits of 2**23 and 2**23 + 8 subtracted (exact; no integer-to-float conversions). Centred codes keep
+    the products' terms from cancelling: sum(p s c) - 8 sum(p s) would lose the bits that a product in TF32 or
+    BF16 rounds away, more with every token (the integer products centre exactly)."""
+    if DOT == "int8x3":
+        lo = (b & 15).to(tl.int8)
+        hi = (b >> 4).to(tl.int8)
+    else:
+        b = b.to(tl.int32)
+        lo = ((b & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+        hi = ((b >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
     return lo, hi
 
 
 @triton.jit
-def _channel_params(s_ptr, z_ptr, j, ASYM: tl.constexpr):
+def _channel_params(s_ptr, z_ptr, j, ASYM: tl.constexpr, CENTRED: tl.constexpr = True):
     """A per-channel block's scales and offsets (FP32), even and odd channels: (se, so, ze, zo), so that a value is
-    ``(code - 8) * s + z`` (z: the zero point + 8 s; 0 without zero points)."""
+    ``(code - 8) * s + z`` (z: the zero point + 8 s; 0 without zero points); not ``CENTRED``: ``code * s + z`` (z:
+    the zero point; - 8 s without)."""
     se = tl.load(s_ptr + 2 * j).to(tl.float32)
     so = tl.load(s_ptr + 2 * j + 1).to(tl.float32)
-    ze = tl.zeros_like(se)
-    zo = tl.zeros_like(so)
     if ASYM:
-        ze = tl.load(z_ptr + 2 * j).to(tl.float32) + 8.0 * se
-        zo = tl.load(z_ptr + 2 * j + 1).to(tl.float32) + 8.0 * so
+        ze = tl.load(z_ptr + 2 * j).to(tl.float32)
+        zo = tl.load(z_ptr + 2 * j + 1).to(tl.float32)
+        if CENTRED:
+            ze += 8.0 * se
+            zo += 8.0 * so
+    elif CENTRED:
+        ze = tl.zeros_like(se)
+        zo = tl.zeros_like(so)
+    else:
+        ze = -8.0 * se
+        zo = -8.0 * so
     return se, so, ze, zo
 
 
@@ -342,11 +396,20 @@ def attend_packed_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, 
             vn = _tile_bytes(vc_row, tb + BT, c_off, tt, t_end, D)
         else:
             kb, vb = _tile_bytes(kc_row, tb, c_off, tt, t_end, D), _tile_bytes(vc_row, tb, c_off, tt, t_end, D)
-        klo, khi = _streams(kb)
+        klo, khi = _streams(kb, DOT if K_CHANNEL else "")   # per-token keys: dequantized here
         if K_CHANNEL:
-            se, so, ze, zo = _channel_params(ks_row + (tb // KG) * D, kz_row + (tb // KG) * D, j, K_ASYM)
+            se, so, ze, zo = _channel_params(ks_row + (tb // KG) * D, kz_row + (tb // KG) * D, j, K_ASYM,
+                                             DOT != "int8x3")
             bias = tl.broadcast_to(tl.sum(qe * ze[None, :] + qo * zo[None, :], axis=1)[:, None], (RP * NG, BT))
-            s = _mmc(qo * so[None, :], tl.trans(khi), _mmc(qe * se[None, :], tl.trans(klo), bias, DOT), DOT)
+            if DOT == "int8x3":   # both streams one fixed point (:func:`_fixed`) and the codes uncentred: no sums
+                ae, ao = qe * se[None, :], qo * so[None, :]
+                inv, unit = _unit(tl.maximum(tl.max(tl.abs(ae), axis=1), tl.max(tl.abs(ao), axis=1)))
+                e0, e1, e2, _ = _fixed(ae, inv)
+                o0, o1, o2, _ = _fixed(ao, inv)
+                s = (_dot3(e0, e1, e2, tl.trans(klo)) + _dot3(o0, o1, o2, tl.trans(khi))).to(tl.float32) * \
+                    unit[:, None] + bias
+            else:
+                s = _mmc(qo * so[None, :], tl.trans(khi), _mmc(qe * se[None, :], tl.trans(klo), bias, DOT), DOT)
         else:
             sc, zc = _token_params(ks_row, kz_row, tb * D // KG + kg_off, tm[:, None], K_ASYM)
             s = _mm(qe, tl.trans(klo * sc + zc), tl.zeros([RP * NG, BT], tl.float32), DOT)
@@ -360,7 +423,7 @@ def attend_packed_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, 
         alpha = tl.exp(m_i - m_use)
         p = tl.exp(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        vlo, vhi = _streams(vb)
+        vlo, vhi = _streams(vb, DOT)
         if V_CHANNEL:
             se, so, ze, zo = _channel_params(vs_row + (tb // VG) * D, vz_row + (tb // VG) * D, j, V_ASYM)
             psum = tl.sum(p, axis=1)[:, None]

@@ -59,10 +59,12 @@ def codec_kernels() -> int:
 def attention_kernels() -> int:
     """The packed attention with the default launch settings (gpu.ATTN_*) for the default scheme, the reference
     (per-token keys, FP32 sums) and kivi (per-token values with zero points, one TF32 pass, prefetch), the other
-    products (tl.dot in FP32 and in three TF32 passes), and the merge with and without a mask."""
+    products (tl.dot in FP32, in three TF32 passes, and on the integer tensor cores for the default and the
+    reference), and the merge with and without a mask."""
     n = 0
     for scheme, dot, prefetch in (("kvcx", gpu.ATTN_DOT, gpu.ATTN_PREFETCH), ("reference", "", False),
-                                  ("kivi", "tf32", True), ("kvcx", "ieee", False), ("kvcx", "tf32x3", False)):
+                                  ("kivi", "tf32", True), ("kvcx", "ieee", False), ("kvcx", "tf32x3", False),
+                                  ("kvcx", "int8x3", False), ("reference", "int8x3", False)):
         cfg = KVConfig.from_scheme(scheme)
         compile_one(k.attend_packed_kernel,
                     gpu.attention_constexprs(cfg.key, cfg.value, 4, D, dot, gpu.ATTN_BLOCK_TOKENS, True, prefetch),

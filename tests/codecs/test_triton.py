@@ -165,6 +165,10 @@ CHANNELS = (dict(scheme="asymmetric", axis="channel", group_size=16, sinks=2),
     ((CHANNELS[0], dict(scheme="symmetric", group_size=256, sinks=2)), 64, 2, 1, None, 64, "", 140),  # 4-token groups
     (CHANNELS, 64, 2, 3, "float", 48, "", 200),        # per-channel values, 16-token key blocks
     (CHANNELS, 32, 2, 0, None, 32, "ieee", 97),        # the same through tl.dot, a partial last tile
+    ("kvcx", 64, 4, 3, "float", 64, "int8x3", 150),    # codes' products on the integer tensor cores
+    ("kivi", 128, 2, 1, "bool", 96, "int8x3", 170),    # the same with values' zero points, a partial last tile
+    ("reference", 64, 2, 2, None, 64, "int8x3", 150),  # per-token keys (dequantized: FP32 products), int8 values
+    (CHANNELS, 64, 2, 0, "float", 32, "int8x3", 97),   # 16-token tiles: "tf32x2" (int8 products sum 32 or more)
 ])
 def test_fused_attention_equals_sdpa_over_the_decoded_cache(prefetch, scheme, D, R, nr, mask_kind, per, dot, S,
                                                             monkeypatch):
