@@ -237,9 +237,21 @@ def _mmc(a, c, acc, DOT: tl.constexpr):
 
 
 @triton.jit
+def _max_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _absmax(a):
+    """The largest magnitude of each row of ``a``, NaN where the row holds one (tl.max skips NaN)."""
+    return tl.reduce(tl.abs(a), 1, _max_nan)
+
+
+@triton.jit
 def _unit(amax):
     """(1 / u, u) for rows whose largest magnitude is ``amax``: u the power of two with amax <= 2**20 u < 2 amax
-    (from the exponent's bits: no division), u NaN where amax is not finite (so is the product then)."""
+    (from the exponent's bits: no division), u NaN where amax is not finite (so are the products then: a NaN in
+    the query or the weights gives NaN, not a finite result of its bits)."""
     e = tl.maximum((amax.to(tl.int32, bitcast=True) + 0x7FFFFF) >> 23, 21)     # 2**(e - 127) >= amax
     inv = ((274 - e) << 23).to(tl.float32, bitcast=True)                        # 2**(20 - (e - 127))
     return inv, ((e - 20) << 23).to(tl.float32, bitcast=True) + (amax - amax)
@@ -248,30 +260,30 @@ def _unit(amax):
 @triton.jit
 def _fixed(a, inv):
     """The rows of ``a`` as a fixed point, x = round(a * inv) (|x| <= 2**20), in three int8 pieces x = x0 * 2**14 +
-    x1 * 2**7 + x2 (x0 signed, x1 and x2 0..127), and x itself: rounded by the bits of x + 1.5 * 2**23 (nearest,
+    x1 * 2**7 + x2 (x0 signed, x1 and x2 0..127): rounded by the bits of x + 1.5 * 2**23 (nearest,
     ties to even), the pieces being the low bits of those bits (the offset 2**22 is a multiple of 2**14)."""
     xb = (a * inv[:, None] + 12582912.0).to(tl.int32, bitcast=True)
-    return (xb >> 14).to(tl.int8), ((xb >> 7) & 127).to(tl.int8), (xb & 127).to(tl.int8), xb - 0x4B400000
+    return (xb >> 14).to(tl.int8), ((xb >> 7) & 127).to(tl.int8), (xb & 127).to(tl.int8)
 
 
 @triton.jit
 def _dot3(x0, x1, x2, c):
-    """x @ c in int32 for x in :func:`_fixed`'s pieces and int8 codes c: exact where the result fits (the terms
-    may wrap in int32, the sum does not)."""
-    return tl.dot(x0, c, out_dtype=tl.int32) * 16384 + tl.dot(x1, c, out_dtype=tl.int32) * 128 + \
-        tl.dot(x2, c, out_dtype=tl.int32)
+    """x @ (c - 8) in int32, exact, for x in :func:`_fixed`'s pieces and c as :func:`_streams` gives it for
+    "int8x3" (16 (c - 8)): the three products are multiples of 16 (the last is shifted down exactly), and every
+    term fits for K <= 128 (|x0 16 (c - 8)| sums to 2**19 at K = 64)."""
+    return tl.dot(x0, c, out_dtype=tl.int32) * 1024 + tl.dot(x1, c, out_dtype=tl.int32) * 8 + \
+        (tl.dot(x2, c, out_dtype=tl.int32) >> 4)
 
 
 @triton.jit
 def _mm_int8x3(a, c, acc):
-    """acc + a @ (c - 8) on the integer tensor cores, c int8 codes 0..15 [K, N] (K <= 256): each row of ``a`` a
-    21-bit fixed point of its largest magnitude (:func:`_fixed`), three int8 products summed in int32 with the
-    codes' centring (- 8 * sum(x)): the centred sum is exact (|x (c - 8)| < 2**31 for K <= 256), then one
-    conversion to FP32 and a scaling. Error: the rounding of x, 2**-21 of the row's largest |a| a term."""
-    inv, unit = _unit(tl.max(tl.abs(a), axis=1))
-    x0, x1, x2, x = _fixed(a, inv)
-    s = _dot3(x0, x1, x2, c) - 8 * tl.sum(x, axis=1)[:, None]
-    return acc + s.to(tl.float32) * unit[:, None]
+    """acc + a @ (c - 8) on the integer tensor cores (c as :func:`_streams` gives it, K <= 128): each row of ``a``
+    a 21-bit fixed point of its largest magnitude (:func:`_fixed`), three int8 products summed exactly in int32
+    (:func:`_dot3`), then one conversion to FP32 and a scaling. Error: the rounding of x, 2**-21 of the row's
+    largest |a| a term, 2**-20 of it at most (the scale is a power of two)."""
+    inv, unit = _unit(_absmax(a))
+    x0, x1, x2 = _fixed(a, inv)
+    return acc + _dot3(x0, x1, x2, c).to(tl.float32) * unit[:, None]
 
 
 @triton.jit
@@ -282,14 +294,15 @@ def _tile_bytes(row, tb, c_off, tt, t_end, D: tl.constexpr):
 
 @triton.jit
 def _streams(b, DOT: tl.constexpr):
-    """A tile of packed bytes -> (even, odd) channel codes as :func:`_mmc` takes them for ``DOT``: the low and
-    the high nibbles, as int8 (0..15) for "int8x3"; else minus 8 as float32 (centred: -8..7), each put in the low
-    mantissa bits of 2**23 and 2**23 + 8 subtracted (exact; no integer-to-float conversions). Centred codes keep
-    the products' terms from cancelling: sum(p s c) - 8 sum(p s) would lose the bits that a product in TF32 or
-    BF16 rounds away, more with every token (the integer products centre exactly)."""
-    if DOT == "int8x3":
-        lo = (b & 15).to(tl.int8)
-        hi = (b >> 4).to(tl.int8)
+    """A tile of packed bytes -> (even, odd) channel codes minus 8 (centred: -8..7), the low and the high nibbles,
+    as :func:`_mmc` takes them for ``DOT``: for "int8x3" 16 (c - 8) as int8 (the nibble's top bit flipped, put in
+    the byte's top half: an operation or two a word of four codes); else as float32, each put in the low mantissa
+    bits of 2**23 and 2**23 + 8 subtracted (exact; no integer-to-float conversions). Centred codes keep the
+    products' terms from cancelling: sum(p s c) - 8 sum(p s) would lose the bits that a product in TF32 or BF16
+    rounds away, more with every token."""
+    if DOT == "int8x3":   # a nibble's top bit flipped is c - 8 as 4-bit two's complement: in a byte's top half
+        lo = ((b ^ 8) << 4).to(tl.int8)     # 16 (c - 8), with byte-wise operations that work on words
+        hi = ((b ^ 128) & 240).to(tl.int8)
     else:
         b = b.to(tl.int32)
         lo = ((b & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
@@ -298,24 +311,16 @@ def _streams(b, DOT: tl.constexpr):
 
 
 @triton.jit
-def _channel_params(s_ptr, z_ptr, j, ASYM: tl.constexpr, CENTRED: tl.constexpr = True):
+def _channel_params(s_ptr, z_ptr, j, ASYM: tl.constexpr):
     """A per-channel block's scales and offsets (FP32), even and odd channels: (se, so, ze, zo), so that a value is
-    ``(code - 8) * s + z`` (z: the zero point + 8 s; 0 without zero points); not ``CENTRED``: ``code * s + z`` (z:
-    the zero point; - 8 s without)."""
+    ``(code - 8) * s + z`` (z: the zero point + 8 s; 0 without zero points)."""
     se = tl.load(s_ptr + 2 * j).to(tl.float32)
     so = tl.load(s_ptr + 2 * j + 1).to(tl.float32)
+    ze = tl.zeros_like(se)
+    zo = tl.zeros_like(so)
     if ASYM:
-        ze = tl.load(z_ptr + 2 * j).to(tl.float32)
-        zo = tl.load(z_ptr + 2 * j + 1).to(tl.float32)
-        if CENTRED:
-            ze += 8.0 * se
-            zo += 8.0 * so
-    elif CENTRED:
-        ze = tl.zeros_like(se)
-        zo = tl.zeros_like(so)
-    else:
-        ze = -8.0 * se
-        zo = -8.0 * so
+        ze = tl.load(z_ptr + 2 * j).to(tl.float32) + 8.0 * se
+        zo = tl.load(z_ptr + 2 * j + 1).to(tl.float32) + 8.0 * so
     return se, so, ze, zo
 
 
@@ -367,9 +372,13 @@ def attend_packed_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, 
     j = tl.arange(0, D // 2)
     tt = tl.arange(0, BT)
     g = tl.arange(0, NG)
-    q_row = q_ptr + (n.to(tl.int64) * R + ri[:, None]) * D + 2 * j[None, :]
-    qe = tl.load(q_row, mask=(ri < R)[:, None], other=0.0)
-    qo = tl.load(q_row + 1, mask=(ri < R)[:, None], other=0.0)
+    if DOT == "int8x3":   # the rows whole and split in registers: a layout whose fixed points pack into words
+        q_row = q_ptr + (n.to(tl.int64) * R + ri[:, None]) * D + tl.arange(0, D)[None, :]
+        qe, qo = tl.split(tl.reshape(tl.load(q_row, mask=(ri < R)[:, None], other=0.0), (RP * NG, D // 2, 2)))
+    else:
+        q_row = q_ptr + (n.to(tl.int64) * R + ri[:, None]) * D + 2 * j[None, :]
+        qe = tl.load(q_row, mask=(ri < R)[:, None], other=0.0)
+        qo = tl.load(q_row + 1, mask=(ri < R)[:, None], other=0.0)
     m_i = tl.full([RP * NG], float("-inf"), tl.float32)
     l_i = tl.zeros([RP * NG], tl.float32)
     a_e = tl.zeros([RP * NG, D // 2], tl.float32)
@@ -398,14 +407,13 @@ def attend_packed_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, 
             kb, vb = _tile_bytes(kc_row, tb, c_off, tt, t_end, D), _tile_bytes(vc_row, tb, c_off, tt, t_end, D)
         klo, khi = _streams(kb, DOT if K_CHANNEL else "")   # per-token keys: dequantized here
         if K_CHANNEL:
-            se, so, ze, zo = _channel_params(ks_row + (tb // KG) * D, kz_row + (tb // KG) * D, j, K_ASYM,
-                                             DOT != "int8x3")
+            se, so, ze, zo = _channel_params(ks_row + (tb // KG) * D, kz_row + (tb // KG) * D, j, K_ASYM)
             bias = tl.broadcast_to(tl.sum(qe * ze[None, :] + qo * zo[None, :], axis=1)[:, None], (RP * NG, BT))
-            if DOT == "int8x3":   # both streams one fixed point (:func:`_fixed`) and the codes uncentred: no sums
+            if DOT == "int8x3":   # both streams in one fixed point (:func:`_fixed`), one conversion to FP32
                 ae, ao = qe * se[None, :], qo * so[None, :]
-                inv, unit = _unit(tl.maximum(tl.max(tl.abs(ae), axis=1), tl.max(tl.abs(ao), axis=1)))
-                e0, e1, e2, _ = _fixed(ae, inv)
-                o0, o1, o2, _ = _fixed(ao, inv)
+                inv, unit = _unit(_max_nan(_absmax(ae), _absmax(ao)))
+                e0, e1, e2 = _fixed(ae, inv)
+                o0, o1, o2 = _fixed(ao, inv)
                 s = (_dot3(e0, e1, e2, tl.trans(klo)) + _dot3(o0, o1, o2, tl.trans(khi))).to(tl.float32) * \
                     unit[:, None] + bias
             else:

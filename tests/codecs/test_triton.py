@@ -222,6 +222,26 @@ def test_fused_attention_refuses_what_it_cannot_read():
         attend(torch.randn(1, 2, 64, device=DEVICE), pk, pk, kc, kc, mask=torch.zeros(1, 5, device=DEVICE))
 
 
+@pytest.mark.parametrize("dot", ["", "tf32x2", "int8x3"])
+def test_fused_attention_passes_a_nan_in_the_query_on(dot, monkeypatch):
+    """A NaN in a query row gives NaN in that row's output in every product mode; the other rows are unaffected.
+    (On a GPU, tl.max skips NaN: the integer products' row maximum must not, or they would round the NaN's bits
+    to a finite, wrong result; the interpreter's maximum propagates NaN either way.)"""
+    from kvcx.codecs import gpu
+    from kvcx.codecs.gpu import attend
+
+    monkeypatch.setattr(gpu, "ATTN_DOT", dot)
+    cfg = KVConfig.from_scheme()
+    kc, vc = cfg.key.with_backend("triton"), cfg.value.with_backend("triton")
+    g = torch.Generator().manual_seed(5)
+    K, V = (torch.randn(1, 2, 96, 64, generator=g).to(DEVICE) for _ in range(2))
+    q = torch.randn(1, 4, 64, generator=g).to(DEVICE)
+    q[0, 1, 7] = float("nan")
+    out = attend(q, kc.encode(K), vc.encode(V), kc, vc, per_split=32)
+    assert bool(torch.isnan(out[0, 1]).all())
+    assert not bool(torch.isnan(out[0, [0, 2, 3]]).any())
+
+
 def test_fused_attention_with_no_packed_token_yet():
     """A record of only its exact sink token and a residual (a cache's first steps): the merge kernel alone."""
     from kvcx.codecs.gpu import attend
