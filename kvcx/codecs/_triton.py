@@ -270,7 +270,8 @@ def _fixed(a, inv):
 def _dot3(x0, x1, x2, c):
     """x @ (c - 8) in int32, exact, for x in :func:`_fixed`'s pieces and c as :func:`_streams` gives it for
     "int8x3" (16 (c - 8)): the three products are multiples of 16 (the last is shifted down exactly), and every
-    term fits for K <= 128 (|x0 16 (c - 8)| sums to 2**19 at K = 64)."""
+    term fits for K <= 128 (|x0 16 (c - 8)| sums to 2**20 there, |x (c - 8)| to 2**30: two such sums, the keys'
+    streams, fit for K <= 64, head dim 128)."""
     return tl.dot(x0, c, out_dtype=tl.int32) * 1024 + tl.dot(x1, c, out_dtype=tl.int32) * 8 + \
         (tl.dot(x2, c, out_dtype=tl.int32) >> 4)
 

@@ -214,8 +214,8 @@ ATTN_WARPS = 2               # warps per attention program
 # the products: "" FP32 broadcast sums (CUDA cores), or tl.dot at this input precision: "tf32x2" (the operand
 # that is not codes split in two TF32 parts: FP32's accuracy), "tf32", "tf32x3", "ieee", or "int8x3" (the codes
 # as int8 on the integer tensor cores, the other operand a 21-bit fixed point of its row in three int8 pieces:
-# 2**-21 of the row's largest term; "tf32x2" where a stream has under 32 channels or a tile under 32 tokens);
-# query rows padded to 16
+# 2**-20 of the row's largest term at most; "tf32x2" unless the head dim is 64 to 128 and a tile 32 to 128
+# tokens); query rows padded to 16
 ATTN_DOT = "tf32x2"
 ATTN_PREFETCH = False        # load the next tile's codes before working this one
 ATTN_STAGES = None           # Triton's software pipelining depth for the attention kernel (None: its default)
@@ -314,8 +314,8 @@ def attention_constexprs(key_codec, value_codec, R: int, D: int, dot: str, block
     tile lies within one per-channel block: ``block_tokens`` is cut to the smallest per-channel group."""
     ng = 1 if value_codec.axis == "channel" else max(1, D // value_codec.group_size)
     bt = min([block_tokens] + [c.group_size for c in (key_codec, value_codec) if c.axis == "channel"])
-    if dot == "int8x3" and min(D // 2, bt) < 32:
-        dot = "tf32x2"    # int8 products need 32 along what they sum (channels a stream, a tile's tokens)
+    if dot == "int8x3" and not (64 <= D <= 128 and 32 <= bt <= 128):
+        dot = "tf32x2"    # int8 products sum 32 or more (channels a stream, a tile's tokens); exact in int32 to 128
     return dict(R=R, RP=attention_rows(R, ng, dot), D=D, BT=bt, KG=key_codec.group_size,
                 K_CHANNEL=key_codec.axis == "channel", K_ASYM=key_codec.asym, VG=value_codec.group_size,
                 V_CHANNEL=value_codec.axis == "channel", V_ASYM=value_codec.asym, HAS_MASK=has_mask, DOT=dot, NG=ng,
