@@ -44,15 +44,29 @@ def dtype_name_of(x) -> Optional[str]:
     return {torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32"}.get(x.dtype)
 
 
-def _status(x, t0: int, scales, zeros, sinks_ok: bool) -> int:
-    """The kvcx_status bits of an encode (checked on the device; the tensor is copied to the host only to say
-    what is wrong with it)."""
+def _all(conds) -> bool:
+    """Whether every 0-d boolean tensor of ``conds`` (on one device) is true: one copy to the host for them all
+    (each bool() of a device tensor waits for the device)."""
+    return bool(_torch().stack(conds).all())
+
+
+def _finite(t):
+    """Whether every value of FP16 ``t`` is finite, as a 0-d tensor: its FP32 sum is (FP16 values cannot add up
+    to FP32's overflow; NaN and Inf carry through a sum), one reduction instead of a mask and another."""
+    return _torch().isfinite(t.sum(dtype=_torch().float32))
+
+
+def _status(x, scales, zeros, sinks) -> int:
+    """The kvcx_status bits of an encode, checked on the device in one copy to the host (the tensor is copied to
+    the host only to say what is wrong with it)."""
     from kvcx.codecs import _core
 
     torch = _torch()
-    if not sinks_ok or not bool(torch.isfinite(scales).all()) or (zeros is not None and not bool(torch.isfinite(zeros).all())):
-        return _core.STATUS_NONFINITE if not bool(torch.isfinite(x).all()) else _core.STATUS_SCALE_OVERFLOW
-    return _core.STATUS_OK
+    conds = [_finite(scales)] + ([] if zeros is None else [_finite(zeros)]) + \
+        ([] if sinks is None else [torch.isfinite(sinks).all()])
+    if _all(conds):
+        return _core.STATUS_OK
+    return _core.STATUS_NONFINITE if not bool(torch.isfinite(x).all()) else _core.STATUS_SCALE_OVERFLOW
 
 
 def _norm(D: int) -> float:
@@ -124,7 +138,7 @@ class TritonIntBackend:
                 k.encode_channel_kernel[grid](x3, codes, scales, zp, **args, norm=_norm(D), ASYM=codec.asym,
                                               ROTATE=codec.rotate, **const)
         sinks = x3[:, :t0, :].clone().view(*lay.shape[:-2], t0, D) if t0 else None
-        status = _status(x, t0, scales, zeros, sinks is None or bool(torch.isfinite(sinks).all()))
+        status = _status(x, scales, zeros, sinks)
         if status:
             check_status(status, name, x.float().cpu().numpy())
         cfg = codec.get_config()
@@ -149,11 +163,16 @@ class TritonIntBackend:
                              f"{scales.numel()} {scales.dtype}")
         if codec.asym and (zeros is None or zeros.dtype != torch.float16 or zeros.numel() != scales.numel()):
             raise CodecError(f"tensor {name!r}: the asymmetric scheme needs {scales.numel()} FP16 zero points")
-        finite = bool(torch.isfinite(scales).all()) and bool((scales >= 0).all()) and \
-            (not codec.asym or bool(torch.isfinite(zeros).all()))
-        if not finite:
-            raise CodecError(f"tensor {name!r}: its scales or zero points hold NaN/Inf or negative scales, which no "
-                             "kvcx encoder writes; the data is damaged: encode it again")
+        sinks = packed.sinks if t0 else None
+        if t0 and (sinks is None or not is_tensor(sinks) or sinks.numel() != N * t0 * D):
+            raise CodecError(f"tensor {name!r}: {t0} exact sink tokens are recorded but their values are missing")
+        params = [_finite(scales), ~(scales < 0).any()] + ([_finite(zeros)] if codec.asym else [])
+        if not _all(params + ([] if sinks is None else [torch.isfinite(sinks.to(dev)).all()])):
+            if not _all(params):
+                raise CodecError(f"tensor {name!r}: its scales or zero points hold NaN/Inf or negative scales, which "
+                                 "no kvcx encoder writes; the data is damaged: encode it again")
+            raise CodecError(f"tensor {name!r}: its exact sink tokens hold NaN/Inf, which no kvcx encoder writes; "
+                             "the data is damaged: encode it again")
         want = getattr(torch, _TORCH_DTYPES[packed.dtype])
         if out is None:
             if token_offset:
@@ -167,12 +186,6 @@ class TritonIntBackend:
                              f"{list(lay.shape)} (or longer on axis -2 with token_offset)")
         out3 = out.view(N, out.shape[-2] if len(lay.shape) >= 2 else 1, D)
         if t0:
-            sinks = packed.sinks
-            if sinks is None or not is_tensor(sinks) or sinks.numel() != N * t0 * D:
-                raise CodecError(f"tensor {name!r}: {t0} exact sink tokens are recorded but their values are missing")
-            if not bool(torch.isfinite(sinks).all()):
-                raise CodecError(f"tensor {name!r}: its exact sink tokens hold NaN/Inf, which no kvcx encoder writes; "
-                                 "the data is damaged: encode it again")
             out3[:, token_offset:token_offset + t0, :] = sinks.reshape(N, t0, D).to(device=dev, dtype=want)
         if S > t0:
             args, grid, const = _programs(codec, lay)

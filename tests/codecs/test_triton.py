@@ -137,6 +137,25 @@ def test_errors_name_the_tensor_and_the_fix():
         codec.decode(p, out=torch.empty(2, 8, 63, device=DEVICE))
 
 
+@pytest.mark.parametrize("field,value,message", [
+    ("scales", float("nan"), "scales or zero points"), ("scales", -1.0, "scales or zero points"),
+    ("zeros", float("inf"), "scales or zero points"), ("sinks", float("nan"), "exact sink tokens hold NaN/Inf")])
+def test_a_damaged_record_is_refused_by_what_is_damaged(field, value, message):
+    """Scales, zero points and sink tokens are checked on the device in one copy to the host; the error still
+    names what is damaged. A NaN in a sink token is refused at encode as in any other value."""
+    codec = IntCodec(scheme="asymmetric", axis="channel", sinks=1, backend="triton")
+    x = torch.randn(2, 2, 40, 64, device=DEVICE)
+    p = codec.encode(x)
+    damaged = type(p)(**{**p.__dict__, field: getattr(p, field).clone()})
+    getattr(damaged, field).view(-1)[3] = value
+    with pytest.raises(CodecError, match=rf"'k'.*{message}.*encode it again"):
+        codec.decode(damaged, name="k")
+    assert torch.equal(codec.decode(p), codec.decode(type(p)(**p.__dict__)))
+    x[1, 0, 0, 5] = float("nan")
+    with pytest.raises(CodecError, match=r"'k'.*1 NaN/Inf"):
+        codec.encode(x, name="k")
+
+
 def test_backend_is_not_part_of_the_config():
     codec = IntCodec(scheme="asymmetric", backend="triton")
     assert codec.get_config() == IntCodec(scheme="asymmetric").get_config()
