@@ -264,8 +264,8 @@ def describe(setting) -> str:
 def variants(torch, dev, cfg, contexts, reps, out, hq, hkv, d):
     """The attention kernel's launch settings (:data:`SETTINGS`), each timed on the same store at batch 1, eager
     and from a CUDA graph, with its relative error vs FP32 sums. Returns the fastest (sum of
-    graph times over the contexts) of those within 1e-4 of it (FP32's accuracy but for the order of the sums; one
-    TF32 pass rounds the query side to 10 bits and is timed, not chosen)."""
+    graph times over the contexts) of those within 1e-4 of it (FP32's accuracy but for the order of the sums, or
+    int8x3's 21-bit fixed point, ~1e-5; one TF32 pass rounds the query side to 10 bits and is timed, not chosen)."""
     from kvcx.codecs import gpu
 
     default = current(gpu)
