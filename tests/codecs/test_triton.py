@@ -150,7 +150,7 @@ def test_a_damaged_record_is_refused_by_what_is_damaged(field, value, message):
     getattr(damaged, field).view(-1)[3] = value
     with pytest.raises(CodecError, match=rf"'k'.*{message}.*encode it again"):
         codec.decode(damaged, name="k")
-    assert torch.equal(codec.decode(p), codec.decode(type(p)(**p.__dict__)))
+    assert bool(torch.isfinite(codec.decode(p, name="k")).all())   # the record as written passes the same checks
     x[1, 0, 0, 5] = float("nan")
     with pytest.raises(CodecError, match=r"'k'.*1 NaN/Inf"):
         codec.encode(x, name="k")
@@ -169,8 +169,8 @@ CHANNELS = (dict(scheme="asymmetric", axis="channel", group_size=16, sinks=2),
             dict(scheme="asymmetric", axis="channel", group_size=32, sinks=2))
 
 
-@pytest.mark.parametrize("prefetch", [False, True], ids=["load", "prefetch"])
-@pytest.mark.parametrize("scheme,D,R,nr,mask_kind,per,dot,S", [
+# (scheme, head dim, query rows a KV head, residual tokens, mask, tokens a split, products, packed tokens)
+ATTENTION_CASES = [
     ("kvcx", 64, 3, 5, "float", 64, "", 150),          # the default: channel keys + sinks, rotated values; 3 splits
     ("kvcx", 128, 1, 0, "bool", 1024, "", 150),        # two value groups per token, no residual, one split
     ("kvcx", 16, 2, 2, "float", 64, "tf32x2", 130),    # head dim 16: FP32 sums (tl.dot needs 16 a stream)
@@ -188,7 +188,22 @@ CHANNELS = (dict(scheme="asymmetric", axis="channel", group_size=16, sinks=2),
     ("kivi", 128, 2, 1, "bool", 96, "int8x3", 170),    # the same with values' zero points, a partial last tile
     ("reference", 64, 2, 2, None, 64, "int8x3", 150),  # per-token keys (dequantized: FP32 products), int8 values
     (CHANNELS, 64, 2, 0, "float", 32, "int8x3", 97),   # 16-token tiles: "tf32x2" (int8 products sum 32 or more)
-])
+]
+# the next tile's codes loaded ahead (a --tune setting, not the default): the same kernel but for its loads, run
+# on a layout of each kind (channel keys and rotated values, per-token keys, per-channel values with a partial
+# tile and several splits, int8 products) rather than on all of them
+PREFETCHED = {0, 3, 11, 13}
+
+
+def _case_id(i: int, prefetch: bool) -> str:
+    scheme, D, _, _, _, _, dot, S = ATTENTION_CASES[i]
+    name = scheme if isinstance(scheme, str) else f"layout{i}"
+    return f"{'prefetch' if prefetch else 'load'}-{name}-D{D}-{dot or 'fp32'}-{S}"
+
+
+@pytest.mark.parametrize("prefetch,scheme,D,R,nr,mask_kind,per,dot,S",
+                         [pytest.param(False, *c, id=_case_id(i, False)) for i, c in enumerate(ATTENTION_CASES)] +
+                         [pytest.param(True, *ATTENTION_CASES[i], id=_case_id(i, True)) for i in sorted(PREFETCHED)])
 def test_fused_attention_equals_sdpa_over_the_decoded_cache(prefetch, scheme, D, R, nr, mask_kind, per, dot, S,
                                                             monkeypatch):
     """The Triton decode step over packed codes equals SDPA over the decoded cache within FP32 rounding (batch 2,
