@@ -242,7 +242,7 @@ SETTINGS = [(32, 4, "", False, None, 4),          # FP32 sums (the error referen
             (32, 4, "tf32", False, None, 4), (32, 4, "tf32x2", False, None, 2), (64, 4, "tf32x2", True, None, 2),
             (64, 4, "tf32x2", True, None, 8), (64, 2, "tf32x2", True, None, 4), (32, 2, "tf32x2", False, 1, 4),
             (32, 4, "tf32x3", False, None, 4),
-            (64, 4, "int8x3", False, None, 4), (64, 2, "int8x3", False, None, 4)]   # integer tensor cores, not yet timed
+            (64, 4, "int8x3", False, None, 4), (64, 2, "int8x3", False, None, 4)]   # int8 products, not yet timed
 _KNOBS = ("ATTN_BLOCK_TOKENS", "ATTN_WARPS", "ATTN_DOT", "ATTN_PREFETCH", "ATTN_STAGES", "ATTN_PROGRAMS_PER_SM")
 
 

@@ -363,7 +363,9 @@ def attend_packed_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, 
       value groups fill rows that would be padding (the default's 4 query rows and 2 groups: 16 rows, not 32);
     - per-token key groups (the reference scheme) dequantize in the tile.
 
-    ``DOT`` "tf32x2": products of codes in two TF32 passes (FP32's accuracy); "tf32": one; "": FP32 sums.
+    ``DOT`` "tf32x2": products of codes in two TF32 passes (FP32's accuracy); "tf32": one; "": FP32 sums;
+    "int8x3": the codes as int8 on the integer tensor cores, the other side a 21-bit fixed point of its row
+    (:func:`_mm_int8x3`; the keys' two streams share one fixed point and one conversion to FP32).
     ``PREFETCH``: the next tile's codes are loaded before this tile is worked (in flight meanwhile)."""
     n = tl.program_id(0)
     sp = tl.program_id(1)
