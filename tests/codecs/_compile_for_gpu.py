@@ -5,7 +5,11 @@ code that the compiler refuses: a global that is not a constexpr, a constexpr as
 
     python tests/codecs/_compile_for_gpu.py        # exit 1 and the compiler's message on the first failure
 """
+import contextlib
+import multiprocessing
+import os
 import sys
+from concurrent.futures import ProcessPoolExecutor
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -25,18 +29,28 @@ POINTERS = {
 }
 
 
+JOBS = []   # (kernel name, constexprs, warps, FMA fusion, pointer types), compiled by _compile in worker processes
+
+
 def compile_one(fn, consts: dict, num_warps: int = 4, fusion: bool = False, **pointers) -> None:
-    """Compile ``fn`` with these constexprs (and FMA fusion as its launcher sets it); ``pointers`` overrides
-    :data:`POINTERS` by argument name."""
+    """Queue a compile of ``fn`` with these constexprs (and FMA fusion as its launcher sets it); ``pointers``
+    overrides :data:`POINTERS` by argument name."""
+    JOBS.append((fn.__name__, consts, num_warps, fusion, pointers))
+
+
+def _compile(job) -> str:
+    """"ok ..." or the compiler's own message, with the kernel and its settings."""
+    name, consts, num_warps, fusion, pointers = job
+    fn = getattr(k, name)
     types = {**POINTERS, **pointers}
     sig = {a: "constexpr" if a in consts else "fp32" if a == "norm" else types.get(a, "i32") for a in fn.arg_names}
     try:
         triton.compile(ASTSource(fn, sig, consts), target=TARGET,
                        options=dict(num_warps=num_warps, enable_fp_fusion=fusion))
-    except Exception as exc:  # the compiler's own message, with the kernel and its settings
+    except Exception as exc:
         cause = exc.__cause__ if exc.__cause__ is not None else exc
-        sys.exit(f"{fn.__name__} {consts} does not compile for sm_90: {type(cause).__name__}: {cause}")
-    print(f"ok {fn.__name__} {consts}")
+        return f"{name} {consts} does not compile for sm_90: {type(cause).__name__}: {cause}"
+    return f"ok {name} {consts}"
 
 
 def codec_kernels() -> int:
@@ -79,4 +93,13 @@ def attention_kernels() -> int:
 
 
 if __name__ == "__main__":
-    print(f"{codec_kernels() + attention_kernels()} kernels compiled for sm_90 (triton {triton.__version__})")
+    n = codec_kernels() + attention_kernels()
+    # the compiles are independent and each keeps one core busy: one process a core (fork: nothing to re-import)
+    fork = "fork" in multiprocessing.get_all_start_methods()
+    with ProcessPoolExecutor(min(4, os.cpu_count() or 1), mp_context=multiprocessing.get_context("fork")) if fork \
+            else contextlib.nullcontext() as pool:
+        for line in (pool.map(_compile, JOBS) if fork else map(_compile, JOBS)):
+            if not line.startswith("ok "):
+                sys.exit(line)
+            print(line)
+    print(f"{n} kernels compiled for sm_90 (triton {triton.__version__})")
