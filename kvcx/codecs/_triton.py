@@ -223,7 +223,7 @@ def _mm(a, b, acc, DOT: tl.constexpr):
 @triton.jit
 def _mmc(a, c, acc, DOT: tl.constexpr):
     """acc + a [M, K] (FP32) @ (c - 8) [K, N], c the codes (0..15), as :func:`_streams` gives them for ``DOT``
-    (centred floats, or the raw codes as int8 for "int8x3"), as :func:`_mm`. "tf32x2": a split in its TF32 bits
+    (centred floats, or 16 (c - 8) as int8 for "int8x3"), as :func:`_mm`. "tf32x2": a split in its TF32 bits
     and the rest, two TF32 products (FP32's accuracy: c needs no split), the second summing into the first;
     "tf32": one product (a rounded to TF32); "int8x3": :func:`_mm_int8x3`."""
     if DOT == "int8x3":

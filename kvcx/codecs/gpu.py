@@ -166,8 +166,9 @@ class TritonIntBackend:
         sinks = packed.sinks if t0 else None
         if t0 and (sinks is None or not is_tensor(sinks) or sinks.numel() != N * t0 * D):
             raise CodecError(f"tensor {name!r}: {t0} exact sink tokens are recorded but their values are missing")
+        sinks = None if sinks is None else sinks.to(dev)
         params = [_finite(scales), ~(scales < 0).any()] + ([_finite(zeros)] if codec.asym else [])
-        if not _all(params + ([] if sinks is None else [torch.isfinite(sinks.to(dev)).all()])):
+        if not _all(params + ([] if sinks is None else [torch.isfinite(sinks).all()])):
             if not _all(params):
                 raise CodecError(f"tensor {name!r}: its scales or zero points hold NaN/Inf or negative scales, which "
                                  "no kvcx encoder writes; the data is damaged: encode it again")
@@ -186,7 +187,7 @@ class TritonIntBackend:
                              f"{list(lay.shape)} (or longer on axis -2 with token_offset)")
         out3 = out.view(N, out.shape[-2] if len(lay.shape) >= 2 else 1, D)
         if t0:
-            out3[:, token_offset:token_offset + t0, :] = sinks.reshape(N, t0, D).to(device=dev, dtype=want)
+            out3[:, token_offset:token_offset + t0, :] = sinks.reshape(N, t0, D).to(want)
         if S > t0:
             args, grid, const = _programs(codec, lay)
             zp = zeros if codec.asym else scales
@@ -324,10 +325,13 @@ def attention_constexprs(key_codec, value_codec, R: int, D: int, dot: str, block
                          prefetch: bool) -> dict:
     """The constexprs of :func:`~kvcx.codecs._triton.attend_packed_kernel` for these codecs and launch settings
     (what the launcher passes; the offline compile test and bench/sass_gpu.py build the kernel the same way). A
-    tile lies within one per-channel block: ``block_tokens`` is cut to the smallest per-channel group."""
+    tile lies within one per-channel block: ``block_tokens`` is cut to the smallest per-channel group; ``dot`` is
+    what the shapes allow of it (FP32 sums under head dim 32, two TF32 passes where int8 products would not do)."""
     ng = 1 if value_codec.axis == "channel" else max(1, D // value_codec.group_size)
     bt = min([block_tokens] + [c.group_size for c in (key_codec, value_codec) if c.axis == "channel"])
-    if dot == "int8x3" and not (64 <= D <= 128 and 32 <= bt <= 128):
+    if D < 32:
+        dot = ""          # tl.dot needs 16 along each side: D // 2 channels a stream
+    elif dot == "int8x3" and not (64 <= D <= 128 and 32 <= bt <= 128):
         dot = "tf32x2"    # int8 products sum 32 or more (channels a stream, a tile's tokens); exact in int32 to 128
     return dict(R=R, RP=attention_rows(R, ng, dot), D=D, BT=bt, KG=key_codec.group_size,
                 K_CHANNEL=key_codec.axis == "channel", K_ASYM=key_codec.asym, VG=value_codec.group_size,
@@ -362,11 +366,10 @@ def attend_spans(qs, qr, spans, Hkv: int, sinks=(None, None), residual=(None, No
         m = torch.full((N, 1, R), float("-inf"), device=qs.device)
         l, acc = torch.zeros(N, 1, R, device=qs.device), torch.zeros(N, 1, R, D, device=qs.device)
     off, RP = 0, _pow2(R)
-    dot = ATTN_DOT if D >= 32 else ""    # tl.dot needs 16 along each side: D // 2 channels a stream
     for sp, T, per, n in plan:
         kc, vc, ks, vs = sp.key_codec, sp.value_codec, sp.keys, sp.values
         # a tile lies within one per-channel block (splits are whole ATTN_BLOCK_TOKENS, a multiple of it)
-        const = attention_constexprs(kc, vc, R, D, dot, ATTN_BLOCK_TOKENS, add is not None, ATTN_PREFETCH)
+        const = attention_constexprs(kc, vc, R, D, ATTN_DOT, ATTN_BLOCK_TOKENS, add is not None, ATTN_PREFETCH)
         extra = {} if ATTN_STAGES is None else dict(num_stages=ATTN_STAGES)
         k.attend_packed_kernel[(N, n)](
             qr if kc.rotate else qs, ks.codes, ks.scales, ks.zeros if ks.zeros is not None else ks.scales,

@@ -5,7 +5,6 @@ code that the compiler refuses: a global that is not a constexpr, a constexpr as
 
     python tests/codecs/_compile_for_gpu.py        # exit 1 and the compiler's message on the first failure
 """
-import contextlib
 import multiprocessing
 import os
 import sys
@@ -53,10 +52,9 @@ def _compile(job) -> str:
     return f"ok {name} {consts}"
 
 
-def codec_kernels() -> int:
+def codec_kernels() -> None:
     """Encode and decode, each branch of ASYM and ROTATE in each kernel once (the default's keys and values, the
     reference, a rotated channel grouping)."""
-    n = 0
     for scheme, axis, rotate in (("asymmetric", "channel", False), ("symmetric", "token", True),
                                  ("symmetric", "token", False), ("symmetric", "channel", True)):
         codec = IntCodec(scheme=scheme, axis=axis, rotate=rotate, sinks=1)
@@ -66,16 +64,13 @@ def codec_kernels() -> int:
                     (k.encode_channel_kernel, k.decode_channel_kernel))
         compile_one(enc, const)
         compile_one(dec, {**const, "SAT": False, "BF16": True})
-        n += 2
-    return n
 
 
-def attention_kernels() -> int:
+def attention_kernels() -> None:
     """The packed attention with the default launch settings (gpu.ATTN_*) for the default scheme, the reference
     (per-token keys, FP32 sums) and kivi (per-token values with zero points, one TF32 pass, prefetch), the other
     products (tl.dot in FP32, in three TF32 passes, and on the integer tensor cores for the default and the
     reference), and the merge with and without a mask."""
-    n = 0
     for scheme, dot, prefetch in (("kvcx", gpu.ATTN_DOT, gpu.ATTN_PREFETCH), ("reference", "", False),
                                   ("kivi", "tf32", True), ("kvcx", "ieee", False), ("kvcx", "tf32x3", False),
                                   ("kvcx", "int8x3", False), ("reference", "int8x3", False)):
@@ -83,23 +78,21 @@ def attention_kernels() -> int:
         compile_one(k.attend_packed_kernel,
                     gpu.attention_constexprs(cfg.key, cfg.value, 4, D, dot, gpu.ATTN_BLOCK_TOKENS, True, prefetch),
                     num_warps=gpu.ATTN_WARPS, fusion=gpu.ATTN_FP_FUSION)
-        n += 1
     for has_mask, rotate in ((True, True), (False, False)):
         compile_one(k.merge_kernel, dict(R=4, RP=4, D=D, SB=gpu._pow2(1), RB=gpu._pow2(32), HAS_MASK=has_mask,
                                          ROTATE=rotate, CH=gpu.MERGE_SPLITS), fusion=gpu.ATTN_FP_FUSION,
                     out_ptr="*fp32")
-        n += 1
-    return n
 
 
 if __name__ == "__main__":
-    n = codec_kernels() + attention_kernels()
-    # the compiles are independent and each keeps one core busy: one process a core (fork: nothing to re-import)
-    fork = "fork" in multiprocessing.get_all_start_methods()
-    with ProcessPoolExecutor(min(4, os.cpu_count() or 1), mp_context=multiprocessing.get_context("fork")) if fork \
-            else contextlib.nullcontext() as pool:
-        for line in (pool.map(_compile, JOBS) if fork else map(_compile, JOBS)):
+    codec_kernels()
+    attention_kernels()
+    # the compiles are independent and each keeps one core busy: one process a core (forked where the platform
+    # forks: nothing to import again)
+    fork = multiprocessing.get_context("fork") if "fork" in multiprocessing.get_all_start_methods() else None
+    with ProcessPoolExecutor(min(4, os.cpu_count() or 1), mp_context=fork) as pool:
+        for line in pool.map(_compile, JOBS):
             if not line.startswith("ok "):
                 sys.exit(line)
             print(line)
-    print(f"{n} kernels compiled for sm_90 (triton {triton.__version__})")
+    print(f"{len(JOBS)} kernels compiled for sm_90 (triton {triton.__version__})")

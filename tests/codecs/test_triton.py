@@ -243,11 +243,12 @@ def test_fused_attention_equals_sdpa_over_the_decoded_cache(prefetch, scheme, D,
 
 
 @pytest.mark.parametrize("D,block,kg,dot", [(128, 64, 64, "int8x3"), (64, 32, 64, "int8x3"), (32, 32, 64, "tf32x2"),
-                                           (256, 64, 64, "tf32x2"), (128, 64, 16, "tf32x2"), (128, 256, 256, "tf32x2")])
+                                           (256, 64, 64, "tf32x2"), (128, 64, 16, "tf32x2"), (128, 256, 256, "tf32x2"),
+                                           (16, 32, 64, "")])
 def test_int8_products_fall_back_where_they_would_not_be_exact(D, block, kg, dot):
     """The int8 products sum 32 or more (head dim 64 to 128: 32 to 64 channels a stream; tiles of 32 to 128
     tokens, cut to the key blocks); elsewhere the kernel gets two TF32 passes, not a product that the GPU compiler
-    refuses (K under 32) or int32 sums that could wrap."""
+    refuses (K under 32) or int32 sums that could wrap; under head dim 32 (8 channels a stream), FP32 sums."""
     from kvcx.codecs import gpu
 
     kc = IntCodec(scheme="asymmetric", axis="channel", group_size=kg)
