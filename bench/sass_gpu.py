@@ -1,4 +1,5 @@
-"""The attention kernel's compiled loop for a GPU, counted without one: instructions a token by kind.
+"""The GPU kernels compiled for a GPU and counted without one: the attention kernel's loop a token, the codec
+kernels' instructions a value, by kind.
 
     python bench/sass_gpu.py [--markdown docs/results/gpu-sass.md] [--arch 90] [--dump DIR] [--limit N]
 
@@ -14,6 +15,13 @@ Why: on the H100 run of bench_gpu.py (docs/results/gpu.md) the kernel is bound b
 not by the bytes it reads, and the loop's count a token tracked the measured time across its settings (about
 3.2 us at 128k tokens per instruction a token, +-20 %). Counting here says which change is worth a GPU session.
 The count is per thread: a program of W warps issues W times as many warp instructions a tile.
+
+The codec kernels (encode and decode of the default scheme's keys and values and of the reference's values) are
+compiled as bench_gpu.py's bandwidth section launches them ([8, 8, 32768, 128] BF16: the launcher's constexprs,
+Triton's own specialisation of the integer arguments) and counted whole: the kernel's body up to its exit (the
+division's slow path, a subroutine after it, runs only for scales no encoder writes), times the threads of a
+program, over the values a program holds. With it the table counts the global loads and stores by width: byte-wide
+accesses of the packed codes were what the first H100 run's codec kernels issued.
 """
 from __future__ import annotations
 
@@ -77,10 +85,6 @@ def main_loop(instrs):
 def compile_setting(setting, arch: int, dump: Path | None):
     """(SASS text, registers, stack bytes, kernel name, tile tokens) of the attention kernel at one launch
     setting."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from kvcx.codecs import KVConfig, gpu
     from kvcx.codecs import _triton as k
 
@@ -99,22 +103,30 @@ def compile_setting(setting, arch: int, dump: Path | None):
     opts = dict(num_warps=warps, enable_fp_fusion=gpu.ATTN_FP_FUSION)
     if stages:
         opts["num_stages"] = stages
+    name = f"attend_{bt}t_{warps}w_{dot or 'fp32'}{'_prefetch' if prefetch else ''}" + \
+        (f"_s{stages}" if stages else "")
+    return (*build(fn, sig, consts, attrs, opts, arch, dump, name), consts["BT"])
+
+
+def build(fn, sig, consts, attrs, opts, arch: int, dump: Path | None, name: str):
+    """(SASS text, registers, stack bytes, kernel name) of ``fn`` compiled for sm_``arch``; its SASS and TTGIR
+    written to ``dump`` as ``name``.* when a folder is given."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
     ck = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", arch, 32), options=opts)
-    cubin = ck.asm["cubin"]
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "k.cubin"
-        path.write_bytes(cubin)
+        path.write_bytes(ck.asm["cubin"])
         sass = run_tool("cuobjdump", "-sass", str(path))
         res = run_tool("cuobjdump", "-res-usage", str(path))
     if dump is not None:
-        name = f"attend_{bt}t_{warps}w_{dot or 'fp32'}{'_prefetch' if prefetch else ''}" + \
-            (f"_s{stages}" if stages else "")
         (dump / f"{name}.sass").write_text(sass)
         (dump / f"{name}.ttgir").write_text(ck.asm["ttgir"])
     regs = re.search(r"REG:(\d+)", res)
     spill = re.search(r"STACK:(\d+)", res)
-    return sass, int(regs.group(1)) if regs else None, int(spill.group(1)) if spill else None, ck.name, \
-        consts["BT"]
+    return sass, int(regs.group(1)) if regs else None, int(spill.group(1)) if spill else None, ck.name
 
 
 def run_tool(name: str, *args: str) -> str:
@@ -136,6 +148,96 @@ def count(setting, arch, dump):
     body = instrs[loop[0]:loop[1] + 1]
     kinds = collections.Counter(kind_of(op) for _, op, _ in body)
     return dict(total=len(instrs), loop=len(body), per_token=len(body) / bt, kinds=kinds, regs=regs, stack=stack)
+
+
+# bench_gpu.py's bandwidth section: the tensor, and the codecs (label, scheme, which) it times, plus the reference's
+CODEC_SHAPE = (8, 8, 32768, 128)
+CODECS = (("kvcx keys (channel, zero points)", "kvcx", "key"), ("kvcx values (token, rotated)", "kvcx", "value"),
+          ("reference values (token)", "reference", "value"))
+CODEC_WARPS = 4   # Triton's default: the launcher does not set num_warps
+WIDTHS = ("LDG", "STG")
+
+
+def access_width(op: str) -> str:
+    """A global load or store named with its width: LDG.E.128 -> LDG.128, STG.E.U8 -> STG.U8, STG.E -> STG.32."""
+    last = op.split(".")[-1]
+    return op.split(".")[0] + "." + (last if last not in ("E", "EL", "EF") and not last.startswith("E") else "32")
+
+
+def launch_signature(fn, values: dict, consts: dict, pointers: dict):
+    """(signature, attributes, constexprs) a launch of ``fn`` with these runtime argument values compiles:
+    Triton's own specialisation of each integer (divisible by 16 marked, 1 made a constant), pointers as torch's
+    allocations are (16-byte aligned); ``pointers`` names each pointer argument's element type."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    sig, attrs, consts = {}, {}, dict(consts)
+    for i, a in enumerate(fn.arg_names):
+        if a in consts:
+            sig[a] = "constexpr"
+            continue
+        kind, hint = ("*" + pointers[a].lstrip("*"), "D") if a in pointers else \
+            native_specialize_impl(BaseBackend, values[a], False, True, True)
+        if kind == "constexpr":
+            sig[a], consts[a] = "constexpr", values[a]
+            continue
+        sig[a] = kind
+        if hint == "D":
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return sig, attrs, consts
+
+
+def count_codec(label: str, scheme: str, which: str, decode: bool, arch: int, dump: Path | None):
+    """One codec kernel as bench_gpu.py launches it: a dict of its counts a value."""
+    from kvcx.codecs import KVConfig, gpu
+    from kvcx.codecs import _triton as k
+
+    codec = getattr(KVConfig.from_scheme(scheme), which)
+    lay = codec.layout(CODEC_SHAPE, which)
+    args, _, const = gpu._programs(codec, lay)
+    token = codec.axis == "token"
+    fn = (k.decode_token_kernel if token else k.decode_channel_kernel) if decode else \
+        (k.encode_token_kernel if token else k.encode_channel_kernel)
+    const = {**const, "ASYM": codec.asym, "ROTATE": codec.rotate}
+    values = {**args, "norm": gpu._norm(lay.D)}
+    pointers = {"codes_ptr": "u8", "scales_ptr": "fp16", "zeros_ptr": "fp16"}
+    if decode:
+        const.update(SAT=False, BF16=True)   # BF16 out: written as int16 bits (as the launcher does)
+        values.update(out_S=lay.S, out_off=0)
+        pointers["out_ptr"] = "i16"
+    else:
+        pointers["x_ptr"] = "bf16"
+    sig, attrs, consts = launch_signature(fn, values, const, pointers)
+    opts = dict(num_warps=CODEC_WARPS, enable_fp_fusion=False)
+    name = f"{'decode' if decode else 'encode'}_{scheme}_{which}"
+    sass, regs, stack, kname = build(fn, sig, consts, attrs, opts, arch, dump, name)
+    instrs = parse(sass, kname)
+    exits = [i for i, (_, op, args) in enumerate(instrs) if op == "EXIT" and not args]
+    body = instrs[:(exits[-1] if exits else len(instrs) - 1) + 1]
+    per_program = const["R"] * const["G"] if token else const["G"] * lay.D
+    scale = 32 * CODEC_WARPS / per_program
+    kinds = collections.Counter(kind_of(op) for _, op, _ in body)
+    widths = collections.Counter(access_width(op) for _, op, _ in body if op.split(".")[0] in WIDTHS)
+    return dict(label=label, kernel="decode" if decode else "encode", values=per_program, per_value=len(body) * scale,
+                kinds={h: n * scale for h, n in kinds.items()}, regs=regs, stack=stack,
+                accesses=", ".join(f"{n} {w}" for w, n in sorted(widths.items())))
+
+
+def codec_table(emit, arch: int, dump: Path | None) -> None:
+    head = [label for label, _ in KINDS] + ["other"]
+    emit(f"\n## Codec kernels, as bench_gpu.py's bandwidth section launches them ({list(CODEC_SHAPE)} BF16)\n")
+    emit(f"Instructions a value: a thread's instructions from the kernel's start to its exit, times the {CODEC_WARPS} "
+         "warps' threads, over the values a program holds (a warp issues one 32nd of it a value); by kind the same "
+         "way; a thread's global loads and stores by width (U8: a byte each; 64 / 128: 8 / 16 bytes).\n")
+    emit("| codec | kernel | values a program | instructions / value | " + " | ".join(head) +
+         " | global accesses a thread | registers | stack bytes |")
+    emit("|---|---|---:|---:|" + "---:|" * len(head) + "---|---:|---:|")
+    for label, scheme, which in CODECS:
+        for decode in (False, True):
+            r = count_codec(label, scheme, which, decode, arch, dump)
+            cells = " | ".join(f"{r['kinds'].get(h, 0):.1f}" for h in head)
+            emit(f"| {r['label']} | {r['kernel']} | {r['values']} | {r['per_value']:.1f} | {cells} | "
+                 f"{r['accesses']} | {r['regs']} | {r['stack']} |", flush=True)
 
 
 def main(argv=None):
@@ -180,9 +282,11 @@ def main(argv=None):
         emit(f"| {describe(setting)} | {bt:.0f} | {r['per_token'] * setting[1]:.0f} | {r['per_token']:.1f} | {cells} | "
              f"{r['regs']} | {r['stack']} | "
              f"{r['total']} |", flush=True)
+    codec_table(emit, args.arch, args.dump)
     emit(f"\nTotal {time.perf_counter() - t0:.0f} s.")
     if args.markdown:
-        emit.write(args.markdown, "The GPU attention kernel's compiled loop, counted offline (bench/sass_gpu.py).")
+        emit.write(args.markdown, "The GPU kernels compiled for sm_90 and counted offline: the attention kernel's "
+                   "loop, the codec kernels (bench/sass_gpu.py).")
 
 
 if __name__ == "__main__":

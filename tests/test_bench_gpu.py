@@ -29,7 +29,8 @@ def test_every_section_runs_and_writes_its_table(tmp_path):
 
 def test_the_offline_instruction_count_finds_the_kernels_loop(tmp_path):
     """bench/sass_gpu.py compiles the attention kernel for sm_90 (no GPU), disassembles it and counts its main
-    loop: the FP32-sums setting has no tensor-core products in it, the default's TF32 products are there."""
+    loop: the FP32-sums setting has no tensor-core products in it, the default's TF32 products are there. It
+    counts the codec kernels too."""
     pytest.importorskip("triton")
     import os
     import subprocess
@@ -51,3 +52,13 @@ def test_the_offline_instruction_count_finds_the_kernels_loop(tmp_path):
         per_token = float(r["loop instructions / token"])
         assert 0 < per_token * int(r["tile tokens"]) < int(r["kernel instructions"])
         assert float(r["warp instructions / token"]) >= per_token
+    # the codec kernels as bench_gpu.py launches them: each encode and decode counted, and the packed codes moved
+    # 4 or more bytes an access (their masks let Triton vectorise them: byte-wide accesses were 32 a thread)
+    head = next(line for line in lines if line.startswith("| codec |")).strip("| ").split(" | ")
+    codecs = [dict(zip(head, line.strip("| ").split(" | "))) for line in lines
+              if line.startswith(("| kvcx ", "| reference "))]
+    assert [(r["codec"].split()[1], r["kernel"]) for r in codecs] == \
+        [(w, k) for w in ("keys", "values", "values") for k in ("encode", "decode")]
+    for r in codecs:
+        assert float(r["instructions / value"]) > 0 and int(r["registers"]) > 0
+        assert ".U8" not in r["global accesses a thread"], r

@@ -7,11 +7,13 @@ kernels' arithmetic exactly, in the same order:
 - group statistics on the float bits as integers (max of ``bits & 0x7fffffff``; min and max of the order keys
   ``bits ^ ((bits >> 31) & 0x7fffffff)``), so ``-0.0`` and ``+0.0`` are told apart as on the CPU;
 - ``scale = fp16(max|x| / 7)`` or ``fp16((max - min) / 15)``, ``zero = fp16(min)``, round to nearest even;
-- ``code = clamp(rint((x - zero) / scale), qmin, qmax) + off`` with the division correctly rounded
-  (``div_rn``), 0 where the scale is 0; ``rint`` (half to even) as ``(t + 1.5 * 2**23) - 1.5 * 2**23`` on
-  the clamped value, exact for |t| < 2**22 (the clamp bounds are integers, so clamping first is the same);
-- decode ``(q - off) * scale + zero`` as a product then a sum (the launcher turns FP fusion off: an FMA would
-  round once instead of twice), then the inverse rotation, then the output dtype (FP16 saturating at 65504);
+- ``code = clamp(rint((x - zero) / scale), qmin, qmax) + off`` with the division correctly rounded (from the
+  group's correctly rounded reciprocal and two FMA corrections: :func:`_div`), 0 where the scale is 0; ``rint``
+  (half to even) as ``(t + 1.5 * 2**23) - 1.5 * 2**23`` on the clamped value, exact for |t| < 2**22 (the clamp
+  bounds are integers, so clamping first is the same);
+- decode ``(q - off) * scale + zero`` as a product then a sum, then the inverse rotation, then the output dtype
+  (FP16 saturating at 65504); the launcher turns FP fusion off for encode and decode, since an FMA the compiler
+  made would round once where the CPU rounds twice (the FMAs of :func:`_div` are written out);
 - the Walsh-Hadamard butterflies in the CPU's order (stages h = 1, 2, 4, ... D/2, a + b and a - b, then one
   product by ``1 / sqrt(D)``).
 
@@ -39,8 +41,8 @@ def _fwht_rows(x, T: tl.constexpr, D: tl.constexpr, norm):
 
 @triton.jit
 def _group_params(x, valid, axis: tl.constexpr, ASYM: tl.constexpr):
-    """(FP16 scales, FP16 zero points, scales as divisors, keep, zeros as floats) of the groups of ``x``
-    along ``axis`` (values where ``valid`` is false are not part of any group)."""
+    """(FP16 scales, FP16 zero points, scales as divisors, their correctly rounded reciprocals, keep, zeros as
+    floats) of the groups of ``x`` along ``axis`` (values where ``valid`` is false are not part of any group)."""
     bits = x.to(tl.int32, bitcast=True)
     if ASYM:
         key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
@@ -56,18 +58,31 @@ def _group_params(x, valid, axis: tl.constexpr, ASYM: tl.constexpr):
         z16 = tl.zeros_like(s16)
     scale = s16.to(tl.float32)
     keep = scale != 0.0
-    return s16, z16, tl.where(keep, scale, 1.0), keep, z16.to(tl.float32)
+    sdiv = tl.where(keep, scale, 1.0)
+    return s16, z16, sdiv, tl.math.div_rn(1.0, sdiv), keep, z16.to(tl.float32)
 
 
 @triton.jit
-def _codes(x, zero, sdiv, keep, valid, ASYM: tl.constexpr):
+def _div(a, b, y):
+    """``a / b`` correctly rounded (what ``div_rn`` gives), from ``y`` = the correctly rounded ``1 / b``, in five
+    FP32 operations (``div_rn`` takes a reciprocal, its refinement and a range check per element): q = a y is
+    within 2 ulp of a / b; one correction with the residual a - b q makes it faithful (within 1 ulp); with a
+    faithful q the residual is exact and one more correction rounds correctly (Markstein's theorem; b > 0 and
+    normal, as an FP16 scale is in FP32; no overflow: |a / b| stays within a few times 2**4)."""
+    q = a * y
+    q = tl.fma(tl.fma(-b, q, a), y, q)
+    return tl.fma(tl.fma(-b, q, a), y, q)
+
+
+@triton.jit
+def _codes(x, zero, sdiv, rcp, keep, valid, ASYM: tl.constexpr):
     """4-bit codes (int32) of ``x`` with broadcast group parameters; 0 where ``valid`` is false."""
     if ASYM:
-        t = tl.math.div_rn(x - zero, sdiv)
+        t = _div(x - zero, sdiv, rcp)
         t = tl.minimum(tl.maximum(t, 0.0), 15.0)
         off = 0
     else:
-        t = tl.math.div_rn(x, sdiv)
+        t = _div(x, sdiv, rcp)
         t = tl.minimum(tl.maximum(t, -8.0), 7.0)
         off = 8
     t = (t + _RINT_MAGIC) - _RINT_MAGIC
@@ -124,14 +139,14 @@ def encode_token_kernel(x_ptr, codes_ptr, scales_ptr, zeros_ptr, S, t0, L, row_b
     x = tl.load(x_ptr + base + v, mask=valid, other=0.0).to(tl.float32)
     if ROTATE:
         x = tl.reshape(_fwht_rows(tl.reshape(x, (R * G // D, D)), R * G // D, D, norm), (R, G))
-    s16, z16, sdiv, keep, zero = _group_params(x, valid, 1, ASYM)
-    code = _codes(x, zero[:, None], sdiv[:, None], keep[:, None], valid, ASYM)
+    s16, z16, sdiv, rcp, keep, zero = _group_params(x, valid, 1, ASYM)
+    code = _codes(x, zero[:, None], sdiv[:, None], rcp[:, None], keep[:, None], valid, ASYM)
     gm = g < ngroups
     tl.store(scales_ptr + slab.to(tl.int64) * ngroups + g, s16, mask=gm)
     if ASYM:
         tl.store(zeros_ptr + slab.to(tl.int64) * ngroups + g, z16, mask=gm)
     j = g[:, None] * (G // 2) + tl.arange(0, G // 2)[None, :]
-    tl.store(codes_ptr + slab.to(tl.int64) * row_bytes + j, _pack(code, R, G), mask=j * 2 < L)
+    tl.store(codes_ptr + slab.to(tl.int64) * row_bytes + j, _pack(code, R, G), mask=j < row_bytes)
 
 
 @triton.jit
@@ -143,7 +158,7 @@ def decode_token_kernel(codes_ptr, scales_ptr, zeros_ptr, out_ptr, S, t0, L, row
     g = tl.program_id(1) * R + tl.arange(0, R)
     gm = g < ngroups
     j = g[:, None] * (G // 2) + tl.arange(0, G // 2)[None, :]
-    byte = tl.load(codes_ptr + slab.to(tl.int64) * row_bytes + j, mask=j * 2 < L, other=0)
+    byte = tl.load(codes_ptr + slab.to(tl.int64) * row_bytes + j, mask=j < row_bytes, other=0)
     scale = tl.load(scales_ptr + slab.to(tl.int64) * ngroups + g, mask=gm, other=0.0).to(tl.float32)
     zero = tl.zeros_like(scale)
     if ASYM:
@@ -169,8 +184,8 @@ def encode_channel_kernel(x_ptr, codes_ptr, scales_ptr, zeros_ptr, S, t0, D, row
     x = tl.load(x_ptr + base + i * D + d, mask=valid, other=0.0).to(tl.float32)
     if ROTATE:
         x = _fwht_rows(x, G, DP, norm)
-    s16, z16, sdiv, keep, zero = _group_params(x, valid, 0, ASYM)
-    code = _codes(x, zero[None, :], sdiv[None, :], keep[None, :], valid, ASYM)
+    s16, z16, sdiv, rcp, keep, zero = _group_params(x, valid, 0, ASYM)
+    code = _codes(x, zero[None, :], sdiv[None, :], rcp[None, :], keep[None, :], valid, ASYM)
     dd = tl.arange(0, DP)
     k = (slab.to(tl.int64) * nblk + blk) * D + dd
     tl.store(scales_ptr + k, s16, mask=dd < D)
@@ -178,7 +193,7 @@ def encode_channel_kernel(x_ptr, codes_ptr, scales_ptr, zeros_ptr, S, t0, D, row
         tl.store(zeros_ptr + k, z16, mask=dd < D)
     jb = tl.arange(0, DP // 2)[None, :]
     tl.store(codes_ptr + slab.to(tl.int64) * row_bytes + (i * D) // 2 + jb, _pack(code, G, DP),
-             mask=(i < S - t0) & (jb * 2 < D))
+             mask=(i < S - t0) & (jb < D // 2))
 
 
 @triton.jit
@@ -191,7 +206,7 @@ def decode_channel_kernel(codes_ptr, scales_ptr, zeros_ptr, out_ptr, S, t0, D, r
     i = blk * G + tl.arange(0, G)[:, None]
     jb = tl.arange(0, DP // 2)[None, :]
     byte = tl.load(codes_ptr + slab.to(tl.int64) * row_bytes + (i * D) // 2 + jb,
-                   mask=(i < S - t0) & (jb * 2 < D), other=0)
+                   mask=(i < S - t0) & (jb < D // 2), other=0)
     dd = tl.arange(0, DP)
     k = (slab.to(tl.int64) * nblk + blk) * D + dd
     scale = tl.load(scales_ptr + k, mask=dd < D, other=0.0).to(tl.float32)

@@ -84,6 +84,33 @@ def test_same_bytes_for_every_dtype(dtype, settings):
     _check(settings, x)
 
 
+def _boundary_groups(asym: bool, groups: int, seed: int) -> np.ndarray:
+    """[groups, 64] FP32 groups whose quotients x / scale fall on and a few ulps beside the codes' rounding
+    boundaries k + 1/2, where a division that is not correctly rounded gives another code. Each group's scale is
+    a random FP16 value s (normal or subnormal) exactly: its extreme is 7 s (symmetric) or its range [0, 15 s]
+    (asymmetric), so scale = fp16(7 s / 7) = s and the zero point is 0."""
+    rng = np.random.default_rng(seed)
+    s = rng.choice(np.arange(1, 0x7C00, dtype=np.uint16).view(np.float16), groups).astype(np.float32)[:, None]
+    bounds = np.arange(0.5, 15.0) if asym else np.arange(-6.5, 7.0)   # inside the group's range
+    x = (rng.choice(bounds, (groups, 64)).astype(np.float32) * s).astype(np.float32)   # exact: b has 5 bits
+    x = (x.view(np.int32) + rng.integers(-2, 3, x.shape).astype(np.int32)).view(np.float32)
+    x[:, 0] = 7 * s[:, 0] if not asym else 15 * s[:, 0]
+    if asym:
+        x[:, 1] = 0.0
+    return x
+
+
+@pytest.mark.parametrize("asym", [False, True], ids=["symmetric", "asymmetric"])
+def test_same_codes_on_the_rounding_boundaries(asym):
+    """Values on and beside x / scale = k + 1/2 for every scale kind: the Triton encoder divides by a reciprocal
+    with two corrections, which must round every quotient as the CPU's division does (a plain product by the
+    reciprocal gives other codes here)."""
+    x = _boundary_groups(asym, 96, seed=11 + asym)
+    scheme = "asymmetric" if asym else "symmetric"
+    _check(dict(scheme=scheme), x.reshape(1, 96, 64))                              # a group a token
+    _check(dict(scheme=scheme, axis="channel"), np.ascontiguousarray(x.T).reshape(1, 64, 96))  # a group a channel
+
+
 def test_real_cache_data_through_the_default_scheme(loaded):
     """Keys and values of the embedded model (37 tokens: partial channel groups) under kvcx's default scheme."""
     model, tok, _ = loaded
