@@ -46,5 +46,17 @@ class Report:
         self.lines.append(text)
 
     def write(self, path, what: str) -> None:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(header(what) + "\n" + "\n".join(self.lines).strip() + "\n")
+        """Save the lines under a header at ``path``, atomically (the old file stays whole if anything fails). A
+        path that cannot be written ends the script with a message, not a traceback: the table was printed."""
+        from kvcx.errors import KvcxError
+        from kvcx.formats.atomic import OutputSet
+
+        text = header(what) + "\n" + "\n".join(self.lines).strip() + "\n"
+        try:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            with OutputSet([path]) as tmp:
+                Path(tmp[os.fspath(path)]).write_text(text)
+        except (OSError, KvcxError) as exc:
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            raise SystemExit(f"{Path(sys.argv[0]).name}: cannot write {path} ({why}); the table is printed above: "
+                             "pass a writable --markdown path to save it") from None
