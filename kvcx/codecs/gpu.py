@@ -234,6 +234,7 @@ ATTN_WARPS = 2               # warps per attention program
 # 2**-20 of the row's largest term at most; "tf32x2" unless the head dim is 64 to 128 and a tile 32 to 128
 # tokens); query rows padded to 16
 ATTN_DOT = "tf32x2"
+ATTN_DOTS = ("", "tf32x2", "tf32", "tf32x3", "ieee", "int8x3")   # what ATTN_DOT may be
 ATTN_PREFETCH = False        # load the next tile's codes before working this one
 ATTN_STAGES = None           # Triton's software pipelining depth for the attention kernel (None: its default)
 ATTN_SPLIT_TOKENS = 1024     # packed tokens per split (flash-decoding along the context), at least
@@ -330,6 +331,9 @@ def attention_constexprs(key_codec, value_codec, R: int, D: int, dot: str, block
     (what the launcher passes; the offline compile test and bench/sass_gpu.py build the kernel the same way). A
     tile lies within one per-channel block: ``block_tokens`` is cut to the smallest per-channel group; ``dot`` is
     what the shapes allow of it (FP32 sums under head dim 32, two TF32 passes where int8 products would not do)."""
+    if dot not in ATTN_DOTS:
+        raise CodecError(f"attention products {dot!r} (kvcx.codecs.gpu.ATTN_DOT) are not a mode of the attention "
+                         f"kernel; set one of {', '.join(repr(d) for d in ATTN_DOTS)}")
     ng = 1 if value_codec.axis == "channel" else max(1, D // value_codec.group_size)
     bt = min([block_tokens] + [c.group_size for c in (key_codec, value_codec) if c.axis == "channel"])
     if D < 32:

@@ -283,6 +283,17 @@ def test_int8_products_fall_back_where_they_would_not_be_exact(D, block, kg, dot
     assert gpu.attention_constexprs(kc, vc, 4, D, "int8x3", block, False, False)["DOT"] == dot
 
 
+def test_an_unknown_product_mode_is_refused_by_name():
+    """gpu.ATTN_DOT is a module setting (bench_gpu.py's --tune sets it): a mode the kernel does not have fails in
+    kvcx with the modes it has, not inside Triton's compiler."""
+    from kvcx.codecs import gpu
+
+    kc = IntCodec(scheme="asymmetric", axis="channel")
+    vc = IntCodec(scheme="symmetric", rotate=True)
+    with pytest.raises(CodecError, match=r"'int4'.*ATTN_DOT.*'tf32x2'"):
+        gpu.attention_constexprs(kc, vc, 4, 64, "int4", 32, False, False)
+
+
 def test_fused_attention_refuses_what_it_cannot_read():
     from kvcx.codecs.gpu import attend
 
