@@ -40,20 +40,27 @@ def _fwht_rows(x, T: tl.constexpr, D: tl.constexpr, norm):
 
 
 @triton.jit
-def _group_params(x, valid, axis: tl.constexpr, ASYM: tl.constexpr):
+def _group_params(x, valid, axis: tl.constexpr, ASYM: tl.constexpr, PAD: tl.constexpr):
     """(FP16 scales, FP16 zero points, scales as divisors, their correctly rounded reciprocals, keep, zeros as
-    floats) of the groups of ``x`` along ``axis`` (values where ``valid`` is false are not part of any group)."""
+    floats) of the groups of ``x`` along ``axis``. With ``PAD``, values where ``valid`` is false are padding, not
+    part of any group; without it every value counts (the caller pads with copies of a group's own values).
+    Padding loads as 0.0, which leaves any max |x| as it is (rotated too), so only the asymmetric min and max
+    need the mask."""
     bits = x.to(tl.int32, bitcast=True)
     if ASYM:
         key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-        kmin = tl.min(tl.where(valid, key, 0x7FFFFFFF), axis=axis)
-        kmax = tl.max(tl.where(valid, key, -0x7FFFFFFF - 1), axis=axis)
+        if PAD:
+            kmin = tl.min(tl.where(valid, key, 0x7FFFFFFF), axis=axis)
+            kmax = tl.max(tl.where(valid, key, -0x7FFFFFFF - 1), axis=axis)
+        else:
+            kmin = tl.min(key, axis=axis)
+            kmax = tl.max(key, axis=axis)
         lo = (kmin ^ ((kmin >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
         hi = (kmax ^ ((kmax >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
         s16 = tl.math.div_rn(hi - lo, 15.0).to(tl.float16)
         z16 = lo.to(tl.float16)
     else:
-        amax = tl.max(tl.where(valid, bits & 0x7FFFFFFF, 0), axis=axis).to(tl.float32, bitcast=True)
+        amax = tl.max(bits & 0x7FFFFFFF, axis=axis).to(tl.float32, bitcast=True)
         s16 = tl.math.div_rn(amax, 7.0).to(tl.float16)
         z16 = tl.zeros_like(s16)
     scale = s16.to(tl.float32)
@@ -75,8 +82,9 @@ def _div(a, b, y):
 
 
 @triton.jit
-def _codes(x, zero, sdiv, rcp, keep, valid, ASYM: tl.constexpr):
-    """4-bit codes (int32) of ``x`` with broadcast group parameters; 0 where ``valid`` is false."""
+def _codes(x, zero, sdiv, rcp, keep, valid, ASYM: tl.constexpr, PAD: tl.constexpr):
+    """4-bit codes (int32) of ``x`` with broadcast group parameters; with ``PAD``, 0 where ``valid`` is false (a
+    byte's unused nibble is 0, as the CPU writes it)."""
     if ASYM:
         t = _div(x - zero, sdiv, rcp)
         t = tl.minimum(tl.maximum(t, 0.0), 15.0)
@@ -87,7 +95,10 @@ def _codes(x, zero, sdiv, rcp, keep, valid, ASYM: tl.constexpr):
         off = 8
     t = (t + _RINT_MAGIC) - _RINT_MAGIC
     t = tl.where(keep, t, 0.0)
-    return tl.where(valid, t.to(tl.int32) + off, 0)
+    code = t.to(tl.int32) + off
+    if PAD:
+        code = tl.where(valid, code, 0)
+    return code
 
 
 @triton.jit
@@ -139,8 +150,8 @@ def encode_token_kernel(x_ptr, codes_ptr, scales_ptr, zeros_ptr, S, t0, L, row_b
     x = tl.load(x_ptr + base + v, mask=valid, other=0.0).to(tl.float32)
     if ROTATE:
         x = tl.reshape(_fwht_rows(tl.reshape(x, (R * G // D, D)), R * G // D, D, norm), (R, G))
-    s16, z16, sdiv, rcp, keep, zero = _group_params(x, valid, 1, ASYM)
-    code = _codes(x, zero[:, None], sdiv[:, None], rcp[:, None], keep[:, None], valid, ASYM)
+    s16, z16, sdiv, rcp, keep, zero = _group_params(x, valid, 1, ASYM, True)
+    code = _codes(x, zero[:, None], sdiv[:, None], rcp[:, None], keep[:, None], valid, ASYM, True)
     gm = g < ngroups
     tl.store(scales_ptr + slab.to(tl.int64) * ngroups + g, s16, mask=gm)
     if ASYM:
@@ -179,13 +190,14 @@ def encode_channel_kernel(x_ptr, codes_ptr, scales_ptr, zeros_ptr, S, t0, D, row
     blk = tl.program_id(1)
     i = blk * G + tl.arange(0, G)[:, None]           # token - t0
     d = tl.arange(0, DP)[None, :]
-    valid = (i < S - t0) & (d < D)
     base = slab.to(tl.int64) * S * D + t0 * D
-    x = tl.load(x_ptr + base + i * D + d, mask=valid, other=0.0).to(tl.float32)
+    # a partial last block reads its last token again in place of the missing ones (no group changes; they are
+    # not stored), and columns past D read 0 (their groups are not stored): no mask in the statistics or codes
+    x = tl.load(x_ptr + base + tl.minimum(i, S - t0 - 1) * D + d, mask=d < D, other=0.0).to(tl.float32)
     if ROTATE:
         x = _fwht_rows(x, G, DP, norm)
-    s16, z16, sdiv, rcp, keep, zero = _group_params(x, valid, 0, ASYM)
-    code = _codes(x, zero[None, :], sdiv[None, :], rcp[None, :], keep[None, :], valid, ASYM)
+    s16, z16, sdiv, rcp, keep, zero = _group_params(x, None, 0, ASYM, False)
+    code = _codes(x, zero[None, :], sdiv[None, :], rcp[None, :], keep[None, :], None, ASYM, False)
     dd = tl.arange(0, DP)
     k = (slab.to(tl.int64) * nblk + blk) * D + dd
     tl.store(scales_ptr + k, s16, mask=dd < D)
