@@ -161,7 +161,7 @@ WIDTHS = ("LDG", "STG")
 def access_width(op: str) -> str:
     """A global load or store named with its width: LDG.E.128 -> LDG.128, STG.E.U8 -> STG.U8, STG.E -> STG.32."""
     last = op.split(".")[-1]
-    return op.split(".")[0] + "." + (last if last not in ("E", "EL", "EF") and not last.startswith("E") else "32")
+    return op.split(".")[0] + "." + ("32" if last.startswith("E") else last)
 
 
 def launch_signature(fn, values: dict, consts: dict, pointers: dict):
@@ -244,7 +244,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", type=int, default=90, help="compute capability as a number (90: H100, H200)")
     ap.add_argument("--markdown", type=Path, default=None, help="also write the table to this file")
-    ap.add_argument("--dump", type=Path, default=None, help="write each setting's SASS and TTGIR here")
+    ap.add_argument("--dump", type=Path, default=None, help="write each compiled kernel's SASS and TTGIR here")
     ap.add_argument("--limit", type=int, default=None, help="count only the first N settings")
     args = ap.parse_args(argv)
     if args.limit is not None and args.limit < 1:
@@ -285,8 +285,8 @@ def main(argv=None):
     codec_table(emit, args.arch, args.dump)
     emit(f"\nTotal {time.perf_counter() - t0:.0f} s.")
     if args.markdown:
-        emit.write(args.markdown, "The GPU kernels compiled for sm_90 and counted offline: the attention kernel's "
-                   "loop, the codec kernels (bench/sass_gpu.py).")
+        emit.write(args.markdown, f"The GPU kernels compiled for sm_{args.arch} and counted offline: the attention "
+                   "kernel's loop, the codec kernels (bench/sass_gpu.py).")
 
 
 if __name__ == "__main__":

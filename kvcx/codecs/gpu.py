@@ -27,8 +27,8 @@ from kvcx.errors import CodecError
 
 # values a program of the per-token Triton kernels quantizes at least (whole groups; whole tokens when rotating).
 # 4,096 at 4 warps (32 a thread): the group statistics and the rotation's exchanges between threads cost less a
-# value than at 1,024, counted for sm_90 (encode of rotated values 78 -> 54 instructions a value a thread, decode
-# 36 -> 23), with 94 registers at most
+# value than at 1,024 (bench/sass_gpu.py counts the kernels for sm_90: docs/results/gpu-sass.md), in under 100
+# registers
 PROGRAM_VALUES = 4096
 _TORCH_DTYPES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32"}
 
