@@ -190,15 +190,11 @@ def launch_signature(fn, values: dict, consts: dict, pointers: dict):
 def count_codec(label: str, scheme: str, which: str, decode: bool, arch: int, dump: Path | None):
     """One codec kernel as bench_gpu.py launches it: a dict of its counts a value."""
     from kvcx.codecs import KVConfig, gpu
-    from kvcx.codecs import _triton as k
 
     codec = getattr(KVConfig.from_scheme(scheme), which)
     lay = codec.layout(CODEC_SHAPE, which)
-    args, _, const = gpu._programs(codec, lay)
-    token = codec.axis == "token"
-    fn = (k.decode_token_kernel if token else k.decode_channel_kernel) if decode else \
-        (k.encode_token_kernel if token else k.encode_channel_kernel)
-    const = {**const, "ASYM": codec.asym, "ROTATE": codec.rotate}
+    kernels, args, _, const = gpu._programs(codec, lay)
+    fn = kernels[decode]
     values = {**args, "norm": gpu._norm(lay.D)}
     pointers = {"codes_ptr": "u8", "scales_ptr": "fp16", "zeros_ptr": "fp16"}
     if decode:
@@ -214,7 +210,7 @@ def count_codec(label: str, scheme: str, which: str, decode: bool, arch: int, du
     instrs = parse(sass, kname)
     exits = [i for i, (_, op, args) in enumerate(instrs) if op == "EXIT" and not args]
     body = instrs[:(exits[-1] if exits else len(instrs) - 1) + 1]
-    per_program = const["R"] * const["G"] if token else const["G"] * lay.D
+    per_program = const["R"] * const["G"] if codec.axis == "token" else const["G"] * lay.D
     scale = 32 * CODEC_WARPS / per_program
     kinds = collections.Counter(kind_of(op) for _, op, _ in body)
     widths = collections.Counter(access_width(op) for _, op, _ in body if op.split(".")[0] in WIDTHS)

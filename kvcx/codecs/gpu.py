@@ -78,19 +78,25 @@ def _norm(D: int) -> float:
 
 
 def _programs(codec, lay) -> tuple:
-    """(kernel arguments common to encode and decode, grid) for a layout."""
+    """(the encode and decode kernels of ``codec``'s grouping, kernel arguments common to both, grid, their
+    constexprs of the layout) for a layout: what the launchers pass, and what the offline compile test and
+    bench/sass_gpu.py compile."""
     G, D, S, t0, N = codec.group_size, lay.D, lay.S, lay.t0, lay.N
+    k = _kernels()
     row_bytes = ((S - t0) * D * 4 + 7) // 8
+    flags = dict(ASYM=codec.asym, ROTATE=codec.rotate)
     if codec.axis == "token":
         L = (S - t0) * D
         ngroups = -(-L // G)
         R = max(PROGRAM_VALUES, D if codec.rotate else 1) // G
         R = 1 << max(0, (R - 1).bit_length())
-        return dict(S=S, t0=t0, L=L, row_bytes=row_bytes, ngroups=ngroups), (N, -(-ngroups // R)), \
-            dict(D=D, G=G, R=R)
+        return (k.encode_token_kernel, k.decode_token_kernel), \
+            dict(S=S, t0=t0, L=L, row_bytes=row_bytes, ngroups=ngroups), (N, -(-ngroups // R)), \
+            dict(D=D, G=G, R=R, **flags)
     nblk = -(-(S - t0) // G)
-    return dict(S=S, t0=t0, D=D, row_bytes=row_bytes, nblk=nblk), (N, nblk), \
-        dict(DP=1 << (D - 1).bit_length(), G=G)
+    return (k.encode_channel_kernel, k.decode_channel_kernel), \
+        dict(S=S, t0=t0, D=D, row_bytes=row_bytes, nblk=nblk), (N, nblk), \
+        dict(DP=1 << (D - 1).bit_length(), G=G, **flags)
 
 
 @register_backend("kvcx.int", "triton")
@@ -116,7 +122,8 @@ class TritonIntBackend:
 
     def encode(self, codec, lay, x, out: Optional[Packed], name: str) -> Packed:
         self.check(codec, name)
-        torch, k = _torch(), _kernels()
+        torch = _torch()
+        _kernels()   # triton is installed, or a CodecError before any work
         dt = dtype_name_of(x)
         if dt is None:
             raise CodecError(f"tensor {name!r} has dtype {x.dtype}; kvcx handles float16, bfloat16 and float32 "
@@ -132,14 +139,9 @@ class TritonIntBackend:
         N, S, D, t0 = lay.N, lay.S, lay.D, lay.t0
         x3 = x.view(N, S, D)
         if S > t0:
-            args, grid, const = _programs(codec, lay)
+            (encode, _), args, grid, const = _programs(codec, lay)
             zp = zeros if zeros is not None else scales
-            if codec.axis == "token":
-                k.encode_token_kernel[grid](x3, codes, scales, zp, **args, norm=_norm(D), ASYM=codec.asym,
-                                            ROTATE=codec.rotate, **const, enable_fp_fusion=False)
-            else:
-                k.encode_channel_kernel[grid](x3, codes, scales, zp, **args, norm=_norm(D), ASYM=codec.asym,
-                                              ROTATE=codec.rotate, **const, enable_fp_fusion=False)
+            encode[grid](x3, codes, scales, zp, **args, norm=_norm(D), **const, enable_fp_fusion=False)
         sinks = x3[:, :t0, :].clone().view(*lay.shape[:-2], t0, D) if t0 else None
         status = _status(x, scales, zeros, sinks)
         if status:
@@ -151,7 +153,8 @@ class TritonIntBackend:
 
     def decode(self, codec, lay, packed: Packed, out, token_offset: int, name: str):
         self.check(codec, name)
-        torch, k = _torch(), _kernels()
+        torch = _torch()
+        _kernels()   # triton is installed, or a CodecError before any work
         codes, scales, zeros = packed.codes, packed.scales, packed.zeros
         dev = codes.device
         if not all(is_tensor(a) and a.device == dev for a in (scales, zeros if codec.asym else scales)):
@@ -192,13 +195,11 @@ class TritonIntBackend:
         if t0:
             out3[:, token_offset:token_offset + t0, :] = sinks.reshape(N, t0, D).to(want)
         if S > t0:
-            args, grid, const = _programs(codec, lay)
+            (_, decode), args, grid, const = _programs(codec, lay)
             zp = zeros if codec.asym else scales
-            kern = k.decode_token_kernel if codec.axis == "token" else k.decode_channel_kernel
             dst = out3.view(torch.int16) if packed.dtype == "BF16" else out3
-            kern[grid](codes, scales, zp, dst, **args, out_S=out3.shape[1], out_off=token_offset, norm=_norm(D),
-                       ASYM=codec.asym, ROTATE=codec.rotate, SAT=packed.dtype == "F16", BF16=packed.dtype == "BF16",
-                       **const, enable_fp_fusion=False)
+            decode[grid](codes, scales, zp, dst, **args, out_S=out3.shape[1], out_off=token_offset, norm=_norm(D),
+                         SAT=packed.dtype == "F16", BF16=packed.dtype == "BF16", **const, enable_fp_fusion=False)
         return out
 
 

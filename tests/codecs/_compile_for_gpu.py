@@ -58,10 +58,7 @@ def codec_kernels() -> None:
     for scheme, axis, rotate in (("asymmetric", "channel", False), ("symmetric", "token", True),
                                  ("symmetric", "token", False), ("symmetric", "channel", True)):
         codec = IntCodec(scheme=scheme, axis=axis, rotate=rotate, sinks=1)
-        _, _, const = gpu._programs(codec, codec.layout((1, 8, 100, D), "x"))
-        const = {**const, "ASYM": codec.asym, "ROTATE": rotate}
-        enc, dec = ((k.encode_token_kernel, k.decode_token_kernel) if axis == "token" else
-                    (k.encode_channel_kernel, k.decode_channel_kernel))
+        (enc, dec), _, _, const = gpu._programs(codec, codec.layout((1, 8, 100, D), "x"))
         compile_one(enc, const)
         compile_one(dec, {**const, "SAT": False, "BF16": True})
 
