@@ -235,15 +235,20 @@ def attention(torch, dev, cfg, contexts, batches, reps, out, hq, hkv, d):
 
 
 # the attention kernel's launch settings timed by --variants / --tune: (block tokens, warps, products, prefetch,
-# pipelining stages (None: Triton's default), programs per multiprocessor)
-SETTINGS = [(32, 4, "", False, None, 4),          # FP32 sums (the error reference)
-            (32, 2, "tf32x2", False, None, 4),    # the default, the H100 run's fastest
-            (64, 4, "tf32x2", False, None, 4), (64, 4, "tf32x2", True, None, 4), (64, 4, "tf32", True, None, 4),
-            (32, 4, "tf32", False, None, 4), (32, 4, "tf32x2", False, None, 2), (64, 4, "tf32x2", True, None, 2),
-            (64, 4, "tf32x2", True, None, 8), (64, 2, "tf32x2", True, None, 4), (32, 2, "tf32x2", False, 1, 4),
-            (32, 4, "tf32x3", False, None, 4),
-            (64, 4, "int8x3", False, None, 4), (64, 2, "int8x3", False, None, 4)]   # int8 products, not yet timed
-_KNOBS = ("ATTN_BLOCK_TOKENS", "ATTN_WARPS", "ATTN_DOT", "ATTN_PREFETCH", "ATTN_STAGES", "ATTN_PROGRAMS_PER_SM")
+# pipelining stages (None: Triton's default), programs per multiprocessor, ptxas's register cap (None: none))
+SETTINGS = [(32, 4, "", False, None, 4, None),          # FP32 sums (the error reference)
+            (32, 2, "tf32x2", False, None, 4, None),    # the default, the H100 run's fastest
+            (64, 4, "tf32x2", False, None, 4, None), (64, 4, "tf32x2", True, None, 4, None),
+            (64, 4, "tf32", True, None, 4, None), (32, 4, "tf32", False, None, 4, None),
+            (32, 4, "tf32x2", False, None, 2, None), (64, 4, "tf32x2", True, None, 2, None),
+            (64, 4, "tf32x2", True, None, 8, None), (64, 2, "tf32x2", True, None, 4, None),
+            (32, 2, "tf32x2", False, 1, 4, None), (32, 4, "tf32x3", False, None, 4, None),
+            # not yet timed: int8 products (155 and 255 registers: 12 and 8 warps a multiprocessor), and with
+            # the registers capped at 128 or left at 99, 16 warps (bench/sass_gpu.py: docs/results/gpu-sass.md)
+            (64, 4, "int8x3", False, None, 4, None), (64, 2, "int8x3", False, None, 4, None),
+            (64, 4, "int8x3", False, None, 4, 128), (32, 4, "int8x3", False, None, 4, None)]
+_KNOBS = ("ATTN_BLOCK_TOKENS", "ATTN_WARPS", "ATTN_DOT", "ATTN_PREFETCH", "ATTN_STAGES", "ATTN_PROGRAMS_PER_SM",
+          "ATTN_MAX_REGISTERS")
 
 
 def apply(gpu, setting) -> None:
@@ -256,9 +261,10 @@ def current(gpu) -> tuple:
 
 
 def describe(setting) -> str:
-    bt, warps, dot, prefetch, stages, per_sm = setting
+    bt, warps, dot, prefetch, stages, per_sm, regs = setting
     return (f"{bt} tokens, {warps} warps, {dot or 'FP32 sums'}{', prefetch' if prefetch else ''}"
-            f"{f', {stages} stages' if stages else ''}, {per_sm} programs/SM")
+            f"{f', {stages} stages' if stages else ''}, {per_sm} programs/SM"
+            f"{f', at most {regs} registers' if regs else ''}")
 
 
 def variants(torch, dev, cfg, contexts, reps, out, hq, hkv, d):
@@ -272,9 +278,9 @@ def variants(torch, dev, cfg, contexts, reps, out, hq, hkv, d):
     times = {}
     out(f"## 5. Attention kernel settings (batch 1; the package's default: {describe(default)})")
     out("")
-    out("| tokens | block tokens | warps | products | prefetch | stages | programs/SM | eager (us) | graph (us) "
-        "| rel. error vs FP32 sums |")
-    out("|---:|---:|---:|---|---|---:|---:|---:|---:|---:|")
+    out("| tokens | block tokens | warps | products | prefetch | stages | programs/SM | register cap | eager (us) "
+        "| graph (us) | rel. error vs FP32 sums |")
+    out("|---:|---:|---:|---|---|---:|---:|---:|---:|---:|---:|")
     for S in contexts:
         q, _, _, store, rk, rv = case(torch, dev, cfg, 1, S, hq, hkv, d, seed=S)
         q = q.view(1, hq, d)
@@ -293,9 +299,9 @@ def variants(torch, dev, cfg, contexts, reps, out, hq, hkv, d):
                 row = ["failed", f"{type(exc).__name__}", str(exc).splitlines()[0][:60] if str(exc) else ""]
             finally:
                 apply(gpu, default)
-            bt, warps, dot, prefetch, stages, per_sm = setting
+            bt, warps, dot, prefetch, stages, per_sm, regs = setting
             out(f"| {S:,} | {bt} | {warps} | {dot or 'FP32 sums'} | {'yes' if prefetch else 'no'} | "
-                f"{stages or 'default'} | {per_sm} | " + " | ".join(row) + " |")
+                f"{stages or 'default'} | {per_sm} | {regs or 'none'} | " + " | ".join(row) + " |")
         _ = store = rk = rv = None
         if dev.type == "cuda":
             torch.cuda.empty_cache()

@@ -83,12 +83,12 @@ def main_loop(instrs):
 
 
 def compile_setting(setting, arch: int, dump: Path | None):
-    """(SASS text, registers, stack bytes, kernel name, tile tokens) of the attention kernel at one launch
+    """(SASS text, registers, stack bytes, kernel name, shared-memory bytes, tile tokens) of the attention kernel at
     setting."""
     from kvcx.codecs import KVConfig, gpu
     from kvcx.codecs import _triton as k
 
-    bt, warps, dot, prefetch, stages, _ = setting
+    bt, warps, dot, prefetch, stages, _, max_regs = setting
     cfg = KVConfig.from_scheme(SCHEME)
     consts = gpu.attention_constexprs(cfg.key, cfg.value, 4, D, dot, bt, False, prefetch)
     fn = k.attend_packed_kernel
@@ -103,14 +103,16 @@ def compile_setting(setting, arch: int, dump: Path | None):
     opts = dict(num_warps=warps, enable_fp_fusion=gpu.ATTN_FP_FUSION)
     if stages:
         opts["num_stages"] = stages
+    if max_regs:
+        opts["maxnreg"] = max_regs
     name = f"attend_{bt}t_{warps}w_{dot or 'fp32'}{'_prefetch' if prefetch else ''}" + \
-        (f"_s{stages}" if stages else "")
+        (f"_s{stages}" if stages else "") + (f"_r{max_regs}" if max_regs else "")
     return (*build(fn, sig, consts, attrs, opts, arch, dump, name), consts["BT"])
 
 
 def build(fn, sig, consts, attrs, opts, arch: int, dump: Path | None, name: str):
-    """(SASS text, registers, stack bytes, kernel name) of ``fn`` compiled for sm_``arch``; its SASS and TTGIR
-    written to ``dump`` as ``name``.* when a folder is given."""
+    """(SASS text, registers, stack bytes, kernel name, shared-memory bytes) of ``fn`` compiled for sm_``arch``;
+    its SASS and TTGIR written to ``dump`` as ``name``.* when a folder is given."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -126,7 +128,21 @@ def build(fn, sig, consts, attrs, opts, arch: int, dump: Path | None, name: str)
         (dump / f"{name}.ttgir").write_text(ck.asm["ttgir"])
     regs = re.search(r"REG:(\d+)", res)
     spill = re.search(r"STACK:(\d+)", res)
-    return sass, int(regs.group(1)) if regs else None, int(spill.group(1)) if spill else None, ck.name
+    return (sass, int(regs.group(1)) if regs else None, int(spill.group(1)) if spill else None, ck.name,
+            ck.metadata.shared)
+
+
+# what a Hopper multiprocessor holds (CUDA's occupancy rules for sm_90): registers, allocated 256 a warp; shared
+# memory, 1 KiB of it reserved a program; warps; programs
+SM_REGISTERS, REG_UNIT, SM_SHARED, SHARED_RESERVED, SM_WARPS, SM_PROGRAMS = 65536, 256, 233472, 1024, 64, 32
+
+
+def resident(regs: int, shared: int, warps: int) -> int:
+    """Programs of ``warps`` warps that one multiprocessor runs at once with ``regs`` registers a thread and
+    ``shared`` bytes of shared memory a program: the fewest that any of its resources allows."""
+    per_warp = -(-regs * 32 // REG_UNIT) * REG_UNIT
+    return min(SM_REGISTERS // per_warp // warps, SM_SHARED // (shared + SHARED_RESERVED), SM_WARPS // warps,
+               SM_PROGRAMS)
 
 
 def run_tool(name: str, *args: str) -> str:
@@ -140,14 +156,16 @@ def run_tool(name: str, *args: str) -> str:
 
 
 def count(setting, arch, dump):
-    sass, regs, stack, name, bt = compile_setting(setting, arch, dump)
+    sass, regs, stack, name, shared, bt = compile_setting(setting, arch, dump)
     instrs = parse(sass, name)
     loop = main_loop(instrs)
     if loop is None:
         raise SystemExit(f"sass_gpu.py: no loop found in {name}'s SASS (setting {setting})")
     body = instrs[loop[0]:loop[1] + 1]
     kinds = collections.Counter(kind_of(op) for _, op, _ in body)
-    return dict(total=len(instrs), loop=len(body), per_token=len(body) / bt, kinds=kinds, regs=regs, stack=stack)
+    return dict(total=len(instrs), loop=len(body), per_token=len(body) / bt, kinds=kinds, regs=regs, stack=stack,
+                shared=shared, programs=resident(regs, shared, setting[1]),
+                local=sum(op.split(".")[0] in ("LDL", "STL") for _, op, _ in body))
 
 
 # bench_gpu.py's bandwidth section: the tensor, and the codecs (label, scheme, which) it times, plus the reference's
@@ -206,7 +224,7 @@ def count_codec(label: str, scheme: str, which: str, decode: bool, arch: int, du
     sig, attrs, consts = launch_signature(fn, values, const, pointers)
     opts = dict(num_warps=CODEC_WARPS, enable_fp_fusion=False)
     name = f"{'decode' if decode else 'encode'}_{scheme}_{which}"
-    sass, regs, stack, kname = build(fn, sig, consts, attrs, opts, arch, dump, name)
+    sass, regs, stack, kname, _ = build(fn, sig, consts, attrs, opts, arch, dump, name)
     instrs = parse(sass, kname)
     exits = [i for i, (_, op, args) in enumerate(instrs) if op == "EXIT" and not args]
     body = instrs[:(exits[-1] if exits else len(instrs) - 1) + 1]
@@ -266,18 +284,21 @@ def main(argv=None):
          f"default: {describe(current(gpu))}.\n")
     emit("Instructions per token of context in the kernel's main loop (one iteration = one tile): a program's warp "
          "instructions (what the multiprocessors issue: a thread's count times the warps), a thread's, and a thread's "
-         "by kind; registers a thread and the bytes of its stack frame (spills; ptxas).\n")
+         "by kind; registers a thread and the bytes of its stack frame (spills; ptxas) with the loop's accesses to it, "
+         "shared memory a program, "
+         "and the warps a multiprocessor runs at once by them (sm_90's occupancy rules: the more, the more of each "
+         "other's latency they hide).\n")
     head = [label for label, _ in KINDS] + ["other"]
     emit("| setting | tile tokens | warp instructions / token | loop instructions / token | " + " | ".join(head) +
-         " | registers | stack bytes (spills) | kernel instructions |")
-    emit("|---|---:|---:|---:|" + "---:|" * len(head) + "---:|---:|---:|")
+         " | registers | stack bytes (spills) | spill accesses a loop | shared bytes | warps a multiprocessor | "
+         "kernel instructions |")
+    emit("|---|---:|---:|---:|" + "---:|" * len(head) + "---:|---:|---:|---:|---:|---:|")
     for setting in SETTINGS[:args.limit]:
         r = count(setting, args.arch, args.dump)
         bt = r["loop"] / r["per_token"]
         cells = " | ".join(f"{r['kinds'].get(h, 0) / bt:.1f}" for h in head)
         emit(f"| {describe(setting)} | {bt:.0f} | {r['per_token'] * setting[1]:.0f} | {r['per_token']:.1f} | {cells} | "
-             f"{r['regs']} | {r['stack']} | "
-             f"{r['total']} |", flush=True)
+             f"{r['regs']} | {r['stack']} | {r['local']} | {r['shared']} | {r['programs'] * setting[1]} | {r['total']} |", flush=True)
     codec_table(emit, args.arch, args.dump)
     emit(f"\nTotal {time.perf_counter() - t0:.0f} s.")
     if args.markdown:

@@ -48,6 +48,7 @@ def test_the_offline_instruction_count_finds_the_kernels_loop(tmp_path):
     sums, tf32 = rows
     assert "FP32 sums" in sums["setting"] and float(sums["MMA"]) == 0
     assert "tf32x2" in tf32["setting"] and float(tf32["MMA"]) > 0
+    assert int(tf32["registers"]) > 0 and int(tf32["warps a multiprocessor"]) > 0
     for r in rows:
         per_token = float(r["loop instructions / token"])
         assert 0 < per_token * int(r["tile tokens"]) < int(r["kernel instructions"])
@@ -62,3 +63,17 @@ def test_the_offline_instruction_count_finds_the_kernels_loop(tmp_path):
     for r in codecs:
         assert float(r["instructions / value"]) > 0 and int(r["registers"]) > 0
         assert ".U8" not in r["global accesses a thread"], r
+
+
+def test_the_occupancy_rules_take_the_scarcest_resource():
+    """sass_gpu.resident: the programs one sm_90 multiprocessor runs at once, by registers (allocated 256 a warp),
+    shared memory (1 KiB reserved a program), warps (64) and programs (32), whichever allows the fewest."""
+    spec = importlib.util.spec_from_file_location("sass_gpu", BENCH.with_name("sass_gpu.py"))
+    sass = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sass)
+    assert sass.resident(255, 20480, 2) == 4        # 255 registers: 8,192 a warp, 8 warps of 64K
+    assert sass.resident(128, 22528, 4) == 4        # 4,096 a warp: 16 warps
+    assert sass.resident(99, 14336, 4) == 4         # 99 -> 3,328 a warp (256s): 19 warps, 4 whole programs
+    assert sass.resident(32, 100_000, 4) == 2       # shared memory: 2 x (100,000 + 1,024) of 233,472
+    assert sass.resident(16, 0, 1) == 32            # the program limit
+    assert sass.resident(16, 0, 4) == 16            # the warp limit: 64 warps

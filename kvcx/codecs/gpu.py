@@ -240,6 +240,11 @@ ATTN_PREFETCH = False        # load the next tile's codes before working this on
 ATTN_STAGES = None           # Triton's software pipelining depth for the attention kernel (None: its default)
 ATTN_SPLIT_TOKENS = 1024     # packed tokens per split (flash-decoding along the context), at least
 ATTN_PROGRAMS_PER_SM = 4     # splits enough for about this many programs per multiprocessor
+# ptxas's cap on the attention kernel's registers a thread (Triton's ``maxnreg``; None: ptxas's own choice). A
+# multiprocessor holds 65,536 registers: at 255 a thread (the default's), four programs of 2 warps fit, 8 warps to
+# hide each other's latency; a cap of 128 lets 16 warps in, at the price of what ptxas then spills
+# (bench/sass_gpu.py counts both offline)
+ATTN_MAX_REGISTERS = None
 MERGE_SPLITS = 8             # splits the merge kernel reads at a time
 # a * b + c as one FMA in the attention kernels (one rounding instead of two: no less accurate, and a multiply and
 # an add fewer to issue). The codec kernels keep it off: they must round as the CPU kernels do, bit for bit.
@@ -379,6 +384,8 @@ def attend_spans(qs, qr, spans, Hkv: int, sinks=(None, None), residual=(None, No
         # a tile lies within one per-channel block (splits are whole ATTN_BLOCK_TOKENS, a multiple of it)
         const = attention_constexprs(kc, vc, R, D, ATTN_DOT, ATTN_BLOCK_TOKENS, add is not None, ATTN_PREFETCH)
         extra = {} if ATTN_STAGES is None else dict(num_stages=ATTN_STAGES)
+        if ATTN_MAX_REGISTERS is not None:
+            extra["maxnreg"] = ATTN_MAX_REGISTERS
         k.attend_packed_kernel[(N, n)](
             qr if kc.rotate else qs, ks.codes, ks.scales, ks.zeros if ks.zeros is not None else ks.scales,
             vs.codes, vs.scales, vs.zeros if vs.zeros is not None else vs.scales, add if add is not None else qs,

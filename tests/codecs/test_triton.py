@@ -269,6 +269,27 @@ def test_fused_attention_equals_sdpa_over_the_decoded_cache(prefetch, scheme, D,
     assert float((out - ref[:, :, 0]).abs().max()) < tol * max(1.0, float(ref.abs().max()))
 
 
+def test_a_register_cap_changes_no_bit_of_the_attention(monkeypatch):
+    """gpu.ATTN_MAX_REGISTERS (a --tune setting: ptxas's register cap, Triton's maxnreg) changes where values live,
+    not what is computed: the same bits with and without it (on a GPU a second compiled kernel; the interpreter
+    takes the launch option and runs the same code)."""
+    from kvcx.codecs import gpu
+    from kvcx.codecs.gpu import attend
+
+    monkeypatch.setattr(gpu, "ATTN_DOT", "int8x3")
+    g = torch.Generator().manual_seed(7)
+    cfg = KVConfig.from_scheme("kvcx")
+    kc, vc = cfg.key.with_backend("triton"), cfg.value.with_backend("triton")
+    K, V = (torch.randn(1, 2, 150, 64, generator=g).to(DEVICE) for _ in range(2))
+    rk, rv = (torch.randn(1, 2, 3, 64, generator=g).to(DEVICE) for _ in range(2))
+    q = torch.randn(1, 8, 64, generator=g).to(DEVICE)
+    pk, pv = kc.encode(K), vc.encode(V)
+    free = attend(q, pk, pv, kc, vc, rk, rv, per_split=64)
+    monkeypatch.setattr(gpu, "ATTN_MAX_REGISTERS", 128)
+    capped = attend(q, pk, pv, kc, vc, rk, rv, per_split=64)
+    assert torch.equal(free, capped) and bool(torch.isfinite(free).all())
+
+
 @pytest.mark.parametrize("D,block,kg,dot", [(128, 64, 64, "int8x3"), (64, 32, 64, "int8x3"), (32, 32, 64, "tf32x2"),
                                            (256, 64, 64, "tf32x2"), (128, 64, 16, "tf32x2"), (128, 256, 256, "tf32x2"),
                                            (16, 32, 64, "")])
