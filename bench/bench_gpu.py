@@ -243,9 +243,10 @@ SETTINGS = [(32, 4, "", False, None, 4, None),          # FP32 sums (the error r
             (32, 4, "tf32x2", False, None, 2, None), (64, 4, "tf32x2", True, None, 2, None),
             (64, 4, "tf32x2", True, None, 8, None), (64, 2, "tf32x2", True, None, 4, None),
             (32, 2, "tf32x2", False, 1, 4, None), (32, 4, "tf32x3", False, None, 4, None),
-            # not yet timed: int8 products (155 and 255 registers: 12 and 8 warps a multiprocessor), and with
-            # the registers capped at 128 or left at 99, 16 warps (bench/sass_gpu.py: docs/results/gpu-sass.md)
-            (64, 4, "int8x3", False, None, 4, None), (64, 2, "int8x3", False, None, 4, None),
+            # not yet timed: int8 products (155 and 255 registers: 12 and 8 warps a multiprocessor, so splits for
+            # 3 and 4 programs a multiprocessor: one wave), and with the registers capped at 128 or left at 99, 16
+            # warps (bench/sass_gpu.py: docs/results/gpu-sass.md)
+            (64, 4, "int8x3", False, None, 3, None), (64, 2, "int8x3", False, None, 4, None),
             (64, 4, "int8x3", False, None, 4, 128), (32, 4, "int8x3", False, None, 4, None)]
 _KNOBS = ("ATTN_BLOCK_TOKENS", "ATTN_WARPS", "ATTN_DOT", "ATTN_PREFETCH", "ATTN_STAGES", "ATTN_PROGRAMS_PER_SM",
           "ATTN_MAX_REGISTERS")
