@@ -260,7 +260,7 @@ def query_weights(model, ids, starts: List[int], window: int,
     try:
         with torch.inference_mode():
             for w, a in enumerate(starts):
-                model(ids[a:a + window][None].to(dev), use_cache=False)
+                model.get_decoder()(input_ids=ids[a:a + window][None].to(dev), use_cache=False)   # no logits
                 if on_window:
                     on_window(w + 1, len(starts))
     finally:

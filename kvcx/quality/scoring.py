@@ -97,20 +97,40 @@ def output_logits(model, hidden):
     cap = getattr(model.config, "final_logit_softcapping", None)
     return torch.tanh(logits / cap) * cap if cap else logits
 
-def score_hidden(model, base_hidden, comp_hidden, targets, slice_rows: int = HEAD_SLICE) -> tuple:
+def exact_side(model, base_hidden, targets, slice_rows: int = HEAD_SLICE) -> Optional[list]:
+    """What :func:`score_hidden` computes of the exact pass, once for every setting scored against it: per slice of
+    ``slice_rows`` rows, (log-probabilities, probabilities, top-1 tokens, summed NLL of ``targets``). None when
+    the rows take more than one slice: several slices of logits would then be held at once (a window of 8,192
+    scored tokens on a 49,152-token vocabulary: 1.6 GB), so each setting recomputes them a slice at a time."""
+    import torch
+
+    if targets.numel() > slice_rows:
+        return None
+    logits = output_logits(model, base_hidden)
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    return [(lp, lp.exp(), logits.argmax(-1), float(-lp.gather(-1, targets[:, None]).double().sum()))]
+
+def score_hidden(model, base_hidden, comp_hidden, targets, slice_rows: int = HEAD_SLICE,
+                 exact: Optional[list] = None) -> tuple:
     """(baseline NLL, compressed NLL, (KL sum, top-1 matches)) of ``targets`` [T] predicted from the two
-    [T, hidden] hidden states, ``slice_rows`` rows of logits at a time."""
+    [T, hidden] hidden states, ``slice_rows`` rows of logits at a time; ``exact``: the exact side as
+    :func:`exact_side` made it for these rows (the same figures, not computed again), or None. The same sums as
+    :func:`sequence_nll` and :func:`next_token_divergence` over whole logit tensors."""
+    import torch
+
     base = comp = kl = 0.0
     top1 = 0
-    for s in range(0, targets.numel(), slice_rows):
-        b = output_logits(model, base_hidden[s:s + slice_rows])
-        c = output_logits(model, comp_hidden[s:s + slice_rows])
+    for i, s in enumerate(range(0, targets.numel(), slice_rows)):
         t = targets[s:s + slice_rows]
-        base += sequence_nll(b, t)
-        comp += sequence_nll(c, t)
-        d = next_token_divergence(b, c)
-        kl, top1 = kl + d[0], top1 + d[1]
-        del b, c
+        lp, p, top, nll = exact[i] if exact is not None else \
+            exact_side(model, base_hidden[s:s + slice_rows], t, slice_rows)[0]
+        c = output_logits(model, comp_hidden[s:s + slice_rows])
+        lq = torch.log_softmax(c.float(), dim=-1)
+        base += nll
+        comp += float(-lq.gather(-1, t[:, None]).double().sum())
+        kl += float((p * (lp - lq)).sum(-1).clamp_min(0.0).double().sum())
+        top1 += int((top == c.argmax(-1)).sum())
+        del c, lq
     return base, comp, (kl, top1)
 
 @dataclass
@@ -202,6 +222,7 @@ def compare_prefix(model, ids, starts: List[int], window: int, stride: int, roun
             host = cache_to_tensors(cache) if not all(isinstance(r, DeviceRoundtrip) for r in roundtrips.values()) \
                 else None
             base_hidden = forward_hidden(model, cont, cache)[0][:-1]
+            exact = exact_side(model, base_hidden, targets)      # scored once, for every setting
             del cache
             for label, roundtrip in roundtrips.items():
                 t, c = time.perf_counter(), time.process_time()
@@ -212,7 +233,7 @@ def compare_prefix(model, ids, starts: List[int], window: int, stride: int, roun
                 codec_s, codec_cpu = time.perf_counter() - t, time.process_time() - c
                 comp_hidden = forward_hidden(model, cont, comp_cache)[0][:-1]
                 del comp_cache
-                base, comp, divergence = score_hidden(model, base_hidden, comp_hidden, targets)
+                base, comp, divergence = score_hidden(model, base_hidden, comp_hidden, targets, exact=exact)
                 runs[label].add_window(base, comp, targets.numel(), original_nbytes(tensors), nbytes,
                                        value_count(tensors), codec_s, stats, codec_cpu, divergence)
             if on_window:

@@ -32,7 +32,7 @@ def test_memory_at_4096_tokens(loaded, wiki_ids):
     model, _, _ = loaded
     dyn = DynamicCache()
     with torch.inference_mode():
-        model(wiki_ids[:, :4096], past_key_values=dyn, use_cache=True)
+        model(wiki_ids[:, :4096], past_key_values=dyn, use_cache=True, logits_to_keep=1)
     kv = KvcxCache(model.config)
     for i, (k, v) in enumerate(cache_layers(dyn)):  # what the model's attention layers do during prefill
         kv.update(k, v, i)
@@ -383,7 +383,7 @@ def test_memory_held_after_decode_steps_counted_whole(kvcx_attention, loaded, wi
     model, _, _ = loaded
     cache = KvcxCache(model.config)
     with torch.inference_mode():
-        out = model(wiki_ids[:, :4000], past_key_values=cache)
+        out = model(wiki_ids[:, :4000], past_key_values=cache, logits_to_keep=1)
         tok_ = out.logits[:, -1:].argmax(-1)
         for _ in range(64):
             tok_ = model(tok_, past_key_values=cache).logits[:, -1:].argmax(-1)

@@ -27,6 +27,11 @@ def test_extract_validate_stats_save_load(loaded, tmp_path):
     cache, meta = kvc.extract_kv_cache(model, tok, PROMPT)
     assert (meta.num_layers, meta.num_kv_heads, meta.head_dim) == (30, 3, 64)
     assert meta.seq_len == len(tok(PROMPT)["input_ids"])
+    # the decoder alone (no logits) gives the cache a whole forward pass gives
+    with torch.no_grad():
+        whole = model(tok(PROMPT, return_tensors="pt")["input_ids"], use_cache=True).past_key_values
+    assert all(torch.equal(a, c) and torch.equal(b, d)
+               for (a, b), (c, d) in zip(kvc.cache_layers(cache), kvc.cache_layers(whole)))
     kvc.validate_kv_cache_shape(cache, model.config)
     with pytest.raises(KvcxError, match="KV cache has 30 layers, the model has 22"):
         kvc.validate_kv_cache_shape(cache)  # TinyLlama's constants by default
