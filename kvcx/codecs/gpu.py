@@ -20,6 +20,7 @@ import numpy as np
 
 from kvcx.codecs.backends import is_tensor, register_backend
 from kvcx.codecs.base import Packed
+from kvcx.codecs.dtypes import is_int
 from kvcx.codecs.runtime import check_status
 from kvcx.codecs.tensors import numpy_to_torch, torch_to_numpy
 from kvcx.deps import import_torch as _torch
@@ -352,6 +353,18 @@ def attention_constexprs(key_codec, value_codec, R: int, D: int, dot: str, block
                 PREFETCH=prefetch)
 
 
+def _attention_options() -> dict:
+    """The attention kernel's compile options from the module's settings (pipelining stages, register cap), or
+    CodecError for a register cap that ptxas would not take."""
+    extra = {} if ATTN_STAGES is None else dict(num_stages=ATTN_STAGES)
+    if ATTN_MAX_REGISTERS is not None:
+        if not is_int(ATTN_MAX_REGISTERS) or not 24 <= ATTN_MAX_REGISTERS <= 255:
+            raise CodecError(f"attention register cap {ATTN_MAX_REGISTERS!r} (kvcx.codecs.gpu.ATTN_MAX_REGISTERS) "
+                             "is not one ptxas takes; set an integer from 24 to 255, or None")
+        extra["maxnreg"] = int(ATTN_MAX_REGISTERS)
+    return extra
+
+
 def attend_spans(qs, qr, spans, Hkv: int, sinks=(None, None), residual=(None, None), add=None, res_off: int = 0,
                  per_split: Optional[int] = None):
     """The attention output [N, R, D] float32 of the query rows ``qs`` (scaled; ``qr``: also rotated, for spans
@@ -383,9 +396,7 @@ def attend_spans(qs, qr, spans, Hkv: int, sinks=(None, None), residual=(None, No
         kc, vc, ks, vs = sp.key_codec, sp.value_codec, sp.keys, sp.values
         # a tile lies within one per-channel block (splits are whole ATTN_BLOCK_TOKENS, a multiple of it)
         const = attention_constexprs(kc, vc, R, D, ATTN_DOT, ATTN_BLOCK_TOKENS, add is not None, ATTN_PREFETCH)
-        extra = {} if ATTN_STAGES is None else dict(num_stages=ATTN_STAGES)
-        if ATTN_MAX_REGISTERS is not None:
-            extra["maxnreg"] = ATTN_MAX_REGISTERS
+        extra = _attention_options()
         k.attend_packed_kernel[(N, n)](
             qr if kc.rotate else qs, ks.codes, ks.scales, ks.zeros if ks.zeros is not None else ks.scales,
             vs.codes, vs.scales, vs.zeros if vs.zeros is not None else vs.scales, add if add is not None else qs,

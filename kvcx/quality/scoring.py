@@ -50,22 +50,27 @@ def identity_roundtrip(tensors):
 
     return dict(tensors), original_nbytes(tensors), ErrorStats(n=sum(a.size for a in tensors.values()))
 
+def _log_probs(logits):
+    """Log-probabilities (FP32) of [T, vocab] logits."""
+    return logits.float().log_softmax(dim=-1)
+
+def _nll(lp, targets) -> float:
+    """Summed negative log-likelihood of ``targets`` [T] under log-probabilities ``lp`` (float64 sum)."""
+    return float(-lp.gather(-1, targets[:, None]).double().sum())
+
+def _kl(p, lp, lq) -> float:
+    """Summed KL(p || q) over the rows, from p, its log and q's log (float64 sum)."""
+    return float((p * (lp - lq)).sum(-1).clamp_min(0.0).double().sum())
+
 def sequence_nll(logits, targets) -> float:
     """Summed negative log-likelihood of ``targets`` [T] under ``logits`` [T, vocab] (float64 sum)."""
-    import torch
-
-    lp = torch.log_softmax(logits.float(), dim=-1)
-    return float(-lp.gather(-1, targets[:, None]).double().sum())
+    return _nll(_log_probs(logits), targets)
 
 def next_token_divergence(base_logits, comp_logits) -> tuple:
     """(summed KL(exact || compressed) of the next-token distributions in nats, top-1 matches) over the
     rows of two [T, vocab] logit tensors: the sensitive measures beside perplexity (llama.cpp's KLD)."""
-    import torch
-
-    lp = torch.log_softmax(base_logits.float(), dim=-1)
-    lq = torch.log_softmax(comp_logits.float(), dim=-1)
-    kl = (lp.exp() * (lp - lq)).sum(-1).clamp_min(0.0)
-    return float(kl.double().sum()), int((base_logits.argmax(-1) == comp_logits.argmax(-1)).sum())
+    lp, lq = _log_probs(base_logits), _log_probs(comp_logits)
+    return _kl(lp.exp(), lp, lq), int((base_logits.argmax(-1) == comp_logits.argmax(-1)).sum())
 
 # Long windows: the model runs in chunks of FORWARD_CHUNK tokens and returns hidden states, and the output head
 # turns HEAD_SLICE rows at a time into logits, so no tensor grows with the window times the vocabulary (at a
@@ -97,38 +102,34 @@ def output_logits(model, hidden):
     cap = getattr(model.config, "final_logit_softcapping", None)
     return torch.tanh(logits / cap) * cap if cap else logits
 
-def exact_side(model, base_hidden, targets, slice_rows: int = HEAD_SLICE) -> Optional[list]:
-    """What :func:`score_hidden` computes of the exact pass, once for every setting scored against it: per slice of
-    ``slice_rows`` rows, (log-probabilities, probabilities, top-1 tokens, summed NLL of ``targets``). None when
-    the rows take more than one slice: several slices of logits would then be held at once (a window of 8,192
-    scored tokens on a 49,152-token vocabulary: 1.6 GB), so each setting recomputes them a slice at a time."""
-    import torch
-
+def exact_side(model, base_hidden, targets, slice_rows: int = HEAD_SLICE) -> Optional[tuple]:
+    """What :func:`score_hidden` computes of the exact pass, once for every setting scored against it: the
+    (log-probabilities, probabilities, top-1 tokens, summed NLL of ``targets``) of its rows. None when the rows
+    take more than one slice of ``slice_rows``: their logits would then be held whole (a window of 8,192 scored
+    tokens on a 49,152-token vocabulary: 1.6 GB), so each setting recomputes them a slice at a time."""
     if targets.numel() > slice_rows:
         return None
     logits = output_logits(model, base_hidden)
-    lp = torch.log_softmax(logits.float(), dim=-1)
-    return [(lp, lp.exp(), logits.argmax(-1), float(-lp.gather(-1, targets[:, None]).double().sum()))]
+    lp = _log_probs(logits)
+    return lp, lp.exp(), logits.argmax(-1), _nll(lp, targets)
 
 def score_hidden(model, base_hidden, comp_hidden, targets, slice_rows: int = HEAD_SLICE,
-                 exact: Optional[list] = None) -> tuple:
+                 exact: Optional[tuple] = None) -> tuple:
     """(baseline NLL, compressed NLL, (KL sum, top-1 matches)) of ``targets`` [T] predicted from the two
-    [T, hidden] hidden states, ``slice_rows`` rows of logits at a time; ``exact``: the exact side as
-    :func:`exact_side` made it for these rows (the same figures, not computed again), or None. The same sums as
-    :func:`sequence_nll` and :func:`next_token_divergence` over whole logit tensors."""
-    import torch
-
+    [T, hidden] hidden states, ``slice_rows`` rows of logits at a time; ``exact``: :func:`exact_side` of these
+    rows (the same figures, not computed again), or None. The same sums as :func:`sequence_nll` and
+    :func:`next_token_divergence` over whole logit tensors."""
     base = comp = kl = 0.0
     top1 = 0
-    for i, s in enumerate(range(0, targets.numel(), slice_rows)):
+    for s in range(0, targets.numel(), slice_rows):
         t = targets[s:s + slice_rows]
-        lp, p, top, nll = exact[i] if exact is not None else \
-            exact_side(model, base_hidden[s:s + slice_rows], t, slice_rows)[0]
+        lp, p, top, nll = exact if exact is not None else exact_side(model, base_hidden[s:s + slice_rows], t,
+                                                                    slice_rows)
         c = output_logits(model, comp_hidden[s:s + slice_rows])
-        lq = torch.log_softmax(c.float(), dim=-1)
+        lq = _log_probs(c)
         base += nll
-        comp += float(-lq.gather(-1, t[:, None]).double().sum())
-        kl += float((p * (lp - lq)).sum(-1).clamp_min(0.0).double().sum())
+        comp += _nll(lq, t)
+        kl += _kl(p, lp, lq)
         top1 += int((top == c.argmax(-1)).sum())
         del c, lq
     return base, comp, (kl, top1)

@@ -288,6 +288,10 @@ def test_a_register_cap_changes_no_bit_of_the_attention(monkeypatch):
     monkeypatch.setattr(gpu, "ATTN_MAX_REGISTERS", 128)
     capped = attend(q, pk, pv, kc, vc, rk, rv, per_split=64)
     assert torch.equal(free, capped) and bool(torch.isfinite(free).all())
+    for bad in (0, 300, 12.5, "128"):   # a cap ptxas would not take fails in kvcx, by the setting's name
+        monkeypatch.setattr(gpu, "ATTN_MAX_REGISTERS", bad)
+        with pytest.raises(CodecError, match=r"ATTN_MAX_REGISTERS.*24 to 255"):
+            attend(q, pk, pv, kc, vc, rk, rv, per_split=64)
 
 
 @pytest.mark.parametrize("D,block,kg,dot", [(128, 64, 64, "int8x3"), (64, 32, 64, "int8x3"), (32, 32, 64, "tf32x2"),
