@@ -1,7 +1,7 @@
 #!/bin/bash
 # One call on a lent CUDA machine (the device tool; see the note on issue 25): build the extension, run the
 # Triton tests on the GPU, then bench_gpu.py with its table under $OUT. Steps as arguments, in order:
-#     bash bench/gpu_session.sh tests bench variants        (each bounded: TESTS_T, BENCH_T, VARIANTS_T seconds)
+#     bash bench/gpu_session.sh tests bench profile variants   (each bounded: TESTS_T, BENCH_T, PROFILE_T, VARIANTS_T s)
 # A built extension carried in .dev/so/ (from an earlier call's $OUT) skips the build. BENCH_ARGS: more arguments
 # for bench_gpu.py (e.g. --tune); TEST_FILES: the tests to run (default: the four Triton test files).
 set -u
@@ -34,9 +34,11 @@ for step in "$@"; do
              tests/test_bench_gpu.py} 2>&1 | tee "$OUT"/tests.log | tail -30 ;;
     bench) log bench; timeout "${BENCH_T:-540}" python3 bench/bench_gpu.py ${BENCH_ARGS:-} --markdown docs/results/gpu.md \
              2>&1 | tee "$OUT"/bench.log | tail -60; cp docs/results/gpu.md "$OUT"/ ;;
+    profile) log profile; timeout "${PROFILE_T:-180}" python3 bench/profile_gpu.py --markdown docs/results/gpu-profile.md \
+             2>&1 | tee "$OUT"/profile.log | tail -40; cp docs/results/gpu-profile.md "$OUT"/ ;;
     variants) log variants; timeout "${VARIANTS_T:-240}" python3 bench/bench_gpu.py --skip attention bandwidth \
              generate --variants --markdown "$OUT"/variants.md 2>&1 | tee "$OUT"/variants.log | tail -30 ;;
-    *) echo "unknown step $step (tests, bench, variants)"; exit 2 ;;
+    *) echo "unknown step $step (tests, bench, profile, variants)"; exit 2 ;;
   esac
 done
 log done

@@ -1,0 +1,100 @@
+"""Where one fused decode step's time goes, kernel by kernel (torch.profiler's device timings).
+
+    python bench/profile_gpu.py --markdown docs/results/gpu-profile.md      # on a CUDA machine, about a minute
+    python bench/profile_gpu.py --smoke                                     # tiny shapes, the interpreter
+
+The step of bench_gpu.py's section 1 (``DevicePackedKV.attend`` over the kvcx scheme's two-segment store, the
+sink and a 32-token residual; Llama-3-8B's attention shapes, batch 1) at a short and two long contexts, with the
+package's current launch settings: each kernel it launches, its mean device time a step (the L2 flushed before
+each step, as the bench does), and the step's whole time replayed from a CUDA graph beside the kernels' sum (the
+difference: the gaps between kernels). Why: at 4k tokens the H100 run's step took 85 us where SDPA took 19, a fixed
+cost the kernel's time a token does not explain; this says which launch holds it.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def kernel_times(torch, dev, step, steps: int) -> list:
+    """[(kernel name, launches a step, mean us a step)] of ``step`` over ``steps`` profiled steps, longest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    flush = torch.empty(256 * 2**20, dtype=torch.int8, device=dev)
+    acts = [ProfilerActivity.CUDA] if dev.type == "cuda" else [ProfilerActivity.CPU]
+    with profile(activities=acts) as prof:
+        for _ in range(steps):
+            flush.zero_()
+            step()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+    got = collections.defaultdict(lambda: [0, 0.0])
+    for ev in prof.events():
+        on_device = getattr(ev, "device_type", None) == torch.autograd.DeviceType.CUDA
+        if (dev.type == "cuda") != on_device or ev.name.startswith(("ProfilerStep", "cudaDevice")):
+            continue
+        if dev.type != "cuda" and ev.cpu_parent is not None:   # the interpreter: top-level calls only
+            continue
+        low = ev.name.lower()
+        if ev.name in ("aten::zero_", "aten::fill_") or "memset" in low or ("fill" in low and "signed char" in low):
+            continue     # the flush (int8 zeros: a fill of 256 MiB), not the step
+        t = ev.device_time if dev.type == "cuda" else ev.cpu_time
+        got[ev.name][0] += 1
+        got[ev.name][1] += t
+    rows = [(name[:70], n / steps, us / steps) for name, (n, us) in got.items()]
+    return sorted(rows, key=lambda r: -r[2])
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes: every path runs (any device, the interpreter)")
+    ap.add_argument("--markdown", default=None, help="also write the tables to this file")
+    args = ap.parse_args(argv)
+    import bench_gpu
+    from report import Report
+
+    torch, dev = bench_gpu._setup(args.smoke)
+    from kvcx.codecs import KVConfig, gpu
+
+    out = Report()
+    out(f"Device: {torch.cuda.get_device_name(0) if dev.type == 'cuda' else 'no GPU: the interpreter'}; torch "
+        f"{torch.__version__}; triton {__import__('triton').__version__}; launch settings: "
+        f"{bench_gpu.describe(bench_gpu.current(gpu))}")
+    out("")
+    cfg = KVConfig.from_scheme(bench_gpu.SCHEME)
+    if args.smoke:
+        contexts, hq, hkv, d, steps, reps = (128,), 4, 2, 32, 2, 1
+    else:
+        contexts, hq, hkv, d, steps, reps = (4096, 32768, 131072), bench_gpu.HQ, bench_gpu.HKV, bench_gpu.D, 20, 50
+    t0 = time.perf_counter()
+    for S in contexts:
+        q, _, _, store, rk, rv = bench_gpu.case(torch, dev, cfg, 1, S, hq, hkv, d, seed=S)
+        step = lambda: store.attend(q.view(1, hq, d), rk, rv, None, d ** -0.5)  # noqa: E731
+        for _ in range(3):
+            step()
+        rows = kernel_times(torch, dev, step, steps)
+        graph = bench_gpu.graph_timer(torch, dev, step, reps)
+        total = sum(us for _, _, us in rows)
+        out(f"### {S:,} tokens, batch 1: kernels {total:.1f} us a step; the step replayed from a CUDA graph "
+            f"{bench_gpu._us(graph)} us")
+        out("")
+        out("| kernel | launches a step | us a step | share |")
+        out("|---|---:|---:|---:|")
+        for name, n, us in rows:
+            out(f"| `{name}` | {n:g} | {us:.1f} | {us / total:.0%} |")
+        out("")
+        store = rk = rv = None
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    out(f"Total {time.perf_counter() - t0:.0f} s.")
+    if args.markdown:
+        out.write(args.markdown, "One fused decode step, kernel by kernel (bench/profile_gpu.py).")
+
+
+if __name__ == "__main__":
+    main()
