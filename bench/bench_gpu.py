@@ -237,19 +237,13 @@ def attention(torch, dev, cfg, contexts, batches, reps, out, hq, hkv, d):
 # the attention kernel's launch settings timed by --variants / --tune: (block tokens, warps, products, prefetch,
 # pipelining stages (None: Triton's default), programs per multiprocessor, ptxas's register cap (None: none))
 SETTINGS = [(32, 4, "", False, None, 4, None),          # FP32 sums (the error reference)
-            (32, 2, "tf32x2", False, None, 4, None),    # the default, the H100 run's fastest (8 warps a multiprocessor)
-            (64, 4, "tf32x2", False, None, 4, None),
-            # more warps a multiprocessor (bench/sass_gpu.py: docs/results/gpu-sass.md), by a register cap where the
-            # registers would not let them in; programs a multiprocessor as many as fit (one wave of splits)
-            (32, 2, "tf32x2", False, None, 6, 168), (32, 4, "tf32x2", False, None, 4, 128),
-            (32, 2, "tf32x2", False, None, 8, 128),
-            # int8 products: 8, 12, 16, 24 and 32 warps a multiprocessor
-            (64, 2, "int8x3", False, None, 4, None), (64, 4, "int8x3", False, None, 3, None),
-            (64, 4, "int8x3", False, None, 4, 128), (32, 4, "int8x3", False, None, 4, None),
-            (64, 8, "int8x3", False, None, 2, None), (64, 2, "int8x3", False, None, 8, 128),
-            (32, 4, "int8x3", False, None, 6, 80), (64, 8, "int8x3", False, None, 3, 80),
-            (64, 4, "int8x3", False, None, 6, 80), (32, 4, "int8x3", False, None, 8, 64),
-            (64, 8, "int8x3", False, None, 4, 64)]
+            (64, 2, "int8x3", False, None, 4, None),    # the default: the first H200 run's fastest
+            (32, 2, "tf32x2", False, None, 4, None),    # the H100 run's fastest
+            (64, 4, "int8x3", False, None, 3, None), (64, 4, "int8x3", False, None, 4, 128),
+            (64, 2, "int8x3", True, None, 4, None), (32, 2, "int8x3", False, None, 4, None),
+            # fewer and longer, or more and shorter splits (at 255 registers 4 programs of 2 warps fit a
+            # multiprocessor: 8 is two waves)
+            (64, 2, "int8x3", False, None, 2, None), (64, 2, "int8x3", False, None, 8, None)]
 _KNOBS = ("ATTN_BLOCK_TOKENS", "ATTN_WARPS", "ATTN_DOT", "ATTN_PREFETCH", "ATTN_STAGES", "ATTN_PROGRAMS_PER_SM",
           "ATTN_MAX_REGISTERS")
 

@@ -54,17 +54,30 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--smoke", action="store_true", help="tiny shapes: every path runs (any device, the interpreter)")
     ap.add_argument("--markdown", default=None, help="also write the tables to this file")
+    ap.add_argument("--set", nargs="*", default=[], metavar="NAME=VALUE",
+                    help="launch settings of kvcx.codecs.gpu to use (e.g. ATTN_SPLIT_TOKENS=64), as Python literals")
     args = ap.parse_args(argv)
     import bench_gpu
     from report import Report
 
     torch, dev = bench_gpu._setup(args.smoke)
+    import ast
+
     from kvcx.codecs import KVConfig, gpu
 
+    for item in args.set:
+        name, _, value = item.partition("=")
+        if not name.startswith(("ATTN_", "MERGE_")) or not hasattr(gpu, name):
+            ap.error(f"--set {item}: not a launch setting of kvcx.codecs.gpu (ATTN_*, MERGE_*)")
+        try:
+            setattr(gpu, name, ast.literal_eval(value))
+        except (ValueError, SyntaxError):
+            ap.error(f"--set {item}: the value is not a Python literal (a number, a string in quotes, None)")
     out = Report()
     out(f"Device: {torch.cuda.get_device_name(0) if dev.type == 'cuda' else 'no GPU: the interpreter'}; torch "
         f"{torch.__version__}; triton {__import__('triton').__version__}; launch settings: "
-        f"{bench_gpu.describe(bench_gpu.current(gpu))}")
+        f"{bench_gpu.describe(bench_gpu.current(gpu))}; at least {gpu.ATTN_SPLIT_TOKENS} tokens a split; "
+        f"the merge reads {gpu.MERGE_SPLITS} splits at a time")
     out("")
     cfg = KVConfig.from_scheme(bench_gpu.SCHEME)
     if args.smoke:

@@ -93,10 +93,10 @@ def compile_setting(setting, arch: int, dump: Path | None):
     consts = gpu.attention_constexprs(cfg.key, cfg.value, 4, D, dot, bt, False, prefetch)
     fn = k.attend_packed_kernel
     pointers = {"q_ptr": "*fp32", "mask_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32",
-                "kc_ptr": "*u8", "vc_ptr": "*u8", "ks_ptr": "*fp16", "kz_ptr": "*fp16", "vs_ptr": "*fp16",
-                "vz_ptr": "*fp16"}
+                **{f"{n}{i}_ptr": "*u8" if n.endswith("c") else "*fp16" for n in ("kc", "vc", "ks", "kz", "vs", "vz")
+                   for i in ("", "2")}}
     # the launch's divisibility hints: pointers and row strides divisible by 16, as torch's allocations are
-    aligned = {"k_row_bytes", "v_row_bytes", "per_split"}
+    aligned = {"k_row_bytes", "v_row_bytes", "k_row_bytes2", "v_row_bytes2", "per_split"}
     sig = {a: "constexpr" if a in consts else pointers.get(a, "i32") for a in fn.arg_names}
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in fn.arg_names
              if a in pointers or a in aligned}

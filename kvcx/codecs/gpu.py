@@ -225,28 +225,32 @@ def to_host(packed: Packed) -> Packed:
 
 
 # -- fused decode attention over packed records ----------------------------------------------------------
-# Launch settings of the attention kernel, chosen on an H100 by bench/bench_gpu.py --tune (docs/results/gpu.md,
-# section 5: every setting's time and error): tiles of 32 tokens, 2 warps, products of the codes in two TF32
-# passes, no prefetch (64 tokens and 4 warps within 3 %).
-ATTN_BLOCK_TOKENS = 32       # packed tokens a program reads per step
+# Launch settings of the attention kernel, chosen on an H200 by bench/bench_gpu.py --tune (docs/results/gpu.md,
+# section 5: every setting's time and error): tiles of 64 tokens, 2 warps, the codes' products on the integer
+# tensor cores (int8x3), no prefetch: 88 / 183 us a step at 32k / 128k tokens where two TF32 passes at 32 tokens
+# (the H100's choice, which never timed int8x3) took 118 / 306; register caps for more warps made every setting
+# slower
+ATTN_BLOCK_TOKENS = 64       # packed tokens a program reads per step
 ATTN_WARPS = 2               # warps per attention program
 # the products: "" FP32 broadcast sums (CUDA cores), or tl.dot at this input precision: "tf32x2" (the operand
 # that is not codes split in two TF32 parts: FP32's accuracy), "tf32", "tf32x3", "ieee", or "int8x3" (the codes
 # as int8 on the integer tensor cores, the other operand a 21-bit fixed point of its row in three int8 pieces:
 # 2**-20 of the row's largest term at most; "tf32x2" unless the head dim is 64 to 128 and a tile 32 to 128
 # tokens); query rows padded to 16
-ATTN_DOT = "tf32x2"
+ATTN_DOT = "int8x3"
 ATTN_DOTS = ("", "tf32x2", "tf32", "tf32x3", "ieee", "int8x3")   # what ATTN_DOT may be
 ATTN_PREFETCH = False        # load the next tile's codes before working this one
 ATTN_STAGES = None           # Triton's software pipelining depth for the attention kernel (None: its default)
-ATTN_SPLIT_TOKENS = 1024     # packed tokens per split (flash-decoding along the context), at least
+# packed tokens per split at least (flash-decoding along the context): short contexts get many short splits, each
+# program's tiles one after another being the step's latency (the merge reads the splits a query row a program)
+ATTN_SPLIT_TOKENS = 128
 ATTN_PROGRAMS_PER_SM = 4     # splits enough for about this many programs per multiprocessor
 # ptxas's cap on the attention kernel's registers a thread (Triton's ``maxnreg``; None: ptxas's own choice). A
 # multiprocessor holds 65,536 registers: at 255 a thread (the default's), four programs of 2 warps fit, 8 warps to
 # hide each other's latency; a cap of 128 lets 16 warps in, at the price of what ptxas then spills
 # (bench/sass_gpu.py counts both offline)
 ATTN_MAX_REGISTERS = None
-MERGE_SPLITS = 8             # splits the merge kernel reads at a time
+MERGE_SPLITS = 32            # splits the merge kernel reads at a time (a program a query row: [32, D] floats)
 # a * b + c as one FMA in the attention kernels (one rounding instead of two: no less accurate, and a multiply and
 # an add fewer to issue). The codec kernels keep it off: they must round as the CPU kernels do, bit for bit.
 ATTN_FP_FUSION = True
@@ -291,11 +295,12 @@ def _multiprocessors() -> int:
 
 
 def split_tokens(slabs: int, tokens: int, per_split: Optional[int] = None) -> int:
-    """Packed tokens per split: ``per_split`` if given, else enough splits for about four programs per
-    multiprocessor (flash-decoding), at least :data:`ATTN_SPLIT_TOKENS` // 4 tokens each; whole blocks."""
+    """Packed tokens per split: ``per_split`` if given, else enough splits for about
+    :data:`ATTN_PROGRAMS_PER_SM` programs per multiprocessor (flash-decoding), at least :data:`ATTN_SPLIT_TOKENS`
+    tokens each; whole tiles."""
     if per_split is None:
         want = max(1, -(-ATTN_PROGRAMS_PER_SM * _multiprocessors() // max(1, slabs)))
-        per_split = max(ATTN_SPLIT_TOKENS // 4, -(-tokens // want))
+        per_split = max(ATTN_SPLIT_TOKENS, -(-tokens // want))
     per = max(ATTN_BLOCK_TOKENS, int(per_split))
     return -(-per // ATTN_BLOCK_TOKENS) * ATTN_BLOCK_TOKENS
 
@@ -372,49 +377,63 @@ def attend_spans(qs, qr, spans, Hkv: int, sinks=(None, None), residual=(None, No
     in :func:`~kvcx.codecs._triton.attend_packed_kernel`) and the exact tokens: ``sinks`` (keys, values) [N, t0,
     D] at mask columns 0.., ``residual`` [N, nr, D] (any float dtype, as held) at columns ``res_off``..; ``add``
     float32 [B, kv_len] added to the scores, or None. Every span's values rotate alike (the merge rotates the
-    accumulator back once). One kernel per span and one merge: no other launch. The caller checks shapes."""
+    accumulator back once). One kernel per two spans of one layout (a store's two segments: one launch) and one
+    merge: no other launch. The caller checks shapes."""
     torch, k = _torch(), _kernels()
     N, R, D = qs.shape
     rotate = {sp.value_codec.rotate for sp in spans}
     if len(rotate) > 1:
         raise CodecError("attention: the packed spans' values must all rotate, or none")
-    plan = []
-    for sp in spans:
-        T = sp.keys.tokens
-        if T:
-            per = split_tokens(N, T, per_split)
-            plan.append((sp, T, per, -(-T // per)))
-    spt = max(1, sum(n for *_, n in plan))
-    if plan:   # every split written by the kernel
+    full = [sp for sp in spans if sp.keys.tokens]
+    per = split_tokens(N, sum(sp.keys.tokens for sp in full), per_split) if full else 0   # one size for all
+    launches = []   # [(constexprs, [(span, splits)])]: two spans of one layout share a launch
+    for sp in full:
+        const = attention_constexprs(sp.key_codec, sp.value_codec, R, D, ATTN_DOT, ATTN_BLOCK_TOKENS, add is not None,
+                                     ATTN_PREFETCH)
+        item = (sp, -(-sp.keys.tokens // per))
+        if launches and len(launches[-1][1]) == 1 and launches[-1][0] == const \
+                and launches[-1][1][0][0].key_codec.rotate == sp.key_codec.rotate:
+            launches[-1][1].append(item)
+        else:
+            launches.append((const, [item]))
+    spt = max(1, sum(n for _, items in launches for _, n in items))
+    if full:   # every split written by the kernel
         m, l, acc = (torch.empty(N, spt, R, *d, device=qs.device) for d in ((), (), (D,)))
     else:      # no packed token yet: one empty split (weight exp(-inf) = 0 times a sum and an accumulator of 0,
         # not of whatever the allocator held: 0 x NaN would be NaN)
         m = torch.full((N, 1, R), float("-inf"), device=qs.device)
         l, acc = torch.zeros(N, 1, R, device=qs.device), torch.zeros(N, 1, R, D, device=qs.device)
-    off, RP = 0, _pow2(R)
-    for sp, T, per, n in plan:
-        kc, vc, ks, vs = sp.key_codec, sp.value_codec, sp.keys, sp.values
-        # a tile lies within one per-channel block (splits are whole ATTN_BLOCK_TOKENS, a multiple of it)
-        const = attention_constexprs(kc, vc, R, D, ATTN_DOT, ATTN_BLOCK_TOKENS, add is not None, ATTN_PREFETCH)
-        extra = _attention_options()
-        k.attend_packed_kernel[(N, n)](
-            qr if kc.rotate else qs, ks.codes, ks.scales, ks.zeros if ks.zeros is not None else ks.scales,
-            vs.codes, vs.scales, vs.zeros if vs.zeros is not None else vs.scales, add if add is not None else qs,
-            m, l, acc, Hkv, T, ks.codes.shape[1], vs.codes.shape[1], ks.scales.shape[1], vs.scales.shape[1],
-            add.shape[1] if add is not None else 0, sp.mask_off, per, off, spt, **const, **extra,
+    off, extra = 0, _attention_options()
+    for const, items in launches:
+        # a tile lies within one per-channel block (splits are whole ATTN_BLOCK_TOKENS, a multiple of it); a launch
+        # of one span passes it as the second too, with no split reading it
+        (a, na), (b, nb) = items[0], items[-1] if len(items) > 1 else (items[0][0], 0)
+        args = []
+        for sp in (a, b):
+            ks, vs = sp.keys, sp.values
+            args.append(dict(kc=ks.codes, ks=ks.scales, kz=ks.zeros if ks.zeros is not None else ks.scales,
+                             vc=vs.codes, vs=vs.scales, vz=vs.zeros if vs.zeros is not None else vs.scales,
+                             T=ks.tokens, kb=ks.codes.shape[1], vb=vs.codes.shape[1], kn=ks.scales.shape[1],
+                             vn=vs.scales.shape[1], mo=sp.mask_off))
+        x, y = args
+        k.attend_packed_kernel[(N, na + nb)](
+            qr if a.key_codec.rotate else qs, x["kc"], x["ks"], x["kz"], x["vc"], x["vs"], x["vz"],
+            y["kc"], y["ks"], y["kz"], y["vc"], y["vs"], y["vz"], add if add is not None else qs, m, l, acc, Hkv,
+            x["T"], y["T"], x["kb"], y["kb"], x["vb"], y["vb"], x["kn"], y["kn"], x["vn"], y["vn"],
+            add.shape[1] if add is not None else 0, x["mo"], y["mo"], per, na, off, spt, **const, **extra,
             enable_fp_fusion=ATTN_FP_FUSION, num_warps=ATTN_WARPS)
-        off += n
+        off += na + nb
     sk, sv = sinks
     rk, rv = residual
     t0 = 0 if sk is None else sk.shape[1]
     nr = 0 if rk is None else rk.shape[1]
-    if not plan and not t0 and not nr:
+    if not full and not t0 and not nr:
         raise CodecError("attention: there are no tokens to attend to")
     out = torch.empty(N, R, D, device=qs.device)
-    k.merge_kernel[(N,)](qs, m, l, acc, spt, sk if t0 else qs, sv if t0 else qs, t0, rk if nr else qs,
+    k.merge_kernel[(N, R)](qs, m, l, acc, spt, sk if t0 else qs, sv if t0 else qs, t0, rk if nr else qs,
                          rv if nr else qs, nr, add if add is not None else qs, add.shape[1] if add is not None else 0,
-                         res_off, Hkv, out, _norm(D), R=R, RP=RP, D=D, SB=_pow2(t0), RB=_pow2(nr),
-                         HAS_MASK=add is not None, ROTATE=bool(plan) and True in rotate, CH=MERGE_SPLITS,
+                         res_off, Hkv, out, _norm(D), R=R, D=D, SB=_pow2(t0), RB=_pow2(nr),
+                         HAS_MASK=add is not None, ROTATE=bool(full) and True in rotate, CH=MERGE_SPLITS,
                          enable_fp_fusion=ATTN_FP_FUSION)
     return out
 

@@ -21,8 +21,10 @@ TARGET = GPUTarget("cuda", 90, 32)
 D = 128
 # pointer arguments by name (what the launchers pass); every other argument is an int but ``norm``
 POINTERS = {
-    "x_ptr": "*bf16", "codes_ptr": "*u8", "kc_ptr": "*u8", "vc_ptr": "*u8", "out_ptr": "*i16",
-    **{n: "*fp16" for n in ("scales_ptr", "zeros_ptr", "ks_ptr", "kz_ptr", "vs_ptr", "vz_ptr")},
+    "x_ptr": "*bf16", "codes_ptr": "*u8", "kc_ptr": "*u8", "vc_ptr": "*u8", "kc2_ptr": "*u8", "vc2_ptr": "*u8",
+    "out_ptr": "*i16",
+    **{n: "*fp16" for n in ("scales_ptr", "zeros_ptr", "ks_ptr", "kz_ptr", "vs_ptr", "vz_ptr", "ks2_ptr", "kz2_ptr",
+                            "vs2_ptr", "vz2_ptr")},
     **{n: "*fp32" for n in ("q_ptr", "qs_ptr", "mask_ptr", "add_ptr", "m_ptr", "l_ptr", "acc_ptr")},
     **{n: "*bf16" for n in ("sk_ptr", "sv_ptr", "rk_ptr", "rv_ptr")},
 }
@@ -76,7 +78,7 @@ def attention_kernels() -> None:
                     gpu.attention_constexprs(cfg.key, cfg.value, 4, D, dot, gpu.ATTN_BLOCK_TOKENS, True, prefetch),
                     num_warps=gpu.ATTN_WARPS, fusion=gpu.ATTN_FP_FUSION)
     for has_mask, rotate in ((True, True), (False, False)):
-        compile_one(k.merge_kernel, dict(R=4, RP=4, D=D, SB=gpu._pow2(1), RB=gpu._pow2(32), HAS_MASK=has_mask,
+        compile_one(k.merge_kernel, dict(R=4, D=D, SB=gpu._pow2(1), RB=gpu._pow2(32), HAS_MASK=has_mask,
                                          ROTATE=rotate, CH=gpu.MERGE_SPLITS), fusion=gpu.ATTN_FP_FUSION,
                     out_ptr="*fp32")
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvcx.codecs import IntCodec, KVConfig
+from kvcx.codecs import IntCodec, KVConfig, get_codec
 from kvcx.codecs.gpu import to_device, to_host
 from kvcx.codecs.tensors import numpy_to_torch, torch_to_numpy
 from kvcx.errors import CodecError
@@ -267,6 +267,61 @@ def test_fused_attention_equals_sdpa_over_the_decoded_cache(prefetch, scheme, D,
     # one TF32 pass rounds the query side to 10 bits on a GPU (the interpreter computes it in FP32)
     tol = 2e-3 if dot == "tf32" and DEVICE == "cuda" else 3e-5
     assert float((out - ref[:, :, 0]).abs().max()) < tol * max(1.0, float(ref.abs().max()))
+
+
+@pytest.mark.parametrize("dot", ["int8x3", "tf32x2"])
+def test_spans_of_one_layout_share_a_launch_and_equal_sdpa(dot, monkeypatch):
+    """A store's spans (segments) one after the other: the first two have one layout and run in one launch (splits
+    past the first span's read the second: its tokens, buffers, mask columns), the third has another (16-token
+    key blocks) and runs in its own; with the sinks, the residual and a padding mask the step equals SDPA over the
+    decoded tokens within FP32 rounding. Every launch the step makes is counted."""
+    from kvcx.codecs import _triton, gpu
+
+    monkeypatch.setattr(gpu, "ATTN_DOT", dot)
+    launches = []
+    real = _triton.attend_packed_kernel
+
+    class Counted:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(_triton, "attend_packed_kernel", Counted())
+    g = torch.Generator().manual_seed(11)
+    B, Hkv, R, D, nr = 2, 2, 4, 64, 3
+    cfg = KVConfig.from_scheme("kvcx")
+    kc, vc = cfg.key.with_backend("triton"), cfg.value.with_backend("triton")
+    kn, vn = (get_codec({**c.get_config(), "sinks": 0}).with_backend("triton") for c in (kc, vc))
+    k16 = get_codec({**kn.get_config(), "group_size": 16}).with_backend("triton")
+    sizes, codecs = (101, 130, 48), ((kc, vc), (kn, vn), (k16, vn))
+    K, V = (torch.randn(B, Hkv, sum(sizes), D, generator=g).to(DEVICE) for _ in "kv")
+    rk, rv = (torch.randn(B, Hkv, nr, D, generator=g).to(DEVICE) for _ in "kv")
+    q = torch.randn(B, Hkv * R, D, generator=g).to(DEVICE)
+    N, t0, start = B * Hkv, kc.sinks, 0
+    spans, Kd, Vd = [], [], []
+    for size, (a, b) in zip(sizes, codecs):
+        pk = a.encode(K[:, :, start:start + size].contiguous())
+        pv = b.encode(V[:, :, start:start + size].contiguous())
+        Kd.append(a.decode(pk))
+        Vd.append(b.decode(pv))
+        lead = t0 if start == 0 else 0
+        an, bn = (get_codec({**c.get_config(), "sinks": 0}).with_backend("triton") for c in (a, b))
+        spans.append(gpu.Span(gpu.span_of(pk, a), gpu.span_of(pv, b), an, bn, start + lead))
+        if start == 0:
+            sinks = (pk.sinks.reshape(N, t0, D), pv.sinks.reshape(N, t0, D))
+        start += size
+    keep = torch.ones(B, start + nr, dtype=torch.bool, device=DEVICE)
+    keep[1, :20] = False
+    keep[0, 150:160] = False               # inside the second span
+    add = gpu.float_mask(keep, B, start + nr)
+    qs, qr = gpu.scaled_query(q, True, N, D ** -0.5)
+    out = gpu.attend_spans(qs, qr, spans, Hkv, sinks, (rk.reshape(N, nr, D), rv.reshape(N, nr, D)), add, start,
+                           per_split=64).reshape(B, Hkv * R, D)
+    assert [grid[1] for grid in launches] == [2 + 3, 1]     # splits of 64 tokens: (100 + 130) in one, 48 in one
+    Kf = torch.cat(Kd + [rk], 2).repeat_interleave(R, 1)
+    Vf = torch.cat(Vd + [rv], 2).repeat_interleave(R, 1)
+    ref = torch.nn.functional.scaled_dot_product_attention(q[:, :, None], Kf, Vf, attn_mask=keep[:, None, None, :])
+    assert float((out - ref[:, :, 0]).abs().max()) < 3e-5 * max(1.0, float(ref.abs().max()))
 
 
 def test_a_register_cap_changes_no_bit_of_the_attention(monkeypatch):
