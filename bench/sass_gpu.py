@@ -97,7 +97,8 @@ def compile_setting(setting, arch: int, dump: Path | None):
                    for i in ("", "2")}}
     # the launch's divisibility hints: pointers and row strides divisible by 16, as torch's allocations are
     aligned = {"k_row_bytes", "v_row_bytes", "k_row_bytes2", "v_row_bytes2", "per_split"}
-    sig = {a: "constexpr" if a in consts else pointers.get(a, "i32") for a in fn.arg_names}
+    sig = {a: "constexpr" if a in consts else "fp32" if a == "q_scale" else pointers.get(a, "i32")
+           for a in fn.arg_names}
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in fn.arg_names
              if a in pointers or a in aligned}
     opts = dict(num_warps=warps, enable_fp_fusion=gpu.ATTN_FP_FUSION)

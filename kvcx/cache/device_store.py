@@ -215,13 +215,12 @@ class DevicePackedKV:
         B, Hq, D = q.shape
         held, nr = self.tokens, residual_k.shape[2]
         t0 = self._t0("key")
-        rotate = {seg.keys.codec.rotate for seg in self.segments}
-        qs, qr = gpu.scaled_query(q, True in rotate, self.N, scaling)
         spans = [gpu.Span(seg.keys.span(), seg.values.span(), seg.keys.codec, seg.values.codec, t0 + seg.start)
                  for seg in self.segments]
         sinks = (self.sinks["key"], self.sinks["value"]) if t0 else (None, None)
         residual = (residual_k.reshape(self.N, nr, D), residual_v.reshape(self.N, nr, D)) if nr else (None, None)
-        return gpu.attend_spans(qs, qr, spans, self.H, sinks, residual, add, held, per_split).reshape(B, Hq, D)
+        return gpu.attend_spans(gpu.query_rows(q, self.N), scaling, spans, self.H, sinks, residual, add, held,
+                                per_split).reshape(B, Hq, D)
 
     @property
     def nbytes(self) -> int:

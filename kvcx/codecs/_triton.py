@@ -365,22 +365,22 @@ def _token_params(s_ptr, z_ptr, off, mask, ASYM: tl.constexpr):
 
 @triton.jit
 def attend_packed_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kc2_ptr, ks2_ptr, kz2_ptr, vc2_ptr,
-                         vs2_ptr, vz2_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, Hkv, T, T2, k_row_bytes, k_row_bytes2,
-                         v_row_bytes, v_row_bytes2, k_nsc, k_nsc2, v_nsc, v_nsc2, mask_stride, mask_off, mask_off2,
-                         per_split, n_first, sp_off, SPT,
+                         vs2_ptr, vz2_ptr, q_scale, mask_ptr, m_ptr, l_ptr, acc_ptr, Hkv, T, T2, k_row_bytes,
+                         k_row_bytes2, v_row_bytes, v_row_bytes2, k_nsc, k_nsc2, v_nsc, v_nsc2, mask_stride, mask_off,
+                         mask_off2, per_split, n_first, sp_off, SPT,
                          R: tl.constexpr, RP: tl.constexpr, D: tl.constexpr, BT: tl.constexpr,
                          KG: tl.constexpr, K_CHANNEL: tl.constexpr, K_ASYM: tl.constexpr,
                          VG: tl.constexpr, V_CHANNEL: tl.constexpr, V_ASYM: tl.constexpr, HAS_MASK: tl.constexpr,
                          DOT: tl.constexpr, NG: tl.constexpr, PREFETCH: tl.constexpr):
     """Flash-decoding over packed codes: program (slab n = batch row x KV head, split sp) reads its KV head's
-    packed tokens [sp * per_split, (sp + 1) * per_split) once for the R query rows that share it (q already
-    scaled, and rotated where the keys are), BT tokens a tile (within one per-channel block: BT divides KG), and
-    writes the split's running max, sum and (rotated where the values are) FP32 accumulator at split
-    ``sp_off + sp`` of ``SPT`` per slab (the spans of a store share the buffers); :func:`merge_kernel` merges the
-    splits with the exact tokens (sinks, residual). ``NG``: value groups per token (1 for per-channel values).
-    One launch reads two spans of the same layout (a store's segments, one after the other): splits from
-    ``n_first`` on read the second (the arguments named ``2``; its ``T2`` tokens at mask column ``mask_off2``), so
-    that the spans' programs run side by side, not one launch after another.
+    packed tokens [sp * per_split, (sp + 1) * per_split) once for the R query rows that share it (q times
+    ``q_scale``, in any float dtype; rotated already where the keys are), BT tokens a tile (within one per-channel
+    block: BT divides KG), and writes the split's running max, sum and (rotated where the values are) FP32
+    accumulator at split ``sp_off + sp`` of ``SPT`` per slab (the spans of a store share the buffers);
+    :func:`merge_kernel` merges the splits with the exact tokens (sinks, residual). ``NG``: value groups per
+    token (1 for per-channel values). One launch reads two spans of the same layout (a store's segments, one
+    after the other): splits from ``n_first`` on read the second (the arguments named ``2``; its ``T2`` tokens at
+    mask column ``mask_off2``), so that the spans' programs run side by side, not one launch after another.
     Few instructions per code (an earlier kernel that dequantized each tile whole ran 1.8x slower on an H100):
 
     - the packed bytes are two streams, even channels (low nibbles) and odd channels (high nibbles): nothing is
@@ -419,11 +419,12 @@ def attend_packed_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, 
     g = tl.arange(0, NG)
     if DOT == "int8x3":   # the rows whole and split in registers: a layout whose fixed points pack into words
         q_row = q_ptr + (n.to(tl.int64) * R + ri[:, None]) * D + tl.arange(0, D)[None, :]
-        qe, qo = tl.split(tl.reshape(tl.load(q_row, mask=(ri < R)[:, None], other=0.0), (RP * NG, D // 2, 2)))
+        qf = tl.load(q_row, mask=(ri < R)[:, None], other=0.0).to(tl.float32) * q_scale
+        qe, qo = tl.split(tl.reshape(qf, (RP * NG, D // 2, 2)))
     else:
         q_row = q_ptr + (n.to(tl.int64) * R + ri[:, None]) * D + 2 * j[None, :]
-        qe = tl.load(q_row, mask=(ri < R)[:, None], other=0.0)
-        qo = tl.load(q_row + 1, mask=(ri < R)[:, None], other=0.0)
+        qe = tl.load(q_row, mask=(ri < R)[:, None], other=0.0).to(tl.float32) * q_scale
+        qo = tl.load(q_row + 1, mask=(ri < R)[:, None], other=0.0).to(tl.float32) * q_scale
     m_i = tl.full([RP * NG], float("-inf"), tl.float32)
     l_i = tl.zeros([RP * NG], tl.float32)
     a_e = tl.zeros([RP * NG, D // 2], tl.float32)
@@ -510,14 +511,19 @@ def attend_packed_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, 
 
 
 @triton.jit
-def _exact_scores(q, e_ptr, n, ne, add_ptr, add_stride, add_off, Hkv, D: tl.constexpr, EB: tl.constexpr,
-                  HAS_MASK: tl.constexpr):
-    """Scores [RP, EB] of the query rows ``q`` over slab n's ``ne`` exact keys ([N, ne, D], any float dtype),
-    their mask columns from ``add_off``; -inf past ``ne``."""
+def _exact_rows(e_ptr, n, ne, D: tl.constexpr, EB: tl.constexpr):
+    """Slab n's ``ne`` exact keys or values ([N, ne, D], any float dtype) as float32 [EB], 0 past ``ne``."""
+    e = tl.arange(0, EB)
+    return tl.load(e_ptr + (n.to(tl.int64) * ne + e[:, None]) * D + tl.arange(0, D)[None, :], mask=(e < ne)[:, None],
+                   other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _exact_scores(q, k, n, ne, add_ptr, add_stride, add_off, Hkv, EB: tl.constexpr, HAS_MASK: tl.constexpr):
+    """Scores [rows, EB] of the query rows ``q`` over slab n's exact keys ``k`` (:func:`_exact_rows`), their mask
+    columns from ``add_off``; -inf past ``ne``."""
     e = tl.arange(0, EB)
     em = e < ne
-    k = tl.load(e_ptr + (n.to(tl.int64) * ne + e[:, None]) * D + tl.arange(0, D)[None, :], mask=em[:, None],
-                other=0.0).to(tl.float32)
     s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
     if HAS_MASK:
         s += tl.load(add_ptr + (n // Hkv).to(tl.int64) * add_stride + add_off + e, mask=em, other=0.0)[None, :]
@@ -525,52 +531,53 @@ def _exact_scores(q, e_ptr, n, ne, add_ptr, add_stride, add_off, Hkv, D: tl.cons
 
 
 @triton.jit
-def _exact_values(p, e_ptr, n, ne, D: tl.constexpr, EB: tl.constexpr):
-    """The weighted sum [RP, D] of slab n's ``ne`` exact values by ``p`` [RP, EB]."""
-    e = tl.arange(0, EB)
-    v = tl.load(e_ptr + (n.to(tl.int64) * ne + e[:, None]) * D + tl.arange(0, D)[None, :], mask=(e < ne)[:, None],
-                other=0.0).to(tl.float32)
-    return tl.sum(p[:, :, None] * v[None, :, :], axis=1)
-
-
-@triton.jit
-def merge_kernel(qs_ptr, m_ptr, l_ptr, acc_ptr, SPT, sk_ptr, sv_ptr, n_sinks, rk_ptr, rv_ptr, n_res, add_ptr,
+def merge_kernel(q_ptr, q_scale, m_ptr, l_ptr, acc_ptr, SPT, sk_ptr, sv_ptr, n_sinks, rk_ptr, rv_ptr, n_res, add_ptr,
                  add_stride, res_off, Hkv, out_ptr, norm, R: tl.constexpr, D: tl.constexpr, SB: tl.constexpr,
                  RB: tl.constexpr, HAS_MASK: tl.constexpr, ROTATE: tl.constexpr, CH: tl.constexpr):
     """One program per (slab, query row): the softmax merge of the row's ``SPT`` splits
     (:func:`attend_packed_kernel`; their accumulators rotated back where the values are) with its slab's exact
     tokens, the sinks (``n_sinks`` at mask column 0) and the residual (``n_res`` at column ``res_off``), read as
-    they are held; writes the row's [D] float32. The splits are read CH at a time (loads in flight together, not
-    one split after another); the rows of a slab are merged side by side, each program's work a row's (an earlier
-    merge ran one program a slab, 8 programs at batch 1, and took 36 us of an H200 step at 32k tokens)."""
+    they are held; the query row as the model holds it, times ``q_scale``; writes the row's [D] float32.
+
+    Written for latency (an earlier merge, a program a slab that read the splits twice and the exact tokens after
+    them, took 36 us of an H200 step at 32k tokens): the exact tokens' loads are issued first, the splits are read
+    CH at a time in one pass with a running maximum (one chunk holds a batch-1 step's splits), so that every load
+    is in flight at once; the exact tokens' scores join the maximum at the end."""
     n = tl.program_id(0)
     row = tl.program_id(1)
     r = row + tl.arange(0, 1)                 # the row as a block of one: the exact tokens' helpers take [rows, D]
     d = tl.arange(0, D)
     c = tl.arange(0, CH)
+    q = tl.load(q_ptr + (n.to(tl.int64) * R + r[:, None]) * D + d[None, :]).to(tl.float32) * q_scale
+    sk, sv = _exact_rows(sk_ptr, n, n_sinks, D, SB), _exact_rows(sv_ptr, n, n_sinks, D, SB)
+    rk, rv = _exact_rows(rk_ptr, n, n_res, D, RB), _exact_rows(rv_ptr, n, n_res, D, RB)
     base = n.to(tl.int64) * SPT
     top = tl.full([1], float("-inf"), tl.float32)
-    for s0 in range(0, SPT, CH):
-        mm = tl.load(m_ptr + (base + s0 + c) * R + row, mask=s0 + c < SPT, other=float("-inf"))
-        top = tl.maximum(top, tl.max(mm, axis=0))
-    q = tl.load(qs_ptr + (n.to(tl.int64) * R + r[:, None]) * D + d[None, :])
-    s_sink = _exact_scores(q, sk_ptr, n, n_sinks, add_ptr, add_stride, 0, Hkv, D, SB, HAS_MASK)
-    s_res = _exact_scores(q, rk_ptr, n, n_res, add_ptr, add_stride, res_off, Hkv, D, RB, HAS_MASK)
-    top = tl.maximum(top, tl.maximum(tl.max(s_sink, axis=1), tl.max(s_res, axis=1)))
-    top = tl.where(top == float("-inf"), 0.0, top)          # a row with nothing to attend to
     acc = tl.zeros([1, D], tl.float32)
     den = tl.zeros([1], tl.float32)
     for s0 in range(0, SPT, CH):
         cm = s0 + c < SPT
         o = (base + s0 + c) * R + row
-        w = tl.exp(tl.load(m_ptr + o, mask=cm, other=float("-inf")) - top)
-        den += tl.sum(w * tl.load(l_ptr + o, mask=cm, other=0.0), axis=0)
+        mm = tl.load(m_ptr + o, mask=cm, other=float("-inf"))
+        ll = tl.load(l_ptr + o, mask=cm, other=0.0)
         a = tl.load(acc_ptr + o[:, None] * D + d[None, :], mask=cm[:, None], other=0.0)
-        acc += tl.sum(w[:, None] * a, axis=0)[None, :]
+        new = tl.maximum(top, tl.max(mm, axis=0))
+        use = tl.where(new == float("-inf"), 0.0, new)          # nothing to attend to yet: weights of 0
+        alpha = tl.exp(top - use)
+        w = tl.exp(mm - use)
+        den = den * alpha + tl.sum(w * ll, axis=0)
+        acc = acc * alpha[:, None] + tl.sum(w[:, None] * a, axis=0)[None, :]
+        top = new
     if ROTATE:
         acc = _fwht_rows(acc, 1, D, norm)
-    p_sink = tl.exp(s_sink - top[:, None])
-    p_res = tl.exp(s_res - top[:, None])
-    den += tl.sum(p_sink, axis=1) + tl.sum(p_res, axis=1)
-    acc += _exact_values(p_sink, sv_ptr, n, n_sinks, D, SB) + _exact_values(p_res, rv_ptr, n, n_res, D, RB)
+    s_sink = _exact_scores(q, sk, n, n_sinks, add_ptr, add_stride, 0, Hkv, SB, HAS_MASK)
+    s_res = _exact_scores(q, rk, n, n_res, add_ptr, add_stride, res_off, Hkv, RB, HAS_MASK)
+    new = tl.maximum(top, tl.maximum(tl.max(s_sink, axis=1), tl.max(s_res, axis=1)))
+    use = tl.where(new == float("-inf"), 0.0, new)              # a row with nothing to attend to
+    alpha = tl.exp(top - use)
+    p_sink = tl.exp(s_sink - use[:, None])
+    p_res = tl.exp(s_res - use[:, None])
+    den = den * alpha + tl.sum(p_sink, axis=1) + tl.sum(p_res, axis=1)
+    acc = acc * alpha[:, None] + tl.sum(p_sink[:, :, None] * sv[None, :, :], axis=1) + \
+        tl.sum(p_res[:, :, None] * rv[None, :, :], axis=1)
     tl.store(out_ptr + (n.to(tl.int64) * R + r[:, None]) * D + d[None, :], acc / den[:, None])

@@ -243,14 +243,14 @@ ATTN_PREFETCH = False        # load the next tile's codes before working this on
 ATTN_STAGES = None           # Triton's software pipelining depth for the attention kernel (None: its default)
 # packed tokens per split at least (flash-decoding along the context): short contexts get many short splits, each
 # program's tiles one after another being the step's latency (the merge reads the splits a query row a program)
-ATTN_SPLIT_TOKENS = 128
+ATTN_SPLIT_TOKENS = 64
 ATTN_PROGRAMS_PER_SM = 4     # splits enough for about this many programs per multiprocessor
 # ptxas's cap on the attention kernel's registers a thread (Triton's ``maxnreg``; None: ptxas's own choice). A
 # multiprocessor holds 65,536 registers: at 255 a thread (the default's), four programs of 2 warps fit, 8 warps to
 # hide each other's latency; a cap of 128 lets 16 warps in, at the price of what ptxas then spills
 # (bench/sass_gpu.py counts both offline)
 ATTN_MAX_REGISTERS = None
-MERGE_SPLITS = 32            # splits the merge kernel reads at a time (a program a query row: [32, D] floats)
+MERGE_SPLITS = 64            # splits the merge kernel reads at a time (a program a query row: [64, D] floats)
 # a * b + c as one FMA in the attention kernels (one rounding instead of two: no less accurate, and a multiply and
 # an add fewer to issue). The codec kernels keep it off: they must round as the CPU kernels do, bit for bit.
 ATTN_FP_FUSION = True
@@ -305,12 +305,11 @@ def split_tokens(slabs: int, tokens: int, per_split: Optional[int] = None) -> in
     return -(-per // ATTN_BLOCK_TOKENS) * ATTN_BLOCK_TOKENS
 
 
-def scaled_query(q, rotate: bool, N: int, scaling: float):
-    """[B, Hq, D] queries as the kernel reads them: (scaled, scaled and rotated where ``rotate``) [N, R, D]
-    float32 (the keys' rotation moved from every key onto the query: its matrix is orthogonal and symmetric)."""
+def query_rows(q, N: int):
+    """[B, Hq, D] queries (one token a row, any float dtype, as the model holds them) as the kernels read them:
+    [N, R, D], the R query rows of each slab (batch row x KV head) together; a view where ``q`` is contiguous."""
     B, Hq, D = q.shape
-    qs = (q.float().reshape(N, Hq * B // N, D) * scaling).contiguous()
-    return qs, (qs @ _hadamard(D, qs.device)).contiguous() if rotate else qs
+    return q.reshape(N, Hq * B // N, D).contiguous()
 
 
 @dataclass(frozen=True)
@@ -370,21 +369,24 @@ def _attention_options() -> dict:
     return extra
 
 
-def attend_spans(qs, qr, spans, Hkv: int, sinks=(None, None), residual=(None, None), add=None, res_off: int = 0,
-                 per_split: Optional[int] = None):
-    """The attention output [N, R, D] float32 of the query rows ``qs`` (scaled; ``qr``: also rotated, for spans
-    whose keys rotate: :func:`scaled_query`) over packed spans (:class:`Span`, flash-decoding splits along each
-    in :func:`~kvcx.codecs._triton.attend_packed_kernel`) and the exact tokens: ``sinks`` (keys, values) [N, t0,
-    D] at mask columns 0.., ``residual`` [N, nr, D] (any float dtype, as held) at columns ``res_off``..; ``add``
-    float32 [B, kv_len] added to the scores, or None. Every span's values rotate alike (the merge rotates the
-    accumulator back once). One kernel per two spans of one layout (a store's two segments: one launch) and one
-    merge: no other launch. The caller checks shapes."""
+def attend_spans(q, scaling: float, spans, Hkv: int, sinks=(None, None), residual=(None, None), add=None,
+                 res_off: int = 0, per_split: Optional[int] = None):
+    """The attention output [N, R, D] float32 of the query rows ``q`` [N, R, D] (:func:`query_rows`: any float
+    dtype, as the model holds them; the kernels scale them by ``scaling`` as they read them) over packed spans
+    (:class:`Span`, flash-decoding splits along each in :func:`~kvcx.codecs._triton.attend_packed_kernel`) and
+    the exact tokens: ``sinks`` (keys, values) [N, t0, D] at mask columns 0.., ``residual`` [N, nr, D] (any
+    float dtype, as held) at columns ``res_off``..; ``add`` float32 [B, kv_len] added to the scores, or None.
+    Every span's values rotate alike (the merge rotates the accumulator back once). One kernel per two spans of
+    one layout (a store's two segments: one launch) and one merge: no other launch (but for spans whose keys
+    rotate: their query, scaled and rotated, from one product; the keys' rotation moved from every key onto the
+    query, its matrix orthogonal and symmetric). The caller checks shapes."""
     torch, k = _torch(), _kernels()
-    N, R, D = qs.shape
+    N, R, D = q.shape
     rotate = {sp.value_codec.rotate for sp in spans}
     if len(rotate) > 1:
         raise CodecError("attention: the packed spans' values must all rotate, or none")
     full = [sp for sp in spans if sp.keys.tokens]
+    qr = (q.float() * scaling) @ _hadamard(D, q.device) if any(sp.key_codec.rotate for sp in full) else None
     per = split_tokens(N, sum(sp.keys.tokens for sp in full), per_split) if full else 0   # one size for all
     launches = []   # [(constexprs, [(span, splits)])]: two spans of one layout share a launch
     for sp in full:
@@ -398,11 +400,11 @@ def attend_spans(qs, qr, spans, Hkv: int, sinks=(None, None), residual=(None, No
             launches.append((const, [item]))
     spt = max(1, sum(n for _, items in launches for _, n in items))
     if full:   # every split written by the kernel
-        m, l, acc = (torch.empty(N, spt, R, *d, device=qs.device) for d in ((), (), (D,)))
+        m, l, acc = (torch.empty(N, spt, R, *d, device=q.device) for d in ((), (), (D,)))
     else:      # no packed token yet: one empty split (weight exp(-inf) = 0 times a sum and an accumulator of 0,
         # not of whatever the allocator held: 0 x NaN would be NaN)
-        m = torch.full((N, 1, R), float("-inf"), device=qs.device)
-        l, acc = torch.zeros(N, 1, R, device=qs.device), torch.zeros(N, 1, R, D, device=qs.device)
+        m = torch.full((N, 1, R), float("-inf"), device=q.device)
+        l, acc = torch.zeros(N, 1, R, device=q.device), torch.zeros(N, 1, R, D, device=q.device)
     off, extra = 0, _attention_options()
     for const, items in launches:
         # a tile lies within one per-channel block (splits are whole ATTN_BLOCK_TOKENS, a multiple of it); a launch
@@ -417,8 +419,9 @@ def attend_spans(qs, qr, spans, Hkv: int, sinks=(None, None), residual=(None, No
                              vn=vs.scales.shape[1], mo=sp.mask_off))
         x, y = args
         k.attend_packed_kernel[(N, na + nb)](
-            qr if a.key_codec.rotate else qs, x["kc"], x["ks"], x["kz"], x["vc"], x["vs"], x["vz"],
-            y["kc"], y["ks"], y["kz"], y["vc"], y["vs"], y["vz"], add if add is not None else qs, m, l, acc, Hkv,
+            qr if a.key_codec.rotate else q, x["kc"], x["ks"], x["kz"], x["vc"], x["vs"], x["vz"],
+            y["kc"], y["ks"], y["kz"], y["vc"], y["vs"], y["vz"], 1.0 if a.key_codec.rotate else scaling,
+            add if add is not None else m, m, l, acc, Hkv,
             x["T"], y["T"], x["kb"], y["kb"], x["vb"], y["vb"], x["kn"], y["kn"], x["vn"], y["vn"],
             add.shape[1] if add is not None else 0, x["mo"], y["mo"], per, na, off, spt, **const, **extra,
             enable_fp_fusion=ATTN_FP_FUSION, num_warps=ATTN_WARPS)
@@ -429,9 +432,9 @@ def attend_spans(qs, qr, spans, Hkv: int, sinks=(None, None), residual=(None, No
     nr = 0 if rk is None else rk.shape[1]
     if not full and not t0 and not nr:
         raise CodecError("attention: there are no tokens to attend to")
-    out = torch.empty(N, R, D, device=qs.device)
-    k.merge_kernel[(N, R)](qs, m, l, acc, spt, sk if t0 else qs, sv if t0 else qs, t0, rk if nr else qs,
-                         rv if nr else qs, nr, add if add is not None else qs, add.shape[1] if add is not None else 0,
+    out = torch.empty(N, R, D, device=q.device)
+    k.merge_kernel[(N, R)](q, scaling, m, l, acc, spt, sk if t0 else m, sv if t0 else m, t0, rk if nr else m,
+                         rv if nr else m, nr, add if add is not None else m, add.shape[1] if add is not None else 0,
                          res_off, Hkv, out, _norm(D), R=R, D=D, SB=_pow2(t0), RB=_pow2(nr),
                          HAS_MASK=add is not None, ROTATE=bool(full) and True in rotate, CH=MERGE_SPLITS,
                          enable_fp_fusion=ATTN_FP_FUSION)
@@ -457,8 +460,8 @@ def attend(q, keys: Packed, values: Packed, key_codec, value_codec, residual_k=N
     [B, Hkv, nr, D] full-precision tokens after them, or None; mask: [B, S + nr] float added to the scores
     (or boolean, True = attend), or None; scaling: default 1 / sqrt(D). Query head j reads KV head j // (Hq /
     Hkv), as transformers' repeat_kv. The packed tokens run in the Triton kernel, split along the context
-    (``per_split`` tokens each); the exact tokens (sinks, residual) and the merge of the splits in FP32 torch.
-    Returns [B, Hq, D] float32."""
+    (``per_split`` tokens each); the exact tokens (sinks, residual) and the merge of the splits in a second
+    kernel, in FP32. Returns [B, Hq, D] float32."""
     B, Hq, D = q.shape
     shape = tuple(keys.shape)
     for codec, rec, what in ((key_codec, keys, "keys"), (value_codec, values, "values")):
@@ -474,11 +477,12 @@ def attend(q, keys: Packed, values: Packed, key_codec, value_codec, residual_k=N
         raise CodecError(f"attention: keys keep {kl.t0} exact tokens, values {vl.t0}; they must keep the same")
     t0 = kl.t0
     nr = 0 if residual_k is None else residual_k.shape[2]
-    qs, qr = scaled_query(q, key_codec.rotate, N, D ** -0.5 if scaling is None else float(scaling))
+    rows = query_rows(q, N)
     add = None if mask is None else float_mask(mask, B, S + nr)
     spans = [Span(span_of(keys, key_codec), span_of(values, value_codec), key_codec, value_codec, t0)] if S > t0 else []
     sinks = (keys.sinks.reshape(N, t0, D).contiguous(), values.sinks.reshape(N, t0, D).contiguous()) if t0 else \
         (None, None)
     residual = (residual_k.reshape(N, nr, D).contiguous(), residual_v.reshape(N, nr, D).contiguous()) if nr else \
         (None, None)
-    return attend_spans(qs, qr, spans, Hkv, sinks, residual, add, S, per_split).reshape(B, Hq, D)
+    return attend_spans(rows, D ** -0.5 if scaling is None else float(scaling), spans, Hkv, sinks, residual, add, S,
+                        per_split).reshape(B, Hq, D)

@@ -44,7 +44,8 @@ def _compile(job) -> str:
     name, consts, num_warps, fusion, pointers = job
     fn = getattr(k, name)
     types = {**POINTERS, **pointers}
-    sig = {a: "constexpr" if a in consts else "fp32" if a == "norm" else types.get(a, "i32") for a in fn.arg_names}
+    sig = {a: "constexpr" if a in consts else "fp32" if a in ("norm", "q_scale") else types.get(a, "i32")
+           for a in fn.arg_names}
     try:
         triton.compile(ASTSource(fn, sig, consts), target=TARGET,
                        options=dict(num_warps=num_warps, enable_fp_fusion=fusion))

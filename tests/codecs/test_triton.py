@@ -314,8 +314,7 @@ def test_spans_of_one_layout_share_a_launch_and_equal_sdpa(dot, monkeypatch):
     keep[1, :20] = False
     keep[0, 150:160] = False               # inside the second span
     add = gpu.float_mask(keep, B, start + nr)
-    qs, qr = gpu.scaled_query(q, True, N, D ** -0.5)
-    out = gpu.attend_spans(qs, qr, spans, Hkv, sinks, (rk.reshape(N, nr, D), rv.reshape(N, nr, D)), add, start,
+    out = gpu.attend_spans(gpu.query_rows(q, N), D ** -0.5, spans, Hkv, sinks, (rk.reshape(N, nr, D), rv.reshape(N, nr, D)), add, start,
                            per_split=64).reshape(B, Hkv * R, D)
     assert [grid[1] for grid in launches] == [2 + 3, 1]     # splits of 64 tokens: (100 + 130) in one, 48 in one
     Kf = torch.cat(Kd + [rk], 2).repeat_interleave(R, 1)
