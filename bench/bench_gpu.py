@@ -30,6 +30,7 @@ figures from it say nothing about speed, only that every path runs.
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import statistics
 import sys
@@ -96,6 +97,35 @@ def graph_timer(torch, dev, fn, reps: int):
         print(f"CUDA graph capture failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         return None
     return timer(torch, dev, graph.replay, reps)
+
+
+def kernel_times(torch, dev, step, steps: int) -> list:
+    """[(kernel name, launches a step, mean us a step)] of ``step`` over ``steps`` profiled steps, longest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    flush = torch.empty(256 * 2**20, dtype=torch.int8, device=dev)
+    acts = [ProfilerActivity.CUDA] if dev.type == "cuda" else [ProfilerActivity.CPU]
+    with profile(activities=acts) as prof:
+        for _ in range(steps):
+            flush.zero_()
+            step()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+    got = collections.defaultdict(lambda: [0, 0.0])
+    for ev in prof.events():
+        on_device = getattr(ev, "device_type", None) == torch.autograd.DeviceType.CUDA
+        if (dev.type == "cuda") != on_device or ev.name.startswith(("ProfilerStep", "cudaDevice")):
+            continue
+        if dev.type != "cuda" and ev.cpu_parent is not None:   # the interpreter: top-level calls only
+            continue
+        low = ev.name.lower()
+        if ev.name in ("aten::zero_", "aten::fill_") or "memset" in low or ("fill" in low and "signed char" in low):
+            continue     # the flush (int8 zeros: a fill of 256 MiB), not the step
+        t = ev.device_time if dev.type == "cuda" else ev.cpu_time
+        got[ev.name][0] += 1
+        got[ev.name][1] += t
+    rows = [(name[:70], n / steps, us / steps) for name, (n, us) in got.items()]
+    return sorted(rows, key=lambda r: -r[2])
 
 
 def _us(t) -> str:
@@ -312,20 +342,32 @@ def bandwidth(torch, dev, cfg, shape, reps, out):
     out("")
     out(f"[{', '.join(map(str, shape))}] BF16; GB/s = bytes of the BF16 tensor / median time (1 GB = 1e9 bytes).")
     out("")
-    out("| codec | encode GB/s | decode GB/s | copy GB/s | encode / copy | decode / copy |")
-    out("|---|---:|---:|---:|---:|---:|")
+    out("| codec | encode GB/s | decode GB/s | copy GB/s | encode / copy | decode / copy | encode kernels GB/s | "
+        "decode kernels GB/s | copy kernel GB/s | encode kernels / copy | decode kernels / copy |")
+    out("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     x = torch.randn(*shape, device=dev, dtype=torch.bfloat16)
     y = torch.empty_like(x)
     nbytes = x.numel() * 2
     t_copy = timer(torch, dev, lambda: y.copy_(x), reps)
     copy = nbytes / t_copy / 1e9
+
+    def kernels_gbs(step):
+        if dev.type != "cuda":
+            return None
+        return nbytes / (sum(us for _, _, us in kernel_times(torch, dev, step, 10)) * 1e-6) / 1e9
+
+    k_copy = kernels_gbs(lambda: y.copy_(x))
     for label, codec in (("kvcx keys (channel, zero points)", cfg.key), ("kvcx values (token, rotated)", cfg.value)):
         codec = codec.with_backend("triton")
         p = codec.encode(x)
         t_enc = timer(torch, dev, lambda: codec.encode(x), reps)
         t_dec = timer(torch, dev, lambda: codec.decode(p, y), reps)
         enc, dec = nbytes / t_enc / 1e9, nbytes / t_dec / 1e9
-        out(f"| {label} | {enc:.1f} | {dec:.1f} | {copy:.1f} | {enc / copy:.2f} | {dec / copy:.2f} |")
+        k_enc, k_dec = kernels_gbs(lambda: codec.encode(x)), kernels_gbs(lambda: codec.decode(p, y))
+        kern = [f"{v:.1f}" if v else "n/a" for v in (k_enc, k_dec, k_copy)] + \
+            [f"{v / k_copy:.2f}" if v and k_copy else "n/a" for v in (k_enc, k_dec)]
+        out(f"| {label} | {enc:.1f} | {dec:.1f} | {copy:.1f} | {enc / copy:.2f} | {dec / copy:.2f} | " +
+            " | ".join(kern) + " |")
     out("")
 
 

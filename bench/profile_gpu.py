@@ -13,41 +13,11 @@ cost the kernel's time a token does not explain; this says which launch holds it
 from __future__ import annotations
 
 import argparse
-import collections
 import os
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-
-def kernel_times(torch, dev, step, steps: int) -> list:
-    """[(kernel name, launches a step, mean us a step)] of ``step`` over ``steps`` profiled steps, longest first."""
-    from torch.profiler import ProfilerActivity, profile
-
-    flush = torch.empty(256 * 2**20, dtype=torch.int8, device=dev)
-    acts = [ProfilerActivity.CUDA] if dev.type == "cuda" else [ProfilerActivity.CPU]
-    with profile(activities=acts) as prof:
-        for _ in range(steps):
-            flush.zero_()
-            step()
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-    got = collections.defaultdict(lambda: [0, 0.0])
-    for ev in prof.events():
-        on_device = getattr(ev, "device_type", None) == torch.autograd.DeviceType.CUDA
-        if (dev.type == "cuda") != on_device or ev.name.startswith(("ProfilerStep", "cudaDevice")):
-            continue
-        if dev.type != "cuda" and ev.cpu_parent is not None:   # the interpreter: top-level calls only
-            continue
-        low = ev.name.lower()
-        if ev.name in ("aten::zero_", "aten::fill_") or "memset" in low or ("fill" in low and "signed char" in low):
-            continue     # the flush (int8 zeros: a fill of 256 MiB), not the step
-        t = ev.device_time if dev.type == "cuda" else ev.cpu_time
-        got[ev.name][0] += 1
-        got[ev.name][1] += t
-    rows = [(name[:70], n / steps, us / steps) for name, (n, us) in got.items()]
-    return sorted(rows, key=lambda r: -r[2])
 
 
 def main(argv=None):
@@ -90,7 +60,7 @@ def main(argv=None):
         step = lambda: store.attend(q.view(1, hq, d), rk, rv, None, d ** -0.5)  # noqa: E731
         for _ in range(3):
             step()
-        rows = kernel_times(torch, dev, step, steps)
+        rows = bench_gpu.kernel_times(torch, dev, step, steps)
         graph = bench_gpu.graph_timer(torch, dev, step, reps)
         total = sum(us for _, _, us in rows)
         out(f"### {S:,} tokens, batch 1: kernels {total:.1f} us a step; the step replayed from a CUDA graph "
