@@ -387,16 +387,15 @@ def attend_spans(q, scaling: float, spans, Hkv: int, sinks=(None, None), residua
     full = [sp for sp in spans if sp.keys.tokens]
     qr = (q.float() * scaling) @ _hadamard(D, q.device) if any(sp.key_codec.rotate for sp in full) else None
     per = split_tokens(N, sum(sp.keys.tokens for sp in full), per_split) if full else 0   # one size for all
-    launches = []   # [(constexprs, [(span, splits)])]: two spans of one layout share a launch
+    launches = []   # [((constexprs, keys rotate), [(span, splits)])]: two spans of one layout share a launch
     for sp in full:
-        const = attention_constexprs(sp.key_codec, sp.value_codec, R, D, ATTN_DOT, ATTN_BLOCK_TOKENS, add is not None,
-                                     ATTN_PREFETCH)
+        key = (attention_constexprs(sp.key_codec, sp.value_codec, R, D, ATTN_DOT, ATTN_BLOCK_TOKENS, add is not None,
+                                    ATTN_PREFETCH), sp.key_codec.rotate)   # the kernel's layout, the query it reads
         item = (sp, -(-sp.keys.tokens // per))
-        if launches and len(launches[-1][1]) == 1 and launches[-1][0] == const \
-                and launches[-1][1][0][0].key_codec.rotate == sp.key_codec.rotate:
+        if launches and launches[-1][0] == key and len(launches[-1][1]) == 1:
             launches[-1][1].append(item)
         else:
-            launches.append((const, [item]))
+            launches.append((key, [item]))
     spt = max(1, sum(n for _, items in launches for _, n in items))
     if full:   # every split written by the kernel
         m, l, acc = (torch.empty(N, spt, R, *d, device=q.device) for d in ((), (), (D,)))
@@ -405,7 +404,7 @@ def attend_spans(q, scaling: float, spans, Hkv: int, sinks=(None, None), residua
         m = torch.full((N, 1, R), float("-inf"), device=q.device)
         l, acc = torch.zeros(N, 1, R, device=q.device), torch.zeros(N, 1, R, D, device=q.device)
     off, extra = 0, _attention_options()
-    for const, items in launches:
+    for (const, rotated), items in launches:
         # a tile lies within one per-channel block (splits are whole ATTN_BLOCK_TOKENS, a multiple of it); a launch
         # of one span passes it as the second too, with no split reading it
         (a, na), (b, nb) = items[0], items[-1] if len(items) > 1 else (items[0][0], 0)
@@ -418,8 +417,8 @@ def attend_spans(q, scaling: float, spans, Hkv: int, sinks=(None, None), residua
                              vn=vs.scales.shape[1], mo=sp.mask_off))
         x, y = args
         k.attend_packed_kernel[(N, na + nb)](
-            qr if a.key_codec.rotate else q, x["kc"], x["ks"], x["kz"], x["vc"], x["vs"], x["vz"],
-            y["kc"], y["ks"], y["kz"], y["vc"], y["vs"], y["vz"], 1.0 if a.key_codec.rotate else scaling,
+            qr if rotated else q, x["kc"], x["ks"], x["kz"], x["vc"], x["vs"], x["vz"],
+            y["kc"], y["ks"], y["kz"], y["vc"], y["vs"], y["vz"], 1.0 if rotated else scaling,
             add if add is not None else m, m, l, acc, Hkv,
             x["T"], y["T"], x["kb"], y["kb"], x["vb"], y["vb"], x["kn"], y["kn"], x["vn"], y["vn"],
             add.shape[1] if add is not None else 0, x["mo"], y["mo"], per, na, off, spt, **const, **extra,
