@@ -215,6 +215,8 @@ ATTENTION_CASES = [
     ("kivi", 128, 2, 1, "bool", 96, "int8x3", 170),    # the same with values' zero points, a partial last tile
     ("reference", 64, 2, 2, None, 64, "int8x3", 150),  # per-token keys (dequantized: FP32 products), int8 values
     (CHANNELS, 64, 2, 0, "float", 32, "int8x3", 97),   # 16-token tiles: "tf32x2" (int8 products sum 32 or more)
+    ((dict(scheme="asymmetric", axis="channel", rotate=True, sinks=1), dict(scheme="symmetric", rotate=True, sinks=1)),
+     64, 4, 2, "float", 64, "int8x3", 150),           # rotated keys: the query rotated (and scaled) before the kernel
 ]
 # the next tile's codes loaded ahead (a --tune setting, not the default): the same kernel but for its loads, run
 # on a layout of each kind (channel keys and rotated values, per-token keys, per-channel values with a partial
