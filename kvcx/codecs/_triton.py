@@ -363,7 +363,15 @@ def _token_params(s_ptr, z_ptr, off, mask, ASYM: tl.constexpr):
     return sc, zc
 
 
-@triton.jit
+# integer arguments that change from one decode step to the next (the mask's width, the residual's length) or at a
+# flush (the tokens, the splits): Triton specializes a kernel on whether an integer is 1 or a multiple of 16 and
+# compiles it again for each new combination, a second or more in the middle of a generation; these are passed as
+# they are (the row strides that set the loads' alignment keep their specialization: they change in whole units)
+_STEP_ARGS = ("T", "T2", "k_nsc", "k_nsc2", "mask_stride", "mask_off", "mask_off2", "n_first", "sp_off", "SPT")
+_MERGE_STEP_ARGS = ("SPT", "n_sinks", "n_res", "add_stride", "res_off")
+
+
+@triton.jit(do_not_specialize=_STEP_ARGS)
 def attend_packed_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kc2_ptr, ks2_ptr, kz2_ptr, vc2_ptr,
                          vs2_ptr, vz2_ptr, q_scale, mask_ptr, m_ptr, l_ptr, acc_ptr, Hkv, T, T2, k_row_bytes,
                          k_row_bytes2, v_row_bytes, v_row_bytes2, k_nsc, k_nsc2, v_nsc, v_nsc2, mask_stride, mask_off,
@@ -530,7 +538,7 @@ def _exact_scores(q, k, n, ne, add_ptr, add_stride, add_off, Hkv, EB: tl.constex
     return tl.where(em[None, :], s, float("-inf"))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_MERGE_STEP_ARGS)
 def merge_kernel(q_ptr, q_scale, m_ptr, l_ptr, acc_ptr, SPT, sk_ptr, sv_ptr, n_sinks, rk_ptr, rv_ptr, n_res, add_ptr,
                  add_stride, res_off, Hkv, out_ptr, norm, R: tl.constexpr, D: tl.constexpr, SB: tl.constexpr,
                  RB: tl.constexpr, HAS_MASK: tl.constexpr, ROTATE: tl.constexpr, CH: tl.constexpr):

@@ -433,7 +433,7 @@ def attend_spans(q, scaling: float, spans, Hkv: int, sinks=(None, None), residua
     out = torch.empty(N, R, D, device=q.device)
     k.merge_kernel[(N, R)](q, scaling, m, l, acc, spt, sk if t0 else m, sv if t0 else m, t0, rk if nr else m,
                          rv if nr else m, nr, add if add is not None else m, add.shape[1] if add is not None else 0,
-                         res_off, Hkv, out, _norm(D), R=R, D=D, SB=_pow2(t0), RB=_pow2(nr),
+                         res_off, Hkv, out, _norm(D), R=R, D=D, SB=_pow2(t0), RB=max(16, _pow2(nr)),
                          HAS_MASK=add is not None, ROTATE=bool(full) and True in rotate, CH=MERGE_SPLITS,
                          enable_fp_fusion=ATTN_FP_FUSION)
     return out

@@ -72,6 +72,56 @@ def test_generate_through_the_triton_path_equals_the_cpu_path(tiny):
     assert cpu.memory_report()["packed_bytes"] <= rep["packed_bytes"] <= 2 * cpu.memory_report()["packed_bytes"]
 
 
+def test_decode_steps_launch_no_kernel_triton_would_compile_again(tiny, monkeypatch):
+    """Triton compiles a kernel again for each new combination of its integer arguments being 1 or a multiple of 16
+    and of its tensors' dtypes and 16-byte alignment: on a GPU a second or more in the middle of a generation.
+    Across decode steps (the mask a column wider each step, the residual a token longer, a flush) the attention
+    kernel sees one combination and the merge one per block of residual tokens (a power of two from 16: 16, 32 and
+    64 for a residual of up to 64): the integers that change are passed without specialization
+    (``_triton._STEP_ARGS``, ``_MERGE_STEP_ARGS``)."""
+    import inspect
+
+    from kvcx.codecs import _triton
+
+    seen, raw = {}, {}
+
+    def key(params, args, kwargs, skip):
+        out = []
+        for p, v in list(zip(params, args)) + sorted(kwargs.items()):
+            if p in skip:
+                continue
+            if isinstance(v, torch.Tensor):
+                out.append((p, str(v.dtype), v.data_ptr() % 16 == 0))
+            elif isinstance(v, int) and not isinstance(v, bool) and p in params[:len(args)]:
+                out.append((p, v == 1, v % 16 == 0))
+            elif not isinstance(v, float):
+                out.append((p, v))          # constexprs and launch options
+        return tuple(out)
+
+    for name, skip in (("attend_packed_kernel", _triton._STEP_ARGS), ("merge_kernel", _triton._MERGE_STEP_ARGS)):
+        real = getattr(_triton, name)
+        params = list(inspect.signature(real.fn).parameters)
+
+        class Recorded:
+            def __getitem__(self, grid, real=real, params=params, skip=skip, name=name):
+                def launch(*args, **kwargs):
+                    seen.setdefault(name, set()).add(key(params, args, kwargs, skip))
+                    raw.setdefault(name, set()).add(key(params, args, kwargs, ()))
+                    return real[grid](*args, **kwargs)
+                return launch
+
+        monkeypatch.setattr(_triton, name, Recorded())
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 256, (2, 90), generator=g).to(DEVICE)
+    mask = torch.ones_like(ids)
+    mask[1, :6] = 0
+    _generate(tiny, KvcxCache(tiny.config, backend="triton", **OPTS), ids, mask, n=9)
+    assert len(raw["attend_packed_kernel"]) > 1 and len(raw["merge_kernel"]) > 1   # the steps' integers do change
+    assert len(seen["attend_packed_kernel"]) == 1, seen["attend_packed_kernel"]
+    blocks = {e[1] for k in seen["merge_kernel"] for e in k if e[0] == "RB"}
+    assert len(seen["merge_kernel"]) == len(blocks) and blocks <= {16, 32, 64}, seen["merge_kernel"]
+
+
 def test_multi_token_steps_decode_into_device_scratch(tiny):
     """Steps of several tokens over a packed history (a prompt's later chunks) decode the device store into
     device scratch: the logits equal the CPU store's materialising path."""
