@@ -13,6 +13,7 @@ cost the kernel's time a token does not explain; this says which launch holds it
 from __future__ import annotations
 
 import argparse
+import ast
 import os
 import sys
 import time
@@ -28,21 +29,36 @@ def main(argv=None):
                     help="launch settings of kvcx.codecs.gpu to use (e.g. ATTN_SPLIT_TOKENS=64), as Python literals")
     args = ap.parse_args(argv)
     import bench_gpu
-    from report import Report
 
     torch, dev = bench_gpu._setup(args.smoke)
-    import ast
+    from kvcx.codecs import gpu
 
-    from kvcx.codecs import KVConfig, gpu
-
+    settings = {}
     for item in args.set:
         name, _, value = item.partition("=")
         if not name.startswith(("ATTN_", "MERGE_")) or not hasattr(gpu, name):
             ap.error(f"--set {item}: not a launch setting of kvcx.codecs.gpu (ATTN_*, MERGE_*)")
         try:
-            setattr(gpu, name, ast.literal_eval(value))
+            settings[name] = ast.literal_eval(value)
         except (ValueError, SyntaxError):
             ap.error(f"--set {item}: the value is not a Python literal (a number, a string in quotes, None)")
+    saved = {name: getattr(gpu, name) for name in settings}
+    try:   # the settings for this run only (the module's own again after it, also when imported)
+        for name, value in settings.items():
+            setattr(gpu, name, value)
+        profile(torch, dev, args)
+    finally:
+        for name, value in saved.items():
+            setattr(gpu, name, value)
+
+
+def profile(torch, dev, args) -> None:
+    """The tables for the contexts of ``args`` (--smoke: one tiny one), written where ``args.markdown`` says."""
+    import bench_gpu
+    from report import Report
+
+    from kvcx.codecs import KVConfig, gpu
+
     out = Report()
     out(f"Device: {torch.cuda.get_device_name(0) if dev.type == 'cuda' else 'no GPU: the interpreter'}; torch "
         f"{torch.__version__}; triton {__import__('triton').__version__}; launch settings: "

@@ -27,6 +27,28 @@ def test_every_section_runs_and_writes_its_table(tmp_path):
     assert "## 4. Memory: the packed store holds" in text
 
 
+def test_the_step_profile_runs_and_names_the_kernels(tmp_path):
+    """bench/profile_gpu.py (--smoke: tiny shapes, the interpreter) gives a step's calls by time with a launch
+    setting from the command line, and refuses a name that is not one."""
+    import sys
+
+    sys.path.insert(0, str(BENCH.parent))
+    import profile_gpu
+
+    out = tmp_path / "profile.md"
+    from kvcx.codecs import gpu
+
+    default = gpu.ATTN_SPLIT_TOKENS
+    profile_gpu.main(["--smoke", "--set", "ATTN_SPLIT_TOKENS=128", "--markdown", str(out)])
+    assert gpu.ATTN_SPLIT_TOKENS == default           # the setting held for the run only
+    text = out.read_text()
+    assert "at least 128 tokens a split" in text and "| launches a step |" in text
+    rows = [line for line in text.splitlines() if line.startswith("| `")]
+    assert rows and all(float(line.split(" | ")[2]) >= 0 for line in rows)
+    with pytest.raises(SystemExit):
+        profile_gpu.main(["--smoke", "--set", "NOT_A_SETTING=1"])
+
+
 def test_the_offline_instruction_count_finds_the_kernels_loop(tmp_path):
     """bench/sass_gpu.py compiles the attention kernel for sm_90 (no GPU), disassembles it and counts its main
     loop: the FP32-sums setting has no tensor-core products in it, the default's int8 products are there. It
