@@ -32,6 +32,7 @@ def main(argv=None):
 
     torch, dev = bench_gpu._setup(args.smoke)
     from kvcx.codecs import gpu
+    from kvcx.errors import KvcxError
 
     settings = {}
     for item in args.set:
@@ -42,11 +43,19 @@ def main(argv=None):
             settings[name] = ast.literal_eval(value)
         except (ValueError, SyntaxError):
             ap.error(f"--set {item}: the value is not a Python literal (a number, a string in quotes, None)")
+        default = getattr(gpu, name)
+        if isinstance(default, int) and not isinstance(default, bool) and \
+                not (type(settings[name]) is int and settings[name] >= 1):
+            ap.error(f"--set {item}: {name} is a count; give a whole number from 1")
+    if dev.type != "cuda" and not args.smoke:
+        ap.error("no CUDA device here: the full shapes would run for hours in Triton's interpreter; pass --smoke")
     saved = {name: getattr(gpu, name) for name in settings}
     try:   # the settings for this run only (the module's own again after it, also when imported)
         for name, value in settings.items():
             setattr(gpu, name, value)
         profile(torch, dev, args)
+    except KvcxError as exc:   # a setting the kernels refuse (a product mode, a register cap), by its name
+        ap.error(str(exc))
     finally:
         for name, value in saved.items():
             setattr(gpu, name, value)

@@ -45,8 +45,10 @@ def test_the_step_profile_runs_and_names_the_kernels(tmp_path):
     assert "at least 128 tokens a split" in text and "| launches a step |" in text
     rows = [line for line in text.splitlines() if line.startswith("| `")]
     assert rows and all(float(line.split(" | ")[2]) >= 0 for line in rows)
-    with pytest.raises(SystemExit):
-        profile_gpu.main(["--smoke", "--set", "NOT_A_SETTING=1"])
+    for bad in ("NOT_A_SETTING=1", "ATTN_SPLIT_TOKENS=0", "ATTN_SPLIT_TOKENS=x", "ATTN_DOT='int4'"):
+        with pytest.raises(SystemExit):
+            profile_gpu.main(["--smoke", "--set", bad])
+    assert gpu.ATTN_DOT != "int4"
 
 
 def test_the_offline_instruction_count_finds_the_kernels_loop(tmp_path):

@@ -373,8 +373,8 @@ _MERGE_STEP_ARGS = ("SPT", "n_sinks", "n_res", "add_stride", "res_off")
 
 @triton.jit(do_not_specialize=_STEP_ARGS)
 def attend_packed_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kc2_ptr, ks2_ptr, kz2_ptr, vc2_ptr,
-                         vs2_ptr, vz2_ptr, q_scale, mask_ptr, m_ptr, l_ptr, acc_ptr, Hkv, T, T2, k_row_bytes,
-                         k_row_bytes2, v_row_bytes, v_row_bytes2, k_nsc, k_nsc2, v_nsc, v_nsc2, mask_stride, mask_off,
+                         vs2_ptr, vz2_ptr, q_scale, mask_ptr, m_ptr, l_ptr, acc_ptr, Hkv, mask_stride, T, T2,
+                         k_row_bytes, k_row_bytes2, v_row_bytes, v_row_bytes2, k_nsc, k_nsc2, v_nsc, v_nsc2, mask_off,
                          mask_off2, per_split, n_first, sp_off, SPT,
                          R: tl.constexpr, RP: tl.constexpr, D: tl.constexpr, BT: tl.constexpr,
                          KG: tl.constexpr, K_CHANNEL: tl.constexpr, K_ASYM: tl.constexpr,

@@ -368,6 +368,16 @@ def _attention_options() -> dict:
     return extra
 
 
+def _span_args(sp: Span) -> tuple:
+    """A span's arguments of the attention kernel: (its six buffers, its integers in the kernel's order: tokens,
+    key and value row bytes, key and value scale columns, the mask column of its first token)."""
+    ks, vs = sp.keys, sp.values
+    buffers = (ks.codes, ks.scales, ks.zeros if ks.zeros is not None else ks.scales,
+               vs.codes, vs.scales, vs.zeros if vs.zeros is not None else vs.scales)
+    return buffers, (ks.tokens, ks.codes.shape[1], vs.codes.shape[1], ks.scales.shape[1], vs.scales.shape[1],
+                     sp.mask_off)
+
+
 def attend_spans(q, scaling: float, spans, Hkv: int, sinks=(None, None), residual=(None, None), add=None,
                  res_off: int = 0, per_split: Optional[int] = None):
     """The attention output [N, R, D] float32 of the query rows ``q`` [N, R, D] (:func:`query_rows`: any float
@@ -405,24 +415,15 @@ def attend_spans(q, scaling: float, spans, Hkv: int, sinks=(None, None), residua
         l, acc = torch.zeros(N, 1, R, device=q.device), torch.zeros(N, 1, R, D, device=q.device)
     off, extra = 0, _attention_options()
     for (const, rotated), items in launches:
-        # a tile lies within one per-channel block (splits are whole ATTN_BLOCK_TOKENS, a multiple of it); a launch
-        # of one span passes it as the second too, with no split reading it
-        (a, na), (b, nb) = items[0], items[-1] if len(items) > 1 else (items[0][0], 0)
-        args = []
-        for sp in (a, b):
-            ks, vs = sp.keys, sp.values
-            args.append(dict(kc=ks.codes, ks=ks.scales, kz=ks.zeros if ks.zeros is not None else ks.scales,
-                             vc=vs.codes, vs=vs.scales, vz=vs.zeros if vs.zeros is not None else vs.scales,
-                             T=ks.tokens, kb=ks.codes.shape[1], vb=vs.codes.shape[1], kn=ks.scales.shape[1],
-                             vn=vs.scales.shape[1], mo=sp.mask_off))
-        x, y = args
+        if len(items) == 1:   # a launch of one span passes it as the second too, with no split reading it
+            items = items + [(items[0][0], 0)]
+        (a, na), (b, nb) = items
+        (pa, ia), (pb, ib) = _span_args(a), _span_args(b)
+        # a tile lies within one per-channel block (splits are whole ATTN_BLOCK_TOKENS, a multiple of it)
         k.attend_packed_kernel[(N, na + nb)](
-            qr if rotated else q, x["kc"], x["ks"], x["kz"], x["vc"], x["vs"], x["vz"],
-            y["kc"], y["ks"], y["kz"], y["vc"], y["vs"], y["vz"], 1.0 if rotated else scaling,
-            add if add is not None else m, m, l, acc, Hkv,
-            x["T"], y["T"], x["kb"], y["kb"], x["vb"], y["vb"], x["kn"], y["kn"], x["vn"], y["vn"],
-            add.shape[1] if add is not None else 0, x["mo"], y["mo"], per, na, off, spt, **const, **extra,
-            enable_fp_fusion=ATTN_FP_FUSION, num_warps=ATTN_WARPS)
+            qr if rotated else q, *pa, *pb, 1.0 if rotated else scaling, add if add is not None else m, m, l, acc,
+            Hkv, add.shape[1] if add is not None else 0, *(v for pair in zip(ia, ib) for v in pair), per, na, off,
+            spt, **const, **extra, enable_fp_fusion=ATTN_FP_FUSION, num_warps=ATTN_WARPS)
         off += na + nb
     sk, sv = sinks
     rk, rv = residual
