@@ -34,7 +34,7 @@ for step in "$@"; do
              tests/test_bench_gpu.py} 2>&1 | tee "$OUT"/tests.log | tail -30 ;;
     bench) log bench; timeout "${BENCH_T:-540}" python3 bench/bench_gpu.py ${BENCH_ARGS:-} --markdown docs/results/gpu.md \
              2>&1 | tee "$OUT"/bench.log | tail -60; cp docs/results/gpu.md "$OUT"/ ;;
-    profile) log profile; timeout "${PROFILE_T:-180}" python3 bench/profile_gpu.py --markdown docs/results/gpu-profile.md \
+    profile) log profile; timeout "${PROFILE_T:-180}" python3 bench/profile_gpu.py --codecs --markdown docs/results/gpu-profile.md \
              2>&1 | tee "$OUT"/profile.log | tail -40; cp docs/results/gpu-profile.md "$OUT"/ ;;
     variants) log variants; timeout "${VARIANTS_T:-240}" python3 bench/bench_gpu.py --skip attention bandwidth \
              generate --variants --markdown "$OUT"/variants.md 2>&1 | tee "$OUT"/variants.log | tail -30 ;;

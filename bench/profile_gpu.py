@@ -26,7 +26,11 @@ def main(argv=None):
     ap.add_argument("--smoke", action="store_true", help="tiny shapes: every path runs (any device, the interpreter)")
     ap.add_argument("--markdown", default=None, help="also write the tables to this file")
     ap.add_argument("--set", nargs="*", default=[], metavar="NAME=VALUE",
-                    help="launch settings of kvcx.codecs.gpu to use (e.g. ATTN_SPLIT_TOKENS=64), as Python literals")
+                    help="launch settings of kvcx.codecs.gpu to use (e.g. ATTN_SPLIT_TOKENS=64, CODEC_WARPS=8), as "
+                         "Python literals")
+    ap.add_argument("--codecs", action="store_true",
+                    help="also the encode and decode calls of bench_gpu.py's bandwidth section: their kernels, the "
+                         "codec kernels' launch settings side by side, and the host's time a call by function")
     args = ap.parse_args(argv)
     import bench_gpu
 
@@ -37,8 +41,9 @@ def main(argv=None):
     settings = {}
     for item in args.set:
         name, _, value = item.partition("=")
-        if not name.startswith(("ATTN_", "MERGE_")) or not hasattr(gpu, name):
-            ap.error(f"--set {item}: not a launch setting of kvcx.codecs.gpu (ATTN_*, MERGE_*)")
+        if not name.startswith(("ATTN_", "MERGE_", "CODEC_", "PROGRAM_")) or not hasattr(gpu, name):
+            ap.error(f"--set {item}: not a launch setting of kvcx.codecs.gpu (ATTN_*, MERGE_*, CODEC_WARPS, "
+                     "PROGRAM_VALUES)")
         try:
             settings[name] = ast.literal_eval(value)
         except (ValueError, SyntaxError):
@@ -99,9 +104,92 @@ def profile(torch, dev, args) -> None:
         store = rk = rv = None
         if dev.type == "cuda":
             torch.cuda.empty_cache()
+    if args.codecs:
+        codecs(torch, dev, out, args.smoke)
     out(f"Total {time.perf_counter() - t0:.0f} s.")
     if args.markdown:
         out.write(args.markdown, "One fused decode step, kernel by kernel (bench/profile_gpu.py).")
+
+
+# the codec kernels' launch settings timed side by side: (values a per-token program quantizes, warps a program);
+# the per-channel kernels hold a block of G tokens whatever the first is
+CODEC_SETTINGS = ((4096, 4), (2048, 4), (8192, 4), (4096, 8), (8192, 8), (16384, 8), (2048, 2))
+
+
+def codecs(torch, dev, out, smoke: bool) -> None:
+    """The encode and decode calls of bench_gpu.py's bandwidth section (the kvcx scheme's keys and values): each
+    launch setting of :data:`CODEC_SETTINGS` (kernels' device time, the call's time), then at the package's
+    settings every kernel a call launches and the host's time a call by function (cProfile)."""
+    import cProfile
+    import pstats
+
+    import bench_gpu
+
+    from kvcx.codecs import KVConfig, gpu
+
+    shape, reps, steps = ((1, 2, 64, 32), 1, 1) if smoke else ((8, 8, 32768, 128), 20, 10)
+    cfg = KVConfig.from_scheme(bench_gpu.SCHEME)
+    x = torch.randn(*shape, device=dev, dtype=torch.bfloat16)
+    y = torch.empty_like(x)
+
+    def kernels_us(step):
+        return sum(us for _, _, us in bench_gpu.kernel_times(torch, dev, step, steps))
+
+    copy = kernels_us(lambda: y.copy_(x))
+    out(f"### The codec calls, {list(shape)} BF16: launch settings (a device copy's kernel: {copy:.1f} us)")
+    out("")
+    out("| codec | values a program | warps | encode kernels (us) | encode call (us) | encode kernels / copy | "
+        "decode kernels (us) | decode call (us) | decode kernels / copy |")
+    out("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    saved = gpu.PROGRAM_VALUES, gpu.CODEC_WARPS
+    codecs = (("kvcx keys (channel, zero points)", cfg.key), ("kvcx values (token, rotated)", cfg.value))
+    try:
+        for label, codec in codecs:
+            codec = codec.with_backend("triton")
+            for values, warps in CODEC_SETTINGS[:2] if smoke else CODEC_SETTINGS:
+                if codec.axis == "channel" and values != CODEC_SETTINGS[0][0]:
+                    continue   # one program a block of G tokens: the values a program do not apply
+                gpu.PROGRAM_VALUES, gpu.CODEC_WARPS = values, warps
+                p = codec.encode(x)
+                enc, dec = kernels_us(lambda: codec.encode(x)), kernels_us(lambda: codec.decode(p, y))
+                t_enc = bench_gpu.timer(torch, dev, lambda: codec.encode(x), reps) * 1e6
+                t_dec = bench_gpu.timer(torch, dev, lambda: codec.decode(p, y), reps) * 1e6
+                per = "n/a" if codec.axis == "channel" else str(values)
+                out(f"| {label} | {per} | {warps} | {enc:.1f} | {t_enc:.1f} | {copy / enc:.2f} | {dec:.1f} | "
+                    f"{t_dec:.1f} | {copy / dec:.2f} |")
+    finally:
+        gpu.PROGRAM_VALUES, gpu.CODEC_WARPS = saved
+    out("")
+    for label, codec in codecs:
+        codec = codec.with_backend("triton")
+        p = codec.encode(x)
+        for kind, call in (("encode", lambda: codec.encode(x)), ("decode", lambda: codec.decode(p, y))):
+            rows = bench_gpu.kernel_times(torch, dev, call, steps)
+            out(f"#### {label}, {kind}: the kernels of a call")
+            out("")
+            out("| kernel | launches a call | us a call |")
+            out("|---|---:|---:|")
+            for name, n, us in rows:
+                out(f"| `{name}` | {n:g} | {us:.1f} |")
+            out("")
+            calls = 2 if smoke else 50
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(calls):
+                call()
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            prof.disable()
+            stats = pstats.Stats(prof).stats   # (file, line, function) -> (calls, primitive, tottime, cumtime, ..)
+            top = sorted(stats.items(), key=lambda kv: -kv[1][2])[:12]
+            out(f"The host's time a {kind} call, by function (cProfile over {calls} calls; own time, longest first):")
+            out("")
+            out("| function | calls a call | own us a call | with callees us a call |")
+            out("|---|---:|---:|---:|")
+            for (path, line, fn), (_, ncalls, tt, ct, _) in top:
+                where = f"{os.path.basename(path)}:{line}" if line else path
+                out(f"| `{fn}` ({where}) | {ncalls / calls:g} | {tt / calls * 1e6:.1f} | {ct / calls * 1e6:.1f} |")
+            out("")
 
 
 if __name__ == "__main__":

@@ -173,7 +173,6 @@ def count(setting, arch, dump):
 CODEC_SHAPE = (8, 8, 32768, 128)
 CODECS = (("kvcx keys (channel, zero points)", "kvcx", "key"), ("kvcx values (token, rotated)", "kvcx", "value"),
           ("reference values (token)", "reference", "value"))
-CODEC_WARPS = 4   # Triton's default: the launcher does not set num_warps
 WIDTHS = ("LDG", "STG")
 
 
@@ -223,14 +222,14 @@ def count_codec(label: str, scheme: str, which: str, decode: bool, arch: int, du
     else:
         pointers["x_ptr"] = "bf16"
     sig, attrs, consts = launch_signature(fn, values, const, pointers)
-    opts = dict(num_warps=CODEC_WARPS, enable_fp_fusion=False)
+    opts = dict(num_warps=gpu.CODEC_WARPS, enable_fp_fusion=False)
     name = f"{'decode' if decode else 'encode'}_{scheme}_{which}"
     sass, regs, stack, kname, _ = build(fn, sig, consts, attrs, opts, arch, dump, name)
     instrs = parse(sass, kname)
     exits = [i for i, (_, op, args) in enumerate(instrs) if op == "EXIT" and not args]
     body = instrs[:(exits[-1] if exits else len(instrs) - 1) + 1]
     per_program = const["R"] * const["G"] if codec.axis == "token" else const["G"] * lay.D
-    scale = 32 * CODEC_WARPS / per_program
+    scale = 32 * gpu.CODEC_WARPS / per_program
     kinds = collections.Counter(kind_of(op) for _, op, _ in body)
     widths = collections.Counter(access_width(op) for _, op, _ in body if op.split(".")[0] in WIDTHS)
     return dict(label=label, kernel="decode" if decode else "encode", values=per_program, per_value=len(body) * scale,
@@ -239,11 +238,14 @@ def count_codec(label: str, scheme: str, which: str, decode: bool, arch: int, du
 
 
 def codec_table(emit, arch: int, dump: Path | None) -> None:
+    from kvcx.codecs import gpu
+
     head = [label for label, _ in KINDS] + ["other"]
     emit(f"\n## Codec kernels, as bench_gpu.py's bandwidth section launches them ({list(CODEC_SHAPE)} BF16)\n")
-    emit(f"Instructions a value: a thread's instructions from the kernel's start to its exit, times the {CODEC_WARPS} "
-         "warps' threads, over the values a program holds (a warp issues one 32nd of it a value); by kind the same "
-         "way; a thread's global loads and stores by width (U8: a byte each; 64 / 128: 8 / 16 bytes).\n")
+    emit("Instructions a value: a thread's instructions from the kernel's start to its exit, times the "
+         f"{gpu.CODEC_WARPS} warps' threads, over the values a program holds (a warp issues one 32nd of it a "
+         "value); by kind the same way; a thread's global loads and stores by width (U8: a byte each; 64 / 128: "
+         "8 / 16 bytes).\n")
     emit("| codec | kernel | values a program | instructions / value | " + " | ".join(head) +
          " | global accesses a thread | registers | stack bytes |")
     emit("|---|---|---:|---:|" + "---:|" * len(head) + "---|---:|---:|")

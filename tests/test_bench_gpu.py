@@ -39,12 +39,20 @@ def test_the_step_profile_runs_and_names_the_kernels(tmp_path):
     from kvcx.codecs import gpu
 
     default = gpu.ATTN_SPLIT_TOKENS
-    profile_gpu.main(["--smoke", "--set", "ATTN_SPLIT_TOKENS=128", "--markdown", str(out)])
-    assert gpu.ATTN_SPLIT_TOKENS == default           # the setting held for the run only
+    profile_gpu.main(["--smoke", "--set", "ATTN_SPLIT_TOKENS=128", "CODEC_WARPS=2", "--codecs", "--markdown", str(out)])
+    assert gpu.ATTN_SPLIT_TOKENS == default and gpu.CODEC_WARPS == 4   # the settings held for the run only
     text = out.read_text()
     assert "at least 128 tokens a split" in text and "| launches a step |" in text
-    rows = [line for line in text.splitlines() if line.startswith("| `")]
+    step, _, calls = text.partition("### The codec calls")
+    rows = [line for line in step.splitlines() if line.startswith("| `")]
     assert rows and all(float(line.split(" | ")[2]) >= 0 for line in rows)
+    # the codec calls: a row per codec and launch setting (keys: the warps alone), the kernels of each call, the
+    # host's functions of each
+    settings = [line for line in calls.splitlines() if line.startswith("| kvcx ")]
+    assert len(settings) == 3 and all(float(line.split(" | ")[4]) > 0 for line in settings)
+    assert calls.count("the kernels of a call") == 4 and calls.count("cProfile over") == 4
+    host = [line.split(" | ") for line in calls.splitlines() if line.startswith("| `") and line.count(" | ") == 3]
+    assert len(host) >= 4 and all(float(r[2]) >= 0 and float(r[3].rstrip(" |")) >= float(r[2]) for r in host)
     for bad in ("NOT_A_SETTING=1", "ATTN_SPLIT_TOKENS=0", "ATTN_SPLIT_TOKENS=x", "ATTN_DOT='int4'"):
         with pytest.raises(SystemExit):
             profile_gpu.main(["--smoke", "--set", bad])

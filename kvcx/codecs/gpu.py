@@ -31,6 +31,7 @@ from kvcx.errors import CodecError
 # value than at 1,024 (bench/sass_gpu.py counts the kernels for sm_90: docs/results/gpu-sass.md), in under 100
 # registers
 PROGRAM_VALUES = 4096
+CODEC_WARPS = 4              # warps a program of the encode and decode kernels (Triton's default)
 _TORCH_DTYPES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32"}
 
 
@@ -142,7 +143,8 @@ class TritonIntBackend:
         if S > t0:
             (encode, _), args, grid, const = _programs(codec, lay)
             zp = zeros if zeros is not None else scales
-            encode[grid](x3, codes, scales, zp, **args, norm=_norm(D), **const, enable_fp_fusion=False)
+            encode[grid](x3, codes, scales, zp, **args, norm=_norm(D), **const, enable_fp_fusion=False,
+                         num_warps=CODEC_WARPS)
         sinks = x3[:, :t0, :].clone().view(*lay.shape[:-2], t0, D) if t0 else None
         status = _status(x, scales, zeros, sinks)
         if status:
@@ -200,7 +202,8 @@ class TritonIntBackend:
             zp = zeros if codec.asym else scales
             dst = out3.view(torch.int16) if packed.dtype == "BF16" else out3
             decode[grid](codes, scales, zp, dst, **args, out_S=out3.shape[1], out_off=token_offset, norm=_norm(D),
-                         SAT=packed.dtype == "F16", BF16=packed.dtype == "BF16", **const, enable_fp_fusion=False)
+                         SAT=packed.dtype == "F16", BF16=packed.dtype == "BF16", **const, enable_fp_fusion=False,
+                         num_warps=CODEC_WARPS)
         return out
 
 
