@@ -3,7 +3,7 @@ kernels' instructions a value, by kind.
 
     python bench/sass_gpu.py [--markdown docs/results/gpu-sass.md] [--arch 90] [--dump DIR] [--limit N]
 
-Each launch setting of :func:`kvcx.codecs._triton.attend_packed_kernel` that bench_gpu.py's ``--tune`` times
+Each launch setting of :func:`kvcx.codecs._triton_attn.attend_packed_kernel` that bench_gpu.py's ``--tune`` times
 (``SETTINGS``) is compiled for the target (sm_90: Triton's passes and ptxas, as at the first launch on an H100,
 with the default scheme's constexprs and the launch's divisibility hints), disassembled with the ``cuobjdump``
 that Triton ships, and its main loop (the one backward branch over the context's tiles) counted: SASS
@@ -86,7 +86,7 @@ def compile_setting(setting, arch: int, dump: Path | None):
     """(SASS text, registers, stack bytes, kernel name, shared-memory bytes, tile tokens) of the attention kernel at
     setting."""
     from kvcx.codecs import KVConfig, gpu
-    from kvcx.codecs import _triton as k
+    from kvcx.codecs import _triton_attn as k
 
     bt, warps, dot, prefetch, stages, _, max_regs = setting
     cfg = KVConfig.from_scheme(SCHEME)
@@ -214,7 +214,8 @@ def count_codec(label: str, scheme: str, which: str, decode: bool, arch: int, du
     kernels, args, _, const = gpu._programs(codec, lay)
     fn = kernels[decode]
     values = {**args, "norm": gpu._norm(lay.D)}
-    pointers = {"codes_ptr": "u8", "scales_ptr": "fp16", "zeros_ptr": "fp16"}
+    pointers = {"codes_ptr": "u8", "scales_ptr": "fp16", "zeros_ptr": "fp16", "flag_ptr": "i32", "xb_ptr": "i16",
+                "sinks_ptr": "i16", "sb_ptr": "i16", "ob_ptr": "i16"}
     if decode:
         const.update(SAT=False, BF16=True)   # BF16 out: written as int16 bits (as the launcher does)
         values.update(out_S=lay.S, out_off=0)

@@ -19,7 +19,9 @@ LAYERS = [("kvcx.errors", 0), ("kvcx.deps", 0), ("kvcx.version", 0), ("kvcx.code
 # wings of one layer that must not import each other
 SEPARATE = [("kvcx.quality", "kvcx.integrations")]
 KERNEL_DOOR = ("kvcx.codecs.", "kvcx.cache.fused")      # the only importers of kvcx.codecs._core
-# the Triton kernels (kvcx.codecs._triton) and their one importer, the codecs' GPU backend (torch, triton lazily)
+# the Triton kernels (the codec's, the fused attention's: they may import each other) and their one importer, the
+# codecs' GPU backend (torch, triton lazily)
+TRITON_KERNELS = {"kvcx.codecs._triton", "kvcx.codecs._triton_attn"}
 TRITON_DOOR = {"kvcx.codecs.gpu"}
 MAX_FLOORS = 9
 MAX_LINES = 600
@@ -97,7 +99,8 @@ def test_the_kernels_have_one_door():
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("kvcx"):
                 private = [a.name for a in node.names if a.name.startswith("_") and a.name != "_core"
-                           and not (a.name == "_triton" and m in TRITON_DOOR)]
+                           and not (f"{node.module}.{a.name}" in TRITON_KERNELS and m in TRITON_DOOR)
+                           and not (m in TRITON_KERNELS and node.module in TRITON_KERNELS)]
                 assert not private, f"{m} imports private {private} from {node.module}"
             if isinstance(node, ast.Attribute) and node.attr in ("_layout", "_kernel_layout") \
                     and not m.startswith("kvcx.codecs."):
@@ -149,9 +152,9 @@ def test_torch_rich_and_matplotlib_stay_in_their_modules():
             assert mod.startswith(("kvcx.cache.", "kvcx.quality.", "kvcx.integrations.")) or mod == "kvcx.deps" \
                 or mod in TRITON_DOOR and "transformers" not in tops, mod
         if "triton" in tops:
-            assert mod == "kvcx.codecs._triton" or mod in TRITON_DOOR and not any(
+            assert mod in TRITON_KERNELS or mod in TRITON_DOOR and not any(
                 n.split(".")[0] == "triton" and top for n, top in deps), mod
-        importers = {m for m, d in imports().items() for n, _ in d if n == "kvcx.codecs._triton"}
+        importers = {m for m, d in imports().items() for n, _ in d if n in TRITON_KERNELS} - TRITON_KERNELS
         assert importers <= TRITON_DOOR, f"only {sorted(TRITON_DOOR)} may import the Triton kernels: {sorted(importers)}"
         # torch and transformers load at import time only in the modules that exist to use them
         if mod not in TORCH_AT_MODULE_LEVEL and not mod.startswith("kvcx.integrations."):

@@ -17,7 +17,8 @@ kernels' arithmetic exactly, in the same order:
 - the Walsh-Hadamard butterflies in the CPU's order (stages h = 1, 2, 4, ... D/2, a + b and a - b, then one
   product by ``1 / sqrt(D)``).
 
-This module holds kernels only; :mod:`kvcx.codecs.gpu` checks, allocates and launches them. It is imported
+This module holds the codec's kernels only (the fused attention's are in :mod:`kvcx.codecs._triton_attn`);
+:mod:`kvcx.codecs.gpu` checks, allocates and launches them. It is imported
 only when a tensor goes to the Triton backend (``triton`` is the ``kvcx[gpu]`` extra). Under
 ``TRITON_INTERPRET=1`` Triton's interpreter runs the same kernels on CPU tensors (the tests do).
 """
@@ -137,43 +138,116 @@ def _store_out(ptr, y, mask, SAT: tl.constexpr, BF16: tl.constexpr):
 
 
 @triton.jit
-def encode_token_kernel(x_ptr, codes_ptr, scales_ptr, zeros_ptr, S, t0, L, row_bytes, ngroups, norm,
-                        D: tl.constexpr, G: tl.constexpr, R: tl.constexpr, ASYM: tl.constexpr,
-                        ROTATE: tl.constexpr):
+def _flag_if(flag_ptr, bad):
+    """Sets the flag at ``flag_ptr`` (an int32 the launcher zeroed) where any of ``bad`` is true: a damaged or
+    non-finite input, told to the host in the one copy it makes after the launch (every program that finds one
+    writes the same 1)."""
+    n = tl.sum(bad.to(tl.int32))
+    tl.store(flag_ptr, tl.minimum(n, 1), mask=n > 0)
+
+
+@triton.jit
+def _nonfinite(x):
+    """Whether each float of ``x`` is NaN or +-Inf."""
+    return ~(tl.abs(x) < float("inf"))
+
+
+@triton.jit
+def _copy_sinks(src_ptr, dst_ptr, flag_ptr, slab, n, src_stride, dst_stride, dst_off, SB: tl.constexpr,
+                EXP: tl.constexpr):
+    """A slab's exact sink tokens, its first ``n`` values, copied as they are (their bits: integer pointers) from
+    ``src`` (``src_stride`` values a slab) to ``dst`` (``dst_stride`` a slab, from ``dst_off``), and the flag at
+    ``flag_ptr`` set where one is NaN or Inf (its exponent bits ``EXP`` all ones); ``SB`` values at a time."""
+    for e0 in range(0, n, SB):
+        e = e0 + tl.arange(0, SB)
+        m = e < n
+        v = tl.load(src_ptr + slab.to(tl.int64) * src_stride + e, mask=m, other=0)
+        tl.store(dst_ptr + slab.to(tl.int64) * dst_stride + dst_off + e, v, mask=m)
+        _flag_if(flag_ptr, m & ((v & EXP) == EXP))
+
+
+@triton.jit
+def encode_token_kernel(x_ptr, codes_ptr, scales_ptr, zeros_ptr, flag_ptr, xb_ptr, sinks_ptr, S, t0, L, row_bytes,
+                        ngroups, norm, D: tl.constexpr, G: tl.constexpr, R: tl.constexpr, ASYM: tl.constexpr,
+                        ROTATE: tl.constexpr, SB: tl.constexpr, EXP: tl.constexpr):
     """Groups of G consecutive values of each slab's tokens [t0, S) (C order): R groups per program.
-    Grid (slabs, cdiv(groups per slab, R)); with ROTATE, R * G is a multiple of D (whole tokens)."""
+    Grid (slabs, cdiv(groups per slab, R)); with ROTATE, R * G is a multiple of D (whole tokens). The checks:
+    ``flag_ptr[0]`` set where a scale or zero point is not finite (a NaN or Inf in the group, or a scale past
+    FP16); with sinks (``SB`` > 0) each slab's first program copies them (``xb_ptr``: x's bits) to ``sinks_ptr``
+    and sets ``flag_ptr[1]`` where one is not finite."""
     slab = tl.program_id(0)
+    if SB > 0:
+        if tl.program_id(1) == 0:
+            _copy_sinks(xb_ptr, sinks_ptr, flag_ptr + 1, slab, t0 * D, S * D, t0 * D, 0, SB, EXP)
+    if (tl.program_id(1) + 1) * R * G <= L:   # a whole program's groups: no masks (all but a slab's last)
+        _encode_groups(x_ptr, codes_ptr, scales_ptr, zeros_ptr, flag_ptr, slab, S, t0, L, row_bytes, ngroups, norm,
+                       D, G, R, ASYM, ROTATE, False)
+    else:
+        _encode_groups(x_ptr, codes_ptr, scales_ptr, zeros_ptr, flag_ptr, slab, S, t0, L, row_bytes, ngroups, norm,
+                       D, G, R, ASYM, ROTATE, True)
+
+
+@triton.jit
+def _encode_groups(x_ptr, codes_ptr, scales_ptr, zeros_ptr, flag_ptr, slab, S, t0, L, row_bytes, ngroups, norm,
+                   D: tl.constexpr, G: tl.constexpr, R: tl.constexpr, ASYM: tl.constexpr, ROTATE: tl.constexpr,
+                   PAD: tl.constexpr):
+    """encode_token_kernel's groups of this program; with ``PAD`` the slab's last program, whose groups may end
+    past the values (masked loads and stores, padding outside the statistics), else none of that."""
     g = tl.program_id(1) * R + tl.arange(0, R)
     v = g[:, None] * G + tl.arange(0, G)[None, :]
     valid = v < L
     base = slab.to(tl.int64) * S * D + t0 * D
-    x = tl.load(x_ptr + base + v, mask=valid, other=0.0).to(tl.float32)
+    if PAD:
+        x = tl.load(x_ptr + base + v, mask=valid, other=0.0).to(tl.float32)
+    else:
+        x = tl.load(x_ptr + base + v).to(tl.float32)
     if ROTATE:
         x = tl.reshape(_fwht_rows(tl.reshape(x, (R * G // D, D)), R * G // D, D, norm), (R, G))
-    s16, z16, sdiv, rcp, keep, zero = _group_params(x, valid, 1, ASYM, True)
-    code = _codes(x, zero[:, None], sdiv[:, None], rcp[:, None], keep[:, None], valid, ASYM, True)
+    s16, z16, sdiv, rcp, keep, zero = _group_params(x, valid, 1, ASYM, PAD)
+    code = _codes(x, zero[:, None], sdiv[:, None], rcp[:, None], keep[:, None], valid, ASYM, PAD)
     gm = g < ngroups
-    tl.store(scales_ptr + slab.to(tl.int64) * ngroups + g, s16, mask=gm)
+    bad = _nonfinite(s16.to(tl.float32))
     if ASYM:
-        tl.store(zeros_ptr + slab.to(tl.int64) * ngroups + g, z16, mask=gm)
+        bad = bad | _nonfinite(zero)
+    _flag_if(flag_ptr, gm & bad)
     j = g[:, None] * (G // 2) + tl.arange(0, G // 2)[None, :]
-    tl.store(codes_ptr + slab.to(tl.int64) * row_bytes + j, _pack(code, R, G), mask=j < row_bytes)
+    row = slab.to(tl.int64) * row_bytes
+    if PAD:
+        tl.store(scales_ptr + slab.to(tl.int64) * ngroups + g, s16, mask=gm)
+        if ASYM:
+            tl.store(zeros_ptr + slab.to(tl.int64) * ngroups + g, z16, mask=gm)
+        tl.store(codes_ptr + row + j, _pack(code, R, G), mask=j < row_bytes)
+    else:
+        tl.store(scales_ptr + slab.to(tl.int64) * ngroups + g, s16)
+        if ASYM:
+            tl.store(zeros_ptr + slab.to(tl.int64) * ngroups + g, z16)
+        tl.store(codes_ptr + row + j, _pack(code, R, G))
 
 
 @triton.jit
-def decode_token_kernel(codes_ptr, scales_ptr, zeros_ptr, out_ptr, S, t0, L, row_bytes, ngroups, out_S, out_off,
-                        norm, D: tl.constexpr, G: tl.constexpr, R: tl.constexpr, ASYM: tl.constexpr,
-                        ROTATE: tl.constexpr, SAT: tl.constexpr, BF16: tl.constexpr):
-    """The inverse of encode_token_kernel, into ``out`` seen as (slabs, out_S, D) at token out_off."""
+def decode_token_kernel(codes_ptr, scales_ptr, zeros_ptr, out_ptr, flag_ptr, sb_ptr, ob_ptr, S, t0, L, row_bytes,
+                        ngroups, out_S, out_off, norm, D: tl.constexpr, G: tl.constexpr, R: tl.constexpr,
+                        ASYM: tl.constexpr, ROTATE: tl.constexpr, SAT: tl.constexpr, BF16: tl.constexpr,
+                        SB: tl.constexpr, EXP: tl.constexpr):
+    """The inverse of encode_token_kernel, into ``out`` seen as (slabs, out_S, D) at token out_off. The checks:
+    ``flag_ptr[0]`` set where a scale is negative or not finite or a zero point not finite (no encoder writes
+    one); with sinks (``SB`` > 0) each slab's first program copies the record's (``sb_ptr``, as bits) into
+    ``out`` (``ob_ptr``: its bits) and sets ``flag_ptr[1]`` where one is not finite."""
     slab = tl.program_id(0)
+    if SB > 0:
+        if tl.program_id(1) == 0:
+            _copy_sinks(sb_ptr, ob_ptr, flag_ptr + 1, slab, t0 * D, t0 * D, out_S * D, out_off * D, SB, EXP)
     g = tl.program_id(1) * R + tl.arange(0, R)
     gm = g < ngroups
     j = g[:, None] * (G // 2) + tl.arange(0, G // 2)[None, :]
     byte = tl.load(codes_ptr + slab.to(tl.int64) * row_bytes + j, mask=j < row_bytes, other=0)
     scale = tl.load(scales_ptr + slab.to(tl.int64) * ngroups + g, mask=gm, other=0.0).to(tl.float32)
+    bad = ~(scale >= 0.0) | (scale == float("inf"))
     zero = tl.zeros_like(scale)
     if ASYM:
         zero = tl.load(zeros_ptr + slab.to(tl.int64) * ngroups + g, mask=gm, other=0.0).to(tl.float32)
+        bad = bad | _nonfinite(zero)
+    _flag_if(flag_ptr, gm & bad)
     y = _dequant(_unpack(byte, R, G), scale[:, None], zero[:, None], ASYM)
     if ROTATE:
         y = tl.reshape(_fwht_rows(tl.reshape(y, (R * G // D, D)), R * G // D, D, norm), (R, G))
@@ -182,12 +256,17 @@ def decode_token_kernel(codes_ptr, scales_ptr, zeros_ptr, out_ptr, S, t0, L, row
 
 
 @triton.jit
-def encode_channel_kernel(x_ptr, codes_ptr, scales_ptr, zeros_ptr, S, t0, D, row_bytes, nblk, norm,
-                          DP: tl.constexpr, G: tl.constexpr, ASYM: tl.constexpr, ROTATE: tl.constexpr):
+def encode_channel_kernel(x_ptr, codes_ptr, scales_ptr, zeros_ptr, flag_ptr, xb_ptr, sinks_ptr, S, t0, D, row_bytes,
+                          nblk, norm, DP: tl.constexpr, G: tl.constexpr, ASYM: tl.constexpr, ROTATE: tl.constexpr,
+                          SB: tl.constexpr, EXP: tl.constexpr):
     """Groups of G tokens per channel: one program per (slab, token block), the block's [G, D] values as a
-    [G, DP] tile (DP: D rounded up to a power of two; D = DP when ROTATE)."""
+    [G, DP] tile (DP: D rounded up to a power of two; D = DP when ROTATE). The checks and the sinks as in
+    encode_token_kernel."""
     slab = tl.program_id(0)
     blk = tl.program_id(1)
+    if SB > 0:
+        if blk == 0:
+            _copy_sinks(xb_ptr, sinks_ptr, flag_ptr + 1, slab, t0 * D, S * D, t0 * D, 0, SB, EXP)
     i = blk * G + tl.arange(0, G)[:, None]           # token - t0
     d = tl.arange(0, DP)[None, :]
     base = slab.to(tl.int64) * S * D + t0 * D
@@ -201,20 +280,28 @@ def encode_channel_kernel(x_ptr, codes_ptr, scales_ptr, zeros_ptr, S, t0, D, row
     dd = tl.arange(0, DP)
     k = (slab.to(tl.int64) * nblk + blk) * D + dd
     tl.store(scales_ptr + k, s16, mask=dd < D)
+    bad = _nonfinite(s16.to(tl.float32))
     if ASYM:
         tl.store(zeros_ptr + k, z16, mask=dd < D)
+        bad = bad | _nonfinite(zero)
+    _flag_if(flag_ptr, (dd < D) & bad)
     jb = tl.arange(0, DP // 2)[None, :]
     tl.store(codes_ptr + slab.to(tl.int64) * row_bytes + (i * D) // 2 + jb, _pack(code, G, DP),
              mask=(i < S - t0) & (jb < D // 2))
 
 
 @triton.jit
-def decode_channel_kernel(codes_ptr, scales_ptr, zeros_ptr, out_ptr, S, t0, D, row_bytes, nblk, out_S, out_off,
-                          norm, DP: tl.constexpr, G: tl.constexpr, ASYM: tl.constexpr, ROTATE: tl.constexpr,
-                          SAT: tl.constexpr, BF16: tl.constexpr):
-    """The inverse of encode_channel_kernel, into ``out`` seen as (slabs, out_S, D) at token out_off."""
+def decode_channel_kernel(codes_ptr, scales_ptr, zeros_ptr, out_ptr, flag_ptr, sb_ptr, ob_ptr, S, t0, D, row_bytes,
+                          nblk, out_S, out_off, norm, DP: tl.constexpr, G: tl.constexpr, ASYM: tl.constexpr,
+                          ROTATE: tl.constexpr, SAT: tl.constexpr, BF16: tl.constexpr, SB: tl.constexpr,
+                          EXP: tl.constexpr):
+    """The inverse of encode_channel_kernel, into ``out`` seen as (slabs, out_S, D) at token out_off. The checks
+    and the sinks as in decode_token_kernel."""
     slab = tl.program_id(0)
     blk = tl.program_id(1)
+    if SB > 0:
+        if blk == 0:
+            _copy_sinks(sb_ptr, ob_ptr, flag_ptr + 1, slab, t0 * D, t0 * D, out_S * D, out_off * D, SB, EXP)
     i = blk * G + tl.arange(0, G)[:, None]
     jb = tl.arange(0, DP // 2)[None, :]
     byte = tl.load(codes_ptr + slab.to(tl.int64) * row_bytes + (i * D) // 2 + jb,
@@ -222,370 +309,15 @@ def decode_channel_kernel(codes_ptr, scales_ptr, zeros_ptr, out_ptr, S, t0, D, r
     dd = tl.arange(0, DP)
     k = (slab.to(tl.int64) * nblk + blk) * D + dd
     scale = tl.load(scales_ptr + k, mask=dd < D, other=0.0).to(tl.float32)
+    bad = ~(scale >= 0.0) | (scale == float("inf"))
     zero = tl.zeros_like(scale)
     if ASYM:
         zero = tl.load(zeros_ptr + k, mask=dd < D, other=0.0).to(tl.float32)
+        bad = bad | _nonfinite(zero)
+    _flag_if(flag_ptr, (dd < D) & bad)
     y = _dequant(_unpack(byte, G, DP), scale[None, :], zero[None, :], ASYM)
     if ROTATE:
         y = _fwht_rows(y, G, DP, norm)
     d = dd[None, :]
     _store_out(out_ptr + slab.to(tl.int64) * out_S * D + (out_off + t0) * D + i * D + d, y,
                (i < S - t0) & (d < D), SAT, BF16)
-
-
-@triton.jit
-def _mm(a, b, acc, DOT: tl.constexpr):
-    """acc + a [M, K] @ b [K, N] in FP32: broadcast sums (``DOT`` empty) or ``tl.dot`` at that input precision
-    ("tf32x2" and "int8x3" take "tf32x3" here: both operands are split), summed into ``acc`` [M, N] by the
-    products themselves (tl.dot's accumulator: no separate additions)."""
-    if DOT == "tf32x2" or DOT == "int8x3":
-        out = tl.dot(a, b, acc, input_precision="tf32x3")
-    elif DOT != "":
-        out = tl.dot(a, b, acc, input_precision=DOT)
-    else:
-        out = acc + tl.sum(a[:, :, None] * b[None, :, :], axis=1)
-    return out   # one return: Triton traces what follows a return in a constexpr branch too
-
-
-@triton.jit
-def _mmc(a, c, acc, DOT: tl.constexpr):
-    """acc + a [M, K] (FP32) @ (c - 8) [K, N], c the codes (0..15), as :func:`_streams` gives them for ``DOT``
-    (centred floats, or 16 (c - 8) as int8 for "int8x3"), as :func:`_mm`. "tf32x2": a split in its TF32 bits
-    and the rest, two TF32 products (FP32's accuracy: c needs no split), the second summing into the first;
-    "tf32": one product (a rounded to TF32); "int8x3": :func:`_mm_int8x3`."""
-    if DOT == "int8x3":
-        out = _mm_int8x3(a, c, acc)
-    elif DOT == "tf32x2":
-        hi = (a.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
-        out = tl.dot(a - hi, c, tl.dot(hi, c, acc, input_precision="tf32"), input_precision="tf32")
-    else:
-        out = _mm(a, c, acc, DOT)
-    return out
-
-
-@triton.jit
-def _max_nan(a, b):
-    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
-
-
-@triton.jit
-def _absmax(a):
-    """The largest magnitude of each row of ``a``, NaN where the row holds one (tl.max skips NaN)."""
-    return tl.reduce(tl.abs(a), 1, _max_nan)
-
-
-@triton.jit
-def _unit(amax):
-    """(1 / u, u) for rows whose largest magnitude is ``amax``: u the power of two with amax <= 2**20 u < 2 amax
-    (from the exponent's bits: no division), u NaN where amax is not finite (so are the products then: a NaN in
-    the query or the weights gives NaN, not a finite result of its bits)."""
-    e = tl.maximum((amax.to(tl.int32, bitcast=True) + 0x7FFFFF) >> 23, 21)     # 2**(e - 127) >= amax
-    inv = ((274 - e) << 23).to(tl.float32, bitcast=True)                        # 2**(20 - (e - 127))
-    return inv, ((e - 20) << 23).to(tl.float32, bitcast=True) + (amax - amax)
-
-
-@triton.jit
-def _fixed(a, inv):
-    """The rows of ``a`` as a fixed point, x = round(a * inv) (|x| <= 2**20), in three int8 pieces x = x0 * 2**14 +
-    x1 * 2**7 + x2 (x0 signed, x1 and x2 0..127): rounded by the bits of x + 1.5 * 2**23 (nearest,
-    ties to even), the pieces being the low bits of those bits (the offset 2**22 is a multiple of 2**14)."""
-    xb = (a * inv[:, None] + 12582912.0).to(tl.int32, bitcast=True)
-    return (xb >> 14).to(tl.int8), ((xb >> 7) & 127).to(tl.int8), (xb & 127).to(tl.int8)
-
-
-@triton.jit
-def _dot3(x0, x1, x2, c):
-    """x @ (c - 8) in int32, exact, for x in :func:`_fixed`'s pieces and c as :func:`_streams` gives it for
-    "int8x3" (16 (c - 8)): the three products are multiples of 16 (the last is shifted down exactly), and every
-    term fits for K <= 128 (|x0 16 (c - 8)| sums to 2**20 there, |x (c - 8)| to 2**30: two such sums, the keys'
-    streams, fit for K <= 64, head dim 128)."""
-    return tl.dot(x0, c, out_dtype=tl.int32) * 1024 + tl.dot(x1, c, out_dtype=tl.int32) * 8 + \
-        (tl.dot(x2, c, out_dtype=tl.int32) >> 4)
-
-
-@triton.jit
-def _mm_int8x3(a, c, acc):
-    """acc + a @ (c - 8) on the integer tensor cores (c as :func:`_streams` gives it, K <= 128): each row of ``a``
-    a 21-bit fixed point of its largest magnitude (:func:`_fixed`), three int8 products summed exactly in int32
-    (:func:`_dot3`), then one conversion to FP32 and a scaling. Error: the rounding of x, 2**-21 of the row's
-    largest |a| a term, 2**-20 of it at most (the scale is a power of two)."""
-    inv, unit = _unit(_absmax(a))
-    x0, x1, x2 = _fixed(a, inv)
-    return acc + _dot3(x0, x1, x2, c).to(tl.float32) * unit[:, None]
-
-
-@triton.jit
-def _tile_bytes(row, tb, c_off, tt, t_end, D: tl.constexpr):
-    """The packed bytes [BT, D // 2] of the tile from token ``tb`` of a slab's row (0 past ``t_end``)."""
-    return tl.load(row + tb * (D // 2) + c_off, mask=(tb + tt < t_end)[:, None], other=0)
-
-
-@triton.jit
-def _streams(b, DOT: tl.constexpr):
-    """A tile of packed bytes -> (even, odd) channel codes minus 8 (centred: -8..7), the low and the high nibbles,
-    as :func:`_mmc` takes them for ``DOT``: for "int8x3" 16 (c - 8) as int8 (the nibble's top bit flipped, put in
-    the byte's top half: an operation or two a word of four codes); else as float32, each put in the low mantissa
-    bits of 2**23 and 2**23 + 8 subtracted (exact; no integer-to-float conversions). Centred codes keep the
-    products' terms from cancelling: sum(p s c) - 8 sum(p s) would lose the bits that a product in TF32 or BF16
-    rounds away, more with every token."""
-    if DOT == "int8x3":   # a nibble's top bit flipped is c - 8 as 4-bit two's complement: in a byte's top half
-        lo = ((b ^ 8) << 4).to(tl.int8)     # 16 (c - 8), with byte-wise operations that work on words
-        hi = ((b ^ 128) & 240).to(tl.int8)
-    else:
-        b = b.to(tl.int32)
-        lo = ((b & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
-        hi = ((b >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
-    return lo, hi
-
-
-@triton.jit
-def _channel_params(s_ptr, z_ptr, j, ASYM: tl.constexpr):
-    """A per-channel block's scales and offsets (FP32), even and odd channels: (se, so, ze, zo), so that a value is
-    ``(code - 8) * s + z`` (z: the zero point + 8 s; 0 without zero points)."""
-    se = tl.load(s_ptr + 2 * j).to(tl.float32)
-    so = tl.load(s_ptr + 2 * j + 1).to(tl.float32)
-    ze = tl.zeros_like(se)
-    zo = tl.zeros_like(so)
-    if ASYM:
-        ze = tl.load(z_ptr + 2 * j).to(tl.float32) + 8.0 * se
-        zo = tl.load(z_ptr + 2 * j + 1).to(tl.float32) + 8.0 * so
-    return se, so, ze, zo
-
-
-@triton.jit
-def _token_params(s_ptr, z_ptr, off, mask, ASYM: tl.constexpr):
-    """Per-token groups' scales and offsets at offsets ``off`` (FP32), a value being ``(code - 8) * s + z`` (z: the
-    zero point + 8 s; 0 without zero points)."""
-    sc = tl.load(s_ptr + off, mask=mask, other=0.0).to(tl.float32)
-    zc = tl.zeros_like(sc)
-    if ASYM:
-        zc = tl.load(z_ptr + off, mask=mask, other=0.0).to(tl.float32) + 8.0 * sc
-    return sc, zc
-
-
-# integer arguments that change from one decode step to the next (the mask's width, the residual's length) or at a
-# flush (the tokens, the splits): Triton specializes a kernel on whether an integer is 1 or a multiple of 16 and
-# compiles it again for each new combination, a second or more in the middle of a generation; these are passed as
-# they are (the row strides that set the loads' alignment keep their specialization: they change in whole units)
-_STEP_ARGS = ("T", "T2", "k_nsc", "k_nsc2", "mask_stride", "mask_off", "mask_off2", "n_first", "sp_off", "SPT")
-_MERGE_STEP_ARGS = ("SPT", "n_sinks", "n_res", "add_stride", "res_off")
-
-
-@triton.jit(do_not_specialize=_STEP_ARGS)
-def attend_packed_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kc2_ptr, ks2_ptr, kz2_ptr, vc2_ptr,
-                         vs2_ptr, vz2_ptr, q_scale, mask_ptr, m_ptr, l_ptr, acc_ptr, Hkv, mask_stride, T, T2,
-                         k_row_bytes, k_row_bytes2, v_row_bytes, v_row_bytes2, k_nsc, k_nsc2, v_nsc, v_nsc2, mask_off,
-                         mask_off2, per_split, n_first, sp_off, SPT,
-                         R: tl.constexpr, RP: tl.constexpr, D: tl.constexpr, BT: tl.constexpr,
-                         KG: tl.constexpr, K_CHANNEL: tl.constexpr, K_ASYM: tl.constexpr,
-                         VG: tl.constexpr, V_CHANNEL: tl.constexpr, V_ASYM: tl.constexpr, HAS_MASK: tl.constexpr,
-                         DOT: tl.constexpr, NG: tl.constexpr, PREFETCH: tl.constexpr):
-    """Flash-decoding over packed codes: program (slab n = batch row x KV head, split sp) reads its KV head's
-    packed tokens [sp * per_split, (sp + 1) * per_split) once for the R query rows that share it (q times
-    ``q_scale``, in any float dtype; rotated already where the keys are), BT tokens a tile (within one per-channel
-    block: BT divides KG), and writes the split's running max, sum and (rotated where the values are) FP32
-    accumulator at split ``sp_off + sp`` of ``SPT`` per slab (the spans of a store share the buffers);
-    :func:`merge_kernel` merges the splits with the exact tokens (sinks, residual). ``NG``: value groups per
-    token (1 for per-channel values). One launch reads two spans of the same layout (a store's segments, one
-    after the other): splits from ``n_first`` on read the second (the arguments named ``2``; its ``T2`` tokens at
-    mask column ``mask_off2``), so that the spans' programs run side by side, not one launch after another.
-    Few instructions per code (an earlier kernel that dequantized each tile whole ran 1.8x slower on an H100):
-
-    - the packed bytes are two streams, even channels (low nibbles) and odd channels (high nibbles): nothing is
-      interleaved; the query and the accumulator are split alike;
-    - codes become centred floats c = code - 8 by their bits (:func:`_streams`) and go into the products as they
-      are: per-channel blocks' scales fold into the query (``q . (c s + z) = (q s) . c + q . z``; a tile of BT
-      tokens lies in one block), per-token groups' value scales into the weights: row (g, r) of the weights is
-      ``p[r] * s[:, g]`` and multiplies every code; the accumulator's row (g, r) is kept for the channels of
-      group g at the end, with the zero points' term (``sum(p z)``) accumulated beside it;
-    - so every product has RP x NG rows, query row r once per value group g (its scores computed NG times over):
-      the launcher pads the R query rows to RP only as far as tl.dot's 16 rows need, RP x NG >= 16, so that
-      value groups fill rows that would be padding (the default's 4 query rows and 2 groups: 16 rows, not 32);
-    - per-token key groups (the reference scheme) dequantize in the tile.
-
-    ``DOT`` "tf32x2": products of codes in two TF32 passes (FP32's accuracy); "tf32": one; "": FP32 sums;
-    "int8x3": the codes as int8 on the integer tensor cores, the other side a 21-bit fixed point of its row
-    (:func:`_mm_int8x3`; the keys' two streams share one fixed point and one conversion to FP32).
-    ``PREFETCH``: the next tile's codes are loaded before this tile is worked (in flight meanwhile)."""
-    n = tl.program_id(0)
-    g_sp = tl.program_id(1)                  # the split among the launch's, and among the span's
-    second = g_sp >= n_first
-    sp = tl.where(second, g_sp - n_first, g_sp)
-    T = tl.where(second, T2, T)
-    k_row_bytes = tl.where(second, k_row_bytes2, k_row_bytes)
-    v_row_bytes = tl.where(second, v_row_bytes2, v_row_bytes)
-    k_nsc, v_nsc = tl.where(second, k_nsc2, k_nsc), tl.where(second, v_nsc2, v_nsc)
-    mask_off = tl.where(second, mask_off2, mask_off)
-    kc_ptr, vc_ptr = tl.where(second, kc2_ptr, kc_ptr), tl.where(second, vc2_ptr, vc_ptr)
-    ks_ptr, kz_ptr = tl.where(second, ks2_ptr, ks_ptr), tl.where(second, kz2_ptr, kz_ptr)
-    vs_ptr, vz_ptr = tl.where(second, vs2_ptr, vs_ptr), tl.where(second, vz2_ptr, vz_ptr)
-    r = tl.arange(0, RP)
-    rm = r < R
-    ri = tl.arange(0, RP * NG) % RP          # the query row of each product row (g, r), r fastest
-    j = tl.arange(0, D // 2)
-    tt = tl.arange(0, BT)
-    g = tl.arange(0, NG)
-    if DOT == "int8x3":   # the rows whole and split in registers: a layout whose fixed points pack into words
-        q_row = q_ptr + (n.to(tl.int64) * R + ri[:, None]) * D + tl.arange(0, D)[None, :]
-        qf = tl.load(q_row, mask=(ri < R)[:, None], other=0.0).to(tl.float32) * q_scale
-        qe, qo = tl.split(tl.reshape(qf, (RP * NG, D // 2, 2)))
-    else:
-        q_row = q_ptr + (n.to(tl.int64) * R + ri[:, None]) * D + 2 * j[None, :]
-        qe = tl.load(q_row, mask=(ri < R)[:, None], other=0.0).to(tl.float32) * q_scale
-        qo = tl.load(q_row + 1, mask=(ri < R)[:, None], other=0.0).to(tl.float32) * q_scale
-    m_i = tl.full([RP * NG], float("-inf"), tl.float32)
-    l_i = tl.zeros([RP * NG], tl.float32)
-    a_e = tl.zeros([RP * NG, D // 2], tl.float32)
-    a_o = tl.zeros([RP * NG, D // 2], tl.float32)
-    cz = tl.zeros([RP * NG], tl.float32)     # per product row: sum of p x its group's offset (zero points)
-    # offsets from a tile's first token, computed once: its bytes, per-token key groups' scales, value scales [NG, BT]
-    c_off = tt[:, None] * (D // 2) + j[None, :]
-    kg_off = (tt[:, None] * D + 2 * j[None, :]) // KG
-    vg_off = (tt[None, :] * D) // VG + g[:, None]
-    kc_row = kc_ptr + n.to(tl.int64) * k_row_bytes
-    vc_row = vc_ptr + n.to(tl.int64) * v_row_bytes
-    ks_row = ks_ptr + n.to(tl.int64) * k_nsc * (D if K_CHANNEL else 1)
-    kz_row = kz_ptr + n.to(tl.int64) * k_nsc * (D if K_CHANNEL else 1)
-    vs_row = vs_ptr + n.to(tl.int64) * v_nsc * (D if V_CHANNEL else 1)
-    vz_row = vz_ptr + n.to(tl.int64) * v_nsc * (D if V_CHANNEL else 1)
-    t_begin = sp * per_split
-    t_end = tl.minimum(T, t_begin + per_split)
-    if PREFETCH:
-        kb, vb = _tile_bytes(kc_row, t_begin, c_off, tt, t_end, D), _tile_bytes(vc_row, t_begin, c_off, tt, t_end, D)
-    for tb in range(t_begin, t_end, BT):
-        tm = tb + tt < t_end
-        if PREFETCH:
-            kn = _tile_bytes(kc_row, tb + BT, c_off, tt, t_end, D)
-            vn = _tile_bytes(vc_row, tb + BT, c_off, tt, t_end, D)
-        else:
-            kb, vb = _tile_bytes(kc_row, tb, c_off, tt, t_end, D), _tile_bytes(vc_row, tb, c_off, tt, t_end, D)
-        klo, khi = _streams(kb, DOT if K_CHANNEL else "")   # per-token keys: dequantized here
-        if K_CHANNEL:
-            se, so, ze, zo = _channel_params(ks_row + (tb // KG) * D, kz_row + (tb // KG) * D, j, K_ASYM)
-            bias = tl.broadcast_to(tl.sum(qe * ze[None, :] + qo * zo[None, :], axis=1)[:, None], (RP * NG, BT))
-            if DOT == "int8x3":   # both streams in one fixed point (:func:`_fixed`), one conversion to FP32
-                ae, ao = qe * se[None, :], qo * so[None, :]
-                inv, unit = _unit(_max_nan(_absmax(ae), _absmax(ao)))
-                e0, e1, e2 = _fixed(ae, inv)
-                o0, o1, o2 = _fixed(ao, inv)
-                s = (_dot3(e0, e1, e2, tl.trans(klo)) + _dot3(o0, o1, o2, tl.trans(khi))).to(tl.float32) * \
-                    unit[:, None] + bias
-            else:
-                s = _mmc(qo * so[None, :], tl.trans(khi), _mmc(qe * se[None, :], tl.trans(klo), bias, DOT), DOT)
-        else:
-            sc, zc = _token_params(ks_row, kz_row, tb * D // KG + kg_off, tm[:, None], K_ASYM)
-            s = _mm(qe, tl.trans(klo * sc + zc), tl.zeros([RP * NG, BT], tl.float32), DOT)
-            s = _mm(qo, tl.trans(khi * sc + zc), s, DOT)
-        if HAS_MASK:
-            s += tl.load(mask_ptr + (n // Hkv).to(tl.int64) * mask_stride + mask_off + tb + tt, mask=tm,
-                         other=0.0)[None, :]
-        s = tl.where(tm[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)      # a row with nothing to attend to yet
-        alpha = tl.exp(m_i - m_use)
-        p = tl.exp(s - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        vlo, vhi = _streams(vb, DOT)
-        if V_CHANNEL:
-            se, so, ze, zo = _channel_params(vs_row + (tb // VG) * D, vz_row + (tb // VG) * D, j, V_ASYM)
-            psum = tl.sum(p, axis=1)[:, None]
-            zero = tl.zeros([RP * NG, D // 2], tl.float32)
-            a_e = a_e * alpha[:, None] + _mmc(p, vlo, zero, DOT) * se[None, :] + psum * ze[None, :]
-            a_o = a_o * alpha[:, None] + _mmc(p, vhi, zero, DOT) * so[None, :] + psum * zo[None, :]
-        else:
-            sc, zc = _token_params(vs_row, vz_row, tb * D // VG + vg_off, tm[None, :], V_ASYM)   # [NG, BT]
-            w = p * tl.reshape(tl.broadcast_to(sc[:, None, :], (NG, RP, BT)), (RP * NG, BT))   # (g, r): p[r] s[g]
-            if V_ASYM:
-                zr = tl.reshape(tl.broadcast_to(zc[:, None, :], (NG, RP, BT)), (RP * NG, BT))
-                cz = cz * alpha + tl.sum(p * zr, axis=1)
-            a_e = _mmc(w, vlo, a_e * alpha[:, None], DOT)
-            a_o = _mmc(w, vhi, a_o * alpha[:, None], DOT)
-        m_i = m_new
-        if PREFETCH:
-            kb, vb = kn, vn
-    if V_CHANNEL:
-        acc_e, acc_o = a_e, a_o
-    else:   # row (g, r) of the sums holds group g's channels; then the zero points' term
-        sel = ((2 * j) // VG)[None, None, :] == g[:, None, None]
-        off = tl.sum(tl.where(sel, tl.reshape(cz, (NG, RP))[:, :, None], 0.0), axis=0)
-        acc_e = tl.sum(tl.where(sel, tl.reshape(a_e, (NG, RP, D // 2)), 0.0), axis=0) + off
-        acc_o = tl.sum(tl.where(sel, tl.reshape(a_o, (NG, RP, D // 2)), 0.0), axis=0) + off
-    o = (n.to(tl.int64) * SPT + sp_off + g_sp) * R + r
-    # the rows of every group saw the same scores: their running max and sum are equal, any of them will do
-    tl.store(m_ptr + o, tl.max(tl.reshape(m_i, (NG, RP)), axis=0), mask=rm)
-    tl.store(l_ptr + o, tl.max(tl.reshape(l_i, (NG, RP)), axis=0), mask=rm)
-    tl.store(acc_ptr + o[:, None] * D + 2 * j[None, :], acc_e, mask=rm[:, None])
-    tl.store(acc_ptr + o[:, None] * D + 2 * j[None, :] + 1, acc_o, mask=rm[:, None])
-
-
-@triton.jit
-def _exact_rows(e_ptr, n, ne, D: tl.constexpr, EB: tl.constexpr):
-    """Slab n's ``ne`` exact keys or values ([N, ne, D], any float dtype) as float32 [EB], 0 past ``ne``."""
-    e = tl.arange(0, EB)
-    return tl.load(e_ptr + (n.to(tl.int64) * ne + e[:, None]) * D + tl.arange(0, D)[None, :], mask=(e < ne)[:, None],
-                   other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _exact_scores(q, k, n, ne, add_ptr, add_stride, add_off, Hkv, EB: tl.constexpr, HAS_MASK: tl.constexpr):
-    """Scores [rows, EB] of the query rows ``q`` over slab n's exact keys ``k`` (:func:`_exact_rows`), their mask
-    columns from ``add_off``; -inf past ``ne``."""
-    e = tl.arange(0, EB)
-    em = e < ne
-    s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
-    if HAS_MASK:
-        s += tl.load(add_ptr + (n // Hkv).to(tl.int64) * add_stride + add_off + e, mask=em, other=0.0)[None, :]
-    return tl.where(em[None, :], s, float("-inf"))
-
-
-@triton.jit(do_not_specialize=_MERGE_STEP_ARGS)
-def merge_kernel(q_ptr, q_scale, m_ptr, l_ptr, acc_ptr, SPT, sk_ptr, sv_ptr, n_sinks, rk_ptr, rv_ptr, n_res, add_ptr,
-                 add_stride, res_off, Hkv, out_ptr, norm, R: tl.constexpr, D: tl.constexpr, SB: tl.constexpr,
-                 RB: tl.constexpr, HAS_MASK: tl.constexpr, ROTATE: tl.constexpr, CH: tl.constexpr):
-    """One program per (slab, query row): the softmax merge of the row's ``SPT`` splits
-    (:func:`attend_packed_kernel`; their accumulators rotated back where the values are) with its slab's exact
-    tokens, the sinks (``n_sinks`` at mask column 0) and the residual (``n_res`` at column ``res_off``), read as
-    they are held; the query row as the model holds it, times ``q_scale``; writes the row's [D] float32.
-
-    Written for latency (an earlier merge, a program a slab that read the splits twice and the exact tokens after
-    them, took 36 us of an H200 step at 32k tokens): the exact tokens' loads are issued first, the splits are read
-    CH at a time in one pass with a running maximum (one chunk holds a batch-1 step's splits), so that every load
-    is in flight at once; the exact tokens' scores join the maximum at the end."""
-    n = tl.program_id(0)
-    row = tl.program_id(1)
-    r = row + tl.arange(0, 1)                 # the row as a block of one: the exact tokens' helpers take [rows, D]
-    d = tl.arange(0, D)
-    c = tl.arange(0, CH)
-    q = tl.load(q_ptr + (n.to(tl.int64) * R + r[:, None]) * D + d[None, :]).to(tl.float32) * q_scale
-    sk, sv = _exact_rows(sk_ptr, n, n_sinks, D, SB), _exact_rows(sv_ptr, n, n_sinks, D, SB)
-    rk, rv = _exact_rows(rk_ptr, n, n_res, D, RB), _exact_rows(rv_ptr, n, n_res, D, RB)
-    base = n.to(tl.int64) * SPT
-    top = tl.full([1], float("-inf"), tl.float32)
-    acc = tl.zeros([1, D], tl.float32)
-    den = tl.zeros([1], tl.float32)
-    for s0 in range(0, SPT, CH):
-        cm = s0 + c < SPT
-        o = (base + s0 + c) * R + row
-        mm = tl.load(m_ptr + o, mask=cm, other=float("-inf"))
-        ll = tl.load(l_ptr + o, mask=cm, other=0.0)
-        a = tl.load(acc_ptr + o[:, None] * D + d[None, :], mask=cm[:, None], other=0.0)
-        new = tl.maximum(top, tl.max(mm, axis=0))
-        use = tl.where(new == float("-inf"), 0.0, new)          # nothing to attend to yet: weights of 0
-        alpha = tl.exp(top - use)
-        w = tl.exp(mm - use)
-        den = den * alpha + tl.sum(w * ll, axis=0)
-        acc = acc * alpha[:, None] + tl.sum(w[:, None] * a, axis=0)[None, :]
-        top = new
-    if ROTATE:
-        acc = _fwht_rows(acc, 1, D, norm)
-    s_sink = _exact_scores(q, sk, n, n_sinks, add_ptr, add_stride, 0, Hkv, SB, HAS_MASK)
-    s_res = _exact_scores(q, rk, n, n_res, add_ptr, add_stride, res_off, Hkv, RB, HAS_MASK)
-    new = tl.maximum(top, tl.maximum(tl.max(s_sink, axis=1), tl.max(s_res, axis=1)))
-    use = tl.where(new == float("-inf"), 0.0, new)              # a row with nothing to attend to
-    alpha = tl.exp(top - use)
-    p_sink = tl.exp(s_sink - use[:, None])
-    p_res = tl.exp(s_res - use[:, None])
-    den = den * alpha + tl.sum(p_sink, axis=1) + tl.sum(p_res, axis=1)
-    acc = acc * alpha[:, None] + tl.sum(p_sink[:, :, None] * sv[None, :, :], axis=1) + \
-        tl.sum(p_res[:, :, None] * rv[None, :, :], axis=1)
-    tl.store(out_ptr + (n.to(tl.int64) * R + r[:, None]) * D + d[None, :], acc / den[:, None])

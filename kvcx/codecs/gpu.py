@@ -1,5 +1,6 @@
-"""The integer codec on torch tensors through Triton kernels (:mod:`kvcx.codecs._triton`): checks,
-allocation, launches and errors, as :mod:`kvcx.codecs.intcodec` does for the CPU kernels.
+"""The integer codec on torch tensors through Triton kernels (:mod:`kvcx.codecs._triton`; the fused attention's in
+:mod:`kvcx.codecs._triton_attn`): checks, allocation, launches and errors, as :mod:`kvcx.codecs.intcodec` does for
+the CPU kernels.
 
 A CUDA tensor reaches this backend by itself (``IntCodec().encode(x_cuda)``); ``IntCodec(backend="triton")``
 forces it for a tensor on any device (Triton's interpreter, ``TRITON_INTERPRET=1``, runs it on CPU tensors).
@@ -36,11 +37,20 @@ _TORCH_DTYPES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32"}
 
 
 def _kernels():
+    """The codec's Triton kernels (:mod:`kvcx.codecs._triton`); a CodecError naming the extra without triton."""
     try:
         from kvcx.codecs import _triton
     except ImportError as exc:  # triton is the kvcx[gpu] extra
         raise CodecError("the Triton backend needs triton: pip install 'kvcx[gpu]' (or pass backend='cpu')") from exc
     return _triton
+
+
+def _attn_kernels():
+    """The fused attention's Triton kernels (:mod:`kvcx.codecs._triton_attn`)."""
+    _kernels()
+    from kvcx.codecs import _triton_attn
+
+    return _triton_attn
 
 
 def dtype_name_of(x) -> Optional[str]:
@@ -49,44 +59,29 @@ def dtype_name_of(x) -> Optional[str]:
     return {torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32"}.get(x.dtype)
 
 
-def _all(conds) -> bool:
-    """Whether every 0-d boolean tensor of ``conds`` (on one device) is true: one copy to the host for them all
-    (each bool() of a device tensor waits for the device)."""
-    return bool(_torch().stack(conds).all())
+# a dtype's bits as the kernels copy them (the exact sink tokens), and its exponent's bits (all ones: NaN or Inf)
+_BITS = {"F16": ("int16", 0x7C00), "BF16": ("int16", 0x7F80), "F32": ("int32", 0x7F800000)}
 
 
-def _finite(t):
-    """Whether every value of FP16 ``t`` is finite, as a 0-d tensor: its FP32 sum is (FP16 values cannot add up
-    to FP32's overflow; NaN and Inf carry through a sum), one reduction instead of a mask and another."""
-    return _torch().isfinite(t.sum(dtype=_torch().float32))
+def _bits(t, dt: str):
+    """``t`` (dtype ``dt``) seen as the integers of its bits."""
+    return t.view(getattr(_torch(), _BITS[dt][0]))
 
 
-def _status(x, scales, zeros, sinks) -> int:
-    """The kvcx_status bits of an encode, checked on the device in one copy to the host (the tensor is copied to
-    the host only to say what is wrong with it)."""
-    from kvcx.codecs import _core
-
-    torch = _torch()
-    conds = [_finite(scales)] + ([] if zeros is None else [_finite(zeros)]) + \
-        ([] if sinks is None else [torch.isfinite(sinks).all()])
-    if _all(conds):
-        return _core.STATUS_OK
-    return _core.STATUS_NONFINITE if not bool(torch.isfinite(x).all()) else _core.STATUS_SCALE_OVERFLOW
-
-
+@functools.lru_cache(maxsize=None)
 def _norm(D: int) -> float:
     """1 / sqrt(D) as the CPU kernels compute it (a float division in double of 1 by the float sqrtf(D))."""
     return float(np.float32(1.0 / float(np.sqrt(np.float32(D)))))
 
 
-def _programs(codec, lay) -> tuple:
+def _programs(codec, lay, dtype: str = "BF16") -> tuple:
     """(the encode and decode kernels of ``codec``'s grouping, kernel arguments common to both, grid, their
-    constexprs of the layout) for a layout: what the launchers pass, and what the offline compile test and
-    bench/sass_gpu.py compile."""
+    constexprs of the layout and of the values' dtype) for a layout: what the launchers pass, and what the offline
+    compile test and bench/sass_gpu.py compile."""
     G, D, S, t0, N = codec.group_size, lay.D, lay.S, lay.t0, lay.N
     k = _kernels()
     row_bytes = ((S - t0) * D * 4 + 7) // 8
-    flags = dict(ASYM=codec.asym, ROTATE=codec.rotate)
+    flags = dict(ASYM=codec.asym, ROTATE=codec.rotate, SB=min(_pow2(t0 * D), 1024) if t0 else 0, EXP=_BITS[dtype][1])
     if codec.axis == "token":
         L = (S - t0) * D
         ngroups = -(-L // G)
@@ -140,14 +135,22 @@ class TritonIntBackend:
         zeros = torch.empty(lay.scale_shape, dtype=torch.float16, device=dev) if codec.asym else None
         N, S, D, t0 = lay.N, lay.S, lay.D, lay.t0
         x3 = x.view(N, S, D)
-        if S > t0:
-            (encode, _), args, grid, const = _programs(codec, lay)
+        sinks = torch.empty((*lay.shape[:-2], t0, D), dtype=x.dtype, device=dev) if t0 else None
+        # the kernel's checks (non-finite scales or zero points; non-finite sinks), read in one copy to the host
+        flag = torch.zeros(2, dtype=torch.int32, device=dev)
+        if S > t0:   # the kernel also copies the sinks and checks them
+            (encode, _), args, grid, const = _programs(codec, lay, dt)
             zp = zeros if zeros is not None else scales
-            encode[grid](x3, codes, scales, zp, **args, norm=_norm(D), **const, enable_fp_fusion=False,
-                         num_warps=CODEC_WARPS)
-        sinks = x3[:, :t0, :].clone().view(*lay.shape[:-2], t0, D) if t0 else None
-        status = _status(x, scales, zeros, sinks)
-        if status:
+            xb = _bits(x3, dt)
+            encode[grid](x3, codes, scales, zp, flag, xb, xb if sinks is None else _bits(sinks, dt), **args,
+                         norm=_norm(D), **const, enable_fp_fusion=False, num_warps=CODEC_WARPS)
+        elif t0:     # sinks alone: no kernel
+            sinks.view(N, t0, D).copy_(x3)
+            flag[1] = (~torch.isfinite(sinks)).any()
+        if any(flag.tolist()):   # the tensor is copied to the host only to say what is wrong with it
+            from kvcx.codecs import _core
+
+            status = _core.STATUS_NONFINITE if not bool(torch.isfinite(x).all()) else _core.STATUS_SCALE_OVERFLOW
             check_status(status, name, x.float().cpu().numpy())
         cfg = codec.get_config()
         cfg["sinks"] = t0
@@ -175,15 +178,8 @@ class TritonIntBackend:
         sinks = packed.sinks if t0 else None
         if t0 and (sinks is None or not is_tensor(sinks) or sinks.numel() != N * t0 * D):
             raise CodecError(f"tensor {name!r}: {t0} exact sink tokens are recorded but their values are missing")
-        sinks = None if sinks is None else sinks.to(dev)
-        params = [_finite(scales), ~(scales < 0).any()] + ([_finite(zeros)] if codec.asym else [])
-        if not _all(params + ([] if sinks is None else [torch.isfinite(sinks).all()])):
-            if not _all(params):
-                raise CodecError(f"tensor {name!r}: its scales or zero points hold NaN/Inf or negative scales, which "
-                                 "no kvcx encoder writes; the data is damaged: encode it again")
-            raise CodecError(f"tensor {name!r}: its exact sink tokens hold NaN/Inf, which no kvcx encoder writes; "
-                             "the data is damaged: encode it again")
         want = getattr(torch, _TORCH_DTYPES[packed.dtype])
+        sinks = None if sinks is None else sinks.to(dev, want).contiguous()
         if out is None:
             if token_offset:
                 raise CodecError("token_offset needs an out= tensor")
@@ -195,15 +191,28 @@ class TritonIntBackend:
             raise CodecError(f"tensor {name!r}: out must be a contiguous {want} tensor on {dev} of shape "
                              f"{list(lay.shape)} (or longer on axis -2 with token_offset)")
         out3 = out.view(N, out.shape[-2] if len(lay.shape) >= 2 else 1, D)
-        if t0:
-            out3[:, token_offset:token_offset + t0, :] = sinks.reshape(N, t0, D).to(want)
-        if S > t0:
-            (_, decode), args, grid, const = _programs(codec, lay)
+        # the kernel's checks (scales negative or not finite, zero points not finite; sinks not finite), read in
+        # one copy to the host after it: ``out`` holds what was decoded even when the record is refused
+        flag = torch.zeros(2, dtype=torch.int32, device=dev)
+        if S > t0:   # the kernel also copies the sinks and checks them
+            (_, decode), args, grid, const = _programs(codec, lay, packed.dtype)
             zp = zeros if codec.asym else scales
-            dst = out3.view(torch.int16) if packed.dtype == "BF16" else out3
-            decode[grid](codes, scales, zp, dst, **args, out_S=out3.shape[1], out_off=token_offset, norm=_norm(D),
+            ob = _bits(out3, packed.dtype)
+            dst = ob if packed.dtype == "BF16" else out3
+            decode[grid](codes, scales, zp, dst, flag, ob if sinks is None else _bits(sinks, packed.dtype), ob,
+                         **args, out_S=out3.shape[1], out_off=token_offset, norm=_norm(D),
                          SAT=packed.dtype == "F16", BF16=packed.dtype == "BF16", **const, enable_fp_fusion=False,
                          num_warps=CODEC_WARPS)
+        elif t0:     # sinks alone: no kernel
+            out3[:, token_offset:token_offset + t0, :] = sinks.view(N, t0, D)
+            flag[1] = (~torch.isfinite(sinks)).any()
+        params_bad, sinks_bad = flag.tolist()
+        if params_bad:
+            raise CodecError(f"tensor {name!r}: its scales or zero points hold NaN/Inf or negative scales, which "
+                             "no kvcx encoder writes; the data is damaged: encode it again")
+        if sinks_bad:
+            raise CodecError(f"tensor {name!r}: its exact sink tokens hold NaN/Inf, which no kvcx encoder writes; "
+                             "the data is damaged: encode it again")
         return out
 
 
@@ -340,7 +349,7 @@ def attention_rows(R: int, NG: int, dot: str) -> int:
 
 def attention_constexprs(key_codec, value_codec, R: int, D: int, dot: str, block_tokens: int, has_mask: bool,
                          prefetch: bool) -> dict:
-    """The constexprs of :func:`~kvcx.codecs._triton.attend_packed_kernel` for these codecs and launch settings
+    """The constexprs of :func:`~kvcx.codecs._triton_attn.attend_packed_kernel` for these codecs and launch settings
     (what the launcher passes; the offline compile test and bench/sass_gpu.py build the kernel the same way). A
     tile lies within one per-channel block: ``block_tokens`` is cut to the smallest per-channel group; ``dot`` is
     what the shapes allow of it (FP32 sums under head dim 32, two TF32 passes where int8 products would not do)."""
@@ -385,14 +394,14 @@ def attend_spans(q, scaling: float, spans, Hkv: int, sinks=(None, None), residua
                  res_off: int = 0, per_split: Optional[int] = None):
     """The attention output [N, R, D] float32 of the query rows ``q`` [N, R, D] (:func:`query_rows`: any float
     dtype, as the model holds them; the kernels scale them by ``scaling`` as they read them) over packed spans
-    (:class:`Span`, flash-decoding splits along each in :func:`~kvcx.codecs._triton.attend_packed_kernel`) and
+    (:class:`Span`, flash-decoding splits along each in :func:`~kvcx.codecs._triton_attn.attend_packed_kernel`) and
     the exact tokens: ``sinks`` (keys, values) [N, t0, D] at mask columns 0.., ``residual`` [N, nr, D] (any
     float dtype, as held) at columns ``res_off``..; ``add`` float32 [B, kv_len] added to the scores, or None.
     Every span's values rotate alike (the merge rotates the accumulator back once). One kernel per two spans of
     one layout (a store's two segments: one launch) and one merge: no other launch (but for spans whose keys
     rotate: their query, scaled and rotated, from one product; the keys' rotation moved from every key onto the
     query, its matrix orthogonal and symmetric). The caller checks shapes."""
-    torch, k = _torch(), _kernels()
+    torch, k = _torch(), _attn_kernels()
     N, R, D = q.shape
     rotate = {sp.value_codec.rotate for sp in spans}
     if len(rotate) > 1:

@@ -78,10 +78,10 @@ def test_decode_steps_launch_no_kernel_triton_would_compile_again(tiny, monkeypa
     Across decode steps (the mask a column wider each step, the residual a token longer, a flush) the attention
     kernel sees one combination and the merge one per block of residual tokens (a power of two from 16: 16, 32 and
     64 for a residual of up to 64): the integers that change are passed without specialization
-    (``_triton._STEP_ARGS``, ``_MERGE_STEP_ARGS``)."""
+    (``_triton_attn._STEP_ARGS``, ``_MERGE_STEP_ARGS``)."""
     import inspect
 
-    from kvcx.codecs import _triton
+    from kvcx.codecs import _triton_attn
 
     seen, raw = {}, {}
 
@@ -98,8 +98,9 @@ def test_decode_steps_launch_no_kernel_triton_would_compile_again(tiny, monkeypa
                 out.append((p, v))          # constexprs and launch options
         return tuple(out)
 
-    for name, skip in (("attend_packed_kernel", _triton._STEP_ARGS), ("merge_kernel", _triton._MERGE_STEP_ARGS)):
-        real = getattr(_triton, name)
+    for name, skip in (("attend_packed_kernel", _triton_attn._STEP_ARGS),
+                       ("merge_kernel", _triton_attn._MERGE_STEP_ARGS)):
+        real = getattr(_triton_attn, name)
         params = list(inspect.signature(real.fn).parameters)
 
         class Recorded:
@@ -110,7 +111,7 @@ def test_decode_steps_launch_no_kernel_triton_would_compile_again(tiny, monkeypa
                     return real[grid](*args, **kwargs)
                 return launch
 
-        monkeypatch.setattr(_triton, name, Recorded())
+        monkeypatch.setattr(_triton_attn, name, Recorded())
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(0, 256, (2, 90), generator=g).to(DEVICE)
     mask = torch.ones_like(ids)

@@ -16,13 +16,14 @@ from triton.compiler import ASTSource
 
 from kvcx.codecs import IntCodec, KVConfig, gpu
 from kvcx.codecs import _triton as k
+from kvcx.codecs import _triton_attn as ka
 
 TARGET = GPUTarget("cuda", 90, 32)
 D = 128
 # pointer arguments by name (what the launchers pass); every other argument is an int but ``norm``
 POINTERS = {
     "x_ptr": "*bf16", "codes_ptr": "*u8", "kc_ptr": "*u8", "vc_ptr": "*u8", "kc2_ptr": "*u8", "vc2_ptr": "*u8",
-    "out_ptr": "*i16",
+    "out_ptr": "*i16", "flag_ptr": "*i32", "xb_ptr": "*i16", "sinks_ptr": "*i16", "sb_ptr": "*i16", "ob_ptr": "*i16",
     **{n: "*fp16" for n in ("scales_ptr", "zeros_ptr", "ks_ptr", "kz_ptr", "vs_ptr", "vz_ptr", "ks2_ptr", "kz2_ptr",
                             "vs2_ptr", "vz2_ptr")},
     **{n: "*fp32" for n in ("q_ptr", "qs_ptr", "mask_ptr", "add_ptr", "m_ptr", "l_ptr", "acc_ptr")},
@@ -42,7 +43,7 @@ def compile_one(fn, consts: dict, num_warps: int = 4, fusion: bool = False, **po
 def _compile(job) -> str:
     """"ok ..." or the compiler's own message, with the kernel and its settings."""
     name, consts, num_warps, fusion, pointers = job
-    fn = getattr(k, name)
+    fn = getattr(k, name, None) or getattr(ka, name)
     types = {**POINTERS, **pointers}
     sig = {a: "constexpr" if a in consts else "fp32" if a in ("norm", "q_scale") else types.get(a, "i32")
            for a in fn.arg_names}
@@ -75,11 +76,11 @@ def attention_kernels() -> None:
                                   ("kivi", "tf32", True), ("kvcx", "ieee", False), ("kvcx", "tf32x3", False),
                                   ("kvcx", "int8x3", False), ("reference", "int8x3", False)):
         cfg = KVConfig.from_scheme(scheme)
-        compile_one(k.attend_packed_kernel,
+        compile_one(ka.attend_packed_kernel,
                     gpu.attention_constexprs(cfg.key, cfg.value, 4, D, dot, gpu.ATTN_BLOCK_TOKENS, True, prefetch),
                     num_warps=gpu.ATTN_WARPS, fusion=gpu.ATTN_FP_FUSION)
     for has_mask, rotate in ((True, True), (False, False)):
-        compile_one(k.merge_kernel, dict(R=4, D=D, SB=gpu._pow2(1), RB=gpu._pow2(32), HAS_MASK=has_mask,
+        compile_one(ka.merge_kernel, dict(R=4, D=D, SB=gpu._pow2(1), RB=gpu._pow2(32), HAS_MASK=has_mask,
                                          ROTATE=rotate, CH=gpu.MERGE_SPLITS), fusion=gpu.ATTN_FP_FUSION,
                     out_ptr="*fp32")
 

@@ -277,18 +277,18 @@ def test_spans_of_one_layout_share_a_launch_and_equal_sdpa(dot, monkeypatch):
     past the first span's read the second: its tokens, buffers, mask columns), the third has another (16-token
     key blocks) and runs in its own; with the sinks, the residual and a padding mask the step equals SDPA over the
     decoded tokens within FP32 rounding. Every launch the step makes is counted."""
-    from kvcx.codecs import _triton, gpu
+    from kvcx.codecs import _triton_attn, gpu
 
     monkeypatch.setattr(gpu, "ATTN_DOT", dot)
     launches = []
-    real = _triton.attend_packed_kernel
+    real = _triton_attn.attend_packed_kernel
 
     class Counted:
         def __getitem__(self, grid):
             launches.append(grid)
             return real[grid]
 
-    monkeypatch.setattr(_triton, "attend_packed_kernel", Counted())
+    monkeypatch.setattr(_triton_attn, "attend_packed_kernel", Counted())
     g = torch.Generator().manual_seed(11)
     B, Hkv, R, D, nr = 2, 2, 4, 64, 3
     cfg = KVConfig.from_scheme("kvcx")
