@@ -140,10 +140,11 @@ def _store_out(ptr, y, mask, SAT: tl.constexpr, BF16: tl.constexpr):
 @triton.jit
 def _flag_if(flag_ptr, bad):
     """Sets the flag at ``flag_ptr`` (an int32 the launcher zeroed) where any of ``bad`` is true: a damaged or
-    non-finite input, told to the host in the one copy it makes after the launch (every program that finds one
-    writes the same 1)."""
-    n = tl.sum(bad.to(tl.int32))
-    tl.store(flag_ptr, tl.minimum(n, 1), mask=n > 0)
+    non-finite input, told to the host in the one copy it makes after the launch. Each element that finds one
+    stores the same 1 (no reduction across the program's threads: it would wait on them all, a program's time in
+    the common case of nothing to flag)."""
+    one = bad.to(tl.int32)
+    tl.store(flag_ptr + one * 0, one, mask=bad)
 
 
 @triton.jit
