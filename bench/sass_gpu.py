@@ -246,7 +246,9 @@ def codec_table(emit, arch: int, dump: Path | None) -> None:
     emit("Instructions a value: a thread's instructions from the kernel's start to its exit, times the "
          f"{gpu.CODEC_WARPS} warps' threads, over the values a program holds (a warp issues one 32nd of it a "
          "value); by kind the same way; a thread's global loads and stores by width (U8: a byte each; 64 / 128: "
-         "8 / 16 bytes).\n")
+         "8 / 16 bytes). The whole body counts, every branch: the per-token encode holds two copies of its work (a "
+         "whole program's, unmasked, and a slab's last, masked), of which a program runs one; the sinks' copy and "
+         "check run in a slab's first program only.\n")
     emit("| codec | kernel | values a program | instructions / value | " + " | ".join(head) +
          " | global accesses a thread | registers | stack bytes |")
     emit("|---|---|---:|---:|" + "---:|" * len(head) + "---|---:|---:|")
