@@ -84,6 +84,28 @@ def test_same_bytes_for_every_dtype(dtype, settings):
     _check(settings, x)
 
 
+@pytest.mark.parametrize("S", [20, 21, 90], ids=lambda s: f"S={s}")
+@pytest.mark.parametrize("axis", ["token", "channel"])
+def test_many_sinks_and_sinks_alone(axis, S):
+    """The kernels copy the exact sinks themselves (a slab's first program, 1,024 values at a time: 20 tokens of
+    64 are two chunks) and check them; a tensor of sinks alone (S = 20) launches no kernel. Bytes and decoded
+    values equal the CPU kernels' every way; a NaN in the last sink value is refused at encode, an Inf put in a
+    record's last sink value at decode."""
+    settings = dict(scheme="asymmetric", axis=axis, sinks=20)
+    x = random_array((2, 2, S, 64), np.float32, seed=S)
+    _check(settings, x)
+    codec = IntCodec(**settings, backend="triton")
+    bad = _as_tensor(x).clone()
+    bad[1, 1, 19, 63] = float("nan")
+    with pytest.raises(CodecError, match=r"'k'.*1 NaN/Inf"):
+        codec.encode(bad, name="k")
+    p = codec.encode(_as_tensor(x))
+    damaged = type(p)(**{**p.__dict__, "sinks": p.sinks.clone()})
+    damaged.sinks.view(-1)[-1] = float("inf")
+    with pytest.raises(CodecError, match=r"'k'.*exact sink tokens hold NaN/Inf.*encode it again"):
+        codec.decode(damaged, name="k")
+
+
 def _boundary_groups(asym: bool, groups: int, seed: int) -> np.ndarray:
     """[groups, 64] FP32 groups whose quotients x / scale fall on and a few ulps beside the codes' rounding
     boundaries k + 1/2, where a division that is not correctly rounded gives another code. Each group's scale is
