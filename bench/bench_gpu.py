@@ -128,6 +128,11 @@ def kernel_times(torch, dev, step, steps: int) -> list:
     return sorted(rows, key=lambda r: -r[2])
 
 
+def kernels_us(torch, dev, step, steps: int = 10) -> float:
+    """The device time of ``step``'s kernels, summed (:func:`kernel_times`), in us."""
+    return sum(us for _, _, us in kernel_times(torch, dev, step, steps))
+
+
 def _us(t) -> str:
     return "n/a" if t is None else f"{t * 1e6:.1f}"
 
@@ -356,7 +361,7 @@ def bandwidth(torch, dev, cfg, shape, reps, out):
     def kernels_gbs(step):
         if dev.type != "cuda":
             return None
-        return nbytes / (sum(us for _, _, us in kernel_times(torch, dev, step, 10)) * 1e-6) / 1e9
+        return nbytes / (kernels_us(torch, dev, step) * 1e-6) / 1e9
 
     k_copy = kernels_gbs(lambda: y.copy_(x))
     for label, codec in (("kvcx keys (channel, zero points)", cfg.key), ("kvcx values (token, rotated)", cfg.value)):

@@ -52,6 +52,8 @@ def main(argv=None):
         if isinstance(default, int) and not isinstance(default, bool) and \
                 not (type(settings[name]) is int and settings[name] >= 1):
             ap.error(f"--set {item}: {name} is a count; give a whole number from 1")
+        if name.endswith("_WARPS") and settings[name] not in (1, 2, 4, 8, 16, 32):
+            ap.error(f"--set {item}: a program's warps are a power of two, 1 to 32")
     if dev.type != "cuda" and not args.smoke:
         ap.error("no CUDA device here: the full shapes would run for hours in Triton's interpreter; pass --smoke")
     saved = {name: getattr(gpu, name) for name in settings}
@@ -133,7 +135,7 @@ def codecs(torch, dev, out, smoke: bool) -> None:
     y = torch.empty_like(x)
 
     def kernels_us(step):
-        return sum(us for _, _, us in bench_gpu.kernel_times(torch, dev, step, steps))
+        return bench_gpu.kernels_us(torch, dev, step, steps)
 
     copy = kernels_us(lambda: y.copy_(x))
     out(f"### The codec calls, {list(shape)} BF16: launch settings (a device copy's kernel: {copy:.1f} us)")
@@ -142,9 +144,9 @@ def codecs(torch, dev, out, smoke: bool) -> None:
         "decode kernels (us) | decode call (us) | decode kernels / copy |")
     out("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     saved = gpu.PROGRAM_VALUES, gpu.CODEC_WARPS
-    codecs = (("kvcx keys (channel, zero points)", cfg.key), ("kvcx values (token, rotated)", cfg.value))
+    pairs = (("kvcx keys (channel, zero points)", cfg.key), ("kvcx values (token, rotated)", cfg.value))
     try:
-        for label, codec in codecs:
+        for label, codec in pairs:
             codec = codec.with_backend("triton")
             for values, warps in CODEC_SETTINGS[:2] if smoke else CODEC_SETTINGS:
                 if codec.axis == "channel" and values != CODEC_SETTINGS[0][0]:
@@ -160,7 +162,7 @@ def codecs(torch, dev, out, smoke: bool) -> None:
     finally:
         gpu.PROGRAM_VALUES, gpu.CODEC_WARPS = saved
     out("")
-    for label, codec in codecs:
+    for label, codec in pairs:
         codec = codec.with_backend("triton")
         p = codec.encode(x)
         for kind, call in (("encode", lambda: codec.encode(x)), ("decode", lambda: codec.decode(p, y))):

@@ -198,10 +198,8 @@ def _encode_groups(x_ptr, codes_ptr, scales_ptr, zeros_ptr, flag_ptr, slab, S, t
     v = g[:, None] * G + tl.arange(0, G)[None, :]
     valid = v < L
     base = slab.to(tl.int64) * S * D + t0 * D
-    if PAD:
-        x = tl.load(x_ptr + base + v, mask=valid, other=0.0).to(tl.float32)
-    else:
-        x = tl.load(x_ptr + base + v).to(tl.float32)
+    # without PAD no masks at all (None: Triton's own default), with it the loads and stores of a partial program
+    x = tl.load(x_ptr + base + v, mask=valid if PAD else None, other=0.0 if PAD else None).to(tl.float32)
     if ROTATE:
         x = tl.reshape(_fwht_rows(tl.reshape(x, (R * G // D, D)), R * G // D, D, norm), (R, G))
     s16, z16, sdiv, rcp, keep, zero = _group_params(x, valid, 1, ASYM, PAD)
@@ -213,16 +211,10 @@ def _encode_groups(x_ptr, codes_ptr, scales_ptr, zeros_ptr, flag_ptr, slab, S, t
     _flag_if(flag_ptr, gm & bad)
     j = g[:, None] * (G // 2) + tl.arange(0, G // 2)[None, :]
     row = slab.to(tl.int64) * row_bytes
-    if PAD:
-        tl.store(scales_ptr + slab.to(tl.int64) * ngroups + g, s16, mask=gm)
-        if ASYM:
-            tl.store(zeros_ptr + slab.to(tl.int64) * ngroups + g, z16, mask=gm)
-        tl.store(codes_ptr + row + j, _pack(code, R, G), mask=j < row_bytes)
-    else:
-        tl.store(scales_ptr + slab.to(tl.int64) * ngroups + g, s16)
-        if ASYM:
-            tl.store(zeros_ptr + slab.to(tl.int64) * ngroups + g, z16)
-        tl.store(codes_ptr + row + j, _pack(code, R, G))
+    tl.store(scales_ptr + slab.to(tl.int64) * ngroups + g, s16, mask=gm if PAD else None)
+    if ASYM:
+        tl.store(zeros_ptr + slab.to(tl.int64) * ngroups + g, z16, mask=gm if PAD else None)
+    tl.store(codes_ptr + row + j, _pack(code, R, G), mask=(j < row_bytes) if PAD else None)
 
 
 @triton.jit
