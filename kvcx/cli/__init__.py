@@ -492,6 +492,22 @@ def calibrate(
               f"{result.estimated_kld:.4f}{guessed}; {result.tokens:,} tokens, {result.wall_time_s:.0f} s")
 
 
+@app.command("lmcache-server", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def lmcache_server(ctx: typer.Context):
+    """Run LMCache's multiprocess server with the kvcx serde registered; every flag goes to [bold]lmcache
+    server[/] (see its --help). A kvcx serde in an --l2-adapter is checked before the server starts.
+
+    Example: kvcx lmcache-server --port 5555 --supported-transfer-mode auto --eviction-policy LRU
+    --l2-adapter '{"type": "fs", "base_path": "/cache", "serde": {"type": "kvcx", "layout": "vllm_cpu",
+    "block_size": 128}}'
+    """
+    with _errors():
+        from kvcx.integrations.lmcache import check_server_args, run_server
+
+        check_server_args(ctx.args)
+    run_server(ctx.args)
+
+
 def _parse_options(text: Optional[str]) -> Optional[List[str]]:
     if text is None:
         return None

@@ -13,6 +13,16 @@ reference, symmetric, asymmetric, kivi), ``group_size``, ``bits``, ``sinks``, ``
 ``threads`` (OpenMP threads per chunk; default all cores), ``max_workers`` (LMCache's serde
 worker threads, default 1) and ``backend`` (``"triton"`` or ``"cpu"``; default: by where the chunk lives).
 
+Layouts (:mod:`kvcx.formats.layouts`): a 4-D chunk is LMCache's KV_2LTD. A 3-D chunk is a single plane whose
+shape does not say what it holds, so the config says it: ``"layout": "vllm_cpu"`` with ``"block_size"`` (vLLM's
+``--block-size``, 128 by default on CPU) for vLLM's CPU attention, which keeps K and V in one tensor
+(``"isa"``: ``auto``, as vLLM picks it on this host, or ``vec``, ``vec16``, ``amx``), or ``"layout": "mla"`` for
+an MLA latent plane. Without it a 3-D chunk is refused with an error naming these options (LMCache logs a
+failed store; nothing is written). The chunk records its layout, and is only read back into the same one::
+
+    {"type": "fs", "base_path": "/cache",
+     "serde": {"type": "kvcx", "head_dim": 64, "layout": "vllm_cpu", "block_size": 128}}
+
 A chunk that lives on the GPU (a CUDA memory object) is encoded and decoded there by the Triton kernels:
 only its packed sections cross to the host buffer (or back), never the uncompressed chunk, and the bytes
 are the ones the CPU kernels write, so a chunk written on the GPU decodes on the CPU and back, bit for bit.
@@ -32,7 +42,8 @@ torch is used only to view memory objects' buffers, never for math.
 """
 from __future__ import annotations
 
-from typing import Optional
+import json
+from typing import Iterable, List, Optional
 
 import numpy as np
 
@@ -40,6 +51,7 @@ from kvcx.codecs.dtypes import BFLOAT16, is_int
 from kvcx.codecs.kvconfig import SCHEME_NAMES, KVConfig
 from kvcx.errors import KvcxError
 from kvcx.formats.chunk import ChunkCodec
+from kvcx.formats.layouts import plane_layout
 
 try:
     import torch
@@ -53,7 +65,8 @@ except ImportError as exc:  # pragma: no cover - exercised without the extra ins
                     "pip install torch==2.13.0 lmcache==0.5.6 (or kvcx[lmcache])") from None
 
 SERDE_NAME = "kvcx"
-_OPTIONS = {"scheme", "group_size", "bits", "sinks", "rotate", "head_dim", "threads", "max_workers", "backend"}
+_OPTIONS = {"scheme", "group_size", "bits", "sinks", "rotate", "head_dim", "threads", "max_workers", "backend",
+            "layout", "block_size", "isa"}
 _TORCH_TO_NUMPY = {torch.float32: np.dtype(np.float32), torch.float16: np.dtype(np.float16),
                    torch.bfloat16: BFLOAT16}
 
@@ -89,15 +102,30 @@ def chunk_codec_from_options(options: dict) -> tuple:
                                    bits=_int_option(options, "bits", 1, 64), sinks=_int_option(options, "sinks", 0, 2 ** 31 - 1),
                                    rotate=rotate, n_threads=_int_option(options, "threads", 1, 1024))
         cfg = cfg.with_backend(options.get("backend"))
-        codec = ChunkCodec(cfg, head_dim=_int_option(options, "head_dim", 1, 65535, default=64))
+        plane = plane_layout(options.get("layout"), _int_option(options, "block_size", 1, 65535), options.get("isa"),
+                             host_amx=host_has_amx())
+        codec = ChunkCodec(cfg, head_dim=_int_option(options, "head_dim", 1, 65535, default=64), plane_layout=plane)
     except KvcxError as exc:
         raise KvcxSerdeError(f"kvcx serde options: {exc}") from None
     return codec, _int_option(options, "max_workers", 1, 64, default=1)
 
 
+def host_has_amx() -> bool:
+    """Whether this CPU has AMX tiles, as vLLM asks it when it picks its CPU attention kernel."""
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    try:
+        return bool(probe()) if probe is not None else False
+    except RuntimeError:
+        return False
+
+
 def _layout_of(shapes, dtypes, where: str):
     if len(shapes) != 1 or len(dtypes) != 1:
-        raise KvcxSerdeError(f"{where}: the kvcx serde takes single-tensor KV_2LTD chunks, got {len(shapes)} tensors")
+        raise KvcxSerdeError(f"{where}: the kvcx serde takes single-tensor chunks (KV_2LTD or one plane), got "
+                             f"{len(shapes)} tensors")
+    if dtypes[0] == torch.bfloat16 and BFLOAT16 is None:
+        raise KvcxSerdeError(f"{where}: a bfloat16 chunk needs the ml_dtypes package, which kvcx depends on: "
+                             "pip install ml_dtypes (in the environment of LMCache's server)")
     if dtypes[0] not in _TORCH_TO_NUMPY:
         raise KvcxSerdeError(f"{where}: dtype {dtypes[0]} is not bfloat16, float16 or float32")
     return tuple(int(s) for s in shapes[0]), _TORCH_TO_NUMPY[dtypes[0]]
@@ -149,7 +177,8 @@ def _where(key: Optional[ObjectKey]) -> str:
 
 
 class KvcxSerializer(Serializer):
-    """Packs an LMCache KV_2LTD chunk with kvcx (see :class:`kvcx.formats.chunk.ChunkCodec`)."""
+    """Packs an LMCache KV chunk (any layout of :mod:`kvcx.formats.layouts`) with kvcx (see
+    :class:`kvcx.formats.chunk.ChunkCodec`)."""
 
     def __init__(self, codec: Optional[ChunkCodec] = None):
         self.codec = codec or ChunkCodec()
@@ -165,7 +194,8 @@ class KvcxSerializer(Serializer):
 
 
 class KvcxDeserializer(Deserializer):
-    """Decodes a kvcx chunk into an LMCache KV_2LTD memory object (settings from the chunk itself)."""
+    """Decodes a kvcx chunk into an LMCache memory object of the layout it was written from (settings from the
+    chunk itself)."""
 
     def __init__(self, codec: Optional[ChunkCodec] = None):
         self.codec = codec or ChunkCodec()
@@ -195,3 +225,70 @@ def register(name: str = SERDE_NAME) -> str:
     register_serde_factory(name, create_serde)
     _REGISTERED.add(name)
     return name
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the server launcher (kvcx lmcache-server)
+# ---------------------------------------------------------------------------------------------------------------
+
+L2_FLAG = "--l2-adapter"
+
+
+def l2_adapter_configs(args: Iterable[str]) -> List[dict]:
+    """The JSON objects of every ``--l2-adapter`` flag (``--l2-adapter JSON`` or ``--l2-adapter=JSON``)."""
+    args, found = list(args), []
+    for i, a in enumerate(args):
+        if a == L2_FLAG:
+            if i + 1 >= len(args):
+                raise KvcxError(f"{L2_FLAG} needs a JSON object after it")
+            text = args[i + 1]
+        elif a.startswith(L2_FLAG + "="):
+            text = a[len(L2_FLAG) + 1:]
+        else:
+            continue
+        try:
+            cfg = json.loads(text)
+        except ValueError as exc:
+            raise KvcxError(f"{L2_FLAG} {text[:80]!r} is not JSON ({exc}); quote it for the shell") from None
+        if not isinstance(cfg, dict):
+            raise KvcxError(f"{L2_FLAG} {text[:80]!r} must be a JSON object with a \"type\"")
+        found.append(cfg)
+    return found
+
+
+def check_server_args(args: Iterable[str], serde_name: str = "kvcx") -> int:
+    """Check every kvcx serde config in the flags (KvcxError naming the adapter and the option); returns how
+    many adapters use the kvcx serde."""
+    n = 0
+    for i, cfg in enumerate(l2_adapter_configs(args)):
+        serde = cfg.get("serde")
+        if isinstance(serde, dict) and serde.get("type") == serde_name:
+            try:
+                chunk_codec_from_options({k: v for k, v in serde.items() if k != "type"})
+            except KvcxError as exc:
+                raise KvcxError(f"{L2_FLAG} #{i + 1} ({cfg.get('type', '?')}): {exc}") from None
+            n += 1
+    return n
+
+
+def run_server(args: Iterable[str]) -> None:
+    """LMCache's multiprocess server with the kvcx serde registered in its process (``kvcx lmcache-server``).
+
+    LMCache builds its L2 adapters, and their serdes, inside ``lmcache server``; a serde registered in another
+    process is unknown there. This registers kvcx, checks every kvcx serde config among the ``--l2-adapter``
+    flags (a bad option fails at the start, naming the option, not at the first store), then hands all the flags
+    to LMCache's own ``lmcache server`` entry point unchanged (returns when the server stops; LMCache exits the
+    process on its own errors)::
+
+        kvcx lmcache-server --port 5555 --supported-transfer-mode auto --eviction-policy LRU --l1-size-gb 1 \\
+            --l2-adapter '{"type": "fs", "base_path": "/var/cache/kv",
+                           "serde": {"type": "kvcx", "head_dim": 64, "layout": "vllm_cpu", "block_size": 128}}'
+
+    (``--supported-transfer-mode auto``: with vLLM on the CPU the engine drives the transfers.)
+    """
+    args = list(args)
+    check_server_args(args)
+    from lmcache.cli.main import main as lmcache_main
+
+    register()
+    lmcache_main(["server", *args])

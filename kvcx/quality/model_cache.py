@@ -25,7 +25,8 @@ MANIFEST = "kvcx-manifest.json"
 _OFF = ("0", "off", "no", "false", "none")
 
 
-def _sha256(path: Path) -> str:
+def sha256(path: Path) -> str:
+    """The SHA-256 of a file, in hex."""
     h = hashlib.sha256()
     with open(path, "rb") as fh:
         for block in iter(lambda: fh.read(1 << 22), b""):
@@ -54,7 +55,7 @@ def entry_for(gguf_path: str) -> Optional[Path]:
         return None
     import transformers
 
-    digest = _sha256(Path(gguf_path))[:20]
+    digest = sha256(Path(gguf_path))[:20]
     return root / f"{Path(gguf_path).stem}-{digest}-transformers-{transformers.__version__}"
 
 
@@ -62,9 +63,21 @@ def verified(entry: Path) -> bool:
     """Whether ``entry`` is complete and every file in its manifest has the recorded SHA-256."""
     try:
         files = json.loads((entry / MANIFEST).read_text())["files"]
-        return bool(files) and all(_sha256(entry / name) == digest for name, digest in files.items())
+        return bool(files) and all(sha256(entry / name) == digest for name, digest in files.items())
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return False
+
+
+def write_manifest(tmp: Path) -> None:
+    """Write the manifest of a finished directory (the SHA-256 of each file; last, so a partial copy has none)
+    and give it and its files the modes mkdir() and open() would."""
+    files = {p.name: sha256(p) for p in sorted(tmp.iterdir()) if p.is_file()}
+    (tmp / MANIFEST).write_text(json.dumps({"files": files}, indent=2))
+    umask = os.umask(0)
+    os.umask(umask)
+    for p in tmp.iterdir():
+        os.chmod(p, 0o666 & ~umask)
+    os.chmod(tmp, 0o777 & ~umask)
 
 
 def save(model, tokenizer, entry: Path) -> bool:
@@ -82,13 +95,7 @@ def save(model, tokenizer, entry: Path) -> bool:
         config.pop("quantization_config", None)                # GGUF's: the weights here are plain FP32
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
         tokenizer.save_pretrained(str(tmp))
-        files = {p.name: _sha256(p) for p in sorted(tmp.iterdir()) if p.is_file()}
-        (tmp / MANIFEST).write_text(json.dumps({"files": files}, indent=2))
-        umask = os.umask(0)
-        os.umask(umask)
-        for p in tmp.iterdir():                                # the modes open() and mkdir() would give
-            os.chmod(p, 0o666 & ~umask)
-        os.chmod(tmp, 0o777 & ~umask)
+        write_manifest(tmp)
         if entry.exists() and not verified(entry):
             shutil.rmtree(entry, ignore_errors=True)            # a damaged copy, replaced
         os.rename(tmp, entry)

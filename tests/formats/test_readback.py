@@ -119,7 +119,7 @@ def test_crafted_chunk_parameters_are_refused():
     x = small_chunk(5)
     codec = ChunkCodec(KVConfig.from_scheme("kvcx"), head_dim=64)
     buf, _ = codec_roundtrip(codec, x)
-    secs = codec._kinds((2, 3, 64, 128), 2)
+    secs = codec._kinds(codec.geometry(x.shape, "BF16"), 2)
     out = np.empty_like(x)
     for sec in secs:
         if sec.sinks:   # an infinite sink token, CRC recomputed

@@ -175,6 +175,62 @@ def test_serde_wrapper_with_fs_adapter(chunks, tmp_path):
         l1.close()
 
 
+def _fused_chunks(n=3, bs=128):
+    """vLLM CPU fused-plane chunks [layers, 256 tokens, 3 heads * 2 * 64] (BF16) and their keys and values."""
+    from kvcx.formats.layouts import VllmCpu
+
+    lay, out = VllmCpu(bs, "vec"), []
+    for i in range(n):
+        kv = ls.chunk_for(i, (2, 4, 256, 192))
+        x = np.zeros((4, 256, 384), BFLOAT16)
+        lay.join([kv[0].copy(), kv[1].copy()], x, lay.geometry(x.shape, 64, "chunk"))
+        out.append(x)
+    return out
+
+
+def test_fused_planes_through_the_fs_adapter(tmp_path):
+    """vLLM's CPU chunks through LMCache's serde wrapper and FS adapter: stored as kvcx chunks that record their
+    layout, loaded back into the fused layout; a serde configured for another block size sees a miss."""
+    from kvcx.formats.layouts import VllmCpu
+
+    chunks, keys = _fused_chunks(), [ls.key(i) for i in range(3)]
+    serde = ("kvcx", {"head_dim": 64, "layout": "vllm_cpu", "block_size": 128, "isa": "vec"})
+    codec = ChunkCodec(plane_layout=VllmCpu(128, "vec"))
+    l1 = ls.make_l1()
+    w = ls.make_wrapper(l1, "fs", serde=serde, base_path=tmp_path / "a")
+    try:
+        ok, nbytes = ls.store(l1, w, keys, chunks)
+        assert ok and nbytes == codec.serialized_size(chunks[0].shape, BFLOAT16) * 3
+        files = sorted(p for p in (tmp_path / "a").rglob("*") if p.is_file())
+        assert len(files) == 3 and all(read_header(np.fromfile(f, np.uint8))["layout"] == VllmCpu(128, "vec")
+                                       for f in files)
+        hits, got = ls.load(w, keys, chunks[0].shape)
+        assert hits == 3
+        for g, c in zip(got, chunks):
+            assert np.array_equal(g.view(np.uint16), codec_roundtrip(codec, c)[1].view(np.uint16))
+    finally:
+        w.close()
+    other = ls.make_wrapper(l1, "fs", serde=("kvcx", {**serde[1], "block_size": 64}), base_path=tmp_path / "a")
+    try:   # the same files read as another block size's chunks: a miss, never a permuted cache
+        assert ls.load(other, keys, chunks[0].shape)[0] == 0
+    finally:
+        other.close()
+        l1.close()
+
+
+def test_a_single_plane_chunk_without_a_layout_is_never_stored(tmp_path):
+    chunks, keys = _fused_chunks(1), [ls.key(0)]
+    l1 = ls.make_l1()
+    w = ls.make_wrapper(l1, "fs", serde=("kvcx", {"head_dim": 64}), base_path=tmp_path)
+    try:
+        with pytest.raises(KvcxError, match="set the serde option layout to 'vllm_cpu'"):
+            ls.store(l1, w, keys, chunks)
+        assert not [p for p in tmp_path.rglob("*") if p.is_file()]
+    finally:
+        w.close()
+        l1.close()
+
+
 @pytest.fixture
 def valkey():
     proc, port = ls.start_valkey()
@@ -282,8 +338,10 @@ def test_chunk_shape_errors():
     ser = KvcxSerializer(ChunkCodec(head_dim=64))
     with pytest.raises(KvcxError, match="not a multiple of head_dim 64"):
         ser.estimate_serialized_size(ls.layout((2, 3, 16, 100)))
-    with pytest.raises(KvcxError, match="KV_2LTD"):
+    with pytest.raises(KvcxError, match="which its shape cannot tell: set the serde option layout"):
         ser.estimate_serialized_size(ls.layout((3, 16, 128)))
+    with pytest.raises(KvcxError, match="KV_2LTD"):
+        ser.estimate_serialized_size(ls.layout((3, 16)))
     with pytest.raises(KvcxError, match="bfloat16, float16 or float32"):
         ser.estimate_serialized_size(ls.layout((2, 3, 16, 128), torch.int8))
 
