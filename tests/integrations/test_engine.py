@@ -1,0 +1,180 @@
+"""kvcx inside a real serving engine: vLLM's CPU build serving the embedded model, LMCache's multiprocess server
+(``kvcx lmcache-server``) storing vLLM's KV caches through the kvcx serde into an FS store and into a real Valkey
+server. Prompts are stored, both servers restarted, the prompts answered from the store; stored chunks damaged in
+three ways are misses that vLLM recomputes; Valkey killed while serving, requests are still answered, and stores
+resume when it is back. Every server runs on free loopback ports and is stopped by its pid."""
+import os
+import time
+
+import numpy as np
+import pytest
+
+if os.environ.get("CI"):  # CI installs the extras: these tests must run there, never skip
+    import lmcache  # noqa: F401
+    import vllm  # noqa: F401
+else:
+    pytest.importorskip("vllm")
+    pytest.importorskip("lmcache")
+
+from kvcx.formats.chunk import read_header  # noqa: E402
+from kvcx.formats.layouts import VllmCpu  # noqa: E402
+from kvcx.integrations import engine_local as el  # noqa: E402
+from kvcx.integrations import lmcache_local as ls  # noqa: E402
+
+pytestmark = pytest.mark.engine
+
+CHUNK = 256                     # LMCache's chunk size (tokens)
+RAW_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 2   # the embedded model's BF16 KV: layers x (K, V) x heads x dim x 2 B
+GENERATED = 12                  # tokens compared a prompt
+NAMES = ("ok", "truncated", "flipped", "swapped", "donor", "outage", "after")
+
+
+@pytest.fixture(scope="module")
+def checkpoint():
+    from kvcx.quality.engine_model import engine_checkpoint
+
+    return engine_checkpoint()
+
+
+@pytest.fixture(scope="module")
+def prompts(checkpoint, wikitext_path):
+    """Token ids of held-out WikiText-2 passages, two LMCache chunks and a little more each."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(checkpoint))
+    text = wikitext_path.read_text(encoding="utf-8")
+    return {name: tok(text[200_000 + 9_000 * i:][:4_000])["input_ids"][:2 * CHUNK + 40]
+            for i, name in enumerate(NAMES)}
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint, prompts, tmp_path_factory):
+    """vLLM alone (no LMCache, no prefix cache): each prompt's greedy continuation and its top logprobs."""
+    vl = el.start_vllm(checkpoint, log=tmp_path_factory.mktemp("ref") / "vllm.log", prefix_caching=False,
+                       max_model_len=2048)
+    try:
+        return {n: el.complete(vl.port, p, max_tokens=GENERATED, logprobs=5)["choices"][0]
+                for n, p in prompts.items()}
+    finally:
+        vl.stop()
+
+
+class Servers:
+    """LMCache's server with the kvcx serde over ``adapters``, and vLLM connected to it; stopped by pid."""
+
+    def __init__(self, checkpoint, adapters, logs, tag):
+        self.lm = el.start_lmcache_server(adapters, log=logs / f"lmcache-{tag}.log")
+        try:
+            self.vl = el.start_vllm(checkpoint, log=logs / f"vllm-{tag}.log", lmcache_port=self.lm.port,
+                                    max_model_len=2048)
+        except BaseException:
+            self.lm.stop()
+            raise
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.vl.stop()
+        self.lm.stop()
+
+
+def _wait(fn, timeout=60.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if fn():
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"{what} not reached in {timeout:.0f} s")
+
+
+def _files(path):
+    return {p for p in path.rglob("*") if p.is_file()}
+
+
+def _tokens(choice):
+    return choice["token_ids"]
+
+
+def _check_kvcx_chunks(blobs):
+    """Every stored object is a kvcx chunk of vLLM's CPU layout; the bytes a token it holds."""
+    sizes = []
+    for b in blobs:
+        h = read_header(np.frombuffer(b, np.uint8))
+        assert h["layout"] == VllmCpu(el.CPU_BLOCK_SIZE, "vec") and (h["layers"], h["tokens"]) == (30, CHUNK)
+        sizes.append(len(b))
+    per_token = np.mean(sizes) / CHUNK
+    assert per_token <= 0.28 * RAW_BYTES_PER_TOKEN, per_token
+    return per_token
+
+
+def _served_from_the_store(vl, prompt, ref):
+    """Teacher-forced greedy agreement with vLLM alone over the reference continuation."""
+    tf = el.teacher_forced(vl.port, prompt, _tokens(ref))
+    assert tf["agreement"] >= 0.9, tf
+    kld = el.top_kld(ref["logprobs"]["top_logprobs"], tf["top_logprobs"])
+    assert kld < 0.1, kld
+    return tf
+
+
+def test_fs_store_restart_and_damaged_chunks(checkpoint, prompts, reference, tmp_path):
+    store, serde = tmp_path / "kv", el.serde_config()
+    adapters = [el.fs_adapter(store, serde)]
+    written, computed = {}, {}
+    with Servers(checkpoint, adapters, tmp_path, "first") as s:
+        for name in ("ok", "truncated", "flipped", "swapped", "donor"):
+            before = _files(store)
+            computed[name] = _tokens(el.complete(s.vl.port, prompts[name], max_tokens=GENERATED)["choices"][0])
+            _wait(lambda: len(_files(store) - before) >= 2, what=f"{name}'s chunks stored")
+            written[name] = sorted(_files(store) - before)
+        counts = el.lmcache_counts(s.lm)
+    assert counts["failed_stores"] == 0 and counts["stored_tokens"] >= 5 * 2 * CHUNK, counts
+    _check_kvcx_chunks([f.read_bytes() for f in _files(store)])
+
+    for f in written["truncated"]:                       # damage three prompts' chunks, each its own way
+        f.write_bytes(f.read_bytes()[:-1000])
+    for i, f in enumerate(written["flipped"]):
+        raw = bytearray(f.read_bytes())
+        raw[4096 + 997 * i] ^= 0x08
+        f.write_bytes(bytes(raw))
+    for f, g in zip(written["swapped"], written["donor"]):   # another key's valid chunk in its place
+        f.write_bytes(g.read_bytes())
+
+    with Servers(checkpoint, adapters, tmp_path, "second") as s:
+        _served_from_the_store(s.vl, prompts["ok"], reference["ok"])
+        hits = el.lmcache_counts(s.lm)
+        assert hits["l2_hits"] >= 2 and hits["retrieved_tokens"] >= 2 * CHUNK, hits
+        for name in ("truncated", "flipped", "swapped"):
+            out = el.complete(s.vl.port, prompts[name], max_tokens=GENERATED)["choices"][0]
+            assert _tokens(out) == computed[name], name    # recomputed: the uncompressed answer of the first round
+        counts = el.lmcache_counts(s.lm)
+        assert s.vl.alive() and s.lm.alive()
+    assert counts["retrieved_tokens"] == hits["retrieved_tokens"], counts   # nothing damaged was handed to vLLM
+    assert counts["failed_loads"] >= 2, counts                          # the serde refused what it read
+
+
+def test_valkey_store_restart_and_outage(checkpoint, prompts, reference, tmp_path):
+    vk, port = ls.start_valkey()
+    try:
+        adapters = [el.valkey_adapter(port, el.serde_config())]
+        computed = {}
+        with Servers(checkpoint, adapters, tmp_path, "first") as s:
+            for name in ("ok", "outage", "after"):
+                computed[name] = _tokens(el.complete(s.vl.port, prompts[name], max_tokens=GENERATED)["choices"][0])
+            _wait(lambda: len(el.resp_values(port)) >= 6, what="chunks stored in Valkey")
+        per_token = _check_kvcx_chunks(el.resp_values(port).values())
+
+        with Servers(checkpoint, adapters, tmp_path, "second") as s:
+            _served_from_the_store(s.vl, prompts["ok"], reference["ok"])
+            assert el.lmcache_counts(s.lm)["l2_hits"] >= 2
+            ls.stop(vk)                                                 # Valkey killed while serving
+            out = el.complete(s.vl.port, prompts["outage"], max_tokens=GENERATED)["choices"][0]
+            assert _tokens(out) == computed["outage"]                    # answered, recomputed
+            vk, _ = ls.start_valkey(port)                               # back on the same port, empty
+            out = el.complete(s.vl.port, prompts["after"], max_tokens=GENERATED)["choices"][0]
+            assert _tokens(out) == computed["after"]
+            _wait(lambda: len(el.resp_values(port)) >= 2, what="stores resumed")
+            assert s.vl.alive() and s.lm.alive()
+        assert abs(_check_kvcx_chunks(el.resp_values(port).values()) - per_token) < 1e-9
+    finally:
+        ls.stop(vk)
