@@ -141,3 +141,16 @@ cdef extern from "_engine.h" nogil:
     void kvcx_ggml_dequant_block(int type, uint16_t hd, uint16_t hm, const uint8_t *q, float *y) noexcept
     uint8_t kvcx_f2fp8(float x, int format) noexcept
     float kvcx_fp82f(uint8_t c, int format) noexcept
+
+cdef extern from "_fused.h" nogil:
+    enum:
+        KVCX_FUSED_VEC
+        KVCX_FUSED_AMX
+    void kvcx_fused_split_u16(const uint16_t *chunk, uint16_t *keys, uint16_t *values, int64_t T, int64_t H,
+                              int64_t D, int64_t bs, int order, int64_t slab, uint16_t *scr) noexcept
+    void kvcx_fused_split_u32(const uint32_t *chunk, uint32_t *keys, uint32_t *values, int64_t T, int64_t H,
+                              int64_t D, int64_t bs, int order, int64_t slab, uint32_t *scr) noexcept
+    void kvcx_fused_join_u16(const uint16_t *keys, const uint16_t *values, uint16_t *chunk, int64_t T, int64_t H,
+                             int64_t D, int64_t bs, int order, int64_t slab, uint16_t *scr) noexcept
+    void kvcx_fused_join_u32(const uint32_t *keys, const uint32_t *values, uint32_t *chunk, int64_t T, int64_t H,
+                             int64_t D, int64_t bs, int order, int64_t slab, uint32_t *scr) noexcept

@@ -255,7 +255,7 @@ class ChunkCodec:
             raise CodecError(f"{where}: the destination must be a writeable byte buffer of at least {total} bytes, "
                              f"got {out.dtype} {list(out.shape)}")
         buf = out[:total]
-        for sec, x in zip(kinds, g.layout.split(chunk, g)):
+        for sec, x in zip(kinds, g.layout.split(chunk, g, self.config.value.n_threads)):
             # the codec straight into the buffer's sections: every size was checked when they were laid out
             if on_device:
                 _copy_record(to_host(sec.codec.encode(x.reshape(sec.view), name=where)), sec.record(buf, dtype))
@@ -333,7 +333,7 @@ class ChunkCodec:
                 sec.codec.decode(packed, out=dst.reshape(sec.view), name=where)
             except CodecError as exc:
                 raise FormatError(f"{where}: the chunk is damaged ({exc})") from None
-        stored.join(planes, out, g)
+        stored.join(planes, out, g, self.config.value.n_threads)
 
 
 def _copy_record(src: Packed, dst: Packed) -> None:

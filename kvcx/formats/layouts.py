@@ -29,8 +29,8 @@ block size. The chunk wire format (:mod:`kvcx.formats.chunk`) records the layout
 size; a chunk is only ever decoded into the layout it was written from.
 
 A layout turns a chunk into its planes, each ``(layers, tokens, heads * head_dim)`` C-contiguous
-(:meth:`ChunkLayout.split`: views for ``kv_2ltd`` and ``mla``, a copy for a fused plane), and planes back
-into a chunk (:meth:`ChunkLayout.join`).
+(:meth:`ChunkLayout.split`: views for ``kv_2ltd`` and ``mla``, a copy for a fused plane, made by the parallel
+kernels of :mod:`kvcx.codecs.planes`), and planes back into a chunk (:meth:`ChunkLayout.join`).
 """
 from __future__ import annotations
 
@@ -40,6 +40,7 @@ from typing import Optional
 import numpy as np
 
 from kvcx.codecs.dtypes import is_int
+from kvcx.codecs.planes import AMX_TILE, fused_join, fused_split
 from kvcx.errors import CodecError
 
 # wire codes (chunk header byte 9); 0 is what wire versions 1 and 2 hold there
@@ -49,7 +50,6 @@ CODE_VLLM_CPU_AMX = 2
 CODE_MLA = 3
 
 ISAS = ("auto", "vec", "vec16", "amx")
-AMX_TILE = 16      # tokens (keys) or dimensions (values) in one AMX tile row group
 
 
 @dataclass(frozen=True)
@@ -83,11 +83,11 @@ class ChunkLayout:
         """The chunk tensor's shape for a geometry (what a decode's destination must have)."""
         raise NotImplementedError
 
-    def split(self, chunk, g: Geometry) -> list:
+    def split(self, chunk, g: Geometry, n_threads: Optional[int] = None) -> list:
         """The chunk's planes, each C-contiguous ``g.plane_shape`` (views where the layout allows)."""
         raise NotImplementedError
 
-    def join(self, planes, out, g: Geometry) -> None:
+    def join(self, planes, out, g: Geometry, n_threads: Optional[int] = None) -> None:
         """Write planes (as :meth:`split` returns them) into the chunk ``out``; a no-op where they are views."""
 
     def scratch(self, out, g: Geometry) -> list:
@@ -134,7 +134,7 @@ class Kv2ltd(ChunkLayout):
     def chunk_shape(self, g):
         return (2,) + g.plane_shape
 
-    def split(self, chunk, g):
+    def split(self, chunk, g, n_threads=None):
         return [chunk[0], chunk[1]]
 
 
@@ -150,18 +150,8 @@ class Mla(ChunkLayout):
     def chunk_shape(self, g):
         return g.plane_shape
 
-    def split(self, chunk, g):
+    def split(self, chunk, g, n_threads=None):
         return [chunk]
-
-
-# one (engine block, head) slab's keys or values: (the tile shape, the axes that put it in (token, dim) order)
-def _vec_tiles(bs: int, d: int):
-    return ((d, bs), (1, 0)), ((bs, d), (0, 1))
-
-
-def _amx_tiles(bs: int, d: int):
-    return (((bs // AMX_TILE, d // 2, AMX_TILE, 2), (0, 2, 1, 3)),
-            ((d // AMX_TILE, bs // 2, AMX_TILE, 2), (1, 3, 0, 2)))
 
 
 class VllmCpu(ChunkLayout):
@@ -221,40 +211,21 @@ class VllmCpu(ChunkLayout):
     def chunk_shape(self, g):
         return (g.layers, g.tokens, g.heads * 2 * g.head_dim)
 
-    def _tiles(self, g):
+    def _order(self) -> str:
         if self.isa == "auto":
             raise CodecError("internal: an isa='auto' layout must be resolved for the chunk's dtype first")
-        return (_amx_tiles if self.isa == "amx" else _vec_tiles)(self.block_size, g.head_dim)
+        return "amx" if self.isa == "amx" else "vec"
 
-    def _halves(self, chunk, g):
-        # [L, blocks, 2 (keys rows, values rows), block_size/2 rows, heads, 2 * head_dim]
-        bs = self.block_size
-        return chunk.reshape(g.layers, g.tokens // bs, 2, bs // 2, g.heads, 2 * g.head_dim)
-
-    def split(self, chunk, g):
-        L, nb, bs, H, D = g.layers, g.tokens // self.block_size, self.block_size, g.heads, g.head_dim
-        halves, planes = self._halves(chunk, g), []
-        for kind, (tile, axes) in enumerate(self._tiles(g)):
-            slab = np.ascontiguousarray(halves[:, :, kind].transpose(0, 1, 3, 2, 4))   # [L, nb, H, bs/2, 2D]
-            blk = slab.reshape(L, nb, H, *tile).transpose(0, 1, 2, *(3 + a for a in axes)).reshape(L, nb, H, bs, D)
-            plane = np.empty(g.plane_shape, chunk.dtype)
-            np.copyto(plane.reshape(L, nb, bs, H, D), blk.transpose(0, 1, 3, 2, 4))
-            planes.append(plane)
-        return planes
+    def split(self, chunk, g, n_threads=None):
+        if not isinstance(chunk, np.ndarray):
+            raise CodecError(f"a {self.describe()} chunk is a CPU layout: pass a NumPy array (a CPU tensor's .numpy())")
+        return list(fused_split(chunk, self.block_size, g.head_dim, self._order(), n_threads=n_threads))
 
     def scratch(self, out, g):
         return [np.empty(g.plane_shape, out.dtype) for _ in range(2)]
 
-    def join(self, planes, out, g):
-        L, nb, bs, H, D = g.layers, g.tokens // self.block_size, self.block_size, g.heads, g.head_dim
-        halves = self._halves(out, g)
-        for kind, (tile, axes) in enumerate(self._tiles(g)):
-            inv = tuple(int(i) for i in np.argsort(axes))
-            in_order = tuple(tile[a] for a in axes)          # the tile's dims once put in (token, dim) order
-            blk = np.ascontiguousarray(planes[kind].reshape(L, nb, bs, H, D).transpose(0, 1, 3, 2, 4))
-            slab = blk.reshape(L, nb, H, *in_order).transpose(0, 1, 2, *(3 + a for a in inv))
-            np.copyto(halves[:, :, kind].transpose(0, 1, 3, 2, 4),
-                      np.ascontiguousarray(slab).reshape(L, nb, H, bs // 2, 2 * D))
+    def join(self, planes, out, g, n_threads=None):
+        fused_join(planes[0], planes[1], out, self.block_size, g.head_dim, self._order(), n_threads=n_threads)
 
 
 KV_2LTD = Kv2ltd()

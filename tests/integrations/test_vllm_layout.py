@@ -16,6 +16,7 @@ else:
     pytest.importorskip("lmcache")
     torch = pytest.importorskip("torch")
 
+from kvcx.codecs.dtypes import BFLOAT16  # noqa: E402
 from kvcx.formats.chunk import ChunkCodec  # noqa: E402
 from kvcx.formats.layouts import VllmCpu  # noqa: E402
 
@@ -72,15 +73,15 @@ def test_vllm_writes_what_the_layout_reads(isa, bs, d, dtype):
     obj = torch.zeros(L, len(blocks) * bs, H * 2 * d, dtype=dt)
     _transfer(caches, obj, blocks, bs, d, to_chunk=True)
     lay = VllmCpu(bs, isa)
-    x = _np(obj)
+    x = _np(obj).view(BFLOAT16 if dtype == "bfloat16" else np.float16)
     g = lay.geometry(x.shape, d, "chunk")
     k, v = lay.split(x, g)
-    assert np.array_equal(k, _np(key)) and np.array_equal(v, _np(value))
+    assert np.array_equal(k.view(np.int16), _np(key)) and np.array_equal(v.view(np.int16), _np(value))
     # back: a chunk rebuilt from the planes, through LMCache's transfer into fresh caches, is vLLM's cache
     rebuilt = np.zeros_like(x)
     lay.join([k, v], rebuilt, g)
     fresh = [torch.zeros_like(c) for c in caches]
-    _transfer(fresh, torch.from_numpy(rebuilt).view(dt), blocks, bs, d, to_chunk=False)
+    _transfer(fresh, torch.from_numpy(rebuilt.view(np.int16)).view(dt), blocks, bs, d, to_chunk=False)
     for a, b in zip(fresh, caches):
         assert torch.equal(a[blocks].view(torch.int16), b[blocks].view(torch.int16))
 
@@ -92,8 +93,6 @@ def test_a_vllm_chunk_through_kvcx_decodes_into_vllm_s_layout():
     caches, key, value = _vllm_cache("vec", dt, bs, d, [2, 5], seed=3)
     obj = torch.zeros(L, 2 * bs, H * 2 * d, dtype=dt)
     _transfer(caches, obj, [2, 5], bs, d, to_chunk=True)
-    from kvcx.codecs.dtypes import BFLOAT16
-
     x = _np(obj).view(BFLOAT16)
     lay = VllmCpu(bs, "vec")
     _, y = codec_roundtrip(ChunkCodec(plane_layout=lay), x)
