@@ -3,7 +3,7 @@
     python bench/publish.py [--validate-log make_validate.log]
 
 - ``headline``: the summary table of headline figures, read from the tables the bench scripts wrote into
-  docs/results/ (quality.md, codec.md, generate.md, lmcache.md), each row linking to its report;
+  docs/results/ (quality.md, codec.md, generate.md, lmcache.md, engine.md), each row linking to its report;
 - ``engines`` / ``engines-8k``: the tables of kvcx's settings and the engines' KV formats at windows of 1,024
   and of 8,192 from docs/results/engines.md (one run of bench_engines.py, a section per window size);
 - ``passkey``: the retrieval table from docs/results/passkey.md;
@@ -61,6 +61,11 @@ def headline() -> str:
     rss = table(RESULTS / "generate.md", "Peak RSS")  # cache, loaded, prefill s, prefill peak, before decode, ...
     rss_kv, rss_dyn = find(rss, "KvcxCache fused"), find(rss, "DynamicCache")  # the first such row: release_heap on
     kv = find(lmc, "kvcx default")
+    eng_t = table(RESULTS / "engine.md", "Time to first token")
+    eng_b = find(table(RESULTS / "engine.md", "Bytes stored"), "LMCache, kvcx (default")
+    eng_q = table(RESULTS / "engine.md", "Quality")
+    eng_4k = eng_t[("LMCache, kvcx (default scheme)", "4,096")]
+    eng_all = eng_q[("LMCache, kvcx (default scheme)", "all")]
     fp8 = find(lmc, "LMCache fp8")
     q_rel = "[quality](docs/results/quality.md)"
     lines = [
@@ -80,6 +85,10 @@ def headline() -> str:
         "[generate](docs/results/generate.md) |",
         f"| process RSS after an 8,000-token prompt, `KvcxCache` vs `DynamicCache` | {rss_kv[4]} vs {rss_dyn[4]} "
         f"(peak during the prefill {rss_kv[3]} vs {rss_dyn[3]}) | [generate](docs/results/generate.md) |",
+        f"| inside vLLM (CPU) with LMCache's server, kvcx vs the default serde | {eng_b[2]} the bytes a token "
+        f"({eng_b[3]} fp8's); time to first token from the store at 4k tokens {eng_4k[4]} vLLM alone's prefill, "
+        f"{eng_4k[6]} the default serde's; teacher-forced greedy agreement {eng_all[2]} | "
+        "[engine](docs/results/engine.md) |",
         f"| LMCache chunk, kvcx serde vs LMCache fp8 | {kv[2]} vs {fp8[2]} smaller than BF16; serialize "
         f"{kv[7]} vs {fp8[7]} GB/s, deserialize {kv[9]} vs {fp8[9]} GB/s (2 threads) | "
         "[lmcache](docs/results/lmcache.md) |",

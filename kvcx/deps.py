@@ -1,27 +1,51 @@
-"""Optional dependencies and their versions: one place that every module may use.
+"""Optional dependencies and what kvcx needs of them: one place that every module may use.
 
 Imports nothing heavy itself: each check imports (or only locates) what it checks.
+
+kvcx asks transformers for features, not for a version: :data:`TRANSFORMERS_FEATURES` lists what it reaches for
+inside transformers (the cache classes it builds on, the attention and mask interfaces it registers with). A
+release that keeps them runs; one that moved or dropped one is refused with an error naming it. The only version
+check is the floor below which those features never existed (:data:`MIN_TRANSFORMERS`).
 """
 from __future__ import annotations
 
+import importlib
 import importlib.util
 
 from kvcx.errors import ModelError
 
-SUPPORTED_TRANSFORMERS = ("5.0", "5.24")  # [min, max)
-TORCH_PIN = "torch==2.13.0"
-VALIDATE_EXTRA = f"pip install {TORCH_PIN} 'transformers>={SUPPORTED_TRANSFORMERS[0]},<{SUPPORTED_TRANSFORMERS[1]}' " \
-                 "gguf accelerate (or kvcx[validate], or `make venv`)"
+MIN_TRANSFORMERS = "5.0"
+MIN_TORCH = "2.4"
+# (module, name, what kvcx uses it for): checked by require_torch_transformers() before a model is loaded
+TRANSFORMERS_FEATURES = (
+    ("transformers.cache_utils", "Cache", "the base class of KvcxCache"),
+    ("transformers.cache_utils", "DynamicLayer", "the base class of KvcxCache's layers"),
+    ("transformers.cache_utils", "DynamicCache", "the exact cache validation compares against"),
+    ("transformers.modeling_utils", "AttentionInterface", "registering kvcx's fused attention"),
+    ("transformers.masking_utils", "AttentionMaskInterface", "registering kvcx's attention mask"),
+    ("transformers.masking_utils", "sdpa_mask", "the mask kvcx's attention reads"),
+    ("transformers.integrations.sdpa_attention", "sdpa_attention_forward", "the attention of non-kvcx steps"),
+)
+INSTALL = f"pip install 'torch>={MIN_TORCH}' 'transformers>={MIN_TRANSFORMERS}' gguf accelerate (or kvcx[validate], " \
+          "or `make venv`)"
 
 
-def check_transformers_version(version: str) -> None:
-    """ModelError unless ``version`` is in the supported transformers range."""
+def check_transformers(version: str) -> None:
+    """ModelError where the installed transformers lacks what kvcx uses (naming it), or is older than the floor."""
     from packaging.version import Version
 
-    lo, hi = SUPPORTED_TRANSFORMERS
-    if not Version(lo) <= Version(version) < Version(hi):
-        raise ModelError(f"transformers {version} is not supported; kvcx works with >={lo},<{hi}: "
-                         f"pip install 'transformers>={lo},<{hi}'")
+    if Version(version) < Version(MIN_TRANSFORMERS):
+        raise ModelError(f"transformers {version} is older than kvcx needs (>={MIN_TRANSFORMERS}: its cache and "
+                         f"attention interfaces): pip install 'transformers>={MIN_TRANSFORMERS}'")
+    for module, name, use in TRANSFORMERS_FEATURES:
+        try:
+            found = hasattr(importlib.import_module(module), name)
+        except ImportError:
+            found = False
+        if not found:
+            raise ModelError(f"transformers {version} has no {module}.{name}, which kvcx uses for {use}; this "
+                             "release changed it: install one that has it (kvcx is tested on the newest "
+                             "transformers in CI) or report it to kvcx")
 
 
 def import_torch():
@@ -29,18 +53,18 @@ def import_torch():
     try:
         import torch
     except ImportError:
-        raise ModelError(f"this needs PyTorch: pip install {TORCH_PIN} (or `make venv`)") from None
+        raise ModelError(f"this needs PyTorch: pip install 'torch>={MIN_TORCH}' (or `make venv`)") from None
     return torch
 
 
 def require_torch_transformers() -> None:
-    """Import torch and transformers (checking the version), or raise ModelError saying how to install them."""
+    """Import torch and transformers and check what kvcx uses of them, or raise ModelError saying what to do."""
     try:
         import torch  # noqa: F401 - imported to check it is there
         import transformers
     except ImportError as exc:
-        raise ModelError(f"this needs torch and transformers ({exc.name} is missing): {VALIDATE_EXTRA}") from None
-    check_transformers_version(transformers.__version__)
+        raise ModelError(f"this needs torch and transformers ({exc.name} is missing): {INSTALL}") from None
+    check_transformers(transformers.__version__)
 
 
 def require_modules(*names: str, purpose: str) -> None:

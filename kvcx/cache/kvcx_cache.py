@@ -61,10 +61,10 @@ from kvcx.codecs.backends import backend_takes, check_backend
 from kvcx.codecs.dtypes import is_int
 from kvcx.codecs.kvconfig import DEFAULT_SCHEME, KVConfig
 from kvcx.codecs.runtime import resolve_threads
-from kvcx.deps import check_transformers_version
+from kvcx.deps import check_transformers
 from kvcx.errors import KvcxError, SlowPathWarning
 
-check_transformers_version(transformers.__version__)
+check_transformers(transformers.__version__)
 
 
 class KernelTimer:

@@ -33,12 +33,12 @@ must be the ones the reader's configuration gives the destination, or the read i
 readers refuse version 3 chunks, so an older kvcx never mistakes a fused plane for KV_2LTD.
 
 Each plane (keys, values; MLA's latent, with the key codec) is seen as ``(layers, tokens, kv_heads *
-head_dim)``: per-channel groups run along tokens for every (head, dim) channel, and sink tokens are the chunk's first tokens, exactly as
-``kvcx compress`` does on ``[1, kv_heads, tokens, head_dim]`` tensors. A codec that rotates is
-applied per head, each layer seen as ``(tokens * kv_heads, head_dim)`` rows (its sink tokens are then
-the first ``sinks * kv_heads`` rows, the same bytes); it cannot use per-channel groups. Token-axis
-groups of at most ``head_dim`` values that divide it are the same groups as in a file; the default
-scheme decodes bit for bit as ``kvcx compress`` does.
+head_dim)``: per-channel groups run along tokens for every (head, dim) channel, and sink tokens are the chunk's
+first tokens, exactly as ``kvcx compress`` does on ``[1, kv_heads, tokens, head_dim]`` tensors. A codec that
+rotates is applied per head, each layer seen as ``(tokens * kv_heads, head_dim)`` rows (its sink tokens are then
+the first ``sinks * kv_heads`` rows, the same bytes); it cannot use per-channel groups. Token-axis groups of at
+most ``head_dim`` values that divide it are the same groups as in a file; the default scheme decodes bit for bit
+as ``kvcx compress`` does.
 
 A chunk written with a key (the LMCache serde passes the store's key) is bound to it: read under another
 key, a valid chunk is an error, not another chunk's tensor (a mix-up no checksum sees). The digest is 32
@@ -150,7 +150,8 @@ class ChunkCodec:
         for kind, c in (("key", self.config.key), ("value", self.config.value)):
             if c.rotate and c.axis == "channel":
                 raise CodecError(f"the {kind} codec rotates and also uses per-channel groups; in a KV chunk a "
-                                 "rotation is applied per head, which per-channel groups cannot share: drop one of them")
+                                 "rotation is applied per head, which per-channel groups cannot share: drop one of "
+                                 "them")
             if c.rotate and (head_dim < 8 or head_dim & (head_dim - 1)):
                 raise CodecError(f"the {kind} codec rotates, which needs head_dim to be a power of two >= 8, "
                                  f"got {head_dim}")

@@ -37,8 +37,8 @@ buffer; ``deserialize`` decodes straight into the destination object. The size i
 magic, a wire version, its shape, dtype and codec settings and a CRC-32 (see :mod:`kvcx.formats.chunk`), so
 it always decodes with what wrote it, and a foreign or damaged payload is refused with an error.
 
-Needs ``lmcache==0.5.6`` and torch (``pip install kvcx[lmcache]``; ``kvcx[gpu]`` for the Triton kernels);
-torch is used only to view memory objects' buffers, never for math.
+Needs LMCache (``>=0.5.6,<0.6``, the tested range) and torch (``pip install kvcx[lmcache]``; ``kvcx[gpu]`` for
+the Triton kernels); torch is used only to view memory objects' buffers, never for math.
 """
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ try:
     from lmcache.v1.memory_management import MemoryObj
 except ImportError as exc:  # pragma: no cover - exercised without the extra installed
     raise KvcxError(f"kvcx.integrations.lmcache needs LMCache and torch ({exc.name} is missing): "
-                    "pip install torch==2.13.0 lmcache==0.5.6 (or kvcx[lmcache])") from None
+                    "pip install 'lmcache>=0.5.6,<0.6' torch (or kvcx[lmcache])") from None
 
 SERDE_NAME = "kvcx"
 _OPTIONS = {"scheme", "group_size", "bits", "sinks", "rotate", "head_dim", "threads", "max_workers", "backend",
