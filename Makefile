@@ -9,7 +9,7 @@ WINDOWS   ?= 32
 THRESHOLD ?= 0.3
 DATASET_ARG := $(if $(wildcard $(DATA)),--dataset-file $(DATA),)
 
-.PHONY: venv build validate test bench clean
+.PHONY: venv build validate test test-all bench bench-engine clean
 
 $(VENV)/.installed: pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -39,7 +39,13 @@ validate: build
 	$(VENV)/bin/kvcx validate --threshold $(THRESHOLD) --max-windows $(WINDOWS) $(DATASET_ARG); rc=$$?; \
 	echo "make validate: $$(( $$(date +%s) - start )) s"; exit $$rc
 
+# the fast tier (about a minute on 2 cores): units, formats, CLI, codecs; the slow tier is what tests/conftest.py
+# marks slow (the model, the servers, Triton's interpreter, calibration)
 test: build
+	$(PY) -m pytest -q -m "not slow" tests
+
+# everything, fast and slow tiers: what CI runs (.ci/run)
+test-all: build
 	$(PY) -m pytest -q tests
 
 bench: build
@@ -48,6 +54,10 @@ bench: build
 	$(PY) bench/bench_quality.py --max-windows 64 $(DATASET_ARG)
 	$(PY) bench/bench_generate.py $(DATASET_ARG)
 	$(PY) bench/bench_lmcache.py
+
+# kvcx inside vLLM with LMCache's server (about 35 minutes on 2 cores): docs/results/engine.md
+bench-engine: build
+	$(PY) bench/bench_engine.py $(DATASET_ARG) --markdown docs/results/engine.md --json docs/results/engine.json
 
 clean:
 	rm -rf build kvcx/codecs/_core.c kvcx/codecs/*.so kvcx/.built *.egg-info

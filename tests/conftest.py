@@ -20,6 +20,22 @@ if "TRITON_INTERPRET" not in os.environ:
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 WIKITEXT = Path(os.environ.get("KVCX_WIKITEXT", ROOT.parent / "shared/data/wikitext-2-raw/wiki.test.raw"))
 
+# The slow tier, left out by `make test` (the fast tier: units, formats, CLI, codecs) and run by `make test-all`
+# (what CI runs): tests that load the model, start servers, run Triton's interpreter or calibrate. A test is slow
+# when it is marked model or engine, uses the `loaded` model, or lives in one of these files.
+SLOW_FILES = ("cache/test_kvcx_cache.py", "cache/test_device_cache.py", "codecs/test_triton.py",
+              "codecs/test_triton_compile.py", "integrations/test_fleet.py", "integrations/test_vllm_engine.py",
+              "cli/test_first_run.py", "test_bench_gpu.py", "quality/")
+TESTS = Path(__file__).resolve().parent
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        rel = Path(str(item.fspath)).resolve().relative_to(TESTS).as_posix()
+        if item.get_closest_marker("model") or item.get_closest_marker("engine") or \
+                "loaded" in getattr(item, "fixturenames", ()) or rel.startswith(SLOW_FILES):
+            item.add_marker(pytest.mark.slow)
+
 
 @pytest.fixture(scope="session")
 def wikitext_path():

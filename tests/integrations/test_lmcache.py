@@ -218,12 +218,19 @@ def test_fused_planes_through_the_fs_adapter(tmp_path):
         l1.close()
 
 
-def test_a_single_plane_chunk_without_a_layout_is_never_stored(tmp_path):
+@pytest.mark.parametrize("options,message", [
+    ({"head_dim": 64}, "set the serde option layout to 'vllm_cpu'"),
+    ({"head_dim": 64, "layout": "vllm_cpu", "block_size": 96}, "not a whole number of the engine's 96-token blocks"),
+    ({"head_dim": 128, "layout": "vllm_cpu", "block_size": 128}, "set head_dim to the model's head size"),
+])
+def test_a_chunk_the_config_cannot_place_is_never_stored(tmp_path, options, message):
+    """A single-plane chunk without a layout, a block size that does not divide the chunk, a head size that does
+    not divide the plane: the store fails with kvcx's message (LMCache logs it), and nothing is written."""
     chunks, keys = _fused_chunks(1), [ls.key(0)]
     l1 = ls.make_l1()
-    w = ls.make_wrapper(l1, "fs", serde=("kvcx", {"head_dim": 64}), base_path=tmp_path)
+    w = ls.make_wrapper(l1, "fs", serde=("kvcx", options), base_path=tmp_path)
     try:
-        with pytest.raises(KvcxError, match="set the serde option layout to 'vllm_cpu'"):
+        with pytest.raises(KvcxError, match=message):
             ls.store(l1, w, keys, chunks)
         assert not [p for p in tmp_path.rglob("*") if p.is_file()]
     finally:

@@ -117,20 +117,41 @@ def _served_from_the_store(vl, prompt, ref):
     return tf
 
 
-def test_fs_store_restart_and_damaged_chunks(checkpoint, prompts, reference, tmp_path):
-    store, serde = tmp_path / "kv", el.serde_config()
-    adapters = [el.fs_adapter(store, serde)]
+@pytest.fixture(scope="module")
+def valkey():
+    """A real Valkey server on a free loopback port: {"proc": its process (replaced when restarted), "port"}."""
+    proc, port = ls.start_valkey()
+    state = {"proc": proc, "port": port}
+    try:
+        yield state
+    finally:
+        ls.stop(state["proc"])
+
+
+@pytest.fixture(scope="module")
+def first_round(checkpoint, prompts, valkey, tmp_path_factory):
+    """Every prompt computed once by vLLM with LMCache's server storing into an FS store and into Valkey (two L2
+    adapters, both through the kvcx serde): each prompt's answer, and which files each prompt's chunks went to."""
+    logs = tmp_path_factory.mktemp("engine")
+    store, serde = logs / "kv", el.serde_config()
+    adapters = [el.fs_adapter(store, serde), el.valkey_adapter(valkey["port"], serde)]
     written, computed = {}, {}
-    with Servers(checkpoint, adapters, tmp_path, "first") as s:
-        for name in ("ok", "truncated", "flipped", "swapped", "donor"):
+    with Servers(checkpoint, adapters, logs, "first") as s:
+        for name in NAMES:
             before = _files(store)
             computed[name] = _tokens(el.complete(s.vl.port, prompts[name], max_tokens=GENERATED)["choices"][0])
             _wait(lambda: len(_files(store) - before) >= 2, what=f"{name}'s chunks stored")
             written[name] = sorted(_files(store) - before)
+        _wait(lambda: len(el.resp_values(valkey["port"])) >= 2 * len(NAMES), what="chunks stored in Valkey")
         counts = el.lmcache_counts(s.lm)
-    assert counts["failed_stores"] == 0 and counts["stored_tokens"] >= 5 * 2 * CHUNK, counts
-    _check_kvcx_chunks([f.read_bytes() for f in _files(store)])
+    assert counts["failed_stores"] == 0 and counts["stored_tokens"] >= len(NAMES) * 2 * CHUNK, counts
+    return {"store": store, "logs": logs, "written": written, "computed": computed,
+            "per_token": _check_kvcx_chunks([f.read_bytes() for f in _files(store)] +
+                                            list(el.resp_values(valkey["port"]).values()))}
 
+
+def test_fs_store_restart_and_damaged_chunks(checkpoint, prompts, reference, first_round):
+    store, written, computed = first_round["store"], first_round["written"], first_round["computed"]
     for f in written["truncated"]:                       # damage three prompts' chunks, each its own way
         f.write_bytes(f.read_bytes()[:-1000])
     for i, f in enumerate(written["flipped"]):
@@ -140,7 +161,8 @@ def test_fs_store_restart_and_damaged_chunks(checkpoint, prompts, reference, tmp
     for f, g in zip(written["swapped"], written["donor"]):   # another key's valid chunk in its place
         f.write_bytes(g.read_bytes())
 
-    with Servers(checkpoint, adapters, tmp_path, "second") as s:
+    adapters = [el.fs_adapter(store, el.serde_config())]
+    with Servers(checkpoint, adapters, first_round["logs"], "fs") as s:
         _served_from_the_store(s.vl, prompts["ok"], reference["ok"])
         hits = el.lmcache_counts(s.lm)
         assert hits["l2_hits"] >= 2 and hits["retrieved_tokens"] >= 2 * CHUNK, hits
@@ -153,28 +175,18 @@ def test_fs_store_restart_and_damaged_chunks(checkpoint, prompts, reference, tmp
     assert counts["failed_loads"] >= 2, counts                          # the serde refused what it read
 
 
-def test_valkey_store_restart_and_outage(checkpoint, prompts, reference, tmp_path):
-    vk, port = ls.start_valkey()
-    try:
-        adapters = [el.valkey_adapter(port, el.serde_config())]
-        computed = {}
-        with Servers(checkpoint, adapters, tmp_path, "first") as s:
-            for name in ("ok", "outage", "after"):
-                computed[name] = _tokens(el.complete(s.vl.port, prompts[name], max_tokens=GENERATED)["choices"][0])
-            _wait(lambda: len(el.resp_values(port)) >= 6, what="chunks stored in Valkey")
-        per_token = _check_kvcx_chunks(el.resp_values(port).values())
-
-        with Servers(checkpoint, adapters, tmp_path, "second") as s:
-            _served_from_the_store(s.vl, prompts["ok"], reference["ok"])
-            assert el.lmcache_counts(s.lm)["l2_hits"] >= 2
-            ls.stop(vk)                                                 # Valkey killed while serving
-            out = el.complete(s.vl.port, prompts["outage"], max_tokens=GENERATED)["choices"][0]
-            assert _tokens(out) == computed["outage"]                    # answered, recomputed
-            vk, _ = ls.start_valkey(port)                               # back on the same port, empty
-            out = el.complete(s.vl.port, prompts["after"], max_tokens=GENERATED)["choices"][0]
-            assert _tokens(out) == computed["after"]
-            _wait(lambda: len(el.resp_values(port)) >= 2, what="stores resumed")
-            assert s.vl.alive() and s.lm.alive()
-        assert abs(_check_kvcx_chunks(el.resp_values(port).values()) - per_token) < 1e-9
-    finally:
-        ls.stop(vk)
+def test_valkey_store_restart_and_outage(checkpoint, prompts, reference, first_round, valkey):
+    port, computed = valkey["port"], first_round["computed"]
+    adapters = [el.valkey_adapter(port, el.serde_config())]
+    with Servers(checkpoint, adapters, first_round["logs"], "valkey") as s:
+        _served_from_the_store(s.vl, prompts["ok"], reference["ok"])
+        assert el.lmcache_counts(s.lm)["l2_hits"] >= 2
+        ls.stop(valkey["proc"])                                     # Valkey killed while serving
+        out = el.complete(s.vl.port, prompts["outage"], max_tokens=GENERATED)["choices"][0]
+        assert _tokens(out) == computed["outage"]                    # answered, recomputed
+        valkey["proc"], _ = ls.start_valkey(port)                   # back on the same port, empty
+        out = el.complete(s.vl.port, prompts["after"], max_tokens=GENERATED)["choices"][0]
+        assert _tokens(out) == computed["after"]
+        _wait(lambda: len(el.resp_values(port)) >= 2, what="stores resumed")
+        assert s.vl.alive() and s.lm.alive()
+    assert abs(_check_kvcx_chunks(el.resp_values(port).values()) - first_round["per_token"]) < 1e-9
