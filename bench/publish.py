@@ -9,7 +9,8 @@
 - ``passkey``: the retrieval table from docs/results/passkey.md;
 - ``validate`` (with ``--validate-log``): the output of one ``make validate`` run, progress bars removed.
 
-A region is the text between ``<!-- NAME:begin -->`` and ``<!-- NAME:end -->`` in README.md.
+A region is the text between ``<!-- NAME:begin -->`` and ``<!-- NAME:end -->``: ``headline`` in README.md,
+``validate`` in docs/getting-started.md, the others in docs/guide/cli.md.
 """
 from __future__ import annotations
 
@@ -64,7 +65,8 @@ def headline() -> str:
     eng_t = table(RESULTS / "engine.md", "Time to first token")
     eng_b = find(table(RESULTS / "engine.md", "Bytes stored"), "LMCache, kvcx (default")
     eng_q = table(RESULTS / "engine.md", "Quality")
-    eng_4k = eng_t[("LMCache, kvcx (default scheme)", "4,096")]
+    t_head = eng_t["configuration"]          # the header row: columns by name, not by position
+    eng_4k = dict(zip(t_head, eng_t[("LMCache, kvcx (default scheme)", "4,096")]))
     eng_all = eng_q[("LMCache, kvcx (default scheme)", "all")]
     fp8 = find(lmc, "LMCache fp8")
     q_rel = "[quality](docs/results/quality.md)"
@@ -86,8 +88,9 @@ def headline() -> str:
         f"| process RSS after an 8,000-token prompt, `KvcxCache` vs `DynamicCache` | {rss_kv[4]} vs {rss_dyn[4]} "
         f"(peak during the prefill {rss_kv[3]} vs {rss_dyn[3]}) | [generate](docs/results/generate.md) |",
         f"| inside vLLM (CPU) with LMCache's server, kvcx vs the default serde | {eng_b[2]} the bytes a token "
-        f"({eng_b[3]} fp8's); time to first token from the store at 4k tokens {eng_4k[4]} vLLM alone's prefill, "
-        f"{eng_4k[6]} the default serde's; teacher-forced greedy agreement {eng_all[2]} | "
+        f"({eng_b[3]} fp8's); time to first token from the store at 4k tokens {eng_4k[_col(t_head, 'vs vLLM alone')]} "
+        f"vLLM alone's prefill, {eng_4k['vs default serde']} the default serde's; teacher-forced greedy agreement "
+        f"{eng_all[2]} | "
         "[engine](docs/results/engine.md) |",
         f"| LMCache chunk, kvcx serde vs LMCache fp8 | {kv[2]} vs {fp8[2]} smaller than BF16; serialize "
         f"{kv[7]} vs {fp8[7]} GB/s, deserialize {kv[9]} vs {fp8[9]} GB/s (2 threads) | "
@@ -97,7 +100,15 @@ def headline() -> str:
            "named there, which names the machine and the date of its run):\n\n" + "\n".join(lines)
 
 
-def engines(window: str = "1,024", name: str = "engines.md") -> str:
+def _col(header: list, start: str) -> str:
+    """The name of the first column whose header starts with ``start``."""
+    for h in header:
+        if h.startswith(start):
+            return h
+    raise SystemExit(f"publish: no column starting with {start!r}; run the bench that writes it")
+
+
+def engines(window: str = "1,024", name: str = "engines.md", prefix: str = "docs/") -> str:
     """The section "Windows of ``window``" of an engine-formats report as it was written: the lines that name
     its run, the table and its cost."""
     lines = (RESULTS / name).read_text().splitlines()
@@ -111,15 +122,15 @@ def engines(window: str = "1,024", name: str = "engines.md") -> str:
     rows = [x for x in section if x.startswith("|")]
     cost = next(x for x in section if x.startswith(("Cost of the shared pass", "All ")))
     return run + "\n\n" + "\n".join(rows) + "\n\n" + cost + \
-        f"\n\nFrom [docs/results/{name}](docs/results/{name}) (its command is at its top)."
+        f"\n\nFrom [docs/results/{name}]({prefix}results/{name}) (its command is at its top)."
 
 
-def passkey() -> str:
+def passkey(prefix: str = "docs/") -> str:
     """The passkey tables of docs/results/passkey.md as they were written."""
     lines = (RESULTS / "passkey.md").read_text().splitlines()
     start = next(i for i, x in enumerate(lines) if x.startswith("Embedded "))
     body = "\n".join(lines[start:]).strip()
-    return body + "\n\nFrom [docs/results/passkey.md](docs/results/passkey.md) (its command is at its top)."
+    return body + f"\n\nFrom [docs/results/passkey.md]({prefix}results/passkey.md) (its command is at its top)."
 
 
 def validate_output(log: Path) -> str:
@@ -135,7 +146,7 @@ def validate_output(log: Path) -> str:
 def replace_region(text: str, name: str, body: str) -> str:
     begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
     if begin not in text or end not in text:
-        raise SystemExit(f"publish: README.md has no region {name!r}")
+        raise SystemExit(f"publish: no region {name!r} where publish writes it (README.md, docs/)")
     a, b = text.index(begin) + len(begin), text.index(end)
     return text[:a] + "\n" + body + "\n" + text[b:]
 
@@ -144,15 +155,18 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--validate-log", type=Path, default=None, help="the output of one `make validate` run")
     args = ap.parse_args(argv)
-    readme = ROOT / "README.md"
-    text = replace_region(readme.read_text(), "headline", headline())
-    text = replace_region(text, "engines", engines("1,024"))
-    text = replace_region(text, "engines-8k", engines("8,192"))
-    text = replace_region(text, "passkey", passkey())
+    regions = {ROOT / "README.md": {"headline": headline()},
+               ROOT / "docs" / "guide" / "cli.md": {"engines": engines("1,024", prefix="../"),
+                                                   "engines-8k": engines("8,192", prefix="../"),
+                                                   "passkey": passkey(prefix="../")}}
     if args.validate_log is not None:
-        text = replace_region(text, "validate", validate_output(args.validate_log))
-    readme.write_text(text)
-    print(f"wrote {readme}", file=sys.stderr)
+        regions[ROOT / "docs" / "getting-started.md"] = {"validate": validate_output(args.validate_log)}
+    for path, bodies in regions.items():
+        text = path.read_text()
+        for name, body in bodies.items():
+            text = replace_region(text, name, body)
+        path.write_text(text)
+        print(f"wrote {path}", file=sys.stderr)
     return 0
 
 
