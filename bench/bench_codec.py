@@ -1,6 +1,6 @@
 """Codec throughput: kvcx kernels vs a vectorised NumPy implementation of the same math vs a copy.
 
-    python bench/bench_codec.py [--mib 64] [--repeat 5] [--markdown out.md]
+    python -m bench.bench_codec [--mib 64] [--repeat 5] [--markdown out.md]
 
 Throughput is GB/s of FP16 input (encode) or FP16 output (decode). Every figure
 comes from this run, like compared with like:
@@ -196,7 +196,7 @@ def main(argv=None):
     table = "\n".join(lines)
     print(table)
     if args.markdown:
-        from report import header
+        from bench.report import header
 
         args.markdown.parent.mkdir(parents=True, exist_ok=True)
         args.markdown.write_text(header("Codec throughput of kvcx's kernels against a copy and a NumPy "

@@ -1,7 +1,7 @@
 """kvcx inside a real serving engine: vLLM's CPU build with LMCache's multiprocess server, against vLLM alone and
 LMCache's own serdes, on the same prompts in one run.
 
-    python bench/bench_engine.py [--prompts 2] [--lengths 1024,2048,4096,8000] [--markdown docs/results/engine.md]
+    python -m bench.bench_engine [--prompts 2] [--lengths 1024,2048,4096,8000] [--markdown docs/results/engine.md]
                                  [--json docs/results/engine.json]
 
 Model: the embedded SmolLM2-135M (its GGUF converted once to a BF16 checkpoint, kvcx.quality.engine_model), served
@@ -27,7 +27,6 @@ import argparse
 import re
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -160,8 +159,7 @@ def main(argv=None):
     ap.add_argument("--markdown", type=Path, default=None)
     ap.add_argument("--json", type=Path, default=None, help="also write every measurement (per prompt) as JSON")
     args = ap.parse_args(argv)
-    sys.path.insert(0, str(HERE))
-    from report import Report
+    from bench.report import Report
 
     from transformers import AutoTokenizer
 

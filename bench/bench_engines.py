@@ -2,7 +2,7 @@
 tokens (`kvcx validate --scheme A,B,...`), at each window size asked for, and what the shared pass costs
 against one setting alone.
 
-    python bench/bench_engines.py --all --at 1024:512:32 --at 8192:4096:4 --markdown docs/results/engines.md
+    python -m bench.bench_engines --all --at 1024:512:32 --at 8192:4096:4 --markdown docs/results/engines.md
 
 `--at WINDOW:STRIDE:MAX_WINDOWS` (repeatable; default 1024:512:32) names the window sizes: one table per
 size, in one run, the model loaded once.
@@ -49,7 +49,7 @@ def main(argv=None):
     ap.add_argument("--skip-alone", action="store_true", help="skip the run of the first setting alone (the "
                                                               "shared pass's cost is then not measured)")
     args = ap.parse_args(argv)
-    from report import Report
+    from bench.report import Report
 
     from kvcx.api import validation_settings
     from kvcx.quality.models import load_model_and_tokenizer

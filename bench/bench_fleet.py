@@ -2,7 +2,7 @@
 FS) adapter, store and load overlapping chunk sets through one real Valkey server, kvcx's serde against
 LMCache's fp8; then the faults. Every loaded chunk is compared with the decode of what was stored.
 
-    python bench/bench_fleet.py [--engines 4] [--rounds 12] [--markdown docs/results/fleet.md]
+    python -m bench.bench_fleet [--engines 4] [--rounds 12] [--markdown docs/results/fleet.md]
 
 Load: each engine, each round, stores its 8 chunks (half of them also another engine's: overlapping sets),
 then loads every engine's chunks of that round (loads run after the engine's own store only: a neighbour's
@@ -57,7 +57,7 @@ def main(argv=None):
     ap.add_argument("--per-round", type=int, default=8)
     ap.add_argument("--markdown", type=Path, default=None)
     args = ap.parse_args(argv)
-    from report import Report
+    from bench.report import Report
 
     out = Report()
     n, rounds, per = args.engines, args.rounds, args.per_round

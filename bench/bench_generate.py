@@ -1,6 +1,6 @@
 """KvcxCache in generation on the embedded SmolLM2-135M: agreement, memory held, decode speed, peak RSS.
 
-    python bench/bench_generate.py [--prompt 4000] [--steps 64] [--contexts 16 512 4096 8000]
+    python -m bench.bench_generate [--prompt 4000] [--steps 64] [--contexts 16 512 4096 8000]
 
 Caches compared in one run, on the same text: DynamicCache (FP32, SDPA), KvcxCache with the fused
 attention kernel (the model's attention set to "kvcx"), KvcxCache materialising (fused=False: packed
@@ -8,7 +8,7 @@ chunks decoded into an FP32 scratch, then SDPA) and, when optimum-quanto is inst
 QuantizedCache (quanto, int4, groups of 64, residual 128). `--presets kvcx3 kvcx2 kvcx2w` adds a row per
 preset: fused where the kernel reads the preset's codes, else materialising (labelled so):
 
-    python bench/bench_generate.py --presets kvcx3 kvcx2 kvcx2w --contexts 512 8000 --skip rss --no-quanto \
+    python -m bench.bench_generate --presets kvcx3 kvcx2 kvcx2w --contexts 512 8000 --skip rss --no-quanto \
         --markdown docs/results/generate-presets.md
 
 1. Agreement: after a WikiText-2 prompt of --prompt tokens the next --steps tokens are fed one at a
@@ -369,7 +369,7 @@ def main(argv=None):
         return speed_child(args.speed_child[0], int(ctx), args)
 
     import torch
-    from report import Report
+    from bench.report import Report
 
     emit = Report()
 

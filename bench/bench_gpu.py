@@ -1,8 +1,8 @@
 """kvcx on a CUDA GPU: fused decode attention over packed codes, encode/decode bandwidth, generate(), memory.
 
-    python bench/bench_gpu.py --markdown docs/results/gpu.md          # on a CUDA machine, < 10 minutes
-    python bench/bench_gpu.py --smoke                                 # tiny shapes, any device (the interpreter)
-    python bench/bench_gpu.py --skip attention bandwidth generate --variants   # the attention kernel's settings
+    python -m bench.bench_gpu --markdown docs/results/gpu.md          # on a CUDA machine, < 10 minutes
+    python -m bench.bench_gpu --smoke                                 # tiny shapes, any device (the interpreter)
+    python -m bench.bench_gpu --skip attention bandwidth generate --variants   # the attention kernel's settings
 
 Llama-3-8B's attention shapes (32 query heads, 8 KV heads, head dim 128), random data, BF16, the default
 scheme (keys per channel with zero points, values rotated per token; one exact sink token):
@@ -446,8 +446,7 @@ def main(argv=None):
     if args.reps is not None and args.reps < 1:
         ap.error(f"--reps must be 1 or more, got {args.reps}")
     torch, dev = _setup(args.smoke)
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from report import Report
+    from bench.report import Report
 
     from kvcx.codecs import KVConfig
 

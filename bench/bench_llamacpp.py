@@ -3,7 +3,7 @@ token ids, llama.cpp's own KV cache types (`type_k` / `type_v`, flash attention)
 beside kvcx's engine-mode emulation of the same types (`kvcx validate --mode engine --scheme ...`).
 
     pip install llama-cpp-python        # builds llama.cpp from source (~20 min on 2 cores)
-    python bench/bench_llamacpp.py --max-windows 8 --markdown docs/results/llamacpp.md
+    python -m bench.bench_llamacpp --max-windows 8 --markdown docs/results/llamacpp.md
 
 In llama.cpp a window runs as one batch whose keys and values are written into the quantized cache before
 attention reads them: kvcx's engine mode does the same with the emulated codec. Each side is measured against
@@ -67,7 +67,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     import llama_cpp
     import torch
-    from report import Report
+    from bench.report import Report
 
     from kvcx.api import validation_settings
     from kvcx.quality.models import embedded_model_path, load_model_and_tokenizer

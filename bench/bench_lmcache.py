@@ -1,6 +1,6 @@
 """kvcx as an LMCache serde vs LMCache's own fp8 serde, on the same real KV chunks, in one run.
 
-    python bench/bench_lmcache.py [--chunks 8] [--repeat 5] [--markdown out.md]
+    python -m bench.bench_lmcache [--chunks 8] [--repeat 5] [--markdown out.md]
 
 Chunks: the embedded SmolLM2-135M's KV cache of a WikiText-2 passage, cut into LMCache chunks of 256
 tokens x 30 layers (KV_2LTD [2, 30, 256, 192], BF16: 5.9 MB each). Every serde runs on the same
@@ -220,7 +220,7 @@ def main(argv=None):
     table = "\n".join(lines)
     print(table)
     if args.markdown:
-        from report import header
+        from bench.report import header
 
         args.markdown.parent.mkdir(parents=True, exist_ok=True)
         args.markdown.write_text(header("kvcx as an LMCache serde against LMCache's fp8 serde, on the same real "

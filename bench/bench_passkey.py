@@ -2,7 +2,7 @@
 contexts from 1,024 tokens to the model's limit, asked for with the exact cache and with each setting's
 compressed cache, on the same prompts.
 
-    python bench/bench_passkey.py --prompts 2 --markdown docs/results/passkey.md
+    python -m bench.bench_passkey --prompts 2 --markdown docs/results/passkey.md
 
 Settings (default): those of bench_engines.py (kvcx's default, KIVI, llama.cpp's types with and without its
 rotation, vLLM's fp8). Per length: prompts answered by the exact cache and by each setting (of depths x
@@ -27,7 +27,7 @@ def main(argv=None):
     ap.add_argument("--tolerance", type=int, default=1)
     ap.add_argument("--markdown", type=Path, default=None)
     args = ap.parse_args(argv)
-    from report import Report
+    from bench.report import Report
 
     from kvcx.api import validation_settings
     from kvcx.quality.models import load_model_and_tokenizer

@@ -4,7 +4,7 @@ For every window the context cache is built once and scored exactly once; each
 setting then compresses that same cache (through the packed file format) and
 scores the same continuation tokens, so all rows share windows and tokens.
 
-    python bench/bench_quality.py --max-windows 64 --markdown quality.md
+    python -m bench.bench_quality --max-windows 64 --markdown quality.md
 
 Columns: bits/value (codes + scales + zero points + exact sink tokens, from the
 packed tensors' bytes), compression ratio vs FP16, RMSE / SNR of the cache
@@ -325,7 +325,7 @@ def main(argv=None):
     print(table)
     print(f"\n(total {time.perf_counter() - t0:.0f} s)")
     if args.markdown:
-        from report import header
+        from bench.report import header
 
         args.markdown.parent.mkdir(parents=True, exist_ok=True)
         what = ("Quality of kvcx's codecs, presets and plans and of peers on the embedded model" if args.study ==

@@ -1,9 +1,9 @@
 """The Triton encoder's division by a group's scale, checked against a correctly rounded division on hard cases.
 
-    python bench/check_division.py [--markdown docs/results/division.md]
+    python -m bench.check_division [--markdown docs/results/division.md]
 
 The Triton codec kernels compute ``(x - zero) / scale`` as ``q = a * r`` with ``r`` the correctly rounded
-reciprocal of the scale (once a group), then two FMA corrections (``kvcx.codecs._triton._div``), where the CPU
+reciprocal of the scale (once a group), then two FMA corrections (``kvcx.codecs.triton_kernels.codec._div``), where the CPU
 kernels divide. The codes are the same only if ``rint(clamp(q))`` is the CPU's for every value. This script
 takes every positive finite FP16 scale (as the kernels see it, in FP32), and the 41 FP32 values nearest each
 rounding boundary k + 1/2 of the codes times that scale, plus random quotients, for the symmetric (-8..7) and the
@@ -14,13 +14,10 @@ no correction, one and two. It also counts the quotients that differ. No GPU is 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 NEIGHBOURS = 20          # FP32 values each side of (k + 1/2) * scale
 RANDOM = 200_000         # random quotients a boundary
@@ -34,7 +31,7 @@ def main(argv=None):
         from triton._C.libtriton import interpreter
     except ImportError:
         raise SystemExit("check_division.py needs triton (pip install 'kvcx[gpu]'): its exact FP32 FMA") from None
-    from report import Report
+    from bench.report import Report
 
     def fma(a, b, c):
         return interpreter.fma_fp32(*np.broadcast_arrays(a, b, c))

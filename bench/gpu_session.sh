@@ -15,28 +15,28 @@ log() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,
 'transformers', transformers.__version__)"
-if ls .dev/so/_core*.so >/dev/null 2>&1 && cp .dev/so/_core*.so kvcx/codecs/ && python3 -c "import kvcx.codecs._core"
+if ls .dev/so/_v*.so >/dev/null 2>&1 && cp .dev/so/_v*.so kvcx/codecs/cpu/ && python3 -c "import kvcx.codecs.cpu"
 then
   log "extension carried"
 else
   log build; python3 setup.py -q build_ext --inplace 2>&1 | tail -3
-  if ! ls kvcx/codecs/_core.*.so >/dev/null 2>&1; then   # a setuptools too old for pyproject's metadata: without it
+  if ! ls kvcx/codecs/cpu/_v*.so >/dev/null 2>&1; then   # a setuptools too old for pyproject's metadata: without it
     mv pyproject.toml /tmp/kvcx-pyproject.toml && python3 setup.py -q build_ext --inplace 2>&1 | tail -3
     mv /tmp/kvcx-pyproject.toml pyproject.toml
   fi
-  cp kvcx/codecs/_core.*.so "$OUT"/ && log built
+  cp kvcx/codecs/cpu/_v*.so "$OUT"/ && log built
 fi
-python3 -c "import kvcx.codecs._core" || exit 1
+python3 -c "import kvcx.codecs.cpu as c; print('kernels', c.variant)" || exit 1
 for step in "$@"; do
   case $step in
     tests) log tests; timeout "${TESTS_T:-240}" python3 -m pytest -q -x -rs -p no:cacheprovider ${TEST_FILES:-\
              tests/codecs/test_triton.py tests/codecs/test_triton_compile.py tests/cache/test_device_cache.py \
              tests/test_bench_gpu.py} 2>&1 | tee "$OUT"/tests.log | tail -30 ;;
-    bench) log bench; timeout "${BENCH_T:-540}" python3 bench/bench_gpu.py ${BENCH_ARGS:-} --markdown docs/results/gpu.md \
+    bench) log bench; timeout "${BENCH_T:-540}" python3 -m bench.bench_gpu ${BENCH_ARGS:-} --markdown docs/results/gpu.md \
              2>&1 | tee "$OUT"/bench.log | tail -60; cp docs/results/gpu.md "$OUT"/ ;;
-    profile) log profile; timeout "${PROFILE_T:-180}" python3 bench/profile_gpu.py --codecs --markdown docs/results/gpu-profile.md \
+    profile) log profile; timeout "${PROFILE_T:-180}" python3 -m bench.profile_gpu --codecs --markdown docs/results/gpu-profile.md \
              2>&1 | tee "$OUT"/profile.log | tail -40; cp docs/results/gpu-profile.md "$OUT"/ ;;
-    variants) log variants; timeout "${VARIANTS_T:-240}" python3 bench/bench_gpu.py --skip attention bandwidth \
+    variants) log variants; timeout "${VARIANTS_T:-240}" python3 -m bench.bench_gpu --skip attention bandwidth \
              generate --variants --markdown "$OUT"/variants.md 2>&1 | tee "$OUT"/variants.log | tail -30 ;;
     *) echo "unknown step $step (tests, bench, profile, variants)"; exit 2 ;;
   esac

@@ -1,7 +1,7 @@
 """Where one fused decode step's time goes, kernel by kernel (torch.profiler's device timings).
 
-    python bench/profile_gpu.py --markdown docs/results/gpu-profile.md      # on a CUDA machine, about a minute
-    python bench/profile_gpu.py --smoke                                     # tiny shapes, the interpreter
+    python -m bench.profile_gpu --markdown docs/results/gpu-profile.md      # on a CUDA machine, about a minute
+    python -m bench.profile_gpu --smoke                                     # tiny shapes, the interpreter
 
 The step of bench_gpu.py's section 1 (``DevicePackedKV.attend`` over the kvcx scheme's two-segment store, the
 sink and a 32-token residual; Llama-3-8B's attention shapes, batch 1) at a short and two long contexts, with the
@@ -15,10 +15,7 @@ from __future__ import annotations
 import argparse
 import ast
 import os
-import sys
 import time
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 def main(argv=None):
@@ -32,7 +29,7 @@ def main(argv=None):
                     help="also the encode and decode calls of bench_gpu.py's bandwidth section: their kernels, the "
                          "codec kernels' launch settings side by side, and the host's time a call by function")
     args = ap.parse_args(argv)
-    import bench_gpu
+    from bench import bench_gpu
 
     torch, dev = bench_gpu._setup(args.smoke)
     from kvcx.codecs import gpu
@@ -70,8 +67,8 @@ def main(argv=None):
 
 def profile(torch, dev, args) -> None:
     """The tables for the contexts of ``args`` (--smoke: one tiny one), written where ``args.markdown`` says."""
-    import bench_gpu
-    from report import Report
+    from bench import bench_gpu
+    from bench.report import Report
 
     from kvcx.codecs import KVConfig, gpu
 
@@ -125,7 +122,7 @@ def codecs(torch, dev, out, smoke: bool) -> None:
     import cProfile
     import pstats
 
-    import bench_gpu
+    from bench import bench_gpu
 
     from kvcx.codecs import KVConfig, gpu
 

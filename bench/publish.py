@@ -1,6 +1,6 @@
 """Write the README's generated regions from measured files, never by hand.
 
-    python bench/publish.py [--validate-log make_validate.log]
+    python -m bench.publish [--validate-log make_validate.log]
 
 - ``headline``: the summary table of headline figures, read from the tables the bench scripts wrote into
   docs/results/ (quality.md, codec.md, generate.md, lmcache.md, engine.md), each row linking to its report;

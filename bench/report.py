@@ -1,5 +1,5 @@
 """What every bench script writes under its table: the command, the machine and the date (imported by the
-scripts as a sibling module; they run as ``python bench/NAME.py``)."""
+scripts from the ``bench`` package; they run as ``python -m bench.NAME`` from the repository root)."""
 from __future__ import annotations
 
 import datetime
@@ -26,9 +26,18 @@ def machine() -> str:
             f"{'on' if b['openmp'] else 'off'}, {b['threads_used']} threads")
 
 
+def _invocation() -> str:
+    """How the running script was started: ``-m bench.NAME`` (run as a module, as the Makefile does), or its path."""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    if spec is not None and spec.name:
+        return f"-m {spec.name}"
+    return Path(sys.argv[0]).as_posix()
+
+
 def header(what: str) -> str:
     """A results file's first lines: what was measured, the command that measured it, where and when."""
-    cmd = "python " + " ".join([Path(sys.argv[0]).as_posix()] + sys.argv[1:])
+    cmd = "python " + " ".join([_invocation()] + sys.argv[1:])
     day = datetime.date.today().isoformat()
     return f"<!-- written by `{cmd}`; do not edit by hand -->\n\n{what}\n\nCommand: `{cmd}`. Machine: {machine()}. " \
            f"Date: {day}.\n"

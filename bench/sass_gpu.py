@@ -1,9 +1,9 @@
 """The GPU kernels compiled for a GPU and counted without one: the attention kernel's loop a token, the codec
 kernels' instructions a value, by kind.
 
-    python bench/sass_gpu.py [--markdown docs/results/gpu-sass.md] [--arch 90] [--dump DIR] [--limit N]
+    python -m bench.sass_gpu [--markdown docs/results/gpu-sass.md] [--arch 90] [--dump DIR] [--limit N]
 
-Each launch setting of :func:`kvcx.codecs._triton_attn.attend_packed_kernel` that bench_gpu.py's ``--tune`` times
+Each launch setting of :func:`kvcx.codecs.triton_kernels.attention.attend_packed_kernel` that bench_gpu.py's ``--tune`` times
 (``SETTINGS``) is compiled for the target (sm_90: Triton's passes and ptxas, as at the first launch on an H100,
 with the default scheme's constexprs and the launch's divisibility hints), disassembled with the ``cuobjdump``
 that Triton ships, and its main loop (the one backward branch over the context's tiles) counted: SASS
@@ -29,12 +29,9 @@ import argparse
 import collections
 import re
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 D = 128
 SCHEME = "kvcx"
@@ -86,7 +83,7 @@ def compile_setting(setting, arch: int, dump: Path | None):
     """(SASS text, registers, stack bytes, kernel name, shared-memory bytes, tile tokens) of the attention kernel at
     setting."""
     from kvcx.codecs import KVConfig, gpu
-    from kvcx.codecs import _triton_attn as k
+    from kvcx.codecs.triton_kernels import attention as k
 
     bt, warps, dot, prefetch, stages, _, max_regs = setting
     cfg = KVConfig.from_scheme(SCHEME)
@@ -278,8 +275,8 @@ def main(argv=None):
         ap.error(f"--arch {args.arch}: the kernel's tensor-core products need sm_80 or newer (80, 86, 89, 90, ...)")
     import triton
 
-    from bench_gpu import SETTINGS, current, describe
-    from report import Report
+    from bench.bench_gpu import SETTINGS, current, describe
+    from bench.report import Report
 
     from kvcx.codecs import gpu
 

@@ -1,6 +1,5 @@
-"""bench/bench_gpu.py runs every section (--smoke: tiny shapes; Triton's interpreter where there is no GPU), so
+"""bench.bench_gpu runs every section (--smoke: tiny shapes; Triton's interpreter where there is no GPU), so
 that the GPU session that measures it does not find a broken script. Its figures here say nothing about speed."""
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -8,13 +7,12 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "bench_gpu.py"
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_every_section_runs_and_writes_its_table(tmp_path):
-    spec = importlib.util.spec_from_file_location("bench_gpu", BENCH)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    from bench import bench_gpu as bench
+
     out = tmp_path / "gpu.md"
     bench.main(["--smoke", "--markdown", str(out)])
     text = out.read_text()
@@ -30,10 +28,7 @@ def test_every_section_runs_and_writes_its_table(tmp_path):
 def test_the_step_profile_runs_and_names_the_kernels(tmp_path):
     """bench/profile_gpu.py (--smoke: tiny shapes, the interpreter) gives a step's calls by time with a launch
     setting from the command line, and refuses a name that is not one."""
-    import sys
-
-    sys.path.insert(0, str(BENCH.parent))
-    import profile_gpu
+    from bench import profile_gpu
 
     out = tmp_path / "profile.md"
     from kvcx.codecs import gpu
@@ -70,8 +65,8 @@ def test_the_offline_instruction_count_finds_the_kernels_loop(tmp_path):
 
     out = tmp_path / "sass.md"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, str(BENCH.with_name("sass_gpu.py")), "--limit", "2", "--markdown", str(out)],
-                         env=env, capture_output=True, text=True, timeout=900)
+    run = subprocess.run([sys.executable, "-m", "bench.sass_gpu", "--limit", "2", "--markdown", str(out)],
+                         env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     lines = out.read_text().splitlines()
     head = next(line for line in lines if line.startswith("| setting |")).strip("| ").split(" | ")
@@ -101,9 +96,8 @@ def test_the_offline_instruction_count_finds_the_kernels_loop(tmp_path):
 def test_the_occupancy_rules_take_the_scarcest_resource():
     """sass_gpu.resident: the programs one sm_90 multiprocessor runs at once, by registers (allocated 256 a warp),
     shared memory (1 KiB reserved a program), warps (64) and programs (32), whichever allows the fewest."""
-    spec = importlib.util.spec_from_file_location("sass_gpu", BENCH.with_name("sass_gpu.py"))
-    sass = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sass)
+    from bench import sass_gpu as sass
+
     assert sass.resident(255, 20480, 2) == 4        # 255 registers: 8,192 a warp, 8 warps of 64K
     assert sass.resident(128, 22528, 4) == 4        # 4,096 a warp: 16 warps
     assert sass.resident(99, 14336, 4) == 4         # 99 -> 3,328 a warp (256s): 19 warps, 4 whole programs

@@ -1,14 +1,11 @@
-"""bench/report.py: what every bench script writes its table with. A results path that cannot be written ends the
+"""bench.report: what every bench script writes its table with. A results path that cannot be written ends the
 script with a message naming it (the table was printed as the bench went), not a traceback; a written file replaces
 the old one whole, with the mode a plain open() gives."""
 import os
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from report import Report  # noqa: E402
+from bench.report import Report
 
 
 def _report():

@@ -1,6 +1,6 @@
 """The architecture, enforced: layers, the one door to the kernels, no cycles, few floors, small modules.
 
-kernels (kvcx/codecs/_core) -> codecs -> formats -> file API (kvcx.api) -> the cache and quality wings
+kernels (kvcx/codecs/cpu, one variant per instruction set) -> codecs -> formats -> file API (kvcx.api) -> the cache and quality wings
 (torch, imported lazily) and integrations -> CLI. Each module imports only from its own layer or below; the
 compiled kernels are imported only by kvcx.codecs and the fused-attention kernel's own wrapper. See
 docs/ARCHITECTURE.md.
@@ -18,16 +18,18 @@ LAYERS = [("kvcx.errors", 0), ("kvcx.deps", 0), ("kvcx.version", 0), ("kvcx.code
           ("kvcx", 7)]
 # wings of one layer that must not import each other
 SEPARATE = [("kvcx.quality", "kvcx.integrations")]
-KERNEL_DOOR = ("kvcx.codecs.", "kvcx.cache.fused")      # the only importers of kvcx.codecs._core
+KERNEL_DOOR = "kvcx.codecs."     # the only importers of the CPU kernels (kvcx.codecs.cpu): the codecs
 # the Triton kernels (the codec's, the fused attention's: they may import each other) and their one importer, the
 # codecs' GPU backend (torch, triton lazily)
-TRITON_KERNELS = {"kvcx.codecs._triton", "kvcx.codecs._triton_attn"}
+TRITON_KERNELS = {"kvcx.codecs.triton_kernels.codec", "kvcx.codecs.triton_kernels.attention"}
 TRITON_DOOR = {"kvcx.codecs.gpu"}
-MAX_FLOORS = 9
+MAX_FLOORS = 11   # two added in 2026-11: the kernels choose their variant for the CPU (kvcx.codecs.cpu), and the
+#                   CLI is split by command (kvcx.cli.app, the commands, the package that registers them)
 MAX_LINES = 600
 TORCH_AT_MODULE_LEVEL = {"kvcx.cache.kvcx_cache", "kvcx.cache.attention_fn", "kvcx.cache.buffers",
                          "kvcx.cache.device_store"}
-RICH_MODULES = {"kvcx.cli", "kvcx.cli.render"}
+RICH_MODULES = {"kvcx.cli", "kvcx.cli.app", "kvcx.cli.render", "kvcx.cli.files", "kvcx.cli.validate",
+                "kvcx.cli.calibrate", "kvcx.cli.serve"}    # the CLI package: its app, renderers and commands
 
 
 def _name(path: Path) -> str:
@@ -44,7 +46,7 @@ def modules() -> dict:
 def imports() -> dict:
     """module -> [(imported name, at module level?)]: kvcx modules resolved to the module (a name imported
     from a package that is a submodule counts as that submodule), other packages by their dotted name."""
-    mods = set(modules()) | {"kvcx.codecs._core"}
+    mods = set(modules())
     graph = {}
     for mod, path in modules().items():
         tree = ast.parse(path.read_text())
@@ -89,16 +91,16 @@ def test_every_import_goes_down_the_layers():
 
 
 def test_the_kernels_have_one_door():
-    importers = {m for m, deps in imports().items() for n, _ in deps if n == "kvcx.codecs._core"}
-    assert importers, "the import scan found no importer of kvcx.codecs._core"
-    strays = {m for m in importers if not m.startswith(KERNEL_DOOR[0]) and m != KERNEL_DOOR[1]}
-    assert not strays, f"only kvcx.codecs and kvcx.cache.fused may import the kernels: {sorted(strays)}"
+    importers = {m for m, deps in imports().items() for n, _ in deps if n == "kvcx.codecs.cpu"}
+    assert importers, "the import scan found no importer of kvcx.codecs.cpu"
+    strays = {m for m in importers if not m.startswith(KERNEL_DOOR)}
+    assert not strays, f"only kvcx.codecs may import the CPU kernels (kvcx.codecs.cpu): {sorted(strays)}"
     # nothing above the codecs reaches a codec's private members or private helpers of another module
     for m, path in modules().items():
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("kvcx"):
-                private = [a.name for a in node.names if a.name.startswith("_") and a.name != "_core"
+                private = [a.name for a in node.names if a.name.startswith("_")
                            and not (f"{node.module}.{a.name}" in TRITON_KERNELS and m in TRITON_DOOR)
                            and not (m in TRITON_KERNELS and node.module in TRITON_KERNELS)]
                 assert not private, f"{m} imports private {private} from {node.module}"
@@ -202,14 +204,15 @@ def test_no_attributes_stuck_on_other_objects():
 
 
 def test_kernel_constants_are_defined_once():
-    """The Python layer reads the kernels' constants from kvcx.codecs._core, never restates them."""
-    from kvcx.codecs import _core
+    """The Python layer reads the kernels' constants from the kernels (kvcx.codecs.cpu.core), never restates them."""
+    from kvcx.codecs.cpu import core as _core
     from kvcx.codecs.dtypes import DTYPE_NAMES
 
     assert DTYPE_NAMES == {"F32": _core.DT_F32, "F16": _core.DT_F16, "BF16": _core.DT_BF16}
     assert len({_core.STATUS_NONFINITE, _core.STATUS_SCALE_OVERFLOW, _core.STATUS_NOMEM, _core.STATUS_CORRUPT}) == 4
-    pyx = (PACKAGE / "codecs/_core.pyx").read_text()
-    assert "DEF " not in pyx and 'cdef extern from *' not in pyx
+    for p in (PACKAGE / "codecs" / "cpu").iterdir():
+        if p.suffix in (".pyx", ".pxi"):
+            assert "DEF " not in p.read_text() and "cdef extern from *" not in p.read_text(), p.name
     for mod, path in modules().items():
         src = path.read_text()
         assert "16384" not in src and "32768" not in src and "65536" not in src, mod
@@ -221,11 +224,15 @@ def test_kernel_constants_are_defined_once():
 
 
 def test_the_build_rebuilds_on_any_kernel_source():
-    """The Makefile's extension rule and setup.py's depends cover every header and declaration file."""
+    """The Makefile's extension rule and setup.py's depends cover every header, declaration and included body."""
     makefile = (ROOT / "Makefile").read_text()
-    assert "$(wildcard kvcx/codecs/*.pyx kvcx/codecs/*.pxd kvcx/codecs/*.h)" in makefile
+    assert "$(wildcard kvcx/codecs/cpu/*.pyx kvcx/codecs/cpu/*.pxi kvcx/codecs/cpu/*.pxd kvcx/codecs/cpu/*.h)" in makefile
     assert "kvcx/.built: $(VENV)/.installed $(KERNEL_SOURCES)" in makefile
     setup = (ROOT / "setup.py").read_text()
-    assert 'f.endswith((".h", ".pxd"))' in setup
-    sources = {p.name for p in (PACKAGE / "codecs").iterdir() if p.suffix in (".h", ".pxd", ".pyx")}
-    assert {"_core.pyx", "_kernels.h", "_attn.h", "_widths.h", "_kernels.pxd", "_openmp_helpers.pxd"} <= sources
+    assert 'f.endswith((".h", ".pxd", ".pxi"))' in setup
+    sources = {p.name for p in (PACKAGE / "codecs" / "cpu").iterdir() if p.suffix in (".h", ".pxd", ".pyx", ".pxi")}
+    assert {"_v3.pyx", "_v4.pyx", "core.pxi", "kernels.h", "attn.h", "widths.h", "kernels.pxd", "openmp.pxd"} <= sources
+    # every source file of the package stays small: C headers and Cython bodies too
+    for p in sorted((PACKAGE / "codecs" / "cpu").iterdir()):
+        if p.suffix in (".h", ".pxd", ".pyx", ".pxi"):
+            assert len(p.read_text().splitlines()) <= MAX_LINES, p.name

@@ -1,9 +1,8 @@
-"""The fused attention kernel's own wrapper (kvcx/codecs/_attn.h): what it reads, how work is split, its
+"""The fused attention kernel's own wrapper (kvcx/codecs/cpu/attn.h): what it reads, how work is split, its
 workspace, what it masks, and one binding of a layer's packed stores to it.
 
-This is the one module outside :mod:`kvcx.codecs` that calls the compiled kernels: the fused kernel
-reads the integer codec's packed stores directly. Its callers (:class:`kvcx.cache.store.PackedKV`) check
-every size first.
+The kernel comes through the codecs' door (:mod:`kvcx.codecs.attention`): it reads the integer codec's packed
+stores directly. Its callers (:class:`kvcx.cache.store.PackedKV`) check every size first.
 """
 from __future__ import annotations
 
@@ -13,10 +12,10 @@ from typing import Optional
 
 import numpy as np
 
-from kvcx.codecs import _core
+from kvcx.codecs import attention as kernel
 from kvcx.codecs.base import Codec
 
-# the codecs whose packed layouts the kernel reads (kvcx/codecs/_attn.h): integer codes for keys and values,
+# the codecs whose packed layouts the kernel reads (kvcx/codecs/cpu/attn.h): integer codes for keys and values,
 # and keys with a width per channel
 READS = "kvcx.int"
 WIDTHS = "kvcx.widths"
@@ -24,13 +23,13 @@ READS_KEYS = (READS, WIDTHS)
 
 # code widths the kernel reads (2 and 3 bits widened tile by tile into the 4-bit layout)
 FUSED_BITS = (2, 3, 4)
-ATTN_MAX_GROUP = _core.ATTN_MAX_GROUP
-ATTN_MAX_D = _core.ATTN_MAX_D
+ATTN_MAX_GROUP = kernel.ATTN_MAX_GROUP
+ATTN_MAX_D = kernel.ATTN_MAX_D
 # rows per KV head a step may have: query heads per KV head x query tokens
-ATTN_MAX_ROWS = _core.ATTN_MAX_ROWS
-ATTN_TILE_ROWS = _core.ATTN_TILE_ROWS
+ATTN_MAX_ROWS = kernel.ATTN_MAX_ROWS
+ATTN_TILE_ROWS = kernel.ATTN_TILE_ROWS
 # how keys are grouped, as the kernel's settings name it
-AXIS_CHANNEL, AXIS_TOKEN = _core.AXIS_CHANNEL, _core.AXIS_TOKEN
+AXIS_CHANNEL, AXIS_TOKEN = kernel.AXIS_CHANNEL, kernel.AXIS_TOKEN
 # tokens per task at least, when a (row x KV head) is split across threads
 _MIN_SPLIT_TOKENS = 128
 # below this many tokens of work per (row x KV head) (an exact token counting as 4 packed ones), one
@@ -162,10 +161,10 @@ def bind(key: Codec, value: Codec, B: int, Hkv: int, R: int, D: int, keys, value
     rows = R * nq
     nsplit = splits(B * Hkv, Tq * max(1, rows // ATTN_TILE_ROWS), threads)
     settings = keys.kernel_settings(key)
-    work = workspace.get(B * Hkv * nsplit, _core.attn_work_floats(rows, D, settings.get("k_widths", False)))
-    kernel = _core.AttnKernel(B=B, Hkv=Hkv, R=rows, D=D, v_asym=value.asym, v_rotate=value.rotate,
-                              v_group=value.group_size, v_bits=value.bits, nq=nq, **settings)
-    kernel.bind(vc=values.codes, vs=values.scales.view(np.uint16),
-                vz=values.zeros.view(np.uint16) if values.zeros is not None else EMPTY_U16,
-                hk=head[0], hv=head[1], Tq=Tq, work=work, nsplit=nsplit, **keys.kernel_keys(key))
-    return kernel
+    work = workspace.get(B * Hkv * nsplit, kernel.work_floats(rows, D, settings.get("k_widths", False)))
+    attn = kernel.AttnKernel(B=B, Hkv=Hkv, R=rows, D=D, v_asym=value.asym, v_rotate=value.rotate,
+                             v_group=value.group_size, v_bits=value.bits, nq=nq, **settings)
+    attn.bind(vc=values.codes, vs=values.scales.view(np.uint16),
+              vz=values.zeros.view(np.uint16) if values.zeros is not None else EMPTY_U16,
+              hk=head[0], hv=head[1], Tq=Tq, work=work, nsplit=nsplit, **keys.kernel_keys(key))
+    return attn

@@ -1,4 +1,5 @@
-"""The codecs: the only door to kvcx's compiled kernels (``kvcx.codecs._core``).
+"""The codecs: the only door to kvcx's compiled kernels (:mod:`kvcx.codecs.cpu`, one variant per instruction set,
+chosen for the CPU at import; the Triton kernels of :mod:`kvcx.codecs.triton_kernels` for CUDA tensors).
 
 Everything that encodes or decodes a tensor goes through a :class:`Codec` found in the registry by its
 id (:func:`get_codec`); new codecs register with :func:`register_codec`. The package also holds what
@@ -9,8 +10,10 @@ the kernels share with their callers: dtypes, conversions, threads and error met
 - :mod:`kvcx.codecs.widths`: :class:`WidthCodec` (a bit width per key channel);
 - :mod:`kvcx.codecs.kvconfig`: :class:`KVConfig` (a key and a value codec, the named schemes, plans' layers);
 - :mod:`kvcx.codecs.backends`, :mod:`kvcx.codecs.gpu`: where torch tensors are worked on (the Triton kernels
-  of :mod:`kvcx.codecs._triton` for CUDA tensors, the same bytes as the CPU kernels);
+  of :mod:`kvcx.codecs.triton_kernels.codec` for CUDA tensors, the same bytes as the CPU kernels);
   :mod:`kvcx.codecs.tensors`: torch <-> NumPy without copies (torch imported when used);
+- :mod:`kvcx.codecs.attention`: the CPU fused attention over packed codes (for :mod:`kvcx.cache.fused`);
+  :mod:`kvcx.codecs.planes`: vLLM's fused K/V planes split and joined;
 - :mod:`kvcx.codecs.convert`, :mod:`kvcx.codecs.metrics`, :mod:`kvcx.codecs.runtime`, :mod:`kvcx.codecs.dtypes`.
 """
 from kvcx.codecs import gpu  # noqa: F401  - registers the Triton backend (torch and triton load when used)

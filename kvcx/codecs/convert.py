@@ -5,7 +5,7 @@ from typing import Optional
 
 import numpy as np
 
-from kvcx.codecs import _core
+from kvcx.codecs.cpu import core as _core
 from kvcx.codecs.dtypes import check_float, dtype_name, kernel_dtype, raw
 from kvcx.codecs.runtime import resolve_threads
 from kvcx.errors import CodecError

@@ -5,7 +5,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from kvcx.codecs import _core
+from kvcx.codecs.cpu import core as _core
 from kvcx.errors import CodecError
 
 try:  # bfloat16 as a NumPy dtype

@@ -29,7 +29,7 @@ from typing import Optional, Union
 
 import numpy as np
 
-from kvcx.codecs import _core
+from kvcx.codecs.cpu import core as _core
 from kvcx.codecs.backends import check_backend
 from kvcx.codecs.base import Codec, Layout, Packed, check_shape, decode_out, register_codec, view3
 from kvcx.codecs.dtypes import DTYPE_NAMES, check_float, dtype_name, kernel_dtype, raw

@@ -1,5 +1,5 @@
-"""The integer codec on torch tensors through Triton kernels (:mod:`kvcx.codecs._triton`; the fused attention's in
-:mod:`kvcx.codecs._triton_attn`): checks, allocation, launches and errors, as :mod:`kvcx.codecs.intcodec` does for
+"""The integer codec on torch tensors through Triton kernels (:mod:`kvcx.codecs.triton_kernels.codec`; the fused attention's in
+:mod:`kvcx.codecs.triton_kernels.attention`): checks, allocation, launches and errors, as :mod:`kvcx.codecs.intcodec` does for
 the CPU kernels.
 
 A CUDA tensor reaches this backend by itself (``IntCodec().encode(x_cuda)``); ``IntCodec(backend="triton")``
@@ -37,18 +37,18 @@ _TORCH_DTYPES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32"}
 
 
 def _kernels():
-    """The codec's Triton kernels (:mod:`kvcx.codecs._triton`); a CodecError naming the extra without triton."""
+    """The codec's Triton kernels (:mod:`kvcx.codecs.triton_kernels.codec`); a CodecError naming the extra without triton."""
     try:
-        from kvcx.codecs import _triton
+        from kvcx.codecs.triton_kernels import codec as _triton
     except ImportError as exc:  # triton is the kvcx[gpu] extra
         raise CodecError("the Triton backend needs triton: pip install 'kvcx[gpu]' (or pass backend='cpu')") from exc
     return _triton
 
 
 def _attn_kernels():
-    """The fused attention's Triton kernels (:mod:`kvcx.codecs._triton_attn`)."""
+    """The fused attention's Triton kernels (:mod:`kvcx.codecs.triton_kernels.attention`)."""
     _kernels()
-    from kvcx.codecs import _triton_attn
+    from kvcx.codecs.triton_kernels import attention as _triton_attn
 
     return _triton_attn
 
@@ -148,7 +148,7 @@ class TritonIntBackend:
             sinks.view(N, t0, D).copy_(x3)
             flag[1] = (~torch.isfinite(sinks)).any()
         if any(flag.tolist()):   # the tensor is copied to the host only to say what is wrong with it
-            from kvcx.codecs import _core
+            from kvcx.codecs.cpu import core as _core
 
             status = _core.STATUS_NONFINITE if not bool(torch.isfinite(x).all()) else _core.STATUS_SCALE_OVERFLOW
             check_status(status, name, x.float().cpu().numpy())
@@ -349,7 +349,7 @@ def attention_rows(R: int, NG: int, dot: str) -> int:
 
 def attention_constexprs(key_codec, value_codec, R: int, D: int, dot: str, block_tokens: int, has_mask: bool,
                          prefetch: bool) -> dict:
-    """The constexprs of :func:`~kvcx.codecs._triton_attn.attend_packed_kernel` for these codecs and launch settings
+    """The constexprs of :func:`~kvcx.codecs.triton_kernels.attention.attend_packed_kernel` for these codecs and launch settings
     (what the launcher passes; the offline compile test and bench/sass_gpu.py build the kernel the same way). A
     tile lies within one per-channel block: ``block_tokens`` is cut to the smallest per-channel group; ``dot`` is
     what the shapes allow of it (FP32 sums under head dim 32, two TF32 passes where int8 products would not do)."""
@@ -394,7 +394,7 @@ def attend_spans(q, scaling: float, spans, Hkv: int, sinks=(None, None), residua
                  res_off: int = 0, per_split: Optional[int] = None):
     """The attention output [N, R, D] float32 of the query rows ``q`` [N, R, D] (:func:`query_rows`: any float
     dtype, as the model holds them; the kernels scale them by ``scaling`` as they read them) over packed spans
-    (:class:`Span`, flash-decoding splits along each in :func:`~kvcx.codecs._triton_attn.attend_packed_kernel`) and
+    (:class:`Span`, flash-decoding splits along each in :func:`~kvcx.codecs.triton_kernels.attention.attend_packed_kernel`) and
     the exact tokens: ``sinks`` (keys, values) [N, t0, D] at mask columns 0.., ``residual`` [N, nr, D] (any
     float dtype, as held) at columns ``res_off``..; ``add`` float32 [B, kv_len] added to the scores, or None.
     Every span's values rotate alike (the merge rotates the accumulator back once). One kernel per two spans of

@@ -11,7 +11,7 @@ from typing import Optional
 
 import numpy as np
 
-from kvcx.codecs import _core
+from kvcx.codecs.cpu import core as _core
 from kvcx.codecs.dtypes import dtype_name, is_int, raw
 from kvcx.codecs.runtime import resolve_threads
 from kvcx.errors import CodecError

@@ -6,7 +6,7 @@ from typing import Optional
 
 import numpy as np
 
-from kvcx.codecs import _core
+from kvcx.codecs.cpu import core as _core
 from kvcx.codecs.dtypes import is_int
 from kvcx.errors import CodecError
 
@@ -25,8 +25,13 @@ def resolve_threads(n_threads: Optional[int]) -> int:
 
 
 def build_info() -> dict:
-    """How the kernels were built (for ``kvcx info``): OpenMP, threads, SIMD flags."""
-    info = dict(_core.build_info())
+    """Which kernel variant runs (chosen for this CPU, or forced by ``$KVCX_KERNELS``), which the installation
+    holds, and how it was built (for ``kvcx info``): OpenMP, threads, SIMD flags."""
+    from kvcx.codecs import cpu
+
+    info = {"kernels": cpu.variant, "kernels_built": ", ".join(cpu.built()),
+            "kernels_forced": os.environ.get(cpu.ENV)}
+    info.update(_core.build_info())
     info["threads_used"] = resolve_threads(None)
     info["omp_num_threads_env"] = os.environ.get("OMP_NUM_THREADS")
     return info

@@ -5,7 +5,7 @@ from typing import Optional
 
 import numpy as np
 
-from kvcx.codecs import _core
+from kvcx.codecs.cpu import core as _core
 from kvcx.codecs.backends import check_backend
 from kvcx.codecs.base import (
     Codec,

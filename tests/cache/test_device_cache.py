@@ -81,7 +81,7 @@ def test_decode_steps_launch_no_kernel_triton_would_compile_again(tiny, monkeypa
     (``_triton_attn._STEP_ARGS``, ``_MERGE_STEP_ARGS``)."""
     import inspect
 
-    from kvcx.codecs import _triton_attn
+    from kvcx.codecs.triton_kernels import attention as _triton_attn
 
     seen, raw = {}, {}
 

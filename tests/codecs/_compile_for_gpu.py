@@ -15,8 +15,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from kvcx.codecs import IntCodec, KVConfig, gpu
-from kvcx.codecs import _triton as k
-from kvcx.codecs import _triton_attn as ka
+from kvcx.codecs.triton_kernels import codec as k
+from kvcx.codecs.triton_kernels import attention as ka
 
 TARGET = GPUTarget("cuda", 90, 32)
 D = 128

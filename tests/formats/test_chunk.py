@@ -14,7 +14,7 @@ from helpers import codec_roundtrip, plan_config, reseal, small_chunk
 
 
 def test_crc32c_known_values():
-    from kvcx.codecs import _core
+    from kvcx.codecs.cpu import core as _core
 
     assert _core.crc32c(np.frombuffer(b"123456789", np.uint8)) == 0xE3069283  # the standard check value
     assert _core.crc32c(np.zeros(32, np.uint8)) == 0x8A9136AA  # RFC 3720 B.4

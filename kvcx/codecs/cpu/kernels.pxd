@@ -1,9 +1,9 @@
 # cython: language_level=3
-# Declarations of kvcx/_kernels.h: the one place the constants shared by the kernels and
-# the Python layer are defined (kvcx._core re-exports them as Python names).
+# Declarations of the kernels' C headers (kernels.h and the ones it names): base.h is the one place the
+# constants shared by the kernels and the Python layer are defined (each variant re-exports them as Python names).
 from libc.stdint cimport uint8_t, uint16_t, uint32_t, int32_t, int64_t
 
-cdef extern from "_kernels.h" nogil:
+cdef extern from "kernels.h" nogil:
     enum kvcx_dtype:
         KVCX_DT_F32
         KVCX_DT_F16
@@ -61,7 +61,7 @@ cdef extern from "_kernels.h" nogil:
     int64_t kvcx_groups(const float *x, int64_t ng, int64_t G, int bits, int asym, uint16_t *s_out, uint16_t *z_out,
                         uint8_t *out, int *status) noexcept
 
-cdef extern from "_attn.h" nogil:
+cdef extern from "attn.h" nogil:
     enum:
         KVCX_ATTN_TILE
         KVCX_ATTN_MAX_GROUP
@@ -109,7 +109,7 @@ cdef extern from "_attn.h" nogil:
     void kvcx_attn_task(const kvcx_attn_layout *L, const kvcx_attn_args *A, int64_t task) noexcept
     void kvcx_attn_merge(const kvcx_attn_layout *L, const kvcx_attn_args *A, int64_t i) noexcept
 
-cdef extern from "_widths.h" nogil:
+cdef extern from "widths.h" nogil:
     enum:
         KVCX_W_MAX
     const bint KVCX_W_AVX2
@@ -124,7 +124,7 @@ cdef extern from "_widths.h" nogil:
                            const float *lo, const float *hi, const uint8_t *w, const float *top,
                            const int64_t *off, uint8_t *qt, float *row, float *x) noexcept
 
-cdef extern from "_engine.h" nogil:
+cdef extern from "engine.h" nogil:
     enum:
         KVCX_QK
         KVCX_GGML_Q8_0
@@ -142,7 +142,7 @@ cdef extern from "_engine.h" nogil:
     uint8_t kvcx_f2fp8(float x, int format) noexcept
     float kvcx_fp82f(uint8_t c, int format) noexcept
 
-cdef extern from "_fused.h" nogil:
+cdef extern from "fused.h" nogil:
     enum:
         KVCX_FUSED_VEC
         KVCX_FUSED_AMX

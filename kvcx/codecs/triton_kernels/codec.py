@@ -17,7 +17,7 @@ kernels' arithmetic exactly, in the same order:
 - the Walsh-Hadamard butterflies in the CPU's order (stages h = 1, 2, 4, ... D/2, a + b and a - b, then one
   product by ``1 / sqrt(D)``).
 
-This module holds the codec's kernels only (the fused attention's are in :mod:`kvcx.codecs._triton_attn`);
+This module holds the codec's kernels only (the fused attention's are in :mod:`kvcx.codecs.triton_kernels.attention`);
 :mod:`kvcx.codecs.gpu` checks, allocates and launches them. It is imported
 only when a tensor goes to the Triton backend (``triton`` is the ``kvcx[gpu]`` extra). Under
 ``TRITON_INTERPRET=1`` Triton's interpreter runs the same kernels on CPU tensors (the tests do).

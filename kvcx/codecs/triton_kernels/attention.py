@@ -1,13 +1,13 @@
 """Triton kernels of the fused decode attention over packed 4-bit codes (flash-decoding along the context, then a
 merge of the splits with the exact tokens): :mod:`kvcx.codecs.gpu` checks, allocates and launches them
 (:func:`~kvcx.codecs.gpu.attend_spans`). The codes and scales are read as the codec kernels of
-:mod:`kvcx.codecs._triton` write them. Imported only when a tensor goes to the Triton backend; under
+:mod:`kvcx.codecs.triton_kernels.codec` write them. Imported only when a tensor goes to the Triton backend; under
 ``TRITON_INTERPRET=1`` Triton's interpreter runs the same kernels on CPU tensors (the tests do).
 """
 import triton
 import triton.language as tl
 
-from kvcx.codecs._triton import _fwht_rows
+from kvcx.codecs.triton_kernels.codec import _fwht_rows
 
 
 @triton.jit

@@ -13,7 +13,7 @@
 #ifndef KVCX_WIDTHS_H
 #define KVCX_WIDTHS_H
 
-#include "_kernels.h"
+#include "kernels.h"
 
 #if defined(__SSE2__)
 #include <emmintrin.h>

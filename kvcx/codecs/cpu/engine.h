@@ -25,7 +25,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "_kernels.h"
+#include "kernels.h"
 
 #define KVCX_QK 32
 

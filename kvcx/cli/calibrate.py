@@ -1,0 +1,106 @@
+"""``kvcx calibrate``: per-layer bit widths (or per-channel weights) under a budget, written as a plan."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, List, Optional
+
+import typer
+from rich.table import Table
+
+from kvcx.cli.app import (BitsOpt, GroupOpt, JsonOpt, ThreadsOpt, check_files_first,
+                          cli_errors, kv_config_from, app)
+from kvcx.cli.render import (emit_json, out, print_phase, window_bar)
+from kvcx.errors import KvcxError
+
+
+@app.command()
+def calibrate(
+    out_path: Annotated[Path, typer.Option("--out", "-o", help="Plan file to write (JSON, atomically); pass it to "
+                                                                "compress/metrics/validate --plan.")],
+    budget: Annotated[float, typer.Option(help="Nominal bits per value to spend (codes, scales, zero points).")],
+    scheme: Annotated[Optional[str], typer.Option("--scheme", help="Base scheme: kvcx3 (default when measuring), "
+                                                  "kvcx2, kvcx2w (measures the queries' weights per key "
+                                                  "channel), or any --scheme of compress; with --reuse, default: "
+                                                  "the first plan's.")] = None,
+    group_size: GroupOpt = None,
+    bits: BitsOpt = None,
+    options: Annotated[Optional[str], typer.Option("--options", help="Codecs to measure, by tag, e.g. b2,b3, "
+                                                                    "b3g128 or value.b3a for one kind (default: every "
+                                                                    "option the scheme's plans choose from).")] = None,
+    model: Annotated[Optional[str], typer.Option(help="HF id, local dir or .gguf (default: embedded SmolLM2-135M).")] = None,
+    dataset_file: Annotated[Optional[Path], typer.Option("--dataset-file", help="Calibration text (WikiText-2 raw).")] = None,
+    windows: Annotated[int, typer.Option(help="Windows of 1,024 tokens to measure on.")] = 4,
+    offset: Annotated[int, typer.Option(help="Windows skipped first (validate scores the first 32, the bench 64).")] = 128,
+    reuse: Annotated[Optional[List[Path]], typer.Option("--reuse", help="Reuse the sensitivities of earlier plan "
+                                                                        "files (no model run; repeat it to combine "
+                                                                        "widths measured apart): only allocate "
+                                                                        "--budget.")] = None,
+    cpu: Annotated[bool, typer.Option("--cpu", help="Force CPU even when CUDA is available.")] = False,
+    threads: ThreadsOpt = None,
+    json_out: JsonOpt = False,
+):
+    """Per-layer bit widths: measure each layer's sensitivity (KL divergence) at each width and spend --budget
+    bits/value where it buys the most."""
+    with cli_errors("calibrate"):
+        from kvcx.api import save_plan
+        from kvcx.quality import calibrate as cal
+
+        check_files_first(dataset=dataset_file, reuse=reuse, outputs=[(out_path, "plan")], sidecars=False)
+        base = None if scheme is None and reuse else kv_config_from(scheme or "kvcx3", group_size, bits, None, None,
+                                                                 threads)
+        if reuse:
+            from kvcx.api import read_plan
+
+            result = cal.reallocate([read_plan(p) for p in reuse], budget, source=[str(p) for p in reuse], base=base)
+        else:
+            on_phase = None if json_out else print_phase
+            with window_bar(json_out) as on_window:
+                result = cal.run_calibration(base, budget, model=model, dataset_file=dataset_file, windows=windows,
+                                             offset=offset, cpu=cpu, options=_parse_options(options),
+                                             on_phase=on_phase, on_window=on_window)
+        save_plan(out_path, result)
+    if json_out:
+        emit_json(result.to_dict())
+        return
+    if not result.complete:
+        out.print(f"[green]measured[/] → {out_path}: {len(result.sensitivity)} figures of "
+                  f"{', '.join(sorted({k for k, _, _ in result.sensitivity}))} only, no plan yet: allocate with "
+                  f"`kvcx calibrate --reuse {out_path} --reuse <other measurements> --budget B`; "
+                  f"{result.tokens:,} tokens, {result.wall_time_s:.0f} s")
+        return
+    from kvcx.codecs.kvconfig import tag_of
+
+    cfg = result.config
+    if cfg.key.takes_weights:
+        out.print(f"[green]plan[/] → {out_path}: keys {cfg.key.bits:g} bits per code on average, a width per channel "
+                  f"weighed by the queries of {len(cfg.key_weights)} layers; {result.bits_per_value:.3f} bits/value "
+                  f"nominal (budget {budget}); {result.tokens:,} tokens, {result.wall_time_s:.0f} s")
+        return
+    t = Table(title=f"most sensitive layers (mean KLD, nats/token, at the {cfg.key.bits}/{cfg.value.bits}-bit base)",
+              header_style="bold")
+    for c in ("kind", "layer", "KLD", "codec in the plan", "KLD there"):
+        t.add_column(c, justify="left" if c == "kind" else "right")
+    planned = {L: (kb, vb) for L, kb, vb in cfg.layer_bits}
+    ranked = sorted(result.base_sensitivity().items(), key=lambda kv: -kv[1])[:10]
+    for (kind, L), v in ranked:
+        sel = planned.get(L, (cfg.key.bits, cfg.value.bits))[0 if kind == "key" else 1]
+        tag = tag_of(sel)
+        there = result.sensitivity.get((kind, L, tag))
+        t.add_row(kind, str(L), f"{v:.5f}", tag, "estimated" if there is None else f"{there:.5f}")
+    out.print(t)
+    guessed = f", {result.extrapolated} figures estimated, not measured" if result.extrapolated else ""
+    out.print(f"[green]plan[/] → {out_path}: {result.bits_per_value:.3f} bits/value nominal (budget {budget}), "
+              f"{len(cfg.layer_bits)} of {result.n_layers} layers changed, estimated KLD "
+              f"{result.estimated_kld:.4f}{guessed}; {result.tokens:,} tokens, {result.wall_time_s:.0f} s")
+
+
+
+def _parse_options(text: Optional[str]) -> Optional[List[str]]:
+    if text is None:
+        return None
+    out = [f"b{t.strip()}" if t.strip().isdigit() else t.strip() for t in text.split(",") if t.strip()]
+    if not out:
+        raise KvcxError(f"--options {text!r} must be comma-separated option tags, e.g. b2,b3 or b3g128")
+    return out
+
+

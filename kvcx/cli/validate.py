@@ -1,0 +1,128 @@
+"""``kvcx validate``: the quality gate (perplexity, or passkey retrieval), one setting or several."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from kvcx.cli.app import (EXIT_QUALITY, BitsOpt, GroupOpt, JsonOpt, PlanOpt,
+                          RotateOpt, SchemeOpt, SinksOpt, ThreadsOpt, check_files_first,
+                          cli_errors, app)
+from kvcx.cli.render import (emit_json, out, print_passkey, print_phase, print_validation,
+                             print_validations, window_bar)
+from kvcx.errors import KvcxError
+
+
+@app.command()
+def validate(
+    threshold: Annotated[float, typer.Option(help="PASS when the perplexity delta is below this (KVQuant: 0.5).")] = 0.5,
+    model: Annotated[Optional[str], typer.Option(help="HF id, local dir or .gguf (default: embedded SmolLM2-135M).")] = None,
+    dataset_file: Annotated[Optional[Path], typer.Option("--dataset-file", help="WikiText-2 raw test text file.")] = None,
+    window: Annotated[Optional[int], typer.Option(help="Tokens per window (default 1024 or the model's context).")] = None,
+    stride: Annotated[int, typer.Option(help="Tokens scored per window; the rest is the compressed context.")] = 512,
+    max_windows: Annotated[int, typer.Option("--max-windows", help="Windows to evaluate (0 = whole test set).")] = 32,
+    group_size: GroupOpt = None,
+    scheme: SchemeOpt = "kvcx",
+    bits: BitsOpt = None,
+    sinks: SinksOpt = None,
+    rotate: RotateOpt = None,
+    mode: Annotated[str, typer.Option(help="prefix: compress the context cache once; generation: through KvcxCache "
+                                           "as the model runs; engine: every key/value, the current token's included, "
+                                           "through the codec before attention (vLLM, llama.cpp).")] = "prefix",
+    cpu: Annotated[bool, typer.Option("--cpu", help="Force CPU even when CUDA is available.")] = False,
+    backend: Annotated[Optional[str], typer.Option("--backend", help="Where kvcx compresses the cache: triton (on "
+                                                                     "the GPU; 4-bit codecs) or cpu (default: by "
+                                                                     "the model's device).")] = None,
+    plan: PlanOpt = None,
+    threads: ThreadsOpt = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Only the verdict line.")] = False,
+    quick_test: Annotated[bool, typer.Option("--quick-test", help="No model: a synthetic TinyLlama-shaped cache, "
+                                                                  "judged on RMSE/SNR/cosine.")] = False,
+    gate: Annotated[Optional[str], typer.Option("--gate", help="With several --scheme settings: the ones that must "
+                                                               "pass for exit 0 (comma-separated; default: all).")] = None,
+    pareto: Annotated[Optional[Path], typer.Option("--pareto", help="Also draw bits/value vs perplexity delta of "
+                                                                    "every setting to this PNG (needs kvcx[plot]).")] = None,
+    task: Annotated[str, typer.Option("--task", help="perplexity (default), or passkey: a key hidden in long "
+                                                     "contexts, found with the exact vs the compressed cache.")] = "perplexity",
+    lengths: Annotated[Optional[str], typer.Option("--lengths", help="passkey: context lengths, comma-separated "
+                                                                     "(default 1024, 2048, ... the model's context).")] = None,
+    prompts: Annotated[int, typer.Option("--prompts", help="passkey: prompts per length and depth.")] = 2,
+    tolerance: Annotated[int, typer.Option("--tolerance", help="passkey: prompts a setting may answer fewer than "
+                                                               "the exact cache at a length.")] = 1,
+    json_out: JsonOpt = False,
+):
+    """Perplexity with the exact vs the compressed KV cache on WikiText-2 (exit 3 when delta >= threshold).
+
+    Several settings in one pass: --scheme kvcx,q4_0-rot,fp8_e4m3 scores the baseline once and every setting
+    on the same windows and tokens (one table; --json a list). --task passkey: retrieval at long contexts."""
+    with cli_errors("validate"):
+        from kvcx.quality import validation
+
+        check_files_first(plan=plan, dataset=dataset_file, outputs=[(pareto, "picture")] if pareto is not None else [],
+                     sidecars=False)
+        from kvcx.api import validation_settings
+
+        from kvcx.quality.peers import PEERS
+
+        configs, gated = validation_settings(scheme, plan, gate, group_size, bits, sinks, rotate, threads, peers=PEERS)
+        on_phase = None if (json_out or quiet) else print_phase
+        if task not in ("perplexity", "passkey"):
+            raise KvcxError(f"--task {task!r} must be perplexity or passkey")
+        if task != "passkey" and lengths is not None:
+            raise KvcxError("--lengths sets the passkey task's contexts; add --task passkey, or use --window for "
+                            "perplexity")
+        if backend is not None and (task == "passkey" or quick_test):
+            raise KvcxError("--backend chooses where a model's cache is compressed for perplexity; --task passkey "
+                            "and --quick-test do not take it: leave it out")
+        if task == "passkey":
+            return _passkey(configs, gated, lengths, prompts, tolerance, model, cpu, mode, quiet, json_out, on_phase)
+        if quick_test:
+            results = [validation.quick_test(c, on_phase=on_phase, label=label) for label, c in configs.items()]
+        else:
+            with window_bar(quiet) as on_window:
+                results = validation.run_validations(
+                    configs, threshold=threshold, model=model, dataset_file=dataset_file, window=window,
+                    stride=stride, max_windows=max_windows, mode=mode, cpu=cpu, on_phase=on_phase,
+                    on_window=on_window, backend=backend)
+        if pareto is not None:
+            from kvcx.quality.plots import validation_pareto
+
+            validation_pareto(results, pareto, title=f"{results[0].model}: {results[0].tokens_scored:,} tokens, "
+                                                     f"windows of {results[0].window} ({results[0].mode} mode)")
+    if len(results) == 1:
+        result = results[0]
+        if json_out:
+            emit_json(result.to_dict())
+        elif quiet:
+            out.print(result.verdict_line())
+        else:
+            print_validation(result)
+    elif json_out:
+        emit_json([r.to_dict() for r in results])
+    else:
+        print_validations(results, gated, quiet)
+    if any(not r.passed for r in results if r.setting in gated or len(results) == 1):
+        raise typer.Exit(code=EXIT_QUALITY)
+
+
+def _passkey(configs, gated, lengths, prompts, tolerance, model, cpu, mode, quiet, json_out, on_phase):
+    from kvcx.quality.passkey import run_passkey
+
+    if mode != "prefix":
+        raise KvcxError(f"--task passkey runs in prefix mode (the prompt's cache compressed once); not --mode {mode}")
+    try:
+        parsed = [int(x) for x in lengths.split(",") if x.strip()] if lengths else None
+    except ValueError:
+        raise KvcxError(f"--lengths {lengths!r} must be token counts, comma-separated (e.g. 1024,4096)") from None
+    with window_bar(quiet, "prompts") as on_prompt:
+        results = run_passkey(configs, lengths=parsed, prompts=prompts, tolerance=tolerance, model=model, cpu=cpu,
+                              on_phase=on_phase, on_prompt=on_prompt)
+    if json_out:
+        emit_json(results[0].to_dict() if len(results) == 1 else [r.to_dict() for r in results])
+    else:
+        print_passkey(results, gated, quiet)
+    if any(not r.passed for r in results if r.setting in gated):
+        raise typer.Exit(code=EXIT_QUALITY)
+
+
