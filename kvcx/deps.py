@@ -48,6 +48,25 @@ def check_transformers(version: str) -> None:
                              "transformers in CI) or report it to kvcx")
 
 
+def cache_keyword(fn) -> str:
+    """The keyword a transformers model's ``forward`` or ``generate`` takes its cache by: ``cache`` where the
+    installed release has it (newer releases; ``past_key_values`` is deprecated there), else ``past_key_values``.
+    Read from the signature, not the version."""
+    import inspect
+
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return "past_key_values"
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def output_cache(output):
+    """The cache a transformers model output carries (``.cache`` in newer releases, ``.past_key_values`` before)."""
+    cache = getattr(output, "cache", None)
+    return cache if cache is not None else getattr(output, "past_key_values", None)
+
+
 def import_torch():
     """The torch module, or ModelError saying how to install it."""
     try:

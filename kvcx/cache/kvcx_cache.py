@@ -19,7 +19,7 @@ Attention over the store takes one of two paths per step, which the cache decide
 - fused (the model's attention set to ``"kvcx"``: single tokens, and on the CPU steps of a few hundred
   tokens over a packed history: a long prompt's later chunks, speculative decoding's drafts): the layer
   hands itself to the ``"kvcx"`` attention function (:mod:`kvcx.cache.attention_fn`), which runs the fused
-  kernel over the packed store, the sinks and the residual (kvcx/codecs/_attn.h on the CPU, the Triton
+  kernel over the packed store, the sinks and the residual (kvcx/codecs/cpu/attn*.h on the CPU, the Triton
   kernel of :mod:`kvcx.cache.device_store` on the device); no full-precision copy of the context exists;
 - materialising (``fused=False``, other attention implementations, steps of more tokens than the kernel's
   rows): the layer decodes its packed store into one scratch buffer shared by all layers and hands

@@ -12,7 +12,7 @@ decoded on its own (the materialising path).
 layer: every query (one token per row, or several: a multi-token step) attends to the packed tokens of its
 KV head (read once for all the queries that share it), the exact sink tokens and the full-precision
 residual, in one softmax, without writing a dequantized key or value anywhere.
-How the kernel works: ``kvcx/codecs/_attn.h``.
+How the kernel works: ``kvcx/codecs/cpu/attn*.h``.
 """
 from __future__ import annotations
 

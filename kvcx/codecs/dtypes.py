@@ -15,7 +15,7 @@ try:  # bfloat16 as a NumPy dtype
 except ImportError:  # pragma: no cover - ml_dtypes is a dependency
     BFLOAT16 = None
 
-# safetensors dtype name -> kernel dtype code (the codes are defined once, in kvcx/codecs/_kernels.h)
+# safetensors dtype name -> kernel dtype code (the codes are defined once, in kvcx/codecs/cpu/base.h)
 DTYPE_NAMES = {"F32": _core.DT_F32, "F16": _core.DT_F16, "BF16": _core.DT_BF16}
 
 

@@ -1,4 +1,4 @@
-"""vLLM's CPU fused K/V plane <-> a key plane and a value plane, with the parallel kernels (``_fused.h``).
+"""vLLM's CPU fused K/V plane <-> a key plane and a value plane, with the parallel kernels (``cpu/fused.h``).
 
 The chunk is ``[layers, tokens, heads * 2 * head_dim]`` as LMCache copies vLLM's CPU cache; each (layer, engine
 block, head) holds the block's keys then its values in vLLM's kernel order (``"vec"`` or ``"amx"``; see

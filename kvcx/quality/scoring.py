@@ -88,8 +88,11 @@ def forward_hidden(model, ids, cache=None, chunk: int = FORWARD_CHUNK):
         from transformers import DynamicCache
 
         cache = DynamicCache()
+    from kvcx.deps import cache_keyword
+
     decoder = model.get_decoder()
-    parts = [decoder(input_ids=ids[:, c:c + chunk], past_key_values=cache, use_cache=True).last_hidden_state[0]
+    kw = cache_keyword(decoder.forward)
+    parts = [decoder(input_ids=ids[:, c:c + chunk], use_cache=True, **{kw: cache}).last_hidden_state[0]
              for c in range(0, ids.shape[1], chunk)]
     return (parts[0] if len(parts) == 1 else torch.cat(parts)), cache
 

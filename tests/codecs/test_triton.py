@@ -299,7 +299,8 @@ def test_spans_of_one_layout_share_a_launch_and_equal_sdpa(dot, monkeypatch):
     past the first span's read the second: its tokens, buffers, mask columns), the third has another (16-token
     key blocks) and runs in its own; with the sinks, the residual and a padding mask the step equals SDPA over the
     decoded tokens within FP32 rounding. Every launch the step makes is counted."""
-    from kvcx.codecs import _triton_attn, gpu
+    from kvcx.codecs import gpu
+    from kvcx.codecs.triton_kernels import attention as _triton_attn
 
     monkeypatch.setattr(gpu, "ATTN_DOT", dot)
     launches = []

@@ -1,4 +1,4 @@
-"""Triton kernels of the integer codec at 4 bits: the GPU twins of the CPU kernels in ``_core.pyx``.
+"""Triton kernels of the integer codec at 4 bits: the GPU twins of the CPU kernels in ``kvcx/codecs/cpu``.
 
 Every kernel writes **the same bytes** as its CPU twin for the same input (codes, FP16 scales and zero
 points, decoded values), so a packed record moves between the CPU and the GPU unchanged. That needs the CPU
