@@ -15,7 +15,7 @@ import resource
 import time
 from pathlib import Path
 
-from bench_engines import SETTINGS
+from bench.bench_engines import SETTINGS
 
 
 def main(argv=None):

@@ -280,13 +280,23 @@ def validation_settings(scheme: str, plan=None, gate: Optional[str] = None, grou
     if given and any(x in peers for x in labels):
         raise CodecError(f"scheme={','.join(x for x in labels if x in peers)} runs through its own library with its "
                          f"own settings; leave out {', '.join(given)}")
-    unknown = [x for x in labels if x not in peers and x not in SCHEME_NAMES]
+    from kvcx.codecs.presses import PressedSetting, split_scheme
+
+    split = {x: split_scheme(x) for x in labels}       # a press (token eviction) composed by '+', and the codec
+    codecs = [c for _, c in split.values() if c is not None]
+    unknown = [x for x in codecs if x not in peers and x not in SCHEME_NAMES]
     if unknown and peers:   # (without peers, KVConfig.from_scheme names kvcx's schemes)
-        raise CodecError(f"unknown scheme {unknown[0]!r}; use one of {', '.join(SCHEME_NAMES)}, or another "
-                         f"library's: {', '.join(peers)}")
-    configs = {x: peers[x] if x in peers else KVConfig.from_scheme(x, group_size=group_size, bits=bits, sinks=sinks,
-                                                                   rotate=rotate, n_threads=n_threads)
-               for x in labels}
+        raise CodecError(f"unknown scheme {unknown[0]!r}; use one of {', '.join(SCHEME_NAMES)}, another "
+                         f"library's: {', '.join(peers)}, or a press composed by '+' (e.g. kvcx+snapkv:0.5)")
+
+    def codec_of(x):
+        if x is None:
+            return None
+        return peers[x] if x in peers else KVConfig.from_scheme(x, group_size=group_size, bits=bits, sinks=sinks,
+                                                                rotate=rotate, n_threads=n_threads)
+
+    configs = {x: codec_of(c) if press is None else PressedSetting(press, codec_of(c))
+               for x, (press, c) in split.items()}
     if plan is not None:
         configs[str(plan)] = load_plan(plan, n_threads=n_threads)
     gated = [x.strip() for x in gate.split(",") if x.strip()] if gate is not None else list(configs)

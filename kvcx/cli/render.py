@@ -161,30 +161,41 @@ def print_validations(results, gated, quiet: bool) -> None:
     out.print(f"wall time {r0.wall_time_s:.1f} s")
 
 
-def print_passkey(results, gated, quiet: bool) -> None:
-    """The passkey table: prompts answered per context length, the exact cache beside every setting."""
-    r0, failed = results[0], [r.setting for r in results if not r.passed and r.setting in gated]
-    out.print(f"[bold red]FAILED: {escape(', '.join(failed))} answered more than {r0.tolerance} prompt(s) fewer than "
-              "the exact cache at some length[/]" if failed else
-              f"[bold green]PASSED: every gated setting within {r0.tolerance} prompt(s) of the exact cache at every "
-              "length[/]")
+def print_retrieval(results, gated, quiet: bool) -> None:
+    """The retrieval table: per task and length, prompts answered with the exact cache and with every setting
+    (accuracy and its 95 % interval; red where the paired test puts a setting below the exact cache)."""
+    r0 = results[0]
+    failed = [r.setting for r in results if not r.passed and r.setting in gated]
+    if failed:
+        out.print(f"[bold red]FAILED: {escape(', '.join(failed))}: significantly below the exact cache on some task "
+                  f"and length (alpha {r0.alpha}), or no task kept[/]")
+    else:
+        out.print(f"[bold green]PASSED: no gated setting significantly below the exact cache on any kept task and "
+                  f"length (alpha {r0.alpha}, McNemar's exact test, Holm-adjusted)[/]")
     if quiet:
+        for r in results:
+            out.print(escape(r.verdict_line()))
         return
     depths = ", ".join(f"{100 * d:g}" for d in r0.depths)
-    t = Table(title=escape(f"{r0.model}: passkey prompts answered ({r0.prompts} per depth at depths {depths} %)"),
-              header_style="bold")
+    t = Table(title=escape(f"{r0.model}: {r0.task}, prompts answered ({r0.prompts} per depth at depths {depths} %; "
+                           "95 % Wilson interval)"), header_style="bold")
+    t.add_column("task")
     t.add_column("context", justify="right")
     t.add_column("exact cache", justify="right")
     for r in results:
         t.add_column(escape(f"{r.setting} ({r.bits_per_value:.2f} b/v)"), justify="right")
-    for i, (length, exact, _, n) in enumerate(r0.per_length()):
+    for i, c0 in enumerate(r0.cells):
         cells = []
         for r in results:
-            got = r.per_length()[i][2]
-            style = "red" if exact - got > r.tolerance else ("green" if got >= exact else "")
-            cells.append(f"[{style}]{got}/{n}[/]" if style else f"{got}/{n}")
-        t.add_row(f"{length:,}", f"{exact}/{n}", *cells)
-    t.add_row("verdict", "", *[("[green]PASS[/]" if r.passed else "[red]FAIL[/]") +
-                                ("" if r.setting in gated else " (not gated)") for r in results])
+            c = r.cells[i]
+            text = f"{c.correct}/{c.prompts} ({100 * c.ci_low:.0f}-{100 * c.ci_high:.0f} %)"
+            style = "red" if c.kept and c.p_adjusted < r.alpha else ("dim" if not c.kept else "")
+            cells.append(f"[{style}]{text}[/]" if style else text)
+        task = c0.task + ("" if c0.kept else " (dropped)")
+        t.add_row(escape(task), f"{c0.length:,}", f"{c0.exact_correct}/{c0.prompts}", *cells)
+    t.add_row("verdict", "", "", *[("[green]PASS[/]" if r.passed else "[red]FAIL[/]") + f" p={r.p_value:.2g}" +
+                                   ("" if r.setting in gated else " (not gated)") for r in results])
     out.print(t)
+    for task, why in r0.dropped.items():
+        out.print(f"dropped {escape(task)}: {escape(why)}")
     out.print(f"wall time {r0.wall_time_s:.1f} s")

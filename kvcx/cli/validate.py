@@ -9,8 +9,8 @@ import typer
 from kvcx.cli.app import (EXIT_QUALITY, BitsOpt, GroupOpt, JsonOpt, PlanOpt,
                           RotateOpt, SchemeOpt, SinksOpt, ThreadsOpt, check_files_first,
                           cli_errors, app)
-from kvcx.cli.render import (emit_json, out, print_passkey, print_phase, print_validation,
-                             print_validations, window_bar)
+from kvcx.cli.render import (emit_json, out, print_phase, print_retrieval, print_validation, print_validations,
+                             window_bar)
 from kvcx.errors import KvcxError
 
 
@@ -43,19 +43,28 @@ def validate(
                                                                "pass for exit 0 (comma-separated; default: all).")] = None,
     pareto: Annotated[Optional[Path], typer.Option("--pareto", help="Also draw bits/value vs perplexity delta of "
                                                                     "every setting to this PNG (needs kvcx[plot]).")] = None,
-    task: Annotated[str, typer.Option("--task", help="perplexity (default), or passkey: a key hidden in long "
-                                                     "contexts, found with the exact vs the compressed cache.")] = "perplexity",
-    lengths: Annotated[Optional[str], typer.Option("--lengths", help="passkey: context lengths, comma-separated "
+    task: Annotated[str, typer.Option("--task", help="perplexity (default); ruler: retrieval tasks made from "
+                                                     "templates (RULER's needles, variable tracking, common words; "
+                                                     "--tasks picks); passkey: a key hidden in long contexts.")] = "perplexity",
+    tasks: Annotated[Optional[str], typer.Option("--tasks", help="ruler: the tasks, comma-separated (default: all "
+                                                                 "of niah_single, niah_multikey, niah_multivalue, "
+                                                                 "niah_multiquery, vt, cwe).")] = None,
+    lengths: Annotated[Optional[str], typer.Option("--lengths", help="ruler/passkey: context lengths, comma-separated "
                                                                      "(default 1024, 2048, ... the model's context).")] = None,
-    prompts: Annotated[int, typer.Option("--prompts", help="passkey: prompts per length and depth.")] = 2,
-    tolerance: Annotated[int, typer.Option("--tolerance", help="passkey: prompts a setting may answer fewer than "
-                                                               "the exact cache at a length.")] = 1,
+    depths: Annotated[Optional[str], typer.Option("--depths", help="ruler/passkey: where the needle sits, fractions "
+                                                                   "of the context (default 0.1,0.3,0.5,0.7,0.9).")] = None,
+    prompts: Annotated[int, typer.Option("--prompts", help="ruler/passkey: prompts per task, length and depth.")] = 2,
+    alpha: Annotated[float, typer.Option("--alpha", help="ruler/passkey: a setting fails where it is below the exact "
+                                                         "cache at this family-wise significance (McNemar, Holm).")] = 0.05,
+    seed: Annotated[int, typer.Option("--seed", help="ruler/passkey: the prompts' seed.")] = 0,
+    tolerance: Annotated[Optional[int], typer.Option("--tolerance", hidden=True)] = None,
     json_out: JsonOpt = False,
 ):
     """Perplexity with the exact vs the compressed KV cache on WikiText-2 (exit 3 when delta >= threshold).
 
     Several settings in one pass: --scheme kvcx,q4_0-rot,fp8_e4m3 scores the baseline once and every setting
-    on the same windows and tokens (one table; --json a list). --task passkey: retrieval at long contexts."""
+    on the same windows and tokens (one table; --json a list). --task ruler / passkey: retrieval at long contexts,
+    each setting against the exact cache on the same prompts; a press composes by '+' (kvcx+snapkv:0.5)."""
     with cli_errors("validate"):
         from kvcx.quality import validation
 
@@ -67,16 +76,32 @@ def validate(
 
         configs, gated = validation_settings(scheme, plan, gate, group_size, bits, sinks, rotate, threads, peers=PEERS)
         on_phase = None if (json_out or quiet) else print_phase
-        if task not in ("perplexity", "passkey"):
-            raise KvcxError(f"--task {task!r} must be perplexity or passkey")
-        if task != "passkey" and lengths is not None:
-            raise KvcxError("--lengths sets the passkey task's contexts; add --task passkey, or use --window for "
-                            "perplexity")
-        if backend is not None and (task == "passkey" or quick_test):
+        if task not in ("perplexity", "passkey", "ruler"):
+            raise KvcxError(f"--task {task!r} must be perplexity, ruler or passkey")
+        retrieval = task in ("passkey", "ruler")
+        if not retrieval:
+            for opt, given in (("--lengths", lengths), ("--depths", depths), ("--tasks", tasks)):
+                if given is not None:
+                    raise KvcxError(f"{opt} sets the retrieval tasks' prompts; add --task ruler (or --task passkey), "
+                                    "or use --window for perplexity")
+        if tasks is not None and task != "ruler":
+            raise KvcxError("--tasks picks ruler's tasks; add --task ruler")
+        if tolerance is not None:
+            raise KvcxError("--tolerance was replaced by a paired test: a setting fails where it answers "
+                            "significantly fewer prompts than the exact cache (McNemar's exact test, --alpha 0.05, "
+                            "Holm over lengths and tasks); leave --tolerance out")
+        if backend is not None and (retrieval or quick_test):
             raise KvcxError("--backend chooses where a model's cache is compressed for perplexity; --task passkey "
                             "and --quick-test do not take it: leave it out")
-        if task == "passkey":
-            return _passkey(configs, gated, lengths, prompts, tolerance, model, cpu, mode, quiet, json_out, on_phase)
+        from kvcx.codecs.presses import PressedSetting
+
+        pressed = [label for label, c in configs.items() if isinstance(c, PressedSetting)]
+        if pressed and not retrieval:
+            raise KvcxError(f"--scheme {pressed[0]}: token eviction is gated on retrieval in this release: add "
+                            "--task ruler or --task passkey (perplexity with eviction is not measured yet)")
+        if retrieval:
+            return _retrieval(configs, gated, task, tasks, lengths, depths, prompts, alpha, seed, model,
+                              dataset_file, cpu, mode, quiet, json_out, on_phase)
         if quick_test:
             results = [validation.quick_test(c, on_phase=on_phase, label=label) for label, c in configs.items()]
         else:
@@ -106,23 +131,40 @@ def validate(
         raise typer.Exit(code=EXIT_QUALITY)
 
 
-def _passkey(configs, gated, lengths, prompts, tolerance, model, cpu, mode, quiet, json_out, on_phase):
-    from kvcx.quality.passkey import run_passkey
+def _numbers(option: str, text: Optional[str], kind, example: str):
+    if text is None:
+        return None
+    try:
+        return [kind(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise KvcxError(f"{option} {text!r} must be {example}") from None
+
+
+def _retrieval(configs, gated, task, tasks, lengths, depths, prompts, alpha, seed, model, dataset_file, cpu, mode,
+               quiet, json_out, on_phase):
+    from kvcx.quality import retrieval, ruler
 
     if mode != "prefix":
-        raise KvcxError(f"--task passkey runs in prefix mode (the prompt's cache compressed once); not --mode {mode}")
-    try:
-        parsed = [int(x) for x in lengths.split(",") if x.strip()] if lengths else None
-    except ValueError:
-        raise KvcxError(f"--lengths {lengths!r} must be token counts, comma-separated (e.g. 1024,4096)") from None
+        raise KvcxError(f"--task {task} runs in prefix mode (the prompt's cache compressed once); not --mode {mode}")
+    if not 0.0 < alpha < 1.0:
+        raise KvcxError(f"--alpha {alpha} must be a significance level between 0 and 1 (e.g. 0.05)")
+    names = ["passkey"] if task == "passkey" else ruler.task_names(tasks or "ruler")
+    parsed = _numbers("--lengths", lengths, int, "token counts, comma-separated (e.g. 1024,4096)")
+    where = _numbers("--depths", depths, float, "fractions of the context, comma-separated (e.g. 0.1,0.5,0.9)")
+    retrieval.check_retrieval(names, parsed or [1024], where or retrieval.DEPTHS, prompts)
+    if parsed:
+        from kvcx.quality.models import context_length, resolve_model
+
+        retrieval.check_retrieval(names, parsed, where or retrieval.DEPTHS, prompts,
+                                  context_length(resolve_model(model)))
     with window_bar(quiet, "prompts") as on_prompt:
-        results = run_passkey(configs, lengths=parsed, prompts=prompts, tolerance=tolerance, model=model, cpu=cpu,
-                              on_phase=on_phase, on_prompt=on_prompt)
+        results = retrieval.run_retrieval(configs, names, lengths=parsed, depths=where or retrieval.DEPTHS,
+                                          prompts=prompts, seed=seed, model=model, dataset_file=dataset_file,
+                                          cpu=cpu, alpha=alpha, on_phase=on_phase, on_prompt=on_prompt,
+                                          task_label=task)
     if json_out:
         emit_json(results[0].to_dict() if len(results) == 1 else [r.to_dict() for r in results])
     else:
-        print_passkey(results, gated, quiet)
+        print_retrieval(results, gated, quiet)
     if any(not r.passed for r in results if r.setting in gated):
         raise typer.Exit(code=EXIT_QUALITY)
-
-

@@ -13,6 +13,7 @@ vLLM runs under ``$KVCX_VLLM_PYTHON`` when set (an interpreter whose environment
 """
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import re
@@ -29,15 +30,31 @@ from typing import Optional, Sequence
 
 VLLM_PYTHON_ENV = "KVCX_VLLM_PYTHON"
 START_TIMEOUT_S = 300.0
+START_ATTEMPTS = 3        # a server whose port another process took in the meantime starts again on new ones
 REQUEST_TIMEOUT_S = 300.0
 CPU_BLOCK_SIZE = 128          # vLLM's default --block-size on the CPU
 
 
 def free_port() -> int:
     """A free TCP port on loopback (bound, read and released)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list:
+    """``n`` distinct free TCP ports on loopback (all held bound until all are read, so no two are the same)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+class PortTaken(RuntimeError):
+    """A port picked for a server answered as something else (another process took it between the pick and the
+    bind): the caller starts the server again on new ports."""
 
 
 @dataclass
@@ -96,6 +113,9 @@ def _wait_http(server: Server, path: str, timeout: float) -> None:
             with urllib.request.urlopen(url, timeout=2) as r:
                 if r.status == 200:
                     return
+        except http.client.HTTPException as exc:      # not HTTP: another server holds the port
+            server.stop()
+            raise PortTaken(f"{url} answered as something other than {server.name} ({type(exc).__name__})") from None
         except (urllib.error.URLError, OSError):
             pass
         time.sleep(0.5)
@@ -124,8 +144,16 @@ def valkey_adapter(port: int, serde: Optional[dict] = None) -> dict:
 def start_lmcache_server(adapters: Sequence[dict], log, port: int = 0, l1_gb: float = 1.0,
                          chunk_size: int = 256, extra: Sequence[str] = ()) -> Server:
     """``kvcx lmcache-server`` (LMCache's multiprocess server with the kvcx serde) with these L2 adapters."""
-    port = port or free_port()
-    http_port = free_port()
+    for attempt in range(START_ATTEMPTS):
+        try:
+            return _start_lmcache_server(adapters, log, port, l1_gb, chunk_size, extra)
+        except PortTaken:
+            if attempt == START_ATTEMPTS - 1 or port:
+                raise
+
+
+def _start_lmcache_server(adapters, log, port, l1_gb, chunk_size, extra) -> Server:
+    port, http_port = (port, free_port()) if port else free_ports(2)
     cmd = [sys.executable, "-m", "kvcx", "lmcache-server", "--host", "127.0.0.1", "--port", str(port),
            "--http-host", "127.0.0.1", "--http-port", str(http_port), "--chunk-size", str(chunk_size),
            "--supported-transfer-mode", "auto", "--eviction-policy", "LRU", "--l1-size-gb", str(l1_gb),
@@ -143,6 +171,17 @@ def start_vllm(model_dir, log, lmcache_port: Optional[int] = None, port: int = 0
                extra: Sequence[str] = ()) -> Server:
     """vLLM's OpenAI server on ``model_dir`` (eager, BF16), connected to LMCache's server on ``lmcache_port``
     through LMCache's multiprocess connector (None: vLLM alone)."""
+    for attempt in range(START_ATTEMPTS):
+        try:
+            return _start_vllm(model_dir, log, lmcache_port, port, max_model_len, kv_cache_gb, block_size,
+                               prefix_caching, extra)
+        except PortTaken:
+            if attempt == START_ATTEMPTS - 1 or port:
+                raise
+
+
+def _start_vllm(model_dir, log, lmcache_port, port, max_model_len, kv_cache_gb, block_size, prefix_caching,
+                extra) -> Server:
     port = port or free_port()
     python = os.environ.get(VLLM_PYTHON_ENV) or sys.executable
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--host", "127.0.0.1",

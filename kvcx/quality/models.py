@@ -78,6 +78,39 @@ def resolve_model(model: Optional[str] = None) -> ModelSource:
     return src
 
 
+def context_length(src: ModelSource) -> Optional[int]:
+    """The model's context in tokens, read without loading it (a local config.json, the GGUF's cached conversion
+    or the GGUF's own metadata), so that options beyond it fail before the model loads; None where only loading
+    tells (a Hub id)."""
+    import json
+
+    gguf = src.kwargs.get("gguf_file")
+    config = None
+    if gguf:
+        entry = model_cache.entry_for(os.path.join(src.source, gguf))
+        config = os.path.join(str(entry), "config.json") if entry is not None else None
+    elif os.path.isdir(src.source):
+        config = os.path.join(src.source, "config.json")
+    if config and os.path.isfile(config):
+        try:
+            with open(config) as fh:
+                value = json.load(fh).get("max_position_embeddings")
+            return int(value) if value else None
+        except (OSError, ValueError, TypeError, AttributeError):
+            return None
+    if gguf:
+        try:
+            from gguf import GGUFReader
+
+            reader = GGUFReader(os.path.join(src.source, gguf))
+            arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+            field_ = reader.fields[f"{arch}.context_length"]
+            return int(field_.parts[field_.data[0]][0])
+        except Exception:  # noqa: BLE001 - a GGUF without the field: the loaded model's config tells
+            return None
+    return None
+
+
 def pick_device(device=None, cpu: bool = False):
     """torch.device: CPU when asked, else ``device``, else CUDA when available."""
     import torch

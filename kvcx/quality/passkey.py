@@ -27,25 +27,11 @@ from kvcx.codecs.kvconfig import KVConfig
 from kvcx.codecs.metrics import json_safe
 from kvcx.errors import KvcxError
 
-INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
-         "I will quiz you about the important information there.")
-FILLER = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
-NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key."
-QUESTION = " What is the pass key? The pass key is"
+from kvcx.quality.ruler import (ANSWER_TOKENS, FILLER, INTRO, MIN_LENGTH, NEEDLE,  # noqa: F401 - the passkey
+                                 QUESTION, build_passkey_prompt as build_prompt, default_lengths)   # prompt
 DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
-ANSWER_TOKENS = 8
-MIN_LENGTH = 256
 
 PromptCallback = Callable[[int, int], None]
-
-
-def default_lengths(context_limit: int) -> List[int]:
-    """1,024, 2,048, 4,096, ... up to the model's context (the limit itself last)."""
-    lengths, n = [], 1024
-    while n < context_limit:
-        lengths.append(n)
-        n *= 2
-    return lengths + [context_limit]
 
 
 def check_passkey(lengths: Sequence[int], depths: Sequence[float], prompts: int, tolerance: int,
@@ -71,21 +57,6 @@ def check_passkey(lengths: Sequence[int], depths: Sequence[float], prompts: int,
 def passkey_key(seed: int, length: int, depth_index: int, prompt: int) -> int:
     """The five-digit key of one prompt: the same for every setting, run and machine."""
     return int(np.random.default_rng([seed, length, depth_index, prompt]).integers(10000, 100000))
-
-
-def build_prompt(encode: Callable[[str], List[int]], length: int, depth: float, key: int) -> tuple:
-    """(context token ids, question token ids) of one prompt: ``length`` tokens in all with the answer's room,
-    the key's sentence between filler sentences at ``depth`` of the context (as near as the introduction and the
-    filler's sentences allow)."""
-    intro, filler, needle, question = (encode(x) for x in (INTRO, FILLER, NEEDLE.format(key=key), QUESTION))
-    room = length - ANSWER_TOKENS - len(intro) - len(needle) - len(question)
-    if room < len(filler):
-        raise KvcxError(f"a context of {length} tokens has no room for the passkey prompt; use longer lengths")
-    units = room // len(filler)
-    total = len(intro) + units * len(filler) + len(needle)
-    at = min(max(int(round((depth * total - len(intro)) / len(filler))), 0), units)
-    context = intro + filler * at + needle + filler * (units - at)
-    return context, question
 
 
 def answer_of(decode: Callable[[List[int]], str], tokens: List[int]) -> Optional[int]:

@@ -116,8 +116,12 @@ def test_cli_passkey_table_json_and_bad_options():
                                  "--scheme", "kvcx,q8_0", "--json", "--cpu"])
     assert r.exit_code in (0, 3), r.output
     rows = json.loads(r.stdout)
-    assert [x["setting"] for x in rows] == ["kvcx", "q8_0"] and rows[0]["exact"] == rows[1]["exact"]
-    assert all(len(x["exact"]) == 1 and len(x["exact"][0]) == len(passkey.DEPTHS) for x in rows)
+    assert [x["setting"] for x in rows] == ["kvcx", "q8_0"] and all(x["task"] == "passkey" for x in rows)
+    for x in rows:     # one cell: passkey at 512, its prompts over the five depths, the exact cache's beside it
+        (cell,) = x["cells"]
+        assert cell["task"] == "passkey" and cell["length"] == 512 and cell["prompts"] == len(passkey.DEPTHS)
+        assert cell["exact_correct"] == rows[0]["cells"][0]["exact_correct"]
+        assert cell["ci_low"] <= cell["accuracy"] <= cell["ci_high"]
     assert r.exit_code == (0 if all(x["passed"] for x in rows) else 3)
     for args, match in ((["--lengths", "1k"], "--lengths '1k' must be token counts"),
                         (["--lengths", "64"], "--lengths 64: 64 is shorter than 256 tokens"),
@@ -127,6 +131,4 @@ def test_cli_passkey_table_json_and_bad_options():
         r = CliRunner().invoke(app, ["validate", "--task", "passkey", *args])
         assert r.exit_code == 1 and match in r.output and "Traceback" not in r.output, r.output
     r = CliRunner().invoke(app, ["validate", "--lengths", "1024"])
-    assert r.exit_code == 1 and "add --task passkey" in r.output
-    r = CliRunner().invoke(app, ["validate", "--task", "retrieval"])
-    assert r.exit_code == 1 and "--task 'retrieval' must be perplexity or passkey" in r.output
+    assert r.exit_code == 1 and "add --task ruler (or --task passkey)" in r.output

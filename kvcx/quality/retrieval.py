@@ -1,0 +1,365 @@
+"""``kvcx validate --task ruler`` (and ``--task passkey``): retrieval at long contexts with the exact cache and
+with each setting on the same prompts, judged with statistics.
+
+For each task (:mod:`kvcx.quality.ruler`), context length, depth and prompt: the context's exact cache is built
+once (a chunked prefill); the question and the greedy reply attend to it, then to each setting's cache: the
+context's cache evicted by the setting's press (if it has one), then packed and unpacked by its codec (if it has
+one: the file path's bytes, as ``--mode prefix``). After eviction the question still runs at its own positions
+(the context's length onwards): the kept keys carry theirs in their rotary embedding.
+
+Per task and length, a cell: prompts answered, accuracy with its 95 % Wilson interval, the exact cache's beside
+it, and McNemar's exact one-sided test on the paired prompts (:mod:`kvcx.quality.stats`). A task is kept where the
+exact cache answers at least half its prompts at some length (a small model cannot do every task; the report
+names the tasks dropped and why). A setting passes when no kept cell is significantly below the exact cache,
+at family-wise ``alpha`` (0.05) over its kept cells (Holm's adjustment).
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Dict, List, Mapping, Optional, Sequence
+
+import numpy as np
+
+from kvcx.codecs.metrics import json_safe
+from kvcx.codecs.presses import PressedSetting, index_bytes
+from kvcx.errors import KvcxError
+from kvcx.quality import ruler, stats
+
+DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
+KEEP_TASK = 0.5            # a task is kept where the exact cache answers at least this share at some length
+MIN_LENGTH = ruler.MIN_LENGTH
+HAYSTACK_OFFSET = 300_000  # characters of the dataset text skipped: held out from the perplexity windows
+
+
+@dataclass
+class Cell:
+    """One task at one context length: the setting's prompts answered beside the exact cache's, paired."""
+
+    task: str
+    length: int
+    correct: int
+    prompts: int
+    accuracy: float
+    ci_low: float
+    ci_high: float
+    exact_correct: int
+    exact_accuracy: float
+    only_exact: int          # prompts the exact cache answered and the setting did not
+    only_setting: int        # prompts the setting answered and the exact cache did not
+    p_value: float           # McNemar's exact test, one-sided (setting below exact)
+    p_adjusted: float = 1.0  # Holm over the setting's kept cells
+    kept: bool = True        # the task is kept (the exact cache does it at some length)
+    by_depth: List[dict] = field(default_factory=list)
+
+
+@dataclass
+class RetrievalResult:
+    """One setting's retrieval cells beside the exact cache's, and its verdict."""
+
+    setting: str
+    task: str
+    tasks: List[str]
+    dropped: Dict[str, str]
+    lengths: List[int]
+    depths: List[float]
+    prompts: int
+    cells: List[Cell]
+    alpha: float = stats.ALPHA
+    p_value: float = 1.0
+    passed: bool = False
+    bits_per_value: float = 0.0
+    compression_ratio: float = 0.0
+    model: str = ""
+    device: str = ""
+    seed: int = 0
+    wall_time_s: float = 0.0
+    config: dict = field(default_factory=dict)
+    # seconds spent: the exact prefills and answers (shared by every setting), this setting's eviction and codec
+    # round trips, its answers
+    seconds: dict = field(default_factory=dict)
+
+    def verdict_line(self) -> str:
+        if not self.tasks:
+            return (f"FAILED: {self.task} {self.setting}: no task kept (the exact cache answers under "
+                    f"{KEEP_TASK:.0%} of every task's prompts at every length), nothing to gate")
+        worst = min((c for c in self.cells if c.kept), key=lambda c: c.p_adjusted)
+        word = "PASSED" if self.passed else "FAILED"
+        rel = "not significantly below" if self.passed else "significantly below"
+        return (f"{word}: {self.task} {self.setting}: {rel} the exact cache (smallest Holm-adjusted p = "
+                f"{worst.p_adjusted:.3g} at {worst.task} {worst.length:,}: {worst.correct}/{worst.prompts} vs "
+                f"{worst.exact_correct}/{worst.prompts}; alpha {self.alpha})")
+
+    def to_dict(self) -> dict:
+        return json_safe(asdict(self))
+
+
+def check_retrieval(tasks: Sequence[str], lengths: Sequence[int], depths: Sequence[float], prompts: int,
+                    context_limit: Optional[int] = None) -> None:
+    """KvcxError naming the option and how to fix it, before any model loads."""
+    if not tasks:
+        raise KvcxError("--tasks names no task; the tasks are " + ", ".join(ruler.TASKS))
+    if not lengths:
+        raise KvcxError("--lengths names no context length; e.g. --lengths 1024,4096")
+    listed = ",".join(map(str, lengths))
+    for n in lengths:
+        if n < MIN_LENGTH:
+            raise KvcxError(f"--lengths {listed}: {n} is shorter than {MIN_LENGTH} tokens; pick longer contexts")
+        if context_limit is not None and n > context_limit:
+            raise KvcxError(f"--lengths {listed}: {n} exceeds the model's context of {context_limit} tokens; pick "
+                            f"lengths up to {context_limit}")
+    if len(set(lengths)) != len(lengths):
+        raise KvcxError(f"--lengths {listed}: name each length once")
+    if not depths or any(not 0.0 <= d <= 1.0 for d in depths):
+        raise KvcxError(f"depths {list(depths)}: give fractions of the context, 0..1")
+    if prompts < 1:
+        raise KvcxError(f"--prompts {prompts} must be at least 1 (prompts per task, length and depth)")
+
+
+class QueryCapture:
+    """The last ``window`` queries of every layer during a prefill, after their rotary embedding (what SnapKV
+    scores with): forward pre-hooks on the Llama-family attention modules (``q_proj``, ``head_dim``, the
+    rotary ``position_embeddings`` they are called with), removed on exit."""
+
+    def __init__(self, model, window: int):
+        self.window, self.queries, self._hooks = window, {}, []
+        self._layers = list(model.get_decoder().layers)
+
+    def __enter__(self):
+        import sys
+
+        for i, layer in enumerate(self._layers):
+            attn = layer.self_attn
+            if not hasattr(attn, "q_proj") or not hasattr(attn, "head_dim"):
+                raise KvcxError(f"layer {i}'s attention has no q_proj/head_dim: SnapKV's queries are read from "
+                                "Llama-family attention modules; use streaming or knorm with this model")
+            rotary = getattr(sys.modules[type(attn).__module__], "apply_rotary_pos_emb", None)
+            self._hooks.append(attn.register_forward_pre_hook(self._hook(i, attn, rotary), with_kwargs=True))
+        return self
+
+    def _hook(self, i, attn, rotary):
+        import torch
+
+        def hook(_module, args, kwargs):
+            hidden = kwargs.get("hidden_states", args[0] if args else None)
+            cos, sin = kwargs["position_embeddings"]
+            w = min(self.window, hidden.shape[1])
+            q = attn.q_proj(hidden[:, -w:]).view(hidden.shape[0], w, -1, attn.head_dim).transpose(1, 2)
+            if rotary is not None:
+                q, _ = rotary(q, q, cos[:, -w:], sin[:, -w:])
+            prev = self.queries.get(i)
+            q = q[0].float()
+            self.queries[i] = q if prev is None else torch.cat([prev, q], dim=1)[:, -self.window:]
+        return hook
+
+    def __exit__(self, *exc):
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def numpy(self) -> List[np.ndarray]:
+        return [self.queries[i].cpu().numpy() for i in range(len(self._layers))]
+
+
+def evict(tensors: Dict[str, np.ndarray], press, queries: Optional[List[np.ndarray]]):
+    """(kept tensors, bytes of the kept positions) of a cache's tensors (``layer_{i}_key`` / ``_value``, each
+    [1, kv_heads, tokens, head_dim]) through a press, layer by layer."""
+    kept, nbytes, i = {}, 0, 0
+    while f"layer_{i}_key" in tensors:
+        k, v = tensors[f"layer_{i}_key"], tensors[f"layer_{i}_value"]
+        idx = press.select(k[0], queries[i] if queries is not None else None)
+        kept[f"layer_{i}_key"] = np.take_along_axis(k[0], idx[..., None], axis=1)[None]
+        kept[f"layer_{i}_value"] = np.take_along_axis(v[0], idx[..., None], axis=1)[None]
+        nbytes += index_bytes(*idx.shape)
+        i += 1
+    return kept, nbytes
+
+
+def setting_roundtrip(setting) -> Callable:
+    """tensors, queries -> (decoded tensors, bytes stored) for any setting: a press and/or a codec."""
+    from kvcx.quality.peers import roundtrip_of
+
+    if isinstance(setting, PressedSetting):
+        inner = roundtrip_of(setting.codec) if setting.codec is not None else None
+
+        def run(tensors, queries):
+            kept, nbytes = evict(tensors, setting.press, queries)
+            if inner is None:
+                return kept, nbytes + sum(a.size for a in kept.values()) * 2
+            decoded, packed, _ = inner(kept)
+            return decoded, nbytes + packed
+        return run
+    inner = roundtrip_of(setting)
+    return lambda tensors, _queries: inner(tensors)[:2]
+
+
+def greedy_reply(model, question, cache, n_tokens: int, start: int, eos: Optional[int] = None,
+                 stop: Optional[Callable[[List[int]], bool]] = None) -> List[int]:
+    """The greedy continuation of ``question`` [1, Q] over ``cache`` (extended), the question's first token at
+    position ``start`` (the context's length, whatever the cache kept): up to ``n_tokens``, ending early at
+    ``eos`` or once ``stop(tokens)`` holds (the reply already holds every answer: more tokens cannot change the
+    verdict)."""
+    import torch
+
+    from kvcx.deps import cache_keyword
+    from kvcx.quality.scoring import output_logits
+
+    decoder = model.get_decoder()
+    kw = cache_keyword(decoder.forward)
+    tokens, step, pos = [], question, start
+    for _ in range(n_tokens):
+        n = step.shape[1]
+        positions = torch.arange(pos, pos + n, device=step.device)[None]
+        hidden = decoder(input_ids=step, position_ids=positions, use_cache=True, **{kw: cache}).last_hidden_state[0]
+        pos += n
+        nxt = int(output_logits(model, hidden[-1:]).argmax(-1))
+        tokens.append(nxt)
+        if nxt == eos or (stop is not None and stop(tokens)):
+            break
+        step = torch.tensor([[nxt]], device=question.device)
+    return tokens
+
+
+def run_retrieval(configs: Mapping[str, object], tasks: Sequence[str], lengths: Optional[Sequence[int]] = None,
+                  depths: Sequence[float] = DEPTHS, prompts: int = 2, seed: int = 0, model: Optional[str] = None,
+                  dataset_file=None, cpu: bool = False, device=None, alpha: float = stats.ALPHA, on_phase=None,
+                  on_prompt: Optional[Callable[[int, int], None]] = None, loaded=None,
+                  task_label: str = "ruler") -> List[RetrievalResult]:
+    """The retrieval cells of several settings (label -> KVConfig, peer or PressedSetting) on the same prompts;
+    one result per setting. ``lengths`` default to 1,024 doubling up to the model's context."""
+    t_start = time.perf_counter()
+    if not configs:
+        raise KvcxError("no setting to check: give at least one scheme")
+    tasks = list(tasks)
+    check_retrieval(tasks, lengths or [1024], depths, prompts)
+    for cfg in configs.values():
+        getattr(cfg, "check_installed", lambda: None)()
+    from kvcx.quality.models import load_model_and_tokenizer, resolve_model
+
+    m, tok, name = loaded if loaded is not None else load_model_and_tokenizer(resolve_model(model), device=device,
+                                                                             cpu=cpu)
+    import torch
+
+    from kvcx.quality.bridge import cache_to_tensors, make_dynamic_cache, tensors_to_layers
+    from kvcx.quality.scoring import forward_hidden
+
+    dev = next(m.parameters()).device
+    limit = int(getattr(m.config, "max_position_embeddings", 0) or 0) or max(lengths or [1024])
+    lengths = list(lengths) if lengths else ruler.default_lengths(limit)
+    check_retrieval(tasks, lengths, depths, prompts, limit)
+
+    def encode(text):
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    haystack = None
+    if any(t not in ("passkey", "vt", "cwe") for t in tasks):
+        from kvcx.quality.models import load_dataset_text
+
+        text = load_dataset_text(dataset_file)
+        haystack = ruler.haystack_from(encode, text[HAYSTACK_OFFSET:HAYSTACK_OFFSET + 400_000] or text)
+    roundtrips = {label: setting_roundtrip(cfg) for label, cfg in configs.items()}
+    window = max((cfg.press.window for cfg in configs.values()
+                  if isinstance(cfg, PressedSetting) and cfg.press.needs_queries), default=0)
+    depth_of = {t: [float(d) for d in depths] if ruler.TASKS[t].uses_depth else [0.5] for t in tasks}
+    total = sum(len(depth_of[t]) for t in tasks) * len(lengths) * prompts
+    if on_phase:
+        on_phase(1, 2, f"model: {name} on {dev}; {len(tasks)} task(s) x {len(lengths)} lengths x depths x "
+                       f"{prompts} prompts = {total} prompts")
+    # outcomes[label][(task, length)] = [(depth, answered), ...] in prompt order; "exact" the exact cache's
+    outcomes: Dict[str, Dict[tuple, list]] = {label: {} for label in ["exact", *configs]}
+    sizes = {label: [0, 0] for label in configs}     # bytes stored, values of the full context
+    eos, done = getattr(tok, "eos_token_id", None), 0
+    spent = {"prefill": 0.0, "exact_answers": 0.0, **{f"{label}:roundtrip": 0.0 for label in configs},
+             **{f"{label}:answers": 0.0 for label in configs}}
+    clock = time.perf_counter
+    with torch.inference_mode():
+        for length in lengths:
+            for task in tasks:
+                for j, depth in enumerate(depth_of[task]):
+                    for p in range(prompts):
+                        prompt = ruler.TASKS[task].build(encode, haystack, length, depth,
+                                                         ruler.rng_for(seed, task, length, j, p))
+                        ctx = torch.tensor([prompt.context], device=dev)
+                        q = torch.tensor([prompt.question], device=dev)
+                        start = len(prompt.context)
+                        t0 = clock()
+                        if window:
+                            with QueryCapture(m, window) as capture:
+                                cache = forward_hidden(m, ctx)[1]
+                            queries = capture.numpy()
+                        else:
+                            cache, queries = forward_hidden(m, ctx)[1], None
+                        tensors = cache_to_tensors(cache)
+                        spent["prefill"] += clock() - t0
+
+                        def found(tokens, prompt=prompt):
+                            return prompt.settled(tok.decode(tokens))
+
+                        t0 = clock()
+                        reply = greedy_reply(m, q, cache, prompt.answer_tokens, start, eos, found)
+                        spent["exact_answers"] += clock() - t0
+                        outcomes["exact"].setdefault((task, length), []).append(
+                            (depth, prompt.answered(tok.decode(reply))))
+                        del cache
+                        for label, roundtrip in roundtrips.items():
+                            t0 = clock()
+                            decoded, nbytes = roundtrip(tensors, queries)
+                            sizes[label][0] += nbytes
+                            sizes[label][1] += sum(a.size for a in tensors.values())
+                            c = make_dynamic_cache(tensors_to_layers(decoded, dev))
+                            del decoded
+                            t1 = clock()
+                            reply = greedy_reply(m, q, c, prompt.answer_tokens, start, eos, found)
+                            spent[f"{label}:roundtrip"] += t1 - t0
+                            spent[f"{label}:answers"] += clock() - t1
+                            outcomes[label].setdefault((task, length), []).append(
+                                (depth, prompt.answered(tok.decode(reply))))
+                        done += 1
+                        if on_prompt:
+                            on_prompt(done, total)
+    wall = time.perf_counter() - t_start
+    exact = outcomes["exact"]
+    dropped = {}
+    for task in tasks:
+        best = max(sum(a for _, a in exact[(task, n)]) / len(exact[(task, n)]) for n in lengths)
+        if best < KEEP_TASK:
+            dropped[task] = (f"the exact cache answers at most {best:.0%} of its prompts at any length "
+                             f"(under {KEEP_TASK:.0%}): the model cannot do it")
+    kept_tasks = [t for t in tasks if t not in dropped]
+    if on_phase:
+        on_phase(2, 2, f"kept tasks: {', '.join(kept_tasks) or 'none'}" +
+                 (f"; dropped: {', '.join(dropped)}" if dropped else ""))
+    results = []
+    for label, cfg in configs.items():
+        cells = [_cell(task, n, exact[(task, n)], outcomes[label][(task, n)], task not in dropped)
+                 for task in tasks for n in lengths]
+        adjusted = iter(stats.holm([c.p_value for c in cells if c.kept]))
+        cells = [dataclasses.replace(c, p_adjusted=next(adjusted)) if c.kept else c for c in cells]
+        kept = [c for c in cells if c.kept]
+        p_min = min((c.p_adjusted for c in kept), default=1.0)
+        stored, values = sizes[label]
+        results.append(RetrievalResult(
+            setting=label, task=task_label, tasks=kept_tasks, dropped=dropped, lengths=lengths,
+            depths=[float(d) for d in depths], prompts=prompts, cells=cells, alpha=alpha, p_value=p_min,
+            passed=bool(kept) and p_min >= alpha, bits_per_value=8.0 * stored / values if values else 0.0,
+            compression_ratio=16.0 * values / (8.0 * stored) if stored else 0.0, model=name, device=str(dev),
+            seed=seed, wall_time_s=wall, config=cfg.get_config(),
+            seconds={"prefill": spent["prefill"], "exact_answers": spent["exact_answers"],
+                     "roundtrip": spent[f"{label}:roundtrip"], "answers": spent[f"{label}:answers"]}))
+    return results
+
+
+def _cell(task, length, exact: list, setting: list, kept: bool) -> Cell:
+    e = [a for _, a in exact]
+    s = [a for _, a in setting]
+    p, b, c = stats.mcnemar_below(e, s)
+    lo, hi = stats.wilson_interval(sum(s), len(s))
+    by_depth = []
+    for d in dict.fromkeys(x for x, _ in exact):
+        by_depth.append({"depth": d, "correct": sum(a for x, a in setting if x == d),
+                         "exact_correct": sum(a for x, a in exact if x == d),
+                         "prompts": sum(1 for x, _ in exact if x == d)})
+    return Cell(task=task, length=length, correct=sum(s), prompts=len(s), accuracy=sum(s) / len(s), ci_low=lo,
+                ci_high=hi, exact_correct=sum(e), exact_accuracy=sum(e) / len(e), only_exact=b, only_setting=c,
+                p_value=p, kept=kept, by_depth=by_depth)
