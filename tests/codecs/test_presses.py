@@ -95,3 +95,9 @@ def test_snapkv_without_queries_and_bad_shapes():
         Press("snapkv", 0.5).select(keys(dim=8), np.zeros((3, 4, 8), np.float32))
     with pytest.raises(KvcxError, match="must be \\[kv_heads, tokens, head_dim\\]"):
         Press("knorm", 0.5).select(np.zeros((4, 8), np.float32))
+
+
+def test_where_presses_do_not_run_yet_the_error_says_so():
+    for scheme in ("kvcx+snapkv:0.5", "snapkv:0.5"):
+        with pytest.raises(KvcxError, match="presses run in `kvcx validate --task ruler`"):
+            KVConfig.from_scheme(scheme)
