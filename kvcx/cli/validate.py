@@ -151,12 +151,11 @@ def _retrieval(configs, gated, task, tasks, lengths, depths, prompts, alpha, see
     names = ["passkey"] if task == "passkey" else ruler.task_names(tasks or "ruler")
     parsed = _numbers("--lengths", lengths, int, "token counts, comma-separated (e.g. 1024,4096)")
     where = _numbers("--depths", depths, float, "fractions of the context, comma-separated (e.g. 0.1,0.5,0.9)")
-    retrieval.check_retrieval(names, parsed or [1024], where or retrieval.DEPTHS, prompts)
-    if parsed:
-        from kvcx.quality.models import context_length, resolve_model
+    from kvcx.quality.models import context_length, resolve_model
 
-        retrieval.check_retrieval(names, parsed, where or retrieval.DEPTHS, prompts,
-                                  context_length(resolve_model(model)))
+    # every option checked before the model loads (its context read from its config or GGUF, not loaded)
+    retrieval.check_retrieval(names, parsed or [1024], where or retrieval.DEPTHS, prompts,
+                              context_length(resolve_model(model)) if parsed else None)
     with window_bar(quiet, "prompts") as on_prompt:
         results = retrieval.run_retrieval(configs, names, lengths=parsed, depths=where or retrieval.DEPTHS,
                                           prompts=prompts, seed=seed, model=model, dataset_file=dataset_file,

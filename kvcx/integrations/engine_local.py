@@ -141,15 +141,21 @@ def valkey_adapter(port: int, serde: Optional[dict] = None) -> dict:
             **({"serde": serde} if serde else {})}
 
 
-def start_lmcache_server(adapters: Sequence[dict], log, port: int = 0, l1_gb: float = 1.0,
-                         chunk_size: int = 256, extra: Sequence[str] = ()) -> Server:
-    """``kvcx lmcache-server`` (LMCache's multiprocess server with the kvcx serde) with these L2 adapters."""
+def _retry_on_taken_port(start, port: int) -> Server:
+    """``start()``, again on new ports (up to START_ATTEMPTS times) where another process took one; a port the
+    caller fixed is not retried."""
     for attempt in range(START_ATTEMPTS):
         try:
-            return _start_lmcache_server(adapters, log, port, l1_gb, chunk_size, extra)
+            return start()
         except PortTaken:
             if attempt == START_ATTEMPTS - 1 or port:
                 raise
+
+
+def start_lmcache_server(adapters: Sequence[dict], log, port: int = 0, l1_gb: float = 1.0,
+                         chunk_size: int = 256, extra: Sequence[str] = ()) -> Server:
+    """``kvcx lmcache-server`` (LMCache's multiprocess server with the kvcx serde) with these L2 adapters."""
+    return _retry_on_taken_port(lambda: _start_lmcache_server(adapters, log, port, l1_gb, chunk_size, extra), port)
 
 
 def _start_lmcache_server(adapters, log, port, l1_gb, chunk_size, extra) -> Server:
@@ -171,13 +177,8 @@ def start_vllm(model_dir, log, lmcache_port: Optional[int] = None, port: int = 0
                extra: Sequence[str] = ()) -> Server:
     """vLLM's OpenAI server on ``model_dir`` (eager, BF16), connected to LMCache's server on ``lmcache_port``
     through LMCache's multiprocess connector (None: vLLM alone)."""
-    for attempt in range(START_ATTEMPTS):
-        try:
-            return _start_vllm(model_dir, log, lmcache_port, port, max_model_len, kv_cache_gb, block_size,
-                               prefix_caching, extra)
-        except PortTaken:
-            if attempt == START_ATTEMPTS - 1 or port:
-                raise
+    return _retry_on_taken_port(lambda: _start_vllm(model_dir, log, lmcache_port, port, max_model_len, kv_cache_gb,
+                                                    block_size, prefix_caching, extra), port)
 
 
 def _start_vllm(model_dir, log, lmcache_port, port, max_model_len, kv_cache_gb, block_size, prefix_caching,

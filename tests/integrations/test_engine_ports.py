@@ -38,3 +38,19 @@ def test_a_non_http_answer_is_a_taken_port(tmp_path):
         el._wait_http(server, "/health", 10)
     assert not server.alive()       # the process started on the taken port is stopped
     srv.close()
+
+
+def test_a_taken_port_is_retried_on_new_ports_unless_fixed():
+    calls = []
+
+    def start():
+        calls.append(1)
+        if len(calls) < el.START_ATTEMPTS:
+            raise el.PortTaken("taken")
+        return "server"
+
+    assert el._retry_on_taken_port(start, 0) == "server" and len(calls) == el.START_ATTEMPTS
+    calls.clear()
+    with pytest.raises(el.PortTaken):
+        el._retry_on_taken_port(start, 12345)       # the caller's own port: not changed behind its back
+    assert len(calls) == 1
