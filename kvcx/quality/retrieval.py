@@ -235,8 +235,10 @@ def run_retrieval(configs: Mapping[str, object], tasks: Sequence[str], lengths: 
     check_retrieval(tasks, lengths or [1024], depths, prompts)
     for cfg in configs.values():
         getattr(cfg, "check_installed", lambda: None)()
-    from kvcx.quality.models import load_model_and_tokenizer, resolve_model
+    from kvcx.quality.models import load_dataset_text, load_model_and_tokenizer, resolve_model
 
+    # the haystack's text read (or its error raised) before the model loads: the needle tasks hide in it
+    text = load_dataset_text(dataset_file) if any(ruler.TASKS[t].uses_haystack for t in tasks) else None
     m, tok, name = loaded if loaded is not None else load_model_and_tokenizer(resolve_model(model), device=device,
                                                                              cpu=cpu)
     import torch
@@ -253,10 +255,7 @@ def run_retrieval(configs: Mapping[str, object], tasks: Sequence[str], lengths: 
         return tok(text, add_special_tokens=False)["input_ids"]
 
     haystack = None
-    if any(t not in ("passkey", "vt", "cwe") for t in tasks):
-        from kvcx.quality.models import load_dataset_text
-
-        text = load_dataset_text(dataset_file)
+    if text is not None:
         haystack = ruler.haystack_from(encode, text[HAYSTACK_OFFSET:HAYSTACK_OFFSET + 400_000] or text)
     roundtrips = {label: setting_roundtrip(cfg) for label, cfg in configs.items()}
     window = max((cfg.press.window for cfg in configs.values()

@@ -79,19 +79,20 @@ def _found(answer: str, reply: str, closed: bool = False) -> bool:
 
 @dataclass(frozen=True)
 class Task:
-    """A registered task: its builder and whether it sweeps depths."""
+    """A registered task: its builder, whether it sweeps depths and whether it hides in the dataset's text."""
 
     name: str
     build: Callable[..., Prompt]
     uses_depth: bool = True
+    uses_haystack: bool = True
 
 
 TASKS: Dict[str, Task] = {}
 
 
-def register_task(name: str, uses_depth: bool = True):
+def register_task(name: str, uses_depth: bool = True, uses_haystack: bool = True):
     def deco(fn):
-        TASKS[name] = Task(name, fn, uses_depth)
+        TASKS[name] = Task(name, fn, uses_depth, uses_haystack)
         return fn
     return deco
 
@@ -191,7 +192,7 @@ def niah_multiquery(encode, haystack, length, depth, rng) -> Prompt:
     return _niah(encode, haystack, length, depth, rng, n_queries=4)
 
 
-@register_task("vt")
+@register_task("vt", uses_haystack=False)
 def variable_tracking(encode, haystack, length, depth, rng, hops: int = 4) -> Prompt:
     names = ["".join(chr(ord("A") + int(x)) for x in rng.integers(0, 26, 5)) for _ in range(hops + 1)]
     value = str(int(rng.integers(10000, 100000)))
@@ -212,7 +213,7 @@ def variable_tracking(encode, haystack, length, depth, rng, hops: int = 4) -> Pr
     return Prompt(h + _insert(hay, _placed(places, ids, len(h), len(hay))), q, names, answer_tokens)
 
 
-@register_task("cwe", uses_depth=False)
+@register_task("cwe", uses_depth=False, uses_haystack=False)
 def common_words(encode, haystack, length, depth, rng, common: int = 10) -> Prompt:
     order = rng.permutation(len(WORDS))
     frequent, rare_pool = [WORDS[i] for i in order[:common]], [WORDS[i] for i in order[common:]]
@@ -288,7 +289,7 @@ def build_passkey_prompt(encode: Encode, length: int, depth: float, key: int) ->
     return context, question
 
 
-@register_task("passkey")
+@register_task("passkey", uses_haystack=False)
 def passkey_task(encode, haystack, length, depth, rng) -> Prompt:
     key = int(rng.integers(10000, 100000))
     context, question = build_passkey_prompt(encode, length, depth, key)

@@ -72,6 +72,7 @@ def test_needles_distractors_values_and_queries():
     assert sorted(top) == sorted(cwe.answers) and min(counts[w] for w in top) > max(
         (c for w, c in counts.items() if w not in top), default=0)
     assert len(cwe.answers) == 10 and not ruler.TASKS["cwe"].uses_depth
+    assert [t for t in ruler.TASKS if ruler.TASKS[t].uses_haystack] == [t for t in ruler.TASKS if t.startswith("niah")]
 
 
 def test_whole_word_matching():
@@ -109,7 +110,9 @@ def test_too_short_for_the_prompt():
     (["--task", "passkey", "--tolerance", "1"], "--tolerance was replaced by a paired test"),
     (["--tasks", "vt"], "add --task ruler"),
     (["--scheme", "kvcx+snapkv:0.5"], "token eviction is gated on retrieval in this release"),
-    (["--task", "bleu"], "must be perplexity, ruler or passkey")])
+    (["--task", "bleu"], "must be perplexity, ruler or passkey"),
+    (["--task", "ruler", "--tasks", "niah_single", "--dataset-file", "/nonexistent/wiki.test.raw"],
+     "dataset file not found")])
 def test_bad_options_fail_before_the_model_loads(args, match, monkeypatch):
     def no_model(*a, **k):
         raise AssertionError("the model loaded before the options were checked")
