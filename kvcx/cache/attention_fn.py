@@ -20,28 +20,36 @@ ATTN_IMPLEMENTATION = "kvcx"
 _NOT_FUSED = frozenset(("softcap", "sliding_window", "s_aux", "position_bias"))
 
 
+FUSED = "fused"
+
+
 class Handoff(threading.local):
     """The fused step a cache has prepared and the attention function runs next (one per thread)."""
 
     def __init__(self):
         self._key = None
         self._layer = None
+        self._kind = FUSED
 
-    def post(self, key, layer) -> None:
-        self._key, self._layer = key, layer
+    def post(self, key, layer, kind: str = FUSED) -> None:
+        """``kind``: "fused" (the layer attends over its packed store), "press" (a press's prefill: attention
+        over the step's states, then the layer keeps what its press keeps) or "tail" (a pressed layer's step:
+        attention over the states given, with the layer's own causal mask)."""
+        self._key, self._layer, self._kind = key, layer, kind
 
     def peek(self, key):
         """The layer posted with this very key tensor, left in place (for tools that watch the steps)."""
         return self._layer if self._layer is not None and key is self._key else None
 
     def take(self, key):
-        """The layer posted with this very key tensor (then forgotten), or None."""
+        """(the layer posted with this very key tensor, the step's kind), then forgotten; (None, None) if none."""
         if self._layer is None or key is not self._key:
-            return None
-        layer, self._key, self._layer = self._layer, None, None
-        return layer
+            return None, None
+        layer, kind, self._key, self._layer = self._layer, self._kind, None, None
+        return layer, kind
 
 
+PRESS, TAIL = "press", "tail"
 HANDOFF = Handoff()
 
 
@@ -55,10 +63,21 @@ def kvcx_attention_forward(module, query, key, value, attention_mask, dropout: f
                            scaling: Optional[float] = None, is_causal=None, **kwargs):
     """transformers attention implementation ``"kvcx"``: SDPA, except on a KvcxCache's fused steps, where
     the layer handed over by the cache attends over its packed store."""
-    layer = HANDOFF.take(key)
+    layer, kind = HANDOFF.take(key)
     if layer is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
+    if kind == PRESS:   # the prefill, attended whole; then the layer keeps what its press keeps
+        out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                     is_causal=is_causal, **kwargs)
+        layer.press_prefill(query)
+        return out
+    if kind == TAIL:    # held tokens after an eviction: every one visible, the step's own causal among them
+        from kvcx.cache.pressing import tail_mask
+
+        return sdpa_attention_forward(module, query, key, value, tail_mask(query.shape[-2], key.shape[-2],
+                                                                           query.device),
+                                      dropout=dropout, scaling=scaling, is_causal=False, **kwargs)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     if needs_materialising(kwargs, dropout, module):

@@ -53,13 +53,16 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from kvcx.cache.attention_fn import ATTN_IMPLEMENTATION, HANDOFF
 from kvcx.cache.buffers import HeapRelease, MaskConverter, Scratch
+from kvcx.cache.layer_config import fitted as _fitted, on_backend as _on_backend, pressed as _pressed
+from kvcx.cache.pressing import PrefillPress
 from kvcx.cache.fused import ATTN_MAX_ROWS, CAUSAL, NO_MASK, Workspace
-from kvcx.cache.device_store import BACKEND, DevicePackedKV, runs_on_device
+from kvcx.cache.device_store import DevicePackedKV, runs_on_device
 from kvcx.cache.store import PackedKV
 from kvcx.codecs.tensors import torch_to_numpy
-from kvcx.codecs.backends import backend_takes, check_backend
+from kvcx.codecs.backends import check_backend
 from kvcx.codecs.dtypes import is_int
 from kvcx.codecs.kvconfig import DEFAULT_SCHEME, KVConfig
+from kvcx.codecs.presses import Press
 from kvcx.codecs.runtime import resolve_threads
 from kvcx.deps import check_transformers
 from kvcx.errors import KvcxError, SlowPathWarning
@@ -87,6 +90,7 @@ class StepMode:
 
     reason: Optional[str] = None
     required: bool = False
+    kvcx_attention: bool = True   # the model's attention is "kvcx" (a press needs it)
 
 
 class KvcxLayer(DynamicLayer):
@@ -96,7 +100,7 @@ class KvcxLayer(DynamicLayer):
 
     def __init__(self, kv_config: KVConfig, residual_length: int, scratch: Scratch, workspace: Workspace,
                  masks: MaskConverter, timer: KernelTimer, heap: HeapRelease, query_group: int,
-                 key_weights: Optional[np.ndarray] = None, layer_idx: int = 0):
+                 key_weights: Optional[np.ndarray] = None, layer_idx: int = 0, press: Optional[Press] = None):
         super().__init__()
         self.layer_idx = layer_idx
         self.kv_config = kv_config
@@ -120,6 +124,8 @@ class KvcxLayer(DynamicLayer):
         self.steps = {"fused": 0, "materialised": 0, "full_precision": 0}
         self.last_step = 0   # tokens of the last step kept in full precision (crop() may drop them)
         self._unsupported: Optional[str] = None
+        self._press = PrefillPress(press, layer_idx) if press is not None else None   # token eviction at prefill
+        self._prefill = None   # the prefill's states, until the press has read the prompt's queries
 
     @property
     def fused_unsupported(self) -> Optional[str]:
@@ -233,6 +239,13 @@ class KvcxLayer(DynamicLayer):
         self._check_states(key_states, value_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if self._press is not None:
+            self._press.check(key_states, mode.kvcx_attention)
+            if self._press.due(self.cumulative_length, key_states.shape[-2]):   # the prefill: attended whole
+                self.steps["full_precision"] += 1
+                self._prefill = (key_states, value_states)
+                HANDOFF.post(key_states, self, "press")
+                return key_states, value_states
         self.pack_residual()  # what the last step left in full precision for crop() goes now
         Q = key_states.shape[-2]
         self.cumulative_length += Q
@@ -251,7 +264,19 @@ class KvcxLayer(DynamicLayer):
         if not packed:   # nothing packed yet: attention reads the residual itself
             keys_out, values_out = self.keys, self.values
         self.pack_residual(self.last_step)
+        if self._press is not None:   # fewer tokens than the context: the mask comes from the layer
+            HANDOFF.post(keys_out, self, "tail")
         return keys_out, values_out
+
+    def press_prefill(self, query: torch.Tensor) -> None:
+        """After the prefill's attention: keep what the press keeps of the prompt's states (SnapKV reads
+        ``query``, the prompt's queries) and pack it."""
+        keys, values = self._press.kept(*self._prefill, query)
+        self._prefill = None
+        self.cumulative_length += keys.shape[-2]
+        self.last_step = 0
+        self._extend(keys, values)
+        self.pack_residual()
 
     def _extend(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Append the step's states to the residual (contiguous: the fused kernel reads it as an array). A
@@ -294,7 +319,7 @@ class KvcxLayer(DynamicLayer):
             (self.keys.float(), self.values.float())
         N, nr = B * keys.shape[1], keys.shape[2]
         rk, rv = keys.numpy().reshape(N, nr, D), values.numpy().reshape(N, nr, D)
-        if attention_mask is None:
+        if attention_mask is None or self._press is not None:   # a pressed cache serves one unpadded sequence
             mask = CAUSAL if Q > 1 else NO_MASK
         else:
             if attention_mask.shape[-1] != self.cumulative_length:
@@ -314,7 +339,7 @@ class KvcxLayer(DynamicLayer):
         """The fused single-token step over the device store (the Triton kernel), as :meth:`attend`."""
         B, Hq, _, D = query.shape
         add = None
-        if attention_mask is not None:
+        if attention_mask is not None and self._press is None:
             add = self._masks.additive(attention_mask, B, self.cumulative_length)
         t = time.perf_counter()
         out = self.store.attend(query.reshape(B, Hq, D), self.keys, self.values, add, scaling)
@@ -333,13 +358,20 @@ class KvcxLayer(DynamicLayer):
         return self._materialize(None, None)
 
     def get_seq_length(self) -> int:
-        return self.cumulative_length
+        """Tokens of the context this layer stands for (those a press evicted included: positions go on)."""
+        return self.cumulative_length + (self._press.evicted if self._press is not None else 0)
+
+    def get_mask_sizes(self, query_length: int) -> tuple:
+        """(kv_length, kv_offset) for transformers' masks: the held tokens, after those a press evicted."""
+        return self.cumulative_length + query_length, self._press.evicted if self._press is not None else 0
 
     def reset(self) -> None:
         super().reset()
         self.store = None
         self.cumulative_length = 0
         self.last_step = 0
+        if self._press is not None:
+            self._press = PrefillPress(self._press.press, self.layer_idx)
 
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the last ``-tokens_to_remove`` tokens (transformers' convention: a negative count), e.g. the draft
@@ -410,6 +442,7 @@ class KvcxCache(Cache):
                  residual_length: int = 64, bits: Optional[int] = None, sinks: Optional[int] = None, rotate: Optional[bool] = None,
                  kv_config: Optional[KVConfig] = None, n_threads: Optional[int] = None,
                  fused: Optional[bool] = None, backend: Optional[str] = None, release_heap: bool = True):
+        kv_config, press, scheme = _pressed(kv_config, scheme)   # a press composed by '+' (or a plan's)
         kv = kv_config or KVConfig.from_scheme(scheme, group_size=group_size, bits=bits, sinks=sinks, rotate=rotate,
                                                n_threads=n_threads)
         if kv_config is not None and n_threads is not None:  # n_threads applies to a ready config too
@@ -449,9 +482,10 @@ class KvcxCache(Cache):
         super().__init__(layers=[KvcxLayer(_fitted(kv.for_layer(i), kv_heads, residual_length, head_dim),
                                            residual_length, self._scratch, workspace, self._masks, self._timer,
                                            self._heap, self.query_group, kv.weights_for(f"layer_{i}_key"),
-                                           layer_idx=i)
+                                           layer_idx=i, press=press)
                                  for i in range(text.num_hidden_layers)])
         self._workspace = workspace
+        self.press = press
 
     @property
     def kernel_time_s(self) -> float:
@@ -462,13 +496,16 @@ class KvcxCache(Cache):
         """Whether this step's layer steps may run fused (read once per step: a config
         attribute is slow to read)."""
         if self.fused is False:
-            return StepMode(reason="fused=False")
-        if getattr(self._config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
-            return StepMode(required=bool(self.fused), reason=(
+            return StepMode(reason="fused=False", kvcx_attention=self._kvcx_attention())
+        if not self._kvcx_attention():
+            return StepMode(required=bool(self.fused), kvcx_attention=False, reason=(
                 f"KvcxCache(fused=True) needs the model's attention to be {ATTN_IMPLEMENTATION!r}: "
                 f"load it with attn_implementation={ATTN_IMPLEMENTATION!r} or call "
                 f"model.set_attn_implementation({ATTN_IMPLEMENTATION!r}) (after importing kvcx.cache)"))
         return StepMode(required=bool(self.fused))
+
+    def _kvcx_attention(self) -> bool:
+        return getattr(self._config, "_attn_implementation", None) == ATTN_IMPLEMENTATION
 
     def _hint_fused(self, key_states: torch.Tensor) -> None:
         """At the first decode step, once: a SlowPathWarning saying how to turn the fused path on when the step
@@ -513,7 +550,7 @@ class KvcxCache(Cache):
         for layer in self.layers:
             if layer.is_initialized:
                 B, H, _, D = layer.keys.shape
-                values += 2 * B * H * layer.cumulative_length * D
+                values += 2 * B * H * layer.get_seq_length() * D   # the whole context's, evicted tokens included
         steps = {k: sum(layer.steps[k] for layer in self.layers) for k in ("fused", "materialised", "full_precision")}
         return {"packed_bytes": packed, "residual_bytes": residual, "scratch_bytes": scratch,
                 "workspace_bytes": workspace, "total_bytes": packed + residual + scratch + workspace,
@@ -541,31 +578,6 @@ def _owned(t: torch.Tensor) -> torch.Tensor:
     return the slice itself where it already is contiguous (every packed token dropped, or one KV head), and
     keep the whole step's storage alive: an 8,000-token prompt packed whole kept 12 MB a layer in FP32."""
     return t.clone(memory_format=torch.contiguous_format)
-
-
-def _on_backend(kv: KVConfig, backend: str, layers: int) -> KVConfig:
-    """``kv`` with its codecs on ``backend``; KvcxError when a layer's codecs have no such backend."""
-    if backend == BACKEND:
-        bad = sorted({c.describe() for i in range(layers) for c in (kv.for_layer(i).key, kv.for_layer(i).value)
-                      if not backend_takes(c, BACKEND)})
-        if bad:
-            raise KvcxError(f"KvcxCache(backend='triton') runs 4-bit integer codecs; this config has {', '.join(bad)}: "
-                            "pass backend=None (by device) or 'cpu', or a 4-bit scheme (kvcx, reference, kivi)")
-    return kv.with_backend(backend)
-
-
-def _fitted(kv: KVConfig, kv_heads, residual_length: int, head_dim) -> KVConfig:
-    """``kv`` with the fallback codec (as ``kvcx compress`` takes it) for a kind whose codec cannot take this
-    model's chunks, e.g. a rotation over a head dim that is not a power of two: decided when the cache is made,
-    not at its first packing."""
-    if not (kv_heads and head_dim):
-        return kv
-    shape = (1, int(kv_heads), residual_length, int(head_dim))
-    key = kv.key if kv.key.supports(shape) else kv.fallback
-    value = kv.value if kv.value.supports(shape) else kv.fallback
-    if key is kv.key and value is kv.value:
-        return kv
-    return KVConfig(key=key, value=value, scheme=kv.scheme)
 
 
 def dynamic_cache_bytes(cache) -> int:

@@ -44,17 +44,29 @@ class Press:
     name: str
     keep: float
     options: Dict[str, int] = field(default_factory=dict, compare=False, hash=False)
+    # a keep ratio per layer (a calibrated plan's); empty: ``keep`` for every layer
+    layer_keep: Tuple[float, ...] = ()
 
     def __post_init__(self):
         if self.name not in PRESSES:
             raise KvcxError(f"press {self.name!r} does not exist; the presses are {', '.join(sorted(PRESSES))}")
-        if not (isinstance(self.keep, (int, float)) and 0.0 < float(self.keep) <= 1.0):
-            raise KvcxError(f"press {self.name}:{self.keep}: the keep ratio must be in (0, 1] (e.g. {self.name}:0.5 "
-                            "keeps half the tokens)")
+        for r in (self.keep, *self.layer_keep):
+            if not (isinstance(r, (int, float)) and 0.0 < float(r) <= 1.0):
+                raise KvcxError(f"press {self.name}:{r}: the keep ratio must be in (0, 1] (e.g. {self.name}:0.5 "
+                                "keeps half the tokens)")
 
     @property
     def spec(self) -> str:
-        return f"{self.name}:{self.keep:g}"
+        return f"{self.name}:{self.keep:g}" + (" (a keep ratio per layer)" if self.layer_keep else "")
+
+    def keep_at(self, layer: Optional[int]) -> float:
+        """Layer ``layer``'s keep ratio (``keep`` where the press has none per layer)."""
+        if not self.layer_keep or layer is None:
+            return float(self.keep)
+        if not 0 <= layer < len(self.layer_keep):
+            raise KvcxError(f"press {self.name}: its plan gives keep ratios for {len(self.layer_keep)} layers, not "
+                            f"layer {layer}; calibrate a plan for this model")
+        return float(self.layer_keep[layer])
 
     @property
     def needs_queries(self) -> bool:
@@ -64,34 +76,47 @@ class Press:
     def window(self) -> int:
         return int(self.options.get("window", SNAPKV_WINDOW))
 
-    def kept_count(self, tokens: int) -> int:
-        """How many of ``tokens`` the press keeps (at least one)."""
-        return max(1, min(tokens, int(round(self.keep * tokens))))
+    def kept_count(self, tokens: int, layer: Optional[int] = None) -> int:
+        """How many of ``tokens`` the press keeps in ``layer`` (at least one)."""
+        return max(1, min(tokens, int(round(self.keep_at(layer) * tokens))))
 
-    def select(self, keys: np.ndarray, queries: Optional[np.ndarray] = None) -> np.ndarray:
+    def select(self, keys: np.ndarray, queries: Optional[np.ndarray] = None, layer: Optional[int] = None) -> np.ndarray:
         """The kept token indices [kv_heads, kept], ascending, of one layer's keys [kv_heads, tokens, head_dim]
-        (``queries`` [query_heads, window, head_dim]: the last window's queries, for the presses that read them)."""
+        (``queries`` [query_heads, window, head_dim]: the last window's queries, for the presses that read them;
+        ``layer``: which layer, for a press with a keep ratio per layer)."""
         if keys.ndim != 3:
             raise KvcxError(f"press {self.spec}: keys must be [kv_heads, tokens, head_dim], got {list(keys.shape)}")
         heads, tokens, _ = keys.shape
-        kept = self.kept_count(tokens)
+        kept = self.kept_count(tokens, layer)
         if kept == tokens:
             return np.broadcast_to(np.arange(tokens), (heads, tokens)).copy()
         if self.needs_queries and queries is None:
             raise KvcxError(f"press {self.spec} scores tokens with the model's queries; none were given")
-        scores = PRESSES[self.name].score(self, keys.astype(np.float32, copy=False), queries)
+        scores = PRESSES[self.name].score(self, keys.astype(np.float32, copy=False), queries, kept)
         top = np.argpartition(-scores, kept - 1, axis=1)[:, :kept]
         return np.sort(top, axis=1)
 
     def get_config(self) -> dict:
-        return {"press": self.name, "keep": float(self.keep), **self.options}
+        return {"press": self.name, "keep": float(self.keep), **self.options,
+                **({"layer_keep": [float(r) for r in self.layer_keep]} if self.layer_keep else {})}
+
+    @classmethod
+    def from_config(cls, config: dict, source: str = "the plan") -> "Press":
+        """The press of :meth:`get_config`'s dict (a plan file's ``press`` entry)."""
+        try:
+            opts = {k: int(v) for k, v in config.items() if k not in ("press", "keep", "layer_keep")}
+            return cls(str(config["press"]), float(config["keep"]), opts,
+                       tuple(float(r) for r in config.get("layer_keep", ())))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise KvcxError(f"{source}: its press entry {config!r} is malformed ({exc}); calibrate the plan again") \
+                from None
 
 
 @dataclass(frozen=True)
 class PressKind:
     """A registered press: its scoring function (higher = kept) and whether it reads the model's queries."""
 
-    score: Callable[[Press, np.ndarray, Optional[np.ndarray]], np.ndarray]
+    score: Callable[[Press, np.ndarray, Optional[np.ndarray], int], np.ndarray]
     needs_queries: bool = False
 
 
@@ -106,21 +131,21 @@ def register_press(name: str, needs_queries: bool = False):
 
 
 @register_press("streaming")
-def _streaming(press: Press, keys: np.ndarray, _queries) -> np.ndarray:
+def _streaming(press: Press, keys: np.ndarray, _queries, kept: int) -> np.ndarray:
     heads, tokens, _ = keys.shape
-    sinks = min(int(press.options.get("sinks", STREAMING_SINKS)), press.kept_count(tokens))
+    sinks = min(int(press.options.get("sinks", STREAMING_SINKS)), kept)
     pos = np.arange(tokens, dtype=np.float64)
     score = np.where(pos < sinks, np.inf, pos)       # sinks first, then the most recent
     return np.broadcast_to(score, (heads, tokens))
 
 
 @register_press("knorm")
-def _knorm(_press: Press, keys: np.ndarray, _queries) -> np.ndarray:
+def _knorm(_press: Press, keys: np.ndarray, _queries, _kept: int) -> np.ndarray:
     return -np.linalg.norm(keys, axis=-1)
 
 
 @register_press("snapkv", needs_queries=True)
-def _snapkv(press: Press, keys: np.ndarray, queries: np.ndarray) -> np.ndarray:
+def _snapkv(press: Press, keys: np.ndarray, queries: np.ndarray, _kept: int) -> np.ndarray:
     heads, tokens, dim = keys.shape
     qh, window, qdim = queries.shape
     if qdim != dim or qh % heads:
@@ -166,6 +191,14 @@ class PressedSetting:
 
     def check_installed(self) -> None:
         getattr(self.codec, "check_installed", lambda: None)()
+
+    @property
+    def scheme(self) -> str:
+        return self.press.spec + (f"+{self.codec.scheme}" if self.codec is not None else "")
+
+    def describe(self) -> str:
+        inner = self.codec.describe() if self.codec is not None else "the kept tokens at full precision"
+        return f"press {self.press.spec} (token eviction), then {inner}"
 
 
 def parse_press(text: str) -> Press:

@@ -74,9 +74,16 @@ class PeerSetting:
 
 
 def roundtrip_of(setting):
-    """The round trip ``validate`` runs for a setting: a peer's library, or kvcx's codecs and packed format."""
+    """The round trip ``validate`` runs for a setting: a peer's library, a press and its codec, or kvcx's codecs and
+    packed format."""
     if isinstance(setting, PeerSetting):
         return setting.roundtrip
+    from kvcx.codecs.presses import PressedSetting
+
+    if isinstance(setting, PressedSetting):     # token eviction, then its codec (if any)
+        from kvcx.quality.eviction import PressRoundtrip
+
+        return PressRoundtrip(setting, roundtrip_of(setting.codec) if setting.codec is not None else None)
     from kvcx.quality.bridge import roundtrip_tensors
 
     return lambda tensors: roundtrip_tensors(tensors, setting)

@@ -23,9 +23,10 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence
 import numpy as np
 
 from kvcx.codecs.metrics import json_safe
-from kvcx.codecs.presses import PressedSetting, index_bytes
+from kvcx.codecs.presses import PressedSetting
 from kvcx.errors import KvcxError
 from kvcx.quality import ruler, stats
+from kvcx.quality.eviction import QueryCapture
 
 DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
 KEEP_TASK = 0.5            # a task is kept where the exact cache answers at least this share at some length
@@ -117,81 +118,14 @@ def check_retrieval(tasks: Sequence[str], lengths: Sequence[int], depths: Sequen
         raise KvcxError(f"--prompts {prompts} must be at least 1 (prompts per task, length and depth)")
 
 
-class QueryCapture:
-    """The last ``window`` queries of every layer during a prefill, after their rotary embedding (what SnapKV
-    scores with): forward pre-hooks on the Llama-family attention modules (``q_proj``, ``head_dim``, the
-    rotary ``position_embeddings`` they are called with), removed on exit."""
-
-    def __init__(self, model, window: int):
-        self.window, self.queries, self._hooks = window, {}, []
-        self._layers = list(model.get_decoder().layers)
-
-    def __enter__(self):
-        import sys
-
-        for i, layer in enumerate(self._layers):
-            attn = layer.self_attn
-            if not hasattr(attn, "q_proj") or not hasattr(attn, "head_dim"):
-                raise KvcxError(f"layer {i}'s attention has no q_proj/head_dim: SnapKV's queries are read from "
-                                "Llama-family attention modules; use streaming or knorm with this model")
-            rotary = getattr(sys.modules[type(attn).__module__], "apply_rotary_pos_emb", None)
-            self._hooks.append(attn.register_forward_pre_hook(self._hook(i, attn, rotary), with_kwargs=True))
-        return self
-
-    def _hook(self, i, attn, rotary):
-        import torch
-
-        def hook(_module, args, kwargs):
-            hidden = kwargs.get("hidden_states", args[0] if args else None)
-            cos, sin = kwargs["position_embeddings"]
-            w = min(self.window, hidden.shape[1])
-            q = attn.q_proj(hidden[:, -w:]).view(hidden.shape[0], w, -1, attn.head_dim).transpose(1, 2)
-            if rotary is not None:
-                q, _ = rotary(q, q, cos[:, -w:], sin[:, -w:])
-            prev = self.queries.get(i)
-            q = q[0].float()
-            self.queries[i] = q if prev is None else torch.cat([prev, q], dim=1)[:, -self.window:]
-        return hook
-
-    def __exit__(self, *exc):
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
-
-    def numpy(self) -> List[np.ndarray]:
-        return [self.queries[i].cpu().numpy() for i in range(len(self._layers))]
-
-
-def evict(tensors: Dict[str, np.ndarray], press, queries: Optional[List[np.ndarray]]):
-    """(kept tensors, bytes of the kept positions) of a cache's tensors (``layer_{i}_key`` / ``_value``, each
-    [1, kv_heads, tokens, head_dim]) through a press, layer by layer."""
-    kept, nbytes, i = {}, 0, 0
-    while f"layer_{i}_key" in tensors:
-        k, v = tensors[f"layer_{i}_key"], tensors[f"layer_{i}_value"]
-        idx = press.select(k[0], queries[i] if queries is not None else None)
-        kept[f"layer_{i}_key"] = np.take_along_axis(k[0], idx[..., None], axis=1)[None]
-        kept[f"layer_{i}_value"] = np.take_along_axis(v[0], idx[..., None], axis=1)[None]
-        nbytes += index_bytes(*idx.shape)
-        i += 1
-    return kept, nbytes
-
-
 def setting_roundtrip(setting) -> Callable:
     """tensors, queries -> (decoded tensors, bytes stored) for any setting: a press and/or a codec."""
     from kvcx.quality.peers import roundtrip_of
 
-    if isinstance(setting, PressedSetting):
-        inner = roundtrip_of(setting.codec) if setting.codec is not None else None
-
-        def run(tensors, queries):
-            kept, nbytes = evict(tensors, setting.press, queries)
-            if inner is None:
-                return kept, nbytes + sum(a.size for a in kept.values()) * 2
-            decoded, packed, _ = inner(kept)
-            return decoded, nbytes + packed
-        return run
-    inner = roundtrip_of(setting)
-    return lambda tensors, _queries: inner(tensors)[:2]
+    rt = roundtrip_of(setting)
+    if getattr(rt, "query_window", 0):
+        return lambda tensors, queries: rt(tensors, queries)[:2]
+    return lambda tensors, _queries: rt(tensors)[:2]
 
 
 def greedy_reply(model, question, cache, n_tokens: int, start: int, eos: Optional[int] = None,

@@ -79,9 +79,10 @@ def next_token_divergence(base_logits, comp_logits) -> tuple:
 FORWARD_CHUNK = 1024
 HEAD_SLICE = 512
 
-def forward_hidden(model, ids, cache=None, chunk: int = FORWARD_CHUNK):
+def forward_hidden(model, ids, cache=None, chunk: int = FORWARD_CHUNK, start: Optional[int] = None):
     """(final hidden states [T, hidden], cache) of ``ids`` [1, T] run through the model's decoder over ``cache``
-    (a new DynamicCache when None) in chunks of ``chunk`` tokens, as a chunked prefill does."""
+    (a new DynamicCache when None) in chunks of ``chunk`` tokens, as a chunked prefill does. ``start``: the first
+    token's position (default: the cache's length); a cache that evicted tokens holds fewer than its context."""
     import torch
 
     if cache is None:
@@ -92,7 +93,13 @@ def forward_hidden(model, ids, cache=None, chunk: int = FORWARD_CHUNK):
 
     decoder = model.get_decoder()
     kw = cache_keyword(decoder.forward)
-    parts = [decoder(input_ids=ids[:, c:c + chunk], use_cache=True, **{kw: cache}).last_hidden_state[0]
+    def positions(c):
+        if start is None:
+            return {}
+        n = min(chunk, ids.shape[1] - c)
+        return {"position_ids": torch.arange(start + c, start + c + n, device=ids.device)[None]}
+
+    parts = [decoder(input_ids=ids[:, c:c + chunk], use_cache=True, **{kw: cache}, **positions(c)).last_hidden_state[0]
              for c in range(0, ids.shape[1], chunk)]
     return (parts[0] if len(parts) == 1 else torch.cat(parts)), cache
 
@@ -199,7 +206,12 @@ class PerplexityRun:
 def compare_prefix(model, ids, starts: List[int], window: int, stride: int, roundtrips: Mapping[str, Roundtrip],
                    on_window: Optional[WindowCallback] = None) -> Dict[str, PerplexityRun]:
     """Prefix mode for several settings at once: each window's context cache is built and scored exactly
-    once, then every round trip compresses that same cache and scores the same continuation tokens."""
+    once, then every round trip compresses that same cache and scores the same continuation tokens. A round trip
+    with a ``query_window`` (a press that reads the model's queries, :class:`~kvcx.quality.eviction.PressRoundtrip`)
+    is also given the context's last queries, captured during its prefill; the continuation runs at its own
+    positions whatever the round trip kept."""
+    import contextlib
+
     import torch
 
     from kvcx.quality.bridge import (
@@ -215,12 +227,21 @@ def compare_prefix(model, ids, starts: List[int], window: int, stride: int, roun
     dev = next(model.parameters()).device
     runs = {label: PerplexityRun() for label in roundtrips}
     ctx_len = window - stride
+    query_window = max((getattr(r, "query_window", 0) for r in roundtrips.values()), default=0)
     with torch.inference_mode():
         for w, a in enumerate(starts):
             ctx = ids[a:a + ctx_len][None].to(dev)
             cont = ids[a + ctx_len:a + window][None].to(dev)
             targets = cont[0, 1:]
-            _, cache = forward_hidden(model, ctx)
+            if query_window:
+                from kvcx.quality.eviction import QueryCapture
+
+                capture = QueryCapture(model, query_window)
+            else:
+                capture = contextlib.nullcontext()
+            with capture:
+                _, cache = forward_hidden(model, ctx)
+            queries = capture.numpy() if query_window else None
             # device round trips read the cache where it is; the others a host copy (made once)
             on_device = cache_to_device_tensors(cache)
             host = cache_to_tensors(cache) if not all(isinstance(r, DeviceRoundtrip) for r in roundtrips.values()) \
@@ -231,11 +252,12 @@ def compare_prefix(model, ids, starts: List[int], window: int, stride: int, roun
             for label, roundtrip in roundtrips.items():
                 t, c = time.perf_counter(), time.process_time()
                 tensors = on_device if isinstance(roundtrip, DeviceRoundtrip) else host
-                decoded, nbytes, stats = roundtrip(tensors)
+                decoded, nbytes, stats = (roundtrip(tensors, queries) if getattr(roundtrip, "query_window", 0)
+                                          else roundtrip(tensors))
                 comp_cache = make_dynamic_cache(tensors_to_layers(decoded, dev))
                 del decoded
                 codec_s, codec_cpu = time.perf_counter() - t, time.process_time() - c
-                comp_hidden = forward_hidden(model, cont, comp_cache)[0][:-1]
+                comp_hidden = forward_hidden(model, cont, comp_cache, start=ctx_len)[0][:-1]
                 del comp_cache
                 base, comp, divergence = score_hidden(model, base_hidden, comp_hidden, targets, exact=exact)
                 runs[label].add_window(base, comp, targets.numel(), original_nbytes(tensors), nbytes,

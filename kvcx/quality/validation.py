@@ -28,6 +28,7 @@ import numpy as np
 
 from kvcx.codecs.kvconfig import KVConfig
 from kvcx.codecs.metrics import Thresholds, check_thresholds, json_safe, quality_level
+from kvcx.codecs.presses import PressedSetting
 from kvcx.errors import KvcxError
 from kvcx.quality.bridge import DeviceRoundtrip, backend_of
 from kvcx.quality.models import load_dataset_text, load_model_and_tokenizer, resolve_model
@@ -113,7 +114,10 @@ def perplexity_generation(model, ids, starts: List[int], window: int, stride: in
     """Generation mode: every key/value goes through KvcxCache as the model runs over the window.
 
     The window is fed in chunks of ``residual_length`` tokens, so each chunk attends to all earlier
-    tokens in packed INT4 form (plus the full-precision residual), as during generation.
+    tokens in packed INT4 form (plus the full-precision residual), as during generation. With a press
+    (a :class:`~kvcx.codecs.presses.PressedSetting`) the window's context is the prompt: one prefill, which the
+    press prunes (KvcxCache runs it through the ``"kvcx"`` attention, set for the run), then the continuation in
+    chunks.
     """
     import torch
 
@@ -122,20 +126,39 @@ def perplexity_generation(model, ids, starts: List[int], window: int, stride: in
     dev = next(model.parameters()).device
     run = PerplexityRun()
     ctx_len = window - stride
-    with torch.inference_mode():
-        for w, a in enumerate(starts):
-            win = ids[a:a + window][None].to(dev)
-            targets = win[0, ctx_len + 1:]
-            base_hidden = forward_hidden(model, win)[0][ctx_len:-1]
-            cache = KvcxCache(model.config, kv_config=config, residual_length=residual_length, backend=backend)
-            comp_hidden = forward_hidden(model, win, cache, chunk=residual_length)[0][ctx_len:-1]
-            mem = cache.memory_report()
-            base, comp, divergence = score_hidden(model, base_hidden, comp_hidden, targets)
-            run.add_window(base, comp, targets.numel(), mem["model_dtype_equivalent_bytes"], mem["total_bytes"],
-                           mem["fp16_equivalent_bytes"] // 2, cache.kernel_time_s, divergence=divergence)
-            if on_window:
-                on_window(w + 1, len(starts))
+    pressed = isinstance(config, PressedSetting)
+    attn = getattr(model.config, "_attn_implementation", None)
+    if pressed:
+        from kvcx.cache.attention_fn import ATTN_IMPLEMENTATION
+
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    try:
+        with torch.inference_mode():
+            for w, a in enumerate(starts):
+                win = ids[a:a + window][None].to(dev)
+                targets = win[0, ctx_len + 1:]
+                base_hidden = forward_hidden(model, win)[0][ctx_len:-1]
+                cache = KvcxCache(model.config, kv_config=config, residual_length=residual_length, backend=backend)
+                if pressed:   # the context is the prompt: one prefill, pruned, then the continuation
+                    forward_hidden(model, win[:, :ctx_len], cache, chunk=ctx_len)
+                    comp_hidden = forward_hidden(model, win[:, ctx_len:], cache, chunk=residual_length)[0][:-1]
+                else:
+                    comp_hidden = forward_hidden(model, win, cache, chunk=residual_length)[0][ctx_len:-1]
+                _generation_window(model, run, cache, base_hidden, comp_hidden, targets)
+                if on_window:
+                    on_window(w + 1, len(starts))
+    finally:
+        if pressed and attn is not None:
+            model.set_attn_implementation(attn)
     return run
+
+
+def _generation_window(model, run: PerplexityRun, cache, base_hidden, comp_hidden, targets) -> None:
+    """One generation-mode window's scores and the cache's bytes, counted whole, added to ``run``."""
+    mem = cache.memory_report()
+    base, comp, divergence = score_hidden(model, base_hidden, comp_hidden, targets)
+    run.add_window(base, comp, targets.numel(), mem["model_dtype_equivalent_bytes"], mem["total_bytes"],
+                   mem["fp16_equivalent_bytes"] // 2, cache.kernel_time_s, divergence=divergence)
 
 def perplexity_engine(model, ids, starts: List[int], window: int, stride: int, config: KVConfig,
                       on_window: Optional[WindowCallback] = None, backend: Optional[str] = None) -> PerplexityRun:
@@ -231,13 +254,17 @@ def run_validations(configs: Mapping[str, KVConfig], threshold: float = DEFAULT_
     if outside and mode != "prefix":
         raise KvcxError(f"scheme={','.join(outside)} runs through its own library on the context's cache: prefix "
                         f"mode only, not mode={mode!r}")
-    for label in outside:
+    pressed = [label for label, cfg in configs.items() if isinstance(cfg, PressedSetting)]
+    if pressed and mode == "engine":
+        raise KvcxError(f"scheme={pressed[0]}: a press evicts a prefilled context's tokens; engine mode writes each "
+                        "token through the codec as it comes: use --mode prefix or --mode generation")
+    for label in outside + pressed:
         configs[label].check_installed()
     # the context limit is checked again once the model is known
     check_window(DEFAULT_WINDOW if window is None else window, stride, max_windows, context_limit=1 << 62)
     if backend is not None:   # a bad or impossible --backend fails here, not after the model loads
         for cfg in configs.values():
-            if not isinstance(cfg, PeerSetting):
+            if not isinstance(cfg, (PeerSetting, PressedSetting)):
                 backend_of(cfg, "cpu", backend)
     text = load_dataset_text(dataset_file)
     source = resolve_model(model) if loaded is None else None
@@ -250,8 +277,9 @@ def run_validations(configs: Mapping[str, KVConfig], threshold: float = DEFAULT_
     window = min(DEFAULT_WINDOW, ctx_limit) if window is None else window
     check_window(window, stride, max_windows, ctx_limit)
     phase(2, f"model: {name} on {dev} ({next(m.parameters()).dtype}), {m.config.num_hidden_layers} layers")
-    backends = {label: "" if isinstance(cfg, PeerSetting) else backend_of(cfg, dev.type, backend)
-                for label, cfg in configs.items()}
+    # peers run in their library; a press and its codec on the host (the eviction is numpy's)
+    backends = {label: "" if isinstance(cfg, PeerSetting) else "cpu" if isinstance(cfg, PressedSetting)
+                else backend_of(cfg, dev.type, backend) for label, cfg in configs.items()}
     ids = torch.tensor(tok(text, return_tensors=None)["input_ids"], dtype=torch.long)
     starts = window_starts(ids.numel(), window, stride, max_windows)
     phase(3, f"tokenized: {ids.numel():,} tokens, {len(starts)} windows of {window} (stride {stride})")

@@ -212,3 +212,30 @@ def test_validate_on_the_device_backend_equals_the_cpu_kernels(loaded, wikitext_
     assert run_validations(cfg, **kw)[0].backend == ("triton" if torch.cuda.is_available() else "cpu")
     with pytest.raises(KvcxError, match="runs 4-bit integer codecs.*3-bit"):
         run_validations({"kvcx3": KVConfig.from_scheme("kvcx3")}, backend="triton", **kw)
+
+
+def test_perplexity_with_presses_prefix_and_generation(loaded, wikitext_path):
+    """A press composes with a codec in perplexity too: keeping every token changes nothing but the positions'
+    bytes; keeping half costs perplexity and halves the bytes, counted whole (kept codes + a uint16 position per
+    kept token and KV head, against the whole context); generation mode prunes the prompt inside KvcxCache."""
+    from kvcx.api import validation_settings
+    from kvcx.quality.validation import run_validations
+
+    configs, _ = validation_settings("kvcx,kvcx+snapkv:1.0,knorm:0.5,kvcx+knorm:0.5")
+    kw = dict(dataset_file=wikitext_path, window=512, stride=256, max_windows=2, loaded=loaded)
+    by = {r.setting: r for r in run_validations(configs, **kw)}
+    full, everything = by["kvcx"], by["kvcx+snapkv:1.0"]
+    assert (everything.compressed_perplexity, everything.kld) == (full.compressed_perplexity, full.kld)
+    head_dim = loaded[0].config.head_dim
+    assert everything.bits_per_value == pytest.approx(full.bits_per_value + 16 / (2 * head_dim), abs=1e-9)
+    assert by["knorm:0.5"].bits_per_value == pytest.approx(8.0 + 8 / (2 * head_dim), abs=1e-9)
+    assert by["knorm:0.5"].kld > full.kld and by["kvcx+knorm:0.5"].kld >= by["knorm:0.5"].kld * 0.8
+    assert by["kvcx+knorm:0.5"].bits_per_value < full.bits_per_value / 2 + 0.2
+    gen = {r.setting: r for r in run_validations({k: configs[k] for k in ("kvcx", "kvcx+knorm:0.5")},
+                                                 mode="generation", **kw)}
+    assert gen["kvcx+knorm:0.5"].tokens_scored == gen["kvcx"].tokens_scored == 2 * 255
+    # (bytes here are the caches' whole: a pressed cache runs the fused kernel, whose fixed workspace of a few MB
+    # outweighs half of a 256-token context; test_press_cache.py compares the packed bytes)
+    assert 0 < gen["kvcx+knorm:0.5"].bits_per_value < 16
+    assert gen["kvcx+knorm:0.5"].kld > gen["kvcx"].kld and math.isfinite(gen["kvcx+knorm:0.5"].compressed_perplexity)
+    assert loaded[0].config._attn_implementation != "kvcx"    # the run's attention setting was restored

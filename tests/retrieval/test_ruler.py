@@ -109,7 +109,8 @@ def test_too_short_for_the_prompt():
     (["--task", "ruler", "--mode", "generation"], "runs in prefix mode"),
     (["--task", "passkey", "--tolerance", "1"], "--tolerance was replaced by a paired test"),
     (["--tasks", "vt"], "add --task ruler"),
-    (["--scheme", "kvcx+snapkv:0.5"], "token eviction is gated on retrieval in this release"),
+    (["--scheme", "kvcx+snapkv:0.5", "--mode", "engine"], "use --mode prefix or --mode generation"),
+    (["--scheme", "kvcx+snapkv:0.5", "--quick-test"], "--quick-test has no model"),
     (["--task", "bleu"], "must be perplexity, ruler or passkey"),
     (["--task", "ruler", "--tasks", "niah_single", "--dataset-file", "/nonexistent/wiki.test.raw"],
      "dataset file not found")])

@@ -1,0 +1,56 @@
+"""How a :class:`~kvcx.cache.KvcxCache` resolves what it was given into its layers' codecs: a press composed by
+``+`` (or carried by a calibrated plan) split from the codec, the codecs moved to a backend, and a codec that
+cannot take the model's chunks replaced by the fallback when the cache is made. (The configs are
+KVConfig objects, taken as given: this module sits below the codecs' config in the
+import floors.)"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+from kvcx.codecs.backends import backend_takes
+from kvcx.codecs.presses import Press, PressedSetting, split_scheme
+from kvcx.errors import KvcxError
+
+
+def pressed(kv_config, scheme: str) -> Tuple[object, Optional[Press], str]:
+    """(config or None, press or None, the scheme's codec part) of KvcxCache's ``kv_config`` and ``scheme``:
+    ``scheme="kvcx+snapkv:0.5"`` -> (None, snapkv:0.5, "kvcx"); a :class:`PressedSetting` (a plan with keep
+    ratios) -> (its KVConfig, its press, scheme)."""
+    if isinstance(kv_config, PressedSetting):
+        if not hasattr(kv_config.codec, "for_layer"):   # not a kvcx KVConfig: a peer's, or none
+            raise KvcxError(f"KvcxCache packs the tokens press {kv_config.press.spec} keeps: give it with a kvcx "
+                            "codec (e.g. scheme='kvcx+snapkv:0.5'); DynamicCache holds tokens at full precision")
+        return kv_config.codec, kv_config.press, scheme
+    if kv_config is not None:
+        return kv_config, None, scheme
+    press, codec = split_scheme(str(scheme))
+    if press is not None and codec is None:
+        raise KvcxError(f"KvcxCache(scheme={scheme!r}): KvcxCache packs the tokens a press keeps; compose it with a "
+                        f"codec, e.g. scheme='kvcx+{press.spec}' (transformers' DynamicCache holds tokens at full "
+                        "precision)")
+    return None, press, codec or scheme
+
+
+def on_backend(kv, backend: str, layers: int):
+    """``kv`` with its codecs on ``backend``; KvcxError when a layer's codecs have no such backend."""
+    if backend == "triton":
+        bad = sorted({c.describe() for i in range(layers) for c in (kv.for_layer(i).key, kv.for_layer(i).value)
+                      if not backend_takes(c, "triton")})
+        if bad:
+            raise KvcxError(f"KvcxCache(backend='triton') runs 4-bit integer codecs; this config has {', '.join(bad)}: "
+                            "pass backend=None (by device) or 'cpu', or a 4-bit scheme (kvcx, reference, kivi)")
+    return kv.with_backend(backend)
+
+
+def fitted(kv, kv_heads, residual_length: int, head_dim):
+    """``kv`` with the fallback codec (as ``kvcx compress`` takes it) for a kind whose codec cannot take this
+    model's chunks, e.g. a rotation over a head dim that is not a power of two: decided when the cache is made,
+    not at its first packing."""
+    if not (kv_heads and head_dim):
+        return kv
+    shape = (1, int(kv_heads), residual_length, int(head_dim))
+    key = kv.key if kv.key.supports(shape) else kv.fallback
+    value = kv.value if kv.value.supports(shape) else kv.fallback
+    if key is kv.key and value is kv.value:
+        return kv
+    return type(kv)(key=key, value=value, scheme=kv.scheme)

@@ -1,0 +1,107 @@
+"""Token eviction run on a model's cache (the presses of :mod:`kvcx.codecs.presses`): the queries SnapKV
+scores with, captured during a prefill (:class:`QueryCapture`); a cache's tensors evicted layer by layer
+(:func:`evict`); and :class:`PressRoundtrip`, a press composed with a codec as one round trip of the cache,
+which ``validate``'s perplexity (prefix mode), its retrieval tasks and ``calibrate`` run alike.
+
+After eviction the tokens that follow still run at their own positions (the context's length onwards): the kept
+keys carry theirs in their rotary embedding. Bytes are counted whole: the kept tokens' codes (or FP16 values
+for eviction alone) plus their positions, against the full context's values.
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional
+
+import numpy as np
+
+from kvcx.codecs.metrics import ErrorStats
+from kvcx.codecs.presses import PressedSetting, index_bytes
+from kvcx.errors import KvcxError
+
+
+class QueryCapture:
+    """The last ``window`` queries of every layer during a prefill, after their rotary embedding (what SnapKV
+    scores with): forward pre-hooks on the Llama-family attention modules (``q_proj``, ``head_dim``, the
+    rotary ``position_embeddings`` they are called with), removed on exit."""
+
+    def __init__(self, model, window: int):
+        self.window, self.queries, self._hooks = window, {}, []
+        self._layers = list(model.get_decoder().layers)
+
+    def __enter__(self):
+        import sys
+
+        for i, layer in enumerate(self._layers):
+            attn = layer.self_attn
+            if not hasattr(attn, "q_proj") or not hasattr(attn, "head_dim"):
+                raise KvcxError(f"layer {i}'s attention has no q_proj/head_dim: SnapKV's queries are read from "
+                                "Llama-family attention modules; use streaming or knorm with this model")
+            rotary = getattr(sys.modules[type(attn).__module__], "apply_rotary_pos_emb", None)
+            self._hooks.append(attn.register_forward_pre_hook(self._hook(i, attn, rotary), with_kwargs=True))
+        return self
+
+    def _hook(self, i, attn, rotary):
+        import torch
+
+        def hook(_module, args, kwargs):
+            hidden = kwargs.get("hidden_states", args[0] if args else None)
+            cos, sin = kwargs["position_embeddings"]
+            w = min(self.window, hidden.shape[1])
+            q = attn.q_proj(hidden[:, -w:]).view(hidden.shape[0], w, -1, attn.head_dim).transpose(1, 2)
+            if rotary is not None:
+                q, _ = rotary(q, q, cos[:, -w:], sin[:, -w:])
+            prev = self.queries.get(i)
+            q = q[0].float()
+            self.queries[i] = q if prev is None else torch.cat([prev, q], dim=1)[:, -self.window:]
+        return hook
+
+    def __exit__(self, *exc):
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def numpy(self) -> List[np.ndarray]:
+        return [self.queries[i].cpu().numpy() for i in range(len(self._layers))]
+
+
+def evict(tensors: Dict[str, np.ndarray], press, queries: Optional[List[np.ndarray]], layers=None):
+    """(kept tensors, bytes of the kept positions) of a cache's tensors (``layer_{i}_key`` / ``_value``, each
+    [1, kv_heads, tokens, head_dim]) through a press, layer by layer; ``layers``: only these (the others pass
+    whole, their positions not counted)."""
+    kept, nbytes, i = dict(tensors), 0, 0
+    while f"layer_{i}_key" in tensors:
+        if layers is not None and i not in layers:
+            i += 1
+            continue
+        k, v = tensors[f"layer_{i}_key"], tensors[f"layer_{i}_value"]
+        idx = press.select(k[0], queries[i] if queries is not None else None, layer=i)
+        kept[f"layer_{i}_key"] = np.take_along_axis(k[0], idx[..., None], axis=1)[None]
+        kept[f"layer_{i}_value"] = np.take_along_axis(v[0], idx[..., None], axis=1)[None]
+        nbytes += index_bytes(*idx.shape)
+        i += 1
+    if layers is None and i == 0:
+        raise KvcxError("press: the cache has no layer_0_key tensor; evict a model's cache (layer_{i}_key/_value)")
+    return kept, nbytes
+
+
+class PressRoundtrip:
+    """A press composed with a codec as a round trip of a cache: ``rt(tensors, queries)`` -> (decoded tensors,
+    bytes stored, ErrorStats of the kept tokens' codec error). ``query_window``: how many of the context's last
+    queries the press reads (0: none), which the caller captures during the prefill. ``layers``: evict only these
+    (calibration's one layer at a time). ``inner``: the codec's round trip (:func:`kvcx.quality.peers.roundtrip_of`
+    builds the whole)."""
+
+    def __init__(self, setting: PressedSetting, inner: Optional[Callable] = None, layers=None):
+        self.press, self.layers = setting.press, layers
+        self.inner = inner          # the codec's round trip (tensors -> decoded, bytes, stats); None: none
+        self.query_window = self.press.window if self.press.needs_queries else 0
+
+    def __call__(self, tensors, queries=None):
+        if self.query_window and queries is None:
+            raise KvcxError(f"press {self.press.spec} scores tokens with the model's queries; capture them during the "
+                            "prefill (QueryCapture) and pass them")
+        kept, nbytes = evict(tensors, self.press, queries, self.layers)
+        if self.inner is None:
+            return kept, nbytes + sum(a.size for a in kept.values()) * 2, ErrorStats(
+                n=sum(a.size for a in kept.values()))
+        decoded, packed, stats = self.inner(kept)
+        return decoded, nbytes + packed, stats
