@@ -30,7 +30,7 @@ from kvcx.codecs.metrics import (  # noqa: F401
     json_safe,
     quality_level,
 )
-from kvcx.errors import CodecError, FormatError
+from kvcx.errors import CodecError, FormatError, KvcxError
 from kvcx.formats import safetensors as st
 from kvcx.formats.atomic import OutputSet, check_distinct, check_output_path
 from kvcx.formats.jsonio import read_json_object, read_sidecar, sidecar_path, write_json_to
@@ -248,16 +248,30 @@ def read_plan(plan) -> dict:
         raise FormatError(str(exc)) from None
 
 
-def load_plan(plan, n_threads: Optional[int] = None) -> KVConfig:
+def load_plan(plan, n_threads: Optional[int] = None):
     """The KVConfig of a plan written by ``kvcx calibrate`` (a file's path, or a shipped plan's name such as
-    ``"smollm2-kvcx2w-2.47"``; any JSON object with a ``config`` works)."""
+    ``"smollm2-kvcx2w-2.47"``; any JSON object with a ``config`` works). A plan calibrated with a press (keep
+    ratios per layer) is a :class:`~kvcx.codecs.presses.PressedSetting` of its press and config, which
+    ``validate`` and ``KvcxCache(kv_config=...)`` take."""
     p = plan_file(plan)
     data = read_plan(p)
     cfg = data.get("config", data)
     try:
-        return KVConfig.from_config(cfg, n_threads=n_threads)
+        config = KVConfig.from_config(cfg, n_threads=n_threads)
     except CodecError as exc:
         raise FormatError(f"{p}: {exc}") from None
+    if data.get("press") is None or "config" not in data:
+        return config
+    from kvcx.codecs.presses import Press, PressedSetting
+
+    try:
+        press = Press.from_config(data["press"], p)
+    except KvcxError as exc:
+        raise FormatError(str(exc)) from None
+    if press.layer_keep and len(press.layer_keep) != int(data.get("n_layers", len(press.layer_keep))):
+        raise FormatError(f"{p}: its press gives {len(press.layer_keep)} keep ratios for {data.get('n_layers')} "
+                          "layers; calibrate the plan again")
+    return PressedSetting(press, config)
 
 
 def validation_settings(scheme: str, plan=None, gate: Optional[str] = None, group_size: Optional[int] = None,

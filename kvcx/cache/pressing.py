@@ -9,15 +9,18 @@ follow at their own rotary positions) and tells transformers' masks where its he
 (``get_mask_sizes``: the evicted tokens are an offset); steps of several tokens get a causal mask from the layer
 itself (:func:`tail_mask`), since layers with their own keep ratios hold different counts.
 
-One sequence per cache (batch 1): a press keeps different tokens in each sequence. torch is imported with
-this module (which only :mod:`kvcx.cache.kvcx_cache` imports).
+One sequence per cache (batch 1): a press keeps different tokens in each sequence. :class:`EvictedCache` is the
+same idea for a transformers cache built from evicted tensors (``validate``'s prefix mode with a keep ratio per
+layer). torch and transformers are imported with this module.
 """
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
+from transformers import DynamicCache
 
+from kvcx.cache.attention_fn import HANDOFF, TAIL
 from kvcx.codecs.presses import Press
 from kvcx.errors import KvcxError
 
@@ -65,3 +68,15 @@ def tail_mask(query_length: int, held: int, device) -> torch.Tensor:
     q = torch.arange(query_length, device=device)[:, None]
     k = torch.arange(held, device=device)[None, :]
     return (k <= (held - query_length + q))[None, None]
+
+
+class EvictedCache(DynamicCache):
+    """A DynamicCache of a context whose layers a press left holding different counts of tokens (a plan's keep
+    ratio per layer): transformers builds one mask for every layer, so each step's attention instead gets its
+    layer's own causal mask through the ``"kvcx"`` attention (run the model with it, e.g. under
+    :func:`kvcx.quality.eviction.attending`). The step's positions are the caller's (``position_ids``)."""
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        HANDOFF.post(keys, self, TAIL)
+        return keys, values

@@ -129,7 +129,11 @@ def kv_config_from(scheme, group_size, bits, sinks, rotate, threads, plan=None):
     if plan is not None:
         from kvcx.api import load_plan
 
-        return load_plan(plan, n_threads=threads)
+        cfg = load_plan(plan, n_threads=threads)
+        if not isinstance(cfg, KVConfig):     # a plan with keep ratios per layer (a press)
+            raise KvcxError(f"--plan {plan}: the plan evicts tokens ({cfg.press.name}, keep ratios per layer); compress "
+                            "and metrics keep every token of a file: use it with `kvcx validate --plan` or KvcxCache")
+        return cfg
     return KVConfig.from_scheme(scheme, group_size=group_size, bits=bits, sinks=sinks, rotate=rotate,
                                 n_threads=threads)
 

@@ -46,7 +46,13 @@ def calibrate(
         from kvcx.quality import calibrate as cal
 
         check_files_first(dataset=dataset_file, reuse=reuse, outputs=[(out_path, "plan")], sidecars=False)
-        base = None if scheme is None and reuse else kv_config_from(scheme or "kvcx3", group_size, bits, None, None,
+        from kvcx.codecs.presses import split_scheme
+
+        press, codec = split_scheme(scheme) if scheme else (None, None)
+        if press is not None and codec is None:
+            raise KvcxError(f"--scheme {scheme}: calibration spends one budget on bits and keep ratios; compose the "
+                            f"press with a scheme, e.g. --scheme kvcx+{press.spec}")
+        base = None if scheme is None and reuse else kv_config_from(codec or "kvcx3", group_size, bits, None, None,
                                                                  threads)
         if reuse:
             from kvcx.api import read_plan
@@ -57,7 +63,7 @@ def calibrate(
             with window_bar(json_out) as on_window:
                 result = cal.run_calibration(base, budget, model=model, dataset_file=dataset_file, windows=windows,
                                              offset=offset, cpu=cpu, options=_parse_options(options),
-                                             on_phase=on_phase, on_window=on_window)
+                                             on_phase=on_phase, on_window=on_window, press=press)
         save_plan(out_path, result)
     if json_out:
         emit_json(result.to_dict())
@@ -71,6 +77,13 @@ def calibrate(
     from kvcx.codecs.kvconfig import tag_of
 
     cfg = result.config
+    if result.press is not None:
+        keeps = result.press.layer_keep
+        out.print(f"[green]plan[/] → {out_path}: {result.bits_per_value:.3f} bits/value counted whole (budget {budget}): "
+                  f"{result.press.name} keeps {result.press.keep:.3f} of the tokens on average ({min(keeps):g} to "
+                  f"{max(keeps):g} by layer), {len(cfg.layer_bits)} of {result.n_layers} layers' codecs changed, "
+                  f"estimated KLD {result.estimated_kld:.4f}; {result.tokens:,} tokens, {result.wall_time_s:.0f} s")
+        return
     if cfg.key.takes_weights:
         out.print(f"[green]plan[/] → {out_path}: keys {cfg.key.bits:g} bits per code on average, a width per channel "
                   f"weighed by the queries of {len(cfg.key_weights)} layers; {result.bits_per_value:.3f} bits/value "

@@ -213,8 +213,10 @@ def _check_key_weights(key_weights) -> tuple:
 
 # a plan file: the config and what calibration recorded, each field typed and bounded
 _PLAN_NUMBERS = ("budget", "bits_per_value", "wall_time_s", "estimated_kld")
-_PLAN_COUNTS = {"n_layers": MAX_LAYERS, "windows": 1 << 31, "tokens": 1 << 48, "extrapolated": 1 << 24}
-_PLAN_FIELDS = {"config", "sensitivity", "model", "complete", "steps", *_PLAN_NUMBERS, *_PLAN_COUNTS}
+_PLAN_COUNTS = {"n_layers": MAX_LAYERS, "windows": 1 << 31, "tokens": 1 << 48, "extrapolated": 1 << 24,
+                "head_dim": 1 << 16}
+_PLAN_FIELDS = {"config", "sensitivity", "model", "complete", "steps", "press", *_PLAN_NUMBERS, *_PLAN_COUNTS}
+_KEEP_TAG_RE = re.compile(r"k(1|0?\.[0-9]+)")   # an eviction's keep ratio, as calibration tags it
 
 
 def _finite_number(v) -> bool:
@@ -258,20 +260,23 @@ def check_plan_record(data, source: str) -> dict:
     if not (isinstance(steps, list) and len(steps) <= 1 << 16 and all(isinstance(x, list) and len(x) <= 8
                                                                        for x in steps)):
         bad("'steps' must be a list of short lists")
-    for k, t in (("model", str), ("complete", bool)):
+    for k, t in (("model", str), ("complete", bool), ("press", dict)):
         if k in data and not isinstance(data[k], t):
             bad(f"'{k}' must be a {t.__name__}, got {type(data[k]).__name__}")
     rows = data.get("sensitivity", [])
     n_layers = data.get("n_layers", MAX_LAYERS)
-    if not isinstance(rows, list) or len(rows) > 64 * 2 * max(1, n_layers):
+    if not isinstance(rows, list) or len(rows) > 64 * 3 * max(1, n_layers):
         bad("'sensitivity' must be a list of figures (kind, layer, option, kld), a few per layer and kind")
     for r in rows:
+        keep = isinstance(r, dict) and r.get("kind") == "keep"
+        tag = _KEEP_TAG_RE if keep else _TAG_RE
         if not (isinstance(r, dict) and {"kind", "layer", "kld"} <= set(r) <= {"kind", "layer", "option", "kld"}
-                and r["kind"] in ("key", "value") and is_int(r["layer"]) and 0 <= r["layer"] < n_layers
+                and r["kind"] in ("key", "value", "keep") and is_int(r["layer"]) and 0 <= r["layer"] < n_layers
                 and _finite_number(r["kld"]) and r["kld"] >= 0
-                and ("option" not in r or (isinstance(r["option"], str) and _TAG_RE.fullmatch(r["option"])))):
-            bad(f"sensitivity figure {str(r)[:80]} is not kind (key/value), layer (below n_layers), option (a tag "
-                "such as b3g128) and kld (a finite number >= 0)")
+                and ("option" not in r or (isinstance(r["option"], str) and tag.fullmatch(r["option"])))
+                and (not keep or "option" in r)):
+            bad(f"sensitivity figure {str(r)[:80]} is not kind (key/value/keep), layer (below n_layers), option (a tag "
+                "such as b3g128, or k0.5 for an eviction) and kld (a finite number >= 0)")
     return data
 
 

@@ -16,7 +16,16 @@ score (``offset``, default 128 windows of 512), so a plan is never judged on the
 For ``--scheme kvcx2w`` (keys with a bit width per channel) calibration measures something else: how much
 the queries weigh each key channel (:func:`query_weights`, the mean square of each query channel, per KV
 head), which the encoder multiplies into each channel's error when it chooses the widths; the budget then
-sets the keys' mean width. This module computes; it prints nothing. torch is imported inside the functions that need it.
+sets the keys' mean width.
+
+Tokens as a second axis (``--scheme kvcx+snapkv:0.5``): with a press, calibration also measures, for every
+layer, the KLD of that layer alone evicted by the press at each keep ratio of :data:`KEEPS` (and the one
+written), and the allocator then picks per layer a keep ratio *and* the keys' and values' codecs under one budget
+counted whole: ``keep x (key + value bits/value) / 2`` plus the kept positions (a uint16 per kept token and KV
+head, ``8 x keep / head_dim`` bits per value). A layer's KLD with both is estimated as the sum of its eviction's
+and its codecs' (each measured with the rest of the cache exact), as the per-layer figures are summed across layers.
+
+This module computes; it prints nothing. torch is imported inside the functions that need it.
 """
 from __future__ import annotations
 
@@ -26,6 +35,7 @@ from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from kvcx.codecs.kvconfig import KVConfig, check_plan_record, layer_of, tag_of
+from kvcx.codecs.presses import INDEX_BITS, Press, PressedSetting
 from kvcx.errors import CodecError, KvcxError
 
 DEFAULT_WINDOWS = 4
@@ -33,6 +43,7 @@ DEFAULT_OFFSET = 128      # windows skipped: validate scores the first 32, bench
 MAX_BITS = 4              # widths a plan may give a layer (configs without variants)
 KINDS = ("key", "value")
 _UNITS = 64               # the knapsack's bit unit: 1/64 bit/value (FP16 scales of groups of 16-256 are multiples)
+KEEPS = (0.5, 0.25, 0.125)  # keep ratios a plan with a press may give a layer, besides 1 (no eviction)
 
 Sensitivity = Dict[Tuple[str, int, str], float]   # (kind, layer, option tag) -> mean KLD, nats/token
 
@@ -51,6 +62,8 @@ class Calibration:
     estimated_kld: float = 0.0                         # the plan's KLD as the allocator estimates it (a sum)
     extrapolated: int = 0                              # (kind, layer, option) figures the plan took unmeasured
     complete: bool = True                              # False: figures of one kind only, no plan (--reuse them)
+    press: Optional[Press] = None                      # a keep ratio per layer (tokens as a second axis)
+    head_dim: int = 0                                  # the model's (the kept positions' share of the bytes)
 
     def to_dict(self) -> dict:
         return {"config": self.config.get_config(), "budget": self.budget, "bits_per_value": self.bits_per_value,
@@ -58,8 +71,14 @@ class Calibration:
                 "wall_time_s": self.wall_time_s,
                 "estimated_kld": self.estimated_kld if self.complete and math.isfinite(self.estimated_kld) else None,
                 "extrapolated": self.extrapolated, "complete": self.complete,
+                **({"press": self.press.get_config(), "head_dim": self.head_dim} if self.press is not None else {}),
                 "sensitivity": [{"kind": k, "layer": L, "option": t, "kld": v}
                                 for (k, L, t), v in sorted(self.sensitivity.items())]}
+
+    @property
+    def setting(self):
+        """What validate and KvcxCache take: the plan's config, with its press when it has one."""
+        return PressedSetting(self.press, self.config) if self.press is not None else self.config
 
     def base_sensitivity(self) -> Dict[Tuple[str, int], float]:
         """(kind, layer) -> KLD with the base config's own codec (for ranking layers)."""
@@ -101,17 +120,33 @@ def _one_layer_roundtrip(config: KVConfig, kind: str, layer: int, tag: str):
     return rt
 
 
+def keep_ladder(press: Press) -> List[float]:
+    """The keep ratios below 1 a plan with ``press`` chooses from: :data:`KEEPS` and the one written."""
+    return sorted({*KEEPS, float(press.keep)} - {1.0}, reverse=True)
+
+
+def keep_tag(keep: float) -> str:
+    return f"k{keep:g}"
+
+
 def layer_sensitivity(model, ids, starts: List[int], window: int, stride: int, config: KVConfig, n_layers: int,
                       options: Optional[Iterable[str]] = None,
-                      on_window: Optional[Callable[[int, int], None]] = None) -> Tuple[Sensitivity, int]:
+                      on_window: Optional[Callable[[int, int], None]] = None,
+                      press: Optional[Press] = None) -> Tuple[Sensitivity, int]:
     """({(kind, layer, tag): mean KLD}, tokens scored), one layer's keys or values compressed at a time, with
-    each of ``options`` (default: every option a plan may use) that the kind has."""
+    each of ``options`` (default: every option a plan may use) that the kind has; with a ``press``, also each
+    layer alone evicted at each keep ratio of :func:`keep_ladder` (kind ``"keep"``, tag ``k0.5``)."""
+    from kvcx.quality.eviction import PressRoundtrip
     from kvcx.quality.scoring import compare_prefix
 
     want = None if options is None else set(options)
     roundtrips = {(kind, L, t): _one_layer_roundtrip(config, kind, L, t)
                   for L in range(n_layers) for kind in KINDS for t in plan_options(config, kind)
                   if want is None or t in want or f"{kind}.{t}" in want}
+    if press is not None:
+        for r in keep_ladder(press):
+            one = PressedSetting(Press(press.name, r, dict(press.options)))
+            roundtrips.update({("keep", L, keep_tag(r)): PressRoundtrip(one, layers={L}) for L in range(n_layers)})
     if not roundtrips:
         raise KvcxError(f"options={','.join(sorted(want))} leaves nothing to measure: the plan's options are keys "
                         f"{','.join(plan_options(config, 'key'))}, values {','.join(plan_options(config, 'value'))}")
@@ -202,6 +237,93 @@ def allocate(sensitivity, config: KVConfig, n_layers: int, budget: float) -> Tup
     return plan, estimated, guessed
 
 
+def _knapsack(choices: List[List[Tuple[int, float]]], cap: int, what: str) -> Tuple[float, List[int]]:
+    """(least summed KLD, the choice per item) picking one (cost in units, KLD) per item within ``cap`` units."""
+    import numpy as np
+
+    best = np.full(cap + 1, np.inf)
+    best[0] = 0.0
+    picks = []
+    for options in choices:
+        nxt = np.full(cap + 1, np.inf)
+        pick = np.zeros(cap + 1, dtype=np.int32)
+        for j, (c, kld) in enumerate(options):
+            if c > cap:
+                continue
+            cand = np.full(cap + 1, np.inf)
+            cand[c:] = best[:cap + 1 - c] + kld
+            better = cand < nxt
+            nxt[better] = cand[better]
+            pick[better] = j
+        best = nxt
+        picks.append(pick)
+    if not np.isfinite(best).any():
+        raise KvcxError(f"no plan fits {what}; raise the budget")
+    at = int(np.argmin(best))          # the least KLD; of equal ones the fewest bits
+    total, chosen = float(best[at]), []
+    for options, pick in zip(reversed(choices), reversed(picks)):
+        j = int(pick[at])
+        chosen.append(j)
+        at -= options[j][0]
+    return total, chosen[::-1]
+
+
+def least_pressed_budget(config: KVConfig, press: Press, head_dim: int = 0) -> float:
+    """The fewest bits/value a plan with ``press`` can take: the smallest keep of its ladder, the cheapest codecs,
+    and the kept positions (``head_dim`` 0: before the model is known, positions left out)."""
+    cost = _costs(config)
+    r = min(keep_ladder(press) or [1.0])
+    codec = sum(min(c for (k, _), c in cost.items() if k == kind) for kind in KINDS) / 2
+    return r * codec + (INDEX_BITS * r / (2 * head_dim) if head_dim else 0.0)
+
+
+def allocate_pressed(sensitivity, config: KVConfig, press: Press, n_layers: int, head_dim: int,
+                     budget: float) -> Tuple[KVConfig, Press, float, int, float]:
+    """(plan, press with a keep ratio per layer, estimated KLD, figures estimated, bits/value counted whole): per
+    layer a keep ratio and the keys' and values' codecs, the summed KLD least within ``budget``."""
+    cost = _costs(config)
+    least = least_pressed_budget(config, press, head_dim)
+    if not (math.isfinite(budget) and budget >= least - 1e-9):
+        raise KvcxError(f"budget={budget} bits/value must be at least {least:.3f}: keep {min(keep_ladder(press)):g} of "
+                        f"the tokens at the cheapest codecs of {config.scheme} (positions counted); raise it")
+    measured: Dict[Tuple[str, int], Dict[str, Tuple[float, float]]] = {}
+    for (k, L, t), v in sensitivity.items():
+        if k in KINDS and (k, tag_of(t)) in cost:
+            measured.setdefault((k, L), {})[tag_of(t)] = (float(v), cost[(k, tag_of(t))])
+    keeps = [1.0] + keep_ladder(press)
+    choices, meta = [], []
+    for L in range(n_layers):
+        if not (measured.get(("key", L)) and measured.get(("value", L))):
+            raise KvcxError(f"no sensitivity measured for layer {L}'s keys or values: calibrate again")
+        opts, info = [], []
+        for r in keeps:
+            e = 0.0 if r == 1.0 else sensitivity.get(("keep", L, keep_tag(r)))
+            if e is None:
+                raise KvcxError(f"no eviction sensitivity for layer {L} at keep {r:g}: calibrate again")
+            for tk in plan_options(config, "key"):
+                kk, gk = _estimate(measured[("key", L)], tk, cost[("key", tk)])
+                for tv in plan_options(config, "value"):
+                    kv, gv = _estimate(measured[("value", L)], tv, cost[("value", tv)])
+                    bpv = r * (cost[("key", tk)] + cost[("value", tv)]) / 2 + \
+                        (INDEX_BITS * r / (2 * head_dim) if r < 1.0 else 0.0)
+                    opts.append((int(math.ceil(bpv * _UNITS - 1e-6)), max(e, 0.0) + kk + kv))
+                    info.append((r, tk, tv, gk + gv, bpv))
+        choices.append(opts)
+        meta.append(info)
+    cap = int(math.floor(budget * n_layers * _UNITS + 1e-6))
+    estimated, picks = _knapsack(choices, cap, f"budget={budget} bits/value")
+    chosen = [meta[L][j] for L, j in enumerate(picks)]
+    base = (config.key, config.value)
+    layer_bits = [(L, _sel(tk), _sel(tv)) for L, (_, tk, tv, _, _) in enumerate(chosen)
+                  if (config.codec_at("key", _sel(tk)), config.codec_at("value", _sel(tv))) != base]
+    plan = KVConfig(key=config.key, value=config.value, scheme=config.scheme, layer_bits=layer_bits,
+                    variants=config.variants)
+    layer_keep = tuple(r for r, *_ in chosen)
+    pressed = Press(press.name, sum(layer_keep) / n_layers, dict(press.options), layer_keep)
+    return (plan, pressed, estimated, sum(g for *_, g, _ in chosen),
+            sum(b for *_, b in chosen) / n_layers)
+
+
 def _saved_sensitivity(saved: dict, source: str) -> Tuple[KVConfig, Dict[Tuple[str, int, str], Tuple[float, object]], int]:
     """(base config, {(kind, layer, tag): (KLD, codec measured with)}, n_layers) of a plan file's JSON."""
     try:
@@ -210,6 +332,8 @@ def _saved_sensitivity(saved: dict, source: str) -> Tuple[KVConfig, Dict[Tuple[s
         rows = {}
         for r in saved["sensitivity"]:
             k, L = r["kind"], int(r["layer"])
+            if k == "keep":      # an eviction's figure: read by reallocate with the plan's press
+                continue
             t = str(r.get("option", _base_tag(cfg, k)))   # earlier plans recorded the base codec only
             rows[(k, L, t)] = (float(r["kld"]), cfg.codec_at(k, _sel(t)))
     except (KeyError, TypeError, ValueError) as exc:
@@ -334,19 +458,40 @@ def reallocate(saved, budget: float, source="<plan>", base: Optional[KVConfig] =
         for (k, L, t), (kld, codec) in rows.items():
             if t in plan_options(base, k) and codec == base.codec_at(k, _sel(t)):
                 sens.setdefault((k, L, t), kld)
+    if first.get("press") is not None:    # tokens as a second axis: the evictions' figures too
+        press, head_dim = _saved_press(first, sources[0])
+        for r in first["sensitivity"]:
+            if r["kind"] == "keep":
+                sens[("keep", int(r["layer"]), r["option"])] = float(r["kld"])
+        plan, pressed, estimated, guessed, bpv = allocate_pressed(sens, base, press, n_layers, head_dim, budget)
+        return Calibration(config=plan, sensitivity=sens, budget=budget, bits_per_value=bpv, n_layers=n_layers,
+                           windows=int(first.get("windows", 0)), tokens=int(first.get("tokens", 0)),
+                           model=str(first.get("model", "")), estimated_kld=estimated, extrapolated=guessed,
+                           press=pressed, head_dim=head_dim)
     plan, estimated, guessed = allocate(sens, base, n_layers, budget)
     return Calibration(config=plan, sensitivity=sens, budget=budget, bits_per_value=plan.bits_per_value(n_layers),
                        n_layers=n_layers, windows=int(first.get("windows", 0)), tokens=int(first.get("tokens", 0)),
                        model=str(first.get("model", "")), estimated_kld=estimated, extrapolated=guessed)
 
 
+def _saved_press(saved: dict, source: str) -> Tuple[Press, int]:
+    """(the press to allocate with again, head_dim) of a plan calibrated with one: its keep ladder the measured
+    keep ratios (the largest of them as the press's written keep)."""
+    measured = [float(r["option"][1:]) for r in saved["sensitivity"] if r["kind"] == "keep"]
+    if not measured or not saved.get("head_dim"):
+        raise KvcxError(f"{source}: the plan has a press but no eviction figures or head_dim: calibrate again")
+    p = Press.from_config(saved["press"], source)
+    return Press(p.name, max(measured), dict(p.options)), int(saved["head_dim"])
+
+
 def run_calibration(config: KVConfig, budget: float, model: Optional[str] = None, dataset_file=None,
                     windows: int = DEFAULT_WINDOWS, offset: int = DEFAULT_OFFSET, window: int = 1024,
                     stride: int = 512, cpu: bool = False, loaded=None, options: Optional[Sequence[str]] = None,
                     on_phase: Optional[Callable[[int, int, str], None]] = None,
-                    on_window: Optional[Callable[[int, int], None]] = None) -> Calibration:
+                    on_window: Optional[Callable[[int, int], None]] = None,
+                    press: Optional[Press] = None) -> Calibration:
     """Measure every layer's sensitivity on ``windows`` windows after the first ``offset`` with ``options``
-    (tags; default: every option a plan may use), then allocate."""
+    (tags; default: every option a plan may use), then allocate; with a ``press``, keep ratios per layer too."""
     import torch
 
     from kvcx.quality.models import load_dataset_text, load_model_and_tokenizer, resolve_model
@@ -369,7 +514,15 @@ def run_calibration(config: KVConfig, budget: float, model: Optional[str] = None
                                                         for k, a in allowed.items()) for t in options)):
         raise KvcxError(f"options={','.join(options)}: a plan from {config.scheme} chooses keys from "
                         f"{','.join(allowed['key'])} and values from {','.join(allowed['value'])}; measure some of those")
-    if not widths:
+    if press is not None:
+        if widths or options is not None:
+            raise KvcxError("a press (tokens as a second axis) is calibrated with the per-layer widths of a scheme such "
+                            "as kvcx or kvcx3, every option measured: leave --options out and use such a scheme")
+        least = least_pressed_budget(config, press)
+        if not (math.isfinite(budget) and budget >= least - 1e-9):
+            raise KvcxError(f"budget={budget} bits/value must be above {least:.3f}: keep {min(keep_ladder(press)):g} of "
+                            f"the tokens at the cheapest codecs of {config.scheme}, plus their positions; raise it")
+    elif not widths:
         check_budget(config, budget)   # before the model runs, not after
     text = load_dataset_text(dataset_file)
     source = resolve_model(model) if loaded is None else None
@@ -396,7 +549,17 @@ def run_calibration(config: KVConfig, budget: float, model: Optional[str] = None
                      for k, a in allowed.items())
         on_phase(1, 2, f"{name}: {n_layers} layers x {n_opts} key/value codecs, {windows} windows from window "
                        f"{offset}, {config.describe()}")
-    sens, tokens = layer_sensitivity(m, ids, starts, window, stride, config, n_layers, options, on_window)
+    sens, tokens = layer_sensitivity(m, ids, starts, window, stride, config, n_layers, options, on_window, press)
+    if press is not None:
+        heads = int(m.config.num_attention_heads)
+        head_dim = int(getattr(m.config, "head_dim", None) or m.config.hidden_size // heads)
+        plan, pressed, estimated, guessed, bpv = allocate_pressed(sens, config, press, n_layers, head_dim, budget)
+        if on_phase:
+            on_phase(2, 2, f"plan: {bpv:.3f} bits/value counted whole, keep {pressed.keep:.3f} of the tokens on "
+                           f"average, {len(plan.layer_bits)} layers' codecs changed")
+        return Calibration(config=plan, sensitivity=sens, budget=budget, bits_per_value=bpv, n_layers=n_layers,
+                           windows=windows, tokens=tokens, wall_time_s=time.perf_counter() - t0, model=name,
+                           estimated_kld=estimated, extrapolated=guessed, press=pressed, head_dim=head_dim)
     measured_kinds = {k for k, _, _ in sens}
     if measured_kinds != set(KINDS):
         # --options measured one kind only: keep the figures (no plan yet); --reuse combines them with others

@@ -9,6 +9,7 @@ for eviction alone) plus their positions, against the full context's values.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Dict, List, Optional
 
 import numpy as np
@@ -76,7 +77,8 @@ def evict(tensors: Dict[str, np.ndarray], press, queries: Optional[List[np.ndarr
         idx = press.select(k[0], queries[i] if queries is not None else None, layer=i)
         kept[f"layer_{i}_key"] = np.take_along_axis(k[0], idx[..., None], axis=1)[None]
         kept[f"layer_{i}_value"] = np.take_along_axis(v[0], idx[..., None], axis=1)[None]
-        nbytes += index_bytes(*idx.shape)
+        if idx.shape[1] < k.shape[2]:    # a layer that keeps every token needs no positions
+            nbytes += index_bytes(*idx.shape)
         i += 1
     if layers is None and i == 0:
         raise KvcxError("press: the cache has no layer_0_key tensor; evict a model's cache (layer_{i}_key/_value)")
@@ -105,3 +107,38 @@ class PressRoundtrip:
                 n=sum(a.size for a in kept.values()))
         decoded, packed, stats = self.inner(kept)
         return decoded, nbytes + packed, stats
+
+
+def held_cache(layers):
+    """A transformers cache holding the given per-layer (key, value) tensors: a DynamicCache where every layer
+    holds as many tokens, else an :class:`~kvcx.cache.pressing.EvictedCache` (run the model over it under
+    :func:`attending`)."""
+    from kvcx.quality.bridge import make_dynamic_cache
+
+    if len({k.shape[-2] for k, _ in layers}) <= 1:
+        return make_dynamic_cache(layers)
+    from kvcx.cache.pressing import EvictedCache
+
+    cache = EvictedCache()
+    for i, (k, v) in enumerate(layers):
+        cache.update(k, v, i)
+    return cache
+
+
+@contextlib.contextmanager
+def attending(model, cache):
+    """The model's attention set to ``"kvcx"`` while it runs over an EvictedCache (each layer's own causal mask),
+    restored after; nothing changes for any other cache."""
+    from kvcx.cache.pressing import EvictedCache
+
+    if not isinstance(cache, EvictedCache):
+        yield model
+        return
+    from kvcx.cache.attention_fn import ATTN_IMPLEMENTATION
+
+    before = model.config._attn_implementation
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    try:
+        yield model
+    finally:
+        model.set_attn_implementation(before)

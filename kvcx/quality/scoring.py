@@ -218,11 +218,12 @@ def compare_prefix(model, ids, starts: List[int], window: int, stride: int, roun
         DeviceRoundtrip,
         cache_to_device_tensors,
         cache_to_tensors,
-        make_dynamic_cache,
         original_nbytes,
         tensors_to_layers,
         value_count,
     )
+
+    from kvcx.quality.eviction import attending, held_cache
 
     dev = next(model.parameters()).device
     runs = {label: PerplexityRun() for label in roundtrips}
@@ -254,10 +255,11 @@ def compare_prefix(model, ids, starts: List[int], window: int, stride: int, roun
                 tensors = on_device if isinstance(roundtrip, DeviceRoundtrip) else host
                 decoded, nbytes, stats = (roundtrip(tensors, queries) if getattr(roundtrip, "query_window", 0)
                                           else roundtrip(tensors))
-                comp_cache = make_dynamic_cache(tensors_to_layers(decoded, dev))
+                comp_cache = held_cache(tensors_to_layers(decoded, dev))    # a press may leave layers uneven
                 del decoded
                 codec_s, codec_cpu = time.perf_counter() - t, time.process_time() - c
-                comp_hidden = forward_hidden(model, cont, comp_cache, start=ctx_len)[0][:-1]
+                with attending(model, comp_cache):
+                    comp_hidden = forward_hidden(model, cont, comp_cache, start=ctx_len)[0][:-1]
                 del comp_cache
                 base, comp, divergence = score_hidden(model, base_hidden, comp_hidden, targets, exact=exact)
                 runs[label].add_window(base, comp, targets.numel(), original_nbytes(tensors), nbytes,

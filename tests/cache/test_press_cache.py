@@ -129,3 +129,38 @@ def test_reset_presses_again(kvcx_attention, prompt):
         cache.reset()
         model(input_ids=prompt[:, :300], past_key_values=cache)
     assert cache.layers[3].cumulative_length == 150 and cache.get_seq_length() == 300
+
+
+def test_an_evicted_cache_gives_each_layer_its_own_causal_mask(loaded, prompt):
+    """A context whose layers keep different counts (a plan's keep ratio per layer) runs through the "kvcx"
+    attention with each layer's own mask: with even layers it equals a DynamicCache exactly; with uneven ones each
+    layer holds what its ratio keeps and the scores stay finite."""
+    from kvcx.codecs.presses import Press
+    from kvcx.quality.bridge import cache_to_tensors, make_dynamic_cache, tensors_to_layers
+    from kvcx.quality.eviction import attending, evict, held_cache
+    from kvcx.quality.scoring import forward_hidden
+
+    model = loaded[0]
+    n_layers = model.config.num_hidden_layers
+    ctx, cont = prompt[:, :500], prompt[:, 500:600]
+    with torch.inference_mode():
+        _, exact = forward_hidden(model, ctx)
+        tensors = cache_to_tensors(exact)
+        even, _ = evict(tensors, Press("knorm", 0.5), None)
+        want = forward_hidden(model, cont, make_dynamic_cache(tensors_to_layers(even, "cpu")), start=500)[0]
+        from kvcx.cache.pressing import EvictedCache
+
+        forced = EvictedCache()
+        for i, (k, v) in enumerate(tensors_to_layers(even, "cpu")):
+            forced.update(k, v, i)
+        with attending(model, forced):
+            got = forward_hidden(model, cont, forced, start=500)[0]
+        assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+        keeps = tuple(1.0 if i % 3 == 0 else 0.25 for i in range(n_layers))
+        uneven, _ = evict(tensors, Press("knorm", 0.5, layer_keep=keeps), None)
+        cache = held_cache(tensors_to_layers(uneven, "cpu"))
+        assert isinstance(cache, EvictedCache)
+        with attending(model, cache):
+            hidden = forward_hidden(model, cont, cache, start=500)[0]
+        assert model.config._attn_implementation != "kvcx" and torch.isfinite(hidden).all()
+        assert [cache.layers[i].keys.shape[-2] for i in range(3)] == [600, 225, 225]
