@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 from typing import Optional
 
+import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
@@ -59,6 +60,14 @@ def needs_materialising(kwargs: dict, dropout: float, module) -> bool:
     return any(kwargs.get(k) is not None for k in _NOT_FUSED) or bool(dropout and module.training)
 
 
+def tail_mask(query_length: int, held: int, device) -> torch.Tensor:
+    """Causal mask [1, 1, Q, held] of a step's Q tokens over a layer's ``held`` tokens, the step's own the last
+    (every kept context token visible)."""
+    q = torch.arange(query_length, device=device)[:, None]
+    k = torch.arange(held, device=device)[None, :]
+    return (k <= (held - query_length + q))[None, None]
+
+
 def kvcx_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
                            scaling: Optional[float] = None, is_causal=None, **kwargs):
     """transformers attention implementation ``"kvcx"``: SDPA, except on a KvcxCache's fused steps, where
@@ -73,8 +82,6 @@ def kvcx_attention_forward(module, query, key, value, attention_mask, dropout: f
         layer.press_prefill(query)
         return out
     if kind == TAIL:    # held tokens after an eviction: every one visible, the step's own causal among them
-        from kvcx.cache.pressing import tail_mask
-
         return sdpa_attention_forward(module, query, key, value, tail_mask(query.shape[-2], key.shape[-2],
                                                                            query.device),
                                       dropout=dropout, scaling=scaling, is_causal=False, **kwargs)

@@ -7,7 +7,7 @@ prunes after each layer's forward); SnapKV scores the prompt's tokens with the p
 it stands for: it keeps counting the context's length (``get_seq_length``, so generate() places the tokens that
 follow at their own rotary positions) and tells transformers' masks where its held tokens sit
 (``get_mask_sizes``: the evicted tokens are an offset); steps of several tokens get a causal mask from the layer
-itself (:func:`tail_mask`), since layers with their own keep ratios hold different counts.
+itself (:func:`kvcx.cache.attention_fn.tail_mask`), since layers with their own keep ratios hold different counts.
 
 One sequence per cache (batch 1): a press keeps different tokens in each sequence. :class:`EvictedCache` is the
 same idea for a transformers cache built from evicted tensors (``validate``'s prefix mode with a keep ratio per
@@ -60,14 +60,6 @@ class PrefillPress:
         at = torch.from_numpy(idx).to(keys.device)[None, :, :, None].expand(-1, -1, -1, keys.shape[-1])
         self.done, self.evicted = True, keys.shape[-2] - idx.shape[1]
         return keys.gather(2, at), values.gather(2, at)
-
-
-def tail_mask(query_length: int, held: int, device) -> torch.Tensor:
-    """Causal mask [1, 1, Q, held] of a step's Q tokens over a layer's ``held`` tokens, the step's own the last
-    (every kept context token visible)."""
-    q = torch.arange(query_length, device=device)[:, None]
-    k = torch.arange(held, device=device)[None, :]
-    return (k <= (held - query_length + q))[None, None]
 
 
 class EvictedCache(DynamicCache):

@@ -113,13 +113,14 @@ def held_cache(layers):
     """A transformers cache holding the given per-layer (key, value) tensors: a DynamicCache where every layer
     holds as many tokens, else an :class:`~kvcx.cache.pressing.EvictedCache` (run the model over it under
     :func:`attending`)."""
-    from kvcx.quality.bridge import make_dynamic_cache
-
     if len({k.shape[-2] for k, _ in layers}) <= 1:
-        return make_dynamic_cache(layers)
-    from kvcx.cache.pressing import EvictedCache
+        from transformers import DynamicCache
 
-    cache = EvictedCache()
+        cache = DynamicCache()
+    else:
+        from kvcx.cache.pressing import EvictedCache
+
+        cache = EvictedCache()
     for i, (k, v) in enumerate(layers):
         cache.update(k, v, i)
     return cache
