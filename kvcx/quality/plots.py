@@ -167,3 +167,31 @@ def validation_pareto(results, output_path, title: Optional[str] = None) -> None
     png = pareto_png(pts, thresholds=((results[0].threshold, f"threshold {results[0].threshold}"),), title=title)
     with OutputSet([output_path]) as tmp:
         write_bytes_to(tmp[os.fspath(output_path)], os.fspath(output_path), [png])
+
+
+def retrieval_pareto_png(points: Iterable[dict], title: Optional[str] = None) -> bytes:
+    """Bits per value-equivalent (x, log 2) vs retrieval accuracy (y) of each setting; ``points``: dicts with bits,
+    accuracy, label and kind ("exact", "quantization", "eviction", "both" or "calibrated"), one colour each."""
+    plt = _pyplot()
+    pts = list(points)
+    fig, ax = plt.subplots(figsize=(8.5, 5.5))
+    for kind, colour, marker in (("exact", "black", "*"), ("quantization", "tab:blue", "o"),
+                                 ("eviction", "tab:orange", "s"), ("both", "tab:green", "D"),
+                                 ("calibrated", "tab:red", "P")):
+        sel = [p for p in pts if p["kind"] == kind]
+        if not sel:
+            continue
+        ax.scatter([p["bits"] for p in sel], [100 * p["accuracy"] for p in sel], c=colour, marker=marker, label=kind,
+                   zorder=3)
+        for p in sel:
+            ax.annotate(p["label"], (p["bits"], 100 * p["accuracy"]), fontsize=6.5, xytext=(4, 3),
+                        textcoords="offset points", color=colour)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("bits per value-equivalent of the context (everything held: codes, scales, kept positions)")
+    ax.set_ylabel("prompts answered, % (kept tasks)")
+    ax.set_ylim(-3, 103)
+    ax.grid(True, which="both", lw=0.3, alpha=0.5)
+    ax.legend(loc="lower right")
+    if title:
+        ax.set_title(title, fontsize=9)
+    return _png(fig)
