@@ -41,6 +41,8 @@ def main(argv=None):
     ap.add_argument("--ppl-windows", type=int, default=4, help="perplexity windows per length (0: none)")
     ap.add_argument("--stride", type=int, default=512, help="tokens scored per perplexity window")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--query-aware", action="store_true", help="the question prefilled with the context: presses "
+                                                               "see it (SnapKV's window)")
     ap.add_argument("--dataset-file", type=Path, default=None)
     ap.add_argument("--markdown", type=Path, default=None)
     ap.add_argument("--json", type=Path, default=None)
@@ -64,7 +66,7 @@ def main(argv=None):
     t0 = time.perf_counter()
     results = run_retrieval(configs, tasks, lengths=lengths, depths=[float(x) for x in args.depths.split(",")],
                             prompts=args.prompts, seed=args.seed, dataset_file=args.dataset_file, loaded=loaded,
-                            task_label="ruler",
+                            task_label="ruler", query_aware=args.query_aware,
                             on_prompt=lambda d, n: print(f"prompt {d}/{n}, {time.perf_counter() - t0:.0f} s",
                                                          flush=True))
     t_retrieval = time.perf_counter() - t0
@@ -81,7 +83,9 @@ def main(argv=None):
     out = Report()
     out(f"Embedded {r0.model}; tasks {', '.join(tasks)} ({', '.join(r0.tasks) or 'none'} kept: the exact cache "
         f"answers at least half of their prompts at some length); {r0.prompts} prompts per task, length and depth "
-        f"(depths {', '.join(f'{100 * d:g}' for d in r0.depths)} % of the context), seed {r0.seed}; prefix mode. A "
+        f"(depths {', '.join(f'{100 * d:g}' for d in r0.depths)} % of the context), seed {r0.seed}; prefix mode, "
+        + ("query-aware (the question prefilled with the context: a press sees it). " if args.query_aware else
+           "query-agnostic (the context compressed before the question is known). ") + "A "
         "cell: prompts answered with its 95 % Wilson interval; p: McNemar's exact one-sided test against the exact "
         f"cache on the same prompts, Holm-adjusted over the setting's cells (alpha {r0.alpha}). Perplexity and KLD: "
         f"{args.ppl_windows} windows of the context length, the last {args.stride} tokens scored. Bits per "

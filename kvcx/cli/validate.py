@@ -57,6 +57,10 @@ def validate(
     alpha: Annotated[float, typer.Option("--alpha", help="ruler/passkey: a setting fails where it is below the exact "
                                                          "cache at this family-wise significance (McNemar, Holm).")] = 0.05,
     seed: Annotated[int, typer.Option("--seed", help="ruler/passkey: the prompts' seed.")] = 0,
+    query_aware: Annotated[bool, typer.Option("--query-aware", help="ruler/passkey: prefill the question with the "
+                                                                    "context, so a press (SnapKV's window) sees it "
+                                                                    "(default: the context compressed before the "
+                                                                    "question is known, as a prefix cache holds it).")] = False,
     tolerance: Annotated[Optional[int], typer.Option("--tolerance", hidden=True)] = None,
     json_out: JsonOpt = False,
 ):
@@ -80,7 +84,8 @@ def validate(
             raise KvcxError(f"--task {task!r} must be perplexity, ruler or passkey")
         retrieval = task in ("passkey", "ruler")
         if not retrieval:
-            for opt, given in (("--lengths", lengths), ("--depths", depths), ("--tasks", tasks)):
+            for opt, given in (("--lengths", lengths), ("--depths", depths), ("--tasks", tasks),
+                               ("--query-aware", query_aware or None)):
                 if given is not None:
                     raise KvcxError(f"{opt} sets the retrieval tasks' prompts; add --task ruler (or --task passkey), "
                                     "or use --window for perplexity")
@@ -101,7 +106,7 @@ def validate(
                             "--quick-test has no model: leave it out")
         if retrieval:
             return _retrieval(configs, gated, task, tasks, lengths, depths, prompts, alpha, seed, model,
-                              dataset_file, cpu, mode, quiet, json_out, on_phase)
+                              dataset_file, cpu, mode, quiet, json_out, on_phase, query_aware)
         if quick_test:
             results = [validation.quick_test(c, on_phase=on_phase, label=label) for label, c in configs.items()]
         else:
@@ -141,7 +146,7 @@ def _numbers(option: str, text: Optional[str], kind, example: str):
 
 
 def _retrieval(configs, gated, task, tasks, lengths, depths, prompts, alpha, seed, model, dataset_file, cpu, mode,
-               quiet, json_out, on_phase):
+               quiet, json_out, on_phase, query_aware=False):
     from kvcx.quality import retrieval, ruler
 
     if mode != "prefix":
@@ -160,7 +165,7 @@ def _retrieval(configs, gated, task, tasks, lengths, depths, prompts, alpha, see
         results = retrieval.run_retrieval(configs, names, lengths=parsed, depths=where or retrieval.DEPTHS,
                                           prompts=prompts, seed=seed, model=model, dataset_file=dataset_file,
                                           cpu=cpu, alpha=alpha, on_phase=on_phase, on_prompt=on_prompt,
-                                          task_label=task)
+                                          task_label=task, query_aware=query_aware)
     if json_out:
         emit_json(results[0].to_dict() if len(results) == 1 else [r.to_dict() for r in results])
     else:

@@ -7,6 +7,12 @@ context's cache evicted by the setting's press (if it has one), then packed and 
 one: the file path's bytes, as ``--mode prefix``). After eviction the question still runs at its own positions
 (the context's length onwards): the kept keys carry theirs in their rotary embedding.
 
+Query-agnostic (the default) or query-aware: by default the context is compressed before the question is known,
+as a prefix cache (LMCache, vLLM's prefix caching) holds it and as kvpress evaluates its presses; SnapKV's
+observation window is then the context's last tokens. ``query_aware=True`` prefills the question with the context
+(all but its last token), so the press, SnapKV's window included, sees the question, as SnapKV's paper runs it
+on one request; the codec then also packs the question's tokens.
+
 Per task and length, a cell: prompts answered, accuracy with its 95 % Wilson interval, the exact cache's beside
 it, and McNemar's exact one-sided test on the paired prompts (:mod:`kvcx.quality.stats`). A task is kept where the
 exact cache answers at least half its prompts at some length (a small model cannot do every task; the report
@@ -78,6 +84,7 @@ class RetrievalResult:
     # seconds spent: the exact prefills and answers (shared by every setting), this setting's eviction and codec
     # round trips, its answers
     seconds: dict = field(default_factory=dict)
+    query_aware: bool = False  # the question prefilled with the context (the press saw it)
 
     def verdict_line(self) -> str:
         if not self.tasks:
@@ -157,7 +164,7 @@ def run_retrieval(configs: Mapping[str, object], tasks: Sequence[str], lengths: 
                   depths: Sequence[float] = DEPTHS, prompts: int = 2, seed: int = 0, model: Optional[str] = None,
                   dataset_file=None, cpu: bool = False, device=None, alpha: float = stats.ALPHA, on_phase=None,
                   on_prompt: Optional[Callable[[int, int], None]] = None, loaded=None,
-                  task_label: str = "ruler") -> List[RetrievalResult]:
+                  task_label: str = "ruler", query_aware: bool = False) -> List[RetrievalResult]:
     """The retrieval cells of several settings (label -> KVConfig, peer or PressedSetting) on the same prompts;
     one result per setting. ``lengths`` default to 1,024 doubling up to the model's context."""
     t_start = time.perf_counter()
@@ -211,9 +218,12 @@ def run_retrieval(configs: Mapping[str, object], tasks: Sequence[str], lengths: 
                     for p in range(prompts):
                         prompt = ruler.TASKS[task].build(encode, haystack, length, depth,
                                                          ruler.rng_for(seed, task, length, j, p))
-                        ctx = torch.tensor([prompt.context], device=dev)
-                        q = torch.tensor([prompt.question], device=dev)
-                        start = len(prompt.context)
+                        context, question = prompt.context, prompt.question
+                        if query_aware:   # the question prefilled with the context: the press sees it
+                            context, question = context + question[:-1], question[-1:]
+                        ctx = torch.tensor([context], device=dev)
+                        q = torch.tensor([question], device=dev)
+                        start = len(context)
                         t0 = clock()
                         if window:
                             with QueryCapture(m, window) as capture:
@@ -276,7 +286,7 @@ def run_retrieval(configs: Mapping[str, object], tasks: Sequence[str], lengths: 
             depths=[float(d) for d in depths], prompts=prompts, cells=cells, alpha=alpha, p_value=p_min,
             passed=bool(kept) and p_min >= alpha, bits_per_value=8.0 * stored / values if values else 0.0,
             compression_ratio=16.0 * values / (8.0 * stored) if stored else 0.0, model=name, device=str(dev),
-            seed=seed, wall_time_s=wall, config=cfg.get_config(),
+            seed=seed, wall_time_s=wall, config=cfg.get_config(), query_aware=query_aware,
             seconds={"prefill": spent["prefill"], "exact_answers": spent["exact_answers"],
                      "roundtrip": spent[f"{label}:roundtrip"], "answers": spent[f"{label}:answers"]}))
     return results
