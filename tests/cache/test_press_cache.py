@@ -164,3 +164,32 @@ def test_an_evicted_cache_gives_each_layer_its_own_causal_mask(loaded, prompt):
             hidden = forward_hidden(model, cont, cache, start=500)[0]
         assert model.config._attn_implementation != "kvcx" and torch.isfinite(hidden).all()
         assert [cache.layers[i].keys.shape[-2] for i in range(3)] == [600, 225, 225]
+
+
+def test_a_plan_with_a_keep_ratio_per_layer_generates_as_the_prefix_path(kvcx_attention, prompt):
+    """KvcxCache(kv_config=a plan with keep ratios per layer, as load_plan returns it): each layer holds its own
+    count and decodes with its own mask, as the prefix path over an EvictedCache does."""
+    from kvcx.cache import KvcxCache
+    from kvcx.codecs import KVConfig
+    from kvcx.codecs.presses import Press, PressedSetting
+    from kvcx.quality.bridge import cache_to_tensors, tensors_to_layers
+    from kvcx.quality.eviction import attending, evict, held_cache
+    from kvcx.quality.retrieval import greedy_reply
+    from kvcx.quality.scoring import forward_hidden, output_logits
+
+    model = kvcx_attention
+    n_layers = model.config.num_hidden_layers
+    press = Press("knorm", 0.5, layer_keep=tuple(1.0 if i < 4 else 0.25 for i in range(n_layers)))
+    ids = prompt[:, :600]
+    with torch.inference_mode():
+        hidden, exact = forward_hidden(model, ids)
+        kept, _ = evict(cache_to_tensors(exact), press, None)
+        ref_cache = held_cache(tensors_to_layers(kept, "cpu"))
+        first = int(output_logits(model, hidden[-1:]).argmax(-1))
+        with attending(model, ref_cache):
+            want = [first] + greedy_reply(model, torch.tensor([[first]]), ref_cache, 5, 600)
+    cache = KvcxCache(model.config, kv_config=PressedSetting(press, KVConfig.from_scheme("q8_0")), residual_length=64)
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=6,
+                         do_sample=False)
+    assert out[0, 600:].tolist() == want
+    assert [cache.layers[i].cumulative_length for i in (0, 4)] == [605, 155]
