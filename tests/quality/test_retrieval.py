@@ -32,8 +32,8 @@ def test_keeping_every_token_answers_as_the_exact_cache(results):
         for c in r.cells:
             assert (c.correct, c.only_exact, c.only_setting) == (c.exact_correct, 0, 0), (label, c)
             assert c.p_value == 1.0
-        # full precision plus the kept positions: 16 bits a value, and a uint16 per token and head over 2 x 64
-        assert r.bits_per_value == pytest.approx(16.0 + 16.0 / 128, rel=1e-6)
+        # every token kept at full precision: 16 bits a value, and no positions to store
+        assert r.bits_per_value == 16.0
     exact = [(c.task, c.exact_correct) for c in results["kvcx"].cells]
     assert all([(c.task, c.exact_correct) for c in r.cells] == exact for r in results.values())
     assert sum(n for _, n in exact) >= 3        # the model does these tasks at 768 tokens with the exact cache
