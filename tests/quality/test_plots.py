@@ -35,3 +35,21 @@ def test_metrics_plot_draws_the_per_head_heatmap(cache128, tmp_path):
     assert r.exit_code == 1 and "layer index" in r.output
     r = run("metrics", cache128, "--plot", tmp_path / "no" / "x.png")
     assert r.exit_code == 1 and "does not exist" in r.output and "Traceback" not in r.output
+
+
+def test_retrieval_pareto_draws_every_kind(tmp_path):
+    pytest.importorskip("matplotlib")
+    import io
+
+    import matplotlib.image as mpimg
+
+    from kvcx.quality.plots import retrieval_pareto_png
+
+    points = [{"bits": 16.0, "accuracy": 1.0, "label": "exact", "kind": "exact"},
+              {"bits": 4.4, "accuracy": 0.95, "label": "kvcx", "kind": "quantization"},
+              {"bits": 8.06, "accuracy": 0.4, "label": "snapkv:0.5", "kind": "eviction"},
+              {"bits": 2.3, "accuracy": 0.35, "label": "kvcx+snapkv:0.5", "kind": "both"},
+              {"bits": 1.0, "accuracy": 0.5, "label": "plan-1.0", "kind": "calibrated"}]
+    png = retrieval_pareto_png(points, title="t")
+    img = mpimg.imread(io.BytesIO(png), format="png")
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and img.shape[0] > 100 and img.shape[1] > 200
