@@ -70,12 +70,11 @@ def test_generate_after_a_press_equals_the_prefix_path(kvcx_attention, loaded, p
     report = cache.memory_report()
     # q8_0 is read by the materialising path: each step attends through the layer's own mask
     assert report["tokens"] == n + 7 and report["attention_steps"]["materialised"] > 0
-    full = KvcxCache(model.config, scheme="q8_0", residual_length=64)
-    model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), past_key_values=full, max_new_tokens=8,
-                   do_sample=False)
-    # the same context, counted whole: eviction shows in the bits per value of the context
-    assert report["fp16_equivalent_bytes"] == full.memory_report()["fp16_equivalent_bytes"]
-    assert report["packed_bytes"] < full.memory_report()["packed_bytes"] * (press.keep + 0.1)
+    # bytes against the whole context (evicted tokens included): eviction shows in the bits per value
+    cfg = model.config
+    assert report["fp16_equivalent_bytes"] == 2 * 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * \
+        cfg.head_dim * (n + 7)
+    assert report["bits_per_value"] < 0.75 * 8.5    # q8_0 is 8.5 bits a value; the FP32 residual counts too
 
 
 def test_a_multi_token_step_after_the_press_is_causal(kvcx_attention, loaded, prompt):
