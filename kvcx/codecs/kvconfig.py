@@ -377,9 +377,9 @@ class KVConfig:
                     d["sinks"] = sinks
             return cls(key=get_codec(kw, n_threads), value=IntCodec(n_threads=n_threads, **vkw), scheme=scheme)
         if scheme not in _SCHEMES and ("+" in str(scheme) or ":" in str(scheme)):
-            raise CodecError(f"scheme {scheme!r} composes token eviction (a press) with a codec: in this release "
-                             "presses run in `kvcx validate --task ruler` or `--task passkey`; here give the codec "
-                             f"alone (one of {', '.join(SCHEME_NAMES)})")
+            raise CodecError(f"scheme {scheme!r} composes token eviction (a press) with a codec: presses run in "
+                             "`kvcx validate`, `kvcx calibrate` and KvcxCache(scheme=...); a file keeps every token, so "
+                             f"here give the codec alone (one of {', '.join(SCHEME_NAMES)})")
         if scheme not in _SCHEMES:
             raise CodecError(f"unknown scheme {scheme!r}; use one of {', '.join(SCHEME_NAMES)}")
         if scheme == "reference" and (bits not in (None, 4) or sinks or rotate):

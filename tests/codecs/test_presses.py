@@ -97,7 +97,7 @@ def test_snapkv_without_queries_and_bad_shapes():
         Press("knorm", 0.5).select(np.zeros((4, 8), np.float32))
 
 
-def test_where_presses_do_not_run_yet_the_error_says_so():
+def test_where_presses_do_not_run_the_error_says_so():
     for scheme in ("kvcx+snapkv:0.5", "snapkv:0.5"):
-        with pytest.raises(KvcxError, match="presses run in `kvcx validate --task ruler`"):
+        with pytest.raises(KvcxError, match="presses run in `kvcx validate`, `kvcx calibrate` and KvcxCache"):
             KVConfig.from_scheme(scheme)
