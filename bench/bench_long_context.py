@@ -59,7 +59,8 @@ def main(argv=None):
 
     configs, _ = validation_settings(args.scheme, peers=PEERS)
     for p in filter(None, args.plans.split(",")):
-        configs[Path(p).stem] = load_plan(p)
+        name = Path(p).name
+        configs[name[:-len(".json")] if name.endswith(".json") else name] = load_plan(p)   # a shipped name keeps its dots
     tasks = ["passkey"] if args.tasks == "passkey" else task_names(args.tasks)
     lengths = [int(x) for x in args.lengths.split(",")]
     loaded = load_model_and_tokenizer(None, cpu=True)
