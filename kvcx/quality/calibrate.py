@@ -177,22 +177,26 @@ def check_budget(config: KVConfig, budget: float, cost: Optional[Dict[Tuple[str,
                         "cheapest codecs take; raise it or pick a scheme with fewer bits (kvcx2, kvcx3)")
 
 
+def _measured(sensitivity, config: KVConfig, cost) -> Dict[Tuple[str, int], Dict[str, Tuple[float, float]]]:
+    """{(kind, layer): {tag: (KLD, its bits/value)}} of the codecs' figures (keys and values; (kind, layer) keys
+    mean the base codec; eviction figures and options the config has not are left out)."""
+    measured: Dict[Tuple[str, int], Dict[str, Tuple[float, float]]] = {}
+    for key, v in sensitivity.items():
+        k, L, t = key if len(key) == 3 else (*key, _base_tag(config, key[0]))
+        if k in KINDS and (k, tag_of(t)) in cost:
+            measured.setdefault((k, L), {})[tag_of(t)] = (float(v), cost[(k, tag_of(t))])
+    return measured
+
+
 def allocate(sensitivity, config: KVConfig, n_layers: int, budget: float) -> Tuple[KVConfig, float, int]:
     """(plan, estimated KLD, figures estimated): one option per (kind, layer) minimising the summed KLD with
     the mean nominal bits/value within ``budget`` (keys and values of every layer the same size).
 
     ``sensitivity`` maps (kind, layer, tag) to the KLD measured with ``config.codec_at(kind, tag)``
     ((kind, layer) keys mean the base codec). An exact multiple-choice knapsack in 1/64-bit units."""
-    import numpy as np
-
     cost = _costs(config)
     check_budget(config, budget, cost)
-    measured: Dict[Tuple[str, int], Dict[str, Tuple[float, float]]] = {}
-    for key, v in sensitivity.items():
-        k, L, t = key if len(key) == 3 else (*key, _base_tag(config, key[0]))
-        t = tag_of(t)
-        if (k, t) in cost:
-            measured.setdefault((k, L), {})[t] = (float(v), cost[(k, t)])
+    measured = _measured(sensitivity, config, cost)
     items = [(k, L) for L in range(n_layers) for k in KINDS]
     missing = [i for i in items if not measured.get(i)]
     if missing:
@@ -205,30 +209,13 @@ def allocate(sensitivity, config: KVConfig, n_layers: int, budget: float) -> Tup
                            for t in plan_options(config, k)]
     most = sum(max(cost[(k, t)] for t in plan_options(config, k)) for k, _ in items) / len(items)
     cap = int(math.floor(min(budget, most) * len(items) * _UNITS + 1e-6))   # more than the costliest plan buys nothing
-    best = np.full(cap + 1, np.inf)
-    best[0] = 0.0
-    picks = []
-    for it in items:
-        nxt = np.full(cap + 1, np.inf)
-        pick = np.zeros(cap + 1, dtype=np.int8)
-        for j, (_, c, kld, _) in enumerate(options[it]):
-            if c > cap:
-                continue
-            cand = np.full(cap + 1, np.inf)
-            cand[c:] = best[:cap + 1 - c] + kld
-            better = cand < nxt
-            nxt[better] = cand[better]
-            pick[better] = j
-        best = nxt
-        picks.append(pick)
-    at = int(np.argmin(best))          # the least KLD; of equal ones the fewest bits
-    estimated = float(best[at])
+    estimated, picks = _knapsack([[(c, kld) for _, c, kld, _ in options[it]] for it in items], cap,
+                                 f"budget={budget} bits/value")
     chosen, guessed = {}, 0
-    for it, pick in zip(reversed(items), reversed(picks)):
-        t, c, _, g = options[it][int(pick[at])]
+    for it, j in zip(items, picks):
+        t, _, _, g = options[it][j]
         chosen[it] = _sel(t)
         guessed += g
-        at -= c
     base = (config.key, config.value)
     layer_bits = [(L, chosen[("key", L)], chosen[("value", L)]) for L in range(n_layers)
                   if (config.codec_at("key", chosen[("key", L)]), config.codec_at("value", chosen[("value", L)])) != base]
@@ -286,10 +273,7 @@ def allocate_pressed(sensitivity, config: KVConfig, press: Press, n_layers: int,
     if not (math.isfinite(budget) and budget >= least - 1e-9):
         raise KvcxError(f"budget={budget} bits/value must be at least {least:.3f}: keep {min(keep_ladder(press)):g} of "
                         f"the tokens at the cheapest codecs of {config.scheme} (positions counted); raise it")
-    measured: Dict[Tuple[str, int], Dict[str, Tuple[float, float]]] = {}
-    for (k, L, t), v in sensitivity.items():
-        if k in KINDS and (k, tag_of(t)) in cost:
-            measured.setdefault((k, L), {})[tag_of(t)] = (float(v), cost[(k, tag_of(t))])
+    measured = _measured(sensitivity, config, cost)
     keeps = [1.0] + keep_ladder(press)
     choices, meta = [], []
     for L in range(n_layers):
