@@ -7,6 +7,7 @@ is attached to the tensors, and nothing flows back to the cache.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Optional
 
@@ -94,6 +95,18 @@ def kvcx_attention_forward(module, query, key, value, attention_mask, dropout: f
         layer.pack_residual(layer.last_step)
         return out
     return layer.attend(query, attention_mask, scaling), None
+
+
+@contextlib.contextmanager
+def kvcx_attention(model):
+    """The model's attention set to ``"kvcx"`` for the block, restored after (what a press in KvcxCache, or a
+    cache whose layers hold uneven counts, runs under)."""
+    before = model.config._attn_implementation
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    try:
+        yield model
+    finally:
+        model.set_attn_implementation(before)
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, kvcx_attention_forward)

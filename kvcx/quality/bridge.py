@@ -50,8 +50,13 @@ def cache_layers(cache) -> List[Tuple[object, object]]:
 
 
 def make_dynamic_cache(layers, config=None):
-    """A DynamicCache holding the given [(key, value)] tensors."""
-    from transformers import DynamicCache
+    """A DynamicCache holding the given [(key, value)] tensors; where a press left the layers holding different
+    counts, an :class:`~kvcx.cache.pressing.EvictedCache` (run the model over it under
+    :func:`kvcx.quality.eviction.attending`: transformers builds one mask for all layers)."""
+    if len({k.shape[-2] for k, _ in layers}) > 1:
+        from kvcx.cache.pressing import EvictedCache as DynamicCache
+    else:
+        from transformers import DynamicCache
 
     cache = DynamicCache()
     for i, (k, v) in enumerate(layers):

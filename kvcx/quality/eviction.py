@@ -109,37 +109,17 @@ class PressRoundtrip:
         return decoded, nbytes + packed, stats
 
 
-def held_cache(layers):
-    """A transformers cache holding the given per-layer (key, value) tensors: a DynamicCache where every layer
-    holds as many tokens, else an :class:`~kvcx.cache.pressing.EvictedCache` (run the model over it under
-    :func:`attending`)."""
-    if len({k.shape[-2] for k, _ in layers}) <= 1:
-        from transformers import DynamicCache
-
-        cache = DynamicCache()
-    else:
-        from kvcx.cache.pressing import EvictedCache
-
-        cache = EvictedCache()
-    for i, (k, v) in enumerate(layers):
-        cache.update(k, v, i)
-    return cache
-
-
 @contextlib.contextmanager
 def attending(model, cache):
-    """The model's attention set to ``"kvcx"`` while it runs over an EvictedCache (each layer's own causal mask),
+    """The model's attention set to ``"kvcx"`` while it runs over an EvictedCache (which
+    :func:`kvcx.quality.bridge.make_dynamic_cache` builds for layers of uneven counts) (each layer's own causal mask),
     restored after; nothing changes for any other cache."""
     from kvcx.cache.pressing import EvictedCache
 
     if not isinstance(cache, EvictedCache):
         yield model
         return
-    from kvcx.cache.attention_fn import ATTN_IMPLEMENTATION
+    from kvcx.cache.attention_fn import kvcx_attention
 
-    before = model.config._attn_implementation
-    model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    try:
+    with kvcx_attention(model):
         yield model
-    finally:
-        model.set_attn_implementation(before)

@@ -30,7 +30,7 @@ from kvcx.codecs.metrics import json_safe
 from kvcx.codecs.presses import PressedSetting
 from kvcx.errors import KvcxError
 from kvcx.quality import ruler, stats
-from kvcx.quality.eviction import QueryCapture, attending, held_cache
+from kvcx.quality.eviction import QueryCapture, attending
 
 DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
 KEEP_TASK = 0.5            # a task is kept where the exact cache answers at least this share at some length
@@ -182,7 +182,7 @@ def run_retrieval(configs: Mapping[str, object], tasks: Sequence[str], lengths: 
                                                                              cpu=cpu)
     import torch
 
-    from kvcx.quality.bridge import cache_to_tensors, tensors_to_layers
+    from kvcx.quality.bridge import cache_to_tensors, make_dynamic_cache, tensors_to_layers
     from kvcx.quality.scoring import forward_hidden
 
     dev = next(m.parameters()).device
@@ -248,7 +248,7 @@ def run_retrieval(configs: Mapping[str, object], tasks: Sequence[str], lengths: 
                             decoded, nbytes = roundtrip(tensors, queries)
                             sizes[label][0] += nbytes
                             sizes[label][1] += sum(a.size for a in tensors.values())
-                            c = held_cache(tensors_to_layers(decoded, dev))   # layers may hold uneven counts
+                            c = make_dynamic_cache(tensors_to_layers(decoded, dev))   # layers may hold uneven counts
                             del decoded
                             t1 = clock()
                             with attending(m, c):

@@ -218,12 +218,13 @@ def compare_prefix(model, ids, starts: List[int], window: int, stride: int, roun
         DeviceRoundtrip,
         cache_to_device_tensors,
         cache_to_tensors,
+        make_dynamic_cache,
         original_nbytes,
         tensors_to_layers,
         value_count,
     )
 
-    from kvcx.quality.eviction import attending, held_cache
+    from kvcx.quality.eviction import attending
 
     dev = next(model.parameters()).device
     runs = {label: PerplexityRun() for label in roundtrips}
@@ -255,7 +256,7 @@ def compare_prefix(model, ids, starts: List[int], window: int, stride: int, roun
                 tensors = on_device if isinstance(roundtrip, DeviceRoundtrip) else host
                 decoded, nbytes, stats = (roundtrip(tensors, queries) if getattr(roundtrip, "query_window", 0)
                                           else roundtrip(tensors))
-                comp_cache = held_cache(tensors_to_layers(decoded, dev))    # a press may leave layers uneven
+                comp_cache = make_dynamic_cache(tensors_to_layers(decoded, dev))    # a press may leave layers uneven
                 del decoded
                 codec_s, codec_cpu = time.perf_counter() - t, time.process_time() - c
                 with attending(model, comp_cache):

@@ -19,6 +19,7 @@ The scoring itself lives in :mod:`kvcx.quality.scoring`, model and text loading 
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -127,12 +128,9 @@ def perplexity_generation(model, ids, starts: List[int], window: int, stride: in
     run = PerplexityRun()
     ctx_len = window - stride
     pressed = isinstance(config, PressedSetting)
-    attn = getattr(model.config, "_attn_implementation", None)
-    if pressed:
-        from kvcx.cache.attention_fn import ATTN_IMPLEMENTATION
+    from kvcx.cache.attention_fn import kvcx_attention
 
-        model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    try:
+    with kvcx_attention(model) if pressed else contextlib.nullcontext():
         with torch.inference_mode():
             for w, a in enumerate(starts):
                 win = ids[a:a + window][None].to(dev)
@@ -147,9 +145,6 @@ def perplexity_generation(model, ids, starts: List[int], window: int, stride: in
                 _generation_window(model, run, cache, base_hidden, comp_hidden, targets)
                 if on_window:
                     on_window(w + 1, len(starts))
-    finally:
-        if pressed and attn is not None:
-            model.set_attn_implementation(attn)
     return run
 
 

@@ -129,20 +129,6 @@ def test_errors():
         cache.layers[0].reorder_cache(torch.tensor([0]))
 
 
-@pytest.fixture
-def kvcx_attention(loaded):
-    """The model with kvcx's attention implementation (SDPA but for KvcxCache's fused steps), restored after."""
-    import kvcx.cache.kvcx_cache  # noqa: F401  (registers "kvcx")
-
-    model = loaded[0]
-    before = model.config._attn_implementation
-    model.set_attn_implementation("kvcx")
-    try:
-        yield model
-    finally:
-        model.set_attn_implementation(before)
-
-
 def _copy_into(src, cache):
     from kvcx.quality.bridge import cache_layers
 

@@ -18,19 +18,6 @@ def prompt(loaded, wikitext_path):
     return torch.tensor(tok(text)["input_ids"][:700])[None]
 
 
-@pytest.fixture
-def kvcx_attention(loaded):
-    import kvcx.cache.kvcx_cache  # noqa: F401  (registers "kvcx")
-
-    model = loaded[0]
-    before = model.config._attn_implementation
-    model.set_attn_implementation("kvcx")
-    try:
-        yield model
-    finally:
-        model.set_attn_implementation(before)
-
-
 def _reference(model, ids, press, new_tokens):
     """The prefix path: the exact prefill, evicted by ``press`` (kvcx.quality.eviction), then greedy decoding over a
     DynamicCache of the kept tokens at the context's own positions."""
@@ -136,7 +123,7 @@ def test_an_evicted_cache_gives_each_layer_its_own_causal_mask(loaded, prompt):
     layer holds what its ratio keeps and the scores stay finite."""
     from kvcx.codecs.presses import Press
     from kvcx.quality.bridge import cache_to_tensors, make_dynamic_cache, tensors_to_layers
-    from kvcx.quality.eviction import attending, evict, held_cache
+    from kvcx.quality.eviction import attending, evict
     from kvcx.quality.scoring import forward_hidden
 
     model = loaded[0]
@@ -157,7 +144,7 @@ def test_an_evicted_cache_gives_each_layer_its_own_causal_mask(loaded, prompt):
         assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
         keeps = tuple(1.0 if i % 3 == 0 else 0.25 for i in range(n_layers))
         uneven, _ = evict(tensors, Press("knorm", 0.5, layer_keep=keeps), None)
-        cache = held_cache(tensors_to_layers(uneven, "cpu"))
+        cache = make_dynamic_cache(tensors_to_layers(uneven, "cpu"))
         assert isinstance(cache, EvictedCache)
         with attending(model, cache):
             hidden = forward_hidden(model, cont, cache, start=500)[0]
@@ -171,8 +158,8 @@ def test_a_plan_with_a_keep_ratio_per_layer_generates_as_the_prefix_path(kvcx_at
     from kvcx.cache import KvcxCache
     from kvcx.codecs import KVConfig
     from kvcx.codecs.presses import Press, PressedSetting
-    from kvcx.quality.bridge import cache_to_tensors, tensors_to_layers
-    from kvcx.quality.eviction import attending, evict, held_cache
+    from kvcx.quality.bridge import cache_to_tensors, make_dynamic_cache, tensors_to_layers
+    from kvcx.quality.eviction import attending, evict
     from kvcx.quality.retrieval import greedy_reply
     from kvcx.quality.scoring import forward_hidden, output_logits
 
@@ -183,7 +170,7 @@ def test_a_plan_with_a_keep_ratio_per_layer_generates_as_the_prefix_path(kvcx_at
     with torch.inference_mode():
         hidden, exact = forward_hidden(model, ids)
         kept, _ = evict(cache_to_tensors(exact), press, None)
-        ref_cache = held_cache(tensors_to_layers(kept, "cpu"))
+        ref_cache = make_dynamic_cache(tensors_to_layers(kept, "cpu"))
         first = int(output_logits(model, hidden[-1:]).argmax(-1))
         with attending(model, ref_cache):
             want = [first] + greedy_reply(model, torch.tensor([[first]]), ref_cache, 5, 600)
