@@ -19,11 +19,11 @@ from typing import Dict, List, Optional
 import torch
 
 from kvcx.codecs import gpu
-from kvcx.codecs.backends import backend_name
+from kvcx.codecs.backends import TRITON, backend_name
 from kvcx.codecs.base import Codec, Packed, get_codec
 from kvcx.errors import CodecError
 
-BACKEND = "triton"
+BACKEND = TRITON
 # a segment's buffers grow by at least this fraction of what they hold (and to whole groups of 64 tokens):
 # appends copy the segment about 1 / GROWTH times over in all, and hold at most GROWTH more than they use
 GROWTH = 1 / 8

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Optional, Tuple
 
-from kvcx.codecs.backends import backend_takes
+from kvcx.codecs.backends import TRITON, backend_takes
 from kvcx.codecs.presses import Press, PressedSetting, split_scheme
 from kvcx.errors import KvcxError
 
@@ -33,9 +33,9 @@ def pressed(kv_config, scheme: str) -> Tuple[object, Optional[Press], str]:
 
 def on_backend(kv, backend: str, layers: int):
     """``kv`` with its codecs on ``backend``; KvcxError when a layer's codecs have no such backend."""
-    if backend == "triton":
+    if backend == TRITON:
         bad = sorted({c.describe() for i in range(layers) for c in (kv.for_layer(i).key, kv.for_layer(i).value)
-                      if not backend_takes(c, "triton")})
+                      if not backend_takes(c, TRITON)})
         if bad:
             raise KvcxError(f"KvcxCache(backend='triton') runs 4-bit integer codecs; this config has {', '.join(bad)}: "
                             "pass backend=None (by device) or 'cpu', or a 4-bit scheme (kvcx, reference, kivi)")

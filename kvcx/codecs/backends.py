@@ -14,7 +14,8 @@ from typing import Dict, Optional, Tuple
 
 from kvcx.errors import CodecError
 
-BACKENDS = ("cpu", "triton")
+TRITON = "triton"          # the device backend: the Triton kernels
+BACKENDS = ("cpu", TRITON)
 # the backend a tensor's device calls for when its codec names none
 BY_DEVICE = {"cuda": "triton"}
 _REGISTRY: Dict[Tuple[str, str], object] = {}
