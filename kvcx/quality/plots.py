@@ -169,23 +169,56 @@ def validation_pareto(results, output_path, title: Optional[str] = None) -> None
         write_bytes_to(tmp[os.fspath(output_path)], os.fspath(output_path), [png])
 
 
+def place_labels(ax, labels, fontsize: float = 6.5) -> None:
+    """Each (x, y, text, colour) written beside its point where it overlaps no label already written and stays
+    in the axes: tried right and left of the point, then further above and below it (joined to the point by a
+    thin line); a label with no free place takes its first. The legend counts as written."""
+    from matplotlib.text import Text
+
+    renderer = ax.figure.canvas.get_renderer()
+    frame = ax.get_window_extent(renderer)
+    offsets = [(5, 3), (5, -10), (-5, 3), (-5, -10)]
+    for k in range(1, 12):
+        offsets += [(5, 3 + 8 * k), (5, -10 - 8 * k), (-5, 3 + 8 * k), (-5, -10 - 8 * k)]
+    legend = ax.get_legend()
+    placed = [legend.get_window_extent(renderer)] if legend is not None else []
+    for x, y, text, colour in sorted(labels, key=lambda t: (-t[1], t[0])):
+        chosen = None
+        for dx, dy in offsets:
+            far = abs(dy) > 10
+            t = ax.annotate(text, (x, y), fontsize=fontsize, xytext=(dx, dy), textcoords="offset points",
+                            color=colour, ha="left" if dx > 0 else "right",
+                            arrowprops=dict(arrowstyle="-", lw=0.3, color=colour) if far else None)
+            t.update_positions(renderer)
+            box = Text.get_window_extent(t, renderer)   # the words alone, not the line to the point
+            inside = frame.x0 <= box.x0 and box.x1 <= frame.x1 and frame.y0 <= box.y0 and box.y1 <= frame.y1
+            if inside and not any(box.overlaps(b) for b in placed):
+                chosen = box
+                break
+            t.remove()
+        if chosen is None:   # crowded: the first place, overlapping
+            t = ax.annotate(text, (x, y), fontsize=fontsize, xytext=offsets[0], textcoords="offset points",
+                            color=colour)
+            chosen = t.get_window_extent(renderer)
+        placed.append(chosen)
+
+
 def retrieval_pareto_png(points: Iterable[dict], title: Optional[str] = None) -> bytes:
     """Bits per value-equivalent (x, log 2) vs retrieval accuracy (y) of each setting; ``points``: dicts with bits,
     accuracy, label and kind ("exact", "quantization", "eviction", "both" or "calibrated"), one colour each."""
     plt = _pyplot()
     pts = list(points)
     fig, ax = plt.subplots(figsize=(8.5, 5.5))
+    colours = {}
     for kind, colour, marker in (("exact", "black", "*"), ("quantization", "tab:blue", "o"),
                                  ("eviction", "tab:orange", "s"), ("both", "tab:green", "D"),
                                  ("calibrated", "tab:red", "P")):
+        colours[kind] = colour
         sel = [p for p in pts if p["kind"] == kind]
         if not sel:
             continue
         ax.scatter([p["bits"] for p in sel], [100 * p["accuracy"] for p in sel], c=colour, marker=marker, label=kind,
                    zorder=3)
-        for p in sel:
-            ax.annotate(p["label"], (p["bits"], 100 * p["accuracy"]), fontsize=6.5, xytext=(4, 3),
-                        textcoords="offset points", color=colour)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("bits per value-equivalent of the context (everything held: codes, scales, kept positions)")
     ax.set_ylabel("prompts answered, % (kept tasks)")
@@ -194,4 +227,6 @@ def retrieval_pareto_png(points: Iterable[dict], title: Optional[str] = None) ->
     ax.legend(loc="lower right")
     if title:
         ax.set_title(title, fontsize=9)
+    fig.tight_layout()   # the axes' final place, so the labels' boxes are measured where they will be drawn
+    place_labels(ax, [(p["bits"], 100 * p["accuracy"], p["label"], colours.get(p["kind"], "black")) for p in pts])
     return _png(fig)

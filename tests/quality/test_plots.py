@@ -53,3 +53,36 @@ def test_retrieval_pareto_draws_every_kind(tmp_path):
     png = retrieval_pareto_png(points, title="t")
     img = mpimg.imread(io.BytesIO(png), format="png")
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and img.shape[0] > 100 and img.shape[1] > 200
+
+
+def test_labels_of_points_at_the_same_place_do_not_overlap():
+    """Settings at the same accuracy and bits (several presses answer 0 % at 2.26 bits) each get a label of their
+    own, none over another or the legend, all inside the axes."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.text import Text
+
+    from kvcx.quality.plots import _pyplot, place_labels
+
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8.5, 5.5))
+    xs = [2.26, 2.26, 2.26, 2.3, 4.03, 4.03, 16.0, 1.0, 2.0]
+    ys = [0, 0, 0, 0, 0, 0, 100, 100, 100]
+    ax.scatter(xs, ys, label="points")
+    ax.set_xscale("log", base=2)
+    ax.set_ylim(-3, 103)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    place_labels(ax, [(x, y, f"setting-{i}:0.25", "black") for i, (x, y) in enumerate(zip(xs, ys))])
+    renderer = fig.canvas.get_renderer()
+    boxes = []
+    for t in ax.texts:
+        t.update_positions(renderer)
+        boxes.append(Text.get_window_extent(t, renderer))
+    frame = ax.get_window_extent(renderer)
+    legend = ax.get_legend().get_window_extent(renderer)
+    plt.close(fig)
+    assert len(boxes) == len(xs)
+    for i, a in enumerate(boxes):
+        assert frame.x0 <= a.x0 and a.x1 <= frame.x1 and frame.y0 <= a.y0 and a.y1 <= frame.y1
+        assert not a.overlaps(legend)
+        assert not any(a.overlaps(b) for b in boxes[i + 1:])
