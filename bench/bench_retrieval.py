@@ -5,7 +5,7 @@ Wilson interval and McNemar's exact one-sided test (Holm-adjusted over a setting
     python -m bench.bench_retrieval --tasks passkey --lengths 8192 --depths 0.9 --prompts 20 \
         --scheme kvcx,q8_0 --markdown docs/results/retrieval-passkey-8k.md
 
-Settings: any `kvcx validate --scheme` list, presses included (`kvcx+snapkv:0.5`). Also printed: where the time
+Settings: any `kvcx validate --scheme` list, presses included (`kvcx+snapkv:0.5`), and plan files (`--plans`). Also printed: where the time
 went (the exact prefills, each setting's eviction and codec round trips, the greedy answers).
 """
 from __future__ import annotations
@@ -20,6 +20,7 @@ from pathlib import Path
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--scheme", default="kvcx", help="settings, comma-separated (any `kvcx validate --scheme`)")
+    ap.add_argument("--plans", default="", help="plan files, comma-separated (labelled by file name)")
     ap.add_argument("--tasks", default="passkey", help="tasks, comma-separated, or ruler (all but passkey)")
     ap.add_argument("--lengths", default="4096,8192", help="context lengths, comma-separated")
     ap.add_argument("--depths", default="0.1,0.3,0.5,0.7,0.9", help="needle depths, comma-separated")
@@ -31,13 +32,16 @@ def main(argv=None):
     args = ap.parse_args(argv)
     from bench.report import Report
 
-    from kvcx.api import validation_settings
+    from kvcx.api import load_plan, validation_settings
     from kvcx.quality import ruler
     from kvcx.quality.models import load_model_and_tokenizer
     from kvcx.quality.peers import PEERS
     from kvcx.quality.retrieval import run_retrieval
 
     configs, _ = validation_settings(args.scheme, peers=PEERS)
+    for p in filter(None, args.plans.split(",")):
+        name = Path(p).name
+        configs[name[:-len(".json")] if name.endswith(".json") else name] = load_plan(p)
     tasks = ["passkey"] if args.tasks == "passkey" else ruler.task_names(args.tasks)
     loaded = load_model_and_tokenizer(None, cpu=True)
     t = time.perf_counter()
