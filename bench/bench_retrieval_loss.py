@@ -10,6 +10,12 @@ and depth index), and the teacher-forced log-probability of the exact cache's ow
 tokens; the drop from the exact cache's, averaged over prompts): a continuous reading of the same loss that
 separates layers where a handful of prompts cannot. ``--codecs`` adds other codecs (whole, not mixed) to the
 greedy table: ``kvcx:sinks=4``, ``kvcx:key_group=32``, ``kvcx:key_bits=8``.
+
+``--write-plan PATH`` writes the fix this measures as a plan (`kvcx validate --plan`, `KvcxCache(kv_config=
+kvcx.api.load_plan(PATH))`): the scheme with 8-bit keys in every layer whose keys alone, coded, cost at least
+``--protect`` of the whole loss (the teacher-forced drop with every layer coded). ``--from-json`` writes it from an
+earlier run's JSON without running the model. Check such a plan on other prompts (`bench.bench_retrieval --seed 1
+--plans PATH`): the layers are chosen on these.
 """
 from __future__ import annotations
 
@@ -38,6 +44,38 @@ def codec_setting(spec: str):
     return KVConfig(key=key, value=value, scheme=spec)
 
 
+def layer_losses(forced: dict) -> tuple:
+    """(each layer's loss with it alone coded, the loss with every layer coded): means over the prompts, nats."""
+    import numpy as np
+
+    exact = np.array(forced["exact"])
+    coded = [k for k in forced if k not in ("exact", "keys exact", "values exact") and not k.startswith("layer ")]
+    whole = float((exact - np.array(forced[coded[0]])).mean())
+    losses, i = [], 0
+    while f"layer {i} only coded" in forced:
+        losses.append(float((exact - np.array(forced[f"layer {i} only coded"])).mean()))
+        i += 1
+    return losses, whole
+
+
+def guard_plan(scheme: str, forced: dict, protect: float, path, model: str) -> list:
+    """Write ``scheme`` with 8-bit keys in the guarded layers (kvcx.quality.guard's rule on this bench's figures:
+    a layer's keys and values alone coded) to ``path``, a plan file naming its model; the layers."""
+    from kvcx.formats.atomic import OutputSet, write_bytes_to
+    from kvcx.quality.guard import guard_config, guarded_layers
+
+    losses, whole = layer_losses(forced)
+    layers = guarded_layers(losses, whole, protect)
+    cfg = guard_config(codec_setting(scheme), layers)
+    record = {"model": model, "n_layers": len(losses), "bits_per_value": cfg.bits_per_value(len(losses)),
+              "config": cfg.get_config()}
+    with OutputSet([path]) as tmp:
+        write_bytes_to(tmp[str(path)], str(path), [(json.dumps(record, indent=1) + "\n").encode()])
+    print(f"{path}: keys at 8 bits in layers {', '.join(map(str, layers)) or 'none'} "
+          f"({record['bits_per_value']:.3f} bits/value nominal)")
+    return layers
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--length", type=int, default=8192)
@@ -51,7 +89,20 @@ def main(argv=None):
     ap.add_argument("--codecs", default="", help="other codecs answered whole, ';'-separated")
     ap.add_argument("--markdown", type=Path, default=None)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--write-plan", type=Path, default=None, help="write the scheme with the guarded layers' keys at "
+                                                                  "8 bits as a plan file")
+    ap.add_argument("--protect", type=float, default=0.15, help="share of the whole loss a layer's keys must carry "
+                                                                "to be guarded")
+    ap.add_argument("--from-json", type=Path, default=None, help="an earlier run's --json: only write the plan")
     args = ap.parse_args(argv)
+    if args.from_json:
+        saved = json.loads(args.from_json.read_text())
+        from kvcx.quality.models import resolve_model
+
+        # runs before the JSON named its model ran the one a model-less run loads
+        model = saved.get("model") or resolve_model(None).name
+        guard_plan(saved["args"]["scheme"], saved["forced"], args.protect, args.write_plan, model)
+        return
     import numpy as np
     import torch
 
@@ -60,8 +111,8 @@ def main(argv=None):
     from kvcx.quality import ruler
     from kvcx.quality.bridge import cache_to_tensors, make_dynamic_cache
     from kvcx.quality.models import load_model_and_tokenizer
-    from kvcx.quality.retrieval import greedy_reply, setting_roundtrip
-    from kvcx.quality.scoring import forward_hidden, output_logits
+    from kvcx.quality.retrieval import setting_roundtrip
+    from kvcx.quality.scoring import forward_hidden, greedy_reply, output_logits
 
     t_start = time.perf_counter()
     m, tok, name = load_model_and_tokenizer(None, cpu=True)
@@ -199,9 +250,13 @@ def main(argv=None):
     out("")
     out(f"Wall time {wall:.0f} s.")
     if args.json:
-        args.json.write_text(json.dumps({"greedy": greedy, "forced": forced_rows, "margins": margins,
+        args.json.write_text(json.dumps({"model": name, "greedy": greedy, "forced": forced_rows, "margins": margins,
                                          "args": vars(args) | {"markdown": str(args.markdown),
                                                                "json": str(args.json)}}, indent=1) + "\n")
+    if args.write_plan:
+        layers = guard_plan(args.scheme, forced_rows, args.protect, args.write_plan, name)
+        out(f"\nLayers whose keys alone carry at least {args.protect:.0%} of the loss: "
+            f"{', '.join(map(str, layers)) or 'none'}; written as a plan with their keys at 8 bits to {args.write_plan}.")
     if args.markdown:
         out.write(args.markdown, "Where a codec's retrieval loss at long context comes from: the exact cache and the "
                                  "codec's decoded tensors mixed by layer, by kind and by token.")

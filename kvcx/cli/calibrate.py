@@ -7,9 +7,9 @@ from typing import Annotated, List, Optional
 import typer
 from rich.table import Table
 
-from kvcx.cli.app import (BitsOpt, GroupOpt, JsonOpt, ThreadsOpt, check_files_first,
-                          cli_errors, kv_config_from, app)
-from kvcx.cli.render import (emit_json, out, print_phase, window_bar)
+from kvcx.cli.app import (BitsOpt, GroupOpt, JsonOpt, ThreadsOpt, app, check_files_first, cli_errors,
+                          kv_config_from)
+from kvcx.cli.render import emit_json, out, print_phase, window_bar
 from kvcx.errors import KvcxError
 
 
@@ -17,7 +17,8 @@ from kvcx.errors import KvcxError
 def calibrate(
     out_path: Annotated[Path, typer.Option("--out", "-o", help="Plan file to write (JSON, atomically); pass it to "
                                                                 "compress/metrics/validate --plan.")],
-    budget: Annotated[float, typer.Option(help="Nominal bits per value to spend (codes, scales, zero points).")],
+    budget: Annotated[Optional[float], typer.Option(help="Nominal bits per value to spend (codes, scales, zero "
+                                                         "points).")] = None,
     scheme: Annotated[Optional[str], typer.Option("--scheme", help="Base scheme: kvcx3 (default when measuring), "
                                                   "kvcx2, kvcx2w (measures the queries' weights per key "
                                                   "channel), or any --scheme of compress; with --reuse, default: "
@@ -35,13 +36,25 @@ def calibrate(
                                                                         "files (no model run; repeat it to combine "
                                                                         "widths measured apart): only allocate "
                                                                         "--budget.")] = None,
+    guard_retrieval: Annotated[Optional[int], typer.Option(
+        "--guard-retrieval", help="Instead of --budget: a context length (e.g. 8192) at which to measure, on passkey "
+                                  "prompts, which layers' keys carry the scheme's retrieval loss, and give those keys "
+                                  "8 bits (the scheme defaults to kvcx).")] = None,
+    prompts: Annotated[int, typer.Option(help="Passkey prompts --guard-retrieval measures on.")] = 8,
     cpu: Annotated[bool, typer.Option("--cpu", help="Force CPU even when CUDA is available.")] = False,
     threads: ThreadsOpt = None,
     json_out: JsonOpt = False,
 ):
     """Per-layer bit widths: measure each layer's sensitivity (KL divergence) at each width and spend --budget
-    bits/value where it buys the most."""
+    bits/value where it buys the most; or, with --guard-retrieval, give 8-bit keys to the layers that long-context
+    retrieval needs."""
+    if guard_retrieval is not None:
+        return _guard(out_path, guard_retrieval, prompts, scheme, group_size, bits, budget, reuse, options, model, cpu,
+                      threads, json_out)
     with cli_errors("calibrate"):
+        if budget is None:
+            raise KvcxError("--budget is missing: the bits per value to spend, e.g. --budget 3.0 (or --guard-retrieval "
+                            "8192 to guard a scheme's retrieval instead)")
         from kvcx.api import save_plan
         from kvcx.quality import calibrate as cal
 
@@ -106,6 +119,44 @@ def calibrate(
               f"{len(cfg.layer_bits)} of {result.n_layers} layers changed, estimated KLD "
               f"{result.estimated_kld:.4f}{guessed}; {result.tokens:,} tokens, {result.wall_time_s:.0f} s")
 
+
+
+def _guard(out_path, length, prompts, scheme, group_size, bits, budget, reuse, options, model, cpu, threads,
+           json_out):
+    """``kvcx calibrate --guard-retrieval LENGTH``: the layers whose keys carry the retrieval loss, at 8 bits."""
+    with cli_errors("calibrate"):
+        from kvcx.api import save_plan
+        from kvcx.codecs.presses import split_scheme
+        from kvcx.quality.guard import GUARD_DEPTHS, PROTECT, check_guard, measure_guard
+
+        for given, name in ((budget, "--budget"), (reuse, "--reuse"), (options, "--options")):
+            if given:
+                raise KvcxError(f"--guard-retrieval measures the keys of one scheme; leave out {name}")
+        press, codec = split_scheme(scheme) if scheme else (None, "kvcx")
+        if press is not None:
+            raise KvcxError(f"--scheme {scheme}: --guard-retrieval guards a codec's keys; give the scheme without its "
+                            "press (e.g. --scheme kvcx)")
+        config = kv_config_from(codec, group_size, bits, None, None, threads)
+        check_guard(config, length, prompts, GUARD_DEPTHS, PROTECT)
+        check_files_first(outputs=[(out_path, "plan")], sidecars=False)
+        with window_bar(json_out, "prompts") as on_prompt:
+            result = measure_guard(config, length, prompts, model=model, cpu=cpu, on_prompt=on_prompt)
+        save_plan(out_path, result)
+    if json_out:
+        emit_json(result.to_dict())
+        return
+    t = Table(title=f"log-probability of the answer lost, {result.prompts} passkey prompts at {length:,} tokens "
+                    f"(nats; every layer coded: {result.whole:.3f})", header_style="bold")
+    for c in ("layer", "keys alone coded", "share", "guarded"):
+        t.add_column(c, justify="right")
+    for i in sorted(range(result.n_layers), key=lambda i: -result.losses[i])[:8]:
+        share = f"{result.losses[i] / result.whole:.0%}" if result.whole > 0 else "-"
+        t.add_row(str(i), f"{result.losses[i]:.3f}", share, "8-bit keys" if i in result.layers else "")
+    out.print(t)
+    out.print(f"[green]plan[/] → {out_path}: {config.scheme} with 8-bit keys in "
+              f"{len(result.layers)} of {result.n_layers} layers ({', '.join(map(str, result.layers)) or 'none'}): "
+              f"{result.bits_per_value:.3f} bits/value nominal; {result.wall_time_s:.0f} s. Gate it: `kvcx validate "
+              f"--task passkey --lengths {length} --depths 0.9 --plan {out_path}`")
 
 
 def _parse_options(text: Optional[str]) -> Optional[List[str]]:

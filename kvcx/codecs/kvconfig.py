@@ -215,7 +215,11 @@ def _check_key_weights(key_weights) -> tuple:
 _PLAN_NUMBERS = ("budget", "bits_per_value", "wall_time_s", "estimated_kld")
 _PLAN_COUNTS = {"n_layers": MAX_LAYERS, "windows": 1 << 31, "tokens": 1 << 48, "extrapolated": 1 << 24,
                 "head_dim": 1 << 16}
-_PLAN_FIELDS = {"config", "sensitivity", "model", "complete", "steps", "press", *_PLAN_NUMBERS, *_PLAN_COUNTS}
+_PLAN_FIELDS = {"config", "sensitivity", "model", "complete", "steps", "press", "guard", *_PLAN_NUMBERS,
+                *_PLAN_COUNTS}
+# the retrieval guard's record (kvcx.quality.guard): numbers, and lists of numbers a layer or a depth each
+_GUARD_NUMBERS = {"whole", "protect", "length", "prompts", "seed"}
+_GUARD_LISTS = {"layers", "losses", "depths"}
 _KEEP_TAG_RE = re.compile(r"k(1|0?\.[0-9]+)")   # an eviction's keep ratio, as calibration tags it
 
 
@@ -263,6 +267,13 @@ def check_plan_record(data, source: str) -> dict:
     for k, t in (("model", str), ("complete", bool), ("press", dict)):
         if k in data and not isinstance(data[k], t):
             bad(f"'{k}' must be a {t.__name__}, got {type(data[k]).__name__}")
+    guard = data.get("guard", {})
+    if not (isinstance(guard, dict) and set(guard) <= _GUARD_NUMBERS | _GUARD_LISTS
+            and all(_finite_number(guard[k]) for k in _GUARD_NUMBERS & set(guard))
+            and all(isinstance(guard[k], list) and len(guard[k]) <= MAX_LAYERS and all(map(_finite_number, guard[k]))
+                    for k in _GUARD_LISTS & set(guard))):
+        bad("'guard' must be the retrieval guard's record: " + ", ".join(sorted(_GUARD_NUMBERS)) + " (numbers) and "
+            + ", ".join(sorted(_GUARD_LISTS)) + " (lists of numbers)")
     rows = data.get("sensitivity", [])
     n_layers = data.get("n_layers", MAX_LAYERS)
     if not isinstance(rows, list) or len(rows) > 64 * 3 * max(1, n_layers):

@@ -31,6 +31,7 @@ from kvcx.codecs.presses import PressedSetting
 from kvcx.errors import KvcxError
 from kvcx.quality import ruler, stats
 from kvcx.quality.eviction import QueryCapture, attending
+from kvcx.quality.scoring import greedy_reply
 
 DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
 KEEP_TASK = 0.5            # a task is kept where the exact cache answers at least this share at some length
@@ -133,33 +134,6 @@ def setting_roundtrip(setting) -> Callable:
     return lambda tensors, _queries: rt(tensors)[:2]
 
 
-def greedy_reply(model, question, cache, n_tokens: int, start: int, eos: Optional[int] = None,
-                 stop: Optional[Callable[[List[int]], bool]] = None) -> List[int]:
-    """The greedy continuation of ``question`` [1, Q] over ``cache`` (extended), the question's first token at
-    position ``start`` (the context's length, whatever the cache kept): up to ``n_tokens``, ending early at
-    ``eos`` or once ``stop(tokens)`` holds (the reply already holds every answer: more tokens cannot change the
-    verdict)."""
-    import torch
-
-    from kvcx.deps import cache_keyword
-    from kvcx.quality.scoring import output_logits
-
-    decoder = model.get_decoder()
-    kw = cache_keyword(decoder.forward)
-    tokens, step, pos = [], question, start
-    for _ in range(n_tokens):
-        n = step.shape[1]
-        positions = torch.arange(pos, pos + n, device=step.device)[None]
-        hidden = decoder(input_ids=step, position_ids=positions, use_cache=True, **{kw: cache}).last_hidden_state[0]
-        pos += n
-        nxt = int(output_logits(model, hidden[-1:]).argmax(-1))
-        tokens.append(nxt)
-        if nxt == eos or (stop is not None and stop(tokens)):
-            break
-        step = torch.tensor([[nxt]], device=question.device)
-    return tokens
-
-
 def run_retrieval(configs: Mapping[str, object], tasks: Sequence[str], lengths: Optional[Sequence[int]] = None,
                   depths: Sequence[float] = DEPTHS, prompts: int = 2, seed: int = 0, model: Optional[str] = None,
                   dataset_file=None, cpu: bool = False, device=None, alpha: float = stats.ALPHA, on_phase=None,
@@ -174,7 +148,11 @@ def run_retrieval(configs: Mapping[str, object], tasks: Sequence[str], lengths: 
     check_retrieval(tasks, lengths or [1024], depths, prompts)
     for cfg in configs.values():
         getattr(cfg, "check_installed", lambda: None)()
-    from kvcx.quality.models import load_dataset_text, load_model_and_tokenizer, resolve_model
+    from kvcx.quality.models import (
+        load_dataset_text,
+        load_model_and_tokenizer,
+        resolve_model,
+    )
 
     # the haystack's text read (or its error raised) before the model loads: the needle tasks hide in it
     text = load_dataset_text(dataset_file) if any(ruler.TASKS[t].uses_haystack for t in tasks) else None
@@ -182,7 +160,11 @@ def run_retrieval(configs: Mapping[str, object], tasks: Sequence[str], lengths: 
                                                                              cpu=cpu)
     import torch
 
-    from kvcx.quality.bridge import cache_to_tensors, make_dynamic_cache, tensors_to_layers
+    from kvcx.quality.bridge import (
+        cache_to_tensors,
+        make_dynamic_cache,
+        tensors_to_layers,
+    )
     from kvcx.quality.scoring import forward_hidden
 
     dev = next(m.parameters()).device

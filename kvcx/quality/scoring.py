@@ -223,7 +223,6 @@ def compare_prefix(model, ids, starts: List[int], window: int, stride: int, roun
         tensors_to_layers,
         value_count,
     )
-
     from kvcx.quality.eviction import attending
 
     dev = next(model.parameters()).device
@@ -268,3 +267,29 @@ def compare_prefix(model, ids, starts: List[int], window: int, stride: int, roun
             if on_window:
                 on_window(w + 1, len(starts))
     return runs
+
+
+def greedy_reply(model, question, cache, n_tokens: int, start: int, eos: Optional[int] = None,
+                 stop: Optional[Callable[[List[int]], bool]] = None) -> List[int]:
+    """The greedy continuation of ``question`` [1, Q] over ``cache`` (extended), the question's first token at
+    position ``start`` (the context's length, whatever the cache kept): up to ``n_tokens``, ending early at
+    ``eos`` or once ``stop(tokens)`` holds (the reply already holds every answer: more tokens cannot change the
+    verdict)."""
+    import torch
+
+    from kvcx.deps import cache_keyword
+
+    decoder = model.get_decoder()
+    kw = cache_keyword(decoder.forward)
+    tokens, step, pos = [], question, start
+    for _ in range(n_tokens):
+        n = step.shape[1]
+        positions = torch.arange(pos, pos + n, device=step.device)[None]
+        hidden = decoder(input_ids=step, position_ids=positions, use_cache=True, **{kw: cache}).last_hidden_state[0]
+        pos += n
+        nxt = int(output_logits(model, hidden[-1:]).argmax(-1))
+        tokens.append(nxt)
+        if nxt == eos or (stop is not None and stop(tokens)):
+            break
+        step = torch.tensor([[nxt]], device=question.device)
+    return tokens

@@ -23,7 +23,7 @@ def _reference(model, ids, press, new_tokens):
     DynamicCache of the kept tokens at the context's own positions."""
     from kvcx.quality.bridge import cache_to_tensors, make_dynamic_cache, tensors_to_layers
     from kvcx.quality.eviction import QueryCapture, evict
-    from kvcx.quality.retrieval import greedy_reply
+    from kvcx.quality.scoring import greedy_reply
     from kvcx.quality.scoring import forward_hidden, output_logits
 
     with torch.inference_mode():
@@ -160,7 +160,7 @@ def test_a_plan_with_a_keep_ratio_per_layer_generates_as_the_prefix_path(kvcx_at
     from kvcx.codecs.presses import Press, PressedSetting
     from kvcx.quality.bridge import cache_to_tensors, make_dynamic_cache, tensors_to_layers
     from kvcx.quality.eviction import attending, evict
-    from kvcx.quality.retrieval import greedy_reply
+    from kvcx.quality.scoring import greedy_reply
     from kvcx.quality.scoring import forward_hidden, output_logits
 
     model = kvcx_attention

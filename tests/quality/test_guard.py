@@ -1,0 +1,84 @@
+"""The retrieval guard (kvcx calibrate --guard-retrieval): the rule, the config it gives, bad input before the model
+loads, and a real measurement on the embedded model."""
+import json
+
+import pytest
+from helpers import run
+
+from kvcx.api import load_plan, read_plan
+from kvcx.codecs.kvconfig import KVConfig
+from kvcx.errors import KvcxError
+from kvcx.quality.guard import GUARD_BITS, check_guard, guard_config, guarded_layers
+
+
+def test_a_layer_is_guarded_when_its_keys_alone_carry_the_share_of_the_loss():
+    losses = [0.001, 0.05, 0.0, 0.02, -0.01]
+    assert guarded_layers(losses, 0.1, 0.15) == [1, 3]
+    assert guarded_layers(losses, 0.1, 0.3) == [1]
+    assert guarded_layers(losses, 0.1, 0.9) == []
+    assert guarded_layers(losses, -0.01) == [] and guarded_layers(losses, 0.0) == []   # no loss: nothing to guard
+    for bad in (0.0, -0.1, 1.5, float("nan")):
+        with pytest.raises(KvcxError, match="protect"):
+            guarded_layers(losses, 0.1, bad)
+
+
+def test_the_guarded_layers_get_8_bit_keys_and_keep_their_values():
+    base = KVConfig.from_scheme("kvcx3")
+    cfg = guard_config(base, [18, 2])
+    assert cfg.layer_bits == ((2, GUARD_BITS, 3), (18, GUARD_BITS, 3))
+    assert cfg.for_layer(18).key.bits == 8 and cfg.for_layer(18).value == base.value
+    assert cfg.for_layer(3).key == base.key
+    assert cfg.bits_per_value(30) == pytest.approx(base.bits_per_value(30) + 2 * 5 / 2 / 30)
+    with pytest.raises(KvcxError, match="not a plan"):
+        guard_config(cfg, [1])
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(length=100), "at least"), (dict(prompts=0), "--prompts"), (dict(depths=[1.5]), "depths"),
+    (dict(depths=[]), "depths"), (dict(protect=2.0), "protect"),
+    (dict(config=KVConfig.from_scheme("kvcx2w")), "kvcx2w"),
+])
+def test_bad_guard_settings_are_refused(kw, message):
+    args = dict(config=KVConfig.from_scheme("kvcx"), length=8192, prompts=8, depths=[0.9], protect=0.15)
+    args.update(kw)
+    with pytest.raises(KvcxError, match=message):
+        check_guard(**args)
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--guard-retrieval", "100"], "at least"),
+    (["--guard-retrieval", "8192", "--budget", "3"], "leave out --budget"),
+    (["--guard-retrieval", "8192", "--scheme", "kvcx+snapkv:0.5"], "without its press"),
+    (["--guard-retrieval", "8192", "--prompts", "0"], "--prompts"),
+    (["--guard-retrieval", "8192", "--scheme", "kvcx2w"], "kvcx2w"),
+    (["--scheme", "kvcx3"], "--budget is missing"),
+])
+def test_bad_guard_options_are_one_red_line_before_the_model_loads(tmp_path, extra, message):
+    r = run("calibrate", "--out", tmp_path / "p.json", *extra)
+    assert r.exit_code == 1 and message in r.output and "Traceback" not in r.output, r.output
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_the_guard_measures_each_layers_keys_on_the_model(loaded, tmp_path):
+    """At 1,024 tokens: 8-bit keys lose next to nothing in any layer, 2-bit keys lose more in all; the plan file
+    is a plan validate and load_plan read, its layers those the rule picks from the figures it records."""
+    from kvcx.api import save_plan
+    from kvcx.quality.guard import measure_guard
+
+    fine = measure_guard(KVConfig.from_scheme("kvcx", bits=8), length=1024, prompts=1, loaded=loaded)
+    coarse = measure_guard(KVConfig.from_scheme("kvcx2"), length=1024, prompts=1, loaded=loaded)
+    n = loaded[0].config.num_hidden_layers
+    assert len(fine.losses) == len(coarse.losses) == n
+    assert max(abs(x) for x in fine.losses) < 0.05 and abs(fine.whole) < 0.05
+    assert coarse.whole > abs(fine.whole) and coarse.whole > 0.05
+    assert coarse.layers == guarded_layers(coarse.losses, coarse.whole)
+    path = tmp_path / "guard.json"
+    save_plan(path, coarse)
+    record = read_plan(path)
+    assert record["guard"]["layers"] == coarse.layers and record["n_layers"] == n
+    assert load_plan(path) == coarse.config
+    assert {L for L, kb, _ in coarse.config.layer_bits} == set(coarse.layers)
+    bad = dict(record, guard={**record["guard"], "losses": "x"})
+    path.write_text(json.dumps(bad))
+    r = run("validate", "--plan", path, "--task", "passkey")
+    assert r.exit_code == 1 and "'guard'" in r.output and "Traceback" not in r.output

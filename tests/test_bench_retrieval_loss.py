@@ -1,0 +1,44 @@
+"""The retrieval guard's rule (kvcx.quality.guard) on bench.bench_retrieval_loss's figures: which layers' keys get
+8 bits; the shipped plan smollm2-kvcx-4.58 is what the rule writes from the recorded 8k measurement."""
+import json
+from pathlib import Path
+
+import numpy as np
+
+from bench.bench_retrieval_loss import guard_plan, layer_losses
+from kvcx.api import load_plan, read_plan
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _forced(losses, whole):
+    """log p rows as the bench records them: exact at 0, each layer's keys alone coded losing ``losses[i]``."""
+    rows = {"exact": [0.0, 0.0], "kvcx": [-whole, -whole], "keys exact": [0.0, 0.0], "values exact": [-whole] * 2}
+    for i, x in enumerate(losses):
+        rows[f"layer {i} exact"] = [-whole + x] * 2
+        rows[f"layer {i} only coded"] = [-x, -x]
+    return rows
+
+
+def test_the_bench_reads_each_layers_loss_and_the_whole():
+    losses, whole = layer_losses(_forced([0.001, 0.05, 0.0, 0.02, -0.01], whole=0.1))
+    assert np.allclose(losses, [0.001, 0.05, 0.0, 0.02, -0.01]) and np.isclose(whole, 0.1)
+
+
+def test_the_plan_gives_the_guarded_layers_8_bit_keys(tmp_path):
+    out = tmp_path / "plan.json"
+    assert guard_plan("kvcx", _forced([0.0, 0.05, 0.0], whole=0.1), 0.15, out, "m") == [1]
+    cfg = load_plan(out)
+    assert cfg.layer_bits == ((1, 8, 4),) and cfg.scheme == "kvcx"
+    assert read_plan(out)["bits_per_value"] == cfg.bits_per_value(3) and read_plan(out)["model"] == "m"
+
+
+def test_the_shipped_plan_is_the_rule_applied_to_the_recorded_measurement(tmp_path):
+    saved = json.loads((ROOT / "docs/results/retrieval-loss-8k.json").read_text())
+    out = tmp_path / "plan.json"
+    layers = guard_plan(saved["args"]["scheme"], saved["forced"], 0.15, out, "m")
+    assert layers == [17, 18, 20]
+    assert load_plan(out) == load_plan("smollm2-kvcx-4.58")
+    exact = np.array(saved["forced"]["exact"])
+    whole = (exact - np.array(saved["forced"]["kvcx"])).mean()
+    assert whole > 0   # the measured loss the guard answers
