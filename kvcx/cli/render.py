@@ -169,6 +169,11 @@ def print_retrieval(results, gated, quiet: bool) -> None:
     if failed:
         out.print(f"[bold red]FAILED: {escape(', '.join(failed))}: significantly below the exact cache on some task "
                   f"and length (alpha {r0.alpha}), or no task kept[/]")
+        codecs = [r for r in results if r.setting in failed and "press" not in (r.config or {})]
+        if codecs:   # a press drops tokens: more bits in the keys kept cannot bring them back
+            out.print(f"[yellow]a codec that loses retrieval at long contexts may lose it in a few layers' keys: "
+                      f"`kvcx calibrate --guard-retrieval {max(r0.lengths)} --scheme SCHEME --out guard.json` gives them "
+                      "8 bits; gate it with --plan guard.json[/]")
     else:
         out.print(f"[bold green]PASSED: no gated setting significantly below the exact cache on any kept task and "
                   f"length (alpha {r0.alpha}, McNemar's exact test, Holm-adjusted)[/]")

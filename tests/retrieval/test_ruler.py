@@ -1,5 +1,6 @@
 """The retrieval tasks' prompts, built with a byte tokenizer (no model): their length, where the needles sit,
 what counts as answered, the same prompts for the same seed; and the options checked before a model loads."""
+import dataclasses
 import json
 
 import pytest
@@ -131,3 +132,23 @@ def test_result_json_shape():
     d = json.loads(json.dumps(r.to_dict()))
     assert set(d["cells"][0]) >= {"task", "length", "accuracy", "correct", "prompts", "ci_low", "ci_high"}
     assert {"bits_per_value", "passed", "p_value", "alpha"} <= set(d)
+
+
+def test_a_failing_codec_is_pointed_at_the_retrieval_guard_and_a_failing_press_is_not(capsys):
+    """The red verdict of a codec (not a press) names the guard that fixes the usual cause (a few layers' keys)."""
+    from kvcx.cli import render
+
+    cell = retrieval._cell("passkey", 8192, [(0.9, True)] * 25, [(0.9, True)] * 19 + [(0.9, False)] * 6, True)
+    cell = dataclasses.replace(cell, p_adjusted=cell.p_value)
+
+    def result(setting, config):
+        return retrieval.RetrievalResult(setting, "passkey", ["passkey"], {}, [8192], [0.9], 25, [cell],
+                                         p_value=cell.p_value, passed=False, config=config)
+
+    render.print_retrieval([result("kvcx", {"scheme": "kvcx"})], ["kvcx"], quiet=True)
+    text = " ".join(capsys.readouterr().out.split())
+    assert "FAILED: kvcx" in text and "--guard-retrieval 8192" in text
+    render.print_retrieval([result("snapkv:0.5", {"scheme": "exact", "press": "snapkv", "keep": 0.5})],
+                           ["snapkv:0.5"], quiet=True)
+    text = capsys.readouterr().out
+    assert "FAILED: snapkv:0.5" in text and "guard-retrieval" not in text
