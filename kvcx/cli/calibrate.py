@@ -49,8 +49,10 @@ def calibrate(
     bits/value where it buys the most; or, with --guard-retrieval, give 8-bit keys to the layers that long-context
     retrieval needs."""
     if guard_retrieval is not None:
-        return _guard(out_path, guard_retrieval, prompts, scheme, group_size, bits, budget, reuse, options, model, cpu,
-                      threads, json_out)
+        unused = {"--budget": budget, "--reuse": reuse, "--options": options, "--dataset-file": dataset_file,
+                  "--windows": windows != 4, "--offset": offset != 128}
+        return _guard(out_path, guard_retrieval, prompts, scheme, group_size, bits, unused, model, cpu, threads,
+                      json_out)
     with cli_errors("calibrate"):
         if budget is None:
             raise KvcxError("--budget is missing: the bits per value to spend, e.g. --budget 3.0 (or --guard-retrieval "
@@ -121,17 +123,17 @@ def calibrate(
 
 
 
-def _guard(out_path, length, prompts, scheme, group_size, bits, budget, reuse, options, model, cpu, threads,
-           json_out):
+def _guard(out_path, length, prompts, scheme, group_size, bits, unused, model, cpu, threads, json_out):
     """``kvcx calibrate --guard-retrieval LENGTH``: the layers whose keys carry the retrieval loss, at 8 bits."""
     with cli_errors("calibrate"):
         from kvcx.api import save_plan
         from kvcx.codecs.presses import split_scheme
         from kvcx.quality.guard import GUARD_DEPTHS, PROTECT, check_guard, measure_guard
 
-        for given, name in ((budget, "--budget"), (reuse, "--reuse"), (options, "--options")):
-            if given:
-                raise KvcxError(f"--guard-retrieval measures the keys of one scheme; leave out {name}")
+        given = [name for name, v in unused.items() if v]
+        if given:
+            raise KvcxError(f"--guard-retrieval measures the keys of one scheme on passkey prompts (no budget, no "
+                            f"text windows); leave out {', '.join(given)}")
         press, codec = split_scheme(scheme) if scheme else (None, "kvcx")
         if press is not None:
             raise KvcxError(f"--scheme {scheme}: --guard-retrieval guards a codec's keys; give the scheme without its "

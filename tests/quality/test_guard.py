@@ -48,6 +48,7 @@ def test_bad_guard_settings_are_refused(kw, message):
 @pytest.mark.parametrize("extra,message", [
     (["--guard-retrieval", "100"], "at least"),
     (["--guard-retrieval", "8192", "--budget", "3"], "leave out --budget"),
+    (["--guard-retrieval", "8192", "--windows", "2"], "leave out --windows"),
     (["--guard-retrieval", "8192", "--scheme", "kvcx+snapkv:0.5"], "without its press"),
     (["--guard-retrieval", "8192", "--prompts", "0"], "--prompts"),
     (["--guard-retrieval", "8192", "--scheme", "kvcx2w"], "kvcx2w"),
