@@ -15,6 +15,7 @@ A region is the text between ``<!-- NAME:begin -->`` and ``<!-- NAME:end -->``: 
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import sys
 from pathlib import Path
@@ -70,6 +71,7 @@ def headline() -> str:
     eng_all = eng_q[("LMCache, kvcx (default scheme)", "all")]
     fp8 = find(lmc, "LMCache fp8")
     q_rel = "[quality](docs/results/quality.md)"
+    long_ctx = long_context("long-context-8k.json")
     lines = [
         "| what | measured | report |",
         "|---|---|---|",
@@ -92,12 +94,38 @@ def headline() -> str:
         f"vLLM alone's prefill, {eng_4k['vs default serde']} the default serde's; teacher-forced greedy agreement "
         f"{eng_all[2]} | "
         "[engine](docs/results/engine.md) |",
+        long_ctx,
         f"| LMCache chunk, kvcx serde vs LMCache fp8 | {kv[2]} vs {fp8[2]} smaller than BF16; serialize "
         f"{kv[7]} vs {fp8[7]} GB/s, deserialize {kv[9]} vs {fp8[9]} GB/s (2 threads) | "
         "[lmcache](docs/results/lmcache.md) |",
     ]
     return "Headline figures (2 CPU cores; every figure from the linked report, written by the bench script " \
            "named there, which names the machine and the date of its run):\n\n" + "\n".join(lines)
+
+
+def long_context(name: str) -> str:
+    """The headline row of a long-context run (bench.bench_long_context's JSON): the 1.0-bit calibrated plan's
+    retrieval beside the exact cache's and beside eviction alone at about the same bytes."""
+    runs = json.loads((RESULTS / name).read_text())["retrieval"]
+
+    def cells(r):
+        kept = [c for c in r["cells"] if c["kept"]]
+        return sum(c["correct"] for c in kept), sum(c["prompts"] for c in kept), sum(c["exact_correct"] for c in kept)
+
+    plan = next((r for r in runs if r["setting"].endswith("snapkv-1.0")), None)
+    if plan is None:
+        raise SystemExit(f"publish: {name} has no calibrated 1.0-bit plan; run bench.bench_long_context with it")
+    near = [r for r in runs if r["config"].get("scheme") == "exact" and abs(r["bits_per_value"] -
+                                                                             plan["bits_per_value"]) < 0.1]
+    got, n, exact = cells(plan)
+    length = plan["lengths"][0]
+    alone = ", ".join(f"`{r['setting']}` {cells(r)[0]}/{n}" for r in near)
+    what = (f"| long context, {length:,} tokens: bits x keep plan at {plan['bits_per_value']:.3f} bits/value-equivalent "
+            f"({plan['compression_ratio']:.1f}x vs FP16, everything counted) | passkey {got}/{n} (exact cache {exact}/{n})")
+    return (f"{what}; eviction alone at "
+            f"{near[0]['bits_per_value']:.3f} bits: {alone} | [long context](docs/results/{name[:-5]}.md) |"
+            if near else
+            f"{what} | [long context](docs/results/{name[:-5]}.md) |")
 
 
 def _col(header: list, start: str) -> str:
