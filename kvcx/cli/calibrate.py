@@ -11,6 +11,7 @@ from kvcx.cli.app import (BitsOpt, GroupOpt, JsonOpt, ThreadsOpt, app, check_fil
                           kv_config_from)
 from kvcx.cli.render import emit_json, out, print_phase, window_bar
 from kvcx.errors import KvcxError
+from kvcx.quality.guard import PROTECT
 
 
 @app.command()
@@ -41,6 +42,8 @@ def calibrate(
                                   "prompts, which layers' keys carry the scheme's retrieval loss, and give those keys "
                                   "8 bits (the scheme defaults to kvcx).")] = None,
     prompts: Annotated[int, typer.Option(help="Passkey prompts --guard-retrieval measures on.")] = 8,
+    protect: Annotated[float, typer.Option(help="--guard-retrieval: the share of the whole loss a layer's keys alone "
+                                                "must carry to get 8 bits.")] = PROTECT,
     cpu: Annotated[bool, typer.Option("--cpu", help="Force CPU even when CUDA is available.")] = False,
     threads: ThreadsOpt = None,
     json_out: JsonOpt = False,
@@ -51,8 +54,8 @@ def calibrate(
     if guard_retrieval is not None:
         unused = {"--budget": budget, "--reuse": reuse, "--options": options, "--dataset-file": dataset_file,
                   "--windows": windows != 4, "--offset": offset != 128}
-        return _guard(out_path, guard_retrieval, prompts, scheme, group_size, bits, unused, model, cpu, threads,
-                      json_out)
+        return _guard(out_path, guard_retrieval, prompts, protect, scheme, group_size, bits, unused, model, cpu,
+                      threads, json_out)
     with cli_errors("calibrate"):
         if budget is None:
             raise KvcxError("--budget is missing: the bits per value to spend, e.g. --budget 3.0 (or --guard-retrieval "
@@ -123,12 +126,12 @@ def calibrate(
 
 
 
-def _guard(out_path, length, prompts, scheme, group_size, bits, unused, model, cpu, threads, json_out):
+def _guard(out_path, length, prompts, protect, scheme, group_size, bits, unused, model, cpu, threads, json_out):
     """``kvcx calibrate --guard-retrieval LENGTH``: the layers whose keys carry the retrieval loss, at 8 bits."""
     with cli_errors("calibrate"):
         from kvcx.api import save_plan
         from kvcx.codecs.presses import split_scheme
-        from kvcx.quality.guard import GUARD_DEPTHS, PROTECT, check_guard, measure_guard
+        from kvcx.quality.guard import GUARD_DEPTHS, check_guard, measure_guard
 
         given = [name for name, v in unused.items() if v]
         if given:
@@ -139,10 +142,11 @@ def _guard(out_path, length, prompts, scheme, group_size, bits, unused, model, c
             raise KvcxError(f"--scheme {scheme}: --guard-retrieval guards a codec's keys; give the scheme without its "
                             "press (e.g. --scheme kvcx)")
         config = kv_config_from(codec, group_size, bits, None, None, threads)
-        check_guard(config, length, prompts, GUARD_DEPTHS, PROTECT)
+        check_guard(config, length, prompts, GUARD_DEPTHS, protect)
         check_files_first(outputs=[(out_path, "plan")], sidecars=False)
         with window_bar(json_out, "prompts") as on_prompt:
-            result = measure_guard(config, length, prompts, model=model, cpu=cpu, on_prompt=on_prompt)
+            result = measure_guard(config, length, prompts, protect=protect, model=model, cpu=cpu,
+                                   on_prompt=on_prompt)
         save_plan(out_path, result)
     if json_out:
         emit_json(result.to_dict())

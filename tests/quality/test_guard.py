@@ -51,6 +51,7 @@ def test_bad_guard_settings_are_refused(kw, message):
     (["--guard-retrieval", "8192", "--windows", "2"], "leave out --windows"),
     (["--guard-retrieval", "8192", "--scheme", "kvcx+snapkv:0.5"], "without its press"),
     (["--guard-retrieval", "8192", "--prompts", "0"], "--prompts"),
+    (["--guard-retrieval", "8192", "--protect", "0"], "protect"),
     (["--guard-retrieval", "8192", "--scheme", "kvcx2w"], "kvcx2w"),
     (["--scheme", "kvcx3"], "--budget is missing"),
 ])
