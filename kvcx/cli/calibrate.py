@@ -11,6 +11,7 @@ from kvcx.cli.app import (BitsOpt, GroupOpt, JsonOpt, ThreadsOpt, app, check_fil
                           kv_config_from)
 from kvcx.cli.render import emit_json, out, print_phase, window_bar
 from kvcx.errors import KvcxError
+from kvcx.quality.calibrate import DEFAULT_OFFSET, DEFAULT_WINDOWS
 from kvcx.quality.guard import PROTECT
 
 
@@ -31,8 +32,8 @@ def calibrate(
                                                                     "option the scheme's plans choose from).")] = None,
     model: Annotated[Optional[str], typer.Option(help="HF id, local dir or .gguf (default: embedded SmolLM2-135M).")] = None,
     dataset_file: Annotated[Optional[Path], typer.Option("--dataset-file", help="Calibration text (WikiText-2 raw).")] = None,
-    windows: Annotated[int, typer.Option(help="Windows of 1,024 tokens to measure on.")] = 4,
-    offset: Annotated[int, typer.Option(help="Windows skipped first (validate scores the first 32, the bench 64).")] = 128,
+    windows: Annotated[int, typer.Option(help="Windows of 1,024 tokens to measure on.")] = DEFAULT_WINDOWS,
+    offset: Annotated[int, typer.Option(help="Windows skipped first (validate scores the first 32, the bench 64).")] = DEFAULT_OFFSET,
     reuse: Annotated[Optional[List[Path]], typer.Option("--reuse", help="Reuse the sensitivities of earlier plan "
                                                                         "files (no model run; repeat it to combine "
                                                                         "widths measured apart): only allocate "
@@ -53,7 +54,7 @@ def calibrate(
     retrieval needs."""
     if guard_retrieval is not None:
         unused = {"--budget": budget, "--reuse": reuse, "--options": options, "--dataset-file": dataset_file,
-                  "--windows": windows != 4, "--offset": offset != 128}
+                  "--windows": windows != DEFAULT_WINDOWS, "--offset": offset != DEFAULT_OFFSET}
         return _guard(out_path, guard_retrieval, prompts, protect, scheme, group_size, bits, unused, model, cpu,
                       threads, json_out)
     with cli_errors("calibrate"):
