@@ -87,7 +87,7 @@ def compile_setting(setting, arch: int, dump: Path | None):
 
     bt, warps, dot, prefetch, stages, _, max_regs = setting
     cfg = KVConfig.from_scheme(SCHEME)
-    consts = gpu.attention_constexprs(cfg.key, cfg.value, 4, D, dot, bt, False, prefetch)
+    consts = gpu.attention_constexprs(cfg.key, cfg.value, 4, D, dot, bt, False, prefetch, asm=True)
     fn = k.attend_packed_kernel
     pointers = {"q_ptr": "*fp32", "mask_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32",
                 **{f"{n}{i}_ptr": "*u8" if n.endswith("c") else "*fp16" for n in ("kc", "vc", "ks", "kz", "vs", "vz")

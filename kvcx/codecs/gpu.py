@@ -12,6 +12,7 @@ reference schemes); other widths stay on the CPU backend. torch and triton are i
 from __future__ import annotations
 
 import functools
+import os
 import math
 from dataclasses import dataclass
 from importlib.util import find_spec
@@ -243,13 +244,18 @@ def to_host(packed: Packed) -> Packed:
 # (the H100's choice, which never timed int8x3) took 118 / 306; register caps for more warps did not pay
 ATTN_BLOCK_TOKENS = 64       # packed tokens a program reads per step
 ATTN_WARPS = 2               # warps per attention program
-# the products: "" FP32 broadcast sums (CUDA cores), or tl.dot at this input precision: "tf32x2" (the operand
-# that is not codes split in two TF32 parts: FP32's accuracy), "tf32", "tf32x3", "ieee", or "int8x3" (the codes
-# as int8 on the integer tensor cores, the other operand a 21-bit fixed point of its row in three int8 pieces:
-# 2**-20 of the row's largest term at most; "tf32x2" unless the head dim is 64 to 128 and a tile 32 to 128
-# tokens); query rows padded to 16
-ATTN_DOT = "int8x3"
-ATTN_DOTS = ("", "tf32x2", "tf32", "tf32x3", "ieee", "int8x3")   # what ATTN_DOT may be
+# the products: "fp16" (the fast mode, the default: the codes as FP16 on the FP16 tensor cores, FP32 sums, the
+# other operand rounded to FP16 after a power of two of its own, as FlashAttention rounds P for P V; keys per token
+# take "tf32x2"), "" FP32 broadcast sums (CUDA cores), or tl.dot at this input precision: "tf32x2" (the operand
+# that is not codes split in two TF32 parts: FP32's accuracy), "tf32", "tf32x3", "ieee", or "int8x3" (the exact
+# mode: the codes as int8 on the integer tensor cores, the other operand a 21-bit fixed point of its row in three
+# int8 pieces: 2**-20 of the row's largest term at most; "tf32x2" unless the head dim is 64 to 128 and a tile 32
+# to 128 tokens); query rows padded to 16
+ATTN_DOT = "fp16"
+ATTN_DOTS = ("", "tf32x2", "tf32", "tf32x3", "ieee", "int8x3", "fp16")   # what ATTN_DOT may be
+# "fp16" on a GPU: the codes become FP16 in PTX (inline assembly: a byte permute, lop3 and FP16x2 arithmetic, 8
+# codes in 10 instructions); False: the same bits in Triton's own operations (what the interpreter always runs)
+ATTN_ASM = True
 ATTN_PREFETCH = False        # load the next tile's codes before working this one
 ATTN_STAGES = None           # Triton's software pipelining depth for the attention kernel (None: its default)
 # packed tokens per split at least (flash-decoding along the context): short contexts get many short splits, each
@@ -335,6 +341,11 @@ class Span:
     mask_off: int
 
 
+def interpreting() -> bool:
+    """Whether Triton's interpreter runs the kernels (``TRITON_INTERPRET=1``): no inline assembly there."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
 def _pow2(n: int) -> int:
     """n rounded up to a power of two, at least 2 (a Triton block's extent)."""
     return max(2, 1 << (max(1, n) - 1).bit_length())
@@ -348,11 +359,13 @@ def attention_rows(R: int, NG: int, dot: str) -> int:
 
 
 def attention_constexprs(key_codec, value_codec, R: int, D: int, dot: str, block_tokens: int, has_mask: bool,
-                         prefetch: bool) -> dict:
+                         prefetch: bool, asm: bool = False) -> dict:
     """The constexprs of :func:`~kvcx.codecs.triton_kernels.attention.attend_packed_kernel` for these codecs and launch settings
     (what the launcher passes; the offline compile test and bench/sass_gpu.py build the kernel the same way). A
     tile lies within one per-channel block: ``block_tokens`` is cut to the smallest per-channel group; ``dot`` is
-    what the shapes allow of it (FP32 sums under head dim 32, two TF32 passes where int8 products would not do)."""
+    what the shapes allow of it (FP32 sums under head dim 32, two TF32 passes where int8 products would not do
+    and for "fp16" with per-token keys, whose scales vary along the products' sums). ``asm``: "fp16"'s codes
+    converted in PTX (a GPU, not the interpreter)."""
     if dot not in ATTN_DOTS:
         raise CodecError(f"attention products {dot!r} (kvcx.codecs.gpu.ATTN_DOT) are not a mode of the attention "
                          f"kernel; set one of {', '.join(repr(d) for d in ATTN_DOTS)}")
@@ -362,10 +375,12 @@ def attention_constexprs(key_codec, value_codec, R: int, D: int, dot: str, block
         dot = ""          # tl.dot needs 16 along each side: D // 2 channels a stream
     elif dot == "int8x3" and not (64 <= D <= 128 and 32 <= bt <= 128):
         dot = "tf32x2"    # int8 products sum 32 or more (channels a stream, a tile's tokens); exact in int32 to 128
+    elif dot == "fp16" and (key_codec.axis != "channel" or bt < 16):
+        dot = "tf32x2"    # per-token keys: a scale a group of a token's channels (dequantized in the tile)
     return dict(R=R, RP=attention_rows(R, ng, dot), D=D, BT=bt, KG=key_codec.group_size,
                 K_CHANNEL=key_codec.axis == "channel", K_ASYM=key_codec.asym, VG=value_codec.group_size,
                 V_CHANNEL=value_codec.axis == "channel", V_ASYM=value_codec.asym, HAS_MASK=has_mask, DOT=dot, NG=ng,
-                PREFETCH=prefetch)
+                PREFETCH=prefetch, ASM=bool(asm) and dot == "fp16")
 
 
 def _attention_options() -> dict:
@@ -407,12 +422,13 @@ def attend_spans(q, scaling: float, spans, Hkv: int, sinks=(None, None), residua
     if len(rotate) > 1:
         raise CodecError("attention: the packed spans' values must all rotate, or none")
     full = [sp for sp in spans if sp.keys.tokens]
+    asm = ATTN_ASM and q.is_cuda and not interpreting()
     qr = (q.float() * scaling) @ _hadamard(D, q.device) if any(sp.key_codec.rotate for sp in full) else None
     per = split_tokens(N, sum(sp.keys.tokens for sp in full), per_split) if full else 0   # one size for all
     launches = []   # [((constexprs, keys rotate), [(span, splits)])]: two spans of one layout share a launch
     for sp in full:
         key = (attention_constexprs(sp.key_codec, sp.value_codec, R, D, ATTN_DOT, ATTN_BLOCK_TOKENS, add is not None,
-                                    ATTN_PREFETCH), sp.key_codec.rotate)   # the kernel's layout, the query it reads
+                                    ATTN_PREFETCH, asm), sp.key_codec.rotate)   # the kernel's layout, the query it reads
         item = (sp, -(-sp.keys.tokens // per))
         if launches and launches[-1][0] == key and len(launches[-1][1]) == 1:
             launches[-1][1].append(item)

@@ -68,16 +68,18 @@ def codec_kernels() -> None:
 
 
 def attention_kernels() -> None:
-    """The packed attention with the default launch settings (gpu.ATTN_*) for the default scheme, the reference
-    (per-token keys, FP32 sums) and kivi (per-token values with zero points, one TF32 pass, prefetch), the other
-    products (tl.dot in FP32, in three TF32 passes, and on the integer tensor cores for the default and the
-    reference), and the merge with and without a mask."""
+    """The packed attention with the default launch settings (gpu.ATTN_*: the fast mode, FP16 products with the codes
+    converted in PTX) for the default scheme, the reference (per-token keys, FP32 sums) and kivi (per-token values
+    with zero points, one TF32 pass, prefetch; and in the fast mode), the other products (tl.dot in FP32, in three
+    TF32 passes, and on the integer tensor cores for the default and the reference), and the merge with and
+    without a mask."""
     for scheme, dot, prefetch in (("kvcx", gpu.ATTN_DOT, gpu.ATTN_PREFETCH), ("reference", "", False),
                                   ("kivi", "tf32", True), ("kvcx", "ieee", False), ("kvcx", "tf32x3", False),
-                                  ("kvcx", "int8x3", False), ("reference", "int8x3", False)):
+                                  ("kvcx", "int8x3", False), ("reference", "int8x3", False), ("kivi", "fp16", False)):
         cfg = KVConfig.from_scheme(scheme)
-        compile_one(ka.attend_packed_kernel,
-                    gpu.attention_constexprs(cfg.key, cfg.value, 4, D, dot, gpu.ATTN_BLOCK_TOKENS, True, prefetch),
+        compile_one(ka.attend_packed_kernel,   # the fast mode's codes converted in PTX, as on a GPU
+                    gpu.attention_constexprs(cfg.key, cfg.value, 4, D, dot, gpu.ATTN_BLOCK_TOKENS, True, prefetch,
+                                             asm=gpu.ATTN_ASM),
                     num_warps=gpu.ATTN_WARPS, fusion=gpu.ATTN_FP_FUSION)
     for has_mask, rotate in ((True, True), (False, False)):
         compile_one(ka.merge_kernel, dict(R=4, D=D, SB=gpu._pow2(1), RB=gpu._pow2(32), HAS_MASK=has_mask,

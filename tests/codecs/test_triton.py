@@ -7,10 +7,13 @@ TRITON_INTERPRET=1); with one they run on it. Nothing here is skipped for lack o
 import numpy as np
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from kvcx.codecs import IntCodec, KVConfig, get_codec
 from kvcx.codecs.gpu import to_device, to_host
 from kvcx.codecs.tensors import numpy_to_torch, torch_to_numpy
+from kvcx.codecs.triton_kernels.attention import _codes16
 from kvcx.errors import CodecError
 
 from helpers import keys_like, random_array
@@ -239,11 +242,19 @@ ATTENTION_CASES = [
     (CHANNELS, 64, 2, 0, "float", 32, "int8x3", 97),   # 16-token tiles: "tf32x2" (int8 products sum 32 or more)
     ((dict(scheme="asymmetric", axis="channel", rotate=True, sinks=1), dict(scheme="symmetric", rotate=True, sinks=1)),
      64, 4, 2, "float", 64, "int8x3", 150),           # rotated keys: the query rotated (and scaled) before the kernel
+    # the fast mode (the default): FP16 products, measured against SDPA in BF16 over the same decoded tokens
+    ("kvcx", 128, 4, 3, "float", 64, "fp16", 300),     # Llama-3's shape: two value groups a token, 5 splits
+    ("kvcx", 64, 3, 5, "bool", 64, "fp16", 150),       # 3 query rows a head, a partial last tile
+    ("kivi", 128, 2, 1, "float", 96, "fp16", 170),     # values' zero points (per token)
+    (CHANNELS, 64, 2, 0, "float", 32, "fp16", 97),     # per-channel values, 16-token key blocks
+    ("reference", 64, 2, 2, None, 64, "fp16", 150),    # per-token keys: "tf32x2"
+    ((dict(scheme="asymmetric", axis="channel", rotate=True, sinks=1), dict(scheme="symmetric", rotate=True, sinks=1)),
+     64, 4, 2, None, 64, "fp16", 150),
 ]
 # the next tile's codes loaded ahead (a --tune setting, not the default): the same kernel but for its loads, run
 # on a layout of each kind (channel keys and rotated values, per-token keys, per-channel values with a partial
 # tile and several splits, int8 products) rather than on all of them
-PREFETCHED = {0, 3, 11, 13}
+PREFETCHED = {0, 3, 11, 13, 18}
 
 
 def _case_id(i: int, prefetch: bool) -> str:
@@ -258,7 +269,8 @@ def _case_id(i: int, prefetch: bool) -> str:
 def test_fused_attention_equals_sdpa_over_the_decoded_cache(prefetch, scheme, D, R, nr, mask_kind, per, dot, S,
                                                             monkeypatch):
     """The Triton decode step over packed codes equals SDPA over the decoded cache within FP32 rounding (batch 2,
-    row 1 left-padded), with the next tile's codes loaded in each step or prefetched."""
+    row 1 left-padded), with the next tile's codes loaded in each step or prefetched; in the fast mode ("fp16":
+    FP16 products, FP32 sums) within what SDPA in BF16 over the same decoded tokens loses itself."""
     from kvcx.codecs import gpu
     from kvcx.codecs.gpu import attend
 
@@ -288,12 +300,29 @@ def test_fused_attention_equals_sdpa_over_the_decoded_cache(prefetch, scheme, D,
     ref = torch.nn.functional.scaled_dot_product_attention(
         q[:, :, None], Kf, Vf, attn_mask=None if mask is None else (keep if mask_kind == "bool" else mask)[:, None, None, :])
     assert out.shape == q.shape and out.dtype == torch.float32
+    if dot == "fp16" and not (isinstance(scheme, str) and scheme == "reference"):
+        assert _error(out, ref[:, :, 0]) <= _bf16_error(q, Kf, Vf, mask_kind, keep, mask, ref[:, :, 0])
+        return
     # one TF32 pass rounds the query side to 10 bits on a GPU (the interpreter computes it in FP32)
     tol = 2e-3 if dot == "tf32" and DEVICE == "cuda" else 3e-5
     assert float((out - ref[:, :, 0]).abs().max()) < tol * max(1.0, float(ref.abs().max()))
 
 
-@pytest.mark.parametrize("dot", ["int8x3", "tf32x2"])
+def _error(out, ref) -> float:
+    """Relative error (Frobenius) of ``out`` vs ``ref``, in float64."""
+    return float((out.double() - ref.double()).norm() / ref.double().norm())
+
+
+def _bf16_error(q, Kf, Vf, mask_kind, keep, mask, ref) -> float:
+    """The accuracy bar of the fast mode: SDPA's own relative error in BF16 (the query, the decoded keys and values
+    and its output in BF16, as a BF16 model runs it) vs ``ref``, the same attention in FP32."""
+    m = None if mask is None else (keep if mask_kind == "bool" else mask.bfloat16())[:, None, None, :]
+    low = torch.nn.functional.scaled_dot_product_attention(q.bfloat16()[:, :, None], Kf.bfloat16(), Vf.bfloat16(),
+                                                           attn_mask=m)
+    return _error(low[:, :, 0].float(), ref)
+
+
+@pytest.mark.parametrize("dot", ["int8x3", "tf32x2", "fp16"])
 def test_spans_of_one_layout_share_a_launch_and_equal_sdpa(dot, monkeypatch):
     """A store's spans (segments) one after the other: the first two have one layout and run in one launch (splits
     past the first span's read the second: its tokens, buffers, mask columns), the third has another (16-token
@@ -345,7 +374,10 @@ def test_spans_of_one_layout_share_a_launch_and_equal_sdpa(dot, monkeypatch):
     Kf = torch.cat(Kd + [rk], 2).repeat_interleave(R, 1)
     Vf = torch.cat(Vd + [rv], 2).repeat_interleave(R, 1)
     ref = torch.nn.functional.scaled_dot_product_attention(q[:, :, None], Kf, Vf, attn_mask=keep[:, None, None, :])
-    assert float((out - ref[:, :, 0]).abs().max()) < 3e-5 * max(1.0, float(ref.abs().max()))
+    if dot == "fp16":
+        assert _error(out, ref[:, :, 0]) <= _bf16_error(q, Kf, Vf, "bool", keep, keep, ref[:, :, 0])
+    else:
+        assert float((out - ref[:, :, 0]).abs().max()) < 3e-5 * max(1.0, float(ref.abs().max()))
 
 
 def test_a_register_cap_changes_no_bit_of_the_attention(monkeypatch):
@@ -387,6 +419,80 @@ def test_int8_products_fall_back_where_they_would_not_be_exact(D, block, kg, dot
     assert gpu.attention_constexprs(kc, vc, 4, D, "int8x3", block, False, False)["DOT"] == dot
 
 
+@triton.jit
+def _convert_codes(b_ptr, lo_ptr, hi_ptr, ASM: tl.constexpr):
+    """1,024 packed bytes [16, 64] through the attention kernel's FP16 code conversion."""
+    i = tl.arange(0, 16)[:, None] * 64 + tl.arange(0, 64)[None, :]
+    lo, hi = _codes16(tl.load(b_ptr + i), ASM)
+    tl.store(lo_ptr + i, lo)
+    tl.store(hi_ptr + i, hi)
+
+
+@pytest.mark.parametrize("key_axis,D,dot", [("channel", 128, "fp16"), ("channel", 32, "fp16"), ("token", 128, "tf32x2"),
+                                            ("channel", 16, "")])
+def test_fp16_products_where_the_keys_scales_fold_into_the_query(key_axis, D, dot):
+    """The fast mode folds per-channel key scales into the query (one FP16 rounding a product); per-token keys
+    (a scale a group of channels) take two TF32 passes, and head dims under 32 FP32 sums, rather than a product
+    the mode would round more. Its PTX conversion is asked for only in the fast mode."""
+    from kvcx.codecs import gpu
+
+    kc = IntCodec(scheme="asymmetric", axis=key_axis)
+    vc = IntCodec(scheme="symmetric", group_size=64, rotate=True)
+    const = gpu.attention_constexprs(kc, vc, 4, D, "fp16", 64, False, False, asm=True)
+    assert const["DOT"] == dot and const["ASM"] == (dot == "fp16")
+    assert not gpu.attention_constexprs(kc, vc, 4, D, "int8x3", 64, False, False, asm=True)["ASM"]
+
+
+def test_fp16_codes_are_exact_and_the_ptx_gives_the_same_bits():
+    """Every byte's two nibbles become their centred codes (-8..7) exactly in FP16 by the magic-number conversion:
+    the element-wise Triton form (what the interpreter runs) against NumPy, and on a GPU the PTX form (a byte
+    permute, lop3 and FP16x2 arithmetic on four bytes at a time) against the element-wise one, bit for bit."""
+    b = torch.arange(1024, dtype=torch.int64).remainder(256).to(torch.uint8)
+    b = b[torch.randperm(1024, generator=torch.Generator().manual_seed(0))].to(DEVICE)
+
+    def run(asm):
+        lo, hi = (torch.empty(1024, dtype=torch.float16, device=DEVICE) for _ in "lh")
+        _convert_codes[(1,)](b, lo, hi, ASM=asm)
+        return lo, hi
+
+    lo, hi = run(False)
+    codes = b.cpu().numpy().astype(np.int64)
+    assert np.array_equal(lo.cpu().numpy(), ((codes & 15) - 8).astype(np.float16))
+    assert np.array_equal(hi.cpu().numpy(), ((codes >> 4) - 8).astype(np.float16))
+    assert not bool(torch.signbit(lo[b.cpu() % 16 == 8].cpu()).any())      # code 8: +0, as the integer 0
+    if DEVICE == "cuda":   # the interpreter runs no inline assembly
+        lo2, hi2 = run(True)
+        assert torch.equal(lo.view(torch.int16), lo2.view(torch.int16))
+        assert torch.equal(hi.view(torch.int16), hi2.view(torch.int16))
+
+
+@pytest.mark.parametrize("k_mag,v_mag,q_std", [(1e-3, 1e-4, 300.0), (100.0, 1.0, 2e4), (1.0, 1e-5, 3.0)],
+                         ids=["small", "saturated", "tiny-values"])
+def test_the_fast_mode_keeps_its_bar_at_any_magnitude(k_mag, v_mag, q_std, monkeypatch):
+    """FP16 holds 2**-24 to 65,504: the fast mode rounds the query times the key scales and the weights p times the
+    value scales to FP16 after powers of two of their own, so that keys, values and queries of any magnitude a
+    BF16 model holds neither overflow (a query times a key scale past 65,504: "saturated") nor lose their bits as
+    subnormals (weights p s under 2**-14: "tiny-values"): finite, and within SDPA-BF16's own error."""
+    from kvcx.codecs import gpu
+    from kvcx.codecs.gpu import attend
+
+    monkeypatch.setattr(gpu, "ATTN_DOT", "fp16")
+    g = torch.Generator().manual_seed(17)
+    cfg = KVConfig.from_scheme("kvcx")
+    kc, vc = cfg.key.with_backend("triton"), cfg.value.with_backend("triton")
+    B, Hkv, R, S, D = 1, 2, 4, 260, 128
+    K = (torch.randn(B, Hkv, S, D, generator=g) + torch.randn(D, generator=g)) * k_mag
+    V = torch.randn(B, Hkv, S, D, generator=g) * v_mag
+    q = torch.randn(B, Hkv * R, D, generator=g) * q_std
+    K, V, q = (t.to(DEVICE) for t in (K, V, q))
+    pk, pv = kc.encode(K), vc.encode(V)
+    out = attend(q, pk, pv, kc, vc, per_split=64)
+    Kf, Vf = (c.decode(p).repeat_interleave(R, 1) for c, p in ((kc, pk), (vc, pv)))
+    ref = torch.softmax((q.double()[:, :, None] @ Kf.double().transpose(-1, -2)) * D ** -0.5, -1) @ Vf.double()
+    assert bool(torch.isfinite(out).all())
+    assert _error(out, ref[:, :, 0]) <= _bf16_error(q, Kf, Vf, None, None, None, ref[:, :, 0])
+
+
 def test_an_unknown_product_mode_is_refused_by_name():
     """gpu.ATTN_DOT is a module setting (bench_gpu.py's --tune sets it): a mode the kernel does not have fails in
     kvcx with the modes it has, not inside Triton's compiler."""
@@ -412,7 +518,7 @@ def test_fused_attention_refuses_what_it_cannot_read():
         attend(torch.randn(1, 2, 64, device=DEVICE), pk, pk, kc, kc, mask=torch.zeros(1, 5, device=DEVICE))
 
 
-@pytest.mark.parametrize("dot", ["", "tf32x2", "int8x3"])
+@pytest.mark.parametrize("dot", ["", "tf32x2", "int8x3", "fp16"])
 def test_fused_attention_passes_a_nan_in_the_query_on(dot, monkeypatch):
     """A NaN in a query row gives NaN in that row's output in every product mode; the other rows are unaffected.
     (On a GPU, tl.max skips NaN: the integer products' row maximum must not, or they would round the NaN's bits

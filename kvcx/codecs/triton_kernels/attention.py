@@ -52,13 +52,14 @@ def _absmax(a):
 
 
 @triton.jit
-def _unit(amax):
-    """(1 / u, u) for rows whose largest magnitude is ``amax``: u the power of two with amax <= 2**20 u < 2 amax
+def _unit(amax, TOP: tl.constexpr = 20):
+    """(1 / u, u) for rows whose largest magnitude is ``amax``: u the power of two with amax <= 2**TOP u < 2 amax
     (from the exponent's bits: no division), u NaN where amax is not finite (so are the products then: a NaN in
-    the query or the weights gives NaN, not a finite result of its bits)."""
-    e = tl.maximum((amax.to(tl.int32, bitcast=True) + 0x7FFFFF) >> 23, 21)     # 2**(e - 127) >= amax
-    inv = ((274 - e) << 23).to(tl.float32, bitcast=True)                        # 2**(20 - (e - 127))
-    return inv, ((e - 20) << 23).to(tl.float32, bitcast=True) + (amax - amax)
+    the query or the weights gives NaN, not a finite result of its bits). TOP 20: :func:`_fixed`'s 21-bit fixed
+    point; 15: FP16's range (65,504 > 2**15: the scaled rows fit, and keep FP16's 11 bits down to 2**-14 of it)."""
+    e = tl.maximum((amax.to(tl.int32, bitcast=True) + 0x7FFFFF) >> 23, TOP + 1)   # 2**(e - 127) >= amax
+    inv = ((254 + TOP - e) << 23).to(tl.float32, bitcast=True)                     # 2**(TOP - (e - 127))
+    return inv, ((e - TOP) << 23).to(tl.float32, bitcast=True) + (amax - amax)
 
 
 @triton.jit
@@ -89,6 +90,55 @@ def _mm_int8x3(a, c, acc):
     inv, unit = _unit(_absmax(a))
     x0, x1, x2 = _fixed(a, inv)
     return acc + _dot3(x0, x1, x2, c).to(tl.float32) * unit[:, None]
+
+
+# FP16 magic numbers: 0x6400 is 1024.0, whose last mantissa bit is worth 1, so 0x6400 | n is 1024 + n for a nibble n
+# (0..15) and 0x6400 | 16 n is 1024 + 16 n: the centred code n - 8 is (1024 + n) - 1032, or (1024 + 16 n) / 16 - 72,
+# exact in FP16
+_F16_CODES_ASM = tl.constexpr("""{
+    .reg .b32 t, u, m, s, c;
+    prmt.b32 t, $4, 0, 0x3120;
+    shr.b32 u, t, 8;
+    lop3.b32 $0, t, 0x000F000F, 0x64006400, 0xEA;
+    lop3.b32 $1, u, 0x000F000F, 0x64006400, 0xEA;
+    lop3.b32 $2, t, 0x00F000F0, 0x64006400, 0xEA;
+    lop3.b32 $3, u, 0x00F000F0, 0x64006400, 0xEA;
+    mov.b32 m, 0x64086408;
+    mov.b32 s, 0x2C002C00;
+    mov.b32 c, 0xD480D480;
+    sub.f16x2 $0, $0, m;
+    sub.f16x2 $1, $1, m;
+    fma.rn.f16x2 $2, $2, s, c;
+    fma.rn.f16x2 $3, $3, s, c;
+}""")
+
+
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def _codes16(b, ASM: tl.constexpr):
+    """A tile of packed bytes -> (even, odd) channel codes minus 8 (-8..7) as FP16 (exact), the low and the high
+    nibbles, by the FP16 magic number (no integer-to-float conversion). ``ASM``: four bytes at a time in PTX, the
+    way the fastest int4 kernels do it (BitDecoding's, FasterTransformer's): one byte permute (bytes 0, 2, 1, 3,
+    so that each pair of halves holds two consecutive bytes' nibbles), one shift, four lop3 (mask, or the magic
+    number), two FP16x2 subtractions and two FP16x2 FMAs for 8 codes; else the same bits element by element in
+    Triton (what the interpreter runs; a test compares the two on a GPU)."""
+    if ASM:
+        lo, hi = tl.inline_asm_elementwise(_F16_CODES_ASM, "=r,=r,=r,=r,r", [b], dtype=(tl.float16, tl.float16),
+                                           is_pure=False, pack=4)
+    else:
+        w = b.to(tl.int16)
+        lo = ((w & 15) | 0x6400).to(tl.float16, bitcast=True) - 1032.0
+        hi = ((w & 240) | 0x6400).to(tl.float16, bitcast=True) * 0.0625 - 72.0
+    return lo, hi
+
+
+@triton.jit
+def _half(a, inv):
+    """The rows of ``a`` (FP32) times their power of two ``inv`` (:func:`_unit` with TOP 15), rounded to FP16."""
+    return (a * inv[:, None]).to(tl.float16)
 
 
 @triton.jit
@@ -156,7 +206,7 @@ def attend_packed_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, 
                          R: tl.constexpr, RP: tl.constexpr, D: tl.constexpr, BT: tl.constexpr,
                          KG: tl.constexpr, K_CHANNEL: tl.constexpr, K_ASYM: tl.constexpr,
                          VG: tl.constexpr, V_CHANNEL: tl.constexpr, V_ASYM: tl.constexpr, HAS_MASK: tl.constexpr,
-                         DOT: tl.constexpr, NG: tl.constexpr, PREFETCH: tl.constexpr):
+                         DOT: tl.constexpr, NG: tl.constexpr, PREFETCH: tl.constexpr, ASM: tl.constexpr):
     """Flash-decoding over packed codes: program (slab n = batch row x KV head, split sp) reads its KV head's
     packed tokens [sp * per_split, (sp + 1) * per_split) once for the R query rows that share it (q times
     ``q_scale``, in any float dtype; rotated already where the keys are), BT tokens a tile (within one per-channel
@@ -180,9 +230,14 @@ def attend_packed_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, 
       value groups fill rows that would be padding (the default's 4 query rows and 2 groups: 16 rows, not 32);
     - per-token key groups (the reference scheme) dequantize in the tile.
 
-    ``DOT`` "tf32x2": products of codes in two TF32 passes (FP32's accuracy); "tf32": one; "": FP32 sums;
-    "int8x3": the codes as int8 on the integer tensor cores, the other side a 21-bit fixed point of its row
-    (:func:`_mm_int8x3`; the keys' two streams share one fixed point and one conversion to FP32).
+    ``DOT`` "fp16" (the fast mode): the codes as FP16 (:func:`_codes16`; ``ASM``: in PTX) on the FP16 tensor
+    cores with FP32 sums, the other side rounded to FP16 after a power of two of its own: the keys' scaled query
+    a row's (11 bits of each term, as a BF16 model's query times the scale would need 16), the values' weights p s
+    a tile's (the scales' largest; p <= 1): the products round where FlashAttention's P V rounds, no more; per-token
+    keys take "tf32x2" (:func:`~kvcx.codecs.gpu.attention_constexprs`). "tf32x2": products of codes in two TF32
+    passes (FP32's accuracy); "tf32": one; "": FP32 sums; "int8x3" (the exact mode): the codes as int8 on the
+    integer tensor cores, the other side a 21-bit fixed point of its row (:func:`_mm_int8x3`; the keys' two
+    streams share one fixed point and one conversion to FP32).
     ``PREFETCH``: the next tile's codes are loaded before this tile is worked (in flight meanwhile)."""
     n = tl.program_id(0)
     g_sp = tl.program_id(1)                  # the split among the launch's, and among the span's
@@ -202,7 +257,8 @@ def attend_packed_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, 
     j = tl.arange(0, D // 2)
     tt = tl.arange(0, BT)
     g = tl.arange(0, NG)
-    if DOT == "int8x3":   # the rows whole and split in registers: a layout whose fixed points pack into words
+    if DOT == "int8x3" or DOT == "fp16":   # the rows whole and split in registers: a layout whose fixed points
+        # (whose FP16 halves) pack into words
         q_row = q_ptr + (n.to(tl.int64) * R + ri[:, None]) * D + tl.arange(0, D)[None, :]
         qf = tl.load(q_row, mask=(ri < R)[:, None], other=0.0).to(tl.float32) * q_scale
         qe, qo = tl.split(tl.reshape(qf, (RP * NG, D // 2, 2)))
@@ -210,11 +266,19 @@ def attend_packed_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, 
         q_row = q_ptr + (n.to(tl.int64) * R + ri[:, None]) * D + 2 * j[None, :]
         qe = tl.load(q_row, mask=(ri < R)[:, None], other=0.0).to(tl.float32) * q_scale
         qo = tl.load(q_row + 1, mask=(ri < R)[:, None], other=0.0).to(tl.float32) * q_scale
+    if DOT == "fp16":   # the query rows after a power of two each, to at most 1/2: times any FP16 scale they fit FP16
+        q_inv, q_unit = _unit(_max_nan(_absmax(qe), _absmax(qo)), -1)
+        he, ho = qe * q_inv[:, None], qo * q_inv[:, None]
+        # scores in units of log 2 (the exponentials are exp2: no multiply a score), the zero points' term alike
+        q_unit = q_unit * LOG2E
+        qe, qo = qe * LOG2E, qo * LOG2E
     m_i = tl.full([RP * NG], float("-inf"), tl.float32)
     l_i = tl.zeros([RP * NG], tl.float32)
     a_e = tl.zeros([RP * NG, D // 2], tl.float32)
     a_o = tl.zeros([RP * NG, D // 2], tl.float32)
     cz = tl.zeros([RP * NG], tl.float32)     # per product row: sum of p x its group's offset (zero points)
+    u_acc = tl.full((), 1.0, tl.float32)     # "fp16", per-token values: the accumulators in units of u_acc, a power
+    v_top = tl.zeros((), tl.float32)         # of two from v_top, the largest value scale read so far
     # offsets from a tile's first token, computed once: its bytes, per-token key groups' scales, value scales [NG, BT]
     c_off = tt[:, None] * (D // 2) + j[None, :]
     kg_off = (tt[:, None] * D + 2 * j[None, :]) // KG
@@ -236,11 +300,18 @@ def attend_packed_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, 
             vn = _tile_bytes(vc_row, tb + BT, c_off, tt, t_end, D)
         else:
             kb, vb = _tile_bytes(kc_row, tb, c_off, tt, t_end, D), _tile_bytes(vc_row, tb, c_off, tt, t_end, D)
-        klo, khi = _streams(kb, DOT if K_CHANNEL else "")   # per-token keys: dequantized here
+        if DOT == "fp16":
+            klo, khi = _codes16(kb, ASM)
+        else:
+            klo, khi = _streams(kb, DOT if K_CHANNEL else "")   # per-token keys: dequantized here
         if K_CHANNEL:
             se, so, ze, zo = _channel_params(ks_row + (tb // KG) * D, kz_row + (tb // KG) * D, j, K_ASYM)
             bias = tl.broadcast_to(tl.sum(qe * ze[None, :] + qo * zo[None, :], axis=1)[:, None], (RP * NG, BT))
-            if DOT == "int8x3":   # both streams in one fixed point (:func:`_fixed`), one conversion to FP32
+            if DOT == "fp16":     # the scaled query rounded to FP16 once, both streams' products in one sum
+                s = tl.dot((ho * so[None, :]).to(tl.float16), tl.trans(khi),
+                           tl.dot((he * se[None, :]).to(tl.float16), tl.trans(klo), tl.zeros([RP * NG, BT], tl.float32)))
+                s = s * q_unit[:, None] + bias
+            elif DOT == "int8x3":   # both streams in one fixed point (:func:`_fixed`), one conversion to FP32
                 ae, ao = qe * se[None, :], qo * so[None, :]
                 inv, unit = _unit(_max_nan(_absmax(ae), _absmax(ao)))
                 e0, e1, e2 = _fixed(ae, inv)
@@ -254,21 +325,49 @@ def attend_packed_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, 
             s = _mm(qe, tl.trans(klo * sc + zc), tl.zeros([RP * NG, BT], tl.float32), DOT)
             s = _mm(qo, tl.trans(khi * sc + zc), s, DOT)
         if HAS_MASK:
-            s += tl.load(mask_ptr + (n // Hkv).to(tl.int64) * mask_stride + mask_off + tb + tt, mask=tm,
-                         other=0.0)[None, :]
+            add = tl.load(mask_ptr + (n // Hkv).to(tl.int64) * mask_stride + mask_off + tb + tt, mask=tm, other=0.0)
+            s += (add * LOG2E if DOT == "fp16" else add)[None, :]
         s = tl.where(tm[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)      # a row with nothing to attend to yet
-        alpha = tl.exp(m_i - m_use)
-        p = tl.exp(s - m_use[:, None])
+        if DOT == "fp16":
+            alpha = tl.exp2(m_i - m_use)
+            p = tl.exp2(s - m_use[:, None])
+        else:
+            alpha = tl.exp(m_i - m_use)
+            p = tl.exp(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        vlo, vhi = _streams(vb, DOT)
+        if DOT == "fp16":
+            vlo, vhi = _codes16(vb, ASM)
+        else:
+            vlo, vhi = _streams(vb, DOT)
         if V_CHANNEL:
             se, so, ze, zo = _channel_params(vs_row + (tb // VG) * D, vz_row + (tb // VG) * D, j, V_ASYM)
             psum = tl.sum(p, axis=1)[:, None]
             zero = tl.zeros([RP * NG, D // 2], tl.float32)
-            a_e = a_e * alpha[:, None] + _mmc(p, vlo, zero, DOT) * se[None, :] + psum * ze[None, :]
-            a_o = a_o * alpha[:, None] + _mmc(p, vhi, zero, DOT) * so[None, :] + psum * zo[None, :]
+            if DOT == "fp16":   # p <= 1: FP16 keeps 11 bits of every weight that counts (those over 2**-14)
+                ph = p.to(tl.float16)
+                a_e = a_e * alpha[:, None] + tl.dot(ph, vlo, zero) * se[None, :] + psum * ze[None, :]
+                a_o = a_o * alpha[:, None] + tl.dot(ph, vhi, zero) * so[None, :] + psum * zo[None, :]
+            else:
+                a_e = a_e * alpha[:, None] + _mmc(p, vlo, zero, DOT) * se[None, :] + psum * ze[None, :]
+                a_o = a_o * alpha[:, None] + _mmc(p, vhi, zero, DOT) * so[None, :] + psum * zo[None, :]
+        elif DOT == "fp16":
+            sc, zc = _token_params(vs_row, vz_row, tb * D // VG + vg_off, tm[None, :], V_ASYM)   # [NG, BT]
+            if V_ASYM:
+                zr = tl.reshape(tl.broadcast_to(zc[:, None, :], (NG, RP, BT)), (RP * NG, BT))
+                cz = cz * alpha + tl.sum(p * zr, axis=1)
+            # the scales after one power of two (the largest read so far at most 2**15, so that the weights p s
+            # fit FP16); the accumulators move to a new unit (a power of two, never smaller: exact, no overflow)
+            # with the softmax's own rescaling
+            v_top = _max_nan(v_top, tl.reduce(tl.reshape(sc, (NG * BT,)), 0, _max_nan))
+            inv, unit = _unit(v_top, 15)
+            w = p * tl.reshape(tl.broadcast_to((sc * inv)[:, None, :], (NG, RP, BT)), (RP * NG, BT))
+            f = (alpha * (u_acc / unit))[:, None]
+            wh = w.to(tl.float16)
+            a_e = tl.dot(wh, vlo, a_e * f)
+            a_o = tl.dot(wh, vhi, a_o * f)
+            u_acc = unit
         else:
             sc, zc = _token_params(vs_row, vz_row, tb * D // VG + vg_off, tm[None, :], V_ASYM)   # [NG, BT]
             w = p * tl.reshape(tl.broadcast_to(sc[:, None, :], (NG, RP, BT)), (RP * NG, BT))   # (g, r): p[r] s[g]
@@ -282,13 +381,17 @@ def attend_packed_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, 
             kb, vb = kn, vn
     if V_CHANNEL:
         acc_e, acc_o = a_e, a_o
-    else:   # row (g, r) of the sums holds group g's channels; then the zero points' term
+    else:
+        # row (g, r) of the sums holds group g's channels; then the zero points' term
+        a_e, a_o = a_e * u_acc, a_o * u_acc
         sel = ((2 * j) // VG)[None, None, :] == g[:, None, None]
         off = tl.sum(tl.where(sel, tl.reshape(cz, (NG, RP))[:, :, None], 0.0), axis=0)
         acc_e = tl.sum(tl.where(sel, tl.reshape(a_e, (NG, RP, D // 2)), 0.0), axis=0) + off
         acc_o = tl.sum(tl.where(sel, tl.reshape(a_o, (NG, RP, D // 2)), 0.0), axis=0) + off
     o = (n.to(tl.int64) * SPT + sp_off + g_sp) * R + r
     # the rows of every group saw the same scores: their running max and sum are equal, any of them will do
+    if DOT == "fp16":   # the merge takes natural units
+        m_i = m_i * LN2
     tl.store(m_ptr + o, tl.max(tl.reshape(m_i, (NG, RP)), axis=0), mask=rm)
     tl.store(l_ptr + o, tl.max(tl.reshape(l_i, (NG, RP)), axis=0), mask=rm)
     tl.store(acc_ptr + o[:, None] * D + 2 * j[None, :], acc_e, mask=rm[:, None])
