@@ -223,8 +223,28 @@ def build_store(torch, dev, cfg, K, V):
     return store
 
 
+PAGE_TOKENS = 64    # the paged store's pages (kvcx.codecs.paged): the smallest that holds the keys' 64-token blocks
+
+
+def paged_case(torch, dev, cfg, K, V, S: int):
+    """The first S tokens of each row of K and V [B, Hkv, S + residual, d] in a paged store (kvcx.codecs.paged)
+    of :data:`PAGE_TOKENS`-token pages handed out in a shuffled order (as an allocator's free list would): (pool,
+    block table, seq_lens)."""
+    from kvcx.codecs import get_codec, paged
+
+    kc, vc = (get_codec({**c.get_config(), "sinks": 0}).with_backend("triton") for c in (cfg.key, cfg.value))
+    B, H = K.shape[:2]
+    per_row = -(-S // PAGE_TOKENS)
+    pool = paged.allocate(kc, vc, B * per_row, H, K.shape[-1], PAGE_TOKENS, dev)
+    order = torch.randperm(B * per_row, generator=torch.Generator().manual_seed(S)).view(B, per_row)
+    for b in range(B):
+        paged.write(pool, order[b].tolist(), kc.encode(K[b, :, :S].contiguous()), vc.encode(V[b, :, :S].contiguous()))
+    return pool, order.to(torch.int32).to(dev), torch.full((B,), S, dtype=torch.int32, device=dev)
+
+
 def attention(torch, dev, cfg, contexts, batches, reps, out, hq, hkv, d):
     from kvcx.codecs import gpu
+    from kvcx.codecs.paged import attend as paged_attend
 
     try:
         from flash_attn import flash_attn_with_kvcache
@@ -238,13 +258,15 @@ def attention(torch, dev, cfg, contexts, batches, reps, out, hq, hkv, d):
         "of its backends that takes the shapes (named); ratio = baseline / kvcx (> 1: kvcx faster); L2 flushed "
         "before each timed run; graphs: one step captured in a CUDA graph and replayed; errors: kvcx's output, and "
         "SDPA's in BF16 over the same decoded tokens (BF16 query, keys, values and output), each vs attention in "
-        "FP32 over the store decoded to FP32 (relative, Frobenius): the fast mode's bar is SDPA-BF16's own error.")
+        "FP32 over the store decoded to FP32 (relative, Frobenius): the fast mode's bar is SDPA-BF16's own error; "
+        f"paged: the same tokens (no sink, no residual) in a paged store of {PAGE_TOKENS}-token pages in shuffled "
+        "order read through a block table (kvcx.codecs.paged), vs the contiguous store, both from CUDA graphs.")
     out("")
     cols = ["tokens", "batch", "SDPA BF16 (us)", "SDPA backend"] + \
         (["FlashAttention (us)"] if flash_attn_with_kvcache else []) + \
         ["kvcx (us)", "vs SDPA"] + (["vs FlashAttention"] if flash_attn_with_kvcache else []) + \
         ["SDPA graph (us)", "kvcx graph (us)", "vs SDPA, graphs", "BF16 K/V MiB", "kvcx store MiB", "store / BF16",
-         "kvcx error", "SDPA-BF16 error", "kvcx within the bar"]
+         "kvcx error", "SDPA-BF16 error", "kvcx within the bar", "kvcx paged graph (us)", "paged / contiguous"]
     out("| " + " | ".join(cols) + " |")
     out("|" + "---:|" * len(cols))
     memory = {}
@@ -270,6 +292,12 @@ def attention(torch, dev, cfg, contexts, batches, reps, out, hq, hkv, d):
             kv = (K.numel() + V.numel()) * 2
             row += [f"{kv / 2**20:.1f}", f"{store.nbytes / 2**20:.1f}", f"{store.nbytes / kv:.3f}x", f"{err:.1e}",
                     f"{bar:.1e}", "yes" if err <= bar else "NO"]
+            pool, table, lens = paged_case(torch, dev, cfg, K, V, S)
+            paged_step = lambda: paged_attend(q.view(B, hq, d), pool, table, lens, scale)  # noqa: E731
+            paged_step()   # once eager (the interpreter's only run)
+            g_paged = graph_timer(torch, dev, paged_step, reps)
+            row += [_us(g_paged), f"{g_paged / g_kvcx:.2f}x" if g_paged and g_kvcx else "n/a"]
+            pool = table = lens = paged_step = None
             memory[(S, B)] = store.nbytes / kv
             out("| " + " | ".join(row) + " |")
             K = V = store = rk = rv = kf = vf = sdpa_step = kvcx_step = None   # released before the next shape

@@ -12,8 +12,8 @@ reference schemes); other widths stay on the CPU backend. torch and triton are i
 from __future__ import annotations
 
 import functools
-import os
 import math
+import os
 from dataclasses import dataclass
 from importlib.util import find_spec
 from typing import Optional
@@ -380,7 +380,7 @@ def attention_constexprs(key_codec, value_codec, R: int, D: int, dot: str, block
     return dict(R=R, RP=attention_rows(R, ng, dot), D=D, BT=bt, KG=key_codec.group_size,
                 K_CHANNEL=key_codec.axis == "channel", K_ASYM=key_codec.asym, VG=value_codec.group_size,
                 V_CHANNEL=value_codec.axis == "channel", V_ASYM=value_codec.asym, HAS_MASK=has_mask, DOT=dot, NG=ng,
-                PREFETCH=prefetch, ASM=bool(asm) and dot == "fp16")
+                PREFETCH=prefetch, ASM=bool(asm) and dot == "fp16", PAGE=0)
 
 
 def _attention_options() -> dict:
@@ -451,7 +451,7 @@ def attend_spans(q, scaling: float, spans, Hkv: int, sinks=(None, None), residua
         k.attend_packed_kernel[(N, na + nb)](
             qr if rotated else q, *pa, *pb, 1.0 if rotated else scaling, add if add is not None else m, m, l, acc,
             Hkv, add.shape[1] if add is not None else 0, *(v for pair in zip(ia, ib) for v in pair), per, na, off,
-            spt, **const, **extra, enable_fp_fusion=ATTN_FP_FUSION, num_warps=ATTN_WARPS)
+            spt, m, m, 0, **const, **extra, enable_fp_fusion=ATTN_FP_FUSION, num_warps=ATTN_WARPS)
         off += na + nb
     sk, sv = sinks
     rk, rv = residual

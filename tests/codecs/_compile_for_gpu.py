@@ -28,6 +28,7 @@ POINTERS = {
                             "vs2_ptr", "vz2_ptr")},
     **{n: "*fp32" for n in ("q_ptr", "qs_ptr", "mask_ptr", "add_ptr", "m_ptr", "l_ptr", "acc_ptr")},
     **{n: "*bf16" for n in ("sk_ptr", "sv_ptr", "rk_ptr", "rv_ptr")},
+    "pages_ptr": "*i32", "lens_ptr": "*i32",
 }
 
 
@@ -81,6 +82,11 @@ def attention_kernels() -> None:
                     gpu.attention_constexprs(cfg.key, cfg.value, 4, D, dot, gpu.ATTN_BLOCK_TOKENS, True, prefetch,
                                              asm=gpu.ATTN_ASM),
                     num_warps=gpu.ATTN_WARPS, fusion=gpu.ATTN_FP_FUSION)
+    cfg = KVConfig.from_scheme("kvcx")   # the paged store (kvcx.codecs.paged): tiles through the block table
+    compile_one(ka.attend_packed_kernel, {**gpu.attention_constexprs(cfg.key, cfg.value, 4, D, gpu.ATTN_DOT,
+                                                                     gpu.ATTN_BLOCK_TOKENS, False, False,
+                                                                     asm=gpu.ATTN_ASM), "PAGE": 64},
+                num_warps=gpu.ATTN_WARPS, fusion=gpu.ATTN_FP_FUSION)
     for has_mask, rotate in ((True, True), (False, False)):
         compile_one(ka.merge_kernel, dict(R=4, D=D, SB=gpu._pow2(1), RB=gpu._pow2(32), HAS_MASK=has_mask,
                                          ROTATE=rotate, CH=gpu.MERGE_SPLITS), fusion=gpu.ATTN_FP_FUSION,

@@ -194,7 +194,8 @@ def _token_params(s_ptr, z_ptr, off, mask, ASYM: tl.constexpr):
 # flush (the tokens, the splits): Triton specializes a kernel on whether an integer is 1 or a multiple of 16 and
 # compiles it again for each new combination, a second or more in the middle of a generation; these are passed as
 # they are (the row strides that set the loads' alignment keep their specialization: they change in whole units)
-_STEP_ARGS = ("T", "T2", "k_nsc", "k_nsc2", "mask_stride", "mask_off", "mask_off2", "n_first", "sp_off", "SPT")
+_STEP_ARGS = ("T", "T2", "k_nsc", "k_nsc2", "mask_stride", "mask_off", "mask_off2", "n_first", "sp_off", "SPT",
+              "pages_stride")
 _MERGE_STEP_ARGS = ("SPT", "n_sinks", "n_res", "add_stride", "res_off")
 
 
@@ -202,11 +203,12 @@ _MERGE_STEP_ARGS = ("SPT", "n_sinks", "n_res", "add_stride", "res_off")
 def attend_packed_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kc2_ptr, ks2_ptr, kz2_ptr, vc2_ptr,
                          vs2_ptr, vz2_ptr, q_scale, mask_ptr, m_ptr, l_ptr, acc_ptr, Hkv, mask_stride, T, T2,
                          k_row_bytes, k_row_bytes2, v_row_bytes, v_row_bytes2, k_nsc, k_nsc2, v_nsc, v_nsc2, mask_off,
-                         mask_off2, per_split, n_first, sp_off, SPT,
+                         mask_off2, per_split, n_first, sp_off, SPT, pages_ptr, lens_ptr, pages_stride,
                          R: tl.constexpr, RP: tl.constexpr, D: tl.constexpr, BT: tl.constexpr,
                          KG: tl.constexpr, K_CHANNEL: tl.constexpr, K_ASYM: tl.constexpr,
                          VG: tl.constexpr, V_CHANNEL: tl.constexpr, V_ASYM: tl.constexpr, HAS_MASK: tl.constexpr,
-                         DOT: tl.constexpr, NG: tl.constexpr, PREFETCH: tl.constexpr, ASM: tl.constexpr):
+                         DOT: tl.constexpr, NG: tl.constexpr, PREFETCH: tl.constexpr, ASM: tl.constexpr,
+                         PAGE: tl.constexpr):
     """Flash-decoding over packed codes: program (slab n = batch row x KV head, split sp) reads its KV head's
     packed tokens [sp * per_split, (sp + 1) * per_split) once for the R query rows that share it (q times
     ``q_scale``, in any float dtype; rotated already where the keys are), BT tokens a tile (within one per-channel
@@ -238,7 +240,12 @@ def attend_packed_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, 
     passes (FP32's accuracy); "tf32": one; "": FP32 sums; "int8x3" (the exact mode): the codes as int8 on the
     integer tensor cores, the other side a 21-bit fixed point of its row (:func:`_mm_int8x3`; the keys' two
     streams share one fixed point and one conversion to FP32).
-    ``PREFETCH``: the next tile's codes are loaded before this tile is worked (in flight meanwhile)."""
+    ``PREFETCH``: the next tile's codes are loaded before this tile is worked (in flight meanwhile).
+
+    ``PAGE`` (a paged store, :mod:`kvcx.codecs.paged`; 0: rows as above): the buffers hold pages of ``PAGE`` tokens,
+    page p's KV head h at slot p x Hkv + h (codes [slots, PAGE D / 2], scales and zero points a slot's groups), and
+    slab n = b x Hkv + h reads its tokens through the block table row b (``pages_ptr``, ``pages_stride`` a row) up
+    to ``lens_ptr[b]``: a tile lies within a page (BT divides PAGE); one span, no prefetch."""
     n = tl.program_id(0)
     g_sp = tl.program_id(1)                  # the split among the launch's, and among the span's
     second = g_sp >= n_first
@@ -251,6 +258,9 @@ def attend_packed_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, 
     kc_ptr, vc_ptr = tl.where(second, kc2_ptr, kc_ptr), tl.where(second, vc2_ptr, vc_ptr)
     ks_ptr, kz_ptr = tl.where(second, ks2_ptr, ks_ptr), tl.where(second, kz2_ptr, kz_ptr)
     vs_ptr, vz_ptr = tl.where(second, vs2_ptr, vs_ptr), tl.where(second, vz2_ptr, vz_ptr)
+    if PAGE:   # the slab's batch row: its tokens, its row of the block table
+        T = tl.load(lens_ptr + n // Hkv)
+        page_row = pages_ptr + (n // Hkv).to(tl.int64) * pages_stride
     r = tl.arange(0, RP)
     rm = r < R
     ri = tl.arange(0, RP * NG) % RP          # the query row of each product row (g, r), r fastest
@@ -295,21 +305,31 @@ def attend_packed_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, 
         kb, vb = _tile_bytes(kc_row, t_begin, c_off, tt, t_end, D), _tile_bytes(vc_row, t_begin, c_off, tt, t_end, D)
     for tb in range(t_begin, t_end, BT):
         tm = tb + tt < t_end
+        if PAGE:   # the tile's page: row pointers such that token tb's offsets land at its place in the page
+            slot = tl.load(page_row + tb // PAGE).to(tl.int64) * Hkv + n % Hkv
+            first = tb - tb % PAGE
+            kcr = kc_ptr + slot * (PAGE * D // 2) - first * (D // 2)
+            vcr = vc_ptr + slot * (PAGE * D // 2) - first * (D // 2)
+            ksr, kzr = _page_params(ks_ptr, kz_ptr, slot, first, PAGE, D, KG, K_CHANNEL)
+            vsr, vzr = _page_params(vs_ptr, vz_ptr, slot, first, PAGE, D, VG, V_CHANNEL)
+        else:
+            kcr, vcr, ksr, kzr, vsr, vzr = kc_row, vc_row, ks_row, kz_row, vs_row, vz_row
         if PREFETCH:
             kn = _tile_bytes(kc_row, tb + BT, c_off, tt, t_end, D)
             vn = _tile_bytes(vc_row, tb + BT, c_off, tt, t_end, D)
         else:
-            kb, vb = _tile_bytes(kc_row, tb, c_off, tt, t_end, D), _tile_bytes(vc_row, tb, c_off, tt, t_end, D)
+            kb, vb = _tile_bytes(kcr, tb, c_off, tt, t_end, D), _tile_bytes(vcr, tb, c_off, tt, t_end, D)
         if DOT == "fp16":
             klo, khi = _codes16(kb, ASM)
         else:
             klo, khi = _streams(kb, DOT if K_CHANNEL else "")   # per-token keys: dequantized here
         if K_CHANNEL:
-            se, so, ze, zo = _channel_params(ks_row + (tb // KG) * D, kz_row + (tb // KG) * D, j, K_ASYM)
+            se, so, ze, zo = _channel_params(ksr + (tb // KG) * D, kzr + (tb // KG) * D, j, K_ASYM)
             bias = tl.broadcast_to(tl.sum(qe * ze[None, :] + qo * zo[None, :], axis=1)[:, None], (RP * NG, BT))
             if DOT == "fp16":     # the scaled query rounded to FP16 once, both streams' products in one sum
                 s = tl.dot((ho * so[None, :]).to(tl.float16), tl.trans(khi),
-                           tl.dot((he * se[None, :]).to(tl.float16), tl.trans(klo), tl.zeros([RP * NG, BT], tl.float32)))
+                           tl.dot((he * se[None, :]).to(tl.float16), tl.trans(klo),
+                                  tl.zeros([RP * NG, BT], tl.float32)))
                 s = s * q_unit[:, None] + bias
             elif DOT == "int8x3":   # both streams in one fixed point (:func:`_fixed`), one conversion to FP32
                 ae, ao = qe * se[None, :], qo * so[None, :]
@@ -321,7 +341,7 @@ def attend_packed_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, 
             else:
                 s = _mmc(qo * so[None, :], tl.trans(khi), _mmc(qe * se[None, :], tl.trans(klo), bias, DOT), DOT)
         else:
-            sc, zc = _token_params(ks_row, kz_row, tb * D // KG + kg_off, tm[:, None], K_ASYM)
+            sc, zc = _token_params(ksr, kzr, tb * D // KG + kg_off, tm[:, None], K_ASYM)
             s = _mm(qe, tl.trans(klo * sc + zc), tl.zeros([RP * NG, BT], tl.float32), DOT)
             s = _mm(qo, tl.trans(khi * sc + zc), s, DOT)
         if HAS_MASK:
@@ -342,7 +362,7 @@ def attend_packed_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, 
         else:
             vlo, vhi = _streams(vb, DOT)
         if V_CHANNEL:
-            se, so, ze, zo = _channel_params(vs_row + (tb // VG) * D, vz_row + (tb // VG) * D, j, V_ASYM)
+            se, so, ze, zo = _channel_params(vsr + (tb // VG) * D, vzr + (tb // VG) * D, j, V_ASYM)
             psum = tl.sum(p, axis=1)[:, None]
             zero = tl.zeros([RP * NG, D // 2], tl.float32)
             if DOT == "fp16":   # p <= 1: FP16 keeps 11 bits of every weight that counts (those over 2**-14)
@@ -353,7 +373,7 @@ def attend_packed_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, 
                 a_e = a_e * alpha[:, None] + _mmc(p, vlo, zero, DOT) * se[None, :] + psum * ze[None, :]
                 a_o = a_o * alpha[:, None] + _mmc(p, vhi, zero, DOT) * so[None, :] + psum * zo[None, :]
         elif DOT == "fp16":
-            sc, zc = _token_params(vs_row, vz_row, tb * D // VG + vg_off, tm[None, :], V_ASYM)   # [NG, BT]
+            sc, zc = _token_params(vsr, vzr, tb * D // VG + vg_off, tm[None, :], V_ASYM)   # [NG, BT]
             if V_ASYM:
                 zr = tl.reshape(tl.broadcast_to(zc[:, None, :], (NG, RP, BT)), (RP * NG, BT))
                 cz = cz * alpha + tl.sum(p * zr, axis=1)
@@ -369,7 +389,7 @@ def attend_packed_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, 
             a_o = tl.dot(wh, vhi, a_o * f)
             u_acc = unit
         else:
-            sc, zc = _token_params(vs_row, vz_row, tb * D // VG + vg_off, tm[None, :], V_ASYM)   # [NG, BT]
+            sc, zc = _token_params(vsr, vzr, tb * D // VG + vg_off, tm[None, :], V_ASYM)   # [NG, BT]
             w = p * tl.reshape(tl.broadcast_to(sc[:, None, :], (NG, RP, BT)), (RP * NG, BT))   # (g, r): p[r] s[g]
             if V_ASYM:
                 zr = tl.reshape(tl.broadcast_to(zc[:, None, :], (NG, RP, BT)), (RP * NG, BT))
@@ -396,6 +416,19 @@ def attend_packed_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, 
     tl.store(l_ptr + o, tl.max(tl.reshape(l_i, (NG, RP)), axis=0), mask=rm)
     tl.store(acc_ptr + o[:, None] * D + 2 * j[None, :], acc_e, mask=rm[:, None])
     tl.store(acc_ptr + o[:, None] * D + 2 * j[None, :] + 1, acc_o, mask=rm[:, None])
+
+
+@triton.jit
+def _page_params(s_ptr, z_ptr, slot, first, PAGE: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
+                 CHANNEL: tl.constexpr):
+    """Scale and zero-point row pointers of a paged store's slot (a page's KV head) such that the kernel's offsets
+    of token ``first`` + i (the page's first token and on) land at group i's place in the slot: per-channel
+    blocks of G tokens ([slots, PAGE / G, D]) or per-token groups of G values ([slots, PAGE D / G])."""
+    if CHANNEL:
+        off = (slot * (PAGE // G) - first // G) * D
+    else:
+        off = slot * (PAGE * D // G) - first * D // G
+    return s_ptr + off, z_ptr + off
 
 
 @triton.jit

@@ -1,0 +1,193 @@
+"""A paged packed store: keys and values in fixed-size pages that an engine's allocator owns, read through a block
+table, and the fused decode step over it.
+
+Serving engines (vLLM, FlashInfer, SGLang) do not keep a sequence's cache in one row: they hand out pages of a
+fixed number of tokens from a pool and give the attention a block table, ``block_table[B, max_pages]`` (row b's
+pages in order) and ``seq_lens[B]`` (row b's tokens). :class:`PagedKV` is such a pool in kvcx's packed format
+(4-bit codes, FP16 scales and zero points; page p's KV head h at slot p x Hkv + h), :func:`write` puts a record's
+tokens into pages, and :func:`attend` runs one decode step over the pages with the same Triton kernel as the
+contiguous store (:func:`kvcx.codecs.gpu.attend_spans`; its ``PAGE`` mode reads each tile's page from the table):
+no copy, no host sync (the splits are sized from the table's width, so a step can be captured in a CUDA graph).
+
+A page holds whole groups: per-channel key blocks (the default's 64 tokens) lie within a page, so that a page is
+encoded on its own with the same bytes as the sequence encoded whole; pages are a multiple of the key blocks.
+Pages hold packed tokens only (no exact sinks or residual): what an engine pages is what it has encoded.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from kvcx.codecs import gpu
+from kvcx.codecs.backends import is_tensor
+from kvcx.codecs.base import Codec, Packed
+from kvcx.deps import import_torch as _torch
+from kvcx.errors import CodecError
+
+
+@dataclass(frozen=True)
+class PagedKV:
+    """A pool of pages of packed keys and values: codes uint8 [pages, Hkv, page_tokens x D / 2]; scales (and zero
+    points, or None) FP16 [pages, Hkv, page_tokens / G, D] for per-channel groups of G tokens or [pages, Hkv,
+    page_tokens x D / G] for per-token groups of G values."""
+
+    key_codes: object
+    key_scales: object
+    key_zeros: object
+    value_codes: object
+    value_scales: object
+    value_zeros: object
+    key_codec: Codec
+    value_codec: Codec
+    page_tokens: int
+
+    @property
+    def num_pages(self) -> int:
+        return self.key_codes.shape[0]
+
+    @property
+    def kv_heads(self) -> int:
+        return self.key_codes.shape[1]
+
+    @property
+    def head_dim(self) -> int:
+        return self.key_codes.shape[2] * 2 // self.page_tokens
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the pool holds (codes, scales, zero points)."""
+        parts = (self.key_codes, self.key_scales, self.key_zeros, self.value_codes, self.value_scales,
+                 self.value_zeros)
+        return sum(t.numel() * t.element_size() for t in parts if t is not None)
+
+
+def _check_codec(codec, what: str, page_tokens: int, D: int) -> None:
+    if getattr(codec, "codec_id", None) != "kvcx.int" or codec.bits != 4:
+        raise CodecError(f"paged store: the {what} must use a 4-bit kvcx.int codec, got "
+                         f"{getattr(codec, 'codec_id', codec)!r}")
+    if codec.sinks:
+        raise CodecError(f"paged store: the {what} codec keeps {codec.sinks} exact sink tokens; pages hold packed "
+                         "tokens only: use the codec with sinks=0")
+    G = codec.group_size
+    whole = page_tokens % G == 0 if codec.axis == "channel" else page_tokens * D % G == 0
+    if not whole:
+        unit = f"{G} tokens (per-channel blocks)" if codec.axis == "channel" else f"{G} values (per-token groups)"
+        raise CodecError(f"paged store: pages of {page_tokens} tokens do not hold whole groups of the {what}' "
+                         f"{unit}: choose page_tokens a multiple of {G if codec.axis == 'channel' else G // D or 1}")
+
+
+def _params_shape(codec, pages: int, H: int, P: int, D: int) -> tuple:
+    G = codec.group_size
+    return (pages, H, P // G, D) if codec.axis == "channel" else (pages, H, P * D // G)
+
+
+def allocate(key_codec: Codec, value_codec: Codec, num_pages: int, kv_heads: int, head_dim: int, page_tokens: int,
+             device) -> PagedKV:
+    """An empty pool of ``num_pages`` pages of ``page_tokens`` tokens for ``kv_heads`` heads of ``head_dim``, on
+    ``device``. Pages hold whole groups of both codecs and at least 16 tokens (the products' tiles)."""
+    torch = _torch()
+    if page_tokens < 16 or page_tokens & (page_tokens - 1):
+        raise CodecError(f"paged store: page_tokens must be a power of two, 16 or more, got {page_tokens}")
+    if num_pages < 1 or kv_heads < 1 or head_dim < 16 or head_dim % 16:
+        raise CodecError(f"paged store: need num_pages >= 1, kv_heads >= 1 and a head dim that is a multiple of 16; "
+                         f"got {num_pages}, {kv_heads}, {head_dim}")
+    for codec, what in ((key_codec, "keys"), (value_codec, "values")):
+        _check_codec(codec, what, page_tokens, head_dim)
+    P, H, D = page_tokens, kv_heads, head_dim
+
+    def params(codec):
+        shape = _params_shape(codec, num_pages, H, P, D)
+        return (torch.zeros(shape, dtype=torch.float16, device=device),
+                torch.zeros(shape, dtype=torch.float16, device=device) if codec.asym else None)
+
+    (ks, kz), (vs, vz) = params(key_codec), params(value_codec)
+    codes = (torch.zeros((num_pages, H, P * D // 2), dtype=torch.uint8, device=device) for _ in "kv")
+    return PagedKV(next(codes), ks, kz, next(codes), vs, vz, key_codec.with_backend("triton"),
+                   value_codec.with_backend("triton"), P)
+
+
+def write(pool: PagedKV, pages: Sequence[int], keys: Packed, values: Packed) -> None:
+    """Put the tokens of ``keys`` and ``values`` (the Triton backend's records of [Hkv, S, D] or [1, Hkv, S, D],
+    encoded with the pool's codecs, S <= len(pages) x page_tokens, starting on a page) into ``pages``: page
+    ``pages[j]`` gets tokens [j P, (j + 1) P). A partial last page holds its tokens first; write it again, whole,
+    once it fills (its groups re-encoded then, as the sequence encoded whole would have them)."""
+    torch = _torch()
+    P, H, D = pool.page_tokens, pool.kv_heads, pool.head_dim
+    for rec, codec, what in ((keys, pool.key_codec, "keys"), (values, pool.value_codec, "values")):
+        shape = tuple(rec.shape)
+        if len(shape) not in (3, 4) or shape[-3] != H or shape[-1] != D or (len(shape) == 4 and shape[0] != 1):
+            raise CodecError(f"paged store: {what} of shape {list(shape)} do not fit pages of {H} KV heads x head dim "
+                             f"{D}: pass one sequence, [Hkv, S, D] or [1, Hkv, S, D]")
+        if not is_tensor(rec.codes) or rec.codes.device != pool.key_codes.device:
+            raise CodecError(f"paged store: the {what} record must be on the pool's device "
+                             f"({pool.key_codes.device}); encode with backend='triton' there")
+        if rec.config.get("sinks"):
+            raise CodecError(f"paged store: the {what} record keeps exact sink tokens; encode it with sinks=0")
+    S = keys.shape[-2]
+    if values.shape[-2] != S or S > len(pages) * P:
+        raise CodecError(f"paged store: {S} key and {values.shape[-2]} value tokens for {len(pages)} pages of {P}")
+    bad = [p for p in pages if not 0 <= int(p) < pool.num_pages]
+    if bad:
+        raise CodecError(f"paged store: page {bad[0]} is not in the pool of {pool.num_pages} pages")
+    whole = S // P   # pages filled: one copy a buffer for all of them; a partial last page after them
+    index = torch.as_tensor([int(p) for p in pages[:whole]], dtype=torch.long, device=pool.key_codes.device)
+    for rec, codec, codes, scales, zeros in ((keys, pool.key_codec, pool.key_codes, pool.key_scales, pool.key_zeros),
+                                             (values, pool.value_codec, pool.value_codes, pool.value_scales,
+                                              pool.value_zeros)):
+        span = gpu.span_of(rec, codec.with_backend("triton"))
+        G = codec.group_size
+        per = P // G if codec.axis == "channel" else P * D // G     # a page's scale columns (blocks)
+        bufs = [(codes, span.codes, P * D // 2)] + [(dst, src, per) for dst, src in ((scales, span.scales),
+                                                                                      (zeros, span.zeros))
+                                                     if dst is not None]
+        for dst, src, width in bufs:
+            if whole:
+                dst[index] = src[:, :whole * width].reshape(H, whole, width, *src.shape[2:]).transpose(0, 1)
+            if S > whole * P:   # the partial page: its tokens' bytes, its groups (the last one partial)
+                n = S - whole * P
+                used = n * D // 2 if dst is codes else \
+                    -(-n // G) if codec.axis == "channel" else -(-n * D // G)
+                dst[int(pages[whole]), :, :used] = src[:, whole * width:whole * width + used]
+
+
+def attend(q, pool: PagedKV, block_table, seq_lens, scaling: Optional[float] = None,
+           per_split: Optional[int] = None):
+    """One decode step over a paged store: q [B, Hq, D] (one token a row, any float dtype), ``block_table`` int32
+    [B, max_pages] (row b's pages in order; entries past its tokens are not read), ``seq_lens`` int32 [B] (row b's
+    tokens, 1 to max_pages x page_tokens), both on the pool's device. Query head j reads KV head j // (Hq / Hkv).
+    Returns [B, Hq, D] float32. No host sync: the splits are sized from the table's width."""
+    torch, k = _torch(), gpu._attn_kernels()
+    B, Hq, D = q.shape
+    H, P = pool.kv_heads, pool.page_tokens
+    dev = pool.key_codes.device
+    if D != pool.head_dim or Hq % H:
+        raise CodecError(f"paged attention: q {list(q.shape)} does not fit pages of {H} KV heads x head dim "
+                         f"{pool.head_dim}")
+    for t, name, dims in ((block_table, "block_table", 2), (seq_lens, "seq_lens", 1)):
+        if not is_tensor(t) or t.dtype != torch.int32 or t.dim() != dims or t.shape[0] != B or t.device != dev \
+                or q.device != dev:
+            raise CodecError(f"paged attention: {name} must be an int32 tensor of {dims} dims, batch {B} first, "
+                             f"on {dev} with q (engines' shape: block_table [B, max_pages], seq_lens [B])")
+    kc, vc = pool.key_codec, pool.value_codec
+    N, R = B * H, Hq // H
+    rows = gpu.query_rows(q, N)
+    scaling = D ** -0.5 if scaling is None else float(scaling)
+    qr = (rows.float() * scaling) @ gpu._hadamard(D, dev) if kc.rotate else None
+    table = block_table.contiguous()
+    asm = gpu.ATTN_ASM and q.is_cuda and not gpu.interpreting()
+    const = gpu.attention_constexprs(kc, vc, R, D, gpu.ATTN_DOT, min(gpu.ATTN_BLOCK_TOKENS, P), False, False, asm)
+    per = gpu.split_tokens(N, table.shape[1] * P, per_split)
+    nsp = max(1, -(-(table.shape[1] * P) // per))
+    m, l, acc = (torch.empty(N, nsp, R, *d, device=dev) for d in ((), (), (D,)))
+    bufs = (pool.key_codes, pool.key_scales, pool.key_zeros if pool.key_zeros is not None else pool.key_scales,
+            pool.value_codes, pool.value_scales,
+            pool.value_zeros if pool.value_zeros is not None else pool.value_scales)
+    k.attend_packed_kernel[(N, nsp)](
+        qr if kc.rotate else rows, *bufs, *bufs, 1.0 if kc.rotate else scaling, m, m, l, acc, H, 0, 0, 0,
+        0, 0, 0, 0, 0, 0, 0, 0, 0, 0, per, nsp, 0, nsp, table, seq_lens, table.stride(0), **{**const, "PAGE": P},
+        **gpu._attention_options(), enable_fp_fusion=gpu.ATTN_FP_FUSION, num_warps=gpu.ATTN_WARPS)
+    out = torch.empty(N, R, D, device=dev)
+    k.merge_kernel[(N, R)](rows, scaling, m, l, acc, nsp, m, m, 0, m, m, 0, m, 0, 0, H, out, gpu._norm(D), R=R, D=D,
+                           SB=2, RB=16, HAS_MASK=False, ROTATE=vc.rotate, CH=gpu.MERGE_SPLITS,
+                           enable_fp_fusion=gpu.ATTN_FP_FUSION)
+    return out.reshape(B, Hq, D)

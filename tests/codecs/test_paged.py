@@ -1,0 +1,128 @@
+"""The paged store (kvcx.codecs.paged): packed pages an engine's allocator owns, read through a block table
+(vLLM's and FlashInfer's shape) by the same Triton kernel as the contiguous store. Triton's interpreter runs it
+where there is no GPU (tests/conftest.py); nothing here is skipped for lack of one."""
+import pytest
+import torch
+
+from kvcx.codecs import IntCodec, KVConfig, get_codec, gpu, paged
+from kvcx.errors import CodecError
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _codecs(scheme="kvcx"):
+    """The scheme's key and value codecs without sinks (pages hold packed tokens only), on the Triton backend."""
+    cfg = KVConfig.from_scheme(scheme)
+    return tuple(get_codec({**c.get_config(), "sinks": 0}).with_backend("triton") for c in (cfg.key, cfg.value))
+
+
+def _sequences(g, H, D, lens, shared):
+    """Keys and values of each row; row 2 begins with row 0's first ``shared`` tokens (a shared prefix)."""
+    seqs = []
+    for b, n in enumerate(lens):
+        K = (torch.randn(H, n, D, generator=g) + torch.randn(D, generator=g) * 2)
+        V = torch.randn(H, n, D, generator=g)
+        if b == 2 and shared:
+            K[:, :shared], V[:, :shared] = seqs[0][0][:, :shared], seqs[0][1][:, :shared]
+        seqs.append((K.to(DEVICE), V.to(DEVICE)))
+    return seqs
+
+
+@pytest.mark.parametrize("dot", ["int8x3", "fp16"])
+@pytest.mark.parametrize("keys", ["channel", "rotated"])
+def test_paged_attention_equals_the_contiguous_store(dot, keys, monkeypatch):
+    """Three rows of odd lengths (a partial last page each but one) in scrambled pages of 64 tokens, row 2 sharing
+    row 0's first page (the same prefix: the same bytes), the table's padding pointing at a page of NaN scales (not
+    read): each row's output equals the contiguous store's over the same records (gpu.attend, one row at a time),
+    within FP32 rounding in the exact mode and, in the fast mode, within SDPA-BF16's own error of the FP32 result."""
+    monkeypatch.setattr(gpu, "ATTN_DOT", dot)
+    kc, vc = _codecs()
+    if keys == "rotated":   # the query rotated (and scaled) before the kernel, as for the contiguous store
+        kc = IntCodec(scheme="asymmetric", axis="channel", rotate=True).with_backend("triton")
+    g = torch.Generator().manual_seed(3)
+    H, R, D, P = 2, 3, 64, 64
+    lens = [150, 64, 97]
+    pool = paged.allocate(kc, vc, 10, H, D, P, DEVICE)
+    pool.key_scales[9], pool.value_scales[9] = float("nan"), float("nan")     # what no row may read
+    seqs = _sequences(g, H, D, lens, shared=64)
+    free = torch.randperm(9, generator=g).tolist()
+    table = torch.full((3, 4), 9, dtype=torch.int32)
+    pages = [free[0:3], free[3:4], [free[0], free[4]]]      # row 2: row 0's first page, then its own
+    records = []
+    for b, (K, V) in enumerate(seqs):
+        pk, pv = kc.encode(K), vc.encode(V)
+        records.append((pk, pv))
+        if b == 2:   # its first page is row 0's: only its second is written
+            pk2, pv2 = kc.encode(K[:, P:].contiguous()), vc.encode(V[:, P:].contiguous())
+            paged.write(pool, pages[b][1:], pk2, pv2)
+        else:
+            paged.write(pool, pages[b], pk, pv)
+        table[b, :len(pages[b])] = torch.tensor(pages[b], dtype=torch.int32)
+    q = torch.randn(3, H * R, D, generator=g).to(DEVICE)
+    out = paged.attend(q, pool, table.to(DEVICE), torch.tensor(lens, dtype=torch.int32, device=DEVICE), per_split=64)
+    assert out.shape == q.shape and out.dtype == torch.float32 and bool(torch.isfinite(out).all())
+    for b, (pk, pv) in enumerate(records):
+        alone = gpu.attend(q[b:b + 1], gpu.to_device(_batched(pk), DEVICE), gpu.to_device(_batched(pv), DEVICE),
+                           kc, vc, per_split=64)[0]
+        Kd, Vd = (c.decode(p).repeat_interleave(R, 0).double() for c, p in ((kc, pk), (vc, pv)))
+        ref = (torch.softmax((q[b].double()[:, None] @ Kd.transpose(-1, -2)) * D ** -0.5, -1) @ Vd)[:, 0]
+        err = float((out[b].double() - ref).norm() / ref.norm())
+        if dot == "fp16":
+            low = torch.nn.functional.scaled_dot_product_attention(q[b].bfloat16()[:, None], Kd.bfloat16(),
+                                                                   Vd.bfloat16())[:, 0]
+            assert err <= float((low.double() - ref).norm() / ref.norm())
+        else:
+            assert err < 3e-5
+            assert float((out[b] - alone).abs().max()) < 3e-5 * float(ref.abs().max())
+
+
+def _batched(rec):
+    """A record of [H, S, D] as one of [1, H, S, D] (gpu.attend takes a batch)."""
+    from kvcx.codecs.base import Packed
+
+    return Packed(codes=rec.codes, scales=rec.scales, zeros=rec.zeros, sinks=rec.sinks, shape=(1, *rec.shape),
+                  dtype=rec.dtype, config=dict(rec.config), meta=dict(rec.meta))
+
+
+def test_a_page_written_alone_has_the_bytes_of_the_sequence_encoded_whole():
+    """Per-channel key blocks lie within a page: a page encoded on its own (an engine's unit of work) holds the
+    same bytes as the same tokens' page of the whole sequence encoded at once."""
+    kc, vc = _codecs()
+    g = torch.Generator().manual_seed(5)
+    K, V = (torch.randn(2, 256, 64, generator=g).to(DEVICE) for _ in "kv")
+    whole = paged.allocate(kc, vc, 4, 2, 64, 128, DEVICE)
+    paged.write(whole, [2, 0], kc.encode(K), vc.encode(V))
+    pages = paged.allocate(kc, vc, 4, 2, 64, 128, DEVICE)
+    for page, (a, b) in ((2, (0, 128)), (0, (128, 256))):
+        paged.write(pages, [page], kc.encode(K[:, a:b].contiguous()), vc.encode(V[:, a:b].contiguous()))
+    for name in ("key_codes", "key_scales", "key_zeros", "value_codes", "value_scales"):
+        assert torch.equal(getattr(whole, name), getattr(pages, name)), name
+    assert whole.value_zeros is None and whole.nbytes == pages.nbytes > 0
+
+
+def test_the_paged_store_refuses_what_it_cannot_hold_by_name():
+    kc, vc = _codecs()
+    cfg = KVConfig.from_scheme("kvcx")
+    with pytest.raises(CodecError, match="sinks=0"):
+        paged.allocate(cfg.key, vc, 4, 2, 64, 64, DEVICE)                       # exact sinks: not paged
+    with pytest.raises(CodecError, match="whole groups.*multiple of 64"):
+        paged.allocate(kc, vc, 4, 2, 64, 32, DEVICE)                            # 64-token key blocks
+    with pytest.raises(CodecError, match="power of two"):
+        paged.allocate(kc, vc, 4, 2, 64, 96, DEVICE)
+    pool = paged.allocate(kc, vc, 4, 2, 64, 64, DEVICE)
+    K = torch.randn(2, 100, 64, device=DEVICE)
+    with pytest.raises(CodecError, match="page 7 is not in the pool of 4"):
+        paged.write(pool, [0, 7], kc.encode(K), vc.encode(K))
+    with pytest.raises(CodecError, match="100 key and 100 value tokens for 1 pages of 64"):
+        paged.write(pool, [0], kc.encode(K), vc.encode(K))
+    with pytest.raises(CodecError, match=r"shape \[3, 100, 64\].*2 KV heads"):
+        paged.write(pool, [0, 1], kc.encode(torch.randn(3, 100, 64, device=DEVICE)), vc.encode(K))
+    q = torch.randn(1, 4, 64, device=DEVICE)
+    lens = torch.tensor([100], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(CodecError, match="block_table must be an int32"):
+        paged.attend(q, pool, torch.zeros(1, 2, dtype=torch.int64, device=DEVICE), lens)
+    with pytest.raises(CodecError, match="seq_lens must be an int32"):
+        paged.attend(q, pool, torch.zeros(1, 2, dtype=torch.int32, device=DEVICE), lens[None])
+    with pytest.raises(CodecError, match=r"q \[1, 3, 64\] does not fit"):
+        paged.attend(torch.randn(1, 3, 64, device=DEVICE), pool, torch.zeros(1, 2, dtype=torch.int32,
+                                                                              device=DEVICE), lens)
