@@ -180,14 +180,130 @@ def _channel_params(s_ptr, z_ptr, j, ASYM: tl.constexpr):
 
 
 @triton.jit
-def _token_params(s_ptr, z_ptr, off, mask, ASYM: tl.constexpr):
+def _token_params(s_ptr, z_ptr, off, mask, ASYM: tl.constexpr, MASKED: tl.constexpr):
     """Per-token groups' scales and offsets at offsets ``off`` (FP32), a value being ``(code - 8) * s + z`` (z: the
-    zero point + 8 s; 0 without zero points)."""
-    sc = tl.load(s_ptr + off, mask=mask, other=0.0).to(tl.float32)
+    zero point + 8 s; 0 without zero points); ``mask``-ed where ``MASKED`` (a partial tile)."""
+    if MASKED:
+        sc = tl.load(s_ptr + off, mask=mask, other=0.0).to(tl.float32)
+    else:
+        sc = tl.load(s_ptr + off).to(tl.float32)
     zc = tl.zeros_like(sc)
     if ASYM:
-        zc = tl.load(z_ptr + off, mask=mask, other=0.0).to(tl.float32) + 8.0 * sc
+        if MASKED:
+            zc = tl.load(z_ptr + off, mask=mask, other=0.0).to(tl.float32) + 8.0 * sc
+        else:
+            zc = tl.load(z_ptr + off).to(tl.float32) + 8.0 * sc
     return sc, zc
+
+
+@triton.jit
+def _tile(kb, vb, tb, tm, tt, j, g, he, ho, qe, qo, q_unit, ksr, kzr, vsr, vzr, kg_off, vg_off, mask_row,
+          m_i, l_i, a_e, a_o, cz, u_acc, v_top, RP: tl.constexpr, D: tl.constexpr, BT: tl.constexpr,
+          KG: tl.constexpr, K_CHANNEL: tl.constexpr, K_ASYM: tl.constexpr, VG: tl.constexpr, V_CHANNEL: tl.constexpr,
+          V_ASYM: tl.constexpr, HAS_MASK: tl.constexpr, DOT: tl.constexpr, NG: tl.constexpr, ASM: tl.constexpr,
+          MASKED: tl.constexpr):
+    """One tile of :func:`attend_packed_kernel`'s loop: the tile's packed bytes ``kb``, ``vb`` (from token ``tb``)
+    into the running max ``m_i`` and sum ``l_i``, the accumulators and their units; returns them. ``MASKED``: the
+    split's last tile, partial (``tm``: its tokens before the end; the others are whole: no masks, no selects)."""
+    if DOT == "fp16":
+        klo, khi = _codes16(kb, ASM)
+    else:
+        klo, khi = _streams(kb, DOT if K_CHANNEL else "")   # per-token keys: dequantized here
+    if K_CHANNEL:
+        se, so, ze, zo = _channel_params(ksr + (tb // KG) * D, kzr + (tb // KG) * D, j, K_ASYM)
+        bias = tl.broadcast_to(tl.sum(qe * ze[None, :] + qo * zo[None, :], axis=1)[:, None], (RP * NG, BT))
+        if DOT == "fp16":     # the scaled query rounded to FP16 once, both streams' products in one sum
+            s = tl.dot((ho * so[None, :]).to(tl.float16), tl.trans(khi),
+                       tl.dot((he * se[None, :]).to(tl.float16), tl.trans(klo),
+                              tl.zeros([RP * NG, BT], tl.float32)))
+            s = s * q_unit[:, None] + bias
+        elif DOT == "int8x3":   # both streams in one fixed point (:func:`_fixed`), one conversion to FP32
+            ae, ao = qe * se[None, :], qo * so[None, :]
+            inv, unit = _unit(_max_nan(_absmax(ae), _absmax(ao)))
+            e0, e1, e2 = _fixed(ae, inv)
+            o0, o1, o2 = _fixed(ao, inv)
+            s = (_dot3(e0, e1, e2, tl.trans(klo)) + _dot3(o0, o1, o2, tl.trans(khi))).to(tl.float32) * \
+                unit[:, None] + bias
+        else:
+            s = _mmc(qo * so[None, :], tl.trans(khi), _mmc(qe * se[None, :], tl.trans(klo), bias, DOT), DOT)
+    else:
+        sc, zc = _token_params(ksr, kzr, tb * D // KG + kg_off, tm[:, None], K_ASYM, MASKED)
+        s = _mm(qe, tl.trans(klo * sc + zc), tl.zeros([RP * NG, BT], tl.float32), DOT)
+        s = _mm(qo, tl.trans(khi * sc + zc), s, DOT)
+    if HAS_MASK:
+        if MASKED:
+            add = tl.load(mask_row + tb + tt, mask=tm, other=0.0)
+        else:
+            add = tl.load(mask_row + tb + tt)
+        s += (add * LOG2E if DOT == "fp16" else add)[None, :]
+    if MASKED:
+        s = tl.where(tm[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)      # a row with nothing to attend to yet
+    if DOT == "fp16":
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+    else:
+        alpha = tl.exp(m_i - m_use)
+        p = tl.exp(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if DOT == "fp16":
+        vlo, vhi = _codes16(vb, ASM)
+    else:
+        vlo, vhi = _streams(vb, DOT)
+    if V_CHANNEL:
+        se, so, ze, zo = _channel_params(vsr + (tb // VG) * D, vzr + (tb // VG) * D, j, V_ASYM)
+        psum = tl.sum(p, axis=1)[:, None]
+        zero = tl.zeros([RP * NG, D // 2], tl.float32)
+        if DOT == "fp16":   # p <= 1: FP16 keeps 11 bits of every weight that counts (those over 2**-14)
+            ph = p.to(tl.float16)
+            a_e = a_e * alpha[:, None] + tl.dot(ph, vlo, zero) * se[None, :] + psum * ze[None, :]
+            a_o = a_o * alpha[:, None] + tl.dot(ph, vhi, zero) * so[None, :] + psum * zo[None, :]
+        else:
+            a_e = a_e * alpha[:, None] + _mmc(p, vlo, zero, DOT) * se[None, :] + psum * ze[None, :]
+            a_o = a_o * alpha[:, None] + _mmc(p, vhi, zero, DOT) * so[None, :] + psum * zo[None, :]
+    elif DOT == "fp16":
+        sc, zc = _token_params(vsr, vzr, tb * D // VG + vg_off, tm[None, :], V_ASYM, MASKED)   # [NG, BT]
+        if V_ASYM:
+            zr = tl.reshape(tl.broadcast_to(zc[:, None, :], (NG, RP, BT)), (RP * NG, BT))
+            cz = cz * alpha + tl.sum(p * zr, axis=1)
+        # the scales after one power of two (the largest read so far at most 2**15, so that the weights p s
+        # fit FP16); the accumulators move to a new unit (a power of two, never smaller: exact, no overflow)
+        # with the softmax's own rescaling
+        v_top = _max_nan(v_top, tl.reduce(tl.reshape(sc, (NG * BT,)), 0, _max_nan))
+        inv, unit = _unit(v_top, 15)
+        w = p * tl.reshape(tl.broadcast_to((sc * inv)[:, None, :], (NG, RP, BT)), (RP * NG, BT))
+        f = (alpha * (u_acc / unit))[:, None]
+        wh = w.to(tl.float16)
+        a_e = tl.dot(wh, vlo, a_e * f)
+        a_o = tl.dot(wh, vhi, a_o * f)
+        u_acc = unit
+    else:
+        sc, zc = _token_params(vsr, vzr, tb * D // VG + vg_off, tm[None, :], V_ASYM, MASKED)   # [NG, BT]
+        w = p * tl.reshape(tl.broadcast_to(sc[:, None, :], (NG, RP, BT)), (RP * NG, BT))   # (g, r): p[r] s[g]
+        if V_ASYM:
+            zr = tl.reshape(tl.broadcast_to(zc[:, None, :], (NG, RP, BT)), (RP * NG, BT))
+            cz = cz * alpha + tl.sum(p * zr, axis=1)
+        a_e = _mmc(w, vlo, a_e * alpha[:, None], DOT)
+        a_o = _mmc(w, vhi, a_o * alpha[:, None], DOT)
+    return m_new, l_i, a_e, a_o, cz, u_acc, v_top
+
+
+@triton.jit
+def _rows(kc_row, vc_row, ks_row, kz_row, vs_row, vz_row, kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, page_row,
+          tb, n, Hkv, PAGE: tl.constexpr, D: tl.constexpr, KG: tl.constexpr, K_CHANNEL: tl.constexpr,
+          VG: tl.constexpr, V_CHANNEL: tl.constexpr):
+    """The row pointers of the tile from token ``tb``: the slab's own (``PAGE`` 0), or for a paged store its page's
+    (from the block table's row ``page_row``), such that token tb's offsets land at its place in the page."""
+    if PAGE:
+        slot = tl.load(page_row + tb // PAGE).to(tl.int64) * Hkv + n % Hkv
+        first = tb - tb % PAGE
+        ksr, kzr = _page_params(ks_ptr, kz_ptr, slot, first, PAGE, D, KG, K_CHANNEL)
+        vsr, vzr = _page_params(vs_ptr, vz_ptr, slot, first, PAGE, D, VG, V_CHANNEL)
+        return (kc_ptr + slot * (PAGE * D // 2) - first * (D // 2), vc_ptr + slot * (PAGE * D // 2) - first * (D // 2),
+                ksr, kzr, vsr, vzr)
+    else:
+        return kc_row, vc_row, ks_row, kz_row, vs_row, vz_row
 
 
 # integer arguments that change from one decode step to the next (the mask's width, the residual's length) or at a
@@ -258,9 +374,9 @@ def attend_packed_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, 
     kc_ptr, vc_ptr = tl.where(second, kc2_ptr, kc_ptr), tl.where(second, vc2_ptr, vc_ptr)
     ks_ptr, kz_ptr = tl.where(second, ks2_ptr, ks_ptr), tl.where(second, kz2_ptr, kz_ptr)
     vs_ptr, vz_ptr = tl.where(second, vs2_ptr, vs_ptr), tl.where(second, vz2_ptr, vz_ptr)
-    if PAGE:   # the slab's batch row: its tokens, its row of the block table
+    page_row = pages_ptr + (n // Hkv).to(tl.int64) * pages_stride     # a paged store's row of the block table
+    if PAGE:   # the slab's batch row: its tokens
         T = tl.load(lens_ptr + n // Hkv)
-        page_row = pages_ptr + (n // Hkv).to(tl.int64) * pages_stride
     r = tl.arange(0, RP)
     rm = r < R
     ri = tl.arange(0, RP * NG) % RP          # the query row of each product row (g, r), r fastest
@@ -282,6 +398,8 @@ def attend_packed_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, 
         # scores in units of log 2 (the exponentials are exp2: no multiply a score), the zero points' term alike
         q_unit = q_unit * LOG2E
         qe, qo = qe * LOG2E, qo * LOG2E
+    else:
+        he, ho, q_unit = qe, qo, tl.zeros([RP * NG], tl.float32)    # not read
     m_i = tl.full([RP * NG], float("-inf"), tl.float32)
     l_i = tl.zeros([RP * NG], tl.float32)
     a_e = tl.zeros([RP * NG, D // 2], tl.float32)
@@ -301,104 +419,36 @@ def attend_packed_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, 
     vz_row = vz_ptr + n.to(tl.int64) * v_nsc * (D if V_CHANNEL else 1)
     t_begin = sp * per_split
     t_end = tl.minimum(T, t_begin + per_split)
-    if PREFETCH:
+    mask_row = mask_ptr + (n // Hkv).to(tl.int64) * mask_stride + mask_off
+    if PREFETCH:   # every tile masked (the next one's loads issued before this one is worked)
         kb, vb = _tile_bytes(kc_row, t_begin, c_off, tt, t_end, D), _tile_bytes(vc_row, t_begin, c_off, tt, t_end, D)
-    for tb in range(t_begin, t_end, BT):
-        tm = tb + tt < t_end
-        if PAGE:   # the tile's page: row pointers such that token tb's offsets land at its place in the page
-            slot = tl.load(page_row + tb // PAGE).to(tl.int64) * Hkv + n % Hkv
-            first = tb - tb % PAGE
-            kcr = kc_ptr + slot * (PAGE * D // 2) - first * (D // 2)
-            vcr = vc_ptr + slot * (PAGE * D // 2) - first * (D // 2)
-            ksr, kzr = _page_params(ks_ptr, kz_ptr, slot, first, PAGE, D, KG, K_CHANNEL)
-            vsr, vzr = _page_params(vs_ptr, vz_ptr, slot, first, PAGE, D, VG, V_CHANNEL)
-        else:
-            kcr, vcr, ksr, kzr, vsr, vzr = kc_row, vc_row, ks_row, kz_row, vs_row, vz_row
-        if PREFETCH:
+        for tb in range(t_begin, t_end, BT):
             kn = _tile_bytes(kc_row, tb + BT, c_off, tt, t_end, D)
             vn = _tile_bytes(vc_row, tb + BT, c_off, tt, t_end, D)
-        else:
-            kb, vb = _tile_bytes(kcr, tb, c_off, tt, t_end, D), _tile_bytes(vcr, tb, c_off, tt, t_end, D)
-        if DOT == "fp16":
-            klo, khi = _codes16(kb, ASM)
-        else:
-            klo, khi = _streams(kb, DOT if K_CHANNEL else "")   # per-token keys: dequantized here
-        if K_CHANNEL:
-            se, so, ze, zo = _channel_params(ksr + (tb // KG) * D, kzr + (tb // KG) * D, j, K_ASYM)
-            bias = tl.broadcast_to(tl.sum(qe * ze[None, :] + qo * zo[None, :], axis=1)[:, None], (RP * NG, BT))
-            if DOT == "fp16":     # the scaled query rounded to FP16 once, both streams' products in one sum
-                s = tl.dot((ho * so[None, :]).to(tl.float16), tl.trans(khi),
-                           tl.dot((he * se[None, :]).to(tl.float16), tl.trans(klo),
-                                  tl.zeros([RP * NG, BT], tl.float32)))
-                s = s * q_unit[:, None] + bias
-            elif DOT == "int8x3":   # both streams in one fixed point (:func:`_fixed`), one conversion to FP32
-                ae, ao = qe * se[None, :], qo * so[None, :]
-                inv, unit = _unit(_max_nan(_absmax(ae), _absmax(ao)))
-                e0, e1, e2 = _fixed(ae, inv)
-                o0, o1, o2 = _fixed(ao, inv)
-                s = (_dot3(e0, e1, e2, tl.trans(klo)) + _dot3(o0, o1, o2, tl.trans(khi))).to(tl.float32) * \
-                    unit[:, None] + bias
-            else:
-                s = _mmc(qo * so[None, :], tl.trans(khi), _mmc(qe * se[None, :], tl.trans(klo), bias, DOT), DOT)
-        else:
-            sc, zc = _token_params(ksr, kzr, tb * D // KG + kg_off, tm[:, None], K_ASYM)
-            s = _mm(qe, tl.trans(klo * sc + zc), tl.zeros([RP * NG, BT], tl.float32), DOT)
-            s = _mm(qo, tl.trans(khi * sc + zc), s, DOT)
-        if HAS_MASK:
-            add = tl.load(mask_ptr + (n // Hkv).to(tl.int64) * mask_stride + mask_off + tb + tt, mask=tm, other=0.0)
-            s += (add * LOG2E if DOT == "fp16" else add)[None, :]
-        s = tl.where(tm[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)      # a row with nothing to attend to yet
-        if DOT == "fp16":
-            alpha = tl.exp2(m_i - m_use)
-            p = tl.exp2(s - m_use[:, None])
-        else:
-            alpha = tl.exp(m_i - m_use)
-            p = tl.exp(s - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if DOT == "fp16":
-            vlo, vhi = _codes16(vb, ASM)
-        else:
-            vlo, vhi = _streams(vb, DOT)
-        if V_CHANNEL:
-            se, so, ze, zo = _channel_params(vsr + (tb // VG) * D, vzr + (tb // VG) * D, j, V_ASYM)
-            psum = tl.sum(p, axis=1)[:, None]
-            zero = tl.zeros([RP * NG, D // 2], tl.float32)
-            if DOT == "fp16":   # p <= 1: FP16 keeps 11 bits of every weight that counts (those over 2**-14)
-                ph = p.to(tl.float16)
-                a_e = a_e * alpha[:, None] + tl.dot(ph, vlo, zero) * se[None, :] + psum * ze[None, :]
-                a_o = a_o * alpha[:, None] + tl.dot(ph, vhi, zero) * so[None, :] + psum * zo[None, :]
-            else:
-                a_e = a_e * alpha[:, None] + _mmc(p, vlo, zero, DOT) * se[None, :] + psum * ze[None, :]
-                a_o = a_o * alpha[:, None] + _mmc(p, vhi, zero, DOT) * so[None, :] + psum * zo[None, :]
-        elif DOT == "fp16":
-            sc, zc = _token_params(vsr, vzr, tb * D // VG + vg_off, tm[None, :], V_ASYM)   # [NG, BT]
-            if V_ASYM:
-                zr = tl.reshape(tl.broadcast_to(zc[:, None, :], (NG, RP, BT)), (RP * NG, BT))
-                cz = cz * alpha + tl.sum(p * zr, axis=1)
-            # the scales after one power of two (the largest read so far at most 2**15, so that the weights p s
-            # fit FP16); the accumulators move to a new unit (a power of two, never smaller: exact, no overflow)
-            # with the softmax's own rescaling
-            v_top = _max_nan(v_top, tl.reduce(tl.reshape(sc, (NG * BT,)), 0, _max_nan))
-            inv, unit = _unit(v_top, 15)
-            w = p * tl.reshape(tl.broadcast_to((sc * inv)[:, None, :], (NG, RP, BT)), (RP * NG, BT))
-            f = (alpha * (u_acc / unit))[:, None]
-            wh = w.to(tl.float16)
-            a_e = tl.dot(wh, vlo, a_e * f)
-            a_o = tl.dot(wh, vhi, a_o * f)
-            u_acc = unit
-        else:
-            sc, zc = _token_params(vsr, vzr, tb * D // VG + vg_off, tm[None, :], V_ASYM)   # [NG, BT]
-            w = p * tl.reshape(tl.broadcast_to(sc[:, None, :], (NG, RP, BT)), (RP * NG, BT))   # (g, r): p[r] s[g]
-            if V_ASYM:
-                zr = tl.reshape(tl.broadcast_to(zc[:, None, :], (NG, RP, BT)), (RP * NG, BT))
-                cz = cz * alpha + tl.sum(p * zr, axis=1)
-            a_e = _mmc(w, vlo, a_e * alpha[:, None], DOT)
-            a_o = _mmc(w, vhi, a_o * alpha[:, None], DOT)
-        m_i = m_new
-        if PREFETCH:
+            m_i, l_i, a_e, a_o, cz, u_acc, v_top = _tile(
+                kb, vb, tb, tb + tt < t_end, tt, j, g, he, ho, qe, qo, q_unit, ks_row, kz_row, vs_row, vz_row, kg_off,
+                vg_off, mask_row, m_i, l_i, a_e, a_o, cz, u_acc, v_top, RP, D, BT, KG, K_CHANNEL, K_ASYM, VG,
+                V_CHANNEL, V_ASYM, HAS_MASK, DOT, NG, ASM, True)
             kb, vb = kn, vn
+    else:   # the whole tiles, then the partial last one (if any) on its own: masks and selects only there
+        t_whole = t_begin + (t_end - t_begin) // BT * BT
+        for tb in range(t_begin, t_whole, BT):
+            kcr, vcr, ksr, kzr, vsr, vzr = _rows(kc_row, vc_row, ks_row, kz_row, vs_row, vz_row, kc_ptr, vc_ptr,
+                                                 ks_ptr, kz_ptr, vs_ptr, vz_ptr, page_row, tb, n, Hkv, PAGE, D, KG,
+                                                 K_CHANNEL, VG, V_CHANNEL)
+            m_i, l_i, a_e, a_o, cz, u_acc, v_top = _tile(
+                tl.load(kcr + tb * (D // 2) + c_off), tl.load(vcr + tb * (D // 2) + c_off), tb, tt < BT, tt, j, g,
+                he, ho, qe, qo, q_unit, ksr, kzr, vsr, vzr, kg_off, vg_off, mask_row, m_i, l_i, a_e, a_o, cz, u_acc,
+                v_top, RP, D, BT, KG, K_CHANNEL, K_ASYM, VG, V_CHANNEL, V_ASYM, HAS_MASK, DOT, NG, ASM, False)
+        if t_whole < t_end:
+            kcr, vcr, ksr, kzr, vsr, vzr = _rows(kc_row, vc_row, ks_row, kz_row, vs_row, vz_row, kc_ptr, vc_ptr,
+                                                 ks_ptr, kz_ptr, vs_ptr, vz_ptr, page_row, t_whole, n, Hkv, PAGE, D,
+                                                 KG, K_CHANNEL, VG, V_CHANNEL)
+            m_i, l_i, a_e, a_o, cz, u_acc, v_top = _tile(
+                _tile_bytes(kcr, t_whole, c_off, tt, t_end, D), _tile_bytes(vcr, t_whole, c_off, tt, t_end, D),
+                t_whole, t_whole + tt < t_end, tt, j, g, he, ho, qe, qo, q_unit, ksr, kzr, vsr, vzr, kg_off, vg_off,
+                mask_row, m_i, l_i, a_e, a_o, cz, u_acc, v_top, RP, D, BT, KG, K_CHANNEL, K_ASYM, VG, V_CHANNEL,
+                V_ASYM, HAS_MASK, DOT, NG, ASM, True)
     if V_CHANNEL:
         acc_e, acc_o = a_e, a_o
     else:
