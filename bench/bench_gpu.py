@@ -133,6 +133,10 @@ def kernels_us(torch, dev, step, steps: int = 10) -> float:
     return sum(us for _, _, us in kernel_times(torch, dev, step, steps))
 
 
+def _rate(r) -> str:
+    return "n/a" if r is None else f"{r:.1f}"
+
+
 def _us(t) -> str:
     return "n/a" if t is None else f"{t * 1e6:.1f}"
 
@@ -418,6 +422,59 @@ def bandwidth(torch, dev, cfg, shape, reps, out):
     out("")
 
 
+def static_rates(torch, dev, model, ids, new_tokens: int):
+    """Greedy steps with transformers' StaticCache (SDPA over the preallocated BF16 keys and values, masked past
+    the tokens held): (tokens/s launched from Python, tokens/s with each step replayed from a CUDA graph or None
+    off CUDA or where the step cannot be captured, the cache's bytes). The graph holds a whole step (the model,
+    the argmax, the position's increment): a replay is a step, nothing between them."""
+    from transformers import StaticCache
+
+    n = ids.shape[1]
+    cache = StaticCache(config=model.config, max_cache_len=n + 3 * new_tokens + 8)
+    with torch.inference_mode():
+        model(ids, past_key_values=cache, cache_position=torch.arange(n, device=dev), logits_to_keep=1)
+        tok = ids[:, -1:].clone()
+        pos = torch.tensor([n], device=dev)
+
+        def step():
+            logits = model(tok, past_key_values=cache, cache_position=pos).logits
+            tok.copy_(logits[:, -1:].argmax(-1))
+            pos.add_(1)
+
+        step()                             # untimed: first-call set-up
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(new_tokens):
+            step()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        eager = new_tokens / (time.perf_counter() - t)
+        graph = None
+        if dev.type == "cuda":
+            try:
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    step()
+                torch.cuda.current_stream().wait_stream(side)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    step()
+                g.replay()
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                for _ in range(new_tokens):
+                    g.replay()
+                torch.cuda.synchronize()
+                graph = new_tokens / (time.perf_counter() - t)
+            except Exception as exc:   # reported; the table says n/a
+                print(f"StaticCache step capture failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+    size = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values)
+               if t is not None)
+    return eager, graph, size
+
+
 def generation(torch, dev, prompts, new_tokens, out, layers, hidden, inter, vocab, hq, hkv):
     from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
@@ -427,11 +484,15 @@ def generation(torch, dev, prompts, new_tokens, out, layers, hidden, inter, voca
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     out(f"## 3. Greedy decoding, a random-weight model of Llama-3-8B's shape ({layers} layers, hidden {hidden}, "
         f"{hq}/{hkv} heads), {str(dtype).replace('torch.', '')}, greedy, {new_tokens} new tokens timed after one "
-        "untimed step")
+        "untimed step; DynamicCache concatenates its whole cache at every step (a copy of all its keys and values "
+        "a layer and token: why it is slow); StaticCache preallocates them and attends over all of its length "
+        "with a mask (SDPA), from Python and with each step replayed from a CUDA graph (as engines run decode); "
+        "KvcxCache from Python (its steps are not captured in graphs yet)")
     out("")
-    out("| prompt | DynamicCache tok/s | KvcxCache tok/s | ratio | DynamicCache MiB | KvcxCache MiB | KvcxCache / "
-        "DynamicCache | kvcx backend | fused steps |")
-    out("|---:|---:|---:|---:|---:|---:|---:|---|---:|")
+    out("| prompt | DynamicCache tok/s | StaticCache tok/s | StaticCache graph tok/s | KvcxCache tok/s | vs Dynamic "
+        "| vs Static graph | DynamicCache MiB | StaticCache MiB | KvcxCache MiB | KvcxCache / DynamicCache | kvcx "
+        "backend | fused steps |")
+    out("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|")
     cfg = LlamaConfig(num_hidden_layers=layers, hidden_size=hidden, intermediate_size=inter, vocab_size=vocab,
                       num_attention_heads=hq, num_key_value_heads=hkv, max_position_embeddings=max(prompts) * 2)
     default = torch.get_default_dtype()
@@ -466,8 +527,11 @@ def generation(torch, dev, prompts, new_tokens, out, layers, hidden, inter, voca
             if name == "kvcx":
                 rep = cache.memory_report()
             del cache
-        out(f"| {n:,} | {rates['dynamic']:.1f} | {rates['kvcx']:.1f} | {rates['kvcx'] / rates['dynamic']:.2f}x | "
-            f"{sizes['dynamic'] / 2**20:.1f} | {sizes['kvcx'] / 2**20:.1f} | {sizes['kvcx'] / sizes['dynamic']:.3f}x | "
+        static, static_graph, sizes["static"] = static_rates(torch, dev, model, ids, new_tokens)
+        vs_graph = f"{rates['kvcx'] / static_graph:.2f}x" if static_graph else "n/a"
+        out(f"| {n:,} | {rates['dynamic']:.1f} | {static:.1f} | {_rate(static_graph)} | {rates['kvcx']:.1f} | "
+            f"{rates['kvcx'] / rates['dynamic']:.2f}x | {vs_graph} | {sizes['dynamic'] / 2**20:.1f} | "
+            f"{sizes['static'] / 2**20:.1f} | {sizes['kvcx'] / 2**20:.1f} | {sizes['kvcx'] / sizes['dynamic']:.3f}x | "
             f"{rep['backend']} | {rep['attention_steps']['fused']} |")
     out("")
 
