@@ -316,6 +316,8 @@ def attention(torch, dev, cfg, contexts, batches, reps, out, hq, hkv, d):
 SETTINGS = [(32, 4, "", False, None, 4, None),          # FP32 sums (the error reference)
             (64, 2, "fp16", False, None, 4, None),      # the default: FP16 tensor cores, codes converted in PTX
             (64, 4, "fp16", False, None, 4, None),      # 16 warps a multiprocessor (128 registers a thread)
+            (64, 1, "fp16", False, None, 8, None),      # one warp: the weights reach the products in registers
+            (32, 1, "fp16", False, None, 8, None),
             (32, 2, "fp16", False, None, 4, None),
             (64, 2, "fp16", False, None, 8, None),      # more and shorter splits
             (64, 2, "int8x3", False, None, 4, None),    # the exact mode (the first H200 run's fastest)

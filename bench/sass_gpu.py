@@ -300,7 +300,7 @@ def main(argv=None):
         r = count(setting, args.arch, args.dump)
         bt = r["loop"] / r["per_token"]
         cells = " | ".join(f"{r['kinds'].get(h, 0) / bt:.1f}" for h in head)
-        emit(f"| {describe(setting)} | {bt:.0f} | {r['per_token'] * setting[1]:.0f} | {r['per_token']:.1f} | {cells} | "
+        emit(f"| {describe(setting)} | {bt:.0f} | {r['per_token'] * setting[1]:.1f} | {r['per_token']:.1f} | {cells} | "
              f"{r['regs']} | {r['stack']} | {r['local']} | {r['shared']} | {r['programs'] * setting[1]} | "
              f"{r['total']} |", flush=True)
     codec_table(emit, args.arch, args.dump)

@@ -211,21 +211,23 @@ def _tile(kb, vb, tb, tm, tt, j, g, he, ho, qe, qo, q_unit, ksr, kzr, vsr, vzr, 
         klo, khi = _streams(kb, DOT if K_CHANNEL else "")   # per-token keys: dequantized here
     if K_CHANNEL:
         se, so, ze, zo = _channel_params(ksr + (tb // KG) * D, kzr + (tb // KG) * D, j, K_ASYM)
-        bias = tl.broadcast_to(tl.sum(qe * ze[None, :] + qo * zo[None, :], axis=1)[:, None], (RP * NG, BT))
-        if DOT == "fp16":     # the scaled query rounded to FP16 once, both streams' products in one sum
+        if DOT == "fp16":     # the scaled query rounded to FP16 once, both streams' products in one sum; the zero
+            # points' term from the same normalised rows (the raw query's rows are not kept: registers)
             s = tl.dot((ho * so[None, :]).to(tl.float16), tl.trans(khi),
                        tl.dot((he * se[None, :]).to(tl.float16), tl.trans(klo),
                               tl.zeros([RP * NG, BT], tl.float32)))
-            s = s * q_unit[:, None] + bias
-        elif DOT == "int8x3":   # both streams in one fixed point (:func:`_fixed`), one conversion to FP32
-            ae, ao = qe * se[None, :], qo * so[None, :]
-            inv, unit = _unit(_max_nan(_absmax(ae), _absmax(ao)))
-            e0, e1, e2 = _fixed(ae, inv)
-            o0, o1, o2 = _fixed(ao, inv)
-            s = (_dot3(e0, e1, e2, tl.trans(klo)) + _dot3(o0, o1, o2, tl.trans(khi))).to(tl.float32) * \
-                unit[:, None] + bias
+            s = s * q_unit[:, None] + (tl.sum(he * ze[None, :] + ho * zo[None, :], axis=1) * q_unit)[:, None]
         else:
-            s = _mmc(qo * so[None, :], tl.trans(khi), _mmc(qe * se[None, :], tl.trans(klo), bias, DOT), DOT)
+            bias = tl.broadcast_to(tl.sum(qe * ze[None, :] + qo * zo[None, :], axis=1)[:, None], (RP * NG, BT))
+            if DOT == "int8x3":   # both streams in one fixed point (:func:`_fixed`), one conversion to FP32
+                ae, ao = qe * se[None, :], qo * so[None, :]
+                inv, unit = _unit(_max_nan(_absmax(ae), _absmax(ao)))
+                e0, e1, e2 = _fixed(ae, inv)
+                o0, o1, o2 = _fixed(ao, inv)
+                s = (_dot3(e0, e1, e2, tl.trans(klo)) + _dot3(o0, o1, o2, tl.trans(khi))).to(tl.float32) * \
+                    unit[:, None] + bias
+            else:
+                s = _mmc(qo * so[None, :], tl.trans(khi), _mmc(qe * se[None, :], tl.trans(klo), bias, DOT), DOT)
     else:
         sc, zc = _token_params(ksr, kzr, tb * D // KG + kg_off, tm[:, None], K_ASYM, MASKED)
         s = _mm(qe, tl.trans(klo * sc + zc), tl.zeros([RP * NG, BT], tl.float32), DOT)
@@ -395,9 +397,7 @@ def attend_packed_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, 
     if DOT == "fp16":   # the query rows after a power of two each, to at most 1/2: times any FP16 scale they fit FP16
         q_inv, q_unit = _unit(_max_nan(_absmax(qe), _absmax(qo)), -1)
         he, ho = qe * q_inv[:, None], qo * q_inv[:, None]
-        # scores in units of log 2 (the exponentials are exp2: no multiply a score), the zero points' term alike
-        q_unit = q_unit * LOG2E
-        qe, qo = qe * LOG2E, qo * LOG2E
+        q_unit = q_unit * LOG2E   # scores in units of log 2 (the exponentials are exp2: no multiply a score)
     else:
         he, ho, q_unit = qe, qo, tl.zeros([RP * NG], tl.float32)    # not read
     m_i = tl.full([RP * NG], float("-inf"), tl.float32)
