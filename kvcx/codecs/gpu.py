@@ -241,7 +241,9 @@ def to_host(packed: Packed) -> Packed:
 # Launch settings of the attention kernel, chosen on an H200 by bench/bench_gpu.py --tune (docs/results/gpu.md,
 # section 5: every setting's time and error): tiles of 64 tokens, 2 warps, the codes' products on the integer
 # tensor cores (int8x3), no prefetch: 88 / 183 us a step at 32k / 128k tokens where two TF32 passes at 32 tokens
-# (the H100's choice, which never timed int8x3) took 118 / 306; register caps for more warps did not pay
+# (the H100's choice, which never timed int8x3) took 118 / 306; register caps for more warps did not pay. The
+# products' default since is "fp16", chosen without a GPU by the offline count (docs/results/gpu-sass.md: 27.9
+# warp instructions a token against int8x3's 54.8 at these tiles and warps); a GPU's --tune is to confirm it
 ATTN_BLOCK_TOKENS = 64       # packed tokens a program reads per step
 ATTN_WARPS = 2               # warps per attention program
 # the products: "fp16" (the fast mode, the default: the codes as FP16 on the FP16 tensor cores, FP32 sums, the

@@ -155,7 +155,8 @@ def attend(q, pool: PagedKV, block_table, seq_lens, scaling: Optional[float] = N
     """One decode step over a paged store: q [B, Hq, D] (one token a row, any float dtype), ``block_table`` int32
     [B, max_pages] (row b's pages in order; entries past its tokens are not read), ``seq_lens`` int32 [B] (row b's
     tokens, 1 to max_pages x page_tokens), both on the pool's device. Query head j reads KV head j // (Hq / Hkv).
-    Returns [B, Hq, D] float32. No host sync: the splits are sized from the table's width."""
+    Returns [B, Hq, D] float32 (NaN for a row of 0 tokens, as SDPA gives for a row with nothing to attend to).
+    No host sync: the splits are sized from the table's width, the lengths are read on the device."""
     torch, k = _torch(), gpu._attn_kernels()
     B, Hq, D = q.shape
     H, P = pool.kv_heads, pool.page_tokens

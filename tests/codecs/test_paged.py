@@ -126,3 +126,18 @@ def test_the_paged_store_refuses_what_it_cannot_hold_by_name():
     with pytest.raises(CodecError, match=r"q \[1, 3, 64\] does not fit"):
         paged.attend(torch.randn(1, 3, 64, device=DEVICE), pool, torch.zeros(1, 2, dtype=torch.int32,
                                                                               device=DEVICE), lens)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")   # the interpreter's 0 / 0
+def test_a_row_of_no_tokens_gives_nan_as_sdpa_does_and_leaves_the_others():
+    """seq_lens are read on the device (no host sync to check them): a row of 0 tokens has nothing to attend to and
+    gives NaN, as SDPA does for a fully masked row; the batch's other rows are what they are alone."""
+    kc, vc = _codecs()
+    pool = paged.allocate(kc, vc, 2, 2, 64, 64, DEVICE)
+    K = torch.randn(2, 64, 64, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    paged.write(pool, [1], kc.encode(K), vc.encode(K))
+    q = torch.randn(2, 4, 64, device=DEVICE)
+    table = torch.ones(2, 1, dtype=torch.int32, device=DEVICE)
+    out = paged.attend(q, pool, table, torch.tensor([64, 0], dtype=torch.int32, device=DEVICE))
+    alone = paged.attend(q[:1], pool, table[:1], torch.tensor([64], dtype=torch.int32, device=DEVICE))
+    assert bool(torch.isnan(out[1]).all()) and torch.equal(out[0], alone[0])
