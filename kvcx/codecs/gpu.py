@@ -242,10 +242,12 @@ def to_host(packed: Packed) -> Packed:
 # section 5: every setting's time and error): tiles of 64 tokens, 2 warps, the codes' products on the integer
 # tensor cores (int8x3), no prefetch: 88 / 183 us a step at 32k / 128k tokens where two TF32 passes at 32 tokens
 # (the H100's choice, which never timed int8x3) took 118 / 306; register caps for more warps did not pay. The
-# products' default since is "fp16", chosen without a GPU by the offline count (docs/results/gpu-sass.md: 27.9
-# warp instructions a token against int8x3's 54.8 at these tiles and warps); a GPU's --tune is to confirm it
+# products' default since is "fp16", transposed, at one warp a program, two pipelining stages and 8 programs a
+# multiprocessor (as many as its registers hold), all chosen without a GPU by the offline count
+# (docs/results/gpu-sass.md: 23.4 warp instructions a token against int8x3's 54.8 at 2 warps); a GPU's --tune is
+# to confirm them
 ATTN_BLOCK_TOKENS = 64       # packed tokens a program reads per step
-ATTN_WARPS = 2               # warps per attention program
+ATTN_WARPS = 1               # warps per attention program
 # the products: "fp16" (the fast mode, the default: the codes as FP16 on the FP16 tensor cores, FP32 sums, the
 # other operand rounded to FP16 after a power of two of its own, as FlashAttention rounds P for P V; keys per token
 # take "tf32x2"), "" FP32 broadcast sums (CUDA cores), or tl.dot at this input precision: "tf32x2" (the operand
@@ -259,11 +261,11 @@ ATTN_DOTS = ("", "tf32x2", "tf32", "tf32x3", "ieee", "int8x3", "fp16")   # what 
 # codes in 10 instructions); False: the same bits in Triton's own operations (what the interpreter always runs)
 ATTN_ASM = True
 ATTN_PREFETCH = False        # load the next tile's codes before working this one
-ATTN_STAGES = None           # Triton's software pipelining depth for the attention kernel (None: its default)
+ATTN_STAGES = 2              # Triton's software pipelining depth for the attention kernel (None: its default)
 # packed tokens per split at least (flash-decoding along the context): short contexts get many short splits, each
 # program's tiles one after another being the step's latency (the merge reads the splits a query row a program)
 ATTN_SPLIT_TOKENS = 64
-ATTN_PROGRAMS_PER_SM = 4     # splits enough for about this many programs per multiprocessor
+ATTN_PROGRAMS_PER_SM = 8     # splits enough for about this many programs per multiprocessor
 # ptxas's cap on the attention kernel's registers a thread (Triton's ``maxnreg``; None: ptxas's own choice). A
 # multiprocessor holds 65,536 registers: at 255 a thread (the default's), four programs of 2 warps fit, 8 warps to
 # hide each other's latency; a cap of 128 lets 16 warps in, at the price of what ptxas then spills
@@ -379,10 +381,14 @@ def attention_constexprs(key_codec, value_codec, R: int, D: int, dot: str, block
         dot = "tf32x2"    # int8 products sum 32 or more (channels a stream, a tile's tokens); exact in int32 to 128
     elif dot == "fp16" and (key_codec.axis != "channel" or bt < 16):
         dot = "tf32x2"    # per-token keys: a scale a group of a token's channels (dequantized in the tile)
-    return dict(R=R, RP=attention_rows(R, ng, dot), D=D, BT=bt, KG=key_codec.group_size,
+    # the fast mode with per-channel keys and per-token values runs transposed (the tokens the products' long side,
+    # the (value group, query row) columns their short one: 8 or more, no padding rows to fill 16)
+    trans = dot == "fp16" and key_codec.axis == "channel" and value_codec.axis != "channel" and not prefetch
+    rp = max(_pow2(R), -(-8 // ng)) if trans else attention_rows(R, ng, dot)
+    return dict(R=R, RP=rp, D=D, BT=bt, KG=key_codec.group_size,
                 K_CHANNEL=key_codec.axis == "channel", K_ASYM=key_codec.asym, VG=value_codec.group_size,
                 V_CHANNEL=value_codec.axis == "channel", V_ASYM=value_codec.asym, HAS_MASK=has_mask, DOT=dot, NG=ng,
-                PREFETCH=prefetch, ASM=bool(asm) and dot == "fp16", PAGE=0)
+                PREFETCH=prefetch, ASM=bool(asm) and dot == "fp16", PAGE=0, TRANS=trans)
 
 
 def _attention_options() -> dict:

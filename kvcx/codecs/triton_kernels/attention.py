@@ -1,5 +1,6 @@
 """Triton kernels of the fused decode attention over packed 4-bit codes (flash-decoding along the context, then a
-merge of the splits with the exact tokens): :mod:`kvcx.codecs.gpu` checks, allocates and launches them
+merge of the splits with the exact tokens, :mod:`kvcx.codecs.triton_kernels.merge`): :mod:`kvcx.codecs.gpu` checks,
+allocates and launches them
 (:func:`~kvcx.codecs.gpu.attend_spans`). The codes and scales are read as the codec kernels of
 :mod:`kvcx.codecs.triton_kernels.codec` write them. Imported only when a tensor goes to the Triton backend; under
 ``TRITON_INTERPRET=1`` Triton's interpreter runs the same kernels on CPU tensors (the tests do).
@@ -7,7 +8,7 @@ merge of the splits with the exact tokens): :mod:`kvcx.codecs.gpu` checks, alloc
 import triton
 import triton.language as tl
 
-from kvcx.codecs.triton_kernels.codec import _fwht_rows
+from kvcx.codecs.triton_kernels.merge import merge_kernel  # noqa: F401  (the launchers take both from here)
 
 
 @triton.jit
@@ -133,12 +134,6 @@ def _codes16(b, ASM: tl.constexpr):
         lo = ((w & 15) | 0x6400).to(tl.float16, bitcast=True) - 1032.0
         hi = ((w & 240) | 0x6400).to(tl.float16, bitcast=True) * 0.0625 - 72.0
     return lo, hi
-
-
-@triton.jit
-def _half(a, inv):
-    """The rows of ``a`` (FP32) times their power of two ``inv`` (:func:`_unit` with TOP 15), rounded to FP16."""
-    return (a * inv[:, None]).to(tl.float16)
 
 
 @triton.jit
@@ -292,6 +287,50 @@ def _tile(kb, vb, tb, tm, tt, j, g, he, ho, qe, qo, q_unit, ksr, kzr, vsr, vzr, 
 
 
 @triton.jit
+def _tile_t(kb, vb, tb, tm, tt, j, heT, hoT, q_unit, ksr, kzr, vsr, vzr, vcol_off, mask_row, m_i, l_i, oe, oo, cz,
+            u_acc, v_top, RP: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, KG: tl.constexpr,
+            K_ASYM: tl.constexpr, VG: tl.constexpr, V_ASYM: tl.constexpr, HAS_MASK: tl.constexpr, NG: tl.constexpr,
+            ASM: tl.constexpr, MASKED: tl.constexpr):
+    """One tile of the fast mode transposed (``TRANS``: per-channel keys, per-token values): the tokens are the
+    products' long side (M) and the RP x NG product columns (g, r) their short one (N, 8 or more), so that the
+    softmax, the weights and the accumulators hold no padding rows to fill tl.dot's 16: scores^T [BT, NT] =
+    codes [BT, D / 2] @ (query times the block's scales)^T, accumulators^T [D / 2, NT] += codes^T @ weights^T."""
+    NT: tl.constexpr = RP * NG
+    klo, khi = _codes16(kb, ASM)
+    se, so, ze, zo = _channel_params(ksr + (tb // KG) * D, kzr + (tb // KG) * D, j, K_ASYM)
+    s = tl.dot(khi, (hoT * so[:, None]).to(tl.float16),
+               tl.dot(klo, (heT * se[:, None]).to(tl.float16), tl.zeros([BT, NT], tl.float32)))
+    b = tl.sum(heT * ze[:, None] + hoT * zo[:, None], axis=0)
+    s = s * q_unit[None, :] + (b * q_unit)[None, :]
+    if HAS_MASK:
+        if MASKED:
+            add = tl.load(mask_row + tb + tt, mask=tm, other=0.0)
+        else:
+            add = tl.load(mask_row + tb + tt)
+        s += (add * LOG2E)[:, None]
+    if MASKED:
+        s = tl.where(tm[:, None], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=0))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)      # a column with nothing to attend to yet
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[None, :])
+    l_i = l_i * alpha + tl.sum(p, axis=0)
+    vlo, vhi = _codes16(vb, ASM)
+    sc, zc = _token_params(vsr, vzr, tb * D // VG + vcol_off, tm[:, None], V_ASYM, MASKED)   # [BT, NG]
+    sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (BT, NG, RP)), (BT, NT))      # column (g, r): group g's
+    if V_ASYM:
+        zc = tl.reshape(tl.broadcast_to(zc[:, :, None], (BT, NG, RP)), (BT, NT))
+        cz = cz * alpha + tl.sum(p * zc, axis=0)
+    v_top = _max_nan(v_top, tl.reduce(tl.reshape(sc, (BT * NT,)), 0, _max_nan))
+    inv, unit = _unit(v_top, 15)
+    w = (p * (sc * inv)).to(tl.float16)
+    f = (alpha * (u_acc / unit))[None, :]
+    oe = tl.dot(tl.trans(vlo), w, oe * f)
+    oo = tl.dot(tl.trans(vhi), w, oo * f)
+    return m_new, l_i, oe, oo, cz, unit, v_top
+
+
+@triton.jit
 def _rows(kc_row, vc_row, ks_row, kz_row, vs_row, vz_row, kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, page_row,
           tb, n, Hkv, PAGE: tl.constexpr, D: tl.constexpr, KG: tl.constexpr, K_CHANNEL: tl.constexpr,
           VG: tl.constexpr, V_CHANNEL: tl.constexpr):
@@ -314,7 +353,6 @@ def _rows(kc_row, vc_row, ks_row, kz_row, vs_row, vz_row, kc_ptr, vc_ptr, ks_ptr
 # they are (the row strides that set the loads' alignment keep their specialization: they change in whole units)
 _STEP_ARGS = ("T", "T2", "k_nsc", "k_nsc2", "mask_stride", "mask_off", "mask_off2", "n_first", "sp_off", "SPT",
               "pages_stride")
-_MERGE_STEP_ARGS = ("SPT", "n_sinks", "n_res", "add_stride", "res_off")
 
 
 @triton.jit(do_not_specialize=_STEP_ARGS)
@@ -326,7 +364,7 @@ def attend_packed_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, 
                          KG: tl.constexpr, K_CHANNEL: tl.constexpr, K_ASYM: tl.constexpr,
                          VG: tl.constexpr, V_CHANNEL: tl.constexpr, V_ASYM: tl.constexpr, HAS_MASK: tl.constexpr,
                          DOT: tl.constexpr, NG: tl.constexpr, PREFETCH: tl.constexpr, ASM: tl.constexpr,
-                         PAGE: tl.constexpr):
+                         PAGE: tl.constexpr, TRANS: tl.constexpr):
     """Flash-decoding over packed codes: program (slab n = batch row x KV head, split sp) reads its KV head's
     packed tokens [sp * per_split, (sp + 1) * per_split) once for the R query rows that share it (q times
     ``q_scale``, in any float dtype; rotated already where the keys are), BT tokens a tile (within one per-channel
@@ -381,10 +419,82 @@ def attend_packed_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, 
         T = tl.load(lens_ptr + n // Hkv)
     r = tl.arange(0, RP)
     rm = r < R
-    ri = tl.arange(0, RP * NG) % RP          # the query row of each product row (g, r), r fastest
     j = tl.arange(0, D // 2)
     tt = tl.arange(0, BT)
     g = tl.arange(0, NG)
+    t_begin = sp * per_split
+    t_end = tl.minimum(T, t_begin + per_split)
+    mask_row = mask_ptr + (n // Hkv).to(tl.int64) * mask_stride + mask_off
+    kc_row = kc_ptr + n.to(tl.int64) * k_row_bytes
+    vc_row = vc_ptr + n.to(tl.int64) * v_row_bytes
+    ks_row = ks_ptr + n.to(tl.int64) * k_nsc * (D if K_CHANNEL else 1)
+    kz_row = kz_ptr + n.to(tl.int64) * k_nsc * (D if K_CHANNEL else 1)
+    vs_row = vs_ptr + n.to(tl.int64) * v_nsc * (D if V_CHANNEL else 1)
+    vz_row = vz_ptr + n.to(tl.int64) * v_nsc * (D if V_CHANNEL else 1)
+    c_off = tt[:, None] * (D // 2) + j[None, :]
+    if TRANS:   # the fast mode transposed (:func:`_tile_t`): columns (g, r) of the query rows, r fastest
+        cn = tl.arange(0, RP * NG)
+        q_col = q_ptr + (n.to(tl.int64) * R + (cn % RP)[None, :]) * D + 2 * j[:, None]
+        qe = tl.load(q_col, mask=(cn % RP < R)[None, :], other=0.0).to(tl.float32) * q_scale
+        qo = tl.load(q_col + 1, mask=(cn % RP < R)[None, :], other=0.0).to(tl.float32) * q_scale
+        q_inv, q_unit = _unit(_max_nan(tl.reduce(tl.abs(qe), 0, _max_nan), tl.reduce(tl.abs(qo), 0, _max_nan)), -1)
+        heT, hoT = qe * q_inv[None, :], qo * q_inv[None, :]
+        q_unit = q_unit * LOG2E
+        m_i = tl.full([RP * NG], float("-inf"), tl.float32)
+        l_i = tl.zeros([RP * NG], tl.float32)
+        oe = tl.zeros([D // 2, RP * NG], tl.float32)
+        oo = tl.zeros([D // 2, RP * NG], tl.float32)
+        cz = tl.zeros([RP * NG], tl.float32)
+        u_acc = tl.full((), 1.0, tl.float32)
+        v_top = tl.zeros((), tl.float32)
+        vcol_off = (tt[:, None] * D) // VG + g[None, :]
+        t_whole = t_begin + (t_end - t_begin) // BT * BT
+        for tb in range(t_begin, t_whole, BT):
+            kcr, vcr, ksr, kzr, vsr, vzr = _rows(kc_row, vc_row, ks_row, kz_row, vs_row, vz_row, kc_ptr, vc_ptr,
+                                                 ks_ptr, kz_ptr, vs_ptr, vz_ptr, page_row, tb, n, Hkv, PAGE, D, KG,
+                                                 K_CHANNEL, VG, V_CHANNEL)
+            m_i, l_i, oe, oo, cz, u_acc, v_top = _tile_t(
+                tl.load(kcr + tb * (D // 2) + c_off), tl.load(vcr + tb * (D // 2) + c_off), tb, tt < BT, tt, j, heT,
+                hoT, q_unit, ksr, kzr, vsr, vzr, vcol_off, mask_row, m_i, l_i, oe, oo, cz, u_acc, v_top, RP, D, BT,
+                KG, K_ASYM, VG, V_ASYM, HAS_MASK, NG, ASM, False)
+        if t_whole < t_end:
+            kcr, vcr, ksr, kzr, vsr, vzr = _rows(kc_row, vc_row, ks_row, kz_row, vs_row, vz_row, kc_ptr, vc_ptr,
+                                                 ks_ptr, kz_ptr, vs_ptr, vz_ptr, page_row, t_whole, n, Hkv, PAGE, D,
+                                                 KG, K_CHANNEL, VG, V_CHANNEL)
+            m_i, l_i, oe, oo, cz, u_acc, v_top = _tile_t(
+                _tile_bytes(kcr, t_whole, c_off, tt, t_end, D), _tile_bytes(vcr, t_whole, c_off, tt, t_end, D),
+                t_whole, t_whole + tt < t_end, tt, j, heT, hoT, q_unit, ksr, kzr, vsr, vzr, vcol_off, mask_row, m_i,
+                l_i, oe, oo, cz, u_acc, v_top, RP, D, BT, KG, K_ASYM, VG, V_ASYM, HAS_MASK, NG, ASM, True)
+        # column (g, r) of the sums holds group g's channels; then the zero points' term
+        oe, oo = oe * u_acc, oo * u_acc
+        sel = ((2 * j) // VG)[:, None, None] == g[None, :, None]
+        off = tl.sum(tl.where(sel, tl.reshape(cz, (NG, RP))[None, :, :], 0.0), axis=1)
+        acc_e = tl.trans(tl.sum(tl.where(sel, tl.reshape(oe, (D // 2, NG, RP)), 0.0), axis=1) + off)
+        acc_o = tl.trans(tl.sum(tl.where(sel, tl.reshape(oo, (D // 2, NG, RP)), 0.0), axis=1) + off)
+    else:
+        m_i, l_i, acc_e, acc_o = _rows_path(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, q_scale, n, R, Hkv,
+                                            kc_row, vc_row, ks_row, kz_row, vs_row, vz_row, page_row, mask_row,
+                                            t_begin, t_end, c_off, j, tt, g, RP, D, BT, KG, K_CHANNEL, K_ASYM, VG,
+                                            V_CHANNEL, V_ASYM, HAS_MASK, DOT, NG, PREFETCH, ASM, PAGE)
+    o = (n.to(tl.int64) * SPT + sp_off + g_sp) * R + r
+    # the rows of every group saw the same scores: their running max and sum are equal, any of them will do
+    if DOT == "fp16":   # the merge takes natural units
+        m_i = m_i * LN2
+    tl.store(m_ptr + o, tl.max(tl.reshape(m_i, (NG, RP)), axis=0), mask=rm)
+    tl.store(l_ptr + o, tl.max(tl.reshape(l_i, (NG, RP)), axis=0), mask=rm)
+    tl.store(acc_ptr + o[:, None] * D + 2 * j[None, :], acc_e, mask=rm[:, None])
+    tl.store(acc_ptr + o[:, None] * D + 2 * j[None, :] + 1, acc_o, mask=rm[:, None])
+
+
+@triton.jit
+def _rows_path(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, q_scale, n, R, Hkv, kc_row, vc_row, ks_row,
+               kz_row, vs_row, vz_row, page_row, mask_row, t_begin, t_end, c_off, j, tt, g, RP: tl.constexpr,
+               D: tl.constexpr, BT: tl.constexpr, KG: tl.constexpr, K_CHANNEL: tl.constexpr, K_ASYM: tl.constexpr,
+               VG: tl.constexpr, V_CHANNEL: tl.constexpr, V_ASYM: tl.constexpr, HAS_MASK: tl.constexpr,
+               DOT: tl.constexpr, NG: tl.constexpr, PREFETCH: tl.constexpr, ASM: tl.constexpr, PAGE: tl.constexpr):
+    """:func:`attend_packed_kernel`'s split with the query rows as the products' rows (every mode but the fast
+    mode's transposed one): (running max, sum, accumulators of even and odd channels [RP, D / 2])."""
+    ri = tl.arange(0, RP * NG) % RP          # the query row of each product row (g, r), r fastest
     if DOT == "int8x3" or DOT == "fp16":   # the rows whole and split in registers: a layout whose fixed points
         # (whose FP16 halves) pack into words
         q_row = q_ptr + (n.to(tl.int64) * R + ri[:, None]) * D + tl.arange(0, D)[None, :]
@@ -407,19 +517,9 @@ def attend_packed_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, 
     cz = tl.zeros([RP * NG], tl.float32)     # per product row: sum of p x its group's offset (zero points)
     u_acc = tl.full((), 1.0, tl.float32)     # "fp16", per-token values: the accumulators in units of u_acc, a power
     v_top = tl.zeros((), tl.float32)         # of two from v_top, the largest value scale read so far
-    # offsets from a tile's first token, computed once: its bytes, per-token key groups' scales, value scales [NG, BT]
-    c_off = tt[:, None] * (D // 2) + j[None, :]
+    # offsets from a tile's first token, computed once: per-token key groups' scales, value scales [NG, BT]
     kg_off = (tt[:, None] * D + 2 * j[None, :]) // KG
     vg_off = (tt[None, :] * D) // VG + g[:, None]
-    kc_row = kc_ptr + n.to(tl.int64) * k_row_bytes
-    vc_row = vc_ptr + n.to(tl.int64) * v_row_bytes
-    ks_row = ks_ptr + n.to(tl.int64) * k_nsc * (D if K_CHANNEL else 1)
-    kz_row = kz_ptr + n.to(tl.int64) * k_nsc * (D if K_CHANNEL else 1)
-    vs_row = vs_ptr + n.to(tl.int64) * v_nsc * (D if V_CHANNEL else 1)
-    vz_row = vz_ptr + n.to(tl.int64) * v_nsc * (D if V_CHANNEL else 1)
-    t_begin = sp * per_split
-    t_end = tl.minimum(T, t_begin + per_split)
-    mask_row = mask_ptr + (n // Hkv).to(tl.int64) * mask_stride + mask_off
     if PREFETCH:   # every tile masked (the next one's loads issued before this one is worked)
         kb, vb = _tile_bytes(kc_row, t_begin, c_off, tt, t_end, D), _tile_bytes(vc_row, t_begin, c_off, tt, t_end, D)
         for tb in range(t_begin, t_end, BT):
@@ -458,14 +558,7 @@ def attend_packed_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, 
         off = tl.sum(tl.where(sel, tl.reshape(cz, (NG, RP))[:, :, None], 0.0), axis=0)
         acc_e = tl.sum(tl.where(sel, tl.reshape(a_e, (NG, RP, D // 2)), 0.0), axis=0) + off
         acc_o = tl.sum(tl.where(sel, tl.reshape(a_o, (NG, RP, D // 2)), 0.0), axis=0) + off
-    o = (n.to(tl.int64) * SPT + sp_off + g_sp) * R + r
-    # the rows of every group saw the same scores: their running max and sum are equal, any of them will do
-    if DOT == "fp16":   # the merge takes natural units
-        m_i = m_i * LN2
-    tl.store(m_ptr + o, tl.max(tl.reshape(m_i, (NG, RP)), axis=0), mask=rm)
-    tl.store(l_ptr + o, tl.max(tl.reshape(l_i, (NG, RP)), axis=0), mask=rm)
-    tl.store(acc_ptr + o[:, None] * D + 2 * j[None, :], acc_e, mask=rm[:, None])
-    tl.store(acc_ptr + o[:, None] * D + 2 * j[None, :] + 1, acc_o, mask=rm[:, None])
+    return m_i, l_i, acc_e, acc_o
 
 
 @triton.jit
@@ -479,76 +572,3 @@ def _page_params(s_ptr, z_ptr, slot, first, PAGE: tl.constexpr, D: tl.constexpr,
     else:
         off = slot * (PAGE * D // G) - first * D // G
     return s_ptr + off, z_ptr + off
-
-
-@triton.jit
-def _exact_rows(e_ptr, n, ne, D: tl.constexpr, EB: tl.constexpr):
-    """Slab n's ``ne`` exact keys or values ([N, ne, D], any float dtype) as float32 [EB], 0 past ``ne``."""
-    e = tl.arange(0, EB)
-    return tl.load(e_ptr + (n.to(tl.int64) * ne + e[:, None]) * D + tl.arange(0, D)[None, :], mask=(e < ne)[:, None],
-                   other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _exact_scores(q, k, n, ne, add_ptr, add_stride, add_off, Hkv, EB: tl.constexpr, HAS_MASK: tl.constexpr):
-    """Scores [rows, EB] of the query rows ``q`` over slab n's exact keys ``k`` (:func:`_exact_rows`), their mask
-    columns from ``add_off``; -inf past ``ne``."""
-    e = tl.arange(0, EB)
-    em = e < ne
-    s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
-    if HAS_MASK:
-        s += tl.load(add_ptr + (n // Hkv).to(tl.int64) * add_stride + add_off + e, mask=em, other=0.0)[None, :]
-    return tl.where(em[None, :], s, float("-inf"))
-
-
-@triton.jit(do_not_specialize=_MERGE_STEP_ARGS)
-def merge_kernel(q_ptr, q_scale, m_ptr, l_ptr, acc_ptr, SPT, sk_ptr, sv_ptr, n_sinks, rk_ptr, rv_ptr, n_res, add_ptr,
-                 add_stride, res_off, Hkv, out_ptr, norm, R: tl.constexpr, D: tl.constexpr, SB: tl.constexpr,
-                 RB: tl.constexpr, HAS_MASK: tl.constexpr, ROTATE: tl.constexpr, CH: tl.constexpr):
-    """One program per (slab, query row): the softmax merge of the row's ``SPT`` splits
-    (:func:`attend_packed_kernel`; their accumulators rotated back where the values are) with its slab's exact
-    tokens, the sinks (``n_sinks`` at mask column 0) and the residual (``n_res`` at column ``res_off``), read as
-    they are held; the query row as the model holds it, times ``q_scale``; writes the row's [D] float32.
-
-    Written for latency (an earlier merge, a program a slab that read the splits twice and the exact tokens after
-    them, took 36 us of an H200 step at 32k tokens): the exact tokens' loads are issued first, the splits are read
-    CH at a time in one pass with a running maximum (one chunk holds a batch-1 step's splits), so that every load
-    is in flight at once; the exact tokens' scores join the maximum at the end."""
-    n = tl.program_id(0)
-    row = tl.program_id(1)
-    r = row + tl.arange(0, 1)                 # the row as a block of one: the exact tokens' helpers take [rows, D]
-    d = tl.arange(0, D)
-    c = tl.arange(0, CH)
-    q = tl.load(q_ptr + (n.to(tl.int64) * R + r[:, None]) * D + d[None, :]).to(tl.float32) * q_scale
-    sk, sv = _exact_rows(sk_ptr, n, n_sinks, D, SB), _exact_rows(sv_ptr, n, n_sinks, D, SB)
-    rk, rv = _exact_rows(rk_ptr, n, n_res, D, RB), _exact_rows(rv_ptr, n, n_res, D, RB)
-    base = n.to(tl.int64) * SPT
-    top = tl.full([1], float("-inf"), tl.float32)
-    acc = tl.zeros([1, D], tl.float32)
-    den = tl.zeros([1], tl.float32)
-    for s0 in range(0, SPT, CH):
-        cm = s0 + c < SPT
-        o = (base + s0 + c) * R + row
-        mm = tl.load(m_ptr + o, mask=cm, other=float("-inf"))
-        ll = tl.load(l_ptr + o, mask=cm, other=0.0)
-        a = tl.load(acc_ptr + o[:, None] * D + d[None, :], mask=cm[:, None], other=0.0)
-        new = tl.maximum(top, tl.max(mm, axis=0))
-        use = tl.where(new == float("-inf"), 0.0, new)          # nothing to attend to yet: weights of 0
-        alpha = tl.exp(top - use)
-        w = tl.exp(mm - use)
-        den = den * alpha + tl.sum(w * ll, axis=0)
-        acc = acc * alpha[:, None] + tl.sum(w[:, None] * a, axis=0)[None, :]
-        top = new
-    if ROTATE:
-        acc = _fwht_rows(acc, 1, D, norm)
-    s_sink = _exact_scores(q, sk, n, n_sinks, add_ptr, add_stride, 0, Hkv, SB, HAS_MASK)
-    s_res = _exact_scores(q, rk, n, n_res, add_ptr, add_stride, res_off, Hkv, RB, HAS_MASK)
-    new = tl.maximum(top, tl.maximum(tl.max(s_sink, axis=1), tl.max(s_res, axis=1)))
-    use = tl.where(new == float("-inf"), 0.0, new)              # a row with nothing to attend to
-    alpha = tl.exp(top - use)
-    p_sink = tl.exp(s_sink - use[:, None])
-    p_res = tl.exp(s_res - use[:, None])
-    den = den * alpha + tl.sum(p_sink, axis=1) + tl.sum(p_res, axis=1)
-    acc = acc * alpha[:, None] + tl.sum(p_sink[:, :, None] * sv[None, :, :], axis=1) + \
-        tl.sum(p_res[:, :, None] * rv[None, :, :], axis=1)
-    tl.store(out_ptr + (n.to(tl.int64) * R + r[:, None]) * D + d[None, :], acc / den[:, None])
