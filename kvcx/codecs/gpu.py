@@ -267,8 +267,9 @@ ATTN_STAGES = 2              # Triton's software pipelining depth for the attent
 ATTN_SPLIT_TOKENS = 64
 ATTN_PROGRAMS_PER_SM = 8     # splits enough for about this many programs per multiprocessor
 # ptxas's cap on the attention kernel's registers a thread (Triton's ``maxnreg``; None: ptxas's own choice). A
-# multiprocessor holds 65,536 registers: at 255 a thread (the default's), four programs of 2 warps fit, 8 warps to
-# hide each other's latency; a cap of 128 lets 16 warps in, at the price of what ptxas then spills
+# multiprocessor holds 65,536 registers: at 255 a thread (the default's), eight programs of one warp fit (four of
+# 2 warps), 8 warps to hide each other's latency; a cap of 128 lets 16 warps in, at the price of what ptxas then
+# spills
 # (bench/sass_gpu.py counts both offline)
 ATTN_MAX_REGISTERS = None
 MERGE_SPLITS = 64            # splits the merge kernel reads at a time (a program a query row: [64, D] floats)
