@@ -254,7 +254,7 @@ ATTN_WARPS = 1               # warps per attention program
 # that is not codes split in two TF32 parts: FP32's accuracy), "tf32", "tf32x3", "ieee", or "int8x3" (the exact
 # mode: the codes as int8 on the integer tensor cores, the other operand a 21-bit fixed point of its row in three
 # int8 pieces: 2**-20 of the row's largest term at most; "tf32x2" unless the head dim is 64 to 128 and a tile 32
-# to 128 tokens); query rows padded to 16
+# to 128 tokens; set ATTN_WARPS = 2 with it: at one warp its registers spill, 536 bytes); query rows padded to 16
 ATTN_DOT = "fp16"
 ATTN_DOTS = ("", "tf32x2", "tf32", "tf32x3", "ieee", "int8x3", "fp16")   # what ATTN_DOT may be
 # "fp16" on a GPU: the codes become FP16 in PTX (inline assembly: a byte permute, lop3 and FP16x2 arithmetic, 8
