@@ -401,7 +401,11 @@ def attend_packed_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, 
     ``PAGE`` (a paged store, :mod:`kvcx.codecs.paged`; 0: rows as above): the buffers hold pages of ``PAGE`` tokens,
     page p's KV head h at slot p x Hkv + h (codes [slots, PAGE D / 2], scales and zero points a slot's groups), and
     slab n = b x Hkv + h reads its tokens through the block table row b (``pages_ptr``, ``pages_stride`` a row) up
-    to ``lens_ptr[b]``: a tile lies within a page (BT divides PAGE); one span, no prefetch."""
+    to ``lens_ptr[b]``: a tile lies within a page (BT divides PAGE); one span, no prefetch.
+
+    ``TRANS`` (the fast mode with per-channel keys and per-token values, no prefetch: :func:`_tile_t`): the products
+    transposed, the tile's tokens their long side and the RP x NG columns (value group, query row) their short one,
+    so that nothing but the products holds padding rows; otherwise :func:`_rows_path` runs the split as above."""
     n = tl.program_id(0)
     g_sp = tl.program_id(1)                  # the split among the launch's, and among the span's
     second = g_sp >= n_first
