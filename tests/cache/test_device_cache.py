@@ -82,6 +82,7 @@ def test_decode_steps_launch_no_kernel_triton_would_compile_again(tiny, monkeypa
     import inspect
 
     from kvcx.codecs.triton_kernels import attention as _triton_attn
+    from kvcx.codecs.triton_kernels import merge as _triton_merge
 
     seen, raw = {}, {}
 
@@ -99,7 +100,7 @@ def test_decode_steps_launch_no_kernel_triton_would_compile_again(tiny, monkeypa
         return tuple(out)
 
     for name, skip in (("attend_packed_kernel", _triton_attn._STEP_ARGS),
-                       ("merge_kernel", _triton_attn._MERGE_STEP_ARGS)):
+                       ("merge_kernel", _triton_merge._MERGE_STEP_ARGS)):
         real = getattr(_triton_attn, name)
         params = list(inspect.signature(real.fn).parameters)
 
