@@ -468,12 +468,25 @@ def attend_spans(q, scaling: float, spans, Hkv: int, sinks=(None, None), residua
     nr = 0 if rk is None else rk.shape[1]
     if not full and not t0 and not nr:
         raise CodecError("attention: there are no tokens to attend to")
+    return merge_splits(q, scaling, m, l, acc, Hkv, bool(full) and True in rotate, sinks, residual, add, res_off)
+
+
+def merge_splits(q, scaling: float, m, l, acc, Hkv: int, rotate: bool, sinks=(None, None), residual=(None, None),
+                 add=None, res_off: int = 0):
+    """The attention output [N, R, D] float32 of the query rows ``q`` [N, R, D]: the merge kernel's softmax over the
+    splits the attention kernel wrote (``m``, ``l`` [N, splits, R], ``acc`` [N, splits, R, D]; their accumulators
+    rotated back where ``rotate``) and the exact tokens (:func:`attend_spans`' ``sinks``, ``residual``, ``add``,
+    ``res_off``). One launch: what :func:`attend_spans` and :func:`kvcx.codecs.paged.attend` end with."""
+    torch, k = _torch(), _attn_kernels()
+    N, R, D = q.shape
+    (sk, sv), (rk, rv) = sinks, residual
+    t0 = 0 if sk is None else sk.shape[1]
+    nr = 0 if rk is None else rk.shape[1]
     out = torch.empty(N, R, D, device=q.device)
-    k.merge_kernel[(N, R)](q, scaling, m, l, acc, spt, sk if t0 else m, sv if t0 else m, t0, rk if nr else m,
-                         rv if nr else m, nr, add if add is not None else m, add.shape[1] if add is not None else 0,
-                         res_off, Hkv, out, _norm(D), R=R, D=D, SB=_pow2(t0), RB=max(16, _pow2(nr)),
-                         HAS_MASK=add is not None, ROTATE=bool(full) and True in rotate, CH=MERGE_SPLITS,
-                         enable_fp_fusion=ATTN_FP_FUSION)
+    k.merge_kernel[(N, R)](q, scaling, m, l, acc, m.shape[1], sk if t0 else m, sv if t0 else m, t0, rk if nr else m,
+                           rv if nr else m, nr, add if add is not None else m, add.shape[1] if add is not None else 0,
+                           res_off, Hkv, out, _norm(D), R=R, D=D, SB=_pow2(t0), RB=max(16, _pow2(nr)),
+                           HAS_MASK=add is not None, ROTATE=rotate, CH=MERGE_SPLITS, enable_fp_fusion=ATTN_FP_FUSION)
     return out
 
 

@@ -187,8 +187,4 @@ def attend(q, pool: PagedKV, block_table, seq_lens, scaling: Optional[float] = N
         qr if kc.rotate else rows, *bufs, *bufs, 1.0 if kc.rotate else scaling, m, m, l, acc, H, 0, 0, 0,
         0, 0, 0, 0, 0, 0, 0, 0, 0, 0, per, nsp, 0, nsp, table, seq_lens, table.stride(0), **{**const, "PAGE": P},
         **gpu._attention_options(), enable_fp_fusion=gpu.ATTN_FP_FUSION, num_warps=gpu.ATTN_WARPS)
-    out = torch.empty(N, R, D, device=dev)
-    k.merge_kernel[(N, R)](rows, scaling, m, l, acc, nsp, m, m, 0, m, m, 0, m, 0, 0, H, out, gpu._norm(D), R=R, D=D,
-                           SB=2, RB=16, HAS_MASK=False, ROTATE=vc.rotate, CH=gpu.MERGE_SPLITS,
-                           enable_fp_fusion=gpu.ATTN_FP_FUSION)
-    return out.reshape(B, Hq, D)
+    return gpu.merge_splits(rows, scaling, m, l, acc, H, vc.rotate).reshape(B, Hq, D)
