@@ -316,6 +316,9 @@ def attention(torch, dev, cfg, contexts, batches, reps, out, hq, hkv, d):
 SETTINGS = [(32, 4, "", False, None, 4, None),          # FP32 sums (the error reference)
             (64, 1, "fp16", False, 2, 8, None),         # the default: FP16 tensor cores (transposed), one warp
             (64, 1, "fp16", False, 2, 16, None),        # two waves of the programs a multiprocessor holds
+            (64, 1, "fp16", False, 2, 4, None),         # half the splits: a shorter merge, longer programs
+            (64, 1, "fp16", False, 2, 12, None),        # one and a half waves
+            (64, 4, "fp16", False, 2, 4, None),         # 128 registers: 16 warps a multiprocessor
             (64, 1, "fp16", False, None, 8, None),      # Triton's default pipelining (3 stages: 6 programs fit)
             (64, 2, "fp16", False, None, 4, None),
             (64, 4, "fp16", False, None, 4, None),

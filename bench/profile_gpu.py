@@ -76,7 +76,7 @@ def profile(torch, dev, args) -> None:
     out(f"Device: {torch.cuda.get_device_name(0) if dev.type == 'cuda' else 'no GPU: the interpreter'}; torch "
         f"{torch.__version__}; triton {__import__('triton').__version__}; launch settings: "
         f"{bench_gpu.describe(bench_gpu.current(gpu))}; at least {gpu.ATTN_SPLIT_TOKENS} tokens a split; "
-        f"the merge reads {gpu.MERGE_SPLITS} splits at a time")
+        f"the merge reads {gpu.MERGE_SPLITS} splits at a time, {gpu.MERGE_WARPS} warps a program")
     out("")
     cfg = KVConfig.from_scheme(bench_gpu.SCHEME)
     if args.smoke:

@@ -273,6 +273,7 @@ ATTN_PROGRAMS_PER_SM = 8     # splits enough for about this many programs per mu
 # (bench/sass_gpu.py counts both offline)
 ATTN_MAX_REGISTERS = None
 MERGE_SPLITS = 64            # splits the merge kernel reads at a time (a program a query row: [64, D] floats)
+MERGE_WARPS = 4              # warps per merge program (a batch-1 step's merge is 32 programs: its latency counts)
 # a * b + c as one FMA in the attention kernels (one rounding instead of two: no less accurate, and a multiply and
 # an add fewer to issue). The codec kernels keep it off: they must round as the CPU kernels do, bit for bit.
 ATTN_FP_FUSION = True
@@ -486,7 +487,8 @@ def merge_splits(q, scaling: float, m, l, acc, Hkv: int, rotate: bool, sinks=(No
     k.merge_kernel[(N, R)](q, scaling, m, l, acc, m.shape[1], sk if t0 else m, sv if t0 else m, t0, rk if nr else m,
                            rv if nr else m, nr, add if add is not None else m, add.shape[1] if add is not None else 0,
                            res_off, Hkv, out, _norm(D), R=R, D=D, SB=_pow2(t0), RB=max(16, _pow2(nr)),
-                           HAS_MASK=add is not None, ROTATE=rotate, CH=MERGE_SPLITS, enable_fp_fusion=ATTN_FP_FUSION)
+                           HAS_MASK=add is not None, ROTATE=rotate, CH=MERGE_SPLITS, enable_fp_fusion=ATTN_FP_FUSION,
+                           num_warps=MERGE_WARPS)
     return out
 
 

@@ -90,7 +90,7 @@ def attention_kernels() -> None:
     for has_mask, rotate in ((True, True), (False, False)):
         compile_one(ka.merge_kernel, dict(R=4, D=D, SB=gpu._pow2(1), RB=gpu._pow2(32), HAS_MASK=has_mask,
                                          ROTATE=rotate, CH=gpu.MERGE_SPLITS), fusion=gpu.ATTN_FP_FUSION,
-                    out_ptr="*fp32")
+                    num_warps=gpu.MERGE_WARPS, out_ptr="*fp32")
 
 
 if __name__ == "__main__":
