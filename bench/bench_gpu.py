@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import itertools
 import os
 import statistics
 import sys
@@ -230,17 +231,18 @@ def build_store(torch, dev, cfg, K, V):
 PAGE_TOKENS = 64    # the paged store's pages (kvcx.codecs.paged): the smallest that holds the keys' 64-token blocks
 
 
-def paged_case(torch, dev, cfg, K, V, S: int):
+def paged_case(torch, dev, cfg, K, V, S: int, shuffled: bool = True):
     """The first S tokens of each row of K and V [B, Hkv, S + residual, d] in a paged store (kvcx.codecs.paged)
-    of :data:`PAGE_TOKENS`-token pages handed out in a shuffled order (as an allocator's free list would): (pool,
-    block table, seq_lens)."""
+    of :data:`PAGE_TOKENS`-token pages handed out in a shuffled order (as an allocator's free list would) or, not
+    ``shuffled``, in order (row after row): (pool, block table, seq_lens)."""
     from kvcx.codecs import get_codec, paged
 
     kc, vc = (get_codec({**c.get_config(), "sinks": 0}).with_backend("triton") for c in (cfg.key, cfg.value))
     B, H = K.shape[:2]
     per_row = -(-S // PAGE_TOKENS)
     pool = paged.allocate(kc, vc, B * per_row, H, K.shape[-1], PAGE_TOKENS, dev)
-    order = torch.randperm(B * per_row, generator=torch.Generator().manual_seed(S)).view(B, per_row)
+    order = (torch.randperm(B * per_row, generator=torch.Generator().manual_seed(S)) if shuffled else
+             torch.arange(B * per_row)).view(B, per_row)
     for b in range(B):
         paged.write(pool, order[b].tolist(), kc.encode(K[b, :, :S].contiguous()), vc.encode(V[b, :, :S].contiguous()))
     return pool, order.to(torch.int32).to(dev), torch.full((B,), S, dtype=torch.int32, device=dev)
@@ -264,13 +266,15 @@ def attention(torch, dev, cfg, contexts, batches, reps, out, hq, hkv, d):
         "SDPA's in BF16 over the same decoded tokens (BF16 query, keys, values and output), each vs attention in "
         "FP32 over the store decoded to FP32 (relative, Frobenius): the fast mode's bar is SDPA-BF16's own error; "
         f"paged: the same tokens (no sink, no residual) in a paged store of {PAGE_TOKENS}-token pages in shuffled "
-        "order read through a block table (kvcx.codecs.paged), vs the contiguous store, both from CUDA graphs.")
+        "order read through a block table (kvcx.codecs.paged), vs the contiguous store, both from CUDA graphs; "
+        "paged in order: the same with the pages in order (the shuffle's cost apart from the table's).")
     out("")
     cols = ["tokens", "batch", "SDPA BF16 (us)", "SDPA backend"] + \
         (["FlashAttention (us)"] if flash_attn_with_kvcache else []) + \
         ["kvcx (us)", "vs SDPA"] + (["vs FlashAttention"] if flash_attn_with_kvcache else []) + \
         ["SDPA graph (us)", "kvcx graph (us)", "vs SDPA, graphs", "BF16 K/V MiB", "kvcx store MiB", "store / BF16",
-         "kvcx error", "SDPA-BF16 error", "kvcx within the bar", "kvcx paged graph (us)", "paged / contiguous"]
+         "kvcx error", "SDPA-BF16 error", "kvcx within the bar", "kvcx paged graph (us)", "paged / contiguous",
+         "paged in order / contiguous"]
     out("| " + " | ".join(cols) + " |")
     out("|" + "---:|" * len(cols))
     memory = {}
@@ -296,12 +300,14 @@ def attention(torch, dev, cfg, contexts, batches, reps, out, hq, hkv, d):
             kv = (K.numel() + V.numel()) * 2
             row += [f"{kv / 2**20:.1f}", f"{store.nbytes / 2**20:.1f}", f"{store.nbytes / kv:.3f}x", f"{err:.1e}",
                     f"{bar:.1e}", "yes" if err <= bar else "NO"]
-            pool, table, lens = paged_case(torch, dev, cfg, K, V, S)
-            paged_step = lambda: paged_attend(q.view(B, hq, d), pool, table, lens, scale)  # noqa: E731
-            paged_step()   # once eager (the interpreter's only run)
-            g_paged = graph_timer(torch, dev, paged_step, reps)
-            row += [_us(g_paged), f"{g_paged / g_kvcx:.2f}x" if g_paged and g_kvcx else "n/a"]
-            pool = table = lens = paged_step = None
+            for shuffled in (True, False):
+                pool, table, lens = paged_case(torch, dev, cfg, K, V, S, shuffled)
+                paged_step = lambda: paged_attend(q.view(B, hq, d), pool, table, lens, scale)  # noqa: E731
+                paged_step()   # once eager (the interpreter's only run)
+                g_paged = graph_timer(torch, dev, paged_step, reps)
+                row += ([_us(g_paged)] if shuffled else []) + \
+                    [f"{g_paged / g_kvcx:.2f}x" if g_paged and g_kvcx else "n/a"]
+                pool = table = lens = paged_step = None
             memory[(S, B)] = store.nbytes / kv
             out("| " + " | ".join(row) + " |")
             K = V = store = rk = rv = kf = vf = sdpa_step = kvcx_step = None   # released before the next shape
@@ -479,24 +485,24 @@ def static_rates(torch, dev, model, ids, new_tokens: int):
     return eager, graph, size
 
 
-def generation(torch, dev, prompts, new_tokens, out, layers, hidden, inter, vocab, hq, hkv):
-    from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+def generation(torch, dev, prompts, batches, new_tokens, out, layers, hidden, inter, vocab, hq, hkv):
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    import kvcx.cache  # noqa: F401  (registers the "kvcx" attention implementation)
-    from kvcx.cache.kvcx_cache import KvcxCache, dynamic_cache_bytes
+    from kvcx.cache import kvcx_cache  # noqa: F401  (registers the "kvcx" attention implementation)
 
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     out(f"## 3. Greedy decoding, a random-weight model of Llama-3-8B's shape ({layers} layers, hidden {hidden}, "
         f"{hq}/{hkv} heads), {str(dtype).replace('torch.', '')}, greedy, {new_tokens} new tokens timed after one "
-        "untimed step; DynamicCache concatenates its whole cache at every step (a copy of all its keys and values "
-        "a layer and token: why it is slow); StaticCache preallocates them and attends over all of its length "
+        f"untimed step (tokens/s: every row's, a batch of {' and '.join(map(str, batches))}); DynamicCache "
+        "concatenates its whole cache at every step (a copy of all its keys and values a layer and token: why it "
+        "is slow); StaticCache preallocates them and attends over all of its length "
         "with a mask (SDPA), from Python and with each step replayed from a CUDA graph (as engines run decode); "
         "KvcxCache from Python (its steps are not captured in graphs yet)")
     out("")
-    out("| prompt | DynamicCache tok/s | StaticCache tok/s | StaticCache graph tok/s | KvcxCache tok/s | vs Dynamic "
-        "| vs Static graph | DynamicCache MiB | StaticCache MiB | KvcxCache MiB | KvcxCache / DynamicCache | kvcx "
+    out("| prompt | batch | DynamicCache tok/s | StaticCache tok/s | StaticCache graph tok/s | KvcxCache tok/s | "
+        "vs Dynamic | vs Static graph | DynamicCache MiB | StaticCache MiB | KvcxCache MiB | KvcxCache / DynamicCache | kvcx "
         "backend | fused steps |")
-    out("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|")
+    out("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|")
     cfg = LlamaConfig(num_hidden_layers=layers, hidden_size=hidden, intermediate_size=inter, vocab_size=vocab,
                       num_attention_heads=hq, num_key_value_heads=hkv, max_position_embeddings=max(prompts) * 2)
     default = torch.get_default_dtype()
@@ -508,36 +514,54 @@ def generation(torch, dev, prompts, new_tokens, out, layers, hidden, inter, voca
         torch.set_default_dtype(default)
     model.eval()
     model.set_attn_implementation("kvcx")
-    for n in prompts:
-        ids = torch.randint(0, vocab, (1, n), device=dev)
-        rates, sizes = {}, {}
-        for name in ("dynamic", "kvcx"):
-            cache = DynamicCache() if name == "dynamic" else KvcxCache(model.config, backend="triton")
-            with torch.inference_mode():
-                # the prompt (its last logits only: all of 32k x 128k in BF16 would be 8 GB) and one untimed step
-                # (kernels compiled, libraries' first-call set-up done), then timed steps
-                model(ids, past_key_values=cache, logits_to_keep=1)
-                tok = model(ids[:, -1:], past_key_values=cache).logits[:, -1:].argmax(-1)
-                if dev.type == "cuda":
-                    torch.cuda.synchronize()
-                t = time.perf_counter()
-                for _ in range(new_tokens):
-                    logits = model(tok, past_key_values=cache).logits
-                    tok = logits[:, -1:].argmax(-1)
-                if dev.type == "cuda":
-                    torch.cuda.synchronize()
-                rates[name] = new_tokens / (time.perf_counter() - t)
-            sizes[name] = dynamic_cache_bytes(cache) if name == "dynamic" else cache.memory_report()["total_bytes"]
-            if name == "kvcx":
-                rep = cache.memory_report()
-            del cache
-        static, static_graph, sizes["static"] = static_rates(torch, dev, model, ids, new_tokens)
-        vs_graph = f"{rates['kvcx'] / static_graph:.2f}x" if static_graph else "n/a"
-        out(f"| {n:,} | {rates['dynamic']:.1f} | {static:.1f} | {_rate(static_graph)} | {rates['kvcx']:.1f} | "
-            f"{rates['kvcx'] / rates['dynamic']:.2f}x | {vs_graph} | {sizes['dynamic'] / 2**20:.1f} | "
-            f"{sizes['static'] / 2**20:.1f} | {sizes['kvcx'] / 2**20:.1f} | {sizes['kvcx'] / sizes['dynamic']:.3f}x | "
-            f"{rep['backend']} | {rep['attention_steps']['fused']} |")
+    for n, batch in itertools.product(prompts, batches):
+        try:
+            row = generation_row(torch, dev, model, n, batch, new_tokens, vocab)
+        except torch.cuda.OutOfMemoryError as exc:   # batch 8 at a long prompt: a row that says so, not the end
+            row = f"| {n:,} | {batch} | out of memory: {str(exc).splitlines()[0][:80]} |" + " |" * 12
+        out(row)
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
     out("")
+
+
+def generation_row(torch, dev, model, n: int, batch: int, new_tokens: int, vocab: int) -> str:
+    """Section 3's row for a prompt of ``n`` random tokens in each of ``batch`` rows."""
+    from transformers import DynamicCache
+
+    from kvcx.cache.kvcx_cache import KvcxCache, dynamic_cache_bytes
+
+    ids = torch.randint(0, vocab, (batch, n), device=dev)
+    rates, sizes = {}, {}
+    for name in ("dynamic", "kvcx"):
+        cache = DynamicCache() if name == "dynamic" else KvcxCache(model.config, backend="triton")
+        with torch.inference_mode():
+            # the prompt (its last logits only: all of 32k x 128k in BF16 would be 8 GB) and one untimed step
+            # (kernels compiled, libraries' first-call set-up done), then timed steps
+            model(ids, past_key_values=cache, logits_to_keep=1)
+            tok = model(ids[:, -1:], past_key_values=cache).logits[:, -1:].argmax(-1)
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            for _ in range(new_tokens):
+                logits = model(tok, past_key_values=cache).logits
+                tok = logits[:, -1:].argmax(-1)
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            rates[name] = batch * new_tokens / (time.perf_counter() - t)
+        sizes[name] = dynamic_cache_bytes(cache) if name == "dynamic" else cache.memory_report()["total_bytes"]
+        if name == "kvcx":
+            rep = cache.memory_report()
+        del cache
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    static, static_graph, sizes["static"] = static_rates(torch, dev, model, ids, new_tokens)
+    static, static_graph = batch * static, static_graph and batch * static_graph
+    vs_graph = f"{rates['kvcx'] / static_graph:.2f}x" if static_graph else "n/a"
+    return (f"| {n:,} | {batch} | {rates['dynamic']:.1f} | {static:.1f} | {_rate(static_graph)} | "
+            f"{rates['kvcx']:.1f} | {rates['kvcx'] / rates['dynamic']:.2f}x | {vs_graph} | "
+            f"{sizes['dynamic'] / 2**20:.1f} | {sizes['static'] / 2**20:.1f} | {sizes['kvcx'] / 2**20:.1f} | "
+            f"{sizes['kvcx'] / sizes['dynamic']:.3f}x | {rep['backend']} | {rep['attention_steps']['fused']} |")
 
 
 def main(argv=None):
@@ -566,10 +590,11 @@ def main(argv=None):
     t0 = time.perf_counter()
     if args.smoke:
         shapes = dict(contexts=(128, 192), batches=(1, 2), reps=args.reps or 1, hq=4, hkv=2, d=32,
-                      bw=(2, 2, 256, 32), prompts=(96,), new=4, model=(2, 128, 256, 256, 4, 2))
+                      bw=(2, 2, 256, 32), prompts=(96,), gen_batches=(1, 2), new=4, model=(2, 128, 256, 256, 4, 2))
     else:
         shapes = dict(contexts=CONTEXTS, batches=BATCHES, reps=args.reps or 50, hq=HQ, hkv=HKV, d=D,
-                      bw=(8, 8, 32768, 128), prompts=(4096, 32768), new=32, model=(32, 4096, 14336, 128256, 32, 8))
+                      bw=(8, 8, 32768, 128), prompts=(4096, 32768), gen_batches=(1, 8), new=32,
+                      model=(32, 4096, 14336, 128256, 32, 8))
     memory = {}
     # the cases --tune and --variants time: batch 1 at 32k and 128k tokens, batch 8 at 32k (the targets')
     tune_cases = [(shapes["contexts"][-1], 1)] if args.smoke else [(32768, 1), (131072, 1), (32768, 8)]
@@ -588,7 +613,7 @@ def main(argv=None):
     if "bandwidth" not in args.skip:
         bandwidth(torch, dev, cfg, shapes["bw"], shapes["reps"], out)
     if "generate" not in args.skip:
-        generation(torch, dev, shapes["prompts"], shapes["new"], out, *shapes["model"])
+        generation(torch, dev, shapes["prompts"], shapes["gen_batches"], shapes["new"], out, *shapes["model"])
     if memory:
         S = 32768 if (32768, 1) in memory else shapes["contexts"][-1]
         out(f"## 4. Memory: the packed store holds {memory[(S, 1)]:.3f}x the BF16 keys and values at {S:,} tokens "

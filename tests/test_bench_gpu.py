@@ -18,11 +18,12 @@ def test_every_section_runs_and_writes_its_table(tmp_path):
     text = out.read_text()
     assert text.startswith("<!-- written by `python ") and "Device: " in text
     rows = [line for line in text.splitlines() if line.startswith("| ") and line[2].isdigit()]
-    assert len(rows) == 4 + 1   # attention: 2 contexts x 2 batches; generate: 1 prompt
+    assert len(rows) == 4 + 2   # attention: 2 contexts x 2 batches; generate: 1 prompt x 2 batches
     assert sum(line.startswith("| kvcx ") for line in text.splitlines()) == 2   # bandwidth: keys, values
     gen = rows[-1].split(" | ")
     assert gen[-2] == "triton" and int(gen[-1].rstrip(" |")) > 0   # generate() ran the fused Triton steps
     assert "## 4. Memory: the packed store holds" in text
+    assert "paged in order / contiguous |" in text and all(line.count(" | ") == 17 for line in rows[:4])
 
 
 def test_the_step_profile_runs_and_names_the_kernels(tmp_path):

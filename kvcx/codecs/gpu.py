@@ -266,6 +266,9 @@ ATTN_STAGES = 2              # Triton's software pipelining depth for the attent
 # program's tiles one after another being the step's latency (the merge reads the splits a query row a program)
 ATTN_SPLIT_TOKENS = 64
 ATTN_PROGRAMS_PER_SM = 8     # splits enough for about this many programs per multiprocessor
+# a program's fixed time in tiles beside its tiles (its query, its first loads, its outputs; the programs of a wave
+# overlap theirs), for :func:`split_tiles`: fitted to an H100's batch-8 steps (docs/RESULTS.md), 0.5
+ATTN_PROGRAM_TILES = 0.5
 # ptxas's cap on the attention kernel's registers a thread (Triton's ``maxnreg``; None: ptxas's own choice). A
 # multiprocessor holds 65,536 registers: at 255 a thread (the default's), eight programs of one warp fit (four of
 # 2 warps), 8 warps to hide each other's latency; a cap of 128 lets 16 warps in, at the price of what ptxas then
@@ -317,15 +320,46 @@ def _multiprocessors() -> int:
         if torch.cuda.is_available() else 8
 
 
-def split_tokens(slabs: int, tokens: int, per_split: Optional[int] = None) -> int:
-    """Packed tokens per split: ``per_split`` if given, else enough splits for about
-    :data:`ATTN_PROGRAMS_PER_SM` programs per multiprocessor (flash-decoding), at least :data:`ATTN_SPLIT_TOKENS`
-    tokens each; whole tiles."""
+def split_tokens(slabs: int, tokens, per_split: Optional[int] = None) -> int:
+    """Packed tokens per split (whole tiles of :data:`ATTN_BLOCK_TOKENS`): ``per_split`` if given, else
+    :func:`split_tiles`' choice for ``tokens``, the packed tokens of each span a slab reads (an int: one span), at
+    least :data:`ATTN_SPLIT_TOKENS`."""
     if per_split is None:
-        want = max(1, -(-ATTN_PROGRAMS_PER_SM * _multiprocessors() // max(1, slabs)))
-        per_split = max(ATTN_SPLIT_TOKENS, -(-tokens // want))
+        spans = (tokens,) if is_int(tokens) else tuple(tokens)
+        tiles = tuple(-(-int(n) // ATTN_BLOCK_TOKENS) for n in spans if n > 0) or (1,)
+        per_split = max(ATTN_SPLIT_TOKENS, split_tiles(slabs, tiles, ATTN_PROGRAMS_PER_SM * _multiprocessors()) *
+                        ATTN_BLOCK_TOKENS)
     per = max(ATTN_BLOCK_TOKENS, int(per_split))
     return -(-per // ATTN_BLOCK_TOKENS) * ATTN_BLOCK_TOKENS
+
+
+@functools.lru_cache(maxsize=1024)
+def split_tiles(slabs: int, tiles: tuple, slots: int) -> int:
+    """Tiles a split (flash-decoding) for ``slabs`` slabs that each read spans of ``tiles`` tiles (a span's splits:
+    its tiles over this, rounded up), when ``slots`` programs run at once (:data:`ATTN_PROGRAMS_PER_SM` a
+    multiprocessor): the least time in tiles, waves of programs (their count over ``slots``, rounded up) times the
+    tiles a program reads and :data:`ATTN_PROGRAM_TILES`; more splits (a longer merge) only for 3 % less of it.
+    Without the rounding of the waves a step of 17 splits a slab where 16.5 fit ran a second wave of a few
+    programs behind the first (an H100 at batch 8, 32k tokens: 173 us, where 16 programs a multiprocessor, two
+    whole waves of 16 tiles, took 159). A binary search a wave count; cached by the arguments (they change once in
+    a tile's tokens of decoding)."""
+    def splits(t: int) -> int:
+        return sum(-(-n // t) for n in tiles)
+
+    c = ATTN_PROGRAM_TILES
+    best, top, waves = None, max(tiles), -(-slabs * len(tiles) // slots)   # at least a split a span
+    while best is None or waves * (1 + c) < 0.97 * best[0]:   # a program reads a tile at least
+        cap = waves * slots // slabs                   # splits a slab within this many waves
+        lo, hi = 1, top
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if splits(mid) <= cap else (mid + 1, hi)
+        if best is None or waves * (lo + c) < 0.97 * best[0]:   # more splits: 3 % less time at least
+            best = (waves * (lo + c), lo)
+        if lo == 1:
+            break
+        waves += 1
+    return best[1]
 
 
 def query_rows(q, N: int):
@@ -434,7 +468,7 @@ def attend_spans(q, scaling: float, spans, Hkv: int, sinks=(None, None), residua
     full = [sp for sp in spans if sp.keys.tokens]
     asm = ATTN_ASM and q.is_cuda and not interpreting()
     qr = (q.float() * scaling) @ _hadamard(D, q.device) if any(sp.key_codec.rotate for sp in full) else None
-    per = split_tokens(N, sum(sp.keys.tokens for sp in full), per_split) if full else 0   # one size for all
+    per = split_tokens(N, [sp.keys.tokens for sp in full], per_split) if full else 0   # one size for all
     launches = []   # [((constexprs, keys rotate), [(span, splits)])]: two spans of one layout share a launch
     for sp in full:
         key = (attention_constexprs(sp.key_codec, sp.value_codec, R, D, ATTN_DOT, ATTN_BLOCK_TOKENS, add is not None,
