@@ -344,8 +344,11 @@ def current(gpu) -> tuple:
 
 
 def describe(setting) -> str:
+    from kvcx.codecs.gpu import ATTN_MODE_WARPS
+
     bt, warps, dot, prefetch, stages, per_sm, regs = setting
-    return (f"{bt} tokens, {warps} warps, {dot or 'FP32 sums'}{', prefetch' if prefetch else ''}"
+    warps = f"{warps} warps" if warps else f"the mode's warps ({ATTN_MODE_WARPS.get(dot, 'none: not a mode')})"
+    return (f"{bt} tokens, {warps}, {dot or 'FP32 sums'}{', prefetch' if prefetch else ''}"
             f"{f', {stages} stages' if stages else ''}, {per_sm} programs/SM"
             f"{f', at most {regs} registers' if regs else ''}")
 

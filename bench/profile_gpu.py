@@ -40,7 +40,7 @@ def main(argv=None):
         name, _, value = item.partition("=")
         if not name.startswith(("ATTN_", "MERGE_", "CODEC_", "PROGRAM_")) or not hasattr(gpu, name):
             ap.error(f"--set {item}: not a launch setting of kvcx.codecs.gpu (ATTN_*, MERGE_*, CODEC_WARPS, "
-                     "PROGRAM_VALUES)")
+                     "CODEC_CHANNELS, PROGRAM_VALUES)")
         try:
             settings[name] = ast.literal_eval(value)
         except (ValueError, SyntaxError):
@@ -111,8 +111,9 @@ def profile(torch, dev, args) -> None:
 
 
 # the codec kernels' launch settings timed side by side: (values a per-token program quantizes, warps a program);
-# the per-channel kernels hold a block of G tokens whatever the first is
+# the per-channel kernels hold a block of G tokens and (channels a program: CODEC_CHANNELS, None a whole row, warps)
 CODEC_SETTINGS = ((4096, 4), (2048, 4), (8192, 4), (4096, 8), (8192, 8), (16384, 8), (2048, 2))
+CHANNEL_SETTINGS = ((None, 4), (None, 8), (64, 4), (32, 4), (32, 2), (16, 1))
 
 
 def codecs(torch, dev, out, smoke: bool) -> None:
@@ -137,27 +138,29 @@ def codecs(torch, dev, out, smoke: bool) -> None:
     copy = kernels_us(lambda: y.copy_(x))
     out(f"### The codec calls, {list(shape)} BF16: launch settings (a device copy's kernel: {copy:.1f} us)")
     out("")
-    out("| codec | values a program | warps | encode kernels (us) | encode call (us) | encode kernels / copy | "
-        "decode kernels (us) | decode call (us) | decode kernels / copy |")
+    out("| codec | values a program (per channel: tokens x channels) | warps | encode kernels (us) | encode call (us) | "
+        "encode kernels / copy | decode kernels (us) | decode call (us) | decode kernels / copy |")
     out("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    saved = gpu.PROGRAM_VALUES, gpu.CODEC_WARPS
+    saved = gpu.PROGRAM_VALUES, gpu.CODEC_WARPS, gpu.CODEC_CHANNELS
     pairs = (("kvcx keys (channel, zero points)", cfg.key), ("kvcx values (token, rotated)", cfg.value))
     try:
         for label, codec in pairs:
             codec = codec.with_backend("triton")
-            for values, warps in CODEC_SETTINGS[:2] if smoke else CODEC_SETTINGS:
-                if codec.axis == "channel" and values != CODEC_SETTINGS[0][0]:
-                    continue   # one program a block of G tokens: the values a program do not apply
-                gpu.PROGRAM_VALUES, gpu.CODEC_WARPS = values, warps
+            if codec.axis == "channel":   # a program: a block of G tokens x these channels
+                settings = [(saved[0], warps, channels) for channels, warps in CHANNEL_SETTINGS]
+            else:
+                settings = [(values, warps, saved[2]) for values, warps in CODEC_SETTINGS]
+            for values, warps, channels in settings[:2] if smoke else settings:
+                gpu.PROGRAM_VALUES, gpu.CODEC_WARPS, gpu.CODEC_CHANNELS = values, warps, channels
                 p = codec.encode(x)
                 enc, dec = kernels_us(lambda: codec.encode(x)), kernels_us(lambda: codec.decode(p, y))
                 t_enc = bench_gpu.timer(torch, dev, lambda: codec.encode(x), reps) * 1e6
                 t_dec = bench_gpu.timer(torch, dev, lambda: codec.decode(p, y), reps) * 1e6
-                per = "n/a" if codec.axis == "channel" else str(values)
+                per = f"{codec.group_size} x {channels or shape[-1]}" if codec.axis == "channel" else str(values)
                 out(f"| {label} | {per} | {warps} | {enc:.1f} | {t_enc:.1f} | {copy / enc:.2f} | {dec:.1f} | "
                     f"{t_dec:.1f} | {copy / dec:.2f} |")
     finally:
-        gpu.PROGRAM_VALUES, gpu.CODEC_WARPS = saved
+        gpu.PROGRAM_VALUES, gpu.CODEC_WARPS, gpu.CODEC_CHANNELS = saved
     out("")
     for label, codec in pairs:
         codec = codec.with_backend("triton")

@@ -226,7 +226,7 @@ def count_codec(label: str, scheme: str, which: str, decode: bool, arch: int, du
     instrs = parse(sass, kname)
     exits = [i for i, (_, op, args) in enumerate(instrs) if op == "EXIT" and not args]
     body = instrs[:(exits[-1] if exits else len(instrs) - 1) + 1]
-    per_program = const["R"] * const["G"] if codec.axis == "token" else const["G"] * lay.D
+    per_program = const["R"] * const["G"] if codec.axis == "token" else const["G"] * min(const["CB"], lay.D)
     scale = 32 * gpu.CODEC_WARPS / per_program
     kinds = collections.Counter(kind_of(op) for _, op, _ in body)
     widths = collections.Counter(access_width(op) for _, op, _ in body if op.split(".")[0] in WIDTHS)

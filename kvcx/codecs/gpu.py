@@ -24,6 +24,7 @@ from kvcx.codecs.backends import is_tensor, register_backend
 from kvcx.codecs.base import Packed
 from kvcx.codecs.dtypes import is_int
 from kvcx.codecs.runtime import check_status
+from kvcx.codecs.splits import split_tiles
 from kvcx.codecs.tensors import numpy_to_torch, torch_to_numpy
 from kvcx.deps import import_torch as _torch
 from kvcx.errors import CodecError
@@ -34,6 +35,11 @@ from kvcx.errors import CodecError
 # registers
 PROGRAM_VALUES = 4096
 CODEC_WARPS = 4              # warps a program of the encode and decode kernels (Triton's default)
+# channels a program of the per-channel kernels (keys) holds, a power of two from 2 (a block of G tokens x these), or
+# None: a whole token row (the default). A rotated codec always holds whole rows (its rotation mixes a row). Fewer
+# channels: fewer registers a program, more programs a multiprocessor (the keys' encode at a whole row: 161 registers,
+# 3 programs; docs/results/gpu-sass.md); not timed on a GPU yet
+CODEC_CHANNELS = None
 _TORCH_DTYPES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32"}
 
 
@@ -46,7 +52,7 @@ def _kernels():
     return _triton
 
 
-def _attn_kernels():
+def attention_kernels():
     """The fused attention's Triton kernels (:mod:`kvcx.codecs.triton_kernels.attention`)."""
     _kernels()
     from kvcx.codecs.triton_kernels import attention as _triton_attn
@@ -92,9 +98,15 @@ def _programs(codec, lay, dtype: str = "BF16") -> tuple:
             dict(S=S, t0=t0, L=L, row_bytes=row_bytes, ngroups=ngroups), (N, -(-ngroups // R)), \
             dict(D=D, G=G, R=R, **flags)
     nblk = -(-(S - t0) // G)
+    dp = 1 << (D - 1).bit_length()
+    cb = CODEC_CHANNELS
+    if cb is not None and not (is_int(cb) and cb >= 2 and cb & (cb - 1) == 0):
+        raise CodecError(f"channels a program {cb!r} (kvcx.codecs.gpu.CODEC_CHANNELS) is not a power of two from 2; "
+                         "set one (16, 32, 64, ...) or None (whole token rows)")
+    cb = dp if cb is None or codec.rotate else min(dp, int(cb))
     return (k.encode_channel_kernel, k.decode_channel_kernel), \
-        dict(S=S, t0=t0, D=D, row_bytes=row_bytes, nblk=nblk), (N, nblk), \
-        dict(DP=1 << (D - 1).bit_length(), G=G, **flags)
+        dict(S=S, t0=t0, D=D, row_bytes=row_bytes, nblk=nblk), (N, nblk, dp // cb), \
+        dict(DP=dp, CB=cb, G=G, **flags)
 
 
 @register_backend("kvcx.int", "triton")
@@ -247,14 +259,20 @@ def to_host(packed: Packed) -> Packed:
 # (docs/results/gpu-sass.md: 23.4 warp instructions a token against int8x3's 54.8 at 2 warps); a GPU's --tune is
 # to confirm them
 ATTN_BLOCK_TOKENS = 64       # packed tokens a program reads per step
-ATTN_WARPS = 1               # warps per attention program
+# warps per attention program, or None (the default): the products' own (ATTN_MODE_WARPS, by the mode a launch
+# runs: a per-token key falls back from "fp16" to "tf32x2")
+ATTN_WARPS = None
+# each mode's warps a program: the fast mode at one (the H100's --tune, 2026-11-27: 38.1 us at 32k against 40.4 at
+# two), the exact mode at two (at one its registers spill, 536 bytes; the H200's choice), TF32 passes at two (the
+# first H100 run's choice), FP32 sums at four
+ATTN_MODE_WARPS = {"fp16": 1, "int8x3": 2, "tf32x2": 2, "tf32": 2, "tf32x3": 2, "ieee": 2, "": 4}
 # the products: "fp16" (the fast mode, the default: the codes as FP16 on the FP16 tensor cores, FP32 sums, the
 # other operand rounded to FP16 after a power of two of its own, as FlashAttention rounds P for P V; keys per token
 # take "tf32x2"), "" FP32 broadcast sums (CUDA cores), or tl.dot at this input precision: "tf32x2" (the operand
 # that is not codes split in two TF32 parts: FP32's accuracy), "tf32", "tf32x3", "ieee", or "int8x3" (the exact
 # mode: the codes as int8 on the integer tensor cores, the other operand a 21-bit fixed point of its row in three
 # int8 pieces: 2**-20 of the row's largest term at most; "tf32x2" unless the head dim is 64 to 128 and a tile 32
-# to 128 tokens; set ATTN_WARPS = 2 with it: at one warp its registers spill, 536 bytes); query rows padded to 16
+# to 128 tokens; two warps a program: ATTN_MODE_WARPS); query rows padded to 16
 ATTN_DOT = "fp16"
 ATTN_DOTS = ("", "tf32x2", "tf32", "tf32x3", "ieee", "int8x3", "fp16")   # what ATTN_DOT may be
 # "fp16" on a GPU: the codes become FP16 in PTX (inline assembly: a byte permute, lop3 and FP16x2 arithmetic, 8
@@ -267,7 +285,7 @@ ATTN_STAGES = 2              # Triton's software pipelining depth for the attent
 ATTN_SPLIT_TOKENS = 64
 ATTN_PROGRAMS_PER_SM = 8     # splits enough for about this many programs per multiprocessor
 # a program's fixed time in tiles beside its tiles (its query, its first loads, its outputs; the programs of a wave
-# overlap theirs), for :func:`split_tiles`: fitted to an H100's batch-8 steps (docs/RESULTS.md), 0.5
+# overlap theirs), for kvcx.codecs.splits.split_tiles: fitted to an H100's batch-8 steps (docs/RESULTS.md), 0.5
 ATTN_PROGRAM_TILES = 0.5
 # ptxas's cap on the attention kernel's registers a thread (Triton's ``maxnreg``; None: ptxas's own choice). A
 # multiprocessor holds 65,536 registers: at 255 a thread (the default's), eight programs of one warp fit (four of
@@ -290,6 +308,13 @@ def _hadamard(D: int, device):
     while h.shape[0] < D:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
     return (h * _norm(D)).to(device)
+
+
+def rotated_query(q, scaling: float):
+    """The query rows ``q`` [N, R, D] in FP32 times ``scaling``, rotated as keys that rotate are: what the attention
+    kernel reads for them (the keys' rotation moved from every key onto the query; its matrix is orthogonal and
+    symmetric)."""
+    return (q.float() * scaling) @ _hadamard(q.shape[-1], q.device)
 
 
 @dataclass(frozen=True)
@@ -322,44 +347,15 @@ def _multiprocessors() -> int:
 
 def split_tokens(slabs: int, tokens, per_split: Optional[int] = None) -> int:
     """Packed tokens per split (whole tiles of :data:`ATTN_BLOCK_TOKENS`): ``per_split`` if given, else
-    :func:`split_tiles`' choice for ``tokens``, the packed tokens of each span a slab reads (an int: one span), at
-    least :data:`ATTN_SPLIT_TOKENS`."""
+    :func:`~kvcx.codecs.splits.split_tiles`' choice for ``tokens``, the packed tokens of each span a slab reads (an
+    int: one span), at least :data:`ATTN_SPLIT_TOKENS`."""
     if per_split is None:
         spans = (tokens,) if is_int(tokens) else tuple(tokens)
         tiles = tuple(-(-int(n) // ATTN_BLOCK_TOKENS) for n in spans if n > 0) or (1,)
-        per_split = max(ATTN_SPLIT_TOKENS, split_tiles(slabs, tiles, ATTN_PROGRAMS_PER_SM * _multiprocessors()) *
-                        ATTN_BLOCK_TOKENS)
+        slots = ATTN_PROGRAMS_PER_SM * _multiprocessors()
+        per_split = max(ATTN_SPLIT_TOKENS, split_tiles(slabs, tiles, slots, ATTN_PROGRAM_TILES) * ATTN_BLOCK_TOKENS)
     per = max(ATTN_BLOCK_TOKENS, int(per_split))
     return -(-per // ATTN_BLOCK_TOKENS) * ATTN_BLOCK_TOKENS
-
-
-@functools.lru_cache(maxsize=1024)
-def split_tiles(slabs: int, tiles: tuple, slots: int) -> int:
-    """Tiles a split (flash-decoding) for ``slabs`` slabs that each read spans of ``tiles`` tiles (a span's splits:
-    its tiles over this, rounded up), when ``slots`` programs run at once (:data:`ATTN_PROGRAMS_PER_SM` a
-    multiprocessor): the least time in tiles, waves of programs (their count over ``slots``, rounded up) times the
-    tiles a program reads and :data:`ATTN_PROGRAM_TILES`; more splits (a longer merge) only for 3 % less of it.
-    Without the rounding of the waves a step of 17 splits a slab where 16.5 fit ran a second wave of a few
-    programs behind the first (an H100 at batch 8, 32k tokens: 173 us, where 16 programs a multiprocessor, two
-    whole waves of 16 tiles, took 159). A binary search a wave count; cached by the arguments (they change once in
-    a tile's tokens of decoding)."""
-    def splits(t: int) -> int:
-        return sum(-(-n // t) for n in tiles)
-
-    c = ATTN_PROGRAM_TILES
-    best, top, waves = None, max(tiles), -(-slabs * len(tiles) // slots)   # at least a split a span
-    while best is None or waves * (1 + c) < 0.97 * best[0]:   # a program reads a tile at least
-        cap = waves * slots // slabs                   # splits a slab within this many waves
-        lo, hi = 1, top
-        while lo < hi:
-            mid = (lo + hi) // 2
-            lo, hi = (lo, mid) if splits(mid) <= cap else (mid + 1, hi)
-        if best is None or waves * (lo + c) < 0.97 * best[0]:   # more splits: 3 % less time at least
-            best = (waves * (lo + c), lo)
-        if lo == 1:
-            break
-        waves += 1
-    return best[1]
 
 
 def query_rows(q, N: int):
@@ -427,10 +423,16 @@ def attention_constexprs(key_codec, value_codec, R: int, D: int, dot: str, block
                 PREFETCH=prefetch, ASM=bool(asm) and dot == "fp16", PAGE=0, TRANS=trans)
 
 
-def _attention_options() -> dict:
-    """The attention kernel's compile options from the module's settings (pipelining stages, register cap), or
-    CodecError for a register cap that ptxas would not take."""
-    extra = {} if ATTN_STAGES is None else dict(num_stages=ATTN_STAGES)
+def attention_options(const: dict) -> dict:
+    """The attention kernel's launch options for its constexprs ``const`` (:func:`attention_constexprs`): warps
+    (:data:`ATTN_WARPS`, or the mode's own from :data:`ATTN_MODE_WARPS`), pipelining stages, register cap, FMA
+    fusion; or CodecError for a register cap that ptxas would not take."""
+    if ATTN_WARPS is not None and ATTN_WARPS not in (1, 2, 4, 8, 16):
+        raise CodecError(f"attention warps {ATTN_WARPS!r} (kvcx.codecs.gpu.ATTN_WARPS) is not a program's warps; set "
+                         "1, 2, 4, 8 or 16, or None (each mode's own: ATTN_MODE_WARPS)")
+    extra = dict(num_warps=ATTN_WARPS or ATTN_MODE_WARPS[const["DOT"]], enable_fp_fusion=ATTN_FP_FUSION)
+    if ATTN_STAGES is not None:
+        extra["num_stages"] = ATTN_STAGES
     if ATTN_MAX_REGISTERS is not None:
         if not is_int(ATTN_MAX_REGISTERS) or not 24 <= ATTN_MAX_REGISTERS <= 255:
             raise CodecError(f"attention register cap {ATTN_MAX_REGISTERS!r} (kvcx.codecs.gpu.ATTN_MAX_REGISTERS) "
@@ -460,14 +462,14 @@ def attend_spans(q, scaling: float, spans, Hkv: int, sinks=(None, None), residua
     one layout (a store's two segments: one launch) and one merge: no other launch (but for spans whose keys
     rotate: their query, scaled and rotated, from one product; the keys' rotation moved from every key onto the
     query, its matrix orthogonal and symmetric). The caller checks shapes."""
-    torch, k = _torch(), _attn_kernels()
+    torch, k = _torch(), attention_kernels()
     N, R, D = q.shape
     rotate = {sp.value_codec.rotate for sp in spans}
     if len(rotate) > 1:
         raise CodecError("attention: the packed spans' values must all rotate, or none")
     full = [sp for sp in spans if sp.keys.tokens]
     asm = ATTN_ASM and q.is_cuda and not interpreting()
-    qr = (q.float() * scaling) @ _hadamard(D, q.device) if any(sp.key_codec.rotate for sp in full) else None
+    qr = rotated_query(q, scaling) if any(sp.key_codec.rotate for sp in full) else None
     per = split_tokens(N, [sp.keys.tokens for sp in full], per_split) if full else 0   # one size for all
     launches = []   # [((constexprs, keys rotate), [(span, splits)])]: two spans of one layout share a launch
     for sp in full:
@@ -485,7 +487,7 @@ def attend_spans(q, scaling: float, spans, Hkv: int, sinks=(None, None), residua
         # not of whatever the allocator held: 0 x NaN would be NaN)
         m = torch.full((N, 1, R), float("-inf"), device=q.device)
         l, acc = torch.zeros(N, 1, R, device=q.device), torch.zeros(N, 1, R, D, device=q.device)
-    off, extra = 0, _attention_options()
+    off = 0
     for (const, rotated), items in launches:
         if len(items) == 1:   # a launch of one span passes it as the second too, with no split reading it
             items = items + [(items[0][0], 0)]
@@ -495,7 +497,7 @@ def attend_spans(q, scaling: float, spans, Hkv: int, sinks=(None, None), residua
         k.attend_packed_kernel[(N, na + nb)](
             qr if rotated else q, *pa, *pb, 1.0 if rotated else scaling, add if add is not None else m, m, l, acc,
             Hkv, add.shape[1] if add is not None else 0, *(v for pair in zip(ia, ib) for v in pair), per, na, off,
-            spt, m, m, 0, **const, **extra, enable_fp_fusion=ATTN_FP_FUSION, num_warps=ATTN_WARPS)
+            spt, m, m, 0, **const, **attention_options(const))
         off += na + nb
     sk, sv = sinks
     rk, rv = residual
@@ -512,7 +514,7 @@ def merge_splits(q, scaling: float, m, l, acc, Hkv: int, rotate: bool, sinks=(No
     splits the attention kernel wrote (``m``, ``l`` [N, splits, R], ``acc`` [N, splits, R, D]; their accumulators
     rotated back where ``rotate``) and the exact tokens (:func:`attend_spans`' ``sinks``, ``residual``, ``add``,
     ``res_off``). One launch: what :func:`attend_spans` and :func:`kvcx.codecs.paged.attend` end with."""
-    torch, k = _torch(), _attn_kernels()
+    torch, k = _torch(), attention_kernels()
     N, R, D = q.shape
     (sk, sv), (rk, rv) = sinks, residual
     t0 = 0 if sk is None else sk.shape[1]

@@ -157,7 +157,7 @@ def attend(q, pool: PagedKV, block_table, seq_lens, scaling: Optional[float] = N
     tokens, 1 to max_pages x page_tokens), both on the pool's device. Query head j reads KV head j // (Hq / Hkv).
     Returns [B, Hq, D] float32 (NaN for a row of 0 tokens, as SDPA gives for a row with nothing to attend to).
     No host sync: the splits are sized from the table's width, the lengths are read on the device."""
-    torch, k = _torch(), gpu._attn_kernels()
+    torch, k = _torch(), gpu.attention_kernels()
     B, Hq, D = q.shape
     H, P = pool.kv_heads, pool.page_tokens
     dev = pool.key_codes.device
@@ -173,7 +173,7 @@ def attend(q, pool: PagedKV, block_table, seq_lens, scaling: Optional[float] = N
     N, R = B * H, Hq // H
     rows = gpu.query_rows(q, N)
     scaling = D ** -0.5 if scaling is None else float(scaling)
-    qr = (rows.float() * scaling) @ gpu._hadamard(D, dev) if kc.rotate else None
+    qr = gpu.rotated_query(rows, scaling) if kc.rotate else None
     table = block_table.contiguous()
     asm = gpu.ATTN_ASM and q.is_cuda and not gpu.interpreting()
     const = gpu.attention_constexprs(kc, vc, R, D, gpu.ATTN_DOT, min(gpu.ATTN_BLOCK_TOKENS, P), False, False, asm)
@@ -186,5 +186,5 @@ def attend(q, pool: PagedKV, block_table, seq_lens, scaling: Optional[float] = N
     k.attend_packed_kernel[(N, nsp)](
         qr if kc.rotate else rows, *bufs, *bufs, 1.0 if kc.rotate else scaling, m, m, l, acc, H, 0, 0, 0,
         0, 0, 0, 0, 0, 0, 0, 0, 0, 0, per, nsp, 0, nsp, table, seq_lens, table.stride(0), **{**const, "PAGE": P},
-        **gpu._attention_options(), enable_fp_fusion=gpu.ATTN_FP_FUSION, num_warps=gpu.ATTN_WARPS)
+        **gpu.attention_options(const))
     return gpu.merge_splits(rows, scaling, m, l, acc, H, vc.rotate).reshape(B, Hq, D)

@@ -78,15 +78,15 @@ def attention_kernels() -> None:
                                   ("kivi", "tf32", True), ("kvcx", "ieee", False), ("kvcx", "tf32x3", False),
                                   ("kvcx", "int8x3", False), ("reference", "int8x3", False), ("kivi", "fp16", False)):
         cfg = KVConfig.from_scheme(scheme)
-        compile_one(ka.attend_packed_kernel,   # the fast mode's codes converted in PTX, as on a GPU
-                    gpu.attention_constexprs(cfg.key, cfg.value, 4, D, dot, gpu.ATTN_BLOCK_TOKENS, True, prefetch,
-                                             asm=gpu.ATTN_ASM),
-                    num_warps=gpu.ATTN_WARPS, fusion=gpu.ATTN_FP_FUSION)
+        const = gpu.attention_constexprs(cfg.key, cfg.value, 4, D, dot, gpu.ATTN_BLOCK_TOKENS, True, prefetch,
+                                         asm=gpu.ATTN_ASM)
+        compile_one(ka.attend_packed_kernel, const,   # the fast mode's codes converted in PTX, as on a GPU
+                    num_warps=gpu.attention_options(const)["num_warps"], fusion=gpu.ATTN_FP_FUSION)
     cfg = KVConfig.from_scheme("kvcx")   # the paged store (kvcx.codecs.paged): tiles through the block table
-    compile_one(ka.attend_packed_kernel, {**gpu.attention_constexprs(cfg.key, cfg.value, 4, D, gpu.ATTN_DOT,
-                                                                     gpu.ATTN_BLOCK_TOKENS, False, False,
-                                                                     asm=gpu.ATTN_ASM), "PAGE": 64},
-                num_warps=gpu.ATTN_WARPS, fusion=gpu.ATTN_FP_FUSION)
+    const = {**gpu.attention_constexprs(cfg.key, cfg.value, 4, D, gpu.ATTN_DOT, gpu.ATTN_BLOCK_TOKENS, False, False,
+                                        asm=gpu.ATTN_ASM), "PAGE": 64}
+    compile_one(ka.attend_packed_kernel, const, num_warps=gpu.attention_options(const)["num_warps"],
+                fusion=gpu.ATTN_FP_FUSION)
     for has_mask, rotate in ((True, True), (False, False)):
         compile_one(ka.merge_kernel, dict(R=4, D=D, SB=gpu._pow2(1), RB=gpu._pow2(32), HAS_MASK=has_mask,
                                          ROTATE=rotate, CH=gpu.MERGE_SPLITS), fusion=gpu.ATTN_FP_FUSION,

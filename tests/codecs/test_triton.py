@@ -87,6 +87,21 @@ def test_same_bytes_for_every_dtype(dtype, settings):
     _check(settings, x)
 
 
+def test_per_channel_programs_of_fewer_channels_write_the_same_bytes(monkeypatch):
+    """kvcx.codecs.gpu.CODEC_CHANNELS: the per-channel kernels over a few channels a program (a head dim that is
+    not a power of two, sinks, a partial block) give the CPU kernels' bytes and values; a rotated codec keeps
+    whole rows; a setting that is not a power of two is refused by name."""
+    from kvcx.codecs import gpu
+
+    monkeypatch.setattr(gpu, "CODEC_CHANNELS", 16)
+    for settings, shape in ((SETTINGS[3], (2, 2, 45, 64)), (SETTINGS[4], (1, 3, 70, 48)),
+                            (SETTINGS[5], (1, 2, 40, 32))):
+        _check(settings, keys_like(shape, seed=shape[-1]))
+    monkeypatch.setattr(gpu, "CODEC_CHANNELS", 24)
+    with pytest.raises(CodecError, match=r"CODEC_CHANNELS.*power of two"):
+        IntCodec(**SETTINGS[3], backend="triton").encode(_as_tensor(keys_like((1, 1, 8, 64), seed=1)))
+
+
 @pytest.mark.parametrize("S", [20, 21, 90], ids=lambda s: f"S={s}")
 @pytest.mark.parametrize("axis", ["token", "channel"])
 def test_many_sinks_and_sinks_alone(axis, S):

@@ -250,18 +250,19 @@ def decode_token_kernel(codes_ptr, scales_ptr, zeros_ptr, out_ptr, flag_ptr, sb_
 
 @triton.jit
 def encode_channel_kernel(x_ptr, codes_ptr, scales_ptr, zeros_ptr, flag_ptr, xb_ptr, sinks_ptr, S, t0, D, row_bytes,
-                          nblk, norm, DP: tl.constexpr, G: tl.constexpr, ASYM: tl.constexpr, ROTATE: tl.constexpr,
-                          SB: tl.constexpr, EXP: tl.constexpr):
-    """Groups of G tokens per channel: one program per (slab, token block), the block's [G, D] values as a
-    [G, DP] tile (DP: D rounded up to a power of two; D = DP when ROTATE). The checks and the sinks as in
-    encode_token_kernel."""
+                          nblk, norm, DP: tl.constexpr, CB: tl.constexpr, G: tl.constexpr, ASYM: tl.constexpr,
+                          ROTATE: tl.constexpr, SB: tl.constexpr, EXP: tl.constexpr):
+    """Groups of G tokens per channel: one program per (slab, token block, CB channels), the block's [G, CB] values
+    (DP: D rounded up to a power of two; D = DP when ROTATE, and CB = DP: the rotation mixes a whole row). The
+    checks and the sinks as in encode_token_kernel."""
     slab = tl.program_id(0)
     blk = tl.program_id(1)
+    c0 = tl.program_id(2) * CB
     if SB > 0:
-        if blk == 0:
+        if (blk == 0) & (tl.program_id(2) == 0):
             _copy_sinks(xb_ptr, sinks_ptr, flag_ptr + 1, slab, t0 * D, S * D, t0 * D, 0, SB, EXP)
     i = blk * G + tl.arange(0, G)[:, None]           # token - t0
-    d = tl.arange(0, DP)[None, :]
+    d = c0 + tl.arange(0, CB)[None, :]
     base = slab.to(tl.int64) * S * D + t0 * D
     # a partial last block reads its last token again in place of the missing ones (no group changes; they are
     # not stored), and columns past D read 0 (their groups are not stored): no mask in the statistics or codes
@@ -270,7 +271,7 @@ def encode_channel_kernel(x_ptr, codes_ptr, scales_ptr, zeros_ptr, flag_ptr, xb_
         x = _fwht_rows(x, G, DP, norm)
     s16, z16, sdiv, rcp, keep, zero = _group_params(x, None, 0, ASYM, False)
     code = _codes(x, zero[None, :], sdiv[None, :], rcp[None, :], keep[None, :], None, ASYM, False)
-    dd = tl.arange(0, DP)
+    dd = c0 + tl.arange(0, CB)
     k = (slab.to(tl.int64) * nblk + blk) * D + dd
     tl.store(scales_ptr + k, s16, mask=dd < D)
     bad = _nonfinite(s16.to(tl.float32))
@@ -278,28 +279,29 @@ def encode_channel_kernel(x_ptr, codes_ptr, scales_ptr, zeros_ptr, flag_ptr, xb_
         tl.store(zeros_ptr + k, z16, mask=dd < D)
         bad = bad | _nonfinite(zero)
     _flag_if(flag_ptr, (dd < D) & bad)
-    jb = tl.arange(0, DP // 2)[None, :]
-    tl.store(codes_ptr + slab.to(tl.int64) * row_bytes + (i * D) // 2 + jb, _pack(code, G, DP),
+    jb = c0 // 2 + tl.arange(0, CB // 2)[None, :]
+    tl.store(codes_ptr + slab.to(tl.int64) * row_bytes + (i * D) // 2 + jb, _pack(code, G, CB),
              mask=(i < S - t0) & (jb < D // 2))
 
 
 @triton.jit
 def decode_channel_kernel(codes_ptr, scales_ptr, zeros_ptr, out_ptr, flag_ptr, sb_ptr, ob_ptr, S, t0, D, row_bytes,
-                          nblk, out_S, out_off, norm, DP: tl.constexpr, G: tl.constexpr, ASYM: tl.constexpr,
-                          ROTATE: tl.constexpr, SAT: tl.constexpr, BF16: tl.constexpr, SB: tl.constexpr,
-                          EXP: tl.constexpr):
-    """The inverse of encode_channel_kernel, into ``out`` seen as (slabs, out_S, D) at token out_off. The checks
-    and the sinks as in decode_token_kernel."""
+                          nblk, out_S, out_off, norm, DP: tl.constexpr, CB: tl.constexpr, G: tl.constexpr,
+                          ASYM: tl.constexpr, ROTATE: tl.constexpr, SAT: tl.constexpr, BF16: tl.constexpr,
+                          SB: tl.constexpr, EXP: tl.constexpr):
+    """The inverse of encode_channel_kernel (CB channels a program), into ``out`` seen as (slabs, out_S, D) at token
+    out_off. The checks and the sinks as in decode_token_kernel."""
     slab = tl.program_id(0)
     blk = tl.program_id(1)
+    c0 = tl.program_id(2) * CB
     if SB > 0:
-        if blk == 0:
+        if (blk == 0) & (tl.program_id(2) == 0):
             _copy_sinks(sb_ptr, ob_ptr, flag_ptr + 1, slab, t0 * D, t0 * D, out_S * D, out_off * D, SB, EXP)
     i = blk * G + tl.arange(0, G)[:, None]
-    jb = tl.arange(0, DP // 2)[None, :]
+    jb = c0 // 2 + tl.arange(0, CB // 2)[None, :]
     byte = tl.load(codes_ptr + slab.to(tl.int64) * row_bytes + (i * D) // 2 + jb,
                    mask=(i < S - t0) & (jb < D // 2), other=0)
-    dd = tl.arange(0, DP)
+    dd = c0 + tl.arange(0, CB)
     k = (slab.to(tl.int64) * nblk + blk) * D + dd
     scale = tl.load(scales_ptr + k, mask=dd < D, other=0.0).to(tl.float32)
     bad = ~(scale >= 0.0) | (scale == float("inf"))
@@ -308,7 +310,7 @@ def decode_channel_kernel(codes_ptr, scales_ptr, zeros_ptr, out_ptr, flag_ptr, s
         zero = tl.load(zeros_ptr + k, mask=dd < D, other=0.0).to(tl.float32)
         bad = bad | _nonfinite(zero)
     _flag_if(flag_ptr, (dd < D) & bad)
-    y = _dequant(_unpack(byte, G, DP), scale[None, :], zero[None, :], ASYM)
+    y = _dequant(_unpack(byte, G, CB), scale[None, :], zero[None, :], ASYM)
     if ROTATE:
         y = _fwht_rows(y, G, DP, norm)
     d = dd[None, :]
