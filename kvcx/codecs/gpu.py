@@ -37,8 +37,8 @@ PROGRAM_VALUES = 4096
 CODEC_WARPS = 4              # warps a program of the encode and decode kernels (Triton's default)
 # channels a program of the per-channel kernels (keys) holds, a power of two from 2 (a block of G tokens x these), or
 # None: a whole token row (the default). A rotated codec always holds whole rows (its rotation mixes a row). Fewer
-# channels: fewer registers a program, more programs a multiprocessor (the keys' encode at a whole row: 161 registers,
-# 3 programs; docs/results/gpu-sass.md); not timed on a GPU yet
+# channels: fewer registers a program, more programs a multiprocessor (the keys' encode: 162 registers at a whole
+# row, 3 programs; 78 at 32 channels, 6; docs/RESULTS.md); not timed on a GPU yet
 CODEC_CHANNELS = None
 _TORCH_DTYPES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32"}
 
