@@ -503,8 +503,8 @@ def generation(torch, dev, prompts, batches, new_tokens, out, layers, hidden, in
         "KvcxCache from Python (its steps are not captured in graphs yet)")
     out("")
     out("| prompt | batch | DynamicCache tok/s | StaticCache tok/s | StaticCache graph tok/s | KvcxCache tok/s | "
-        "vs Dynamic | vs Static graph | DynamicCache MiB | StaticCache MiB | KvcxCache MiB | KvcxCache / DynamicCache | kvcx "
-        "backend | fused steps |")
+        "vs Dynamic | vs Static graph | DynamicCache MiB | StaticCache MiB | KvcxCache MiB | KvcxCache / DynamicCache | "
+        "kvcx backend | fused steps |")
     out("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|")
     cfg = LlamaConfig(num_hidden_layers=layers, hidden_size=hidden, intermediate_size=inter, vocab_size=vocab,
                       num_attention_heads=hq, num_key_value_heads=hkv, max_position_embeddings=max(prompts) * 2)
@@ -518,53 +518,69 @@ def generation(torch, dev, prompts, batches, new_tokens, out, layers, hidden, in
     model.eval()
     model.set_attn_implementation("kvcx")
     for n, batch in itertools.product(prompts, batches):
-        try:
-            row = generation_row(torch, dev, model, n, batch, new_tokens, vocab)
-        except torch.cuda.OutOfMemoryError as exc:   # batch 8 at a long prompt: a row that says so, not the end
-            row = f"| {n:,} | {batch} | out of memory: {str(exc).splitlines()[0][:80]} |" + " |" * 12
-        out(row)
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
+        out(generation_row(torch, dev, model, n, batch, new_tokens, vocab))
     out("")
 
 
-def generation_row(torch, dev, model, n: int, batch: int, new_tokens: int, vocab: int) -> str:
-    """Section 3's row for a prompt of ``n`` random tokens in each of ``batch`` rows."""
-    from transformers import DynamicCache
-
+def eager_rate(torch, dev, model, ids, cache, new_tokens: int) -> tuple:
+    """Greedy steps from Python with ``cache`` after the prompt ``ids`` [batch, n]: (tokens/s over all rows, the
+    cache's bytes, KvcxCache's memory report or None)."""
     from kvcx.cache.kvcx_cache import KvcxCache, dynamic_cache_bytes
 
-    ids = torch.randint(0, vocab, (batch, n), device=dev)
-    rates, sizes = {}, {}
-    for name in ("dynamic", "kvcx"):
-        cache = DynamicCache() if name == "dynamic" else KvcxCache(model.config, backend="triton")
-        with torch.inference_mode():
-            # the prompt (its last logits only: all of 32k x 128k in BF16 would be 8 GB) and one untimed step
-            # (kernels compiled, libraries' first-call set-up done), then timed steps
-            model(ids, past_key_values=cache, logits_to_keep=1)
-            tok = model(ids[:, -1:], past_key_values=cache).logits[:, -1:].argmax(-1)
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-            t = time.perf_counter()
-            for _ in range(new_tokens):
-                logits = model(tok, past_key_values=cache).logits
-                tok = logits[:, -1:].argmax(-1)
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-            rates[name] = batch * new_tokens / (time.perf_counter() - t)
-        sizes[name] = dynamic_cache_bytes(cache) if name == "dynamic" else cache.memory_report()["total_bytes"]
-        if name == "kvcx":
-            rep = cache.memory_report()
-        del cache
+    with torch.inference_mode():
+        # the prompt (its last logits only: all of 32k x 128k in BF16 would be 8 GB) and one untimed step (kernels
+        # compiled, libraries' first-call set-up done), then timed steps
+        model(ids, past_key_values=cache, logits_to_keep=1)
+        tok = model(ids[:, -1:], past_key_values=cache).logits[:, -1:].argmax(-1)
         if dev.type == "cuda":
-            torch.cuda.empty_cache()
-    static, static_graph, sizes["static"] = static_rates(torch, dev, model, ids, new_tokens)
-    static, static_graph = batch * static, static_graph and batch * static_graph
-    vs_graph = f"{rates['kvcx'] / static_graph:.2f}x" if static_graph else "n/a"
-    return (f"| {n:,} | {batch} | {rates['dynamic']:.1f} | {static:.1f} | {_rate(static_graph)} | "
-            f"{rates['kvcx']:.1f} | {rates['kvcx'] / rates['dynamic']:.2f}x | {vs_graph} | "
-            f"{sizes['dynamic'] / 2**20:.1f} | {sizes['static'] / 2**20:.1f} | {sizes['kvcx'] / 2**20:.1f} | "
-            f"{sizes['kvcx'] / sizes['dynamic']:.3f}x | {rep['backend']} | {rep['attention_steps']['fused']} |")
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(new_tokens):
+            tok = model(tok, past_key_values=cache).logits[:, -1:].argmax(-1)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        rate = ids.shape[0] * new_tokens / (time.perf_counter() - t)
+    if isinstance(cache, KvcxCache):
+        rep = cache.memory_report()
+        return rate, rep["total_bytes"], rep
+    return rate, dynamic_cache_bytes(cache), None
+
+
+def generation_row(torch, dev, model, n: int, batch: int, new_tokens: int, vocab: int) -> str:
+    """Section 3's row for a prompt of ``n`` random tokens in each of ``batch`` rows; a cache that runs out of
+    device memory (batch 8 at a long prompt) is a cell that says so, the others are measured."""
+    from transformers import DynamicCache
+
+    from kvcx.cache.kvcx_cache import KvcxCache
+
+    ids = torch.randint(0, vocab, (batch, n), device=dev)
+
+    def measured(fn):
+        try:
+            return fn()
+        except torch.cuda.OutOfMemoryError:
+            return None
+        finally:
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+
+    dyn = measured(lambda: eager_rate(torch, dev, model, ids, DynamicCache(), new_tokens))
+    kv = measured(lambda: eager_rate(torch, dev, model, ids, KvcxCache(model.config, backend="triton"), new_tokens))
+    st = measured(lambda: static_rates(torch, dev, model, ids, new_tokens))
+    static, static_graph = (batch * st[0], st[1] and batch * st[1]) if st else (None, None)
+
+    def cell(v, f="{:.1f}"):
+        return "out of memory" if v is None else f.format(v)
+
+    def ratio(a, b):
+        return f"{a / b:.2f}x" if a and b else "n/a"
+
+    return (f"| {n:,} | {batch} | {cell(dyn and dyn[0])} | {cell(static)} | "
+            f"{_rate(static_graph) if st else cell(None)} | {cell(kv and kv[0])} | "
+            f"{ratio(kv and kv[0], dyn and dyn[0])} | {ratio(kv and kv[0], static_graph)} | "
+            f"{cell(dyn and dyn[1] / 2**20)} | {cell(st and st[2] / 2**20)} | {cell(kv and kv[1] / 2**20)} | "
+            f"{f'{kv[1] / dyn[1]:.3f}x' if kv and dyn else 'n/a'} | "
+            f"{kv[2]['backend'] if kv else 'n/a'} | {kv[2]['attention_steps']['fused'] if kv else 'n/a'} |")
 
 
 def main(argv=None):
