@@ -462,13 +462,13 @@ def attend_spans(q, scaling: float, spans, Hkv: int, sinks=(None, None), residua
     one layout (a store's two segments: one launch) and one merge: no other launch (but for spans whose keys
     rotate: their query, scaled and rotated, from one product; the keys' rotation moved from every key onto the
     query, its matrix orthogonal and symmetric). The caller checks shapes."""
-    torch, k = _torch(), attention_kernels()
+    torch = _torch()
     N, R, D = q.shape
     rotate = {sp.value_codec.rotate for sp in spans}
     if len(rotate) > 1:
         raise CodecError("attention: the packed spans' values must all rotate, or none")
     full = [sp for sp in spans if sp.keys.tokens]
-    asm = ATTN_ASM and q.is_cuda and not interpreting()
+    asm = ptx_codes(q)
     qr = rotated_query(q, scaling) if any(sp.key_codec.rotate for sp in full) else None
     per = split_tokens(N, [sp.keys.tokens for sp in full], per_split) if full else 0   # one size for all
     launches = []   # [((constexprs, keys rotate), [(span, splits)])]: two spans of one layout share a launch
@@ -494,10 +494,8 @@ def attend_spans(q, scaling: float, spans, Hkv: int, sinks=(None, None), residua
         (a, na), (b, nb) = items
         (pa, ia), (pb, ib) = _span_args(a), _span_args(b)
         # a tile lies within one per-channel block (splits are whole ATTN_BLOCK_TOKENS, a multiple of it)
-        k.attend_packed_kernel[(N, na + nb)](
-            qr if rotated else q, *pa, *pb, 1.0 if rotated else scaling, add if add is not None else m, m, l, acc,
-            Hkv, add.shape[1] if add is not None else 0, *(v for pair in zip(ia, ib) for v in pair), per, na, off,
-            spt, m, m, 0, **const, **attention_options(const))
+        launch_attention((N, na + nb), qr if rotated else q, 1.0 if rotated else scaling, pa + pb,
+                         tuple(v for pair in zip(ia, ib) for v in pair), (m, l, acc), Hkv, per, na, off, const, add)
         off += na + nb
     sk, sv = sinks
     rk, rv = residual
@@ -506,6 +504,29 @@ def attend_spans(q, scaling: float, spans, Hkv: int, sinks=(None, None), residua
     if not full and not t0 and not nr:
         raise CodecError("attention: there are no tokens to attend to")
     return merge_splits(q, scaling, m, l, acc, Hkv, bool(full) and True in rotate, sinks, residual, add, res_off)
+
+
+def ptx_codes(q) -> bool:
+    """Whether the fast mode's codes are converted in PTX for a step on ``q``'s device (:data:`ATTN_ASM`, a GPU, not
+    Triton's interpreter)."""
+    return ATTN_ASM and q.is_cuda and not interpreting()
+
+
+def launch_attention(grid, q, q_scale: float, buffers: tuple, ints: tuple, out: tuple, Hkv: int, per: int,
+                     n_first: int, sp_off: int, const: dict, add=None, pages=None) -> None:
+    """One launch of :func:`~kvcx.codecs.triton_kernels.attention.attend_packed_kernel` on ``grid`` (slabs,
+    splits): query rows ``q`` times ``q_scale``; ``buffers`` the two spans' six buffers each (codes, scales, zero
+    points of keys, then of values), ``ints`` their integers in pairs (:func:`_span_args`' order, the first span's
+    then the second's of each); ``out`` the splits' (max, sum, accumulators) of all launches, this one's from split
+    ``sp_off``; ``per`` tokens a split, the first span's ``n_first`` splits; ``add`` the scores' float mask or None;
+    ``pages`` (block table, lengths) for a paged store's ``const`` (its ``PAGE`` mode) or None. What
+    :func:`attend_spans` and :func:`kvcx.codecs.paged.attend` launch."""
+    m, l, acc = out
+    table, lens = pages if pages is not None else (m, m)
+    attention_kernels().attend_packed_kernel[grid](
+        q, *buffers, q_scale, add if add is not None else m, m, l, acc, Hkv, add.shape[1] if add is not None else 0,
+        *ints, per, n_first, sp_off, m.shape[1], table, lens, table.stride(0) if pages is not None else 0, **const,
+        **attention_options(const))
 
 
 def merge_splits(q, scaling: float, m, l, acc, Hkv: int, rotate: bool, sinks=(None, None), residual=(None, None),

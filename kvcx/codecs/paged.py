@@ -157,7 +157,7 @@ def attend(q, pool: PagedKV, block_table, seq_lens, scaling: Optional[float] = N
     tokens, 1 to max_pages x page_tokens), both on the pool's device. Query head j reads KV head j // (Hq / Hkv).
     Returns [B, Hq, D] float32 (NaN for a row of 0 tokens, as SDPA gives for a row with nothing to attend to).
     No host sync: the splits are sized from the table's width, the lengths are read on the device."""
-    torch, k = _torch(), gpu.attention_kernels()
+    torch = _torch()
     B, Hq, D = q.shape
     H, P = pool.kv_heads, pool.page_tokens
     dev = pool.key_codes.device
@@ -175,16 +175,15 @@ def attend(q, pool: PagedKV, block_table, seq_lens, scaling: Optional[float] = N
     scaling = D ** -0.5 if scaling is None else float(scaling)
     qr = gpu.rotated_query(rows, scaling) if kc.rotate else None
     table = block_table.contiguous()
-    asm = gpu.ATTN_ASM and q.is_cuda and not gpu.interpreting()
-    const = gpu.attention_constexprs(kc, vc, R, D, gpu.ATTN_DOT, min(gpu.ATTN_BLOCK_TOKENS, P), False, False, asm)
+    const = gpu.attention_constexprs(kc, vc, R, D, gpu.ATTN_DOT, min(gpu.ATTN_BLOCK_TOKENS, P), False, False,
+                                     gpu.ptx_codes(q))
     per = gpu.split_tokens(N, table.shape[1] * P, per_split)
     nsp = max(1, -(-(table.shape[1] * P) // per))
     m, l, acc = (torch.empty(N, nsp, R, *d, device=dev) for d in ((), (), (D,)))
     bufs = (pool.key_codes, pool.key_scales, pool.key_zeros if pool.key_zeros is not None else pool.key_scales,
             pool.value_codes, pool.value_scales,
             pool.value_zeros if pool.value_zeros is not None else pool.value_scales)
-    k.attend_packed_kernel[(N, nsp)](
-        qr if kc.rotate else rows, *bufs, *bufs, 1.0 if kc.rotate else scaling, m, m, l, acc, H, 0, 0, 0,
-        0, 0, 0, 0, 0, 0, 0, 0, 0, 0, per, nsp, 0, nsp, table, seq_lens, table.stride(0), **{**const, "PAGE": P},
-        **gpu.attention_options(const))
+    # the spans' integers are not read in the PAGE mode (a tile's page and a row's tokens come from the table)
+    gpu.launch_attention((N, nsp), qr if kc.rotate else rows, 1.0 if kc.rotate else scaling, bufs + bufs, (0,) * 12,
+                         (m, l, acc), H, per, nsp, 0, {**const, "PAGE": P}, pages=(table, seq_lens))
     return gpu.merge_splits(rows, scaling, m, l, acc, H, vc.rotate).reshape(B, Hq, D)
