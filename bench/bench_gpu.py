@@ -79,21 +79,39 @@ def timer(torch, dev, fn, reps: int, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
+def capture(torch, fn, warmup: int = 3):
+    """``fn`` captured in a CUDA graph, after ``warmup`` runs on a side stream (as torch.cuda.graph wants)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
+def steps_per_second(torch, dev, step, steps: int) -> float:
+    """``steps`` calls of ``step`` one after another, timed from the host (the device synchronised on each side)."""
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(steps):
+        step()
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    return steps / (time.perf_counter() - t)
+
+
 def graph_timer(torch, dev, fn, reps: int):
     """Median seconds of replaying fn() captured in a CUDA graph (no Python or launch overhead between its
     kernels, as serving engines run decode steps); None off CUDA or where fn cannot be captured."""
     if dev.type != "cuda":
         return None
     try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
+        graph = capture(torch, fn)
     except Exception as exc:  # reported, and the table says n/a
         print(f"CUDA graph capture failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         return None
@@ -455,32 +473,13 @@ def static_rates(torch, dev, model, ids, new_tokens: int):
             pos.add_(1)
 
         step()                             # untimed: first-call set-up
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(new_tokens):
-            step()
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-        eager = new_tokens / (time.perf_counter() - t)
+        eager = steps_per_second(torch, dev, step, new_tokens)
         graph = None
         if dev.type == "cuda":
             try:
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    step()
-                torch.cuda.current_stream().wait_stream(side)
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g):
-                    step()
+                g = capture(torch, step, warmup=1)
                 g.replay()
-                torch.cuda.synchronize()
-                t = time.perf_counter()
-                for _ in range(new_tokens):
-                    g.replay()
-                torch.cuda.synchronize()
-                graph = new_tokens / (time.perf_counter() - t)
+                graph = steps_per_second(torch, dev, g.replay, new_tokens)
             except Exception as exc:   # reported; the table says n/a
                 print(f"StaticCache step capture failed: {type(exc).__name__}: {exc}", file=sys.stderr)
     size = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values)
@@ -532,14 +531,12 @@ def eager_rate(torch, dev, model, ids, cache, new_tokens: int) -> tuple:
         # compiled, libraries' first-call set-up done), then timed steps
         model(ids, past_key_values=cache, logits_to_keep=1)
         tok = model(ids[:, -1:], past_key_values=cache).logits[:, -1:].argmax(-1)
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(new_tokens):
+
+        def step():
+            nonlocal tok
             tok = model(tok, past_key_values=cache).logits[:, -1:].argmax(-1)
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-        rate = ids.shape[0] * new_tokens / (time.perf_counter() - t)
+
+        rate = ids.shape[0] * steps_per_second(torch, dev, step, new_tokens)
     if isinstance(cache, KvcxCache):
         rep = cache.memory_report()
         return rate, rep["total_bytes"], rep
