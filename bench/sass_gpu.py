@@ -85,9 +85,9 @@ def compile_setting(setting, arch: int, dump: Path | None):
     from kvcx.codecs import KVConfig, gpu
     from kvcx.codecs.triton_kernels import attention as k
 
-    bt, warps, dot, prefetch, stages, _, max_regs = setting
+    bt, warps, dot, prefetch, stages, _, max_regs, early, pdl = setting
     cfg = KVConfig.from_scheme(SCHEME)
-    consts = gpu.attention_constexprs(cfg.key, cfg.value, 4, D, dot, bt, False, prefetch, asm=True)
+    consts = gpu.attention_constexprs(cfg.key, cfg.value, 4, D, dot, bt, False, prefetch, True, early, pdl)
     fn = k.attend_packed_kernel
     pointers = {"q_ptr": "*fp32", "mask_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32",
                 **{f"{n}{i}_ptr": "*u8" if n.endswith("c") else "*fp16" for n in ("kc", "vc", "ks", "kz", "vs", "vz")
@@ -104,7 +104,8 @@ def compile_setting(setting, arch: int, dump: Path | None):
     if max_regs:
         opts["maxnreg"] = max_regs
     name = f"attend_{bt}t_{warps}w_{dot or 'fp32'}{'_prefetch' if prefetch else ''}" + \
-        (f"_s{stages}" if stages else "") + (f"_r{max_regs}" if max_regs else "")
+        (f"_s{stages}" if stages else "") + (f"_r{max_regs}" if max_regs else "") + ("_early" if early else "") + \
+        ("_pdl" if pdl else "")
     return (*build(fn, sig, consts, attrs, opts, arch, dump, name), consts["BT"])
 
 

@@ -250,14 +250,9 @@ def to_host(packed: Packed) -> Packed:
 
 
 # -- fused decode attention over packed records ----------------------------------------------------------
-# Launch settings of the attention kernel, chosen on an H200 by bench/bench_gpu.py --tune (docs/results/gpu.md,
-# section 5: every setting's time and error): tiles of 64 tokens, 2 warps, the codes' products on the integer
-# tensor cores (int8x3), no prefetch: 88 / 183 us a step at 32k / 128k tokens where two TF32 passes at 32 tokens
-# (the H100's choice, which never timed int8x3) took 118 / 306; register caps for more warps did not pay. The
-# products' default since is "fp16", transposed, at one warp a program, two pipelining stages and 8 programs a
-# multiprocessor (as many as its registers hold), all chosen without a GPU by the offline count
-# (docs/results/gpu-sass.md: 23.4 warp instructions a token against int8x3's 54.8 at 2 warps); a GPU's --tune is
-# to confirm them
+# Launch settings of the attention kernel: the fast mode ("fp16", transposed), one warp a program, two pipelining
+# stages, 8 programs a multiprocessor, chosen by the offline count (docs/results/gpu-sass.md) and confirmed by an
+# H100's --tune (docs/results/gpu.md, section 5; the history of the choices: docs/RESULTS.md)
 ATTN_BLOCK_TOKENS = 64       # packed tokens a program reads per step
 # warps per attention program, or None (the default): the products' own (ATTN_MODE_WARPS, by the mode a launch
 # runs: a per-token key falls back from "fp16" to "tf32x2")
@@ -287,14 +282,16 @@ ATTN_PROGRAMS_PER_SM = 8     # splits enough for about this many programs per mu
 # a program's fixed time in tiles beside its tiles (its query, its first loads, its outputs; the programs of a wave
 # overlap theirs), for kvcx.codecs.splits.split_tiles: fitted to an H100's batch-8 steps (docs/RESULTS.md), 0.5
 ATTN_PROGRAM_TILES = 0.5
-# ptxas's cap on the attention kernel's registers a thread (Triton's ``maxnreg``; None: ptxas's own choice). A
-# multiprocessor holds 65,536 registers: at 255 a thread (the default's), eight programs of one warp fit (four of
-# 2 warps), 8 warps to hide each other's latency; a cap of 128 lets 16 warps in, at the price of what ptxas then
-# spills
-# (bench/sass_gpu.py counts both offline)
+# ptxas's cap on the attention kernel's registers a thread (Triton's ``maxnreg``; None: ptxas's own choice): at 255
+# (the default's) eight one-warp programs fit a multiprocessor, a cap of 128 lets 16 in at the price of what ptxas
+# then spills (bench/sass_gpu.py counts both offline)
 ATTN_MAX_REGISTERS = None
 MERGE_SPLITS = 64            # splits the merge kernel reads at a time (a program a query row: [64, D] floats)
 MERGE_WARPS = 4              # warps per merge program (a batch-1 step's merge is 32 programs: its latency counts)
+# a GPU's merge launched while the attention runs (a dependent launch: the splits read after its grid is done); the
+# fast mode's first tile loaded before the query (in flight while the query's are awaited). Off until --tune times them
+MERGE_PDL = False
+ATTN_EARLY_TILE = False
 # a * b + c as one FMA in the attention kernels (one rounding instead of two: no less accurate, and a multiply and
 # an add fewer to issue). The codec kernels keep it off: they must round as the CPU kernels do, bit for bit.
 ATTN_FP_FUSION = True
@@ -395,13 +392,14 @@ def attention_rows(R: int, NG: int, dot: str) -> int:
 
 
 def attention_constexprs(key_codec, value_codec, R: int, D: int, dot: str, block_tokens: int, has_mask: bool,
-                         prefetch: bool, asm: bool = False) -> dict:
+                         prefetch: bool, asm: bool = False, early: bool = False, pdl: bool = False) -> dict:
     """The constexprs of :func:`~kvcx.codecs.triton_kernels.attention.attend_packed_kernel` for these codecs and launch settings
     (what the launcher passes; the offline compile test and bench/sass_gpu.py build the kernel the same way). A
     tile lies within one per-channel block: ``block_tokens`` is cut to the smallest per-channel group; ``dot`` is
     what the shapes allow of it (FP32 sums under head dim 32, two TF32 passes where int8 products would not do
     and for "fp16" with per-token keys, whose scales vary along the products' sums). ``asm``: "fp16"'s codes
-    converted in PTX (a GPU, not the interpreter)."""
+    converted in PTX (a GPU, not the interpreter); ``early``: the transposed fast mode's first tile loaded before
+    the query; ``pdl``: the merge launched as a dependent launch (a GPU: :func:`dependent_merge`)."""
     if dot not in ATTN_DOTS:
         raise CodecError(f"attention products {dot!r} (kvcx.codecs.gpu.ATTN_DOT) are not a mode of the attention "
                          f"kernel; set one of {', '.join(repr(d) for d in ATTN_DOTS)}")
@@ -413,14 +411,14 @@ def attention_constexprs(key_codec, value_codec, R: int, D: int, dot: str, block
         dot = "tf32x2"    # int8 products sum 32 or more (channels a stream, a tile's tokens); exact in int32 to 128
     elif dot == "fp16" and (key_codec.axis != "channel" or bt < 16):
         dot = "tf32x2"    # per-token keys: a scale a group of a token's channels (dequantized in the tile)
-    # the fast mode with per-channel keys and per-token values runs transposed (the tokens the products' long side,
-    # the (value group, query row) columns their short one: 8 or more, no padding rows to fill 16)
+    # the fast mode with per-channel keys and per-token values runs transposed (the tokens the products' long side)
     trans = dot == "fp16" and key_codec.axis == "channel" and value_codec.axis != "channel" and not prefetch
     rp = max(_pow2(R), -(-8 // ng)) if trans else attention_rows(R, ng, dot)
     return dict(R=R, RP=rp, D=D, BT=bt, KG=key_codec.group_size,
                 K_CHANNEL=key_codec.axis == "channel", K_ASYM=key_codec.asym, VG=value_codec.group_size,
                 V_CHANNEL=value_codec.axis == "channel", V_ASYM=value_codec.asym, HAS_MASK=has_mask, DOT=dot, NG=ng,
-                PREFETCH=prefetch, ASM=bool(asm) and dot == "fp16", PAGE=0, TRANS=trans)
+                PREFETCH=prefetch, ASM=bool(asm) and dot == "fp16", PAGE=0, TRANS=trans, EARLY=bool(early) and trans,
+                PDL=bool(pdl))
 
 
 def attention_options(const: dict) -> dict:
@@ -474,7 +472,7 @@ def attend_spans(q, scaling: float, spans, Hkv: int, sinks=(None, None), residua
     launches = []   # [((constexprs, keys rotate), [(span, splits)])]: two spans of one layout share a launch
     for sp in full:
         key = (attention_constexprs(sp.key_codec, sp.value_codec, R, D, ATTN_DOT, ATTN_BLOCK_TOKENS, add is not None,
-                                    ATTN_PREFETCH, asm), sp.key_codec.rotate)   # the kernel's layout, the query it reads
+                                    ATTN_PREFETCH, asm, ATTN_EARLY_TILE, dependent_merge(q)), sp.key_codec.rotate)
         item = (sp, -(-sp.keys.tokens // per))
         if launches and launches[-1][0] == key and len(launches[-1][1]) == 1:
             launches[-1][1].append(item)
@@ -512,6 +510,12 @@ def ptx_codes(q) -> bool:
     return ATTN_ASM and q.is_cuda and not interpreting()
 
 
+def dependent_merge(q) -> bool:
+    """Whether a step on ``q``'s device launches the merge as a programmatic dependent launch (:data:`MERGE_PDL`, a
+    GPU, not Triton's interpreter: the grid-dependency instructions are PTX)."""
+    return MERGE_PDL and q.is_cuda and not interpreting()
+
+
 def launch_attention(grid, q, q_scale: float, buffers: tuple, ints: tuple, out: tuple, Hkv: int, per: int,
                      n_first: int, sp_off: int, const: dict, add=None, pages=None) -> None:
     """One launch of :func:`~kvcx.codecs.triton_kernels.attention.attend_packed_kernel` on ``grid`` (slabs,
@@ -540,12 +544,12 @@ def merge_splits(q, scaling: float, m, l, acc, Hkv: int, rotate: bool, sinks=(No
     (sk, sv), (rk, rv) = sinks, residual
     t0 = 0 if sk is None else sk.shape[1]
     nr = 0 if rk is None else rk.shape[1]
-    out = torch.empty(N, R, D, device=q.device)
+    out, pdl = torch.empty(N, R, D, device=q.device), dependent_merge(q)
     k.merge_kernel[(N, R)](q, scaling, m, l, acc, m.shape[1], sk if t0 else m, sv if t0 else m, t0, rk if nr else m,
                            rv if nr else m, nr, add if add is not None else m, add.shape[1] if add is not None else 0,
                            res_off, Hkv, out, _norm(D), R=R, D=D, SB=_pow2(t0), RB=max(16, _pow2(nr)),
                            HAS_MASK=add is not None, ROTATE=rotate, CH=MERGE_SPLITS, enable_fp_fusion=ATTN_FP_FUSION,
-                           num_warps=MERGE_WARPS)
+                           num_warps=MERGE_WARPS, PDL=pdl, launch_pdl=pdl)
     return out
 
 

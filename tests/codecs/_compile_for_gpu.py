@@ -72,8 +72,9 @@ def attention_kernels() -> None:
     """The packed attention with the default launch settings (gpu.ATTN_*: the fast mode, FP16 products with the codes
     converted in PTX) for the default scheme, the reference (per-token keys, FP32 sums) and kivi (per-token values
     with zero points, one TF32 pass, prefetch; and in the fast mode), the other products (tl.dot in FP32, in three
-    TF32 passes, and on the integer tensor cores for the default and the reference), and the merge with and
-    without a mask."""
+    TF32 passes, and on the integer tensor cores for the default and the reference), the paged store's (also with
+    the first tile early and the dependent launch's PTX), and the merge with and without a mask (and as a dependent
+    launch)."""
     for scheme, dot, prefetch in (("kvcx", gpu.ATTN_DOT, gpu.ATTN_PREFETCH), ("reference", "", False),
                                   ("kivi", "tf32", True), ("kvcx", "ieee", False), ("kvcx", "tf32x3", False),
                                   ("kvcx", "int8x3", False), ("reference", "int8x3", False), ("kivi", "fp16", False)):
@@ -87,9 +88,12 @@ def attention_kernels() -> None:
                                         asm=gpu.ATTN_ASM), "PAGE": 64}
     compile_one(ka.attend_packed_kernel, const, num_warps=gpu.attention_options(const)["num_warps"],
                 fusion=gpu.ATTN_FP_FUSION)
-    for has_mask, rotate in ((True, True), (False, False)):
+    # and with the first tile loaded before the query, the merge as a dependent launch (griddepcontrol in PTX)
+    compile_one(ka.attend_packed_kernel, {**const, "EARLY": True, "PDL": True},
+                num_warps=gpu.attention_options(const)["num_warps"], fusion=gpu.ATTN_FP_FUSION)
+    for has_mask, rotate, pdl in ((True, True, False), (False, False, True)):
         compile_one(ka.merge_kernel, dict(R=4, D=D, SB=gpu._pow2(1), RB=gpu._pow2(32), HAS_MASK=has_mask,
-                                         ROTATE=rotate, CH=gpu.MERGE_SPLITS), fusion=gpu.ATTN_FP_FUSION,
+                                         ROTATE=rotate, CH=gpu.MERGE_SPLITS, PDL=pdl), fusion=gpu.ATTN_FP_FUSION,
                     num_warps=gpu.MERGE_WARPS, out_ptr="*fp32")
 
 

@@ -28,13 +28,17 @@ def _sequences(g, H, D, lens, shared):
     return seqs
 
 
-@pytest.mark.parametrize("dot", ["int8x3", "fp16"])
+@pytest.mark.parametrize("dot", ["int8x3", "fp16", "fp16-early"])
 @pytest.mark.parametrize("keys", ["channel", "rotated"])
 def test_paged_attention_equals_the_contiguous_store(dot, keys, monkeypatch):
     """Three rows of odd lengths (a partial last page each but one) in scrambled pages of 64 tokens, row 2 sharing
     row 0's first page (the same prefix: the same bytes), the table's padding pointing at a page of NaN scales (not
     read): each row's output equals the contiguous store's over the same records (gpu.attend, one row at a time),
-    within FP32 rounding in the exact mode and, in the fast mode, within SDPA-BF16's own error of the FP32 result."""
+    within FP32 rounding in the exact mode and, in the fast mode, within SDPA-BF16's own error of the FP32 result;
+    also with a split's first tile loaded before the query ("fp16-early": row 1's splits past its length, over the
+    padding's NaN page, count for nothing)."""
+    monkeypatch.setattr(gpu, "ATTN_EARLY_TILE", dot.endswith("-early"))
+    dot = dot.split("-")[0]
     monkeypatch.setattr(gpu, "ATTN_DOT", dot)
     kc, vc = _codecs()
     if keys == "rotated":   # the query rotated (and scaled) before the kernel, as for the contiguous store

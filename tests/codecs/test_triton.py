@@ -270,27 +270,33 @@ ATTENTION_CASES = [
 # on a layout of each kind (channel keys and rotated values, per-token keys, per-channel values with a partial
 # tile and several splits, int8 products) rather than on all of them
 PREFETCHED = {0, 3, 11, 13, 18}
+# the fast mode's first tile loaded before the query (a --tune setting): its transposed layouts (Llama-3's shape,
+# a partial last tile, values' zero points, rotated keys)
+EARLY = {18, 19, 20, 23}
 
 
-def _case_id(i: int, prefetch: bool) -> str:
+def _case_id(i: int, loads: str) -> str:
     scheme, D, _, _, _, _, dot, S = ATTENTION_CASES[i]
     name = scheme if isinstance(scheme, str) else f"layout{i}"
-    return f"{'prefetch' if prefetch else 'load'}-{name}-D{D}-{dot or 'fp32'}-{S}"
+    return f"{loads}-{name}-D{D}-{dot or 'fp32'}-{S}"
 
 
-@pytest.mark.parametrize("prefetch,scheme,D,R,nr,mask_kind,per,dot,S",
-                         [pytest.param(False, *c, id=_case_id(i, False)) for i, c in enumerate(ATTENTION_CASES)] +
-                         [pytest.param(True, *ATTENTION_CASES[i], id=_case_id(i, True)) for i in sorted(PREFETCHED)])
-def test_fused_attention_equals_sdpa_over_the_decoded_cache(prefetch, scheme, D, R, nr, mask_kind, per, dot, S,
+@pytest.mark.parametrize("loads,scheme,D,R,nr,mask_kind,per,dot,S",
+                         [pytest.param("load", *c, id=_case_id(i, "load")) for i, c in enumerate(ATTENTION_CASES)] +
+                         [pytest.param(loads, *ATTENTION_CASES[i], id=_case_id(i, loads))
+                          for loads, cases in (("prefetch", PREFETCHED), ("early", EARLY)) for i in sorted(cases)])
+def test_fused_attention_equals_sdpa_over_the_decoded_cache(loads, scheme, D, R, nr, mask_kind, per, dot, S,
                                                             monkeypatch):
     """The Triton decode step over packed codes equals SDPA over the decoded cache within FP32 rounding (batch 2,
-    row 1 left-padded), with the next tile's codes loaded in each step or prefetched; in the fast mode ("fp16":
-    FP16 products, FP32 sums) within what SDPA in BF16 over the same decoded tokens loses itself."""
+    row 1 left-padded), with the next tile's codes loaded in each step, prefetched, or (the fast mode) a split's
+    first tile loaded before the query; in the fast mode ("fp16": FP16 products, FP32 sums) within what SDPA in
+    BF16 over the same decoded tokens loses itself."""
     from kvcx.codecs import gpu
     from kvcx.codecs.gpu import attend
 
     monkeypatch.setattr(gpu, "ATTN_DOT", dot)
-    monkeypatch.setattr(gpu, "ATTN_PREFETCH", prefetch)
+    monkeypatch.setattr(gpu, "ATTN_PREFETCH", loads == "prefetch")
+    monkeypatch.setattr(gpu, "ATTN_EARLY_TILE", loads == "early")
 
     g = torch.Generator().manual_seed(D + R)
     if isinstance(scheme, tuple):
@@ -418,6 +424,28 @@ def test_a_register_cap_changes_no_bit_of_the_attention(monkeypatch):
         monkeypatch.setattr(gpu, "ATTN_MAX_REGISTERS", bad)
         with pytest.raises(CodecError, match=r"ATTN_MAX_REGISTERS.*24 to 255"):
             attend(q, pk, pv, kc, vc, rk, rv, per_split=64)
+
+
+def test_the_merge_launched_early_changes_no_bit_of_the_attention(monkeypatch):
+    """gpu.MERGE_PDL (a --tune setting: the merge as a programmatic dependent launch, its query and exact tokens
+    read while the attention kernel runs, the splits after it) changes when the merge starts, not what it computes:
+    the same bits with and without it, over a store of several splits, the sinks and a residual (on a GPU two
+    other compiled kernels and a launch attribute; Triton's interpreter runs no PTX: there it is off, and says so)."""
+    from kvcx.codecs import gpu
+    from kvcx.codecs.gpu import attend
+
+    g = torch.Generator().manual_seed(11)
+    cfg = KVConfig.from_scheme("kvcx")
+    kc, vc = cfg.key.with_backend("triton"), cfg.value.with_backend("triton")
+    K, V = (torch.randn(2, 2, 300, 64, generator=g).to(DEVICE) for _ in range(2))
+    rk, rv = (torch.randn(2, 2, 5, 64, generator=g).to(DEVICE) for _ in range(2))
+    q = torch.randn(2, 8, 64, generator=g).to(DEVICE)
+    pk, pv = kc.encode(K), vc.encode(V)
+    plain = attend(q, pk, pv, kc, vc, rk, rv, per_split=64)
+    monkeypatch.setattr(gpu, "MERGE_PDL", True)
+    assert gpu.dependent_merge(q) == (DEVICE == "cuda")
+    early = attend(q, pk, pv, kc, vc, rk, rv, per_split=64)
+    assert torch.equal(plain, early) and bool(torch.isfinite(plain).all())
 
 
 @pytest.mark.parametrize("D,block,kg,dot", [(128, 64, 64, "int8x3"), (64, 32, 64, "int8x3"), (32, 32, 64, "tf32x2"),

@@ -7,6 +7,7 @@ allocates and launches them
 """
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
 
 from kvcx.codecs.triton_kernels.merge import merge_kernel  # noqa: F401  (the launchers take both from here)
 
@@ -364,7 +365,8 @@ def attend_packed_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, 
                          KG: tl.constexpr, K_CHANNEL: tl.constexpr, K_ASYM: tl.constexpr,
                          VG: tl.constexpr, V_CHANNEL: tl.constexpr, V_ASYM: tl.constexpr, HAS_MASK: tl.constexpr,
                          DOT: tl.constexpr, NG: tl.constexpr, PREFETCH: tl.constexpr, ASM: tl.constexpr,
-                         PAGE: tl.constexpr, TRANS: tl.constexpr):
+                         PAGE: tl.constexpr, TRANS: tl.constexpr, EARLY: tl.constexpr = False,
+                         PDL: tl.constexpr = False):
     """Flash-decoding over packed codes: program (slab n = batch row x KV head, split sp) reads its KV head's
     packed tokens [sp * per_split, (sp + 1) * per_split) once for the R query rows that share it (q times
     ``q_scale``, in any float dtype; rotated already where the keys are), BT tokens a tile (within one per-channel
@@ -405,8 +407,13 @@ def attend_packed_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, 
 
     ``TRANS`` (the fast mode with per-channel keys and per-token values, no prefetch: :func:`_tile_t`): the products
     transposed, the tile's tokens their long side and the RP x NG columns (value group, query row) their short one,
-    so that nothing but the products holds padding rows; otherwise :func:`_rows_path` runs the split as above."""
+    so that nothing but the products holds padding rows; otherwise :func:`_rows_path` runs the split as above.
+    ``EARLY`` (``TRANS``): the split's first tile loaded before the query (worked as a masked tile), so that its
+    loads are in flight while the query's are awaited and reduced, not issued after them. ``PDL`` (a GPU): the
+    merge may launch at once (programmatic dependent launch; it waits for this grid before it reads the splits)."""
     n = tl.program_id(0)
+    if PDL:
+        gdc_launch_dependents()
     g_sp = tl.program_id(1)                  # the split among the launch's, and among the span's
     second = g_sp >= n_first
     sp = tl.where(second, g_sp - n_first, g_sp)
@@ -437,6 +444,12 @@ def attend_packed_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, 
     vz_row = vz_ptr + n.to(tl.int64) * v_nsc * (D if V_CHANNEL else 1)
     c_off = tt[:, None] * (D // 2) + j[None, :]
     if TRANS:   # the fast mode transposed (:func:`_tile_t`): columns (g, r) of the query rows, r fastest
+        if EARLY:   # the first tile's loads issued first
+            kcr, vcr, ksr0, kzr0, vsr0, vzr0 = _rows(kc_row, vc_row, ks_row, kz_row, vs_row, vz_row, kc_ptr, vc_ptr,
+                                                     ks_ptr, kz_ptr, vs_ptr, vz_ptr, page_row, t_begin, n, Hkv, PAGE,
+                                                     D, KG, K_CHANNEL, VG, V_CHANNEL)
+            kb0 = _tile_bytes(kcr, t_begin, c_off, tt, t_end, D)
+            vb0 = _tile_bytes(vcr, t_begin, c_off, tt, t_end, D)
         cn = tl.arange(0, RP * NG)
         q_col = q_ptr + (n.to(tl.int64) * R + (cn % RP)[None, :]) * D + 2 * j[:, None]
         qe = tl.load(q_col, mask=(cn % RP < R)[None, :], other=0.0).to(tl.float32) * q_scale
@@ -452,8 +465,16 @@ def attend_packed_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, 
         u_acc = tl.full((), 1.0, tl.float32)
         v_top = tl.zeros((), tl.float32)
         vcol_off = (tt[:, None] * D) // VG + g[None, :]
-        t_whole = t_begin + (t_end - t_begin) // BT * BT
-        for tb in range(t_begin, t_whole, BT):
+        t_first = t_begin
+        if EARLY:
+            if t_begin < t_end:   # (a paged store's split past its row's length reads nothing: no scales either)
+                m_i, l_i, oe, oo, cz, u_acc, v_top = _tile_t(
+                    kb0, vb0, t_begin, t_begin + tt < t_end, tt, j, heT, hoT, q_unit, ksr0, kzr0, vsr0, vzr0,
+                    vcol_off, mask_row, m_i, l_i, oe, oo, cz, u_acc, v_top, RP, D, BT, KG, K_ASYM, VG, V_ASYM,
+                    HAS_MASK, NG, ASM, True)
+            t_first = tl.minimum(t_begin + BT, t_end)
+        t_whole = t_first + (t_end - t_first) // BT * BT
+        for tb in range(t_first, t_whole, BT):
             kcr, vcr, ksr, kzr, vsr, vzr = _rows(kc_row, vc_row, ks_row, kz_row, vs_row, vz_row, kc_ptr, vc_ptr,
                                                  ks_ptr, kz_ptr, vs_ptr, vz_ptr, page_row, tb, n, Hkv, PAGE, D, KG,
                                                  K_CHANNEL, VG, V_CHANNEL)

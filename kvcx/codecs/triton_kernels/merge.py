@@ -4,6 +4,7 @@ in one softmax. Launched by :func:`kvcx.codecs.gpu.attend_spans` and :func:`kvcx
 """
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 from kvcx.codecs.triton_kernels.codec import _fwht_rows
 
@@ -34,7 +35,8 @@ def _exact_scores(q, k, n, ne, add_ptr, add_stride, add_off, Hkv, EB: tl.constex
 @triton.jit(do_not_specialize=_MERGE_STEP_ARGS)
 def merge_kernel(q_ptr, q_scale, m_ptr, l_ptr, acc_ptr, SPT, sk_ptr, sv_ptr, n_sinks, rk_ptr, rv_ptr, n_res, add_ptr,
                  add_stride, res_off, Hkv, out_ptr, norm, R: tl.constexpr, D: tl.constexpr, SB: tl.constexpr,
-                 RB: tl.constexpr, HAS_MASK: tl.constexpr, ROTATE: tl.constexpr, CH: tl.constexpr):
+                 RB: tl.constexpr, HAS_MASK: tl.constexpr, ROTATE: tl.constexpr, CH: tl.constexpr,
+                 PDL: tl.constexpr = False):
     """One program per (slab, query row): the softmax merge of the row's ``SPT`` splits
     (:func:`attend_packed_kernel`; their accumulators rotated back where the values are) with its slab's exact
     tokens, the sinks (``n_sinks`` at mask column 0) and the residual (``n_res`` at column ``res_off``), read as
@@ -43,7 +45,9 @@ def merge_kernel(q_ptr, q_scale, m_ptr, l_ptr, acc_ptr, SPT, sk_ptr, sv_ptr, n_s
     Written for latency (an earlier merge, a program a slab that read the splits twice and the exact tokens after
     them, took 36 us of an H200 step at 32k tokens): the exact tokens' loads are issued first, the splits are read
     CH at a time in one pass with a running maximum (one chunk holds a batch-1 step's splits), so that every load
-    is in flight at once; the exact tokens' scores join the maximum at the end."""
+    is in flight at once; the exact tokens' scores join the maximum at the end. ``PDL`` (a GPU, launched as a
+    programmatic dependent launch): the query and the exact tokens are read while the attention kernel still runs,
+    the splits after its grid is done (``griddepcontrol.wait``)."""
     n = tl.program_id(0)
     row = tl.program_id(1)
     r = row + tl.arange(0, 1)                 # the row as a block of one: the exact tokens' helpers take [rows, D]
@@ -52,6 +56,8 @@ def merge_kernel(q_ptr, q_scale, m_ptr, l_ptr, acc_ptr, SPT, sk_ptr, sv_ptr, n_s
     q = tl.load(q_ptr + (n.to(tl.int64) * R + r[:, None]) * D + d[None, :]).to(tl.float32) * q_scale
     sk, sv = _exact_rows(sk_ptr, n, n_sinks, D, SB), _exact_rows(sv_ptr, n, n_sinks, D, SB)
     rk, rv = _exact_rows(rk_ptr, n, n_res, D, RB), _exact_rows(rv_ptr, n, n_res, D, RB)
+    if PDL:
+        gdc_wait()
     base = n.to(tl.int64) * SPT
     top = tl.full([1], float("-inf"), tl.float32)
     acc = tl.zeros([1, D], tl.float32)
