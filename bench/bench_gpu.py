@@ -455,7 +455,21 @@ def bandwidth(torch, dev, cfg, shape, reps, out):
     out("")
 
 
-def static_rates(torch, dev, model, ids, new_tokens: int):
+# prompt tokens a forward of the prefill (as engines' chunked prefill: a batch of 8 x 32k tokens in one forward holds
+# activations of 262k tokens, which with DynamicCache's or StaticCache's 32 GB of BF16 keys and values and the 16 GB
+# of weights did not fit an 80 GB GPU: "out of memory" in the H100 run of 2026-11-27)
+PREFILL_CHUNK = 8192
+
+
+def prefill(torch, dev, model, ids, cache, chunk: int) -> None:
+    """The prompt ``ids`` [batch, n] into ``cache``, ``chunk`` tokens a forward (only the last logits computed)."""
+    n = ids.shape[1]
+    for s in range(0, n, chunk):
+        e = min(n, s + chunk)
+        model(ids[:, s:e], past_key_values=cache, cache_position=torch.arange(s, e, device=dev), logits_to_keep=1)
+
+
+def static_rates(torch, dev, model, ids, new_tokens: int, chunk: int = PREFILL_CHUNK):
     """Greedy steps with transformers' StaticCache (SDPA over the preallocated BF16 keys and values, masked past
     the tokens held): (tokens/s launched from Python, tokens/s with each step replayed from a CUDA graph or None
     off CUDA or where the step cannot be captured, the cache's bytes). The graph holds a whole step (the model,
@@ -465,7 +479,7 @@ def static_rates(torch, dev, model, ids, new_tokens: int):
     n = ids.shape[1]
     cache = StaticCache(config=model.config, max_cache_len=n + 3 * new_tokens + 8)
     with torch.inference_mode():
-        model(ids, past_key_values=cache, cache_position=torch.arange(n, device=dev), logits_to_keep=1)
+        prefill(torch, dev, model, ids, cache, chunk)
         tok = ids[:, -1:].clone()
         pos = torch.tensor([n], device=dev)
 
@@ -489,7 +503,8 @@ def static_rates(torch, dev, model, ids, new_tokens: int):
     return eager, graph, size
 
 
-def generation(torch, dev, prompts, batches, new_tokens, out, layers, hidden, inter, vocab, hq, hkv):
+def generation(torch, dev, prompts, batches, new_tokens, out, layers, hidden, inter, vocab, hq, hkv,
+               chunk: int = PREFILL_CHUNK):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from kvcx.cache import kvcx_cache  # noqa: F401  (registers the "kvcx" attention implementation)
@@ -497,7 +512,8 @@ def generation(torch, dev, prompts, batches, new_tokens, out, layers, hidden, in
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     out(f"## 3. Greedy decoding, a random-weight model of Llama-3-8B's shape ({layers} layers, hidden {hidden}, "
         f"{hq}/{hkv} heads), {str(dtype).replace('torch.', '')}, greedy, {new_tokens} new tokens timed after one "
-        f"untimed step (tokens/s: every row's, a batch of {' and '.join(map(str, batches))}); DynamicCache "
+        f"untimed step (tokens/s: every row's, a batch of {' and '.join(map(str, batches))}; the prompt prefilled "
+        f"{chunk:,} tokens a forward); DynamicCache "
         "concatenates its whole cache at every step (a copy of all its keys and values a layer and token: why it "
         "is slow); StaticCache preallocates them and attends over all of its length "
         "with a mask (SDPA), from Python and with each step replayed from a CUDA graph (as engines run decode); "
@@ -519,19 +535,19 @@ def generation(torch, dev, prompts, batches, new_tokens, out, layers, hidden, in
     model.eval()
     model.set_attn_implementation("kvcx")
     for n, batch in itertools.product(prompts, batches):
-        out(generation_row(torch, dev, model, n, batch, new_tokens, vocab))
+        out(generation_row(torch, dev, model, n, batch, new_tokens, vocab, chunk))
     out("")
 
 
-def eager_rate(torch, dev, model, ids, cache, new_tokens: int) -> tuple:
-    """Greedy steps from Python with ``cache`` after the prompt ``ids`` [batch, n]: (tokens/s over all rows, the
-    cache's bytes, KvcxCache's memory report or None)."""
+def eager_rate(torch, dev, model, ids, cache, new_tokens: int, chunk: int = PREFILL_CHUNK) -> tuple:
+    """Greedy steps from Python with ``cache`` after the prompt ``ids`` [batch, n] (prefilled ``chunk`` tokens a
+    forward): (tokens/s over all rows, the cache's bytes, KvcxCache's memory report or None)."""
     from kvcx.cache.kvcx_cache import KvcxCache, dynamic_cache_bytes
 
     with torch.inference_mode():
         # the prompt (its last logits only: all of 32k x 128k in BF16 would be 8 GB) and one untimed step (kernels
         # compiled, libraries' first-call set-up done), then timed steps
-        model(ids, past_key_values=cache, logits_to_keep=1)
+        prefill(torch, dev, model, ids, cache, chunk)
         tok = model(ids[:, -1:], past_key_values=cache).logits[:, -1:].argmax(-1)
 
         def step():
@@ -545,7 +561,8 @@ def eager_rate(torch, dev, model, ids, cache, new_tokens: int) -> tuple:
     return rate, dynamic_cache_bytes(cache), None
 
 
-def generation_row(torch, dev, model, n: int, batch: int, new_tokens: int, vocab: int) -> str:
+def generation_row(torch, dev, model, n: int, batch: int, new_tokens: int, vocab: int,
+                   chunk: int = PREFILL_CHUNK) -> str:
     """Section 3's row for a prompt of ``n`` random tokens in each of ``batch`` rows; a cache that runs out of
     device memory (batch 8 at a long prompt) is a cell that says so, the others are measured."""
     from transformers import DynamicCache
@@ -563,9 +580,10 @@ def generation_row(torch, dev, model, n: int, batch: int, new_tokens: int, vocab
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
 
-    dyn = measured(lambda: eager_rate(torch, dev, model, ids, DynamicCache(), new_tokens))
-    kv = measured(lambda: eager_rate(torch, dev, model, ids, KvcxCache(model.config, backend="triton"), new_tokens))
-    st = measured(lambda: static_rates(torch, dev, model, ids, new_tokens))
+    dyn = measured(lambda: eager_rate(torch, dev, model, ids, DynamicCache(), new_tokens, chunk))
+    kv = measured(lambda: eager_rate(torch, dev, model, ids, KvcxCache(model.config, backend="triton"), new_tokens,
+                                     chunk))
+    st = measured(lambda: static_rates(torch, dev, model, ids, new_tokens, chunk))
     static, static_graph = (batch * st[0], st[1] and batch * st[1]) if st else (None, None)
 
     def cell(v, f="{:.1f}"):
@@ -608,10 +626,11 @@ def main(argv=None):
     t0 = time.perf_counter()
     if args.smoke:
         shapes = dict(contexts=(128, 192), batches=(1, 2), reps=args.reps or 1, hq=4, hkv=2, d=32,
-                      bw=(2, 2, 256, 32), prompts=(96,), gen_batches=(1, 2), new=4, model=(2, 128, 256, 256, 4, 2))
+                      bw=(2, 2, 256, 32), prompts=(96,), gen_batches=(1, 2), new=4, model=(2, 128, 256, 256, 4, 2),
+                      chunk=64)
     else:
         shapes = dict(contexts=CONTEXTS, batches=BATCHES, reps=args.reps or 50, hq=HQ, hkv=HKV, d=D,
-                      bw=(8, 8, 32768, 128), prompts=(4096, 32768), gen_batches=(1, 8), new=32,
+                      bw=(8, 8, 32768, 128), prompts=(4096, 32768), gen_batches=(1, 8), new=32, chunk=PREFILL_CHUNK,
                       model=(32, 4096, 14336, 128256, 32, 8))
     memory = {}
     # the cases --tune and --variants time: batch 1 at 32k and 128k tokens, batch 8 at 32k (the targets')
@@ -631,7 +650,8 @@ def main(argv=None):
     if "bandwidth" not in args.skip:
         bandwidth(torch, dev, cfg, shapes["bw"], shapes["reps"], out)
     if "generate" not in args.skip:
-        generation(torch, dev, shapes["prompts"], shapes["gen_batches"], shapes["new"], out, *shapes["model"])
+        generation(torch, dev, shapes["prompts"], shapes["gen_batches"], shapes["new"], out, *shapes["model"],
+                   chunk=shapes["chunk"])
     if memory:
         S = 32768 if (32768, 1) in memory else shapes["contexts"][-1]
         out(f"## 4. Memory: the packed store holds {memory[(S, 1)]:.3f}x the BF16 keys and values at {S:,} tokens "

@@ -289,7 +289,7 @@ ATTN_MAX_REGISTERS = None
 MERGE_SPLITS = 64            # splits the merge kernel reads at a time (a program a query row: [64, D] floats)
 MERGE_WARPS = 4              # warps per merge program (a batch-1 step's merge is 32 programs: its latency counts)
 # a GPU's merge launched while the attention runs (a dependent launch: the splits read after its grid is done); the
-# fast mode's first tile loaded before the query (in flight while the query's are awaited). Off until --tune times them
+# fast mode's first tile loaded before the query. Off: no gain at 32k or 128k on an H100's --tune (docs/RESULTS.md)
 MERGE_PDL = False
 ATTN_EARLY_TILE = False
 # a * b + c as one FMA in the attention kernels (one rounding instead of two: no less accurate, and a multiply and
