@@ -401,6 +401,18 @@ def test_spans_of_one_layout_share_a_launch_and_equal_sdpa(dot, monkeypatch):
         assert float((out - ref[:, :, 0]).abs().max()) < 3e-5 * max(1.0, float(ref.abs().max()))
 
 
+def _default_step(seed: int, B: int, S: int, nr: int):
+    """A decode step's inputs in the default scheme on the Triton backend: (query [B, 8, 64], packed keys and
+    values of S tokens and 2 KV heads, their codecs, nr residual keys and values)."""
+    g = torch.Generator().manual_seed(seed)
+    cfg = KVConfig.from_scheme("kvcx")
+    kc, vc = cfg.key.with_backend("triton"), cfg.value.with_backend("triton")
+    K, V = (torch.randn(B, 2, S, 64, generator=g).to(DEVICE) for _ in range(2))
+    rk, rv = (torch.randn(B, 2, nr, 64, generator=g).to(DEVICE) for _ in range(2))
+    q = torch.randn(B, 8, 64, generator=g).to(DEVICE)
+    return q, kc.encode(K), vc.encode(V), kc, vc, rk, rv
+
+
 def test_a_register_cap_changes_no_bit_of_the_attention(monkeypatch):
     """gpu.ATTN_MAX_REGISTERS (a --tune setting: ptxas's register cap, Triton's maxnreg) changes where values live,
     not what is computed: the same bits with and without it (on a GPU a second compiled kernel; the interpreter
@@ -409,13 +421,7 @@ def test_a_register_cap_changes_no_bit_of_the_attention(monkeypatch):
     from kvcx.codecs.gpu import attend
 
     monkeypatch.setattr(gpu, "ATTN_DOT", "int8x3")
-    g = torch.Generator().manual_seed(7)
-    cfg = KVConfig.from_scheme("kvcx")
-    kc, vc = cfg.key.with_backend("triton"), cfg.value.with_backend("triton")
-    K, V = (torch.randn(1, 2, 150, 64, generator=g).to(DEVICE) for _ in range(2))
-    rk, rv = (torch.randn(1, 2, 3, 64, generator=g).to(DEVICE) for _ in range(2))
-    q = torch.randn(1, 8, 64, generator=g).to(DEVICE)
-    pk, pv = kc.encode(K), vc.encode(V)
+    q, pk, pv, kc, vc, rk, rv = _default_step(7, B=1, S=150, nr=3)
     free = attend(q, pk, pv, kc, vc, rk, rv, per_split=64)
     monkeypatch.setattr(gpu, "ATTN_MAX_REGISTERS", 128)
     capped = attend(q, pk, pv, kc, vc, rk, rv, per_split=64)
@@ -434,13 +440,7 @@ def test_the_merge_launched_early_changes_no_bit_of_the_attention(monkeypatch):
     from kvcx.codecs import gpu
     from kvcx.codecs.gpu import attend
 
-    g = torch.Generator().manual_seed(11)
-    cfg = KVConfig.from_scheme("kvcx")
-    kc, vc = cfg.key.with_backend("triton"), cfg.value.with_backend("triton")
-    K, V = (torch.randn(2, 2, 300, 64, generator=g).to(DEVICE) for _ in range(2))
-    rk, rv = (torch.randn(2, 2, 5, 64, generator=g).to(DEVICE) for _ in range(2))
-    q = torch.randn(2, 8, 64, generator=g).to(DEVICE)
-    pk, pv = kc.encode(K), vc.encode(V)
+    q, pk, pv, kc, vc, rk, rv = _default_step(11, B=2, S=300, nr=5)
     plain = attend(q, pk, pv, kc, vc, rk, rv, per_split=64)
     monkeypatch.setattr(gpu, "MERGE_PDL", True)
     assert gpu.dependent_merge(q) == (DEVICE == "cuda")
