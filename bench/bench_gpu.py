@@ -337,19 +337,18 @@ def attention(torch, dev, cfg, contexts, batches, reps, out, hq, hkv, d):
 
 # the attention kernel's launch settings timed by --variants / --tune: (block tokens, warps, products, prefetch,
 # pipelining stages (None: Triton's default), programs per multiprocessor, ptxas's register cap (None: none), the
-# fast mode's first tile loaded before the query, the merge as a dependent launch, the merge inside the attention
-# kernel). Settings the H100 runs of 2026-11-27 timed and found slower everywhere (4 and 12 programs a
-# multiprocessor, 4 warps, Triton's default stages, TF32 passes: docs/results/gpu-h100-fast-mode-run1.md, the
-# first tile early: docs/results/gpu.md) are no longer timed
-SETTINGS = [(32, 4, "", False, None, 4, None, False, False, False),         # FP32 sums (the error reference)
-            (64, 1, "fp16", False, 2, 8, None, False, False, False),        # the default: FP16 tensor cores, 1 warp
-            (64, 1, "fp16", False, 2, 8, None, False, True, False),         # the merge launched while attention runs
-            (64, 1, "fp16", False, 2, 8, None, False, False, True),         # the merge in the attention kernel
-            (64, 1, "fp16", False, 2, 16, None, False, False, True),        # and two waves (splits merge cheaper)
-            (64, 1, "fp16", False, 2, 12, None, False, False, True),
-            (64, 2, "int8x3", False, None, 4, None, False, False, False)]   # the exact mode
+# fast mode's first tile loaded before the query, the merge as a dependent launch). Settings the H100 runs of
+# 2026-11-27 timed and found slower everywhere (4 and 12 programs a multiprocessor, 4 warps, Triton's default
+# stages, TF32 passes: docs/results/gpu-h100-fast-mode-run1.md) are no longer timed
+SETTINGS = [(32, 4, "", False, None, 4, None, False, False),          # FP32 sums (the error reference)
+            (64, 1, "fp16", False, 2, 8, None, False, False),         # the default: FP16 tensor cores, one warp
+            (64, 1, "fp16", False, 2, 8, None, True, False),          # its first tile's loads before the query's
+            (64, 1, "fp16", False, 2, 8, None, False, True),          # the merge launched while the attention runs
+            (64, 1, "fp16", False, 2, 8, None, True, True),
+            (64, 1, "fp16", False, 2, 16, None, True, True),          # two waves a multiprocessor holds
+            (64, 2, "int8x3", False, None, 4, None, False, False)]    # the exact mode
 _KNOBS = ("ATTN_BLOCK_TOKENS", "ATTN_WARPS", "ATTN_DOT", "ATTN_PREFETCH", "ATTN_STAGES", "ATTN_PROGRAMS_PER_SM",
-          "ATTN_MAX_REGISTERS", "ATTN_EARLY_TILE", "MERGE_PDL", "MERGE_FUSED")
+          "ATTN_MAX_REGISTERS", "ATTN_EARLY_TILE", "MERGE_PDL")
 
 
 def apply(gpu, setting) -> None:
@@ -364,12 +363,12 @@ def current(gpu) -> tuple:
 def describe(setting) -> str:
     from kvcx.codecs.gpu import ATTN_MODE_WARPS
 
-    bt, warps, dot, prefetch, stages, per_sm, regs, early, pdl, fused = setting
+    bt, warps, dot, prefetch, stages, per_sm, regs, early, pdl = setting
     warps = f"{warps} warps" if warps else f"the mode's warps ({ATTN_MODE_WARPS.get(dot, 'none: not a mode')})"
     return (f"{bt} tokens, {warps}, {dot or 'FP32 sums'}{', prefetch' if prefetch else ''}"
             f"{f', {stages} stages' if stages else ''}, {per_sm} programs/SM"
             f"{f', at most {regs} registers' if regs else ''}{', first tile early' if early else ''}"
-            f"{', merge launched early' if pdl else ''}{', merge in the kernel' if fused else ''}")
+            f"{', merge launched early' if pdl else ''}")
 
 
 def variants(torch, dev, cfg, cases, reps, out, hq, hkv, d):
@@ -385,9 +384,9 @@ def variants(torch, dev, cfg, cases, reps, out, hq, hkv, d):
     out(f"## 5. Attention kernel settings (the package's default: {describe(default)})")
     out("")
     out("| tokens | batch | block tokens | warps | products | prefetch | stages | programs/SM | register cap | "
-        "first tile early | merge early | merge in kernel | eager (us) | graph (us) | rel. error vs FP32 sums | "
-        "SDPA-BF16 error (the bar) |")
-    out("|---:|---:|---:|---:|---|---|---:|---:|---:|---|---|---|---:|---:|---:|---:|")
+        "first tile early | merge early | eager (us) | graph (us) | rel. error vs FP32 sums | SDPA-BF16 error (the "
+        "bar) |")
+    out("|---:|---:|---:|---:|---|---|---:|---:|---:|---|---|---:|---:|---:|---:|")
     for S, B in cases:
         q, _, _, store, rk, rv = case(torch, dev, cfg, B, S, hq, hkv, d, seed=S + B)
         q = q.view(B, hq, d)
@@ -410,10 +409,10 @@ def variants(torch, dev, cfg, cases, reps, out, hq, hkv, d):
                 row = ["failed", f"{type(exc).__name__}", str(exc).splitlines()[0][:60] if str(exc) else "", ""]
             finally:
                 apply(gpu, default)
-            bt, warps, dot, prefetch, stages, per_sm, regs, early, pdl, fused = setting
+            bt, warps, dot, prefetch, stages, per_sm, regs, early, pdl = setting
             out(f"| {S:,} | {B} | {bt} | {warps} | {dot or 'FP32 sums'} | {'yes' if prefetch else 'no'} | "
                 f"{stages or 'default'} | {per_sm} | {regs or 'none'} | {'yes' if early else 'no'} | "
-                f"{'yes' if pdl else 'no'} | {'yes' if fused else 'no'} | " + " | ".join(row) + " |")
+                f"{'yes' if pdl else 'no'} | " + " | ".join(row) + " |")
         _ = store = rk = rv = None
         if dev.type == "cuda":
             torch.cuda.empty_cache()

@@ -85,20 +85,16 @@ def compile_setting(setting, arch: int, dump: Path | None):
     from kvcx.codecs import KVConfig, gpu
     from kvcx.codecs.triton_kernels import attention as k
 
-    bt, warps, dot, prefetch, stages, _, max_regs, early, pdl, fused = setting
+    bt, warps, dot, prefetch, stages, _, max_regs, early, pdl = setting
     cfg = KVConfig.from_scheme(SCHEME)
     consts = gpu.attention_constexprs(cfg.key, cfg.value, 4, D, dot, bt, False, prefetch, True, early, pdl)
-    if fused:   # the merge in the kernel: one sink, a residual of up to 32 tokens, values rotated
-        consts.update(FUSE=True, SB=2, RB=32, ROTATE=True)
     fn = k.attend_packed_kernel
     pointers = {"q_ptr": "*fp32", "mask_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32",
-                "cnt_ptr": "*i32", "mq_ptr": "*bf16", "out_ptr": "*fp32",
-                **{f"{n}_ptr": "*bf16" for n in ("sk", "sv", "rk", "rv")},
                 **{f"{n}{i}_ptr": "*u8" if n.endswith("c") else "*fp16" for n in ("kc", "vc", "ks", "kz", "vs", "vz")
                    for i in ("", "2")}}
     # the launch's divisibility hints: pointers and row strides divisible by 16, as torch's allocations are
     aligned = {"k_row_bytes", "v_row_bytes", "k_row_bytes2", "v_row_bytes2", "per_split"}
-    sig = {a: "constexpr" if a in consts else "fp32" if a in ("q_scale", "mq_scale", "norm") else pointers.get(a, "i32")
+    sig = {a: "constexpr" if a in consts else "fp32" if a == "q_scale" else pointers.get(a, "i32")
            for a in fn.arg_names}
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in fn.arg_names
              if a in pointers or a in aligned}
@@ -109,7 +105,7 @@ def compile_setting(setting, arch: int, dump: Path | None):
         opts["maxnreg"] = max_regs
     name = f"attend_{bt}t_{warps}w_{dot or 'fp32'}{'_prefetch' if prefetch else ''}" + \
         (f"_s{stages}" if stages else "") + (f"_r{max_regs}" if max_regs else "") + ("_early" if early else "") + \
-        ("_pdl" if pdl else "") + ("_fused" if fused else "")
+        ("_pdl" if pdl else "")
     return (*build(fn, sig, consts, attrs, opts, arch, dump, name), consts["BT"])
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+from dataclasses import dataclass
 from importlib.util import find_spec
 from typing import Optional
 
@@ -23,7 +24,7 @@ from kvcx.codecs.backends import is_tensor, register_backend
 from kvcx.codecs.base import Packed
 from kvcx.codecs.dtypes import is_int
 from kvcx.codecs.runtime import check_status
-from kvcx.codecs.splits import PackedSpan, Span, attention_rows, merge_groups, pow2, split_tiles  # noqa: F401
+from kvcx.codecs.splits import split_tiles
 from kvcx.codecs.tensors import numpy_to_torch, torch_to_numpy
 from kvcx.deps import import_torch as _torch
 from kvcx.errors import CodecError
@@ -87,7 +88,7 @@ def _programs(codec, lay, dtype: str = "BF16") -> tuple:
     G, D, S, t0, N = codec.group_size, lay.D, lay.S, lay.t0, lay.N
     k = _kernels()
     row_bytes = ((S - t0) * D * 4 + 7) // 8
-    flags = dict(ASYM=codec.asym, ROTATE=codec.rotate, SB=min(pow2(t0 * D), 1024) if t0 else 0, EXP=_BITS[dtype][1])
+    flags = dict(ASYM=codec.asym, ROTATE=codec.rotate, SB=min(_pow2(t0 * D), 1024) if t0 else 0, EXP=_BITS[dtype][1])
     if codec.axis == "token":
         L = (S - t0) * D
         ngroups = -(-L // G)
@@ -291,7 +292,6 @@ MERGE_WARPS = 4              # warps per merge program (a batch-1 step's merge i
 # fast mode's first tile loaded before the query. Off: no gain at 32k or 128k on an H100's --tune (docs/RESULTS.md)
 MERGE_PDL = False
 ATTN_EARLY_TILE = False
-MERGE_FUSED = False          # the merge inside the attention kernel (a step of one launch: no merge launch, no gap)
 # a * b + c as one FMA in the attention kernels (one rounding instead of two: no less accurate, and a multiply and
 # an add fewer to issue). The codec kernels keep it off: they must round as the CPU kernels do, bit for bit.
 ATTN_FP_FUSION = True
@@ -312,6 +312,19 @@ def rotated_query(q, scaling: float):
     kernel reads for them (the keys' rotation moved from every key onto the query; its matrix is orthogonal and
     symmetric)."""
     return (q.float() * scaling) @ _hadamard(q.shape[-1], q.device)
+
+
+@dataclass(frozen=True)
+class PackedSpan:
+    """Packed tokens of one kind that continue one another, laid out per slab (batch row x KV head) as the
+    attention kernel reads them: ``codes`` uint8 [N, row bytes], ``scales`` FP16 [N, groups] (per-token groups)
+    or [N, blocks, D] (per-channel groups), ``zeros`` like ``scales`` or None, ``tokens`` packed tokens from
+    the first; rows may be longer than the tokens need (a growing store's capacity)."""
+
+    codes: object
+    scales: object
+    zeros: object
+    tokens: int
 
 
 def span_of(rec: Packed, codec) -> PackedSpan:
@@ -349,9 +362,33 @@ def query_rows(q, N: int):
     return q.reshape(N, Hq * B // N, D).contiguous()
 
 
+@dataclass(frozen=True)
+class Span:
+    """Packed keys and values of the same tokens for :func:`attend_spans`: their spans and codecs, and the mask
+    column of their first token."""
+
+    keys: PackedSpan
+    values: PackedSpan
+    key_codec: object
+    value_codec: object
+    mask_off: int
+
+
 def interpreting() -> bool:
     """Whether Triton's interpreter runs the kernels (``TRITON_INTERPRET=1``): no inline assembly there."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _pow2(n: int) -> int:
+    """n rounded up to a power of two, at least 2 (a Triton block's extent)."""
+    return max(2, 1 << (max(1, n) - 1).bit_length())
+
+
+def attention_rows(R: int, NG: int, dot: str) -> int:
+    """The query rows RP the attention kernel pads R to, for NG value groups a token: its products have RP x NG
+    rows (each query row once per group), and tl.dot needs at least 16, so with ``dot`` the groups fill rows that
+    would otherwise be padding."""
+    return max(_pow2(R), -(-16 // NG)) if dot else _pow2(R)
 
 
 def attention_constexprs(key_codec, value_codec, R: int, D: int, dot: str, block_tokens: int, has_mask: bool,
@@ -376,12 +413,12 @@ def attention_constexprs(key_codec, value_codec, R: int, D: int, dot: str, block
         dot = "tf32x2"    # per-token keys: a scale a group of a token's channels (dequantized in the tile)
     # the fast mode with per-channel keys and per-token values runs transposed (the tokens the products' long side)
     trans = dot == "fp16" and key_codec.axis == "channel" and value_codec.axis != "channel" and not prefetch
-    rp = max(pow2(R), -(-8 // ng)) if trans else attention_rows(R, ng, dot)
+    rp = max(_pow2(R), -(-8 // ng)) if trans else attention_rows(R, ng, dot)
     return dict(R=R, RP=rp, D=D, BT=bt, KG=key_codec.group_size,
                 K_CHANNEL=key_codec.axis == "channel", K_ASYM=key_codec.asym, VG=value_codec.group_size,
                 V_CHANNEL=value_codec.axis == "channel", V_ASYM=value_codec.asym, HAS_MASK=has_mask, DOT=dot, NG=ng,
                 PREFETCH=prefetch, ASM=bool(asm) and dot == "fp16", PAGE=0, TRANS=trans, EARLY=bool(early) and trans,
-                PDL=bool(pdl), FUSE=False, SB=2, RB=16, ROTATE=False, MCH=16)   # FUSE: set by launch_attention
+                PDL=bool(pdl))
 
 
 def attention_options(const: dict) -> dict:
@@ -448,15 +485,6 @@ def attend_spans(q, scaling: float, spans, Hkv: int, sinks=(None, None), residua
         # not of whatever the allocator held: 0 x NaN would be NaN)
         m = torch.full((N, 1, R), float("-inf"), device=q.device)
         l, acc = torch.zeros(N, 1, R, device=q.device), torch.zeros(N, 1, R, D, device=q.device)
-    sk, sv = sinks
-    rk, rv = residual
-    t0 = 0 if sk is None else sk.shape[1]
-    nr = 0 if rk is None else rk.shape[1]
-    if not full and not t0 and not nr:
-        raise CodecError("attention: there are no tokens to attend to")
-    rotate = bool(full) and True in rotate
-    merge = _merge_args(q, scaling, m, Hkv, rotate, sinks, residual, add, res_off)
-    fused = merge if MERGE_FUSED and len(launches) == 1 else None   # the merge in the attention kernel
     off = 0
     for (const, rotated), items in launches:
         if len(items) == 1:   # a launch of one span passes it as the second too, with no split reading it
@@ -465,11 +493,15 @@ def attend_spans(q, scaling: float, spans, Hkv: int, sinks=(None, None), residua
         (pa, ia), (pb, ib) = _span_args(a), _span_args(b)
         # a tile lies within one per-channel block (splits are whole ATTN_BLOCK_TOKENS, a multiple of it)
         launch_attention((N, na + nb), qr if rotated else q, 1.0 if rotated else scaling, pa + pb,
-                         tuple(v for pair in zip(ia, ib) for v in pair), (m, l, acc), Hkv, per, na, off, const, add,
-                         fused=fused)
+                         tuple(v for pair in zip(ia, ib) for v in pair), (m, l, acc), Hkv, per, na, off, const, add)
         off += na + nb
-    return merge[0][-2] if fused else merge_splits(q, scaling, m, l, acc, Hkv, rotate, sinks, residual, add, res_off,
-                                                   merge)
+    sk, sv = sinks
+    rk, rv = residual
+    t0 = 0 if sk is None else sk.shape[1]
+    nr = 0 if rk is None else rk.shape[1]
+    if not full and not t0 and not nr:
+        raise CodecError("attention: there are no tokens to attend to")
+    return merge_splits(q, scaling, m, l, acc, Hkv, bool(full) and True in rotate, sinks, residual, add, res_off)
 
 
 def ptx_codes(q) -> bool:
@@ -485,71 +517,39 @@ def dependent_merge(q) -> bool:
 
 
 def launch_attention(grid, q, q_scale: float, buffers: tuple, ints: tuple, out: tuple, Hkv: int, per: int,
-                     n_first: int, sp_off: int, const: dict, add=None, pages=None, fused=None) -> None:
+                     n_first: int, sp_off: int, const: dict, add=None, pages=None) -> None:
     """One launch of :func:`~kvcx.codecs.triton_kernels.attention.attend_packed_kernel` on ``grid`` (slabs,
     splits): query rows ``q`` times ``q_scale``; ``buffers`` the two spans' six buffers each (codes, scales, zero
     points of keys, then of values), ``ints`` their integers in pairs (:func:`_span_args`' order, the first span's
     then the second's of each); ``out`` the splits' (max, sum, accumulators) of all launches, this one's from split
     ``sp_off``; ``per`` tokens a split, the first span's ``n_first`` splits; ``add`` the scores' float mask or None;
-    ``pages`` (block table, lengths) for a paged store's ``const`` (its ``PAGE`` mode) or None; ``fused``: the
-    merge's arguments (:func:`_merge_args`) to merge in the kernel (a step's one launch), or None. What
+    ``pages`` (block table, lengths) for a paged store's ``const`` (its ``PAGE`` mode) or None. What
     :func:`attend_spans` and :func:`kvcx.codecs.paged.attend` launch."""
     m, l, acc = out
     table, lens = pages if pages is not None else (m, m)
-    spt = m.shape[1]
-    if fused is not None:   # counts a group of about sqrt(splits) splits and one a slab (merge_in_kernel)
-        gs, cnt_stride = merge_groups(spt)
-        ints2 = (merge_counts(m.device, m.shape[0] * cnt_stride), cnt_stride, gs, *fused[0])
-        const = {**const, **{k: v for k, v in fused[1].items() if k != "CH"}, "FUSE": True}
-    else:
-        ints2 = (m, 0, 1, q, 1.0, m, m, 0, m, m, 0, 0, m, 1.0)
     attention_kernels().attend_packed_kernel[grid](
         q, *buffers, q_scale, add if add is not None else m, m, l, acc, Hkv, add.shape[1] if add is not None else 0,
-        *ints, per, n_first, sp_off, spt, table, lens, table.stride(0) if pages is not None else 0, *ints2, **const,
+        *ints, per, n_first, sp_off, m.shape[1], table, lens, table.stride(0) if pages is not None else 0, **const,
         **attention_options(const))
 
 
-_COUNTS = {}   # (device, stream): the in-kernel merge's int32 counts, zero between steps (each sets back its own)
-
-
-def merge_counts(device, n: int):
-    """At least ``n`` int32 zeros on ``device`` for :func:`launch_attention`'s in-kernel merge, one buffer a device
-    and stream (each step's programs set back every count they take: zeros again after the step)."""
-    torch = _torch()
-    key = (str(device), torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
-    if key not in _COUNTS or _COUNTS[key].numel() < n:
-        _COUNTS[key] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-    return _COUNTS[key]
-
-
-def _merge_args(q, scaling: float, m, Hkv: int, rotate: bool, sinks, residual, add, res_off: int) -> tuple:
-    """The merge's arguments after the splits' (:func:`merge_splits`' order; the output allocated last but one)
-    and constexprs, for ``q`` [N, R, D] and the exact tokens as :func:`attend_spans` takes them."""
-    torch = _torch()
+def merge_splits(q, scaling: float, m, l, acc, Hkv: int, rotate: bool, sinks=(None, None), residual=(None, None),
+                 add=None, res_off: int = 0):
+    """The attention output [N, R, D] float32 of the query rows ``q`` [N, R, D]: the merge kernel's softmax over the
+    splits the attention kernel wrote (``m``, ``l`` [N, splits, R], ``acc`` [N, splits, R, D]; their accumulators
+    rotated back where ``rotate``) and the exact tokens (:func:`attend_spans`' ``sinks``, ``residual``, ``add``,
+    ``res_off``). One launch: what :func:`attend_spans` and :func:`kvcx.codecs.paged.attend` end with."""
+    torch, k = _torch(), attention_kernels()
     N, R, D = q.shape
     (sk, sv), (rk, rv) = sinks, residual
     t0 = 0 if sk is None else sk.shape[1]
     nr = 0 if rk is None else rk.shape[1]
-    return ((q, scaling, sk if t0 else m, sv if t0 else m, t0, rk if nr else m, rv if nr else m, nr, res_off,
-             torch.empty(N, R, D, device=q.device), _norm(D)),
-            dict(SB=pow2(t0), RB=max(16, pow2(nr)), ROTATE=rotate, CH=MERGE_SPLITS))
-
-
-def merge_splits(q, scaling: float, m, l, acc, Hkv: int, rotate: bool, sinks=(None, None), residual=(None, None),
-                 add=None, res_off: int = 0, args=None):
-    """The attention output [N, R, D] float32 of the query rows ``q`` [N, R, D]: the merge kernel's softmax over the
-    splits the attention kernel wrote (``m``, ``l`` [N, splits, R], ``acc`` [N, splits, R, D]; their accumulators
-    rotated back where ``rotate``) and the exact tokens (:func:`attend_spans`' ``sinks``, ``residual``, ``add``,
-    ``res_off``; or ``args``, :func:`_merge_args` of them). One launch: what :func:`attend_spans` and
-    :func:`kvcx.codecs.paged.attend` end with."""
-    N, R, D = q.shape
-    (q, scaling, sk, sv, t0, rk, rv, nr, res_off, out, norm), const = \
-        args or _merge_args(q, scaling, m, Hkv, rotate, sinks, residual, add, res_off)
-    pdl = dependent_merge(q)
-    attention_kernels().merge_kernel[(N, R)](
-        q, scaling, m, l, acc, m.shape[1], sk, sv, t0, rk, rv, nr, add if add is not None else m,
-        add.shape[1] if add is not None else 0, res_off, Hkv, out, norm, R=R, D=D, HAS_MASK=add is not None, **const,
-        enable_fp_fusion=ATTN_FP_FUSION, num_warps=MERGE_WARPS, PDL=pdl, launch_pdl=pdl)
+    out, pdl = torch.empty(N, R, D, device=q.device), dependent_merge(q)
+    k.merge_kernel[(N, R)](q, scaling, m, l, acc, m.shape[1], sk if t0 else m, sv if t0 else m, t0, rk if nr else m,
+                           rv if nr else m, nr, add if add is not None else m, add.shape[1] if add is not None else 0,
+                           res_off, Hkv, out, _norm(D), R=R, D=D, SB=_pow2(t0), RB=max(16, _pow2(nr)),
+                           HAS_MASK=add is not None, ROTATE=rotate, CH=MERGE_SPLITS, enable_fp_fusion=ATTN_FP_FUSION,
+                           num_warps=MERGE_WARPS, PDL=pdl, launch_pdl=pdl)
     return out
 
 

@@ -1,54 +1,7 @@
-"""How the fused decode attention reads a store (:mod:`kvcx.codecs.gpu`): its spans of packed tokens, the splits of
-each slab's tokens (flash-decoding: a pure function of the step's shape, the GPU's program slots and a program's
-fixed cost, used by :func:`kvcx.codecs.gpu.split_tokens`), the in-kernel merge's groups, the kernel's padded rows.
+"""How the fused decode attention splits each slab's packed tokens (flash-decoding): a pure function of the step's
+shape, the GPU's program slots and a program's fixed cost, used by :func:`kvcx.codecs.gpu.split_tokens`.
 """
 import functools
-import math
-from dataclasses import dataclass
-
-
-@dataclass(frozen=True)
-class PackedSpan:
-    """Packed tokens of one kind that continue one another, laid out per slab (batch row x KV head) as the
-    attention kernel reads them: ``codes`` uint8 [N, row bytes], ``scales`` FP16 [N, groups] (per-token groups)
-    or [N, blocks, D] (per-channel groups), ``zeros`` like ``scales`` or None, ``tokens`` packed tokens from
-    the first; rows may be longer than the tokens need (a growing store's capacity)."""
-
-    codes: object
-    scales: object
-    zeros: object
-    tokens: int
-
-
-@dataclass(frozen=True)
-class Span:
-    """Packed keys and values of the same tokens for :func:`attend_spans`: their spans and codecs, and the mask
-    column of their first token."""
-
-    keys: PackedSpan
-    values: PackedSpan
-    key_codec: object
-    value_codec: object
-    mask_off: int
-
-
-def pow2(n: int) -> int:
-    """n rounded up to a power of two, at least 2 (a Triton block's extent)."""
-    return max(2, 1 << (max(1, n) - 1).bit_length())
-
-
-def attention_rows(R: int, NG: int, dot: str) -> int:
-    """The query rows RP the attention kernel pads R to, for NG value groups a token: its products have RP x NG
-    rows (each query row once per group), and tl.dot needs at least 16, so with ``dot`` the groups fill rows that
-    would otherwise be padding."""
-    return max(pow2(R), -(-16 // NG)) if dot else pow2(R)
-
-
-def merge_groups(splits: int) -> tuple:
-    """(splits a group, counts a slab) of the in-kernel merge over a slab's ``splits``: groups of about the square
-    root, so that a group's last program and the slab's last each read about as many; a count a group, one a slab."""
-    gs = max(1, math.isqrt(max(1, splits) - 1) + 1)
-    return gs, -(-splits // gs) + 1
 
 
 @functools.lru_cache(maxsize=1024)

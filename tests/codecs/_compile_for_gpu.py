@@ -28,7 +28,7 @@ POINTERS = {
                             "vs2_ptr", "vz2_ptr")},
     **{n: "*fp32" for n in ("q_ptr", "qs_ptr", "mask_ptr", "add_ptr", "m_ptr", "l_ptr", "acc_ptr")},
     **{n: "*bf16" for n in ("sk_ptr", "sv_ptr", "rk_ptr", "rv_ptr")},
-    "pages_ptr": "*i32", "lens_ptr": "*i32", "cnt_ptr": "*i32", "mq_ptr": "*fp32",
+    "pages_ptr": "*i32", "lens_ptr": "*i32",
 }
 
 
@@ -91,14 +91,8 @@ def attention_kernels() -> None:
     # and with the first tile loaded before the query, the merge as a dependent launch (griddepcontrol in PTX)
     compile_one(ka.attend_packed_kernel, {**const, "EARLY": True, "PDL": True},
                 num_warps=gpu.attention_options(const)["num_warps"], fusion=gpu.ATTN_FP_FUSION)
-    # the default with the merge inside the kernel (atomics, barriers, the merge's loads past L1)
-    const = gpu.attention_constexprs(cfg.key, cfg.value, 4, D, gpu.ATTN_DOT, gpu.ATTN_BLOCK_TOKENS, True, False,
-                                     asm=gpu.ATTN_ASM)
-    compile_one(ka.attend_packed_kernel, {**const, "FUSE": True, "SB": 2, "RB": 32, "ROTATE": True},
-                num_warps=gpu.attention_options(const)["num_warps"], fusion=gpu.ATTN_FP_FUSION, out_ptr="*fp32",
-                mq_ptr="*bf16")
     for has_mask, rotate, pdl in ((True, True, False), (False, False, True)):
-        compile_one(ka.merge_kernel, dict(R=4, D=D, SB=gpu.pow2(1), RB=gpu.pow2(32), HAS_MASK=has_mask,
+        compile_one(ka.merge_kernel, dict(R=4, D=D, SB=gpu._pow2(1), RB=gpu._pow2(32), HAS_MASK=has_mask,
                                          ROTATE=rotate, CH=gpu.MERGE_SPLITS, PDL=pdl), fusion=gpu.ATTN_FP_FUSION,
                     num_warps=gpu.MERGE_WARPS, out_ptr="*fp32")
 

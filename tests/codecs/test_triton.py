@@ -273,9 +273,6 @@ PREFETCHED = {0, 3, 11, 13, 18}
 # the fast mode's first tile loaded before the query (a --tune setting): its transposed layouts (Llama-3's shape,
 # a partial last tile, values' zero points, rotated keys)
 EARLY = {18, 19, 20, 23}
-# the merge inside the attention kernel (a --tune setting): 3 splits (groups of 2), one split, 11 splits (groups of
-# 4, two chunks), per-token keys, per-channel values, the exact mode, the fast mode's shapes
-FUSED = {0, 1, 3, 5, 11, 13, 18, 19, 23}
 
 
 def _case_id(i: int, loads: str) -> str:
@@ -287,22 +284,19 @@ def _case_id(i: int, loads: str) -> str:
 @pytest.mark.parametrize("loads,scheme,D,R,nr,mask_kind,per,dot,S",
                          [pytest.param("load", *c, id=_case_id(i, "load")) for i, c in enumerate(ATTENTION_CASES)] +
                          [pytest.param(loads, *ATTENTION_CASES[i], id=_case_id(i, loads))
-                          for loads, cases in (("prefetch", PREFETCHED), ("early", EARLY), ("fused", FUSED))
-                          for i in sorted(cases)])
+                          for loads, cases in (("prefetch", PREFETCHED), ("early", EARLY)) for i in sorted(cases)])
 def test_fused_attention_equals_sdpa_over_the_decoded_cache(loads, scheme, D, R, nr, mask_kind, per, dot, S,
                                                             monkeypatch):
     """The Triton decode step over packed codes equals SDPA over the decoded cache within FP32 rounding (batch 2,
     row 1 left-padded), with the next tile's codes loaded in each step, prefetched, or (the fast mode) a split's
-    first tile loaded before the query, or with the splits merged inside the attention kernel ("fused"); in the
-    fast mode ("fp16": FP16 products, FP32 sums) within what SDPA in BF16 over the same decoded tokens loses
-    itself."""
+    first tile loaded before the query; in the fast mode ("fp16": FP16 products, FP32 sums) within what SDPA in
+    BF16 over the same decoded tokens loses itself."""
     from kvcx.codecs import gpu
     from kvcx.codecs.gpu import attend
 
     monkeypatch.setattr(gpu, "ATTN_DOT", dot)
     monkeypatch.setattr(gpu, "ATTN_PREFETCH", loads == "prefetch")
     monkeypatch.setattr(gpu, "ATTN_EARLY_TILE", loads == "early")
-    monkeypatch.setattr(gpu, "MERGE_FUSED", loads == "fused")
 
     g = torch.Generator().manual_seed(D + R)
     if isinstance(scheme, tuple):
@@ -417,52 +411,6 @@ def _default_step(seed: int, B: int, S: int, nr: int):
     rk, rv = (torch.randn(B, 2, nr, 64, generator=g).to(DEVICE) for _ in range(2))
     q = torch.randn(B, 8, 64, generator=g).to(DEVICE)
     return q, kc.encode(K), vc.encode(V), kc, vc, rk, rv
-
-
-def test_the_merge_inside_the_attention_kernel(monkeypatch):
-    """gpu.MERGE_FUSED: a step of one attention launch and no merge launch (the programs merge their splits, two
-    levels, counted by atomics); its output equals the separate merge's within FP32 rounding (another order of the
-    same sums) over steps of 1 and 13 splits, with the sinks, a residual and a mask; every count is back at zero after
-    each step (the next step, or a CUDA graph's next replay, starts from them); a store of two layouts (two launches)
-    keeps the separate merge. (The exact mode's fused steps: the cases of the test above.)"""
-    from kvcx.codecs import gpu
-    from kvcx.codecs.triton_kernels import attention as _triton_attn
-
-    launches = []
-
-    class Counted:
-        def __init__(self, real):
-            self.real = real
-
-        def __getitem__(self, grid):
-            launches.append(self.real.fn.__name__)
-            return self.real[grid]
-
-    for name in ("attend_packed_kernel", "merge_kernel"):
-        monkeypatch.setattr(_triton_attn, name, Counted(getattr(_triton_attn, name)))
-    q, pk, pv, kc, vc, rk, rv = _default_step(5, B=2, S=400, nr=4)
-    keep = torch.ones(2, 404, dtype=torch.bool, device=DEVICE)
-    keep[1, :30] = False
-    for per in (1024, 32):                           # 1 and 13 splits of the 399 packed tokens (groups of 4)
-        monkeypatch.setattr(gpu, "MERGE_FUSED", False)
-        launches.clear()
-        apart = gpu.attend(q, pk, pv, kc, vc, rk, rv, keep, per_split=per)
-        assert launches == ["attend_packed_kernel", "merge_kernel"]
-        monkeypatch.setattr(gpu, "MERGE_FUSED", True)
-        for _ in range(2):                           # the counts the first step left are the second's
-            launches.clear()
-            fused = gpu.attend(q, pk, pv, kc, vc, rk, rv, keep, per_split=per)
-            assert launches == ["attend_packed_kernel"]
-            assert float((fused - apart).abs().max()) <= 1e-6 * float(apart.abs().max()), per
-            assert not bool(gpu.merge_counts(q.device, 1).any())
-    # a store of two layouts: two attention launches, then the merge kernel
-    k16 = get_codec({**kc.get_config(), "group_size": 16, "sinks": 0}).with_backend("triton")
-    vn = get_codec({**vc.get_config(), "sinks": 0}).with_backend("triton")
-    spans = [gpu.Span(gpu.span_of(pk, kc), gpu.span_of(pv, vc), kc, vc, 1),
-             gpu.Span(gpu.span_of(k16.encode(rk), k16), gpu.span_of(vn.encode(rv), vn), k16, vn, 400)]
-    launches.clear()
-    gpu.attend_spans(gpu.query_rows(q, 4), 0.125, spans, 2, per_split=64)
-    assert launches == ["attend_packed_kernel", "attend_packed_kernel", "merge_kernel"]
 
 
 def test_a_register_cap_changes_no_bit_of_the_attention(monkeypatch):

@@ -9,8 +9,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
-from kvcx.codecs.triton_kernels.merge import merge_in_kernel, merge_kernel  # noqa: F401  (launchers take both here)
-from kvcx.codecs.triton_kernels.pages import _rows
+from kvcx.codecs.triton_kernels.merge import merge_kernel  # noqa: F401  (the launchers take both from here)
 
 
 @triton.jit
@@ -332,27 +331,42 @@ def _tile_t(kb, vb, tb, tm, tt, j, heT, hoT, q_unit, ksr, kzr, vsr, vzr, vcol_of
     return m_new, l_i, oe, oo, cz, unit, v_top
 
 
+@triton.jit
+def _rows(kc_row, vc_row, ks_row, kz_row, vs_row, vz_row, kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, page_row,
+          tb, n, Hkv, PAGE: tl.constexpr, D: tl.constexpr, KG: tl.constexpr, K_CHANNEL: tl.constexpr,
+          VG: tl.constexpr, V_CHANNEL: tl.constexpr):
+    """The row pointers of the tile from token ``tb``: the slab's own (``PAGE`` 0), or for a paged store its page's
+    (from the block table's row ``page_row``), such that token tb's offsets land at its place in the page."""
+    if PAGE:
+        slot = tl.load(page_row + tb // PAGE).to(tl.int64) * Hkv + n % Hkv
+        first = tb - tb % PAGE
+        ksr, kzr = _page_params(ks_ptr, kz_ptr, slot, first, PAGE, D, KG, K_CHANNEL)
+        vsr, vzr = _page_params(vs_ptr, vz_ptr, slot, first, PAGE, D, VG, V_CHANNEL)
+        return (kc_ptr + slot * (PAGE * D // 2) - first * (D // 2), vc_ptr + slot * (PAGE * D // 2) - first * (D // 2),
+                ksr, kzr, vsr, vzr)
+    else:
+        return kc_row, vc_row, ks_row, kz_row, vs_row, vz_row
+
+
 # integer arguments that change from one decode step to the next (the mask's width, the residual's length) or at a
 # flush (the tokens, the splits): Triton specializes a kernel on whether an integer is 1 or a multiple of 16 and
 # compiles it again for each new combination, a second or more in the middle of a generation; these are passed as
 # they are (the row strides that set the loads' alignment keep their specialization: they change in whole units)
 _STEP_ARGS = ("T", "T2", "k_nsc", "k_nsc2", "mask_stride", "mask_off", "mask_off2", "n_first", "sp_off", "SPT",
-              "pages_stride", "cnt_stride", "GS", "n_res", "res_off")
+              "pages_stride")
 
 
 @triton.jit(do_not_specialize=_STEP_ARGS)
 def attend_packed_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kc2_ptr, ks2_ptr, kz2_ptr, vc2_ptr,
                          vs2_ptr, vz2_ptr, q_scale, mask_ptr, m_ptr, l_ptr, acc_ptr, Hkv, mask_stride, T, T2,
                          k_row_bytes, k_row_bytes2, v_row_bytes, v_row_bytes2, k_nsc, k_nsc2, v_nsc, v_nsc2, mask_off,
-                         mask_off2, per_split, n_first, sp_off, SPT, pages_ptr, lens_ptr, pages_stride, cnt_ptr,
-                         cnt_stride, GS, mq_ptr, mq_scale, sk_ptr, sv_ptr, n_sinks, rk_ptr, rv_ptr, n_res, res_off,
-                         out_ptr, norm, R: tl.constexpr, RP: tl.constexpr, D: tl.constexpr, BT: tl.constexpr,
+                         mask_off2, per_split, n_first, sp_off, SPT, pages_ptr, lens_ptr, pages_stride,
+                         R: tl.constexpr, RP: tl.constexpr, D: tl.constexpr, BT: tl.constexpr,
                          KG: tl.constexpr, K_CHANNEL: tl.constexpr, K_ASYM: tl.constexpr,
                          VG: tl.constexpr, V_CHANNEL: tl.constexpr, V_ASYM: tl.constexpr, HAS_MASK: tl.constexpr,
                          DOT: tl.constexpr, NG: tl.constexpr, PREFETCH: tl.constexpr, ASM: tl.constexpr,
                          PAGE: tl.constexpr, TRANS: tl.constexpr, EARLY: tl.constexpr = False,
-                         PDL: tl.constexpr = False, FUSE: tl.constexpr = False, SB: tl.constexpr = 1,
-                         RB: tl.constexpr = 16, ROTATE: tl.constexpr = False, MCH: tl.constexpr = 16):
+                         PDL: tl.constexpr = False):
     """Flash-decoding over packed codes: program (slab n = batch row x KV head, split sp) reads its KV head's
     packed tokens [sp * per_split, (sp + 1) * per_split) once for the R query rows that share it (q times
     ``q_scale``, in any float dtype; rotated already where the keys are), BT tokens a tile (within one per-channel
@@ -396,11 +410,7 @@ def attend_packed_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, 
     so that nothing but the products holds padding rows; otherwise :func:`_rows_path` runs the split as above.
     ``EARLY`` (``TRANS``): the split's first tile loaded before the query (worked as a masked tile), so that its
     loads are in flight while the query's are awaited and reduced, not issued after them. ``PDL`` (a GPU): the
-    merge may launch at once (programmatic dependent launch; it waits for this grid before it reads the splits).
-    ``FUSE`` (one launch a step): no merge launch; the programs merge the splits themselves once written
-    (:func:`~kvcx.codecs.triton_kernels.merge.merge_in_kernel`: the counts ``cnt_ptr``, groups of ``GS``; the
-    merge's query ``mq_ptr`` times ``mq_scale``, exact tokens, mask columns, output and ``SB``, ``RB``,
-    ``ROTATE``, ``MCH`` as :func:`merge_kernel` takes them)."""
+    merge may launch at once (programmatic dependent launch; it waits for this grid before it reads the splits)."""
     n = tl.program_id(0)
     if PDL:
         gdc_launch_dependents()
@@ -499,10 +509,6 @@ def attend_packed_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, 
     tl.store(l_ptr + o, tl.max(tl.reshape(l_i, (NG, RP)), axis=0), mask=rm)
     tl.store(acc_ptr + o[:, None] * D + 2 * j[None, :], acc_e, mask=rm[:, None])
     tl.store(acc_ptr + o[:, None] * D + 2 * j[None, :] + 1, acc_o, mask=rm[:, None])
-    if FUSE:
-        merge_in_kernel(n, g_sp, SPT, GS, cnt_ptr, cnt_stride, mq_ptr, mq_scale, m_ptr, l_ptr, acc_ptr, sk_ptr, sv_ptr,
-                        n_sinks, rk_ptr, rv_ptr, n_res, mask_ptr, mask_stride, res_off, Hkv, out_ptr, norm, R, D, SB,
-                        RB, HAS_MASK, ROTATE, MCH)
 
 
 @triton.jit
@@ -578,3 +584,16 @@ def _rows_path(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, q_scale, n
         acc_e = tl.sum(tl.where(sel, tl.reshape(a_e, (NG, RP, D // 2)), 0.0), axis=0) + off
         acc_o = tl.sum(tl.where(sel, tl.reshape(a_o, (NG, RP, D // 2)), 0.0), axis=0) + off
     return m_i, l_i, acc_e, acc_o
+
+
+@triton.jit
+def _page_params(s_ptr, z_ptr, slot, first, PAGE: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
+                 CHANNEL: tl.constexpr):
+    """Scale and zero-point row pointers of a paged store's slot (a page's KV head) such that the kernel's offsets
+    of token ``first`` + i (the page's first token and on) land at group i's place in the slot: per-channel
+    blocks of G tokens ([slots, PAGE / G, D]) or per-token groups of G values ([slots, PAGE D / G])."""
+    if CHANNEL:
+        off = (slot * (PAGE // G) - first // G) * D
+    else:
+        off = slot * (PAGE * D // G) - first * D // G
+    return s_ptr + off, z_ptr + off
