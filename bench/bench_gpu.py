@@ -339,14 +339,14 @@ def attention(torch, dev, cfg, contexts, batches, reps, out, hq, hkv, d):
 # pipelining stages (None: Triton's default), programs per multiprocessor, ptxas's register cap (None: none), the
 # fast mode's first tile loaded before the query, the merge as a dependent launch). Settings the H100 runs of
 # 2026-11-27 timed and found slower everywhere (4 and 12 programs a multiprocessor, 4 warps, Triton's default
-# stages, TF32 passes: docs/results/gpu-h100-fast-mode-run1.md) are no longer timed
+# stages, TF32 passes: docs/results/gpu-h100-fast-mode-run1.md; the merge inside the attention kernel:
+# docs/results/gpu-h100-merge-in-kernel.md) are no longer timed
 SETTINGS = [(32, 4, "", False, None, 4, None, False, False),          # FP32 sums (the error reference)
-            (64, 1, "fp16", False, 2, 8, None, False, False),         # the default: FP16 tensor cores, one warp
-            (64, 1, "fp16", False, 2, 8, None, True, False),          # its first tile's loads before the query's
-            (64, 1, "fp16", False, 2, 8, None, False, True),          # the merge launched while the attention runs
-            (64, 1, "fp16", False, 2, 8, None, True, True),
-            (64, 1, "fp16", False, 2, 16, None, True, True),          # two waves a multiprocessor holds
-            (64, 2, "int8x3", False, None, 4, None, False, False)]    # the exact mode
+            (64, 1, "fp16", False, 2, 8, None, False, True),          # the default: FP16 tensor cores, one warp,
+            (64, 1, "fp16", False, 2, 8, None, False, False),         # the merge a dependent launch; without it
+            (64, 1, "fp16", False, 2, 8, None, True, True),           # the first tile's loads before the query's
+            (64, 1, "fp16", False, 2, 16, None, False, True),         # two waves of what a multiprocessor holds
+            (64, 2, "int8x3", False, None, 4, None, False, True)]     # the exact mode
 _KNOBS = ("ATTN_BLOCK_TOKENS", "ATTN_WARPS", "ATTN_DOT", "ATTN_PREFETCH", "ATTN_STAGES", "ATTN_PROGRAMS_PER_SM",
           "ATTN_MAX_REGISTERS", "ATTN_EARLY_TILE", "MERGE_PDL")
 

@@ -288,9 +288,9 @@ ATTN_PROGRAM_TILES = 0.5
 ATTN_MAX_REGISTERS = None
 MERGE_SPLITS = 64            # splits the merge kernel reads at a time (a program a query row: [64, D] floats)
 MERGE_WARPS = 4              # warps per merge program (a batch-1 step's merge is 32 programs: its latency counts)
-# a GPU's merge launched while the attention runs (a dependent launch: the splits read after its grid is done); the
-# fast mode's first tile loaded before the query. Off: no gain at 32k or 128k on an H100's --tune (docs/RESULTS.md)
-MERGE_PDL = False
+# the merge launched while the attention runs (sm_90 on: a dependent launch, waiting for the attention's grid before
+# it reads the splits; an H100's --tune chose it, 4k -16 %: docs/RESULTS.md); the first tile before the query (no gain)
+MERGE_PDL = True
 ATTN_EARLY_TILE = False
 # a * b + c as one FMA in the attention kernels (one rounding instead of two: no less accurate, and a multiply and
 # an add fewer to issue). The codec kernels keep it off: they must round as the CPU kernels do, bit for bit.
@@ -512,8 +512,8 @@ def ptx_codes(q) -> bool:
 
 def dependent_merge(q) -> bool:
     """Whether a step on ``q``'s device launches the merge as a programmatic dependent launch (:data:`MERGE_PDL`, a
-    GPU, not Triton's interpreter: the grid-dependency instructions are PTX)."""
-    return MERGE_PDL and q.is_cuda and not interpreting()
+    GPU of compute capability 9 or more, not Triton's interpreter: the grid-dependency instructions are sm_90 PTX)."""
+    return MERGE_PDL and q.is_cuda and not interpreting() and _torch().cuda.get_device_capability(q.device)[0] >= 9
 
 
 def launch_attention(grid, q, q_scale: float, buffers: tuple, ints: tuple, out: tuple, Hkv: int, per: int,

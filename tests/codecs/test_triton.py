@@ -433,17 +433,19 @@ def test_a_register_cap_changes_no_bit_of_the_attention(monkeypatch):
 
 
 def test_the_merge_launched_early_changes_no_bit_of_the_attention(monkeypatch):
-    """gpu.MERGE_PDL (a --tune setting: the merge as a programmatic dependent launch, its query and exact tokens
+    """gpu.MERGE_PDL (the default on sm_90: the merge as a programmatic dependent launch, its query and exact tokens
     read while the attention kernel runs, the splits after it) changes when the merge starts, not what it computes:
     the same bits with and without it, over a store of several splits, the sinks and a residual (on a GPU two
-    other compiled kernels and a launch attribute; Triton's interpreter runs no PTX: there it is off, and says so)."""
+    other compiled kernels and a launch attribute; Triton's interpreter runs no PTX, nor does a GPU before sm_90:
+    there it is off, and says so)."""
     from kvcx.codecs import gpu
     from kvcx.codecs.gpu import attend
 
     q, pk, pv, kc, vc, rk, rv = _default_step(11, B=2, S=300, nr=5)
+    monkeypatch.setattr(gpu, "MERGE_PDL", False)
     plain = attend(q, pk, pv, kc, vc, rk, rv, per_split=64)
-    monkeypatch.setattr(gpu, "MERGE_PDL", True)
-    assert gpu.dependent_merge(q) == (DEVICE == "cuda")
+    monkeypatch.setattr(gpu, "MERGE_PDL", True)     # the default
+    assert gpu.dependent_merge(q) == (DEVICE == "cuda" and torch.cuda.get_device_capability()[0] >= 9)
     early = attend(q, pk, pv, kc, vc, rk, rv, per_split=64)
     assert torch.equal(plain, early) and bool(torch.isfinite(plain).all())
 
