@@ -250,9 +250,8 @@ def to_host(packed: Packed) -> Packed:
 
 
 # -- fused decode attention over packed records ----------------------------------------------------------
-# Launch settings of the attention kernel: the fast mode ("fp16", transposed), one warp a program, two pipelining
-# stages, 8 programs a multiprocessor, chosen by the offline count (docs/results/gpu-sass.md) and confirmed by an
-# H100's --tune (docs/results/gpu.md, section 5; the history of the choices: docs/RESULTS.md)
+# Launch settings of the attention kernel: the fast mode ("fp16", transposed), one warp a program, two stages, 8
+# programs a multiprocessor: by the offline count (docs/results/gpu-sass.md) and an H100's --tune (docs/RESULTS.md)
 ATTN_BLOCK_TOKENS = 64       # packed tokens a program reads per step
 # warps per attention program, or None (the default): the products' own (ATTN_MODE_WARPS, by the mode a launch
 # runs: a per-token key falls back from "fp16" to "tf32x2")
@@ -282,14 +281,13 @@ ATTN_PROGRAMS_PER_SM = 8     # splits enough for about this many programs per mu
 # a program's fixed time in tiles beside its tiles (its query, its first loads, its outputs; the programs of a wave
 # overlap theirs), for kvcx.codecs.splits.split_tiles: fitted to an H100's batch-8 steps (docs/RESULTS.md), 0.5
 ATTN_PROGRAM_TILES = 0.5
-# ptxas's cap on the attention kernel's registers a thread (Triton's ``maxnreg``; None: ptxas's own choice): at 255
-# (the default's) eight one-warp programs fit a multiprocessor, a cap of 128 lets 16 in at the price of what ptxas
-# then spills (bench/sass_gpu.py counts both offline)
+# ptxas's cap on the attention kernel's registers a thread (Triton's ``maxnreg``; None: ptxas's own): at 255 eight
+# one-warp programs fit a multiprocessor, at 128 sixteen, with what ptxas then spills (bench/sass_gpu.py counts both)
 ATTN_MAX_REGISTERS = None
 MERGE_SPLITS = 64            # splits the merge kernel reads at a time (a program a query row: [64, D] floats)
 MERGE_WARPS = 4              # warps per merge program (a batch-1 step's merge is 32 programs: its latency counts)
-# the merge launched while the attention runs (sm_90 on: a dependent launch, waiting for the attention's grid before
-# it reads the splits; an H100's --tune chose it, 4k -16 %: docs/RESULTS.md); the first tile before the query (no gain)
+# the merge launched while the attention runs (sm_90: a dependent launch, it waits for the attention's grid to read
+# the splits; an H100's --tune chose it, 4k -16 %); the first tile before the query (no gain: docs/RESULTS.md)
 MERGE_PDL = True
 ATTN_EARLY_TILE = False
 # a * b + c as one FMA in the attention kernels (one rounding instead of two: no less accurate, and a multiply and
@@ -512,8 +510,10 @@ def ptx_codes(q) -> bool:
 
 def dependent_merge(q) -> bool:
     """Whether a step on ``q``'s device launches the merge as a programmatic dependent launch (:data:`MERGE_PDL`, a
-    GPU of compute capability 9 or more, not Triton's interpreter: the grid-dependency instructions are sm_90 PTX)."""
-    return MERGE_PDL and q.is_cuda and not interpreting() and _torch().cuda.get_device_capability(q.device)[0] >= 9
+    GPU of compute capability 9 or more, not Triton's interpreter: the grid-dependency instructions are sm_90 PTX;
+    a Triton that has them, 3.4 on)."""
+    return MERGE_PDL and q.is_cuda and not interpreting() and attention_kernels().gdc_launch_dependents is not None \
+        and _torch().cuda.get_device_capability(q.device)[0] >= 9
 
 
 def launch_attention(grid, q, q_scale: float, buffers: tuple, ints: tuple, out: tuple, Hkv: int, per: int,
@@ -549,7 +549,7 @@ def merge_splits(q, scaling: float, m, l, acc, Hkv: int, rotate: bool, sinks=(No
                            rv if nr else m, nr, add if add is not None else m, add.shape[1] if add is not None else 0,
                            res_off, Hkv, out, _norm(D), R=R, D=D, SB=_pow2(t0), RB=max(16, _pow2(nr)),
                            HAS_MASK=add is not None, ROTATE=rotate, CH=MERGE_SPLITS, enable_fp_fusion=ATTN_FP_FUSION,
-                           num_warps=MERGE_WARPS, PDL=pdl, launch_pdl=pdl)
+                           num_warps=MERGE_WARPS, PDL=pdl, **({"launch_pdl": True} if pdl else {}))
     return out
 
 

@@ -7,7 +7,10 @@ allocates and launches them
 """
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents
+try:   # programmatic dependent launch (Triton 3.4 on): without it the merge is launched after the attention
+    from triton.language.extra.cuda import gdc_launch_dependents
+except ImportError:  # pragma: no cover
+    gdc_launch_dependents = None
 
 from kvcx.codecs.triton_kernels.merge import merge_kernel  # noqa: F401  (the launchers take both from here)
 
@@ -408,9 +411,8 @@ def attend_packed_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, 
     ``TRANS`` (the fast mode with per-channel keys and per-token values, no prefetch: :func:`_tile_t`): the products
     transposed, the tile's tokens their long side and the RP x NG columns (value group, query row) their short one,
     so that nothing but the products holds padding rows; otherwise :func:`_rows_path` runs the split as above.
-    ``EARLY`` (``TRANS``): the split's first tile loaded before the query (worked as a masked tile), so that its
-    loads are in flight while the query's are awaited and reduced, not issued after them. ``PDL`` (a GPU): the
-    merge may launch at once (programmatic dependent launch; it waits for this grid before it reads the splits)."""
+    ``EARLY`` (``TRANS``): the first tile loaded before the query (a masked tile), in flight while the query's loads
+    are awaited. ``PDL``: the merge may launch at once (a dependent launch; it waits for this grid's splits)."""
     n = tl.program_id(0)
     if PDL:
         gdc_launch_dependents()
@@ -448,8 +450,7 @@ def attend_packed_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, 
             kcr, vcr, ksr0, kzr0, vsr0, vzr0 = _rows(kc_row, vc_row, ks_row, kz_row, vs_row, vz_row, kc_ptr, vc_ptr,
                                                      ks_ptr, kz_ptr, vs_ptr, vz_ptr, page_row, t_begin, n, Hkv, PAGE,
                                                      D, KG, K_CHANNEL, VG, V_CHANNEL)
-            kb0 = _tile_bytes(kcr, t_begin, c_off, tt, t_end, D)
-            vb0 = _tile_bytes(vcr, t_begin, c_off, tt, t_end, D)
+            kb0, vb0 = _tile_bytes(kcr, t_begin, c_off, tt, t_end, D), _tile_bytes(vcr, t_begin, c_off, tt, t_end, D)
         cn = tl.arange(0, RP * NG)
         q_col = q_ptr + (n.to(tl.int64) * R + (cn % RP)[None, :]) * D + 2 * j[:, None]
         qe = tl.load(q_col, mask=(cn % RP < R)[None, :], other=0.0).to(tl.float32) * q_scale

@@ -4,7 +4,10 @@ in one softmax. Launched by :func:`kvcx.codecs.gpu.attend_spans` and :func:`kvcx
 """
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
+try:   # programmatic dependent launch (Triton 3.4 on; kvcx.codecs.gpu.dependent_merge: off without it)
+    from triton.language.extra.cuda import gdc_wait
+except ImportError:
+    gdc_wait = None
 
 from kvcx.codecs.triton_kernels.codec import _fwht_rows
 
