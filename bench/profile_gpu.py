@@ -46,6 +46,8 @@ def main(argv=None):
         except (ValueError, SyntaxError):
             ap.error(f"--set {item}: the value is not a Python literal (a number, a string in quotes, None)")
         default = getattr(gpu, name)
+        if isinstance(default, bool) and not isinstance(settings[name], bool):
+            ap.error(f"--set {item}: {name} is on or off; give True or False")
         if isinstance(default, int) and not isinstance(default, bool) and \
                 not (type(settings[name]) is int and settings[name] >= 1):
             ap.error(f"--set {item}: {name} is a count; give a whole number from 1")

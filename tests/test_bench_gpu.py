@@ -49,7 +49,8 @@ def test_the_step_profile_runs_and_names_the_kernels(tmp_path):
     assert calls.count("the kernels of a call") == 4 and calls.count("cProfile over") == 4
     host = [line.split(" | ") for line in calls.splitlines() if line.startswith("| `") and line.count(" | ") == 3]
     assert len(host) >= 4 and all(float(r[2]) >= 0 and float(r[3].rstrip(" |")) >= float(r[2]) for r in host)
-    for bad in ("NOT_A_SETTING=1", "ATTN_SPLIT_TOKENS=0", "ATTN_SPLIT_TOKENS=x", "ATTN_DOT='int4'", "CODEC_WARPS=3"):
+    for bad in ("NOT_A_SETTING=1", "ATTN_SPLIT_TOKENS=0", "ATTN_SPLIT_TOKENS=x", "ATTN_DOT='int4'", "CODEC_WARPS=3",
+                "MERGE_PDL=3", "ATTN_EARLY_TILE='yes'"):
         with pytest.raises(SystemExit):
             profile_gpu.main(["--smoke", "--set", bad])
     assert gpu.ATTN_DOT != "int4"

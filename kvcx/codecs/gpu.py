@@ -35,10 +35,8 @@ from kvcx.errors import CodecError
 # registers
 PROGRAM_VALUES = 4096
 CODEC_WARPS = 4              # warps a program of the encode and decode kernels (Triton's default)
-# channels a program of the per-channel kernels (keys) holds, a power of two from 2 (a block of G tokens x these), or
-# None: a whole token row (the default). A rotated codec always holds whole rows (its rotation mixes a row). Fewer
-# channels: fewer registers a program, more programs a multiprocessor (the keys' encode: 162 registers at a whole
-# row, 3 programs; 78 at 32 channels, 6; docs/RESULTS.md); not timed on a GPU yet
+# channels a program of the per-channel kernels (keys) holds, a power of two from 2, or None: a whole token row (the
+# default; a rotated codec always). Fewer registers a program, but no faster on an H100 (docs/RESULTS.md, run 3)
 CODEC_CHANNELS = None
 _TORCH_DTYPES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32"}
 
@@ -253,12 +251,10 @@ def to_host(packed: Packed) -> Packed:
 # Launch settings of the attention kernel: the fast mode ("fp16", transposed), one warp a program, two stages, 8
 # programs a multiprocessor: by the offline count (docs/results/gpu-sass.md) and an H100's --tune (docs/RESULTS.md)
 ATTN_BLOCK_TOKENS = 64       # packed tokens a program reads per step
-# warps per attention program, or None (the default): the products' own (ATTN_MODE_WARPS, by the mode a launch
-# runs: a per-token key falls back from "fp16" to "tf32x2")
+# warps per attention program, or None (the default): the mode's own (ATTN_MODE_WARPS, by the mode a launch runs)
 ATTN_WARPS = None
-# each mode's warps a program: the fast mode at one (the H100's --tune, 2026-11-27: 38.1 us at 32k against 40.4 at
-# two), the exact mode at two (at one its registers spill, 536 bytes; the H200's choice), TF32 passes at two (the
-# first H100 run's choice), FP32 sums at four
+# each mode's warps a program: the fast mode one (an H100's --tune: 38.1 us at 32k against 40.4 at two), the exact
+# mode two (at one its registers spill; an H200's choice), TF32 passes two (an H100's), FP32 sums four
 ATTN_MODE_WARPS = {"fp16": 1, "int8x3": 2, "tf32x2": 2, "tf32": 2, "tf32x3": 2, "ieee": 2, "": 4}
 # the products: "fp16" (the fast mode, the default: the codes as FP16 on the FP16 tensor cores, FP32 sums, the
 # other operand rounded to FP16 after a power of two of its own, as FlashAttention rounds P for P V; keys per token
@@ -464,13 +460,13 @@ def attend_spans(q, scaling: float, spans, Hkv: int, sinks=(None, None), residua
     if len(rotate) > 1:
         raise CodecError("attention: the packed spans' values must all rotate, or none")
     full = [sp for sp in spans if sp.keys.tokens]
-    asm = ptx_codes(q)
+    asm, pdl = ptx_codes(q), dependent_merge(q)
     qr = rotated_query(q, scaling) if any(sp.key_codec.rotate for sp in full) else None
     per = split_tokens(N, [sp.keys.tokens for sp in full], per_split) if full else 0   # one size for all
     launches = []   # [((constexprs, keys rotate), [(span, splits)])]: two spans of one layout share a launch
     for sp in full:
         key = (attention_constexprs(sp.key_codec, sp.value_codec, R, D, ATTN_DOT, ATTN_BLOCK_TOKENS, add is not None,
-                                    ATTN_PREFETCH, asm, ATTN_EARLY_TILE, dependent_merge(q)), sp.key_codec.rotate)
+                                    ATTN_PREFETCH, asm, ATTN_EARLY_TILE, pdl), sp.key_codec.rotate)
         item = (sp, -(-sp.keys.tokens // per))
         if launches and launches[-1][0] == key and len(launches[-1][1]) == 1:
             launches[-1][1].append(item)
@@ -509,11 +505,15 @@ def ptx_codes(q) -> bool:
 
 
 def dependent_merge(q) -> bool:
-    """Whether a step on ``q``'s device launches the merge as a programmatic dependent launch (:data:`MERGE_PDL`, a
-    GPU of compute capability 9 or more, not Triton's interpreter: the grid-dependency instructions are sm_90 PTX;
-    a Triton that has them, 3.4 on)."""
-    return MERGE_PDL and q.is_cuda and not interpreting() and attention_kernels().gdc_launch_dependents is not None \
-        and _torch().cuda.get_device_capability(q.device)[0] >= 9
+    """Whether a step on ``q``'s device launches the merge as a dependent launch (MERGE_PDL, :func:`_takes_pdl`)."""
+    return MERGE_PDL and q.is_cuda and not interpreting() and _takes_pdl(q.device.index)
+
+
+@functools.lru_cache(maxsize=None)
+def _takes_pdl(index: int) -> bool:
+    """Whether GPU ``index`` runs the grid-dependency instructions (sm_90 PTX: compute capability 9 or more) and this
+    Triton has them (3.4 on); read once a device."""
+    return attention_kernels().gdc_launch_dependents is not None and _torch().cuda.get_device_capability(index)[0] >= 9
 
 
 def launch_attention(grid, q, q_scale: float, buffers: tuple, ints: tuple, out: tuple, Hkv: int, per: int,
