@@ -472,15 +472,13 @@ def prefill(torch, dev, model, ids, cache, chunk: int) -> None:
         model(ids[:, s:e], past_key_values=cache, cache_position=torch.arange(s, e, device=dev), logits_to_keep=1)
 
 
-def static_rates(torch, dev, model, ids, new_tokens: int, chunk: int = PREFILL_CHUNK):
-    """Greedy steps with transformers' StaticCache (SDPA over the preallocated BF16 keys and values, masked past
-    the tokens held): (tokens/s launched from Python, tokens/s with each step replayed from a CUDA graph or None
-    off CUDA or where the step cannot be captured, the cache's bytes). The graph holds a whole step (the model,
-    the argmax, the position's increment): a replay is a step, nothing between them."""
-    from transformers import StaticCache
-
+def graph_rates(torch, dev, model, ids, cache, new_tokens: int, chunk: int = PREFILL_CHUNK):
+    """Greedy steps with a cache whose steps can be captured (transformers' StaticCache: SDPA over the preallocated
+    BF16 keys and values, masked past the tokens held; kvcx's StaticKvcxCache: the packed store, lengths read on the
+    device): (tokens/s launched from Python, tokens/s with each step replayed from a CUDA graph or None off CUDA or
+    where the step cannot be captured). The graph holds a whole step (the model, the argmax, the position's
+    increment): a replay is a step, nothing between them."""
     n = ids.shape[1]
-    cache = StaticCache(config=model.config, max_cache_len=n + 3 * new_tokens + 8)
     with torch.inference_mode():
         prefill(torch, dev, model, ids, cache, chunk)
         tok = ids[:, -1:].clone()
@@ -500,10 +498,30 @@ def static_rates(torch, dev, model, ids, new_tokens: int, chunk: int = PREFILL_C
                 g.replay()
                 graph = steps_per_second(torch, dev, g.replay, new_tokens)
             except Exception as exc:   # reported; the table says n/a
-                print(f"StaticCache step capture failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+                print(f"{type(cache).__name__} step capture failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+    return eager, graph
+
+
+def static_rates(torch, dev, model, ids, new_tokens: int, chunk: int = PREFILL_CHUNK):
+    """transformers' StaticCache (:func:`graph_rates`): (tokens/s from Python, from a CUDA graph or None, the
+    cache's bytes)."""
+    from transformers import StaticCache
+
+    cache = StaticCache(config=model.config, max_cache_len=ids.shape[1] + 3 * new_tokens + 8)
+    eager, graph = graph_rates(torch, dev, model, ids, cache, new_tokens, chunk)
     size = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values)
                if t is not None)
     return eager, graph, size
+
+
+def static_kvcx_rates(torch, dev, model, ids, new_tokens: int, chunk: int = PREFILL_CHUNK):
+    """kvcx's StaticKvcxCache (:func:`graph_rates`, the same capacity as StaticCache's): (tokens/s from Python, from
+    a CUDA graph or None, the cache's bytes)."""
+    from kvcx.cache.static_cache import StaticKvcxCache
+
+    cache = StaticKvcxCache(model.config, max_cache_len=ids.shape[1] + 3 * new_tokens + 8)
+    eager, graph = graph_rates(torch, dev, model, ids, cache, new_tokens, chunk)
+    return eager, graph, cache.memory_report()["total_bytes"]
 
 
 def generation(torch, dev, prompts, batches, new_tokens, out, layers, hidden, inter, vocab, hq, hkv,
@@ -520,12 +538,15 @@ def generation(torch, dev, prompts, batches, new_tokens, out, layers, hidden, in
         "concatenates its whole cache at every step (a copy of all its keys and values a layer and token: why it "
         "is slow); StaticCache preallocates them and attends over all of its length "
         "with a mask (SDPA), from Python and with each step replayed from a CUDA graph (as engines run decode); "
-        "KvcxCache from Python (its steps are not captured in graphs yet)")
+        "KvcxCache (growing packed store) from Python; StaticKvcxCache (kvcx.cache.static_cache: the packed store "
+        "allocated for the same capacity as StaticCache's, lengths read on the device) from Python and from a CUDA "
+        "graph. The graph columns compare like with like: a whole step (model, argmax, position) replayed")
     out("")
     out("| prompt | batch | DynamicCache tok/s | StaticCache tok/s | StaticCache graph tok/s | KvcxCache tok/s | "
-        "vs Dynamic | vs Static graph | DynamicCache MiB | StaticCache MiB | KvcxCache MiB | KvcxCache / DynamicCache | "
+        "StaticKvcxCache tok/s | StaticKvcxCache graph tok/s | kvcx graph vs Static graph | KvcxCache vs Dynamic | "
+        "DynamicCache MiB | StaticCache MiB | KvcxCache MiB | StaticKvcxCache MiB | StaticKvcxCache / StaticCache | "
         "kvcx backend | fused steps |")
-    out("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|")
+    out("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|")
     cfg = LlamaConfig(num_hidden_layers=layers, hidden_size=hidden, intermediate_size=inter, vocab_size=vocab,
                       num_attention_heads=hq, num_key_value_heads=hkv, max_position_embeddings=max(prompts) * 2)
     default = torch.get_default_dtype()
@@ -587,19 +608,27 @@ def generation_row(torch, dev, model, n: int, batch: int, new_tokens: int, vocab
     kv = measured(lambda: eager_rate(torch, dev, model, ids, KvcxCache(model.config, backend="triton"), new_tokens,
                                      chunk))
     st = measured(lambda: static_rates(torch, dev, model, ids, new_tokens, chunk))
-    static, static_graph = (batch * st[0], st[1] and batch * st[1]) if st else (None, None)
+    sk = measured(lambda: static_kvcx_rates(torch, dev, model, ids, new_tokens, chunk))
+
+    def rates(r):   # (tokens/s from Python, from a graph or None) over the batch's rows
+        return (batch * r[0], r[1] and batch * r[1]) if r else (None, None)
+
+    (static, static_graph), (skv, skv_graph) = rates(st), rates(sk)
 
     def cell(v, f="{:.1f}"):
         return "out of memory" if v is None else f.format(v)
 
+    def graph_cell(r, v):
+        return _rate(v) if r else cell(None)
+
     def ratio(a, b):
         return f"{a / b:.2f}x" if a and b else "n/a"
 
-    return (f"| {n:,} | {batch} | {cell(dyn and dyn[0])} | {cell(static)} | "
-            f"{_rate(static_graph) if st else cell(None)} | {cell(kv and kv[0])} | "
-            f"{ratio(kv and kv[0], dyn and dyn[0])} | {ratio(kv and kv[0], static_graph)} | "
+    return (f"| {n:,} | {batch} | {cell(dyn and dyn[0])} | {cell(static)} | {graph_cell(st, static_graph)} | "
+            f"{cell(kv and kv[0])} | {cell(skv)} | {graph_cell(sk, skv_graph)} | {ratio(skv_graph, static_graph)} | "
+            f"{ratio(kv and kv[0], dyn and dyn[0])} | "
             f"{cell(dyn and dyn[1] / 2**20)} | {cell(st and st[2] / 2**20)} | {cell(kv and kv[1] / 2**20)} | "
-            f"{f'{kv[1] / dyn[1]:.3f}x' if kv and dyn else 'n/a'} | "
+            f"{cell(sk and sk[2] / 2**20)} | {f'{sk[2] / st[2]:.3f}x' if sk and st else 'n/a'} | "
             f"{kv[2]['backend'] if kv else 'n/a'} | {kv[2]['attention_steps']['fused'] if kv else 'n/a'} |")
 
 

@@ -28,7 +28,7 @@ MAX_FLOORS = 11   # two added in 2026-11: the kernels choose their variant for t
 #                   CLI is split by command (kvcx.cli.app, the commands, the package that registers them)
 MAX_LINES = 600
 TORCH_AT_MODULE_LEVEL = {"kvcx.cache.kvcx_cache", "kvcx.cache.attention_fn", "kvcx.cache.buffers",
-                         "kvcx.cache.device_store", "kvcx.cache.pressing"}
+                         "kvcx.cache.device_store", "kvcx.cache.pressing", "kvcx.cache.static_cache"}
 RICH_MODULES = {"kvcx.cli", "kvcx.cli.app", "kvcx.cli.render", "kvcx.cli.files", "kvcx.cli.validate",
                 "kvcx.cli.calibrate", "kvcx.cli.serve"}    # the CLI package: its app, renderers and commands
 

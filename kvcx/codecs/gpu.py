@@ -25,7 +25,7 @@ from kvcx.codecs.base import Packed
 from kvcx.codecs.dtypes import is_int
 from kvcx.codecs.runtime import check_status
 from kvcx.codecs.splits import split_tiles
-from kvcx.codecs.tensors import numpy_to_torch, torch_to_numpy
+from kvcx.codecs.tensors import to_device, to_host  # noqa: F401  (this backend's records moved: the API here)
 from kvcx.deps import import_torch as _torch
 from kvcx.errors import CodecError
 
@@ -150,11 +150,7 @@ class TritonIntBackend:
         # the kernel's checks (non-finite scales or zero points; non-finite sinks), read in one copy to the host
         flag = torch.zeros(2, dtype=torch.int32, device=dev)
         if S > t0:   # the kernel also copies the sinks and checks them
-            (encode, _), args, grid, const = _programs(codec, lay, dt)
-            zp = zeros if zeros is not None else scales
-            xb = _bits(x3, dt)
-            encode[grid](x3, codes, scales, zp, flag, xb, xb if sinks is None else _bits(sinks, dt), **args,
-                         norm=_norm(D), **const, enable_fp_fusion=False, num_warps=CODEC_WARPS)
+            _launch_encode(codec, lay, x3, dt, codes, scales, zeros, flag, sinks)
         elif t0:     # sinks alone: no kernel
             sinks.view(N, t0, D).copy_(x3)
             flag[1] = (~torch.isfinite(sinks)).any()
@@ -227,24 +223,26 @@ class TritonIntBackend:
         return out
 
 
-def to_device(packed: Packed, device) -> Packed:
-    """The same record with its arrays as torch tensors on ``device`` (bytes unchanged; arrays already there
-    are shared, not copied)."""
-    def move(a):
-        return None if a is None else a.to(device) if is_tensor(a) else numpy_to_torch(a, device)
-
-    fields = {f: move(getattr(packed, f)) for f in ("codes", "scales", "zeros", "sinks")}
-    return Packed(**fields, shape=tuple(packed.shape), dtype=packed.dtype, config=dict(packed.config),
-                  meta=dict(packed.meta))
+def _launch_encode(codec, lay, x3, dt: str, codes, scales, zeros, flag, sinks=None) -> None:
+    """The encode kernel over ``x3`` [N, S, D] into ``lay``'s buffers; ``flag`` gets its checks (non-finite)."""
+    (encode, _), args, grid, const = _programs(codec, lay, dt)
+    xb = _bits(x3, dt)
+    encode[grid](x3, codes, scales, zeros if zeros is not None else scales, flag, xb, xb if sinks is None else
+                 _bits(sinks, dt), **args, norm=_norm(lay.D), **const, enable_fp_fusion=False, num_warps=CODEC_WARPS)
 
 
-def to_host(packed: Packed) -> Packed:
-    """The same record with its arrays as NumPy arrays (what the formats write; bytes unchanged; CPU tensors
-    are shared, not copied)."""
-    fields = {f: torch_to_numpy(getattr(packed, f)) if is_tensor(getattr(packed, f)) else getattr(packed, f)
-              for f in ("codes", "scales", "zeros", "sinks")}
-    return Packed(**fields, shape=tuple(packed.shape), dtype=packed.dtype, config=dict(packed.config),
-                  meta=dict(packed.meta))
+def encode_into(codec, x, codes, scales, zeros, flag) -> None:
+    """``x`` [B, Hkv, S, D] (float, contiguous) encoded by ``codec`` (4 bits, no sinks) into the caller's buffers
+    (:class:`PackedSpan`'s; ``flag`` int32 [2] or'd with the kernel's checks, read when the caller chooses). No
+    allocation, no host sync: what a step replayed from a CUDA graph runs (:mod:`kvcx.cache.static_cache`)."""
+    dt, lay = dtype_name_of(x), codec.layout(tuple(x.shape), "x")
+    sizes = [(codes, lay.codes_nbytes), (flag, 2)] + [(t, math.prod(lay.scale_shape)) for t in (scales, zeros)
+                                                      if t is not None]
+    if codec.bits != 4 or codec.sinks or dt is None or not x.is_contiguous() or (zeros is None) == codec.asym or any(
+            not is_tensor(t) or t.device != x.device or t.numel() != n for t, n in sizes):
+        raise CodecError(f"encode_into: {list(x.shape)} {x.dtype} does not fit the buffers given (a contiguous float "
+                         "tensor, a 4-bit codec without sinks, buffers of its layout's sizes on its device)")
+    _launch_encode(codec, lay, x.view(lay.N, lay.S, lay.D), dt, codes, scales, zeros, flag)
 
 
 # -- fused decode attention over packed records ----------------------------------------------------------
@@ -534,11 +532,12 @@ def launch_attention(grid, q, q_scale: float, buffers: tuple, ints: tuple, out: 
 
 
 def merge_splits(q, scaling: float, m, l, acc, Hkv: int, rotate: bool, sinks=(None, None), residual=(None, None),
-                 add=None, res_off: int = 0):
+                 add=None, res_off: int = 0, res_lens=None):
     """The attention output [N, R, D] float32 of the query rows ``q`` [N, R, D]: the merge kernel's softmax over the
     splits the attention kernel wrote (``m``, ``l`` [N, splits, R], ``acc`` [N, splits, R, D]; their accumulators
     rotated back where ``rotate``) and the exact tokens (:func:`attend_spans`' ``sinks``, ``residual``, ``add``,
-    ``res_off``). One launch: what :func:`attend_spans` and :func:`kvcx.codecs.paged.attend` end with."""
+    ``res_off``; ``res_lens`` int32 [B], or None: batch row b's residual is its first ``res_lens[b]`` rows, read on
+    the device). One launch: what :func:`attend_spans` and :func:`kvcx.codecs.paged.attend` end with."""
     torch, k = _torch(), attention_kernels()
     N, R, D = q.shape
     (sk, sv), (rk, rv) = sinks, residual
@@ -547,9 +546,10 @@ def merge_splits(q, scaling: float, m, l, acc, Hkv: int, rotate: bool, sinks=(No
     out, pdl = torch.empty(N, R, D, device=q.device), dependent_merge(q)
     k.merge_kernel[(N, R)](q, scaling, m, l, acc, m.shape[1], sk if t0 else m, sv if t0 else m, t0, rk if nr else m,
                            rv if nr else m, nr, add if add is not None else m, add.shape[1] if add is not None else 0,
-                           res_off, Hkv, out, _norm(D), R=R, D=D, SB=_pow2(t0), RB=max(16, _pow2(nr)),
-                           HAS_MASK=add is not None, ROTATE=rotate, CH=MERGE_SPLITS, enable_fp_fusion=ATTN_FP_FUSION,
-                           num_warps=MERGE_WARPS, PDL=pdl, **({"launch_pdl": True} if pdl else {}))
+                           res_off, Hkv, out, _norm(D), res_lens if res_lens is not None else m, R=R, D=D,
+                           SB=_pow2(t0), RB=max(16, _pow2(nr)), HAS_MASK=add is not None, ROTATE=rotate,
+                           CH=MERGE_SPLITS, enable_fp_fusion=ATTN_FP_FUSION, num_warps=MERGE_WARPS, PDL=pdl,
+                           RES_LENS=res_lens is not None and nr > 0, **({"launch_pdl": True} if pdl else {}))
     return out
 
 

@@ -21,6 +21,7 @@ from typing import Optional, Sequence
 from kvcx.codecs import gpu
 from kvcx.codecs.backends import is_tensor
 from kvcx.codecs.base import Codec, Packed
+from kvcx.codecs.dtypes import is_int
 from kvcx.deps import import_torch as _torch
 from kvcx.errors import CodecError
 
@@ -84,10 +85,13 @@ def _params_shape(codec, pages: int, H: int, P: int, D: int) -> tuple:
 def allocate(key_codec: Codec, value_codec: Codec, num_pages: int, kv_heads: int, head_dim: int, page_tokens: int,
              device) -> PagedKV:
     """An empty pool of ``num_pages`` pages of ``page_tokens`` tokens for ``kv_heads`` heads of ``head_dim``, on
-    ``device``. Pages hold whole groups of both codecs and at least 16 tokens (the products' tiles)."""
+    ``device``. Pages hold whole groups of both codecs and at least 16 tokens (the products' tiles): a power of two,
+    or a multiple of the kernel's tiles (a page a row as long as a sequence: :mod:`kvcx.cache.static_cache`)."""
     torch = _torch()
-    if page_tokens < 16 or page_tokens & (page_tokens - 1):
-        raise CodecError(f"paged store: page_tokens must be a power of two, 16 or more, got {page_tokens}")
+    if not is_int(page_tokens) or page_tokens < 16 or (page_tokens & (page_tokens - 1) and
+                                                      page_tokens % gpu.ATTN_BLOCK_TOKENS):
+        raise CodecError(f"paged store: page_tokens must be a power of two from 16 or a multiple of "
+                         f"{gpu.ATTN_BLOCK_TOKENS} (the kernel's tiles lie within a page), got {page_tokens!r}")
     if num_pages < 1 or kv_heads < 1 or head_dim < 16 or head_dim % 16:
         raise CodecError(f"paged store: need num_pages >= 1, kv_heads >= 1 and a head dim that is a multiple of 16; "
                          f"got {num_pages}, {kv_heads}, {head_dim}")
@@ -151,12 +155,16 @@ def write(pool: PagedKV, pages: Sequence[int], keys: Packed, values: Packed) -> 
 
 
 def attend(q, pool: PagedKV, block_table, seq_lens, scaling: Optional[float] = None,
-           per_split: Optional[int] = None):
+           per_split: Optional[int] = None, sinks=(None, None), residual=(None, None), residual_lens=None):
     """One decode step over a paged store: q [B, Hq, D] (one token a row, any float dtype), ``block_table`` int32
     [B, max_pages] (row b's pages in order; entries past its tokens are not read), ``seq_lens`` int32 [B] (row b's
-    tokens, 1 to max_pages x page_tokens), both on the pool's device. Query head j reads KV head j // (Hq / Hkv).
-    Returns [B, Hq, D] float32 (NaN for a row of 0 tokens, as SDPA gives for a row with nothing to attend to).
-    No host sync: the splits are sized from the table's width, the lengths are read on the device."""
+    tokens, 0 to max_pages x page_tokens), both on the pool's device. Query head j reads KV head j // (Hq / Hkv).
+    Exact tokens in the same softmax, optional: ``sinks`` (keys, values) [B, Hkv, t0, D] before the pages, and
+    ``residual`` (keys, values) [B, Hkv, nr, D] after them, of which row b's first ``residual_lens[b]`` (int32
+    [B] on the device; None: all nr) are tokens; both as the model holds them (any float dtype).
+    Returns [B, Hq, D] float32 (NaN for a row of no token, as SDPA gives for a row with nothing to attend to).
+    No host sync: the splits are sized from the table's width, the lengths are read on the device (a step can be
+    replayed from a CUDA graph)."""
     torch = _torch()
     B, Hq, D = q.shape
     H, P = pool.kv_heads, pool.page_tokens
@@ -171,6 +179,16 @@ def attend(q, pool: PagedKV, block_table, seq_lens, scaling: Optional[float] = N
                              f"on {dev} with q (engines' shape: block_table [B, max_pages], seq_lens [B])")
     kc, vc = pool.key_codec, pool.value_codec
     N, R = B * H, Hq // H
+    exact = [_exact(t, name, B, H, D, dev) for t, name in zip(sinks + residual, ("sink keys", "sink values",
+                                                                                   "residual keys", "residual values"))]
+    if (exact[0] is None) != (exact[1] is None) or (exact[2] is None) != (exact[3] is None) or \
+            any(a is not None and a.shape != b.shape for a, b in (exact[:2], exact[2:])):
+        raise CodecError("paged attention: give the sinks' (and the residual's) keys and values alike, [B, Hkv, n, D] "
+                         "each, or neither")
+    if residual_lens is not None and (exact[2] is None or not is_tensor(residual_lens) or
+                                      residual_lens.dtype != torch.int32 or tuple(residual_lens.shape) != (B,) or
+                                      residual_lens.device != dev):
+        raise CodecError(f"paged attention: residual_lens must be an int32 tensor [{B}] on {dev}, with a residual")
     rows = gpu.query_rows(q, N)
     scaling = D ** -0.5 if scaling is None else float(scaling)
     qr = gpu.rotated_query(rows, scaling) if kc.rotate else None
@@ -186,4 +204,16 @@ def attend(q, pool: PagedKV, block_table, seq_lens, scaling: Optional[float] = N
     # the spans' integers are not read in the PAGE mode (a tile's page and a row's tokens come from the table)
     gpu.launch_attention((N, nsp), qr if kc.rotate else rows, 1.0 if kc.rotate else scaling, bufs + bufs, (0,) * 12,
                          (m, l, acc), H, per, nsp, 0, {**const, "PAGE": P}, pages=(table, seq_lens))
-    return gpu.merge_splits(rows, scaling, m, l, acc, H, vc.rotate).reshape(B, Hq, D)
+    return gpu.merge_splits(rows, scaling, m, l, acc, H, vc.rotate, tuple(exact[:2]), tuple(exact[2:]),
+                            res_lens=residual_lens).reshape(B, Hq, D)
+
+
+def _exact(t, name: str, B: int, H: int, D: int, dev):
+    """Exact tokens [B, Hkv, n, D] as the merge reads them ([B x Hkv, n, D], contiguous), or None."""
+    if t is None:
+        return None
+    if not is_tensor(t) or t.dim() != 4 or tuple(t.shape[:2]) != (B, H) or t.shape[3] != D or t.device != dev or \
+            not t.is_floating_point():
+        raise CodecError(f"paged attention: {name} must be a float tensor [{B}, {H}, n, {D}] on {dev}, got "
+                         f"{list(getattr(t, 'shape', ()))}")
+    return t.reshape(B * H, t.shape[2], D).contiguous()

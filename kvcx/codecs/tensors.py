@@ -4,8 +4,11 @@ torch is imported when a function runs, so importing this module costs nothing.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
+from kvcx.codecs.backends import is_tensor
 from kvcx.codecs.dtypes import BFLOAT16
 from kvcx.deps import import_torch
 
@@ -33,3 +36,27 @@ def numpy_to_torch(a: np.ndarray, device=None):
     else:
         t = torch.from_numpy(a)
     return t.to(device) if device is not None else t
+
+
+def to_device(packed, device):
+    """A :class:`~kvcx.codecs.base.Packed` record: the same record with its arrays as torch tensors on ``device`` (bytes unchanged; arrays already there
+    are shared, not copied)."""
+    def move(a):
+        return None if a is None else a.to(device) if is_tensor(a) else numpy_to_torch(a, device)
+
+    fields = {f: move(getattr(packed, f)) for f in ("codes", "scales", "zeros", "sinks")}
+    return _copied(packed, fields)
+
+
+def to_host(packed):
+    """A :class:`~kvcx.codecs.base.Packed` record: the same record with its arrays as NumPy arrays (what the formats write; bytes unchanged; CPU tensors
+    are shared, not copied)."""
+    fields = {f: torch_to_numpy(getattr(packed, f)) if is_tensor(getattr(packed, f)) else getattr(packed, f)
+              for f in ("codes", "scales", "zeros", "sinks")}
+    return _copied(packed, fields)
+
+
+def _copied(packed, arrays: dict):
+    """A :class:`~kvcx.codecs.base.Packed` record like ``packed`` with these arrays (its dicts copied)."""
+    return dataclasses.replace(packed, **arrays, shape=tuple(packed.shape), config=dict(packed.config),
+                               meta=dict(packed.meta))

@@ -28,7 +28,7 @@ POINTERS = {
                             "vs2_ptr", "vz2_ptr")},
     **{n: "*fp32" for n in ("q_ptr", "qs_ptr", "mask_ptr", "add_ptr", "m_ptr", "l_ptr", "acc_ptr")},
     **{n: "*bf16" for n in ("sk_ptr", "sv_ptr", "rk_ptr", "rv_ptr")},
-    "pages_ptr": "*i32", "lens_ptr": "*i32",
+    "pages_ptr": "*i32", "lens_ptr": "*i32", "res_lens_ptr": "*i32",
 }
 
 
@@ -91,10 +91,12 @@ def attention_kernels() -> None:
     # and with the first tile loaded before the query, the merge as a dependent launch (griddepcontrol in PTX)
     compile_one(ka.attend_packed_kernel, {**const, "EARLY": True, "PDL": True},
                 num_warps=gpu.attention_options(const)["num_warps"], fusion=gpu.ATTN_FP_FUSION)
-    for has_mask, rotate, pdl in ((True, True, False), (False, False, True)):
+    # the residual's lengths read on the device (kvcx.cache.static_cache's steps) with the dependent launch
+    for has_mask, rotate, pdl, res_lens in ((True, True, False, False), (False, False, True, False),
+                                            (False, True, True, True)):
         compile_one(ka.merge_kernel, dict(R=4, D=D, SB=gpu._pow2(1), RB=gpu._pow2(32), HAS_MASK=has_mask,
-                                         ROTATE=rotate, CH=gpu.MERGE_SPLITS, PDL=pdl), fusion=gpu.ATTN_FP_FUSION,
-                    num_warps=gpu.MERGE_WARPS, out_ptr="*fp32")
+                                         ROTATE=rotate, CH=gpu.MERGE_SPLITS, PDL=pdl, RES_LENS=res_lens),
+                    fusion=gpu.ATTN_FP_FUSION, num_warps=gpu.MERGE_WARPS, out_ptr="*fp32")
 
 
 if __name__ == "__main__":

@@ -145,3 +145,41 @@ def test_a_row_of_no_tokens_gives_nan_as_sdpa_does_and_leaves_the_others():
     out = paged.attend(q, pool, table, torch.tensor([64, 0], dtype=torch.int32, device=DEVICE))
     alone = paged.attend(q[:1], pool, table[:1], torch.tensor([64], dtype=torch.int32, device=DEVICE))
     assert bool(torch.isnan(out[1]).all()) and torch.equal(out[0], alone[0])
+
+
+def test_exact_sinks_and_a_residual_of_lengths_on_the_device_join_the_softmax(monkeypatch):
+    """Sinks [B, Hkv, 1, D] before the pages and a residual [B, Hkv, 16, D] after them of which row b's first
+    residual_lens[b] are tokens (3 and 16 here; the rest NaN, never read), in one softmax with the pages: within FP32
+    rounding of FP32 attention over the sinks, the decoded pages and the live residual (the exact mode). A row with
+    no packed token yet (seq_lens 0) attends to its exact tokens alone. Pages of 192 tokens (not a power of two: a
+    multiple of the kernel's tiles) are taken."""
+    monkeypatch.setattr(gpu, "ATTN_DOT", "int8x3")
+    kc, vc = _codecs()
+    g = torch.Generator().manual_seed(8)
+    B, H, R, D, P = 2, 2, 2, 64, 192
+    pool = paged.allocate(kc, vc, 2, H, D, P, DEVICE)
+    K, V = (torch.randn(H, 150, D, generator=g).to(DEVICE) for _ in "kv")
+    paged.write(pool, [1], kc.encode(K), vc.encode(V))
+    sinks = tuple(torch.randn(B, H, 1, D, generator=g).to(DEVICE) for _ in "kv")
+    res = tuple(torch.randn(B, H, 16, D, generator=g).to(DEVICE) for _ in "kv")
+    live = [3, 16]
+    for r in res:
+        r[0, :, 3:] = float("nan")
+    q = torch.randn(B, H * R, D, generator=g).to(DEVICE)
+    table = torch.ones(B, 1, dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor([150, 0], dtype=torch.int32, device=DEVICE)
+    out = paged.attend(q, pool, table, lens, sinks=sinks, residual=res,
+                       residual_lens=torch.tensor(live, dtype=torch.int32, device=DEVICE))
+    Kd, Vd = kc.decode(kc.encode(K)), vc.decode(vc.encode(V))
+    for b in range(B):
+        packed = 150 if b == 0 else 0
+        keys = torch.cat([sinks[0][b], Kd[:, :packed], res[0][b, :, :live[b]]], 1).repeat_interleave(R, 0).double()
+        vals = torch.cat([sinks[1][b], Vd[:, :packed], res[1][b, :, :live[b]]], 1).repeat_interleave(R, 0).double()
+        ref = (torch.softmax((q[b].double()[:, None] @ keys.transpose(-1, -2)) * D ** -0.5, -1) @ vals)[:, 0]
+        assert float((out[b].double() - ref).norm() / ref.norm()) < 3e-5, b
+    with pytest.raises(CodecError, match="residual_lens must be an int32 tensor \\[2\\]"):
+        paged.attend(q, pool, table, lens, residual=res, residual_lens=lens.long())
+    with pytest.raises(CodecError, match="sinks' .and the residual's. keys and values alike"):
+        paged.attend(q, pool, table, lens, sinks=(sinks[0], None))
+    with pytest.raises(CodecError, match="residual keys must be a float tensor \\[2, 2, n, 64\\]"):
+        paged.attend(q, pool, table, lens, residual=(res[0][:, :1], res[1]))

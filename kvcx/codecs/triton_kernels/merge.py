@@ -16,11 +16,11 @@ _MERGE_STEP_ARGS = ("SPT", "n_sinks", "n_res", "add_stride", "res_off")
 
 
 @triton.jit
-def _exact_rows(e_ptr, n, ne, D: tl.constexpr, EB: tl.constexpr):
-    """Slab n's ``ne`` exact keys or values ([N, ne, D], any float dtype) as float32 [EB], 0 past ``ne``."""
+def _exact_rows(e_ptr, n, rows, ne, D: tl.constexpr, EB: tl.constexpr):
+    """Slab n's first ``ne`` exact keys or values ([N, rows, D], any float dtype) as float32 [EB], 0 past ``ne``."""
     e = tl.arange(0, EB)
-    return tl.load(e_ptr + (n.to(tl.int64) * ne + e[:, None]) * D + tl.arange(0, D)[None, :], mask=(e < ne)[:, None],
-                   other=0.0).to(tl.float32)
+    return tl.load(e_ptr + (n.to(tl.int64) * rows + e[:, None]) * D + tl.arange(0, D)[None, :],
+                   mask=(e < ne)[:, None], other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -37,13 +37,15 @@ def _exact_scores(q, k, n, ne, add_ptr, add_stride, add_off, Hkv, EB: tl.constex
 
 @triton.jit(do_not_specialize=_MERGE_STEP_ARGS)
 def merge_kernel(q_ptr, q_scale, m_ptr, l_ptr, acc_ptr, SPT, sk_ptr, sv_ptr, n_sinks, rk_ptr, rv_ptr, n_res, add_ptr,
-                 add_stride, res_off, Hkv, out_ptr, norm, R: tl.constexpr, D: tl.constexpr, SB: tl.constexpr,
-                 RB: tl.constexpr, HAS_MASK: tl.constexpr, ROTATE: tl.constexpr, CH: tl.constexpr,
-                 PDL: tl.constexpr = False):
+                 add_stride, res_off, Hkv, out_ptr, norm, res_lens_ptr, R: tl.constexpr, D: tl.constexpr,
+                 SB: tl.constexpr, RB: tl.constexpr, HAS_MASK: tl.constexpr, ROTATE: tl.constexpr, CH: tl.constexpr,
+                 PDL: tl.constexpr = False, RES_LENS: tl.constexpr = False):
     """One program per (slab, query row): the softmax merge of the row's ``SPT`` splits
     (:func:`attend_packed_kernel`; their accumulators rotated back where the values are) with its slab's exact
     tokens, the sinks (``n_sinks`` at mask column 0) and the residual (``n_res`` at column ``res_off``), read as
     they are held; the query row as the model holds it, times ``q_scale``; writes the row's [D] float32.
+    ``RES_LENS``: the residual holds ``n_res`` rows a slab of which batch row b's first ``res_lens_ptr[b]`` are
+    tokens (read on the device: a step replayed from a CUDA graph, :mod:`kvcx.cache.static_cache`).
 
     Written for latency (an earlier merge, a program a slab that read the splits twice and the exact tokens after
     them, took 36 us of an H200 step at 32k tokens): the exact tokens' loads are issued first, the splits are read
@@ -57,8 +59,12 @@ def merge_kernel(q_ptr, q_scale, m_ptr, l_ptr, acc_ptr, SPT, sk_ptr, sv_ptr, n_s
     d = tl.arange(0, D)
     c = tl.arange(0, CH)
     q = tl.load(q_ptr + (n.to(tl.int64) * R + r[:, None]) * D + d[None, :]).to(tl.float32) * q_scale
-    sk, sv = _exact_rows(sk_ptr, n, n_sinks, D, SB), _exact_rows(sv_ptr, n, n_sinks, D, SB)
-    rk, rv = _exact_rows(rk_ptr, n, n_res, D, RB), _exact_rows(rv_ptr, n, n_res, D, RB)
+    if RES_LENS:
+        live = tl.load(res_lens_ptr + n // Hkv)
+    else:
+        live = n_res
+    sk, sv = _exact_rows(sk_ptr, n, n_sinks, n_sinks, D, SB), _exact_rows(sv_ptr, n, n_sinks, n_sinks, D, SB)
+    rk, rv = _exact_rows(rk_ptr, n, n_res, live, D, RB), _exact_rows(rv_ptr, n, n_res, live, D, RB)
     if PDL:
         gdc_wait()
     base = n.to(tl.int64) * SPT
@@ -81,7 +87,7 @@ def merge_kernel(q_ptr, q_scale, m_ptr, l_ptr, acc_ptr, SPT, sk_ptr, sv_ptr, n_s
     if ROTATE:
         acc = _fwht_rows(acc, 1, D, norm)
     s_sink = _exact_scores(q, sk, n, n_sinks, add_ptr, add_stride, 0, Hkv, SB, HAS_MASK)
-    s_res = _exact_scores(q, rk, n, n_res, add_ptr, add_stride, res_off, Hkv, RB, HAS_MASK)
+    s_res = _exact_scores(q, rk, n, live, add_ptr, add_stride, res_off, Hkv, RB, HAS_MASK)
     new = tl.maximum(top, tl.maximum(tl.max(s_sink, axis=1), tl.max(s_res, axis=1)))
     use = tl.where(new == float("-inf"), 0.0, new)              # a row with nothing to attend to
     alpha = tl.exp(top - use)

@@ -1,0 +1,318 @@
+"""StaticKvcxCache: the packed cache whose decode steps replay from a CUDA graph (kvcx.cache.static_cache).
+
+Without a GPU (CI) Triton's interpreter runs its kernels on CPU tensors (tests/conftest.py) and what a CUDA graph
+needs of a step is checked directly: the step reads nothing back to the host and launches the same work, with the
+same shapes and the same integers, at every length (across a page's end), so the first step's launches are every
+step's. On a CUDA machine the same tests also capture the step in a real graph and replay it. Nothing is skipped.
+"""
+import dataclasses
+import inspect
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+import kvcx.cache  # noqa: E402,F401  (registers the "kvcx" attention implementation)
+from kvcx.cache import KvcxCache, StaticKvcxCache  # noqa: E402
+from kvcx.cache.attention_fn import HANDOFF  # noqa: E402
+from kvcx.codecs import KVConfig, gpu  # noqa: E402
+from kvcx.codecs.triton_kernels import attention as _triton_attn  # noqa: E402
+from kvcx.codecs.triton_kernels import codec as _triton_codec  # noqa: E402
+from kvcx.errors import KvcxError  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+OPTS = dict(group_size=16, residual_length=16)   # head dim 32: pages of 16 tokens, keys' blocks of 16
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    cfg = LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=128,
+                      intermediate_size=256, vocab_size=256, max_position_embeddings=512)
+    model = LlamaForCausalLM(cfg).eval().to(DEVICE)
+    model.set_attn_implementation("kvcx")
+    return model
+
+
+def _generate(model, cache, ids, n):
+    with torch.inference_mode():
+        return model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=n,
+                              do_sample=False, output_scores=True, return_dict_in_generate=True)
+
+
+def test_decode_steps_are_as_close_to_full_precision_as_kvcx_caches(tiny):
+    """The same 60 tokens a row (a batch of two) through three caches: a prompt of 45 (the sink, two whole pages,
+    12 in the residual), then 15 steps of one token (a page filled and packed on the device on the way). Each
+    step's logits differ from DynamicCache's (full precision) by what the packing costs, and StaticKvcxCache's by
+    no more than KvcxCache's (the same codecs, pages cut at other tokens) give or take a quarter; the prompt's are
+    DynamicCache's (its attention reads the prompt's own states)."""
+    from transformers import DynamicCache
+
+    ids = torch.randint(0, 256, (2, 60), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    logits = []
+    for cache in (StaticKvcxCache(tiny.config, max_cache_len=64, **OPTS),
+                  KvcxCache(tiny.config, backend="triton", **OPTS), DynamicCache()):
+        with torch.inference_mode():
+            steps = [tiny(ids[:, :45], past_key_values=cache).logits[:, -1]]
+            for t in range(45, 60):
+                steps.append(tiny(ids[:, t:t + 1], past_key_values=cache,
+                                  cache_position=torch.tensor([t], device=DEVICE)).logits[:, -1])
+        logits.append(torch.stack(steps))
+    static, packed, exact = logits
+    err_static, err_kvcx = ((x - exact).abs().amax(dim=(1, 2)) for x in (static, packed))
+    assert float(err_static[0]) < 1e-5 and float(err_static[1:].min()) > 0          # packed steps differ
+    assert float(err_static.max()) <= 1.25 * float(err_kvcx.max()), (err_static, err_kvcx)
+
+
+def test_generate_runs_its_decode_steps_on_the_device_in_buffers_allocated_once(tiny):
+    """generate() with a batch of two: the prompt from Python, then every decode step on the device; the cache's
+    bytes are those of its capacity, allocated at the first step, a third of a BF16 cache's."""
+    ids = torch.randint(0, 256, (2, 45), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    st = StaticKvcxCache(tiny.config, max_cache_len=64, **OPTS)
+    out = _generate(tiny, st, ids, 6)
+    assert out.sequences.shape == (2, 51)
+    rep = st.memory_report()
+    assert rep["tokens"] == 50 and rep["attention_steps"] == {"device": 2 * 5, "prompt": 2}
+    # allocated once for the capacity (63 packed tokens after the sink, to a whole tile: 64) a layer and slab (2 x 2):
+    # codes of 4 bits, keys' FP16 scale and zero point a channel and block of 16, values' FP16 scale a group of 16
+    slab = 64 * 32 // 2 * 2 + (64 // 16) * 32 * 2 * 2 + (64 * 32 // 16) * 2
+    assert rep["packed_bytes"] == 2 * 4 * slab
+    assert rep["residual_bytes"] == 2 * 2 * 2 * 2 * (16 + 1) * 32 * tiny.dtype.itemsize   # residual pages, sinks
+    assert rep["packed_bytes"] < 0.4 * rep["bf16_static_bytes"]
+
+
+def _reference(q, keys, values, scaling):
+    """FP32 attention of q [B, Hq, D] over keys and values [B, Hkv, T, D] (query head j reads KV head j // R)."""
+    R = q.shape[1] // keys.shape[1]
+    k, v = (t.float().repeat_interleave(R, dim=1) for t in (keys, values))
+    p = torch.softmax(torch.einsum("bhd,bhtd->bht", q.float() * scaling, k), dim=-1)
+    return torch.einsum("bht,bhtd->bhd", p, v)
+
+
+@pytest.mark.parametrize("scheme", ["kvcx", "kivi"])
+def test_pages_hold_the_codecs_bytes_and_steps_attend_as_the_reference(scheme):
+    """The cache driven directly, one layer: a prompt of 21 tokens, then 40 decode steps (two pages filled on the
+    device). Each step's attention equals FP32 attention over the sinks, the decoded pages and the residual's
+    exact tokens within FP32 rounding (the exact mode); at the end the packed pages hold the very bytes the codec
+    writes for those tokens encoded whole."""
+    cfg = LlamaConfig(num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, hidden_size=128)
+    cfg._attn_implementation = "kvcx"
+    kv = KVConfig.from_scheme(scheme, group_size=16)
+    cache = StaticKvcxCache(cfg, max_cache_len=80, kv_config=kv, residual_length=16)
+    g = torch.Generator().manual_seed(4)
+    B, H, D, T = 2, 2, 32, 61
+    K = (torch.randn(B, H, T, D, generator=g) + torch.randn(D, generator=g) * 3).to(DEVICE)
+    V = torch.randn(B, H, T, D, generator=g).to(DEVICE)
+    t0 = kv.key.sinks
+    cache.update(K[:, :, :21], V[:, :, :21], 0)
+    layer = cache.layers[0]
+    kc, vc = layer._codecs
+    old = gpu.ATTN_DOT
+    gpu.ATTN_DOT = "int8x3"
+    try:
+        for t in range(21, T):
+            k, v = K[:, :, t:t + 1], V[:, :, t:t + 1]
+            cache.update(k, v, 0)
+            got_layer, kind = HANDOFF.take(k)
+            assert got_layer is layer and kind == "fused"
+            q = torch.randn(B, 4, 1, D, generator=g).to(DEVICE)
+            out = layer.attend(q, None, D ** -0.5)[:, 0]
+            packed = (t - t0) // 16 * 16        # whole pages before this step's
+            dk = kc.decode(kc.encode(K[:, :, t0:t0 + packed].contiguous())) if packed else K[:, :, :0]
+            dv = vc.decode(vc.encode(V[:, :, t0:t0 + packed].contiguous())) if packed else V[:, :, :0]
+            keys = torch.cat([K[:, :, :t0], dk, K[:, :, t0 + packed:t + 1]], dim=2)
+            values = torch.cat([V[:, :, :t0], dv, V[:, :, t0 + packed:t + 1]], dim=2)
+            ref = _reference(q[:, :, 0], keys, values, D ** -0.5)
+            assert float((out.float() - ref).abs().max()) < 2e-5 * float(ref.abs().max()) + 1e-6, t
+    finally:
+        gpu.ATTN_DOT = old
+    assert cache.get_seq_length() == T
+    pages = (T - t0) // 16
+    for codec, X, (codes, scales, zeros) in ((kc, K, layer._rows(0)), (vc, V, layer._rows(1))):
+        rec = codec.encode(X[:, :, t0:t0 + pages * 16].contiguous())
+        assert torch.equal(codes[:, :, :pages].reshape(-1), rec.codes.reshape(-1))
+        assert torch.equal(scales[:, :, :pages].reshape(-1), rec.scales.reshape(-1))
+        if zeros is not None:
+            assert torch.equal(zeros[:, :, :pages].reshape(-1), rec.zeros.reshape(-1))
+
+
+class _Recorder(TorchDispatchMode):
+    """Every torch operation of a step with its tensors' shapes; a read back to the host raises."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            raise AssertionError("a decode step read a tensor back to the host (.item(), int(), bool())")
+        self.ops.append((str(func), tuple((tuple(a.shape), str(a.dtype)) for a in args
+                                           if isinstance(a, torch.Tensor))))
+        return func(*args, **(kwargs or {}))
+
+
+def _record_launches(monkeypatch, launches):
+    """Every Triton kernel launch of kvcx's (grid, kernel, integers and floats, tensors' shapes and dtypes)."""
+    for module in (_triton_attn, _triton_codec):
+        for name, kernel in list(vars(module).items()):
+            if not (name.endswith("_kernel") and hasattr(kernel, "fn")):   # launched kernels, not helpers
+                continue
+            params = list(inspect.signature(kernel.fn).parameters)
+
+            class Recorded:
+                def __init__(self, real, params, name):
+                    self.real, self.params, self.name = real, params, name
+                    self.fn = real.fn
+
+                def __getitem__(self, grid):
+                    def launch(*args, **kwargs):
+                        items = list(zip(self.params, args)) + sorted(kwargs.items())
+                        launches.append((self.name, tuple(grid), tuple(
+                            (p, (tuple(v.shape), str(v.dtype)) if isinstance(v, torch.Tensor) else v)
+                            for p, v in items)))
+                        return self.real[grid](*args, **kwargs)
+                    return launch
+
+            monkeypatch.setattr(module, name, Recorded(kernel, params, name))
+
+
+def test_a_decode_step_is_the_same_work_at_every_length(tiny, monkeypatch):
+    """What replaying one captured step needs: a whole step (the model, the argmax, the position's increment, as
+    bench_gpu's section 3 captures it) reads nothing back to the host (no .item(), int(), bool(), .tolist() of a
+    tensor) and runs the same torch operations on the same shapes and the same Triton launches (grids, integers,
+    constexprs) at every length: here six steps, the fourth filling a page. On a GPU the step is also captured in a
+    CUDA graph and replayed: the tokens equal the eager steps'."""
+    ids = torch.randint(0, 256, (2, 42), generator=torch.Generator().manual_seed(2)).to(DEVICE)
+
+    def run(cache, steps, record=False, graph=False):
+        with torch.inference_mode():
+            tiny(ids, past_key_values=cache, cache_position=torch.arange(42, device=DEVICE))
+            tok, pos = ids[:, -1:].clone(), torch.tensor([42], device=DEVICE)
+
+            def step():
+                logits = tiny(tok, past_key_values=cache, cache_position=pos).logits
+                tok.copy_(logits[:, -1:].argmax(-1))
+                pos.add_(1)
+
+            out, seen = [], []
+            if graph:
+                g = _captured(step)           # a step from Python (the warm-up), then one captured and replayed
+                out.append(tok.clone())
+                for _ in range(steps - 1):
+                    g.replay()
+                    out.append(tok.clone())
+                return out, seen
+            for _ in range(steps):
+                launches = []
+                if record:
+                    with monkeypatch.context() as m:
+                        _record_launches(m, launches)
+                        m.setattr(torch.Tensor, "tolist", _no_tolist)
+                        with _Recorder() as rec:
+                            step()
+                    seen.append((rec.ops, launches))
+                else:
+                    step()
+                out.append(tok.clone())
+            return out, seen
+
+    tokens, seen = run(StaticKvcxCache(tiny.config, max_cache_len=64, **OPTS), 6, record=True)
+    ops, launches = seen[0]
+    assert any(name == "attend_packed_kernel" for name, *_ in launches) and \
+        any(name == "merge_kernel" for name, *_ in launches) and \
+        any(name.startswith("encode_") for name, *_ in launches)
+    for step_ops, step_launches in seen[1:]:
+        assert step_ops == ops and step_launches == launches
+    if DEVICE == "cuda":   # the real thing: one step captured, replayed five times
+        replayed, _ = run(StaticKvcxCache(tiny.config, max_cache_len=64, **OPTS), 6, graph=True)
+        assert all(torch.equal(a, b) for a, b in zip(tokens, replayed))
+
+
+def _captured(step):
+    """``step`` run once from Python on a side stream (as torch.cuda.graph wants a warm-up), then captured."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph
+
+
+def _no_tolist(self):
+    raise AssertionError("a decode step read a tensor back to the host (.tolist())")
+
+
+def test_what_the_static_cache_refuses_it_names(tiny):
+    cfg = tiny.config
+    for bad in (0, 2.5, True):
+        with pytest.raises(KvcxError, match="max_cache_len must be a positive integer"):
+            StaticKvcxCache(cfg, max_cache_len=bad)
+    with pytest.raises(KvcxError, match="residual_length must be a power of two from 16"):
+        StaticKvcxCache(cfg, max_cache_len=64, residual_length=24)
+    with pytest.raises(KvcxError, match="residual_length .16. must be a multiple of the keys' group .64"):
+        StaticKvcxCache(cfg, max_cache_len=64, residual_length=16)
+    with pytest.raises(KvcxError, match="not one the Triton kernels run.*4-bit"):
+        StaticKvcxCache(cfg, max_cache_len=64, scheme="kvcx3", group_size=16, residual_length=16)
+    with pytest.raises(KvcxError, match="keeps? .* sink|same sink"):
+        StaticKvcxCache(cfg, max_cache_len=64, kv_config=dataclasses.replace(
+            KVConfig.from_scheme("kivi", group_size=16), value=KVConfig.from_scheme("kvcx", group_size=16).value),
+            residual_length=16)
+    ids = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    with pytest.raises(KvcxError, match="20 more does not fit.*larger max_cache_len"):
+        _generate(tiny, StaticKvcxCache(cfg, max_cache_len=10, **OPTS), ids, 2)
+    tiny.set_attn_implementation("sdpa")
+    try:
+        with pytest.raises(KvcxError, match="attention to be 'kvcx'.*set_attn_implementation"):
+            _generate(tiny, StaticKvcxCache(cfg, max_cache_len=64, **OPTS), ids, 2)
+    finally:
+        tiny.set_attn_implementation("kvcx")
+    padded = torch.ones(2, 20, dtype=torch.long, device=DEVICE)
+    padded[1, :3] = 0
+    with pytest.raises(KvcxError, match="rows of equal length.*KvcxCache for padded"):
+        with torch.inference_mode():
+            tiny.generate(ids.repeat(2, 1), attention_mask=padded, past_key_values=StaticKvcxCache(
+                cfg, max_cache_len=64, **OPTS), max_new_tokens=3, do_sample=False)
+    cache = StaticKvcxCache(cfg, max_cache_len=64, **OPTS)
+    with pytest.raises(KvcxError, match="cannot drop tokens"):
+        _generate(tiny, cache, ids, 2)
+        cache.crop(10)
+
+
+def test_a_step_past_the_capacity_raises_from_python_and_is_flagged_in_a_graph(tiny):
+    """From Python, the step that would not fit raises before it runs (the tokens held stay what they were). Inside
+    a replayed CUDA graph a step cannot raise: past max_cache_len it writes within the buffers (the last page's
+    place) and flags it on the device; the next read from Python raises (on a GPU: captured and replayed here)."""
+    ids = torch.randint(0, 256, (1, 30), generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    cache = StaticKvcxCache(tiny.config, max_cache_len=32, **OPTS)
+    with torch.inference_mode():
+        tiny(ids, past_key_values=cache)
+        tok = ids[:, -1:]
+        for _ in range(2):     # two steps fit
+            tiny(tok, past_key_values=cache)
+        with pytest.raises(KvcxError, match="holds max_cache_len=32 tokens: a step of one more does not fit"):
+            tiny(tok, past_key_values=cache)
+    assert cache.tokens == 32
+    if DEVICE == "cuda":
+        cache = StaticKvcxCache(tiny.config, max_cache_len=32, **OPTS)
+        with torch.inference_mode():
+            tiny(ids, past_key_values=cache)
+            g = _captured(lambda: tiny(tok, past_key_values=cache))   # one step from Python, one captured
+            for _ in range(3):                         # the second replay is past the capacity
+                g.replay()
+        with pytest.raises(KvcxError, match="ran past max_cache_len=32.*replayed graph"):
+            cache.memory_report()
+
+
+def test_capacity_is_whole_tiles():
+    cfg = LlamaConfig(num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, hidden_size=128)
+    cache = StaticKvcxCache(cfg, max_cache_len=1000, **OPTS)
+    cap = cache._holder.capacity(1000, 1)
+    assert cap % gpu.ATTN_BLOCK_TOKENS == 0 and cap >= 999 and cap - 999 < math.lcm(16, gpu.ATTN_BLOCK_TOKENS)
