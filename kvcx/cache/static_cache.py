@@ -140,6 +140,10 @@ class StaticKvcxLayer(CacheLayerMixin):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         B, H, _, D = key_states.shape
+        if not gpu.TritonIntBackend.available() or key_states.device.type != "cuda" and not gpu.interpreting():
+            raise KvcxError(f"StaticKvcxCache runs the Triton kernels: it needs triton (pip install 'kvcx[gpu]') and "
+                            f"a CUDA model, not one on {key_states.device.type} (Triton's interpreter, "
+                            "TRITON_INTERPRET=1, runs them on the CPU for tests); on the CPU use KvcxCache")
         self.dtype, self.device = key_states.dtype, key_states.device
         self.batch_size, self.num_heads, self.head_dim = B, H, D
         P = self.residual_length

@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers import DynamicCache, LlamaConfig  # noqa: E402
 
 import kvcx.cache  # noqa: E402,F401  (registers the "kvcx" attention implementation)
 from kvcx.cache.device_store import DevicePackedKV, runs_on_device  # noqa: E402
@@ -22,16 +22,6 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # head dim 32; groups of 32 (keys per channel: the first chunk's 63 packed tokens after the sink end in a partial
 # block, so the store holds two segments, as in real use)
 OPTS = dict(group_size=32, residual_length=32)
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    torch.manual_seed(0)
-    cfg = LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=128,
-                      intermediate_size=256, vocab_size=256, max_position_embeddings=512)
-    model = LlamaForCausalLM(cfg).eval().to(DEVICE)
-    model.set_attn_implementation("kvcx")
-    return model
 
 
 def _generate(model, cache, ids, mask, n=14):

@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers import LlamaConfig  # noqa: E402
 
 import kvcx.cache  # noqa: E402,F401  (registers the "kvcx" attention implementation)
 from kvcx.cache import KvcxCache, StaticKvcxCache  # noqa: E402
@@ -27,16 +27,6 @@ from kvcx.errors import KvcxError  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 OPTS = dict(group_size=16, residual_length=16)   # head dim 32: pages of 16 tokens, keys' blocks of 16
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    torch.manual_seed(0)
-    cfg = LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=128,
-                      intermediate_size=256, vocab_size=256, max_position_embeddings=512)
-    model = LlamaForCausalLM(cfg).eval().to(DEVICE)
-    model.set_attn_implementation("kvcx")
-    return model
 
 
 def _generate(model, cache, ids, n):
@@ -235,22 +225,16 @@ def test_a_decode_step_is_the_same_work_at_every_length(tiny, monkeypatch):
 
 def _captured(step):
     """``step`` run once from Python on a side stream (as torch.cuda.graph wants a warm-up), then captured."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return graph
+    from bench.bench_gpu import capture
+
+    return capture(torch, step, warmup=1)
 
 
 def _no_tolist(self):
     raise AssertionError("a decode step read a tensor back to the host (.tolist())")
 
 
-def test_what_the_static_cache_refuses_it_names(tiny):
+def test_what_the_static_cache_refuses_it_names(tiny, monkeypatch):
     cfg = tiny.config
     for bad in (0, 2.5, True):
         with pytest.raises(KvcxError, match="max_cache_len must be a positive integer"):
@@ -280,6 +264,11 @@ def test_what_the_static_cache_refuses_it_names(tiny):
         with torch.inference_mode():
             tiny.generate(ids.repeat(2, 1), attention_mask=padded, past_key_values=StaticKvcxCache(
                 cfg, max_cache_len=64, **OPTS), max_new_tokens=3, do_sample=False)
+    if DEVICE == "cpu":   # the Triton kernels on CPU tensors only in the interpreter
+        with monkeypatch.context() as m:
+            m.setattr(gpu, "interpreting", lambda: False)
+            with pytest.raises(KvcxError, match="needs triton .* and a CUDA model, not one on cpu.*use KvcxCache"):
+                _generate(tiny, StaticKvcxCache(cfg, max_cache_len=64, **OPTS), ids, 2)
     cache = StaticKvcxCache(cfg, max_cache_len=64, **OPTS)
     with pytest.raises(KvcxError, match="cannot drop tokens"):
         _generate(tiny, cache, ids, 2)
