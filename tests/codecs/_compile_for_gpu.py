@@ -88,6 +88,10 @@ def attention_kernels() -> None:
                                         asm=gpu.ATTN_ASM), "PAGE": 64}
     compile_one(ka.attend_packed_kernel, const, num_warps=gpu.attention_options(const)["num_warps"],
                 fusion=gpu.ATTN_FP_FUSION)
+    # a page a row as long as the sequence's capacity (kvcx.cache.static_cache): a multiple of the tiles, not a power
+    # of two
+    compile_one(ka.attend_packed_kernel, {**const, "PAGE": 33 * gpu.ATTN_BLOCK_TOKENS},
+                num_warps=gpu.attention_options(const)["num_warps"], fusion=gpu.ATTN_FP_FUSION)
     # and with the first tile loaded before the query, the merge as a dependent launch (griddepcontrol in PTX)
     compile_one(ka.attend_packed_kernel, {**const, "EARLY": True, "PDL": True},
                 num_warps=gpu.attention_options(const)["num_warps"], fusion=gpu.ATTN_FP_FUSION)
