@@ -20,6 +20,7 @@ MIN_TORCH = "2.4"
 TRANSFORMERS_FEATURES = (
     ("transformers.cache_utils", "Cache", "the base class of KvcxCache"),
     ("transformers.cache_utils", "DynamicLayer", "the base class of KvcxCache's layers"),
+    ("transformers.cache_utils", "CacheLayerMixin", "the base class of StaticKvcxCache's layers"),
     ("transformers.cache_utils", "DynamicCache", "the exact cache validation compares against"),
     ("transformers.modeling_utils", "AttentionInterface", "registering kvcx's fused attention"),
     ("transformers.masking_utils", "AttentionMaskInterface", "registering kvcx's attention mask"),

@@ -386,9 +386,11 @@ class StaticKvcxCache(Cache):
         for i, (kc, vc) in enumerate(codecs):
             for codec, what in ((kc, "keys"), (vc, "values")):
                 if getattr(codec, "codec_id", None) != "kvcx.int" or codec.bits != 4:
-                    raise KvcxError(f"StaticKvcxCache layer {i}: the {what} codec {codec.codec_id!r} "
-                                    f"({getattr(codec, 'bits', '?')} bits) is not one the Triton kernels run; use a "
-                                    "4-bit kvcx.int scheme (the default 'kvcx', 'kivi', 'reference') or KvcxCache")
+                    bits = getattr(codec, "bits", None)
+                    raise KvcxError(f"StaticKvcxCache layer {i}: the {what} codec {codec.codec_id!r}"
+                                    f"{f' at {bits} bits' if bits is not None else ''} is not one the Triton kernels "
+                                    "run; use a 4-bit kvcx.int scheme (the default 'kvcx', 'kivi', 'reference') or "
+                                    "KvcxCache")
                 if residual_length % codec.token_block:
                     raise KvcxError(f"residual_length ({residual_length}) must be a multiple of the {what}' group "
                                     f"({codec.token_block} tokens) so that a page holds whole groups")
