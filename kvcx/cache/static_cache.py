@@ -28,7 +28,7 @@ What it does not do (an error says so): rows of different lengths (left padding:
 Triton kernels do not run (4-bit ``kvcx.int`` only), models whose attention is not ``"kvcx"``, ``crop()``.
 A step past ``max_cache_len`` from Python raises before it runs; inside a replayed graph it cannot raise: it is
 flagged on the device (its writes kept within the buffers) and the next read from Python (``tokens``, a prompt,
-``memory_report()``) raises. ``get_seq_length()`` is the device counter (a tensor, as transformers' StaticCache
+``check()``, ``memory_report()``) raises; so do non-finite keys or values a replayed step packed (``check()``). ``get_seq_length()`` is the device counter (a tensor, as transformers' StaticCache
 gives): the model adds it to its positions on the device, so a captured step reads it at every replay.
 """
 from __future__ import annotations
@@ -442,6 +442,20 @@ class StaticKvcxCache(Cache):
         plan = self._holder.plan
         return 0 if plan is None else plan.sync("tokens")
 
+    def check(self) -> int:
+        """The tokens held, read from the device, and what a decode step replayed from a graph could not raise
+        there: a KvcxError for a step past ``max_cache_len``, or for keys or values that held NaN or Inf (the
+        encoder's flags; each layer's, one read)."""
+        held = self.tokens
+        layers = [layer for layer in self.layers if layer.is_initialized]
+        if layers:
+            bad = torch.stack([layer.flag.any() for layer in layers]).tolist()
+            if any(bad):
+                first = layers[bad.index(True)].layer_idx
+                raise KvcxError(f"StaticKvcxCache layer {first}: a decode step's keys or values held NaN or Inf (the "
+                                "model's states: check its inputs and dtype); what that step packed is not usable")
+        return held
+
     def reset(self):
         super().reset()
         if self._holder.plan is not None:
@@ -449,7 +463,8 @@ class StaticKvcxCache(Cache):
 
     def memory_report(self) -> dict:
         """Bytes the cache holds (allocated for ``max_cache_len``): packed rows, exact sinks and residual, a page's
-        encode buffers; the tokens held (read from the device) and the bytes a BF16 cache of the capacity holds."""
+        encode buffers; the tokens held (:meth:`check`: read from the device) and the bytes a BF16 cache of the
+        capacity holds."""
         layers: List[StaticKvcxLayer] = [layer for layer in self.layers if layer.is_initialized]
         packed = sum(layer.packed_bytes() for layer in layers)
         exact = sum(layer.exact_bytes() for layer in layers)
@@ -458,5 +473,5 @@ class StaticKvcxCache(Cache):
                      for layer in layers)
         steps = {k: sum(layer.steps[k] for layer in self.layers) for k in ("device", "prompt")}
         return {"packed_bytes": packed, "residual_bytes": exact, "scratch_bytes": scratch,
-                "total_bytes": packed + exact + scratch, "tokens": self.tokens, "max_cache_len":
+                "total_bytes": packed + exact + scratch, "tokens": self.check(), "max_cache_len":
                 self._max_len, "bf16_static_bytes": static, "attention_steps": steps, "backend": "triton"}

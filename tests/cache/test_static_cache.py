@@ -305,3 +305,22 @@ def test_capacity_is_whole_tiles():
     cache = StaticKvcxCache(cfg, max_cache_len=1000, **OPTS)
     cap = cache._holder.capacity(1000, 1)
     assert cap % gpu.ATTN_BLOCK_TOKENS == 0 and cap >= 999 and cap - 999 < math.lcm(16, gpu.ATTN_BLOCK_TOKENS)
+
+
+def test_a_decode_step_of_non_finite_states_is_flagged_and_check_raises():
+    """A step replayed from a graph cannot raise: keys or values of NaN (a model gone wrong) are flagged by the
+    encoder on the device and check() (and memory_report()) raise, naming the layer; finite steps pass it."""
+    cfg = LlamaConfig(num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, hidden_size=128)
+    cfg._attn_implementation = "kvcx"
+    cache = StaticKvcxCache(cfg, max_cache_len=40, **OPTS)
+    K = torch.randn(1, 2, 20, 32, generator=torch.Generator().manual_seed(7)).to(DEVICE)
+    cache.update(K, K, 0)
+    k = K[:, :, :1].clone()
+    cache.update(k, k, 0)
+    HANDOFF.take(k)
+    assert cache.check() == 21
+    bad = torch.full_like(k, float("nan"))
+    cache.update(bad, bad, 0)
+    HANDOFF.take(bad)
+    with pytest.raises(KvcxError, match="layer 0: a decode step's keys or values held NaN or Inf"):
+        cache.memory_report()
