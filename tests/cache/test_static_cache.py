@@ -59,6 +59,25 @@ def test_decode_steps_are_as_close_to_full_precision_as_kvcx_caches(tiny):
     assert float(err_static.max()) <= 1.25 * float(err_kvcx.max()), (err_static, err_kvcx)
 
 
+def test_prompts_in_chunks_and_after_decode_steps_read_the_packed_history(tiny):
+    """A chunked prefill (20, 17 and 8 tokens: the later chunks attend over the decoded pages, the sinks and the
+    residual), five decode steps, then a prompt of 6 tokens after them (a second turn, from a residual the device
+    filled): every step's logits differ from DynamicCache's by no more than KvcxCache's do (the same chunks; give or
+    take a quarter)."""
+    from transformers import DynamicCache
+
+    ids = torch.randint(0, 256, (2, 56), generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    spans = [(0, 20), (20, 37), (37, 45)] + [(t, t + 1) for t in range(45, 50)] + [(50, 56)]
+    logits = []
+    for cache in (StaticKvcxCache(tiny.config, max_cache_len=64, **OPTS),
+                  KvcxCache(tiny.config, backend="triton", **OPTS), DynamicCache()):
+        with torch.inference_mode():
+            logits.append([tiny(ids[:, a:b], past_key_values=cache).logits for a, b in spans])
+    for i, (static, packed, exact) in enumerate(zip(*logits)):
+        err_static, err_kvcx = (float((x - exact).abs().max()) for x in (static, packed))
+        assert err_static <= 1.25 * err_kvcx + 1e-6, (spans[i], err_static, err_kvcx)
+
+
 def test_generate_runs_its_decode_steps_on_the_device_in_buffers_allocated_once(tiny):
     """generate() with a batch of two: the prompt from Python, then every decode step on the device; the cache's
     bytes are those of its capacity, allocated at the first step, a third of a BF16 cache's."""
