@@ -299,12 +299,13 @@ _FAILED_LOAD = re.compile(r"Serde task \d+ \(DESERIALIZE\) failed")
 
 
 def lmcache_counts(server: Server) -> dict:
-    """What LMCache's server log says it did: chunks found in L2 (and L1) by prefetches, tokens retrieved to and
-    stored from the engine, failed L2 stores and failed loads (a chunk the serde refused)."""
+    """What LMCache's server log says it did: chunks found in L2 (and L1) by prefetches (and each prefetch's
+    (retained, requested, L1, L2) keys, in order), tokens retrieved to and stored from the engine, failed L2 stores
+    and failed loads (a chunk the serde refused)."""
     text = server.log_text()
     pre = [tuple(map(int, m)) for m in _PREFETCH.findall(text)]
     return {"l2_hits": sum(p[3] for p in pre), "l1_hits": sum(p[2] for p in pre),
-            "prefetch_keys": sum(p[1] for p in pre),
+            "prefetch_keys": sum(p[1] for p in pre), "prefetches": pre,
             "retrieved_tokens": sum(int(m) for m in _RETRIEVED.findall(text)),
             "stored_tokens": sum(int(m) for m in _STORED.findall(text)),
             "failed_stores": len(_FAILED_STORE.findall(text)), "failed_loads": len(_FAILED_LOAD.findall(text))}
