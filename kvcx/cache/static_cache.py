@@ -28,8 +28,9 @@ What it does not do (an error says so): rows of different lengths (left padding:
 Triton kernels do not run (4-bit ``kvcx.int`` only), models whose attention is not ``"kvcx"``, ``crop()``.
 A step past ``max_cache_len`` from Python raises before it runs; inside a replayed graph it cannot raise: it is
 flagged on the device (its writes kept within the buffers) and the next read from Python (``tokens``, a prompt,
-``check()``, ``memory_report()``) raises; so do non-finite keys or values a replayed step packed (``check()``). ``get_seq_length()`` is the device counter (a tensor, as transformers' StaticCache
-gives): the model adds it to its positions on the device, so a captured step reads it at every replay.
+``check()``, ``memory_report()``) raises; so do non-finite keys or values a replayed step packed (``check()``).
+``get_seq_length()`` is the device counter (a tensor, as transformers' StaticCache gives): the model adds it to its
+positions on the device, so a captured step reads it at every replay.
 """
 from __future__ import annotations
 

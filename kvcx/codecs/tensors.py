@@ -39,8 +39,8 @@ def numpy_to_torch(a: np.ndarray, device=None):
 
 
 def to_device(packed, device):
-    """A :class:`~kvcx.codecs.base.Packed` record: the same record with its arrays as torch tensors on ``device`` (bytes unchanged; arrays already there
-    are shared, not copied)."""
+    """A :class:`~kvcx.codecs.base.Packed` record: the same record with its arrays as torch tensors on ``device``
+    (bytes unchanged; arrays already there are shared, not copied)."""
     def move(a):
         return None if a is None else a.to(device) if is_tensor(a) else numpy_to_torch(a, device)
 
@@ -49,8 +49,8 @@ def to_device(packed, device):
 
 
 def to_host(packed):
-    """A :class:`~kvcx.codecs.base.Packed` record: the same record with its arrays as NumPy arrays (what the formats write; bytes unchanged; CPU tensors
-    are shared, not copied)."""
+    """A :class:`~kvcx.codecs.base.Packed` record: the same record with its arrays as NumPy arrays (what the formats
+    write; bytes unchanged; CPU tensors are shared, not copied)."""
     fields = {f: torch_to_numpy(getattr(packed, f)) if is_tensor(getattr(packed, f)) else getattr(packed, f)
               for f in ("codes", "scales", "zeros", "sinks")}
     return _copied(packed, fields)
