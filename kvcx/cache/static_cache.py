@@ -131,7 +131,6 @@ class StaticKvcxLayer(CacheLayerMixin):
     def __init__(self, key_codec: Codec, value_codec: Codec, plan_holder: "_PlanHolder", residual_length: int,
                  max_cache_len: int, layer_idx: int):
         super().__init__()
-        self.key_codec, self.value_codec = key_codec, value_codec
         self.t0 = key_codec.sinks
         # pages hold packed tokens only: the codecs without sinks, on the Triton backend
         self._codecs = tuple(c.replace(sinks=0).with_backend("triton") for c in (key_codec, value_codec))
