@@ -337,18 +337,31 @@ def attention(torch, dev, cfg, contexts, batches, reps, out, hq, hkv, d):
 
 # the attention kernel's launch settings timed by --variants / --tune: (block tokens, warps, products, prefetch,
 # pipelining stages (None: Triton's default), programs per multiprocessor, ptxas's register cap (None: none), the
-# fast mode's first tile loaded before the query, the merge as a dependent launch). Settings the H100 runs of
-# 2026-11-27 timed and found slower everywhere (4 and 12 programs a multiprocessor, 4 warps, Triton's default
-# stages, TF32 passes: docs/results/gpu-h100-fast-mode-run1.md; the merge inside the attention kernel:
-# docs/results/gpu-h100-merge-in-kernel.md) are no longer timed
-SETTINGS = [(32, 4, "", False, None, 4, None, False, False),          # FP32 sums (the error reference)
-            (64, 1, "fp16", False, 2, 8, None, False, True),          # the default: FP16 tensor cores, one warp,
-            (64, 1, "fp16", False, 2, 8, None, False, False),         # the merge a dependent launch; without it
-            (64, 1, "fp16", False, 2, 8, None, True, True),           # the first tile's loads before the query's
-            (64, 1, "fp16", False, 2, 16, None, False, True),         # two waves of what a multiprocessor holds
-            (64, 2, "int8x3", False, None, 4, None, False, True)]     # the exact mode
+# fast mode's first tile loaded before the query, the merge as a dependent launch, the merge's warps a program and
+# splits it reads at a time). Settings the H100 runs of 2026-11-27 timed and found slower everywhere (4, 12 and 16
+# programs a multiprocessor of one warp, 4 warps, TF32 passes, the first tile early, Triton's default stages at 8
+# programs a multiprocessor where 6 fit: docs/results/gpu-h100-fast-mode-run1.md, gpu.md; the merge inside the
+# attention kernel: docs/results/gpu-h100-merge-in-kernel.md) are no longer timed
+SETTINGS = [(32, 4, "", False, None, 4, None, False, False, 4, 64),          # FP32 sums (the error reference)
+            (64, 1, "fp16", False, 2, 8, None, False, True, 4, 64),          # the default: FP16 tensor cores, one
+            (64, 1, "fp16", False, 2, 8, None, False, False, 4, 64),         # warp, the merge a dependent launch;
+            # what a batch-1 step waits on (docs/results/gpu-sass.md, the sm_90 SASS of the default's loop): each
+            # tile's scales are loaded where they are first used (a full memory latency, twice a tile), and at two
+            # stages Triton issues the next tile's codes at the loop's end and waits for them at its start (nothing
+            # of a tile's compute hides its own loads; only the other programs of a multiprocessor do). "prefetch"
+            # loads each tile's scales with the tile before it; three stages keep the next tile's codes in flight
+            # (33 KB of shared memory: 6 one-warp programs a multiprocessor); 32-token tiles at four stages keep 8
+            (64, 1, "fp16", True, 2, 8, None, False, True, 4, 64),
+            (64, 1, "fp16", True, 3, 6, None, False, True, 4, 64),
+            (32, 1, "fp16", True, 4, 8, None, False, True, 4, 64),
+            # two warps a program at 128 registers: 16 warps a multiprocessor where one warp's 255 registers let 8
+            # run (+14 % instructions a token, a 24-byte spill)
+            (64, 2, "fp16", False, 2, 8, 128, False, True, 4, 64),
+            # the merge in one pass over a batch-1 step's splits (132 on an H100): 8 warps, 256 splits at a time
+            (64, 1, "fp16", False, 2, 8, None, False, True, 8, 256),
+            (64, 2, "int8x3", False, None, 4, None, False, True, 4, 64)]     # the exact mode
 _KNOBS = ("ATTN_BLOCK_TOKENS", "ATTN_WARPS", "ATTN_DOT", "ATTN_PREFETCH", "ATTN_STAGES", "ATTN_PROGRAMS_PER_SM",
-          "ATTN_MAX_REGISTERS", "ATTN_EARLY_TILE", "MERGE_PDL")
+          "ATTN_MAX_REGISTERS", "ATTN_EARLY_TILE", "MERGE_PDL", "MERGE_WARPS", "MERGE_SPLITS")
 
 
 def apply(gpu, setting) -> None:
@@ -363,12 +376,12 @@ def current(gpu) -> tuple:
 def describe(setting) -> str:
     from kvcx.codecs.gpu import ATTN_MODE_WARPS
 
-    bt, warps, dot, prefetch, stages, per_sm, regs, early, pdl = setting
+    bt, warps, dot, prefetch, stages, per_sm, regs, early, pdl, merge_warps, merge_splits = setting
     warps = f"{warps} warps" if warps else f"the mode's warps ({ATTN_MODE_WARPS.get(dot, 'none: not a mode')})"
     return (f"{bt} tokens, {warps}, {dot or 'FP32 sums'}{', prefetch' if prefetch else ''}"
             f"{f', {stages} stages' if stages else ''}, {per_sm} programs/SM"
             f"{f', at most {regs} registers' if regs else ''}{', first tile early' if early else ''}"
-            f"{', merge launched early' if pdl else ''}")
+            f"{', merge launched early' if pdl else ''}, merge {merge_warps} warps x {merge_splits} splits")
 
 
 def variants(torch, dev, cfg, cases, reps, out, hq, hkv, d):
@@ -384,9 +397,9 @@ def variants(torch, dev, cfg, cases, reps, out, hq, hkv, d):
     out(f"## 5. Attention kernel settings (the package's default: {describe(default)})")
     out("")
     out("| tokens | batch | block tokens | warps | products | prefetch | stages | programs/SM | register cap | "
-        "first tile early | merge early | eager (us) | graph (us) | rel. error vs FP32 sums | SDPA-BF16 error (the "
-        "bar) |")
-    out("|---:|---:|---:|---:|---|---|---:|---:|---:|---|---|---:|---:|---:|---:|")
+        "first tile early | merge early | merge warps | merge splits | eager (us) | graph (us) | rel. error vs FP32 "
+        "sums | SDPA-BF16 error (the bar) |")
+    out("|---:|---:|---:|---:|---|---|---:|---:|---:|---|---|---:|---:|---:|---:|---:|---:|")
     for S, B in cases:
         q, _, _, store, rk, rv = case(torch, dev, cfg, B, S, hq, hkv, d, seed=S + B)
         q = q.view(B, hq, d)
@@ -409,10 +422,10 @@ def variants(torch, dev, cfg, cases, reps, out, hq, hkv, d):
                 row = ["failed", f"{type(exc).__name__}", str(exc).splitlines()[0][:60] if str(exc) else "", ""]
             finally:
                 apply(gpu, default)
-            bt, warps, dot, prefetch, stages, per_sm, regs, early, pdl = setting
+            bt, warps, dot, prefetch, stages, per_sm, regs, early, pdl, merge_warps, merge_splits = setting
             out(f"| {S:,} | {B} | {bt} | {warps} | {dot or 'FP32 sums'} | {'yes' if prefetch else 'no'} | "
                 f"{stages or 'default'} | {per_sm} | {regs or 'none'} | {'yes' if early else 'no'} | "
-                f"{'yes' if pdl else 'no'} | " + " | ".join(row) + " |")
+                f"{'yes' if pdl else 'no'} | {merge_warps} | {merge_splits} | " + " | ".join(row) + " |")
         _ = store = rk = rv = None
         if dev.type == "cuda":
             torch.cuda.empty_cache()

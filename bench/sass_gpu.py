@@ -85,7 +85,7 @@ def compile_setting(setting, arch: int, dump: Path | None):
     from kvcx.codecs import KVConfig, gpu
     from kvcx.codecs.triton_kernels import attention as k
 
-    bt, warps, dot, prefetch, stages, _, max_regs, early, pdl = setting
+    bt, warps, dot, prefetch, stages, _, max_regs, early, pdl = setting[:9]
     cfg = KVConfig.from_scheme(SCHEME)
     consts = gpu.attention_constexprs(cfg.key, cfg.value, 4, D, dot, bt, False, prefetch, True, early, pdl)
     fn = k.attend_packed_kernel
@@ -164,7 +164,83 @@ def count(setting, arch, dump):
     kinds = collections.Counter(kind_of(op) for _, op, _ in body)
     return dict(total=len(instrs), loop=len(body), per_token=len(body) / bt, kinds=kinds, regs=regs, stack=stack,
                 shared=shared, programs=resident(regs, shared, setting[1]),
-                local=sum(op.split(".")[0] in ("LDL", "STL") for _, op, _ in body))
+                local=sum(op.split(".")[0] in ("LDL", "STL") for _, op, _ in body), **waits(body))
+
+
+# a load whose value is used within this many instructions of it waits out (most of) the memory's latency
+NEAR = 100
+
+
+def waits(body) -> dict:
+    """What a loop waits on, from its SASS: ``near``, its global loads to registers (``LDG``) whose value is first
+    used (in program order, around the loop) within :data:`NEAR` instructions; ``ahead``, the copies to shared
+    memory (``LDGSTS``, Triton's pipelined loads) the loop lets stay in flight where it waits for them (``DEPBAR.LE
+    SB0, n``: n commit groups, 0 = none: the next tile's loads are all awaited)."""
+    near, ahead = 0, None
+    for i, (_, op, args) in enumerate(body):
+        if op.startswith("DEPBAR.LE"):
+            m = re.search(r"0x([0-9a-f]+)", args)
+            ahead = int(m.group(1), 16) if m and ahead is None else ahead
+        if not op.startswith("LDG.") or op.startswith("LDGSTS"):
+            continue
+        dst = re.escape(args.split(",")[0].strip())
+        for k in range(1, min(NEAR, len(body))):
+            _, _, later = body[(i + k) % len(body)]
+            if "," in later and re.search(rf"\b{dst}\b", later.split(",", 1)[1]):
+                near += 1
+                break
+    return dict(near=near, ahead=ahead)
+
+
+# the merge as bench_gpu.py's batch-1 steps launch it: the default scheme (values rotated), 1 sink and 32 residual
+# tokens, no mask, 4 query rows a KV head, 132 splits (an H100's 8 programs a multiprocessor over 8 KV heads)
+MERGE_SPLITS_A_ROW = 132
+
+
+def count_merge(warps: int, chunk: int, pdl: bool, arch: int, dump: Path | None) -> dict:
+    """The merge kernel at (warps a program, splits read at a time, dependent launch): its instructions and
+    barriers (``BAR.SYNC``: the warps wait for one another, a reduction or a layout change across them) in all and
+    after the grid-dependency wait (what a dependent launch leaves on the step's critical path), and in the loop
+    over the splits' chunks (run once per chunk)."""
+    from kvcx.codecs import gpu
+
+    fn = gpu.attention_kernels().merge_kernel
+    values = dict(q_scale=D ** -0.5, SPT=MERGE_SPLITS_A_ROW, n_sinks=1, n_res=32, add_stride=0, res_off=0, Hkv=8,
+                  norm=gpu._norm(D))
+    pointers = {**{a: "fp32" for a in ("m_ptr", "l_ptr", "acc_ptr", "add_ptr", "out_ptr")},
+                **{a: "bf16" for a in ("q_ptr", "sk_ptr", "sv_ptr", "rk_ptr", "rv_ptr")}, "res_lens_ptr": "i32"}
+    const = dict(R=4, D=D, SB=1, RB=32, HAS_MASK=False, ROTATE=True, CH=chunk, PDL=pdl, RES_LENS=False)
+    sig, attrs, consts = launch_signature(fn, values, const, pointers)
+    opts = dict(num_warps=warps, enable_fp_fusion=gpu.ATTN_FP_FUSION)
+    sass, regs, stack, kname, _ = build(fn, sig, consts, attrs, opts, arch, dump, f"merge_{warps}w_{chunk}s")
+    instrs = parse(sass, kname)
+    wait = next((i for i, (_, op, _) in enumerate(instrs) if op.startswith("ACQBULK")), 0)
+    loop = main_loop(instrs)
+    bars = [i for i, (_, op, _) in enumerate(instrs) if op.startswith("BAR.SYNC")]
+    return dict(total=len(instrs), after=len(instrs) - wait, bars=len(bars), bars_after=sum(i > wait for i in bars),
+                loop=0 if loop is None else loop[1] - loop[0] + 1,
+                loop_bars=0 if loop is None else sum(loop[0] <= i <= loop[1] for i in bars),
+                chunks=-(-MERGE_SPLITS_A_ROW // chunk), regs=regs, stack=stack)
+
+
+def merge_table(emit, settings, arch: int, dump: Path | None) -> None:
+    emit(f"\n## The merge kernel, as a batch-1 step launches it ({MERGE_SPLITS_A_ROW} splits a query row, 1 sink and "
+         "32 residual tokens, values rotated)\n")
+    emit("A program a query row; its warps wait for one another at each barrier (a reduction or a layout change "
+         "across warps, through shared memory). With the dependent launch, what comes before the wait (the query, "
+         "the exact tokens and their softmax) runs while the attention kernel does; what follows it is on the step's "
+         "critical path: the loop over the splits' chunks (its barriers once per chunk), the rotation back, the "
+         "store.\n")
+    emit("| merge warps | splits at a time | dependent launch | chunks a row | instructions | after the wait | "
+         "in the loop | barriers | after the wait | in the loop | barriers after the wait, per row | registers | "
+         "stack bytes |")
+    emit("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for warps, chunk, pdl in dict.fromkeys((s[9], s[10], s[8]) for s in settings):
+        r = count_merge(warps, chunk, pdl, arch, dump)
+        path = r["bars_after"] - r["loop_bars"] + r["loop_bars"] * r["chunks"] if pdl else None
+        emit(f"| {warps} | {chunk} | {'yes' if pdl else 'no'} | {r['chunks']} | {r['total']} | "
+             f"{r['after'] if pdl else 'n/a'} | {r['loop']} | {r['bars']} | {r['bars_after'] if pdl else 'n/a'} | "
+             f"{r['loop_bars']} | {path if path is not None else 'n/a'} | {r['regs']} | {r['stack']} |", flush=True)
 
 
 # bench_gpu.py's bandwidth section: the tensor, and the codecs (label, scheme, which) it times, plus the reference's
@@ -291,19 +367,23 @@ def main(argv=None):
          "by kind; registers a thread and the bytes of its stack frame (spills; ptxas) with the loop's accesses to it, "
          "shared memory a program, "
          "and the warps a multiprocessor runs at once by them (sm_90's occupancy rules: the more, the more of each "
-         "other's latency they hide).\n")
+         "other's latency they hide); and what a program's own loop waits on: its global loads whose value it uses "
+         f"within {NEAR} instructions (the scales; each waits out most of the memory's latency), and the copies of "
+         "the next tiles' codes to shared memory (Triton's pipelining) still in flight where the loop waits for "
+         "its tile's (0: none, the next tile's loads issued at the loop's end are all awaited at its start).\n")
     head = [label for label, _ in KINDS] + ["other"]
     emit("| setting | tile tokens | warp instructions / token | loop instructions / token | " + " | ".join(head) +
          " | registers | stack bytes (spills) | spill accesses a loop | shared bytes | warps a multiprocessor | "
-         "kernel instructions |")
-    emit("|---|---:|---:|---:|" + "---:|" * len(head) + "---:|---:|---:|---:|---:|---:|")
+         f"kernel instructions | loads awaited within {NEAR} instructions a tile | load groups in flight at the wait |")
+    emit("|---|---:|---:|---:|" + "---:|" * len(head) + "---:|---:|---:|---:|---:|---:|---:|---:|")
     for setting in SETTINGS[:args.limit]:
         r = count(setting, args.arch, args.dump)
         bt = r["loop"] / r["per_token"]
         cells = " | ".join(f"{r['kinds'].get(h, 0) / bt:.1f}" for h in head)
         emit(f"| {describe(setting)} | {bt:.0f} | {r['per_token'] * setting[1]:.1f} | {r['per_token']:.1f} | {cells} | "
              f"{r['regs']} | {r['stack']} | {r['local']} | {r['shared']} | {r['programs'] * setting[1]} | "
-             f"{r['total']} |", flush=True)
+             f"{r['total']} | {r['near']} | {'n/a' if r['ahead'] is None else r['ahead']} |", flush=True)
+    merge_table(emit, SETTINGS[:args.limit], args.arch, args.dump)
     codec_table(emit, args.arch, args.dump)
     emit(f"\nTotal {time.perf_counter() - t0:.0f} s.")
     if args.markdown:

@@ -22,7 +22,7 @@ KERNEL_DOOR = "kvcx.codecs."     # the only importers of the CPU kernels (kvcx.c
 # the Triton kernels (the codec's, the fused attention's: they may import each other) and their one importer, the
 # codecs' GPU backend (torch, triton lazily)
 TRITON_KERNELS = {"kvcx.codecs.triton_kernels.codec", "kvcx.codecs.triton_kernels.attention",
-                  "kvcx.codecs.triton_kernels.merge"}
+                  "kvcx.codecs.triton_kernels.merge", "kvcx.codecs.triton_kernels.products"}
 TRITON_DOOR = {"kvcx.codecs.gpu"}
 MAX_FLOORS = 11   # two added in 2026-11: the kernels choose their variant for the CPU (kvcx.codecs.cpu), and the
 #                   CLI is split by command (kvcx.cli.app, the commands, the package that registers them)

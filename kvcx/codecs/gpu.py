@@ -266,7 +266,7 @@ ATTN_DOTS = ("", "tf32x2", "tf32", "tf32x3", "ieee", "int8x3", "fp16")   # what 
 # "fp16" on a GPU: the codes become FP16 in PTX (inline assembly: a byte permute, lop3 and FP16x2 arithmetic, 8
 # codes in 10 instructions); False: the same bits in Triton's own operations (what the interpreter always runs)
 ATTN_ASM = True
-ATTN_PREFETCH = False        # load the next tile's codes before working this one
+ATTN_PREFETCH = False        # load the next tile's codes (the fast mode: its scales) before working this one
 ATTN_STAGES = 2              # Triton's software pipelining depth for the attention kernel (None: its default)
 # packed tokens per split at least (flash-decoding along the context): short contexts get many short splits, each
 # program's tiles one after another being the step's latency (the merge reads the splits a query row a program)
@@ -276,8 +276,7 @@ ATTN_PROGRAMS_PER_SM = 8     # splits enough for about this many programs per mu
 # overlap theirs), for kvcx.codecs.splits.split_tiles: fitted to an H100's batch-8 steps (docs/RESULTS.md), 0.5
 ATTN_PROGRAM_TILES = 0.5
 # ptxas's cap on the attention kernel's registers a thread (Triton's ``maxnreg``; None: ptxas's own): at 255 eight
-# one-warp programs fit a multiprocessor, at 128 sixteen, with what ptxas then spills (bench/sass_gpu.py counts both)
-ATTN_MAX_REGISTERS = None
+ATTN_MAX_REGISTERS = None    # one-warp programs fit a multiprocessor, at 128 sixteen (bench/sass_gpu.py: spills)
 MERGE_SPLITS = 64            # splits the merge kernel reads at a time (a program a query row: [64, D] floats)
 MERGE_WARPS = 4              # warps per merge program (a batch-1 step's merge is 32 programs: its latency counts)
 # the merge launched while the attention runs (sm_90: a dependent launch, it waits for the attention's grid to read
@@ -384,14 +383,15 @@ def attention_rows(R: int, NG: int, dot: str) -> int:
 
 
 def attention_constexprs(key_codec, value_codec, R: int, D: int, dot: str, block_tokens: int, has_mask: bool,
-                         prefetch: bool, asm: bool = False, early: bool = False, pdl: bool = False) -> dict:
+                         prefetch: bool, asm: bool = False, early: bool = False, pdl: bool = False, paged=False):
     """The constexprs of :func:`~kvcx.codecs.triton_kernels.attention.attend_packed_kernel` for these codecs and launch settings
     (what the launcher passes; the offline compile test and bench/sass_gpu.py build the kernel the same way). A
     tile lies within one per-channel block: ``block_tokens`` is cut to the smallest per-channel group; ``dot`` is
     what the shapes allow of it (FP32 sums under head dim 32, two TF32 passes where int8 products would not do
     and for "fp16" with per-token keys, whose scales vary along the products' sums). ``asm``: "fp16"'s codes
-    converted in PTX (a GPU, not the interpreter); ``early``: the transposed fast mode's first tile loaded before
-    the query; ``pdl``: the merge launched as a dependent launch (a GPU: :func:`dependent_merge`)."""
+    converted in PTX (a GPU); ``prefetch``: the next tile's codes loaded before a tile is worked (not ``paged``),
+    in the transposed fast mode its scales (``AHEAD``); ``early``: that mode's first tile loaded before the query;
+    ``pdl``: the merge launched as a dependent launch (a GPU: :func:`dependent_merge`)."""
     if dot not in ATTN_DOTS:
         raise CodecError(f"attention products {dot!r} (kvcx.codecs.gpu.ATTN_DOT) are not a mode of the attention "
                          f"kernel; set one of {', '.join(repr(d) for d in ATTN_DOTS)}")
@@ -404,13 +404,13 @@ def attention_constexprs(key_codec, value_codec, R: int, D: int, dot: str, block
     elif dot == "fp16" and (key_codec.axis != "channel" or bt < 16):
         dot = "tf32x2"    # per-token keys: a scale a group of a token's channels (dequantized in the tile)
     # the fast mode with per-channel keys and per-token values runs transposed (the tokens the products' long side)
-    trans = dot == "fp16" and key_codec.axis == "channel" and value_codec.axis != "channel" and not prefetch
+    trans = dot == "fp16" and key_codec.axis == "channel" and value_codec.axis != "channel"
     rp = max(_pow2(R), -(-8 // ng)) if trans else attention_rows(R, ng, dot)
     return dict(R=R, RP=rp, D=D, BT=bt, KG=key_codec.group_size,
                 K_CHANNEL=key_codec.axis == "channel", K_ASYM=key_codec.asym, VG=value_codec.group_size,
                 V_CHANNEL=value_codec.axis == "channel", V_ASYM=value_codec.asym, HAS_MASK=has_mask, DOT=dot, NG=ng,
-                PREFETCH=prefetch, ASM=bool(asm) and dot == "fp16", PAGE=0, TRANS=trans, EARLY=bool(early) and trans,
-                PDL=bool(pdl))
+                PREFETCH=bool(prefetch) and not trans and not paged, ASM=bool(asm) and dot == "fp16", PAGE=0,
+                TRANS=trans, EARLY=bool(early) and trans, PDL=bool(pdl), AHEAD=bool(prefetch) and trans)
 
 
 def attention_options(const: dict) -> dict:

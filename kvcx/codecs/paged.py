@@ -193,8 +193,9 @@ def attend(q, pool: PagedKV, block_table, seq_lens, scaling: Optional[float] = N
     scaling = D ** -0.5 if scaling is None else float(scaling)
     qr = gpu.rotated_query(rows, scaling) if kc.rotate else None
     table = block_table.contiguous()
-    const = gpu.attention_constexprs(kc, vc, R, D, gpu.ATTN_DOT, min(gpu.ATTN_BLOCK_TOKENS, P), False, False,
-                                     gpu.ptx_codes(q), gpu.ATTN_EARLY_TILE, gpu.dependent_merge(q))
+    const = gpu.attention_constexprs(kc, vc, R, D, gpu.ATTN_DOT, min(gpu.ATTN_BLOCK_TOKENS, P), False,
+                                     gpu.ATTN_PREFETCH, gpu.ptx_codes(q), gpu.ATTN_EARLY_TILE, gpu.dependent_merge(q),
+                                     paged=True)
     per = gpu.split_tokens(N, table.shape[1] * P, per_split)
     nsp = max(1, -(-(table.shape[1] * P) // per))
     m, l, acc = (torch.empty(N, nsp, R, *d, device=dev) for d in ((), (), (D,)))

@@ -28,7 +28,7 @@ def _sequences(g, H, D, lens, shared):
     return seqs
 
 
-@pytest.mark.parametrize("dot", ["int8x3", "fp16", "fp16-early"])
+@pytest.mark.parametrize("dot", ["int8x3", "fp16", "fp16-early", "fp16-prefetch"])
 @pytest.mark.parametrize("keys", ["channel", "rotated"])
 def test_paged_attention_equals_the_contiguous_store(dot, keys, monkeypatch):
     """Three rows of odd lengths (a partial last page each but one) in scrambled pages of 64 tokens, row 2 sharing
@@ -36,8 +36,10 @@ def test_paged_attention_equals_the_contiguous_store(dot, keys, monkeypatch):
     read): each row's output equals the contiguous store's over the same records (gpu.attend, one row at a time),
     within FP32 rounding in the exact mode and, in the fast mode, within SDPA-BF16's own error of the FP32 result;
     also with a split's first tile loaded before the query ("fp16-early": row 1's splits past its length, over the
-    padding's NaN page, count for nothing)."""
+    padding's NaN page, count for nothing) and with each tile's scales loaded with the tile before it through the
+    table ("fp16-prefetch": the same bits as without)."""
     monkeypatch.setattr(gpu, "ATTN_EARLY_TILE", dot.endswith("-early"))
+    monkeypatch.setattr(gpu, "ATTN_PREFETCH", dot.endswith("-prefetch"))
     dot = dot.split("-")[0]
     monkeypatch.setattr(gpu, "ATTN_DOT", dot)
     kc, vc = _codecs()
@@ -65,6 +67,10 @@ def test_paged_attention_equals_the_contiguous_store(dot, keys, monkeypatch):
     q = torch.randn(3, H * R, D, generator=g).to(DEVICE)
     out = paged.attend(q, pool, table.to(DEVICE), torch.tensor(lens, dtype=torch.int32, device=DEVICE), per_split=64)
     assert out.shape == q.shape and out.dtype == torch.float32 and bool(torch.isfinite(out).all())
+    if gpu.ATTN_PREFETCH:   # loads moved, not arithmetic: the same bits as the scales loaded with their tile
+        monkeypatch.setattr(gpu, "ATTN_PREFETCH", False)
+        assert torch.equal(out, paged.attend(q, pool, table.to(DEVICE), torch.tensor(lens, dtype=torch.int32,
+                                                                                     device=DEVICE), per_split=64))
     for b, (pk, pv) in enumerate(records):
         alone = gpu.attend(q[b:b + 1], gpu.to_device(_batched(pk), DEVICE), gpu.to_device(_batched(pv), DEVICE),
                            kc, vc, per_split=64)[0]

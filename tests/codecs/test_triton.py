@@ -268,8 +268,9 @@ ATTENTION_CASES = [
 ]
 # the next tile's codes loaded ahead (a --tune setting, not the default): the same kernel but for its loads, run
 # on a layout of each kind (channel keys and rotated values, per-token keys, per-channel values with a partial
-# tile and several splits, int8 products) rather than on all of them
-PREFETCHED = {0, 3, 11, 13, 18}
+# tile and several splits, int8 products) rather than on all of them; in the fast mode transposed, each tile's
+# scales with the tile before it (its layouts as for EARLY)
+PREFETCHED = {0, 3, 11, 13, 18, 19, 20, 23}
 # the fast mode's first tile loaded before the query (a --tune setting): its transposed layouts (Llama-3's shape,
 # a partial last tile, values' zero points, rotated keys)
 EARLY = {18, 19, 20, 23}
@@ -448,6 +449,47 @@ def test_the_merge_launched_early_changes_no_bit_of_the_attention(monkeypatch):
     assert gpu.dependent_merge(q) == (DEVICE == "cuda" and torch.cuda.get_device_capability()[0] >= 9)
     early = attend(q, pk, pv, kc, vc, rk, rv, per_split=64)
     assert torch.equal(plain, early) and bool(torch.isfinite(plain).all())
+
+
+@pytest.mark.parametrize("S,per", [(300, 128), (300, 64), (100, 64), (40, 64)])
+def test_the_scales_loaded_a_tile_ahead_change_no_bit_of_the_attention(S, per, monkeypatch):
+    """gpu.ATTN_PREFETCH in the fast mode transposed (a --tune setting): each tile's scales and offsets are loaded
+    with the tile before it, so that their loads are in flight while that tile is worked (Triton pipelines the
+    codes' loads, not these); the same arithmetic on the same values: the same bits, over splits of several whole
+    tiles and a partial last one, of one whole tile, and of a partial tile alone (the loop runs no tile)."""
+    from kvcx.codecs import gpu
+    from kvcx.codecs.gpu import attend
+
+    monkeypatch.setattr(gpu, "ATTN_DOT", "fp16")
+    q, pk, pv, kc, vc, rk, rv = _default_step(S + per, B=2, S=S, nr=3)
+    cfg = KVConfig.from_scheme("kvcx")
+    D, R = q.shape[-1], q.shape[1] // 2
+    assert gpu.attention_constexprs(cfg.key, cfg.value, R, D, "fp16", 64, False, True)["AHEAD"]
+    plain = attend(q, pk, pv, kc, vc, rk, rv, per_split=per)
+    monkeypatch.setattr(gpu, "ATTN_PREFETCH", True)
+    ahead = attend(q, pk, pv, kc, vc, rk, rv, per_split=per)
+    assert torch.equal(plain, ahead) and bool(torch.isfinite(plain).all())
+
+
+def test_the_merge_reads_the_splits_in_chunks_of_any_size_to_the_same_softmax(monkeypatch):
+    """gpu.MERGE_SPLITS / MERGE_WARPS (launch settings bench_gpu's --tune times): the merge reads a query row's splits
+    a chunk at a time with a running maximum, after the exact tokens' softmax; chunks of 2 (three of them over 5
+    splits: the running maximum across chunks), of 256 (all at once) and 8 warps give the default's output within
+    FP32's rounding (only the order of the sums differs), with the scheme's sink and a residual, and with the sink
+    alone."""
+    from kvcx.codecs import gpu
+    from kvcx.codecs.gpu import attend
+
+    for nr in (5, 0):
+        q, pk, pv, kc, vc, rk, rv = _default_step(12 + nr, B=2, S=300, nr=nr)
+        rk, rv = (rk, rv) if nr else (None, None)
+        base = attend(q, pk, pv, kc, vc, rk, rv, per_split=64)
+        for warps, chunk in ((4, 2), (8, 256), (1, 16)):
+            monkeypatch.setattr(gpu, "MERGE_WARPS", warps)
+            monkeypatch.setattr(gpu, "MERGE_SPLITS", chunk)
+            other = attend(q, pk, pv, kc, vc, rk, rv, per_split=64)
+            assert torch.allclose(other, base, rtol=1e-5, atol=1e-6 * float(base.abs().max())), (warps, chunk, nr)
+        monkeypatch.undo()
 
 
 @pytest.mark.parametrize("D,block,kg,dot", [(128, 64, 64, "int8x3"), (64, 32, 64, "int8x3"), (32, 32, 64, "tf32x2"),

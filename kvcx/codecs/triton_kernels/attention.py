@@ -13,131 +13,11 @@ except ImportError:  # pragma: no cover
     gdc_launch_dependents = None
 
 from kvcx.codecs.triton_kernels.merge import merge_kernel  # noqa: F401  (the launchers take both from here)
-
-
-@triton.jit
-def _mm(a, b, acc, DOT: tl.constexpr):
-    """acc + a [M, K] @ b [K, N] in FP32: broadcast sums (``DOT`` empty) or ``tl.dot`` at that input precision
-    ("tf32x2" and "int8x3" take "tf32x3" here: both operands are split), summed into ``acc`` [M, N] by the
-    products themselves (tl.dot's accumulator: no separate additions)."""
-    if DOT == "tf32x2" or DOT == "int8x3":
-        out = tl.dot(a, b, acc, input_precision="tf32x3")
-    elif DOT != "":
-        out = tl.dot(a, b, acc, input_precision=DOT)
-    else:
-        out = acc + tl.sum(a[:, :, None] * b[None, :, :], axis=1)
-    return out   # one return: Triton traces what follows a return in a constexpr branch too
-
-
-@triton.jit
-def _mmc(a, c, acc, DOT: tl.constexpr):
-    """acc + a [M, K] (FP32) @ (c - 8) [K, N], c the codes (0..15), as :func:`_streams` gives them for ``DOT``
-    (centred floats, or 16 (c - 8) as int8 for "int8x3"), as :func:`_mm`. "tf32x2": a split in its TF32 bits
-    and the rest, two TF32 products (FP32's accuracy: c needs no split), the second summing into the first;
-    "tf32": one product (a rounded to TF32); "int8x3": :func:`_mm_int8x3`."""
-    if DOT == "int8x3":
-        out = _mm_int8x3(a, c, acc)
-    elif DOT == "tf32x2":
-        hi = (a.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
-        out = tl.dot(a - hi, c, tl.dot(hi, c, acc, input_precision="tf32"), input_precision="tf32")
-    else:
-        out = _mm(a, c, acc, DOT)
-    return out
-
-
-@triton.jit
-def _max_nan(a, b):
-    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
-
-
-@triton.jit
-def _absmax(a):
-    """The largest magnitude of each row of ``a``, NaN where the row holds one (tl.max skips NaN)."""
-    return tl.reduce(tl.abs(a), 1, _max_nan)
-
-
-@triton.jit
-def _unit(amax, TOP: tl.constexpr = 20):
-    """(1 / u, u) for rows whose largest magnitude is ``amax``: u the power of two with amax <= 2**TOP u < 2 amax
-    (from the exponent's bits: no division), u NaN where amax is not finite (so are the products then: a NaN in
-    the query or the weights gives NaN, not a finite result of its bits). TOP 20: :func:`_fixed`'s 21-bit fixed
-    point; 15: FP16's range (65,504 > 2**15: the scaled rows fit, and keep FP16's 11 bits down to 2**-14 of it)."""
-    e = tl.maximum((amax.to(tl.int32, bitcast=True) + 0x7FFFFF) >> 23, TOP + 1)   # 2**(e - 127) >= amax
-    inv = ((254 + TOP - e) << 23).to(tl.float32, bitcast=True)                     # 2**(TOP - (e - 127))
-    return inv, ((e - TOP) << 23).to(tl.float32, bitcast=True) + (amax - amax)
-
-
-@triton.jit
-def _fixed(a, inv):
-    """The rows of ``a`` as a fixed point, x = round(a * inv) (|x| <= 2**20), in three int8 pieces x = x0 * 2**14 +
-    x1 * 2**7 + x2 (x0 signed, x1 and x2 0..127): rounded by the bits of x + 1.5 * 2**23 (nearest,
-    ties to even), the pieces being the low bits of those bits (the offset 2**22 is a multiple of 2**14)."""
-    xb = (a * inv[:, None] + 12582912.0).to(tl.int32, bitcast=True)
-    return (xb >> 14).to(tl.int8), ((xb >> 7) & 127).to(tl.int8), (xb & 127).to(tl.int8)
-
-
-@triton.jit
-def _dot3(x0, x1, x2, c):
-    """x @ (c - 8) in int32, exact, for x in :func:`_fixed`'s pieces and c as :func:`_streams` gives it for
-    "int8x3" (16 (c - 8)): the three products are multiples of 16 (the last is shifted down exactly), and every
-    term fits for K <= 128 (|x0 16 (c - 8)| sums to 2**20 there, |x (c - 8)| to 2**30: two such sums, the keys'
-    streams, fit for K <= 64, head dim 128)."""
-    return tl.dot(x0, c, out_dtype=tl.int32) * 1024 + tl.dot(x1, c, out_dtype=tl.int32) * 8 + \
-        (tl.dot(x2, c, out_dtype=tl.int32) >> 4)
-
-
-@triton.jit
-def _mm_int8x3(a, c, acc):
-    """acc + a @ (c - 8) on the integer tensor cores (c as :func:`_streams` gives it, K <= 128): each row of ``a``
-    a 21-bit fixed point of its largest magnitude (:func:`_fixed`), three int8 products summed exactly in int32
-    (:func:`_dot3`), then one conversion to FP32 and a scaling. Error: the rounding of x, 2**-21 of the row's
-    largest |a| a term, 2**-20 of it at most (the scale is a power of two)."""
-    inv, unit = _unit(_absmax(a))
-    x0, x1, x2 = _fixed(a, inv)
-    return acc + _dot3(x0, x1, x2, c).to(tl.float32) * unit[:, None]
-
-
-# FP16 magic numbers: 0x6400 is 1024.0, whose last mantissa bit is worth 1, so 0x6400 | n is 1024 + n for a nibble n
-# (0..15) and 0x6400 | 16 n is 1024 + 16 n: the centred code n - 8 is (1024 + n) - 1032, or (1024 + 16 n) / 16 - 72,
-# exact in FP16
-_F16_CODES_ASM = tl.constexpr("""{
-    .reg .b32 t, u, m, s, c;
-    prmt.b32 t, $4, 0, 0x3120;
-    shr.b32 u, t, 8;
-    lop3.b32 $0, t, 0x000F000F, 0x64006400, 0xEA;
-    lop3.b32 $1, u, 0x000F000F, 0x64006400, 0xEA;
-    lop3.b32 $2, t, 0x00F000F0, 0x64006400, 0xEA;
-    lop3.b32 $3, u, 0x00F000F0, 0x64006400, 0xEA;
-    mov.b32 m, 0x64086408;
-    mov.b32 s, 0x2C002C00;
-    mov.b32 c, 0xD480D480;
-    sub.f16x2 $0, $0, m;
-    sub.f16x2 $1, $1, m;
-    fma.rn.f16x2 $2, $2, s, c;
-    fma.rn.f16x2 $3, $3, s, c;
-}""")
+from kvcx.codecs.triton_kernels.products import _absmax, _codes16, _dot3, _fixed, _max_nan, _mm, _mmc, _unit
 
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
-
-
-@triton.jit
-def _codes16(b, ASM: tl.constexpr):
-    """A tile of packed bytes -> (even, odd) channel codes minus 8 (-8..7) as FP16 (exact), the low and the high
-    nibbles, by the FP16 magic number (no integer-to-float conversion). ``ASM``: four bytes at a time in PTX, the
-    way the fastest int4 kernels do it (BitDecoding's, FasterTransformer's): one byte permute (bytes 0, 2, 1, 3,
-    so that each pair of halves holds two consecutive bytes' nibbles), one shift, four lop3 (mask, or the magic
-    number), two FP16x2 subtractions and two FP16x2 FMAs for 8 codes; else the same bits element by element in
-    Triton (what the interpreter runs; a test compares the two on a GPU)."""
-    if ASM:
-        lo, hi = tl.inline_asm_elementwise(_F16_CODES_ASM, "=r,=r,=r,=r,r", [b], dtype=(tl.float16, tl.float16),
-                                           is_pure=False, pack=4)
-    else:
-        w = b.to(tl.int16)
-        lo = ((w & 15) | 0x6400).to(tl.float16, bitcast=True) - 1032.0
-        hi = ((w & 240) | 0x6400).to(tl.float16, bitcast=True) * 0.0625 - 72.0
-    return lo, hi
 
 
 @triton.jit
@@ -291,17 +171,31 @@ def _tile(kb, vb, tb, tm, tt, j, g, he, ho, qe, qo, q_unit, ksr, kzr, vsr, vzr, 
 
 
 @triton.jit
-def _tile_t(kb, vb, tb, tm, tt, j, heT, hoT, q_unit, ksr, kzr, vsr, vzr, vcol_off, mask_row, m_i, l_i, oe, oo, cz,
-            u_acc, v_top, RP: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, KG: tl.constexpr,
+def _tile_scales(ksr, kzr, vsr, vzr, tb, tm, j, vcol_off, D: tl.constexpr, KG: tl.constexpr, K_ASYM: tl.constexpr,
+                 VG: tl.constexpr, V_ASYM: tl.constexpr, MASKED: tl.constexpr):
+    """The scales and offsets :func:`_tile_t` takes for the tile from token ``tb``: the keys' block's per channel
+    (even, odd: :func:`_channel_params`) and the values' per token and group ([BT, NG]: :func:`_token_params`,
+    ``tm``-masked where ``MASKED``), all issued together (each load's wait then overlaps the others')."""
+    se, so, ze, zo = _channel_params(ksr + (tb // KG) * D, kzr + (tb // KG) * D, j, K_ASYM)
+    sc, zc = _token_params(vsr, vzr, tb * D // VG + vcol_off, tm[:, None], V_ASYM, MASKED)
+    return se, so, ze, zo, sc, zc
+
+
+@triton.jit
+def _tile_t(kb, vb, tb, tm, tt, j, heT, hoT, q_unit, ksr, kzr, vsr, vzr, vcol_off, se, so, ze, zo, sc, zc, mask_row,
+            m_i, l_i, oe, oo, cz, u_acc, v_top, RP: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, KG: tl.constexpr,
             K_ASYM: tl.constexpr, VG: tl.constexpr, V_ASYM: tl.constexpr, HAS_MASK: tl.constexpr, NG: tl.constexpr,
-            ASM: tl.constexpr, MASKED: tl.constexpr):
+            ASM: tl.constexpr, MASKED: tl.constexpr, GIVEN: tl.constexpr):
     """One tile of the fast mode transposed (``TRANS``: per-channel keys, per-token values): the tokens are the
     products' long side (M) and the RP x NG product columns (g, r) their short one (N, 8 or more), so that the
     softmax, the weights and the accumulators hold no padding rows to fill tl.dot's 16: scores^T [BT, NT] =
-    codes [BT, D / 2] @ (query times the block's scales)^T, accumulators^T [D / 2, NT] += codes^T @ weights^T."""
+    codes [BT, D / 2] @ (query times the block's scales)^T, accumulators^T [D / 2, NT] += codes^T @ weights^T.
+    The block's and the tokens' scales and offsets (:func:`_tile_scales`) are ``se`` .. ``zc`` where ``GIVEN``
+    (loaded ahead), else loaded here from ``ksr`` .. ``vcol_off``, each where it is first used."""
     NT: tl.constexpr = RP * NG
     klo, khi = _codes16(kb, ASM)
-    se, so, ze, zo = _channel_params(ksr + (tb // KG) * D, kzr + (tb // KG) * D, j, K_ASYM)
+    if not GIVEN:
+        se, so, ze, zo = _channel_params(ksr + (tb // KG) * D, kzr + (tb // KG) * D, j, K_ASYM)
     s = tl.dot(khi, (hoT * so[:, None]).to(tl.float16),
                tl.dot(klo, (heT * se[:, None]).to(tl.float16), tl.zeros([BT, NT], tl.float32)))
     b = tl.sum(heT * ze[:, None] + hoT * zo[:, None], axis=0)
@@ -320,7 +214,8 @@ def _tile_t(kb, vb, tb, tm, tt, j, heT, hoT, q_unit, ksr, kzr, vsr, vzr, vcol_of
     p = tl.exp2(s - m_use[None, :])
     l_i = l_i * alpha + tl.sum(p, axis=0)
     vlo, vhi = _codes16(vb, ASM)
-    sc, zc = _token_params(vsr, vzr, tb * D // VG + vcol_off, tm[:, None], V_ASYM, MASKED)   # [BT, NG]
+    if not GIVEN:
+        sc, zc = _token_params(vsr, vzr, tb * D // VG + vcol_off, tm[:, None], V_ASYM, MASKED)   # [BT, NG]
     sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (BT, NG, RP)), (BT, NT))      # column (g, r): group g's
     if V_ASYM:
         zc = tl.reshape(tl.broadcast_to(zc[:, :, None], (BT, NG, RP)), (BT, NT))
@@ -369,7 +264,7 @@ def attend_packed_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, 
                          VG: tl.constexpr, V_CHANNEL: tl.constexpr, V_ASYM: tl.constexpr, HAS_MASK: tl.constexpr,
                          DOT: tl.constexpr, NG: tl.constexpr, PREFETCH: tl.constexpr, ASM: tl.constexpr,
                          PAGE: tl.constexpr, TRANS: tl.constexpr, EARLY: tl.constexpr = False,
-                         PDL: tl.constexpr = False):
+                         PDL: tl.constexpr = False, AHEAD: tl.constexpr = False):
     """Flash-decoding over packed codes: program (slab n = batch row x KV head, split sp) reads its KV head's
     packed tokens [sp * per_split, (sp + 1) * per_split) once for the R query rows that share it (q times
     ``q_scale``, in any float dtype; rotated already where the keys are), BT tokens a tile (within one per-channel
@@ -412,7 +307,9 @@ def attend_packed_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, 
     transposed, the tile's tokens their long side and the RP x NG columns (value group, query row) their short one,
     so that nothing but the products holds padding rows; otherwise :func:`_rows_path` runs the split as above.
     ``EARLY`` (``TRANS``): the first tile loaded before the query (a masked tile), in flight while the query's loads
-    are awaited. ``PDL``: the merge may launch at once (a dependent launch; it waits for this grid's splits)."""
+    are awaited. ``AHEAD`` (``TRANS``): each tile's scales and offsets loaded with the tile before it (their loads
+    in flight while that tile is worked: Triton pipelines the codes' loads, not these). ``PDL``: the merge may
+    launch at once (a dependent launch; it waits for this grid's splits)."""
     n = tl.program_id(0)
     if PDL:
         gdc_launch_dependents()
@@ -471,26 +368,47 @@ def attend_packed_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, 
             if t_begin < t_end:   # (a paged store's split past its row's length reads nothing: no scales either)
                 m_i, l_i, oe, oo, cz, u_acc, v_top = _tile_t(
                     kb0, vb0, t_begin, t_begin + tt < t_end, tt, j, heT, hoT, q_unit, ksr0, kzr0, vsr0, vzr0,
-                    vcol_off, mask_row, m_i, l_i, oe, oo, cz, u_acc, v_top, RP, D, BT, KG, K_ASYM, VG, V_ASYM,
-                    HAS_MASK, NG, ASM, True)
+                    vcol_off, 0, 0, 0, 0, 0, 0, mask_row, m_i, l_i, oe, oo, cz, u_acc, v_top, RP, D, BT, KG, K_ASYM,
+                    VG, V_ASYM, HAS_MASK, NG, ASM, True, False)
             t_first = tl.minimum(t_begin + BT, t_end)
         t_whole = t_first + (t_end - t_first) // BT * BT
+        nse = tl.zeros([D // 2], tl.float32)     # AHEAD: the next tile's scales (placeholders without it)
+        nso, nze, nzo = nse, nse, nse
+        nsc = tl.zeros([BT, NG], tl.float32)
+        nzc = nsc
+        if AHEAD:   # the scales of the loop's first tile, before it: each tile then loads its next tile's
+            if t_first < t_whole:
+                _, _, ksr, kzr, vsr, vzr = _rows(kc_row, vc_row, ks_row, kz_row, vs_row, vz_row, kc_ptr, vc_ptr,
+                                                 ks_ptr, kz_ptr, vs_ptr, vz_ptr, page_row, t_first, n, Hkv, PAGE, D,
+                                                 KG, K_CHANNEL, VG, V_CHANNEL)
+                nse, nso, nze, nzo, nsc, nzc = _tile_scales(ksr, kzr, vsr, vzr, t_first, tt < BT, j, vcol_off, D,
+                                                            KG, K_ASYM, VG, V_ASYM, False)
         for tb in range(t_first, t_whole, BT):
             kcr, vcr, ksr, kzr, vsr, vzr = _rows(kc_row, vc_row, ks_row, kz_row, vs_row, vz_row, kc_ptr, vc_ptr,
                                                  ks_ptr, kz_ptr, vs_ptr, vz_ptr, page_row, tb, n, Hkv, PAGE, D, KG,
                                                  K_CHANNEL, VG, V_CHANNEL)
+            se, so, ze, zo, sc, zc = nse, nso, nze, nzo, nsc, nzc   # this tile's, loaded with the last (AHEAD)
+            if AHEAD:   # the next whole tile's issued now (the last tile's own again at the end: always a tile of
+                # the loop, no mask), in flight while this one is worked
+                tn = tl.minimum(tb + BT, t_whole - BT)
+                _, _, nks, nkz, nvs, nvz = _rows(kc_row, vc_row, ks_row, kz_row, vs_row, vz_row, kc_ptr, vc_ptr,
+                                                 ks_ptr, kz_ptr, vs_ptr, vz_ptr, page_row, tn, n, Hkv, PAGE, D, KG,
+                                                 K_CHANNEL, VG, V_CHANNEL)
+                nse, nso, nze, nzo, nsc, nzc = _tile_scales(nks, nkz, nvs, nvz, tn, tt < BT, j, vcol_off, D, KG,
+                                                            K_ASYM, VG, V_ASYM, False)
             m_i, l_i, oe, oo, cz, u_acc, v_top = _tile_t(
                 tl.load(kcr + tb * (D // 2) + c_off), tl.load(vcr + tb * (D // 2) + c_off), tb, tt < BT, tt, j, heT,
-                hoT, q_unit, ksr, kzr, vsr, vzr, vcol_off, mask_row, m_i, l_i, oe, oo, cz, u_acc, v_top, RP, D, BT,
-                KG, K_ASYM, VG, V_ASYM, HAS_MASK, NG, ASM, False)
+                hoT, q_unit, ksr, kzr, vsr, vzr, vcol_off, se, so, ze, zo, sc, zc, mask_row, m_i, l_i, oe, oo, cz,
+                u_acc, v_top, RP, D, BT, KG, K_ASYM, VG, V_ASYM, HAS_MASK, NG, ASM, False, AHEAD)
         if t_whole < t_end:
             kcr, vcr, ksr, kzr, vsr, vzr = _rows(kc_row, vc_row, ks_row, kz_row, vs_row, vz_row, kc_ptr, vc_ptr,
                                                  ks_ptr, kz_ptr, vs_ptr, vz_ptr, page_row, t_whole, n, Hkv, PAGE, D,
                                                  KG, K_CHANNEL, VG, V_CHANNEL)
             m_i, l_i, oe, oo, cz, u_acc, v_top = _tile_t(
                 _tile_bytes(kcr, t_whole, c_off, tt, t_end, D), _tile_bytes(vcr, t_whole, c_off, tt, t_end, D),
-                t_whole, t_whole + tt < t_end, tt, j, heT, hoT, q_unit, ksr, kzr, vsr, vzr, vcol_off, mask_row, m_i,
-                l_i, oe, oo, cz, u_acc, v_top, RP, D, BT, KG, K_ASYM, VG, V_ASYM, HAS_MASK, NG, ASM, True)
+                t_whole, t_whole + tt < t_end, tt, j, heT, hoT, q_unit, ksr, kzr, vsr, vzr, vcol_off, 0, 0, 0, 0, 0,
+                0, mask_row, m_i, l_i, oe, oo, cz, u_acc, v_top, RP, D, BT, KG, K_ASYM, VG, V_ASYM, HAS_MASK, NG, ASM,
+                True, False)
         # column (g, r) of the sums holds group g's channels; then the zero points' term
         oe, oo = oe * u_acc, oo * u_acc
         sel = ((2 * j) // VG)[:, None, None] == g[None, :, None]

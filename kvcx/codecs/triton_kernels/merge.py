@@ -48,11 +48,13 @@ def merge_kernel(q_ptr, q_scale, m_ptr, l_ptr, acc_ptr, SPT, sk_ptr, sv_ptr, n_s
     tokens (read on the device: a step replayed from a CUDA graph, :mod:`kvcx.cache.static_cache`).
 
     Written for latency (an earlier merge, a program a slab that read the splits twice and the exact tokens after
-    them, took 36 us of an H200 step at 32k tokens): the exact tokens' loads are issued first, the splits are read
-    CH at a time in one pass with a running maximum (one chunk holds a batch-1 step's splits), so that every load
-    is in flight at once; the exact tokens' scores join the maximum at the end. ``PDL`` (a GPU, launched as a
-    programmatic dependent launch): the query and the exact tokens are read while the attention kernel still runs,
-    the splits after its grid is done (``griddepcontrol.wait``)."""
+    them, took 36 us of an H200 step at 32k tokens): the exact tokens come first, their softmax (maximum, sum,
+    weighted values; rotated as the splits' accumulators are, where the values are) the start of the running merge;
+    then the splits, read CH at a time in one pass with a running maximum,
+    so that every load is in flight at once; the rotation back last. ``PDL`` (a GPU, launched as a programmatic
+    dependent launch): everything up to the splits runs while the attention kernel still does (the query, the
+    exact tokens and their softmax: reductions across the program's warps that are then off the step's critical
+    path), the splits after its grid is done (``griddepcontrol.wait``)."""
     n = tl.program_id(0)
     row = tl.program_id(1)
     r = row + tl.arange(0, 1)                 # the row as a block of one: the exact tokens' helpers take [rows, D]
@@ -65,12 +67,19 @@ def merge_kernel(q_ptr, q_scale, m_ptr, l_ptr, acc_ptr, SPT, sk_ptr, sv_ptr, n_s
         live = n_res
     sk, sv = _exact_rows(sk_ptr, n, n_sinks, n_sinks, D, SB), _exact_rows(sv_ptr, n, n_sinks, n_sinks, D, SB)
     rk, rv = _exact_rows(rk_ptr, n, n_res, live, D, RB), _exact_rows(rv_ptr, n, n_res, live, D, RB)
+    s_sink = _exact_scores(q, sk, n, n_sinks, add_ptr, add_stride, 0, Hkv, SB, HAS_MASK)
+    s_res = _exact_scores(q, rk, n, live, add_ptr, add_stride, res_off, Hkv, RB, HAS_MASK)
+    top = tl.maximum(tl.max(s_sink, axis=1), tl.max(s_res, axis=1))            # [1]; -inf: no exact token
+    use = tl.where(top == float("-inf"), 0.0, top)
+    p_sink = tl.exp(s_sink - use[:, None])
+    p_res = tl.exp(s_res - use[:, None])
+    den = tl.sum(p_sink, axis=1) + tl.sum(p_res, axis=1)
+    acc = tl.sum(p_sink[:, :, None] * sv[None, :, :], axis=1) + tl.sum(p_res[:, :, None] * rv[None, :, :], axis=1)
+    if ROTATE:   # into the splits' rotated space (the transform is its own inverse): one rotation back at the end
+        acc = _fwht_rows(acc, 1, D, norm)
     if PDL:
         gdc_wait()
     base = n.to(tl.int64) * SPT
-    top = tl.full([1], float("-inf"), tl.float32)
-    acc = tl.zeros([1, D], tl.float32)
-    den = tl.zeros([1], tl.float32)
     for s0 in range(0, SPT, CH):
         cm = s0 + c < SPT
         o = (base + s0 + c) * R + row
@@ -86,14 +95,4 @@ def merge_kernel(q_ptr, q_scale, m_ptr, l_ptr, acc_ptr, SPT, sk_ptr, sv_ptr, n_s
         top = new
     if ROTATE:
         acc = _fwht_rows(acc, 1, D, norm)
-    s_sink = _exact_scores(q, sk, n, n_sinks, add_ptr, add_stride, 0, Hkv, SB, HAS_MASK)
-    s_res = _exact_scores(q, rk, n, live, add_ptr, add_stride, res_off, Hkv, RB, HAS_MASK)
-    new = tl.maximum(top, tl.maximum(tl.max(s_sink, axis=1), tl.max(s_res, axis=1)))
-    use = tl.where(new == float("-inf"), 0.0, new)              # a row with nothing to attend to
-    alpha = tl.exp(top - use)
-    p_sink = tl.exp(s_sink - use[:, None])
-    p_res = tl.exp(s_res - use[:, None])
-    den = den * alpha + tl.sum(p_sink, axis=1) + tl.sum(p_res, axis=1)
-    acc = acc * alpha[:, None] + tl.sum(p_sink[:, :, None] * sv[None, :, :], axis=1) + \
-        tl.sum(p_res[:, :, None] * rv[None, :, :], axis=1)
     tl.store(out_ptr + (n.to(tl.int64) * R + r[:, None]) * D + d[None, :], acc / den[:, None])
