@@ -112,10 +112,16 @@ def profile(torch, dev, args) -> None:
         out.write(args.markdown, "One fused decode step, kernel by kernel (bench/profile_gpu.py).")
 
 
-# the codec kernels' launch settings timed side by side: (values a per-token program quantizes, warps a program);
-# the per-channel kernels hold a block of G tokens and (channels a program: CODEC_CHANNELS, None a whole row, warps)
-CODEC_SETTINGS = ((4096, 4), (2048, 4), (8192, 4), (4096, 8), (8192, 8), (16384, 8), (2048, 2))
-CHANNEL_SETTINGS = ((None, 4), (None, 8), (64, 4), (32, 4), (32, 2), (16, 1))
+# the codec kernels' launch settings timed side by side: (values a per-token program quantizes, warps a program,
+# CODEC_LOOP); the per-channel kernels hold a block of G tokens and (channels a program: CODEC_CHANNELS, None a whole
+# row, warps, CODEC_LOOP). CODEC_LOOP: None a program a block or program's groups, else programs a multiprocessor
+# that loop over them with the next one's values in flight: as many as their registers let run at once (sm_90, by
+# bench/sass_gpu.py's count: 2 at 216 registers, 3 at 141 to 165, 5 at 96). Settings the H100 found slower (8
+# warps, 16 channels a program of one warp: docs/RESULTS.md) are no longer timed
+CODEC_SETTINGS = ((4096, 4, None), (2048, 4, None), (8192, 4, None), (2048, 2, None), (4096, 4, 3),
+                  (2048, 4, 5))
+CHANNEL_SETTINGS = ((None, 4, None), (64, 4, None), (32, 4, None), (32, 2, None), (None, 4, 2), (64, 4, 3),
+                    (32, 4, 5))
 
 
 def codecs(torch, dev, out, smoke: bool) -> None:
@@ -140,29 +146,31 @@ def codecs(torch, dev, out, smoke: bool) -> None:
     copy = kernels_us(lambda: y.copy_(x))
     out(f"### The codec calls, {list(shape)} BF16: launch settings (a device copy's kernel: {copy:.1f} us)")
     out("")
-    out("| codec | values a program (per channel: tokens x channels) | warps | encode kernels (us) | encode call (us) | "
-        "encode kernels / copy | decode kernels (us) | decode call (us) | decode kernels / copy |")
-    out("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    saved = gpu.PROGRAM_VALUES, gpu.CODEC_WARPS, gpu.CODEC_CHANNELS
+    out("| codec | values a program (per channel: tokens x channels) | warps | encode: programs a multiprocessor, "
+        "looping | encode kernels (us) | encode call (us) | encode kernels / copy | decode kernels (us) | decode call "
+        "(us) | decode kernels / copy |")
+    out("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    saved = gpu.PROGRAM_VALUES, gpu.CODEC_WARPS, gpu.CODEC_CHANNELS, gpu.CODEC_LOOP
     pairs = (("kvcx keys (channel, zero points)", cfg.key), ("kvcx values (token, rotated)", cfg.value))
     try:
         for label, codec in pairs:
             codec = codec.with_backend("triton")
             if codec.axis == "channel":   # a program: a block of G tokens x these channels
-                settings = [(saved[0], warps, channels) for channels, warps in CHANNEL_SETTINGS]
+                settings = [(saved[0], warps, channels, loop) for channels, warps, loop in CHANNEL_SETTINGS]
             else:
-                settings = [(values, warps, saved[2]) for values, warps in CODEC_SETTINGS]
-            for values, warps, channels in settings[:2] if smoke else settings:
-                gpu.PROGRAM_VALUES, gpu.CODEC_WARPS, gpu.CODEC_CHANNELS = values, warps, channels
+                settings = [(values, warps, saved[2], loop) for values, warps, loop in CODEC_SETTINGS]
+            for values, warps, channels, loop in settings[:2] + settings[-1:] if smoke else settings:
+                gpu.PROGRAM_VALUES, gpu.CODEC_WARPS, gpu.CODEC_CHANNELS, gpu.CODEC_LOOP = values, warps, channels, loop
                 p = codec.encode(x)
                 enc, dec = kernels_us(lambda: codec.encode(x)), kernels_us(lambda: codec.decode(p, y))
                 t_enc = bench_gpu.timer(torch, dev, lambda: codec.encode(x), reps) * 1e6
                 t_dec = bench_gpu.timer(torch, dev, lambda: codec.decode(p, y), reps) * 1e6
                 per = f"{codec.group_size} x {channels or shape[-1]}" if codec.axis == "channel" else str(values)
-                out(f"| {label} | {per} | {warps} | {enc:.1f} | {t_enc:.1f} | {copy / enc:.2f} | {dec:.1f} | "
-                    f"{t_dec:.1f} | {copy / dec:.2f} |")
+                looping = f"{loop}" if loop else "no loop"
+                out(f"| {label} | {per} | {warps} | {looping} | {enc:.1f} | {t_enc:.1f} | {copy / enc:.2f} | "
+                    f"{dec:.1f} | {t_dec:.1f} | {copy / dec:.2f} |")
     finally:
-        gpu.PROGRAM_VALUES, gpu.CODEC_WARPS, gpu.CODEC_CHANNELS = saved
+        gpu.PROGRAM_VALUES, gpu.CODEC_WARPS, gpu.CODEC_CHANNELS, gpu.CODEC_LOOP = saved
     out("")
     for label, codec in pairs:
         codec = codec.with_backend("triton")

@@ -286,6 +286,8 @@ def count_codec(label: str, scheme: str, which: str, decode: bool, arch: int, du
     codec = getattr(KVConfig.from_scheme(scheme), which)
     lay = codec.layout(CODEC_SHAPE, which)
     kernels, args, _, const = gpu._programs(codec, lay)
+    if not decode:   # as the launcher encodes (CODEC_LOOP: the blocks in a loop)
+        _, args, _, const = gpu.encode_launch(codec, lay)
     fn = kernels[decode]
     values = {**args, "norm": gpu._norm(lay.D)}
     pointers = {"codes_ptr": "u8", "scales_ptr": "fp16", "zeros_ptr": "fp16", "flag_ptr": "i32", "xb_ptr": "i16",

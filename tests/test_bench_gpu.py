@@ -42,10 +42,10 @@ def test_the_step_profile_runs_and_names_the_kernels(tmp_path):
     step, _, calls = text.partition("### The codec calls")
     rows = [line for line in step.splitlines() if line.startswith("| `")]
     assert rows and all(float(line.split(" | ")[2]) >= 0 for line in rows)
-    # the codec calls: a row per codec and launch setting (the smoke run's first two of each), the kernels of each
-    # call, the host's functions of each
+    # the codec calls: a row per codec and launch setting (the smoke run's first two and last of each), the kernels
+    # of each call, the host's functions of each
     settings = [line for line in calls.splitlines() if line.startswith("| kvcx ")]
-    assert len(settings) == 4 and all(float(line.split(" | ")[4]) > 0 for line in settings)
+    assert len(settings) == 6 and all(float(line.split(" | ")[4]) > 0 for line in settings)
     assert calls.count("the kernels of a call") == 4 and calls.count("cProfile over") == 4
     host = [line.split(" | ") for line in calls.splitlines() if line.startswith("| `") and line.count(" | ") == 3]
     assert len(host) >= 4 and all(float(r[2]) >= 0 and float(r[3].rstrip(" |")) >= float(r[2]) for r in host)

@@ -25,19 +25,20 @@ from kvcx.codecs.base import Packed
 from kvcx.codecs.dtypes import is_int
 from kvcx.codecs.runtime import check_status
 from kvcx.codecs.splits import split_tiles
-from kvcx.codecs.tensors import to_device, to_host  # noqa: F401  (this backend's records moved: the API here)
+from kvcx.codecs.tensors import float_mask, query_rows, to_device, to_host  # noqa: F401  (moved: the API here)
 from kvcx.deps import import_torch as _torch
 from kvcx.errors import CodecError
 
-# values a program of the per-token Triton kernels quantizes at least (whole groups; whole tokens when rotating).
-# 4,096 at 4 warps (32 a thread): the group statistics and the rotation's exchanges between threads cost less a
-# value than at 1,024 (bench/sass_gpu.py counts the kernels for sm_90: docs/results/gpu-sass.md), in under 100
-# registers
+# values a program of the per-token Triton kernels quantizes at least (whole groups; whole tokens when rotating):
+# 4,096 at 4 warps, 32 a thread, in under 100 registers (bench/sass_gpu.py: docs/results/gpu-sass.md)
 PROGRAM_VALUES = 4096
 CODEC_WARPS = 4              # warps a program of the encode and decode kernels (Triton's default)
 # channels a program of the per-channel kernels (keys) holds, a power of two from 2, or None: a whole token row (the
 # default; a rotated codec always). Fewer registers a program, but no faster on an H100 (docs/RESULTS.md, run 3)
 CODEC_CHANNELS = None
+# the encode's programs a multiprocessor when each loops over its slab's blocks (per channel) or groups (per token),
+# the next one's values loaded while it works one (None: one each, the default); bench/profile_gpu.py --codecs times
+CODEC_LOOP = None
 _TORCH_DTYPES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32"}
 
 
@@ -223,9 +224,18 @@ class TritonIntBackend:
         return out
 
 
+def encode_launch(codec, lay, dt: str = "BF16") -> tuple:
+    """(encode kernel, arguments, grid, constexprs) of ``codec``'s encode of layout ``lay`` (:func:`_programs`; a
+    program's blocks or groups in a loop where :data:`CODEC_LOOP` is set and leaves fewer programs)."""
+    (encode, _), args, grid, const = _programs(codec, lay, dt)
+    step = -(-_multiprocessors() * CODEC_LOOP // (grid[0] * math.prod(grid[2:]))) if CODEC_LOOP else 0
+    step = step if 0 < step < grid[1] else 0
+    return encode, args, (grid[0], step, *grid[2:]) if step else grid, {**const, "STEP": step}
+
+
 def _launch_encode(codec, lay, x3, dt: str, codes, scales, zeros, flag, sinks=None) -> None:
     """The encode kernel over ``x3`` [N, S, D] into ``lay``'s buffers; ``flag`` gets its checks (non-finite)."""
-    (encode, _), args, grid, const = _programs(codec, lay, dt)
+    encode, args, grid, const = encode_launch(codec, lay, dt)
     xb = _bits(x3, dt)
     encode[grid](x3, codes, scales, zeros if zeros is not None else scales, flag, xb, xb if sinks is None else
                  _bits(sinks, dt), **args, norm=_norm(lay.D), **const, enable_fp_fusion=False, num_warps=CODEC_WARPS)
@@ -344,13 +354,6 @@ def split_tokens(slabs: int, tokens, per_split: Optional[int] = None) -> int:
         per_split = max(ATTN_SPLIT_TOKENS, split_tiles(slabs, tiles, slots, ATTN_PROGRAM_TILES) * ATTN_BLOCK_TOKENS)
     per = max(ATTN_BLOCK_TOKENS, int(per_split))
     return -(-per // ATTN_BLOCK_TOKENS) * ATTN_BLOCK_TOKENS
-
-
-def query_rows(q, N: int):
-    """[B, Hq, D] queries (one token a row, any float dtype, as the model holds them) as the kernels read them:
-    [N, R, D], the R query rows of each slab (batch row x KV head) together; a view where ``q`` is contiguous."""
-    B, Hq, D = q.shape
-    return q.reshape(N, Hq * B // N, D).contiguous()
 
 
 @dataclass(frozen=True)
@@ -551,16 +554,6 @@ def merge_splits(q, scaling: float, m, l, acc, Hkv: int, rotate: bool, sinks=(No
                            CH=MERGE_SPLITS, enable_fp_fusion=ATTN_FP_FUSION, num_warps=MERGE_WARPS, PDL=pdl,
                            RES_LENS=res_lens is not None and nr > 0, **({"launch_pdl": True} if pdl else {}))
     return out
-
-
-def float_mask(mask, B: int, kv_len: int):
-    """A [B, kv_len] mask as float32 added to the scores (a boolean one: True attends), or CodecError."""
-    torch = _torch()
-    if tuple(mask.shape) != (B, kv_len):
-        raise CodecError(f"attention: mask must be [B={B}, kv_len={kv_len}], got {list(mask.shape)}")
-    if mask.dtype == torch.bool:
-        return torch.zeros(mask.shape, device=mask.device).masked_fill(~mask, float("-inf"))
-    return mask.float().contiguous()
 
 
 def attend(q, keys: Packed, values: Packed, key_codec, value_codec, residual_k=None, residual_v=None, mask=None,

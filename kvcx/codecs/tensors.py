@@ -1,4 +1,5 @@
-"""torch tensors <-> NumPy arrays without copies where possible (bfloat16 as ml_dtypes.bfloat16).
+"""torch tensors <-> NumPy arrays without copies where possible (bfloat16 as ml_dtypes.bfloat16); records to and
+from a device; the decode attention's query rows and float mask as its kernels read them.
 
 torch is imported when a function runs, so importing this module costs nothing.
 """
@@ -11,6 +12,7 @@ import numpy as np
 from kvcx.codecs.backends import is_tensor
 from kvcx.codecs.dtypes import BFLOAT16
 from kvcx.deps import import_torch
+from kvcx.errors import CodecError
 
 
 def torch_to_numpy(t) -> np.ndarray:
@@ -60,3 +62,20 @@ def _copied(packed, arrays: dict):
     """A :class:`~kvcx.codecs.base.Packed` record like ``packed`` with these arrays (its dicts copied)."""
     return dataclasses.replace(packed, **arrays, shape=tuple(packed.shape), config=dict(packed.config),
                                meta=dict(packed.meta))
+
+
+def query_rows(q, N: int):
+    """[B, Hq, D] queries (one token a row, any float dtype, as the model holds them) as the kernels read them:
+    [N, R, D], the R query rows of each slab (batch row x KV head) together; a view where ``q`` is contiguous."""
+    B, Hq, D = q.shape
+    return q.reshape(N, Hq * B // N, D).contiguous()
+
+
+def float_mask(mask, B: int, kv_len: int):
+    """A [B, kv_len] mask as float32 added to the scores (a boolean one: True attends), or CodecError."""
+    torch = import_torch()
+    if tuple(mask.shape) != (B, kv_len):
+        raise CodecError(f"attention: mask must be [B={B}, kv_len={kv_len}], got {list(mask.shape)}")
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, device=mask.device).masked_fill(~mask, float("-inf"))
+    return mask.float().contiguous()

@@ -59,13 +59,15 @@ def _compile(job) -> str:
 
 def codec_kernels() -> None:
     """Encode and decode, each branch of ASYM and ROTATE in each kernel once (the default's keys and values, the
-    reference, a rotated channel grouping)."""
+    reference, a rotated channel grouping), and the per-channel encode's blocks in a loop."""
     for scheme, axis, rotate in (("asymmetric", "channel", False), ("symmetric", "token", True),
                                  ("symmetric", "token", False), ("symmetric", "channel", True)):
         codec = IntCodec(scheme=scheme, axis=axis, rotate=rotate, sinks=1)
         (enc, dec), _, _, const = gpu._programs(codec, codec.layout((1, 8, 100, D), "x"))
         compile_one(enc, const)
         compile_one(dec, {**const, "SAT": False, "BF16": True})
+        if axis == "channel":   # the blocks in a loop a program (gpu.CODEC_LOOP)
+            compile_one(enc, {**const, "STEP": 2})
 
 
 def attention_kernels() -> None:

@@ -102,6 +102,28 @@ def test_per_channel_programs_of_fewer_channels_write_the_same_bytes(monkeypatch
         IntCodec(**SETTINGS[3], backend="triton").encode(_as_tensor(keys_like((1, 1, 8, 64), seed=1)))
 
 
+@pytest.mark.parametrize("loop,channels", [(1, None), (2, None), (1, 16)], ids=["loop1", "loop2", "loop1-16ch"])
+def test_encode_in_a_loop_writes_the_same_bytes(loop, channels, monkeypatch):
+    """kvcx.codecs.gpu.CODEC_LOOP (a setting profile_gpu --codecs times): the encode's programs loop over their
+    slab's blocks (per channel) or whole programs' groups (per token), every STEP-th from their own, the next one's
+    values loaded while they work one; a slab's partial last groups by its first program after its loop. The CPU
+    kernels' bytes and values (sinks, a partial last block or program, rotated codecs, fewer channels a program,
+    groups of a token and of two), with fewer programs than blocks or groups' programs (so the loop runs)."""
+    from kvcx.codecs import gpu
+
+    monkeypatch.setattr(gpu, "CODEC_LOOP", loop)
+    monkeypatch.setattr(gpu, "CODEC_CHANNELS", channels)
+    for settings, shape in ((SETTINGS[3], (2, 3, 700, 64)), (SETTINGS[4], (1, 2, 333, 48)),
+                            (SETTINGS[5], (1, 2, 900, 32)), (SETTINGS[2], (2, 3, 700, 64)),
+                            (SETTINGS[1], (1, 2, 1000, 48)), (SETTINGS[6], (1, 2, 640, 64))):
+        codec = IntCodec(**settings, backend="triton")
+        lay = codec.layout(shape, "x")
+        _, _, grid, const = gpu.encode_launch(codec, lay)
+        full = gpu._programs(codec, lay)[2][1]
+        assert 0 < const["STEP"] == grid[1] < full, (settings, grid, full)
+        _check(settings, keys_like(shape, seed=shape[-2]))
+
+
 @pytest.mark.parametrize("S", [20, 21, 90], ids=lambda s: f"S={s}")
 @pytest.mark.parametrize("axis", ["token", "channel"])
 def test_many_sinks_and_sinks_alone(axis, S):

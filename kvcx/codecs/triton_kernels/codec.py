@@ -170,36 +170,58 @@ def _copy_sinks(src_ptr, dst_ptr, flag_ptr, slab, n, src_stride, dst_stride, dst
 @triton.jit
 def encode_token_kernel(x_ptr, codes_ptr, scales_ptr, zeros_ptr, flag_ptr, xb_ptr, sinks_ptr, S, t0, L, row_bytes,
                         ngroups, norm, D: tl.constexpr, G: tl.constexpr, R: tl.constexpr, ASYM: tl.constexpr,
-                        ROTATE: tl.constexpr, SB: tl.constexpr, EXP: tl.constexpr):
+                        ROTATE: tl.constexpr, SB: tl.constexpr, EXP: tl.constexpr, STEP: tl.constexpr = 0):
     """Groups of G consecutive values of each slab's tokens [t0, S) (C order): R groups per program.
     Grid (slabs, cdiv(groups per slab, R)); with ROTATE, R * G is a multiple of D (whole tokens). The checks:
     ``flag_ptr[0]`` set where a scale or zero point is not finite (a NaN or Inf in the group, or a scale past
     FP16); with sinks (``SB`` > 0) each slab's first program copies them (``xb_ptr``: x's bits) to ``sinks_ptr``
-    and sets ``flag_ptr[1]`` where one is not finite."""
+    and sets ``flag_ptr[1]`` where one is not finite. ``STEP`` > 0: a program per (slab, every STEP-th whole
+    program's groups from its own) in a loop, the next one's values loaded before this one is worked (in flight
+    meanwhile: Triton pipelines only the loads that feed products), a slab's partial last one by its first
+    program after its loop; the same bytes."""
     slab = tl.program_id(0)
+    p = tl.program_id(1)
     if SB > 0:
-        if tl.program_id(1) == 0:
+        if p == 0:
             _copy_sinks(xb_ptr, sinks_ptr, flag_ptr + 1, slab, t0 * D, S * D, t0 * D, 0, SB, EXP)
-    if (tl.program_id(1) + 1) * R * G <= L:   # a whole program's groups: no masks (all but a slab's last)
-        _encode_groups(x_ptr, codes_ptr, scales_ptr, zeros_ptr, flag_ptr, slab, S, t0, L, row_bytes, ngroups, norm,
-                       D, G, R, ASYM, ROTATE, False)
+    if STEP > 0:   # whole programs' groups in a loop, the next one's values loaded while this one is worked
+        whole = L // (R * G)
+        base = slab.to(tl.int64) * S * D + t0 * D
+        vv = tl.arange(0, R)[:, None] * G + tl.arange(0, G)[None, :]
+        if p < whole:
+            nxt = tl.load(x_ptr + base + p * (R * G) + vv)
+            for q in range(p, whole, STEP):
+                x = nxt
+                nxt = tl.load(x_ptr + base + tl.minimum(q + STEP, whole - 1) * (R * G) + vv)   # the last's again
+                _encode_groups(x_ptr, codes_ptr, scales_ptr, zeros_ptr, flag_ptr, slab, q, x, S, t0, L, row_bytes,
+                               ngroups, norm, D, G, R, ASYM, ROTATE, False, True)
+        if (p == 0) & (whole * R * G < L):   # the slab's partial last program's groups, masked
+            _encode_groups(x_ptr, codes_ptr, scales_ptr, zeros_ptr, flag_ptr, slab, whole, 0.0, S, t0, L, row_bytes,
+                           ngroups, norm, D, G, R, ASYM, ROTATE, True, False)
+    elif (p + 1) * R * G <= L:   # a whole program's groups: no masks (all but a slab's last)
+        _encode_groups(x_ptr, codes_ptr, scales_ptr, zeros_ptr, flag_ptr, slab, p, 0.0, S, t0, L, row_bytes, ngroups,
+                       norm, D, G, R, ASYM, ROTATE, False, False)
     else:
-        _encode_groups(x_ptr, codes_ptr, scales_ptr, zeros_ptr, flag_ptr, slab, S, t0, L, row_bytes, ngroups, norm,
-                       D, G, R, ASYM, ROTATE, True)
+        _encode_groups(x_ptr, codes_ptr, scales_ptr, zeros_ptr, flag_ptr, slab, p, 0.0, S, t0, L, row_bytes, ngroups,
+                       norm, D, G, R, ASYM, ROTATE, True, False)
 
 
 @triton.jit
-def _encode_groups(x_ptr, codes_ptr, scales_ptr, zeros_ptr, flag_ptr, slab, S, t0, L, row_bytes, ngroups, norm,
+def _encode_groups(x_ptr, codes_ptr, scales_ptr, zeros_ptr, flag_ptr, slab, p, xin, S, t0, L, row_bytes, ngroups, norm,
                    D: tl.constexpr, G: tl.constexpr, R: tl.constexpr, ASYM: tl.constexpr, ROTATE: tl.constexpr,
-                   PAD: tl.constexpr):
-    """encode_token_kernel's groups of this program; with ``PAD`` the slab's last program, whose groups may end
-    past the values (masked loads and stores, padding outside the statistics), else none of that."""
-    g = tl.program_id(1) * R + tl.arange(0, R)
+                   PAD: tl.constexpr, GIVEN: tl.constexpr):
+    """encode_token_kernel's groups of program ``p``; with ``PAD`` the slab's last program, whose groups may end
+    past the values (masked loads and stores, padding outside the statistics), else none of that; ``GIVEN``: its
+    values are ``xin`` [R, G] (loaded ahead, as x holds them), else loaded here."""
+    g = p * R + tl.arange(0, R)
     v = g[:, None] * G + tl.arange(0, G)[None, :]
     valid = v < L
     base = slab.to(tl.int64) * S * D + t0 * D
     # without PAD no masks at all (None: Triton's own default), with it the loads and stores of a partial program
-    x = tl.load(x_ptr + base + v, mask=valid if PAD else None, other=0.0 if PAD else None).to(tl.float32)
+    if GIVEN:
+        x = xin.to(tl.float32)
+    else:
+        x = tl.load(x_ptr + base + v, mask=valid if PAD else None, other=0.0 if PAD else None).to(tl.float32)
     if ROTATE:
         x = tl.reshape(_fwht_rows(tl.reshape(x, (R * G // D, D)), R * G // D, D, norm), (R, G))
     s16, z16, sdiv, rcp, keep, zero = _group_params(x, valid, 1, ASYM, PAD)
@@ -251,22 +273,42 @@ def decode_token_kernel(codes_ptr, scales_ptr, zeros_ptr, out_ptr, flag_ptr, sb_
 @triton.jit
 def encode_channel_kernel(x_ptr, codes_ptr, scales_ptr, zeros_ptr, flag_ptr, xb_ptr, sinks_ptr, S, t0, D, row_bytes,
                           nblk, norm, DP: tl.constexpr, CB: tl.constexpr, G: tl.constexpr, ASYM: tl.constexpr,
-                          ROTATE: tl.constexpr, SB: tl.constexpr, EXP: tl.constexpr):
+                          ROTATE: tl.constexpr, SB: tl.constexpr, EXP: tl.constexpr, STEP: tl.constexpr = 0):
     """Groups of G tokens per channel: one program per (slab, token block, CB channels), the block's [G, CB] values
     (DP: D rounded up to a power of two; D = DP when ROTATE, and CB = DP: the rotation mixes a whole row). The
-    checks and the sinks as in encode_token_kernel."""
+    checks and the sinks as in encode_token_kernel. ``STEP`` > 0: a program per (slab, every STEP-th block from
+    its own, CB channels), its blocks in a loop, the next block's values loaded before this one is worked (in
+    flight meanwhile: Triton pipelines only the loads that feed products); the same bytes."""
     slab = tl.program_id(0)
     blk = tl.program_id(1)
     c0 = tl.program_id(2) * CB
     if SB > 0:
         if (blk == 0) & (tl.program_id(2) == 0):
             _copy_sinks(xb_ptr, sinks_ptr, flag_ptr + 1, slab, t0 * D, S * D, t0 * D, 0, SB, EXP)
-    i = blk * G + tl.arange(0, G)[:, None]           # token - t0
+    ii = tl.arange(0, G)[:, None]                    # a block's tokens
     d = c0 + tl.arange(0, CB)[None, :]
     base = slab.to(tl.int64) * S * D + t0 * D
     # a partial last block reads its last token again in place of the missing ones (no group changes; they are
     # not stored), and columns past D read 0 (their groups are not stored): no mask in the statistics or codes
-    x = tl.load(x_ptr + base + tl.minimum(i, S - t0 - 1) * D + d, mask=d < D, other=0.0).to(tl.float32)
+    if STEP > 0:
+        nxt = tl.load(x_ptr + base + tl.minimum(blk * G + ii, S - t0 - 1) * D + d, mask=d < D, other=0.0)
+        for b in range(blk, nblk, STEP):
+            x = nxt.to(tl.float32)
+            nb = tl.minimum(b + STEP, nblk - 1)      # the last block's own again at the end: in bounds
+            nxt = tl.load(x_ptr + base + tl.minimum(nb * G + ii, S - t0 - 1) * D + d, mask=d < D, other=0.0)
+            _encode_block(x, codes_ptr, scales_ptr, zeros_ptr, flag_ptr, slab, b, c0, ii, S, t0, D, row_bytes, nblk,
+                          norm, DP, CB, G, ASYM, ROTATE)
+    else:
+        x = tl.load(x_ptr + base + tl.minimum(blk * G + ii, S - t0 - 1) * D + d, mask=d < D, other=0.0).to(tl.float32)
+        _encode_block(x, codes_ptr, scales_ptr, zeros_ptr, flag_ptr, slab, blk, c0, ii, S, t0, D, row_bytes, nblk,
+                      norm, DP, CB, G, ASYM, ROTATE)
+
+
+@triton.jit
+def _encode_block(x, codes_ptr, scales_ptr, zeros_ptr, flag_ptr, slab, blk, c0, ii, S, t0, D, row_bytes, nblk, norm,
+                  DP: tl.constexpr, CB: tl.constexpr, G: tl.constexpr, ASYM: tl.constexpr, ROTATE: tl.constexpr):
+    """encode_channel_kernel's work on one block's values ``x`` [G, CB] (FP32): statistics, codes, their stores."""
+    i = blk * G + ii                                 # token - t0
     if ROTATE:
         x = _fwht_rows(x, G, DP, norm)
     s16, z16, sdiv, rcp, keep, zero = _group_params(x, None, 0, ASYM, False)
