@@ -296,14 +296,14 @@ def attend_packed_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, 
     passes (FP32's accuracy); "tf32": one; "": FP32 sums; "int8x3" (the exact mode): the codes as int8 on the
     integer tensor cores, the other side a 21-bit fixed point of its row (:func:`_mm_int8x3`; the keys' two
     streams share one fixed point and one conversion to FP32).
-    ``PREFETCH``: the next tile's codes are loaded before this tile is worked (in flight meanwhile).
+    ``PREFETCH`` (not ``TRANS``): the next tile's codes are loaded before this tile is worked (in flight meanwhile).
 
     ``PAGE`` (a paged store, :mod:`kvcx.codecs.paged`; 0: rows as above): the buffers hold pages of ``PAGE`` tokens,
     page p's KV head h at slot p x Hkv + h (codes [slots, PAGE D / 2], scales and zero points a slot's groups), and
     slab n = b x Hkv + h reads its tokens through the block table row b (``pages_ptr``, ``pages_stride`` a row) up
-    to ``lens_ptr[b]``: a tile lies within a page (BT divides PAGE); one span, no prefetch.
+    to ``lens_ptr[b]``: a tile lies within a page (BT divides PAGE); one span, no ``PREFETCH``.
 
-    ``TRANS`` (the fast mode with per-channel keys and per-token values, no prefetch: :func:`_tile_t`): the products
+    ``TRANS`` (the fast mode with per-channel keys and per-token values: :func:`_tile_t`): the products
     transposed, the tile's tokens their long side and the RP x NG columns (value group, query row) their short one,
     so that nothing but the products holds padding rows; otherwise :func:`_rows_path` runs the split as above.
     ``EARLY`` (``TRANS``): the first tile loaded before the query (a masked tile), in flight while the query's loads
