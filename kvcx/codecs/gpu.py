@@ -228,8 +228,9 @@ def encode_launch(codec, lay, dt: str = "BF16") -> tuple:
     """(encode kernel, arguments, grid, constexprs) of ``codec``'s encode of layout ``lay`` (:func:`_programs`; a
     program's blocks or groups in a loop where :data:`CODEC_LOOP` is set and leaves fewer programs)."""
     (encode, _), args, grid, const = _programs(codec, lay, dt)
-    step = -(-_multiprocessors() * CODEC_LOOP // (grid[0] * math.prod(grid[2:]))) if CODEC_LOOP else 0
-    step = step if 0 < step < grid[1] else 0
+    # at most the programs that run at once (a second, partial wave of looping programs would double the time)
+    step = max(1, _multiprocessors() * CODEC_LOOP // (grid[0] * math.prod(grid[2:]))) if CODEC_LOOP else 0
+    step = step if step < grid[1] else 0
     return encode, args, (grid[0], step, *grid[2:]) if step else grid, {**const, "STEP": step}
 
 
