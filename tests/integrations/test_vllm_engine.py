@@ -20,6 +20,7 @@ from kvcx.formats.chunk import read_header  # noqa: E402
 from kvcx.formats.layouts import VllmCpu  # noqa: E402
 from kvcx.integrations import engine_local as el  # noqa: E402
 from kvcx.integrations import lmcache_local as ls  # noqa: E402
+from kvcx.integrations.lmcache import host_has_amx  # noqa: E402
 
 pytestmark = pytest.mark.engine
 
@@ -97,11 +98,14 @@ def _tokens(choice):
 
 
 def _check_kvcx_chunks(blobs):
-    """Every stored object is a kvcx chunk of vLLM's CPU layout; the bytes a token it holds."""
+    """Every stored object is a kvcx chunk of vLLM's CPU layout, in the order vLLM's CPU attention keeps on this
+    host (``amx`` for BF16 where the CPU has AMX tiles, else ``vec``: the serde resolves it as vLLM does); the bytes
+    a token it holds."""
     sizes = []
     for b in blobs:
         h = read_header(np.frombuffer(b, np.uint8))
-        assert h["layout"] == VllmCpu(el.CPU_BLOCK_SIZE, "vec") and (h["layers"], h["tokens"]) == (30, CHUNK)
+        want = VllmCpu(el.CPU_BLOCK_SIZE, "auto", host_has_amx()).resolve(h["dtype"], h["head_dim"])
+        assert h["layout"] == want and (h["layers"], h["tokens"]) == (30, CHUNK), (h["layout"], want)
         sizes.append(len(b))
     per_token = np.mean(sizes) / CHUNK
     assert per_token <= 0.28 * RAW_BYTES_PER_TOKEN, per_token

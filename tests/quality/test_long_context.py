@@ -28,13 +28,15 @@ def test_chunked_forward_and_sliced_head_equal_one_pass(loaded, wikitext_path):
         hidden, cache = scoring.forward_hidden(model, ids, chunk=64)   # 4 chunks: 64, 64, 64, 8
         assert hidden.shape == (200, model.config.hidden_size) and cache.get_seq_length() == 200
         torch.testing.assert_close(scoring.output_logits(model, hidden), full, atol=2e-4, rtol=1e-4)
-        # the scores of a slice-wise head equal those of whole logit tensors
+        # the scores of a slice-wise head equal those of whole logit tensors, within FP32's rounding of the logits:
+        # the head's matmul may block a 37-row slice and a 199-row tensor differently (bit for bit on AMD EPYC hosts;
+        # 1.8e-8 apart on an Intel Xeon with AMX, 2026-11-27), and the sums are of 199 such terms
         targets = ids[0, 1:]
         noisy = hidden[:-1] + 0.05 * torch.randn_like(hidden[:-1])
         base, comp, (kl, top1) = scoring.score_hidden(model, hidden[:-1], noisy, targets, slice_rows=37)
         b, c = scoring.output_logits(model, hidden[:-1]), scoring.output_logits(model, noisy)
-        assert base == pytest.approx(scoring.sequence_nll(b, targets), rel=1e-9)
-        assert comp == pytest.approx(scoring.sequence_nll(c, targets), rel=1e-9)
+        assert base == pytest.approx(scoring.sequence_nll(b, targets), rel=1e-6)
+        assert comp == pytest.approx(scoring.sequence_nll(c, targets), rel=1e-6)
         ref_kl, ref_top1 = scoring.next_token_divergence(b, c)
         assert kl == pytest.approx(ref_kl, rel=1e-6) and kl > 0 and top1 == ref_top1 < 199
 
