@@ -357,8 +357,11 @@ SETTINGS = [(32, 4, "", False, None, 4, None, False, False, 4, 64),          # F
             # two warps a program at 128 registers: 16 warps a multiprocessor where one warp's 255 registers let 8
             # run (+14 % instructions a token, a 24-byte spill)
             (64, 2, "fp16", False, 2, 8, 128, False, True, 4, 64),
-            # the merge in one pass over a batch-1 step's splits (132 on an H100): 8 warps, 256 splits at a time
+            # the merge in one pass over a batch-1 step's splits (132 on an H100): 8 warps, 256 splits at a time;
+            # and with the scales ahead (the attention's and the merge's changes together, should both pay)
             (64, 1, "fp16", False, 2, 8, None, False, True, 8, 256),
+            (64, 1, "fp16", True, 2, 8, None, False, True, 8, 256),
+            (64, 1, "fp16", True, 3, 6, None, False, True, 8, 256),
             (64, 2, "int8x3", False, None, 4, None, False, True, 4, 64)]     # the exact mode
 _KNOBS = ("ATTN_BLOCK_TOKENS", "ATTN_WARPS", "ATTN_DOT", "ATTN_PREFETCH", "ATTN_STAGES", "ATTN_PROGRAMS_PER_SM",
           "ATTN_MAX_REGISTERS", "ATTN_EARLY_TILE", "MERGE_PDL", "MERGE_WARPS", "MERGE_SPLITS")
