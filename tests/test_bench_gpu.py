@@ -56,10 +56,17 @@ def test_the_step_profile_runs_and_names_the_kernels(tmp_path):
     assert gpu.ATTN_DOT != "int4"
 
 
+def sass_near() -> int:
+    from bench.sass_gpu import NEAR
+
+    return NEAR
+
+
 def test_the_offline_instruction_count_finds_the_kernels_loop(tmp_path):
     """bench/sass_gpu.py compiles the attention kernel for sm_90 (no GPU), disassembles it and counts its main
-    loop: the FP32-sums setting has no tensor-core products in it, the default's FP16 products are there. It
-    counts the codec kernels too."""
+    loop: the FP32-sums setting has no tensor-core products in it, the default's FP16 products are there; what the
+    loop waits on. It counts the merge kernel (after the dependent launch's wait: a part of it) and the codec
+    kernels too."""
     pytest.importorskip("triton")
     import os
     import subprocess
@@ -86,6 +93,17 @@ def test_the_offline_instruction_count_finds_the_kernels_loop(tmp_path):
         per_token = float(r["loop instructions / token"])
         assert 0 < per_token * int(r["tile tokens"]) < int(r["kernel instructions"])
         assert float(r["warp instructions / token"]) >= per_token
+    for r in rows:   # what a program's own loop waits on: counts, not times
+        assert int(r[f"loads awaited within {sass_near()} instructions a tile"]) >= 0
+        assert r["load groups in flight at the wait"] == "n/a" or int(r["load groups in flight at the wait"]) >= 0
+    # the merge kernel as a batch-1 step launches it, with and without the dependent launch (the first two settings)
+    head = next(line for line in lines if line.startswith("| merge warps |")).strip("| ").split(" | ")
+    merges = [line.strip("| ").split(" | ") for line in lines if line.startswith("| 4 | 64 |")]
+    assert {m[head.index("dependent launch")] for m in merges} == {"yes", "no"}
+    for m in merges:
+        assert int(m[head.index("barriers")]) > 0 and int(m[head.index("in the loop")]) > 0
+        if m[head.index("dependent launch")] == "yes":   # the columns after the wait: a part of the whole
+            assert 0 < int(m[head.index("after the wait")]) < int(m[head.index("instructions")])
     # the codec kernels as bench_gpu.py launches them: each encode and decode counted, and the packed codes moved
     # 4 or more bytes an access (their masks let Triton vectorise them: byte-wide accesses were 32 a thread)
     head = next(line for line in lines if line.startswith("| codec |")).strip("| ").split(" | ")
