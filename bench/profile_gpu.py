@@ -39,7 +39,7 @@ def main(argv=None):
     for item in args.set:
         name, _, value = item.partition("=")
         if not name.startswith(("ATTN_", "MERGE_", "CODEC_", "PROGRAM_")) or not hasattr(gpu, name):
-            ap.error(f"--set {item}: not a launch setting of kvcx.codecs.gpu (ATTN_*, MERGE_*, CODEC_WARPS, "
+            ap.error(f"--set {item}: not a launch setting of kvcx.codecs.gpu (ATTN_*, MERGE_*, CODEC_WARPS, CODEC_LOOP, "
                      "CODEC_CHANNELS, PROGRAM_VALUES)")
         try:
             settings[name] = ast.literal_eval(value)

@@ -228,6 +228,9 @@ def encode_launch(codec, lay, dt: str = "BF16") -> tuple:
     """(encode kernel, arguments, grid, constexprs) of ``codec``'s encode of layout ``lay`` (:func:`_programs`; a
     program's blocks or groups in a loop where :data:`CODEC_LOOP` is set and leaves fewer programs)."""
     (encode, _), args, grid, const = _programs(codec, lay, dt)
+    if CODEC_LOOP is not None and not (is_int(CODEC_LOOP) and CODEC_LOOP >= 1):
+        raise CodecError(f"encode programs a multiprocessor {CODEC_LOOP!r} (kvcx.codecs.gpu.CODEC_LOOP) is not a "
+                         "count; set a whole number from 1, or None (a program a block)")
     # at most the programs that run at once (a second, partial wave of looping programs would double the time)
     step = max(1, _multiprocessors() * CODEC_LOOP // (grid[0] * math.prod(grid[2:]))) if CODEC_LOOP else 0
     step = step if step < grid[1] else 0
@@ -547,6 +550,9 @@ def merge_splits(q, scaling: float, m, l, acc, Hkv: int, rotate: bool, sinks=(No
     (sk, sv), (rk, rv) = sinks, residual
     t0 = 0 if sk is None else sk.shape[1]
     nr = 0 if rk is None else rk.shape[1]
+    if not (is_int(MERGE_SPLITS) and MERGE_SPLITS >= 2 and MERGE_SPLITS & (MERGE_SPLITS - 1) == 0):
+        raise CodecError(f"merge splits at a time {MERGE_SPLITS!r} (kvcx.codecs.gpu.MERGE_SPLITS) is not a power of "
+                         "two from 2; set one (16, 64, 256, ...)")
     out, pdl = torch.empty(N, R, D, device=q.device), dependent_merge(q)
     k.merge_kernel[(N, R)](q, scaling, m, l, acc, m.shape[1], sk if t0 else m, sv if t0 else m, t0, rk if nr else m,
                            rv if nr else m, nr, add if add is not None else m, add.shape[1] if add is not None else 0,

@@ -122,6 +122,10 @@ def test_encode_in_a_loop_writes_the_same_bytes(loop, channels, monkeypatch):
         full = gpu._programs(codec, lay)[2][1]
         assert 0 < const["STEP"] == grid[1] < full, (settings, grid, full)
         _check(settings, keys_like(shape, seed=shape[-2]))
+    for bad in (0, -2, 1.5, "2"):   # refused by the setting's name, before any launch
+        monkeypatch.setattr(gpu, "CODEC_LOOP", bad)
+        with pytest.raises(CodecError, match=r"CODEC_LOOP.*whole number from 1"):
+            IntCodec(**SETTINGS[3], backend="triton").encode(_as_tensor(keys_like((1, 1, 8, 64), seed=1)))
 
 
 @pytest.mark.parametrize("S", [20, 21, 90], ids=lambda s: f"S={s}")
@@ -511,6 +515,10 @@ def test_the_merge_reads_the_splits_in_chunks_of_any_size_to_the_same_softmax(mo
             monkeypatch.setattr(gpu, "MERGE_SPLITS", chunk)
             other = attend(q, pk, pv, kc, vc, rk, rv, per_split=64)
             assert torch.allclose(other, base, rtol=1e-5, atol=1e-6 * float(base.abs().max())), (warps, chunk, nr)
+        for bad in (48, 1, 2.0):   # not a power of two from 2: refused by the setting's name
+            monkeypatch.setattr(gpu, "MERGE_SPLITS", bad)
+            with pytest.raises(CodecError, match=r"MERGE_SPLITS.*power of two"):
+                attend(q, pk, pv, kc, vc, rk, rv, per_split=64)
         monkeypatch.undo()
 
 
