@@ -291,17 +291,23 @@ def encode_channel_kernel(x_ptr, codes_ptr, scales_ptr, zeros_ptr, flag_ptr, xb_
     # a partial last block reads its last token again in place of the missing ones (no group changes; they are
     # not stored), and columns past D read 0 (their groups are not stored): no mask in the statistics or codes
     if STEP > 0:
-        nxt = tl.load(x_ptr + base + tl.minimum(blk * G + ii, S - t0 - 1) * D + d, mask=d < D, other=0.0)
+        nxt = _block_values(x_ptr + base, blk, ii, d, S - t0, D, G)
         for b in range(blk, nblk, STEP):
             x = nxt.to(tl.float32)
-            nb = tl.minimum(b + STEP, nblk - 1)      # the last block's own again at the end: in bounds
-            nxt = tl.load(x_ptr + base + tl.minimum(nb * G + ii, S - t0 - 1) * D + d, mask=d < D, other=0.0)
+            # the last block's own again at the end: in bounds
+            nxt = _block_values(x_ptr + base, tl.minimum(b + STEP, nblk - 1), ii, d, S - t0, D, G)
             _encode_block(x, codes_ptr, scales_ptr, zeros_ptr, flag_ptr, slab, b, c0, ii, S, t0, D, row_bytes, nblk,
                           norm, DP, CB, G, ASYM, ROTATE)
     else:
-        x = tl.load(x_ptr + base + tl.minimum(blk * G + ii, S - t0 - 1) * D + d, mask=d < D, other=0.0).to(tl.float32)
+        x = _block_values(x_ptr + base, blk, ii, d, S - t0, D, G).to(tl.float32)
         _encode_block(x, codes_ptr, scales_ptr, zeros_ptr, flag_ptr, slab, blk, c0, ii, S, t0, D, row_bytes, nblk,
                       norm, DP, CB, G, ASYM, ROTATE)
+
+
+@triton.jit
+def _block_values(row, blk, ii, d, n, D, G: tl.constexpr):
+    """Block ``blk``'s values [G, CB] of a slab's ``n`` packed tokens from ``row``, as x holds them."""
+    return tl.load(row + tl.minimum(blk * G + ii, n - 1) * D + d, mask=d < D, other=0.0)
 
 
 @triton.jit
