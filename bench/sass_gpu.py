@@ -209,7 +209,7 @@ def count_merge(warps: int, chunk: int, pdl: bool, arch: int, dump: Path | None)
                   norm=gpu._norm(D))
     pointers = {**{a: "fp32" for a in ("m_ptr", "l_ptr", "acc_ptr", "add_ptr", "out_ptr")},
                 **{a: "bf16" for a in ("q_ptr", "sk_ptr", "sv_ptr", "rk_ptr", "rv_ptr")}, "res_lens_ptr": "i32"}
-    const = dict(R=4, D=D, SB=1, RB=32, HAS_MASK=False, ROTATE=True, CH=chunk, PDL=pdl, RES_LENS=False)
+    const = dict(R=4, D=D, SB=1, RB=32, HAS_MASK=False, ROTATE=True, CH=chunk, PDL=pdl, RES_LENS=False, OUT_BF16=False)
     sig, attrs, consts = launch_signature(fn, values, const, pointers)
     opts = dict(num_warps=warps, enable_fp_fusion=gpu.ATTN_FP_FUSION)
     sass, regs, stack, kname, _ = build(fn, sig, consts, attrs, opts, arch, dump, f"merge_{warps}w_{chunk}s")
@@ -289,9 +289,9 @@ def count_codec(label: str, scheme: str, which: str, decode: bool, arch: int, du
     if not decode:   # as the launcher encodes (CODEC_LOOP: the blocks in a loop)
         _, args, _, const = gpu.encode_launch(codec, lay)
     fn = kernels[decode]
-    values = {**args, "norm": gpu._norm(lay.D)}
+    values = {**args, "norm": gpu._norm(lay.D), "pages": 1}
     pointers = {"codes_ptr": "u8", "scales_ptr": "fp16", "zeros_ptr": "fp16", "flag_ptr": "i32", "xb_ptr": "i16",
-                "sinks_ptr": "i16", "sb_ptr": "i16", "ob_ptr": "i16"}
+                "sinks_ptr": "i16", "sb_ptr": "i16", "ob_ptr": "i16", "where_ptr": "i32", "new_ptr": "bf16"}
     if decode:
         const.update(SAT=False, BF16=True)   # BF16 out: written as int16 bits (as the launcher does)
         values.update(out_S=lay.S, out_off=0)

@@ -15,10 +15,12 @@ a CUDA graph and replayed, as engines run decode (bench/bench_gpu.py's section 3
 Layout, a layer: the exact sink tokens [B, Hkv, t0, D]; the packed tokens after them in one row a slab of the
 capacity (a :class:`kvcx.codecs.paged.PagedKV` of one page a batch row: the contiguous store read through the
 paged kernel); a residual of ``residual_length`` exact tokens [B, Hkv, P, D], the page being filled. A decode step
-writes its token into the residual's slot, encodes the whole residual into the page's place in the packed rows
-(stale slots make stale bytes in a page no step reads; the step that fills the residual writes the page's real
-bytes), and attends over the packed pages before it, the sinks and the residual's filled slots in one softmax.
-The residual's tokens are exact; a page is packed once whole, with the bytes the codec writes for it alone.
+is four launches a layer: for keys and for values one encode launch that writes the token into the residual's
+slot and, at the step that fills the residual, encodes it into its page's place in the packed rows (the other
+steps' programs stop after the write: the launch is the same at every step, its work is not); then the attention
+over the packed pages before it, the sinks and the residual's filled slots in one softmax, and its merge (which
+writes the output in the model's dtype). The residual's tokens are exact; a page is packed once whole, with the
+bytes the codec writes for it alone.
 
 A prompt (a step of more than one token, or any step before the sinks are filled) runs from Python: its whole
 pages are encoded at once, the rest goes to the residual, and its attention reads the decoded history and the
@@ -61,8 +63,8 @@ class StepPlan:
     def __init__(self, batch: int, t0: int, page: int, pages: int, max_len: int, device):
         self.t0, self.page_tokens, self.pages, self.max_len = t0, page, pages, max_len
         self.pos = torch.zeros((), dtype=torch.int64, device=device)
-        self.slot = torch.zeros(1, dtype=torch.int64, device=device)
-        self.page = torch.zeros(1, dtype=torch.int64, device=device)
+        self.where = torch.zeros(2, dtype=torch.int64, device=device)   # a decode step's slot and page
+        self.slot, self.page = self.where[:1], self.where[1:]
         self.packed = torch.zeros(batch, dtype=torch.int32, device=device)
         self.live = torch.zeros(batch, dtype=torch.int32, device=device)
         self.overflow = torch.zeros((), dtype=torch.bool, device=device)
@@ -155,14 +157,6 @@ class StaticKvcxLayer(CacheLayerMixin):
         self.res_k, self.res_v = (torch.zeros(B, H, P, D, dtype=self.dtype, device=self.device) for _ in "kv")
         self.sink_k, self.sink_v = (torch.zeros(B, H, self.t0, D, dtype=self.dtype, device=self.device)
                                     for _ in "kv") if self.t0 else (None, None)
-        # a page's encode: its buffers (the residual's bytes), then copied to the page's place in the rows
-        self._page_buf = []
-        for codec in (kc, vc):
-            lay = codec.layout((B, H, P, D), "residual")
-            self._page_buf.append((torch.empty(lay.N, lay.codes_nbytes // lay.N, dtype=torch.uint8, device=self.device),
-                                   torch.empty(lay.scale_shape, dtype=torch.float16, device=self.device),
-                                   torch.empty(lay.scale_shape, dtype=torch.float16, device=self.device)
-                                   if codec.asym else None))
         self.flag = torch.zeros(2, dtype=torch.int32, device=self.device)
         self.keys = self.values = None   # nothing of the context is held in the model's dtype but the residual
         self.is_initialized = True
@@ -177,18 +171,13 @@ class StaticKvcxLayer(CacheLayerMixin):
         n = p.page_tokens // self.residual_length
         return [None if t is None else t.view(self.batch_size, self.num_heads, n, -1) for t in bufs]
 
-    def _write_pages(self, kind: int, bufs: tuple, first, count: int) -> None:
+    def _write_pages(self, kind: int, bufs: tuple, first: int, count: int) -> None:
         """Encoded pages ``bufs`` (codes, scales, zero points of [B, H, count pages]) into the rows from page
-        ``first`` (an int, or an int64 [1] device tensor for a decode step's one page)."""
+        ``first`` (a prompt's; a decode step's page is encoded in place)."""
         B, H = self.batch_size, self.num_heads
         for dst, src in zip(self._rows(kind), bufs):
-            if dst is None:
-                continue
-            src = src.reshape(B, H, count, -1)
-            if is_int(first):
-                dst[:, :, first:first + count] = src
-            else:
-                dst.index_copy_(2, first, src)
+            if dst is not None:
+                dst[:, :, first:first + count] = src.reshape(B, H, count, -1)
 
     def _packed_record(self, kind: int, tokens: int) -> Packed:
         """The first ``tokens`` packed tokens (whole pages) of the keys (0) or values (1) as a record (copies)."""
@@ -219,13 +208,15 @@ class StaticKvcxLayer(CacheLayerMixin):
         return self._prompt(key_states, value_states)
 
     def _decode(self, key_states, value_states):
+        """One launch a kind: the token written into the residual's slot and, when that fills it, the residual
+        encoded into its page of the rows (:func:`kvcx.codecs.paged.encode_step`)."""
         plan = self._plan.plan
-        self.res_k.index_copy_(2, plan.slot, key_states.to(self.dtype))
-        self.res_v.index_copy_(2, plan.slot, value_states.to(self.dtype))
-        for kind, (codec, res) in enumerate(zip(self._codecs, (self.res_k, self.res_v))):
-            codes, scales, zeros = self._page_buf[kind]
-            gpu.encode_into(codec, res, codes, scales, zeros, self.flag)
-            self._write_pages(kind, self._page_buf[kind], plan.page, 1)
+        p = self.pool
+        for codec, res, new, bufs in ((self._codecs[0], self.res_k, key_states, (p.key_codes, p.key_scales,
+                                                                                  p.key_zeros)),
+                                      (self._codecs[1], self.res_v, value_states, (p.value_codes, p.value_scales,
+                                                                                    p.value_zeros))):
+            paged.encode_step(codec, res, *bufs, self.flag, new.to(self.dtype).contiguous(), plan.where)
         self.steps["device"] += 1
         HANDOFF.post(key_states, self)
         return key_states, value_states
@@ -275,9 +266,12 @@ class StaticKvcxLayer(CacheLayerMixin):
         B, Hq, Q, D = query.shape
         plan = self._plan.plan
         sinks = (self.sink_k, self.sink_v) if self.t0 else (None, None)
-        out = paged.attend(query.reshape(B, Hq, D), self.pool, self.table, plan.packed, scaling, sinks=sinks,
-                           residual=(self.res_k, self.res_v), residual_lens=plan.live)
-        return out.to(query.dtype).view(B, 1, Hq, D)
+        direct = query.dtype in (torch.float32, torch.float16, torch.bfloat16)    # the merge writes these
+        out = torch.empty(B, 1, Hq, D, dtype=query.dtype, device=query.device) if direct else None
+        got = paged.attend(query.reshape(B, Hq, D), self.pool, self.table, plan.packed, scaling, sinks=sinks,
+                           residual=(self.res_k, self.res_v), residual_lens=plan.live,
+                           out=out.view(B, Hq, D) if direct else None)
+        return out if direct else got.to(query.dtype).view(B, 1, Hq, D)
 
     def materialised_step(self):
         raise KvcxError("StaticKvcxCache runs decode steps through the fused kernel only, and this model's attention "
@@ -328,9 +322,8 @@ class StaticKvcxLayer(CacheLayerMixin):
         return int(sum(t.numel() * t.element_size() for t in held))
 
     def scratch_bytes(self) -> int:
-        if not self.is_initialized:
-            return 0
-        return int(sum(t.numel() * t.element_size() for bufs in self._page_buf for t in bufs if t is not None))
+        """Nothing beside the rows, the sinks and the residual: a decode step encodes into its page in place."""
+        return 0
 
 
 class _PlanHolder:

@@ -151,7 +151,7 @@ class TritonIntBackend:
         # the kernel's checks (non-finite scales or zero points; non-finite sinks), read in one copy to the host
         flag = torch.zeros(2, dtype=torch.int32, device=dev)
         if S > t0:   # the kernel also copies the sinks and checks them
-            _launch_encode(codec, lay, x3, dt, codes, scales, zeros, flag, sinks)
+            launch_encode(codec, lay, x3, dt, codes, scales, zeros, flag, sinks)
         elif t0:     # sinks alone: no kernel
             sinks.view(N, t0, D).copy_(x3)
             flag[1] = (~torch.isfinite(sinks)).any()
@@ -224,39 +224,31 @@ class TritonIntBackend:
         return out
 
 
-def encode_launch(codec, lay, dt: str = "BF16") -> tuple:
+def encode_launch(codec, lay, dt: str = "BF16", paged: bool = False) -> tuple:
     """(encode kernel, arguments, grid, constexprs) of ``codec``'s encode of layout ``lay`` (:func:`_programs`; a
-    program's blocks or groups in a loop where :data:`CODEC_LOOP` is set and leaves fewer programs)."""
+    program's blocks or groups in a loop where :data:`CODEC_LOOP` is set and leaves fewer programs; ``paged``: a
+    decode step's, :func:`kvcx.codecs.paged.encode_step`'s, never in a loop)."""
     (encode, _), args, grid, const = _programs(codec, lay, dt)
+    if paged:
+        return encode, args, grid, {**const, "STEP": 0, "PAGED": True}
     if CODEC_LOOP is not None and not (is_int(CODEC_LOOP) and CODEC_LOOP >= 1):
         raise CodecError(f"encode programs a multiprocessor {CODEC_LOOP!r} (kvcx.codecs.gpu.CODEC_LOOP) is not a "
                          "count; set a whole number from 1, or None (a program a block)")
     # at most the programs that run at once (a second, partial wave of looping programs would double the time)
     step = max(1, _multiprocessors() * CODEC_LOOP // (grid[0] * math.prod(grid[2:]))) if CODEC_LOOP else 0
     step = step if step < grid[1] else 0
-    return encode, args, (grid[0], step, *grid[2:]) if step else grid, {**const, "STEP": step}
+    return encode, args, (grid[0], step, *grid[2:]) if step else grid, {**const, "STEP": step, "PAGED": False}
 
 
-def _launch_encode(codec, lay, x3, dt: str, codes, scales, zeros, flag, sinks=None) -> None:
-    """The encode kernel over ``x3`` [N, S, D] into ``lay``'s buffers; ``flag`` gets its checks (non-finite)."""
-    encode, args, grid, const = encode_launch(codec, lay, dt)
+def launch_encode(codec, lay, x3, dt: str, codes, scales, zeros, flag, sinks=None, step=None) -> None:
+    """The encode kernel over ``x3`` [N, S, D] into ``lay``'s buffers; ``flag`` gets its checks (non-finite);
+    ``step``: (where, pages, new) of a decode step (:func:`kvcx.codecs.paged.encode_step` checks them)."""
+    encode, args, grid, const = encode_launch(codec, lay, dt, paged=step is not None)
     xb = _bits(x3, dt)
+    where, pages, new = step if step is not None else (flag, 1, x3)
     encode[grid](x3, codes, scales, zeros if zeros is not None else scales, flag, xb, xb if sinks is None else
-                 _bits(sinks, dt), **args, norm=_norm(lay.D), **const, enable_fp_fusion=False, num_warps=CODEC_WARPS)
-
-
-def encode_into(codec, x, codes, scales, zeros, flag) -> None:
-    """``x`` [B, Hkv, S, D] (float, contiguous) encoded by ``codec`` (4 bits, no sinks) into the caller's buffers
-    (:class:`PackedSpan`'s; ``flag`` int32 [2] or'd with the kernel's checks, read when the caller chooses). No
-    allocation, no host sync: what a step replayed from a CUDA graph runs (:mod:`kvcx.cache.static_cache`)."""
-    dt, lay = dtype_name_of(x), codec.layout(tuple(x.shape), "x")
-    sizes = [(codes, lay.codes_nbytes), (flag, 2)] + [(t, math.prod(lay.scale_shape)) for t in (scales, zeros)
-                                                      if t is not None]
-    if codec.bits != 4 or codec.sinks or dt is None or not x.is_contiguous() or (zeros is None) == codec.asym or any(
-            not is_tensor(t) or t.device != x.device or t.numel() != n for t, n in sizes):
-        raise CodecError(f"encode_into: {list(x.shape)} {x.dtype} does not fit the buffers given (a contiguous float "
-                         "tensor, a 4-bit codec without sinks, buffers of its layout's sizes on its device)")
-    _launch_encode(codec, lay, x.view(lay.N, lay.S, lay.D), dt, codes, scales, zeros, flag)
+                 _bits(sinks, dt), **args, norm=_norm(lay.D), where_ptr=where, pages=pages, new_ptr=new, **const,
+                 enable_fp_fusion=False, num_warps=CODEC_WARPS)
 
 
 # -- fused decode attention over packed records ----------------------------------------------------------
@@ -539,12 +531,13 @@ def launch_attention(grid, q, q_scale: float, buffers: tuple, ints: tuple, out: 
 
 
 def merge_splits(q, scaling: float, m, l, acc, Hkv: int, rotate: bool, sinks=(None, None), residual=(None, None),
-                 add=None, res_off: int = 0, res_lens=None):
+                 add=None, res_off: int = 0, res_lens=None, out=None):
     """The attention output [N, R, D] float32 of the query rows ``q`` [N, R, D]: the merge kernel's softmax over the
     splits the attention kernel wrote (``m``, ``l`` [N, splits, R], ``acc`` [N, splits, R, D]; their accumulators
     rotated back where ``rotate``) and the exact tokens (:func:`attend_spans`' ``sinks``, ``residual``, ``add``,
     ``res_off``; ``res_lens`` int32 [B], or None: batch row b's residual is its first ``res_lens[b]`` rows, read on
-    the device). One launch: what :func:`attend_spans` and :func:`kvcx.codecs.paged.attend` end with."""
+    the device). One launch: what :func:`attend_spans` and :func:`kvcx.codecs.paged.attend` end with. ``out``: the
+    caller's [N, R, D] (contiguous; float32, float16 or bfloat16: rounded to nearest even as ``.to`` rounds)."""
     torch, k = _torch(), attention_kernels()
     N, R, D = q.shape
     (sk, sv), (rk, rv) = sinks, residual
@@ -553,10 +546,17 @@ def merge_splits(q, scaling: float, m, l, acc, Hkv: int, rotate: bool, sinks=(No
     if not (is_int(MERGE_SPLITS) and MERGE_SPLITS >= 2 and MERGE_SPLITS & (MERGE_SPLITS - 1) == 0):
         raise CodecError(f"merge splits at a time {MERGE_SPLITS!r} (kvcx.codecs.gpu.MERGE_SPLITS) is not a power of "
                          "two from 2; set one (16, 64, 256, ...)")
-    out, pdl = torch.empty(N, R, D, device=q.device), dependent_merge(q)
+    if out is None:
+        out = torch.empty(N, R, D, device=q.device)
+    elif not (is_tensor(out) and out.dtype in (torch.float32, torch.float16, torch.bfloat16) and out.is_contiguous()
+              and out.numel() == N * R * D and out.device == q.device):
+        raise CodecError(f"attention: out must be a contiguous float32, float16 or bfloat16 tensor of {N * R * D} "
+                         f"values ([B, Hq, D]) on {q.device}")
+    bf16, pdl = out.dtype == torch.bfloat16, dependent_merge(q)
     k.merge_kernel[(N, R)](q, scaling, m, l, acc, m.shape[1], sk if t0 else m, sv if t0 else m, t0, rk if nr else m,
                            rv if nr else m, nr, add if add is not None else m, add.shape[1] if add is not None else 0,
-                           res_off, Hkv, out, _norm(D), res_lens if res_lens is not None else m, R=R, D=D,
+                           res_off, Hkv, out.view(torch.int16) if bf16 else out, _norm(D),
+                           res_lens if res_lens is not None else m, R=R, D=D, OUT_BF16=bf16,
                            SB=_pow2(t0), RB=max(16, _pow2(nr)), HAS_MASK=add is not None, ROTATE=rotate,
                            CH=MERGE_SPLITS, enable_fp_fusion=ATTN_FP_FUSION, num_warps=MERGE_WARPS, PDL=pdl,
                            RES_LENS=res_lens is not None and nr > 0, **({"launch_pdl": True} if pdl else {}))

@@ -15,6 +15,7 @@ Pages hold packed tokens only (no exact sinks or residual): what an engine pages
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -154,15 +155,48 @@ def write(pool: PagedKV, pages: Sequence[int], keys: Packed, values: Packed) -> 
                 dst[int(pages[whole]), :, :used] = src[:, whole * width:whole * width + used]
 
 
+def encode_step(codec: Codec, residual, codes, scales, zeros, flag, new, where) -> None:
+    """One decode step's keys or values into rows that hold whole residuals a slab (a static cache's: a page a batch
+    row as long as its capacity, :mod:`kvcx.cache.static_cache`), in one launch and no host sync: ``new`` [B, Hkv, 1,
+    D] (the residual's dtype, contiguous) is written into ``residual`` [B, Hkv, S, D] at token ``where[0]``
+    (``where``: int64 [2] on the device, the slot and a part) and, where that fills it (slot S - 1), the residual is
+    encoded by ``codec`` (4 bits, no sinks) into part ``where[1]`` of ``codes``, ``scales`` and ``zeros`` (None
+    without zero points): buffers of a whole number of the residual's layouts a slab ([B x Hkv, parts, a residual's
+    bytes or parameters]). Otherwise nothing is encoded: the launch is the same at every step, as a CUDA graph
+    replays it. ``flag`` int32 [2] is set where the token holds NaN or Inf or an encoded group's scale is not
+    finite, read when the caller chooses."""
+    torch = _torch()
+    dt, lay = gpu.dtype_name_of(residual), codec.layout(tuple(residual.shape), "residual")
+    parts = codes.numel() // max(1, lay.codes_nbytes) if is_tensor(codes) else 0
+    sizes = [(codes, lay.codes_nbytes * parts), (flag, 2)] + [(t, math.prod(lay.scale_shape) * parts)
+                                                              for t in (scales, zeros) if t is not None]
+    if codec.bits != 4 or codec.sinks or dt is None or not residual.is_contiguous() or parts < 1 or \
+            (zeros is None) == codec.asym or any(not is_tensor(t) or t.device != residual.device or t.numel() != n
+                                                 for t, n in sizes):
+        raise CodecError(f"paged decode step: the residual {list(residual.shape)} {residual.dtype} does not fit the "
+                         "rows given (a contiguous float tensor, a 4-bit codec without sinks, rows of whole "
+                         "residuals' bytes and parameters on its device)")
+    if not (is_tensor(new) and is_tensor(where) and new.dtype == residual.dtype and new.is_contiguous() and
+            tuple(new.shape) == (*residual.shape[:2], 1, residual.shape[3]) and where.dtype == torch.int64 and
+            tuple(where.shape) == (2,) and new.device == where.device == residual.device):
+        raise CodecError(f"paged decode step: the new token must be [{residual.shape[0]}, {residual.shape[1]}, 1, "
+                         f"{residual.shape[3]}] in {residual.dtype} (contiguous) and where int64 [2] (slot, part), "
+                         f"both on {residual.device}")
+    gpu.launch_encode(codec, lay, residual.view(lay.N, lay.S, lay.D), dt, codes, scales, zeros, flag,
+                      step=(where, parts, new))
+
+
 def attend(q, pool: PagedKV, block_table, seq_lens, scaling: Optional[float] = None,
-           per_split: Optional[int] = None, sinks=(None, None), residual=(None, None), residual_lens=None):
+           per_split: Optional[int] = None, sinks=(None, None), residual=(None, None), residual_lens=None, out=None):
     """One decode step over a paged store: q [B, Hq, D] (one token a row, any float dtype), ``block_table`` int32
     [B, max_pages] (row b's pages in order; entries past its tokens are not read), ``seq_lens`` int32 [B] (row b's
     tokens, 0 to max_pages x page_tokens), both on the pool's device. Query head j reads KV head j // (Hq / Hkv).
     Exact tokens in the same softmax, optional: ``sinks`` (keys, values) [B, Hkv, t0, D] before the pages, and
     ``residual`` (keys, values) [B, Hkv, nr, D] after them, of which row b's first ``residual_lens[b]`` (int32
     [B] on the device; None: all nr) are tokens; both as the model holds them (any float dtype).
-    Returns [B, Hq, D] float32 (NaN for a row of no token, as SDPA gives for a row with nothing to attend to).
+    Returns [B, Hq, D] float32 (NaN for a row of no token, as SDPA gives for a row with nothing to attend to), or
+    writes it into ``out`` (the caller's [B, Hq, D], contiguous: float32, float16 or bfloat16, rounded to nearest
+    even as ``.to`` rounds) and returns that.
     No host sync: the splits are sized from the table's width, the lengths are read on the device (a step can be
     replayed from a CUDA graph)."""
     torch = _torch()
@@ -206,7 +240,7 @@ def attend(q, pool: PagedKV, block_table, seq_lens, scaling: Optional[float] = N
     gpu.launch_attention((N, nsp), qr if kc.rotate else rows, 1.0 if kc.rotate else scaling, bufs + bufs, (0,) * 12,
                          (m, l, acc), H, per, nsp, 0, {**const, "PAGE": P}, pages=(table, seq_lens))
     return gpu.merge_splits(rows, scaling, m, l, acc, H, vc.rotate, tuple(exact[:2]), tuple(exact[2:]),
-                            res_lens=residual_lens).reshape(B, Hq, D)
+                            res_lens=residual_lens, out=out).reshape(B, Hq, D)
 
 
 def _exact(t, name: str, B: int, H: int, D: int, dev):

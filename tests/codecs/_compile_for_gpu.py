@@ -28,7 +28,7 @@ POINTERS = {
                             "vs2_ptr", "vz2_ptr")},
     **{n: "*fp32" for n in ("q_ptr", "qs_ptr", "mask_ptr", "add_ptr", "m_ptr", "l_ptr", "acc_ptr")},
     **{n: "*bf16" for n in ("sk_ptr", "sv_ptr", "rk_ptr", "rv_ptr")},
-    "pages_ptr": "*i32", "lens_ptr": "*i32", "res_lens_ptr": "*i32",
+    "pages_ptr": "*i32", "lens_ptr": "*i32", "res_lens_ptr": "*i32", "where_ptr": "*i64", "new_ptr": "*bf16",
 }
 
 
@@ -59,7 +59,8 @@ def _compile(job) -> str:
 
 def codec_kernels() -> None:
     """Encode and decode, each branch of ASYM and ROTATE in each kernel once (the default's keys and values, the
-    reference, a rotated channel grouping), and the per-channel encode's blocks in a loop."""
+    reference, a rotated channel grouping), the per-channel encode's blocks in a loop, and the default's keys and
+    values as a static cache's decode step encodes them (the token written, the page encoded in place)."""
     for scheme, axis, rotate in (("asymmetric", "channel", False), ("symmetric", "token", True),
                                  ("symmetric", "token", False), ("symmetric", "channel", True)):
         codec = IntCodec(scheme=scheme, axis=axis, rotate=rotate, sinks=1)
@@ -68,6 +69,9 @@ def codec_kernels() -> None:
         compile_one(dec, {**const, "SAT": False, "BF16": True})
         if axis == "channel":   # the blocks in a loop a program (gpu.CODEC_LOOP)
             compile_one(enc, {**const, "STEP": 2})
+        if scheme != "symmetric" or rotate and axis == "token":   # a decode step's (gpu.encode_into)
+            compile_one(enc, gpu.encode_launch(codec.replace(sinks=0), codec.layout((1, 8, 64, D), "x"),
+                                               paged=True)[3])
 
 
 def attention_kernels() -> None:
@@ -97,12 +101,14 @@ def attention_kernels() -> None:
     # and with the first tile loaded before the query, the merge as a dependent launch (griddepcontrol in PTX)
     compile_one(ka.attend_packed_kernel, {**const, "EARLY": True, "PDL": True},
                 num_warps=gpu.attention_options(const)["num_warps"], fusion=gpu.ATTN_FP_FUSION)
-    # the residual's lengths read on the device (kvcx.cache.static_cache's steps) with the dependent launch
+    # the residual's lengths read on the device with the dependent launch, writing BF16 (kvcx.cache.static_cache's
+    # steps)
     for has_mask, rotate, pdl, res_lens in ((True, True, False, False), (False, False, True, False),
                                             (False, True, True, True)):
         compile_one(ka.merge_kernel, dict(R=4, D=D, SB=gpu._pow2(1), RB=gpu._pow2(32), HAS_MASK=has_mask,
-                                         ROTATE=rotate, CH=gpu.MERGE_SPLITS, PDL=pdl, RES_LENS=res_lens),
-                    fusion=gpu.ATTN_FP_FUSION, num_warps=gpu.MERGE_WARPS, out_ptr="*fp32")
+                                         ROTATE=rotate, CH=gpu.MERGE_SPLITS, PDL=pdl, RES_LENS=res_lens,
+                                         OUT_BF16=res_lens),
+                    fusion=gpu.ATTN_FP_FUSION, num_warps=gpu.MERGE_WARPS, out_ptr="*i16" if res_lens else "*fp32")
 
 
 if __name__ == "__main__":

@@ -189,3 +189,71 @@ def test_exact_sinks_and_a_residual_of_lengths_on_the_device_join_the_softmax(mo
         paged.attend(q, pool, table, lens, sinks=(sinks[0], None))
     with pytest.raises(CodecError, match="residual keys must be a float tensor \\[2, 2, n, 64\\]"):
         paged.attend(q, pool, table, lens, residual=(res[0][:, :1], res[1]))
+
+
+@pytest.mark.parametrize("scheme", ["kvcx", "kivi"])
+def test_a_decode_step_writes_its_token_and_encodes_a_full_residual_into_its_page_in_place(scheme):
+    """paged.encode_step (a static cache's one launch a kind and layer): each step writes its token into
+    the residual at its slot (exactly; the packed rows untouched while the residual is not full), and the step that
+    fills the residual encodes it into its page of the rows with the bytes the codec writes for those tokens alone
+    (the CPU's), the other pages' bytes unchanged. Both groupings: keys per channel with zero points, values per
+    token rotated (kvcx) or with zero points (kivi); a NaN token sets the flag at its own step."""
+    g = torch.Generator().manual_seed(11)
+    B, H, P, D, pages = 2, 2, 64, 64, 3
+    for codec in _codecs(scheme):
+        pool = paged.allocate(codec, codec, B * H, 1, D, P * pages, DEVICE)   # B x H rows of `pages` pages
+        rows = [t.view(torch.uint8) for t in (pool.key_codes, pool.key_scales, pool.key_zeros) if t is not None]
+        for t in rows:   # what the pages held before (compared as bytes)
+            t.copy_(torch.randint(0, 256, t.shape, generator=g))
+        before = [t.clone() for t in rows]
+        res = torch.zeros(B, H, P, D, device=DEVICE)
+        flag = torch.zeros(2, dtype=torch.int32, device=DEVICE)
+        tokens = torch.randn(B, H, P, D, generator=g).to(DEVICE)
+        where = torch.tensor([0, 1], dtype=torch.int64, device=DEVICE)      # page 1 of 3
+        for slot in range(P):
+            where[0] = slot
+            paged.encode_step(codec, res, pool.key_codes, pool.key_scales, pool.key_zeros, flag,
+                              tokens[:, :, slot:slot + 1].contiguous(), where)
+            assert torch.equal(res[:, :, :slot + 1], tokens[:, :, :slot + 1])
+            if slot < P - 1:
+                assert all(torch.equal(a, b) for a, b in zip(rows, before))
+        rec = codec.with_backend("cpu").encode(tokens.cpu())
+        codes = pool.key_codes.view(B * H, pages, -1).cpu()
+        assert torch.equal(codes[:, 1].reshape(-1), torch.as_tensor(rec.codes).reshape(-1))
+        for t, want in zip(rows[1:], (rec.scales, rec.zeros)):
+            assert torch.equal(t.view(torch.float16).view(B * H, pages, -1)[:, 1].cpu().reshape(-1),
+                               torch.as_tensor(want).reshape(-1))
+        for t, b in zip(rows, before):   # pages 0 and 2 as they were
+            assert torch.equal(t.view(B * H, pages, -1)[:, ::2], b.view(B * H, pages, -1)[:, ::2])
+        assert not bool(flag.any())
+        bad = tokens[:, :, :1].clone().contiguous()
+        bad[1, 0, 0, 5] = float("nan")
+        where[0] = 0
+        paged.encode_step(codec, res, pool.key_codes, pool.key_scales, pool.key_zeros, flag, bad, where)
+        assert bool(flag.any())
+    with pytest.raises(CodecError, match="the new token must be \\[2, 2, 1, 64\\] in torch.float32"):
+        paged.encode_step(codec, res, pool.key_codes, pool.key_scales, pool.key_zeros, flag, bad.half(), where)
+    with pytest.raises(CodecError, match="where int64 \\[2\\]"):
+        paged.encode_step(codec, res, pool.key_codes, pool.key_scales, pool.key_zeros, flag, bad, where.int())
+    with pytest.raises(CodecError, match="does not fit the rows given"):
+        paged.encode_step(codec, res, pool.key_codes[:-1], pool.key_scales, pool.key_zeros, flag, bad, where)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_the_attention_written_in_the_callers_dtype_is_the_float32_result_rounded(dtype):
+    """paged.attend's ``out=``: the merge writes the model's dtype itself (no conversion launched after it); the
+    values are the FP32 output rounded to nearest even, as ``.to(dtype)`` rounds it, bit for bit."""
+    kc, vc = _codecs()
+    g = torch.Generator().manual_seed(4)
+    pool = paged.allocate(kc, vc, 2, 2, 64, 64, DEVICE)
+    K, V = (torch.randn(2, 64, 64, generator=g).to(DEVICE) * 50 for _ in "kv")
+    paged.write(pool, [1], kc.encode(K), vc.encode(V))
+    q = torch.randn(1, 4, 64, generator=g).to(DEVICE)
+    table, lens = torch.ones(1, 1, dtype=torch.int32, device=DEVICE), torch.tensor([64], dtype=torch.int32,
+                                                                                    device=DEVICE)
+    ref = paged.attend(q, pool, table, lens)
+    out = torch.empty(1, 4, 64, dtype=dtype, device=DEVICE)
+    assert paged.attend(q, pool, table, lens, out=out) is not None
+    assert torch.equal(out, ref.to(dtype))
+    with pytest.raises(CodecError, match="out must be a contiguous float32, float16 or bfloat16 tensor of 256"):
+        paged.attend(q, pool, table, lens, out=torch.empty(1, 4, 64, dtype=torch.float64, device=DEVICE))

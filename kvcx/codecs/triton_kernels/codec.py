@@ -169,8 +169,9 @@ def _copy_sinks(src_ptr, dst_ptr, flag_ptr, slab, n, src_stride, dst_stride, dst
 
 @triton.jit
 def encode_token_kernel(x_ptr, codes_ptr, scales_ptr, zeros_ptr, flag_ptr, xb_ptr, sinks_ptr, S, t0, L, row_bytes,
-                        ngroups, norm, D: tl.constexpr, G: tl.constexpr, R: tl.constexpr, ASYM: tl.constexpr,
-                        ROTATE: tl.constexpr, SB: tl.constexpr, EXP: tl.constexpr, STEP: tl.constexpr = 0):
+                        ngroups, norm, where_ptr, pages, new_ptr, D: tl.constexpr, G: tl.constexpr, R: tl.constexpr,
+                        ASYM: tl.constexpr, ROTATE: tl.constexpr, SB: tl.constexpr, EXP: tl.constexpr,
+                        STEP: tl.constexpr = 0, PAGED: tl.constexpr = False):
     """Groups of G consecutive values of each slab's tokens [t0, S) (C order): R groups per program.
     Grid (slabs, cdiv(groups per slab, R)); with ROTATE, R * G is a multiple of D (whole tokens). The checks:
     ``flag_ptr[0]`` set where a scale or zero point is not finite (a NaN or Inf in the group, or a scale past
@@ -178,13 +179,16 @@ def encode_token_kernel(x_ptr, codes_ptr, scales_ptr, zeros_ptr, flag_ptr, xb_pt
     and sets ``flag_ptr[1]`` where one is not finite. ``STEP`` > 0: a program per (slab, every STEP-th whole
     program's groups from its own) in a loop, the next one's values loaded before this one is worked (in flight
     meanwhile: Triton pipelines only the loads that feed products), a slab's partial last one by its first
-    program after its loop; the same bytes."""
+    program after its loop; the same bytes. ``PAGED``: a decode step (:func:`_token_step`)."""
     slab = tl.program_id(0)
     p = tl.program_id(1)
     if SB > 0:
         if p == 0:
             _copy_sinks(xb_ptr, sinks_ptr, flag_ptr + 1, slab, t0 * D, S * D, t0 * D, 0, SB, EXP)
-    if STEP > 0:   # whole programs' groups in a loop, the next one's values loaded while this one is worked
+    if PAGED:
+        _token_step(x_ptr, codes_ptr, scales_ptr, zeros_ptr, flag_ptr, where_ptr, pages, new_ptr, slab, p, S, L,
+                    row_bytes, ngroups, norm, D, G, R, ASYM, ROTATE, (p + 1) * R * G > L)
+    elif STEP > 0:   # whole programs' groups in a loop, the next one's values loaded while this one is worked
         whole = L // (R * G)
         base = slab.to(tl.int64) * S * D + t0 * D
         vv = tl.arange(0, R)[:, None] * G + tl.arange(0, G)[None, :]
@@ -204,6 +208,33 @@ def encode_token_kernel(x_ptr, codes_ptr, scales_ptr, zeros_ptr, flag_ptr, xb_pt
     else:
         _encode_groups(x_ptr, codes_ptr, scales_ptr, zeros_ptr, flag_ptr, slab, p, 0.0, S, t0, L, row_bytes, ngroups,
                        norm, D, G, R, ASYM, ROTATE, True, False)
+
+
+@triton.jit
+def _token_step(x_ptr, codes_ptr, scales_ptr, zeros_ptr, flag_ptr, where_ptr, pages, new_ptr, slab, p, S, L,
+                row_bytes, ngroups, norm, D: tl.constexpr, G: tl.constexpr, R: tl.constexpr, ASYM: tl.constexpr,
+                ROTATE: tl.constexpr, PAD):
+    """A decode step of a paged store (no sinks): the step's token ``new`` [slabs, D] written into the residual
+    ``x`` [slabs, S, D] at token ``where[0]`` (the flag set where one of its values is NaN or Inf), and, if that
+    fills the residual (``where[0]`` = S - 1), program ``p``'s groups encoded into page ``where[1]`` of the
+    buffers, which hold ``pages`` pages a slab (with the token's values, not those read before the write)."""
+    slot = tl.load(where_ptr)
+    g = p * R + tl.arange(0, R)
+    v = g[:, None] * G + tl.arange(0, G)[None, :]
+    row = slab.to(tl.int64) * S * D
+    fresh = (v // D) == slot
+    nv = tl.load(new_ptr + slab.to(tl.int64) * D + (v - slot * D), mask=fresh, other=0.0)
+    tl.store(x_ptr + row + v, nv, mask=fresh)
+    _flag_if(flag_ptr, fresh & _nonfinite(nv.to(tl.float32)))
+    if slot == S - 1:
+        x = tl.where(fresh, nv, tl.load(x_ptr + row + v, mask=v < L, other=0.0))
+        out = slab * pages + tl.load(where_ptr + 1)
+        if PAD:
+            _encode_groups(x_ptr, codes_ptr, scales_ptr, zeros_ptr, flag_ptr, out, p, x, S, 0, L, row_bytes, ngroups,
+                           norm, D, G, R, ASYM, ROTATE, True, True)
+        else:
+            _encode_groups(x_ptr, codes_ptr, scales_ptr, zeros_ptr, flag_ptr, out, p, x, S, 0, L, row_bytes, ngroups,
+                           norm, D, G, R, ASYM, ROTATE, False, True)
 
 
 @triton.jit
@@ -272,13 +303,16 @@ def decode_token_kernel(codes_ptr, scales_ptr, zeros_ptr, out_ptr, flag_ptr, sb_
 
 @triton.jit
 def encode_channel_kernel(x_ptr, codes_ptr, scales_ptr, zeros_ptr, flag_ptr, xb_ptr, sinks_ptr, S, t0, D, row_bytes,
-                          nblk, norm, DP: tl.constexpr, CB: tl.constexpr, G: tl.constexpr, ASYM: tl.constexpr,
-                          ROTATE: tl.constexpr, SB: tl.constexpr, EXP: tl.constexpr, STEP: tl.constexpr = 0):
+                          nblk, norm, where_ptr, pages, new_ptr, DP: tl.constexpr, CB: tl.constexpr, G: tl.constexpr,
+                          ASYM: tl.constexpr, ROTATE: tl.constexpr, SB: tl.constexpr, EXP: tl.constexpr,
+                          STEP: tl.constexpr = 0, PAGED: tl.constexpr = False):
     """Groups of G tokens per channel: one program per (slab, token block, CB channels), the block's [G, CB] values
     (DP: D rounded up to a power of two; D = DP when ROTATE, and CB = DP: the rotation mixes a whole row). The
     checks and the sinks as in encode_token_kernel. ``STEP`` > 0: a program per (slab, every STEP-th block from
     its own, CB channels), its blocks in a loop, the next block's values loaded before this one is worked (in
-    flight meanwhile: Triton pipelines only the loads that feed products); the same bytes."""
+    flight meanwhile: Triton pipelines only the loads that feed products); the same bytes. ``PAGED``: a decode
+    step, as :func:`_token_step`'s (the block's channels of the step's token written, the block encoded if the
+    step fills the residual)."""
     slab = tl.program_id(0)
     blk = tl.program_id(1)
     c0 = tl.program_id(2) * CB
@@ -290,7 +324,19 @@ def encode_channel_kernel(x_ptr, codes_ptr, scales_ptr, zeros_ptr, flag_ptr, xb_
     base = slab.to(tl.int64) * S * D + t0 * D
     # a partial last block reads its last token again in place of the missing ones (no group changes; they are
     # not stored), and columns past D read 0 (their groups are not stored): no mask in the statistics or codes
-    if STEP > 0:
+    if PAGED:
+        slot = tl.load(where_ptr)
+        rel = slot - blk * G + 0 * d         # [1, CB], not a scalar: the interpreter mis-types a scalar & a tensor
+        mine = (rel >= 0) & (rel < G) & (d < D)                             # the token is in this block
+        nv = tl.load(new_ptr + slab.to(tl.int64) * D + d, mask=mine, other=0.0)
+        tl.store(x_ptr + base + slot * D + d, nv, mask=mine)
+        _flag_if(flag_ptr, mine & _nonfinite(nv.to(tl.float32)))
+        if slot == S - 1:
+            x = _block_values(x_ptr + base, blk, ii, d, S, D, G)
+            x = tl.where(tl.minimum(blk * G + ii, S - 1) == slot, nv, x).to(tl.float32)
+            _encode_block(x, codes_ptr, scales_ptr, zeros_ptr, flag_ptr, slab * pages + tl.load(where_ptr + 1), blk,
+                          c0, ii, S, 0, D, row_bytes, nblk, norm, DP, CB, G, ASYM, ROTATE)
+    elif STEP > 0:
         nxt = _block_values(x_ptr + base, blk, ii, d, S - t0, D, G)
         for b in range(blk, nblk, STEP):
             x = nxt.to(tl.float32)

@@ -9,7 +9,7 @@ try:   # programmatic dependent launch (Triton 3.4 on; kvcx.codecs.gpu.dependent
 except ImportError:
     gdc_wait = None
 
-from kvcx.codecs.triton_kernels.codec import _fwht_rows
+from kvcx.codecs.triton_kernels.codec import _fwht_rows, _store_out
 
 # integer arguments that change from one decode step to the next: not specialized on (see attention._STEP_ARGS)
 _MERGE_STEP_ARGS = ("SPT", "n_sinks", "n_res", "add_stride", "res_off")
@@ -39,11 +39,12 @@ def _exact_scores(q, k, n, ne, add_ptr, add_stride, add_off, Hkv, EB: tl.constex
 def merge_kernel(q_ptr, q_scale, m_ptr, l_ptr, acc_ptr, SPT, sk_ptr, sv_ptr, n_sinks, rk_ptr, rv_ptr, n_res, add_ptr,
                  add_stride, res_off, Hkv, out_ptr, norm, res_lens_ptr, R: tl.constexpr, D: tl.constexpr,
                  SB: tl.constexpr, RB: tl.constexpr, HAS_MASK: tl.constexpr, ROTATE: tl.constexpr, CH: tl.constexpr,
-                 PDL: tl.constexpr = False, RES_LENS: tl.constexpr = False):
+                 PDL: tl.constexpr = False, RES_LENS: tl.constexpr = False, OUT_BF16: tl.constexpr = False):
     """One program per (slab, query row): the softmax merge of the row's ``SPT`` splits
     (:func:`attend_packed_kernel`; their accumulators rotated back where the values are) with its slab's exact
     tokens, the sinks (``n_sinks`` at mask column 0) and the residual (``n_res`` at column ``res_off``), read as
-    they are held; the query row as the model holds it, times ``q_scale``; writes the row's [D] float32.
+    they are held; the query row as the model holds it, times ``q_scale``; writes the row's [D] in out's dtype
+    (FP32, FP16, or with ``OUT_BF16`` BF16 bits in an int16 view).
     ``RES_LENS``: the residual holds ``n_res`` rows a slab of which batch row b's first ``res_lens_ptr[b]`` are
     tokens (read on the device: a step replayed from a CUDA graph, :mod:`kvcx.cache.static_cache`).
 
@@ -95,4 +96,6 @@ def merge_kernel(q_ptr, q_scale, m_ptr, l_ptr, acc_ptr, SPT, sk_ptr, sv_ptr, n_s
         top = new
     if ROTATE:
         acc = _fwht_rows(acc, 1, D, norm)
-    tl.store(out_ptr + (n.to(tl.int64) * R + r[:, None]) * D + d[None, :], acc / den[:, None])
+    # out_ptr's dtype (FP32, FP16; BF16 as int16 bits: round to nearest even on them, as torch's .to rounds)
+    _store_out(out_ptr + (n.to(tl.int64) * R + r[:, None]) * D + d[None, :], acc / den[:, None], None, False,
+               OUT_BF16)
