@@ -85,7 +85,9 @@ def compile_setting(setting, arch: int, dump: Path | None):
     from kvcx.codecs import KVConfig, gpu
     from kvcx.codecs.triton_kernels import attention as k
 
-    bt, warps, dot, prefetch, stages, _, max_regs, early, pdl = setting[:9]
+    s = setting
+    bt, warps, dot, prefetch, stages, max_regs, early, pdl = (s.block_tokens, s.warps, s.dot, s.prefetch, s.stages,
+                                                               s.max_regs, s.early, s.pdl)
     cfg = KVConfig.from_scheme(SCHEME)
     consts = gpu.attention_constexprs(cfg.key, cfg.value, 4, D, dot, bt, False, prefetch, True, early, pdl)
     fn = k.attend_packed_kernel
@@ -163,7 +165,7 @@ def count(setting, arch, dump):
     body = instrs[loop[0]:loop[1] + 1]
     kinds = collections.Counter(kind_of(op) for _, op, _ in body)
     return dict(total=len(instrs), loop=len(body), per_token=len(body) / bt, kinds=kinds, regs=regs, stack=stack,
-                shared=shared, programs=resident(regs, shared, setting[1]),
+                shared=shared, programs=resident(regs, shared, setting.warps),
                 local=sum(op.split(".")[0] in ("LDL", "STL") for _, op, _ in body), **waits(body))
 
 
@@ -235,7 +237,7 @@ def merge_table(emit, settings, arch: int, dump: Path | None) -> None:
          "in the loop | barriers | after the wait | in the loop | barriers after the wait, per row | registers | "
          "stack bytes |")
     emit("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for warps, chunk, pdl in dict.fromkeys((s[9], s[10], s[8]) for s in settings):
+    for warps, chunk, pdl in dict.fromkeys((s.merge_warps, s.merge_splits, s.pdl) for s in settings):
         r = count_merge(warps, chunk, pdl, arch, dump)
         path = r["bars_after"] - r["loop_bars"] + r["loop_bars"] * r["chunks"] if pdl else None
         emit(f"| {warps} | {chunk} | {'yes' if pdl else 'no'} | {r['chunks']} | {r['total']} | "
@@ -285,10 +287,10 @@ def count_codec(label: str, scheme: str, which: str, decode: bool, arch: int, du
 
     codec = getattr(KVConfig.from_scheme(scheme), which)
     lay = codec.layout(CODEC_SHAPE, which)
-    kernels, args, _, const = gpu._programs(codec, lay)
-    if not decode:   # as the launcher encodes (CODEC_LOOP: the blocks in a loop)
-        _, args, _, const = gpu.encode_launch(codec, lay)
-    fn = kernels[decode]
+    if decode:
+        (_, fn), args, _, const = gpu._programs(codec, lay)
+    else:            # as the launcher encodes (CODEC_LOOP: the blocks in a loop)
+        fn, args, _, const = gpu.encode_launch(codec, lay)
     values = {**args, "norm": gpu._norm(lay.D), "pages": 1}
     pointers = {"codes_ptr": "u8", "scales_ptr": "fp16", "zeros_ptr": "fp16", "flag_ptr": "i32", "xb_ptr": "i16",
                 "sinks_ptr": "i16", "sb_ptr": "i16", "ob_ptr": "i16", "where_ptr": "i32", "new_ptr": "bf16"}
@@ -382,8 +384,8 @@ def main(argv=None):
         r = count(setting, args.arch, args.dump)
         bt = r["loop"] / r["per_token"]
         cells = " | ".join(f"{r['kinds'].get(h, 0) / bt:.1f}" for h in head)
-        emit(f"| {describe(setting)} | {bt:.0f} | {r['per_token'] * setting[1]:.1f} | {r['per_token']:.1f} | {cells} | "
-             f"{r['regs']} | {r['stack']} | {r['local']} | {r['shared']} | {r['programs'] * setting[1]} | "
+        emit(f"| {describe(setting)} | {bt:.0f} | {r['per_token'] * setting.warps:.1f} | {r['per_token']:.1f} | {cells} | "
+             f"{r['regs']} | {r['stack']} | {r['local']} | {r['shared']} | {r['programs'] * setting.warps} | "
              f"{r['total']} | {r['near']} | {'n/a' if r['ahead'] is None else r['ahead']} |", flush=True)
     merge_table(emit, SETTINGS[:args.limit], args.arch, args.dump)
     codec_table(emit, args.arch, args.dump)
