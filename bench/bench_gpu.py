@@ -498,8 +498,8 @@ def graph_rates(torch, dev, model, ids, cache, new_tokens: int, chunk: int = PRE
     """Greedy steps with a cache whose steps can be captured (transformers' StaticCache: SDPA over the preallocated
     BF16 keys and values, masked past the tokens held; kvcx's StaticKvcxCache: the packed store, lengths read on the
     device): (tokens/s launched from Python, tokens/s with each step replayed from a CUDA graph or None off CUDA or
-    where the step cannot be captured). The graph holds a whole step (the model, the argmax, the position's
-    increment): a replay is a step, nothing between them."""
+    where the step cannot be captured, the kernels a step launches or None off CUDA). The graph holds a whole step
+    (the model, the argmax, the position's increment): a replay is a step, nothing between them."""
     n = ids.shape[1]
     with torch.inference_mode():
         prefill(torch, dev, model, ids, cache, chunk)
@@ -513,37 +513,38 @@ def graph_rates(torch, dev, model, ids, cache, new_tokens: int, chunk: int = PRE
 
         step()                             # untimed: first-call set-up
         eager = steps_per_second(torch, dev, step, new_tokens)
-        graph = None
+        graph = launches = None
         if dev.type == "cuda":
+            launches = sum(n for _, n, _ in kernel_times(torch, dev, step, 2))
             try:
                 g = capture(torch, step, warmup=1)
                 g.replay()
                 graph = steps_per_second(torch, dev, g.replay, new_tokens)
             except Exception as exc:   # reported; the table says n/a
                 print(f"{type(cache).__name__} step capture failed: {type(exc).__name__}: {exc}", file=sys.stderr)
-    return eager, graph
+    return eager, graph, launches
 
 
 def static_rates(torch, dev, model, ids, new_tokens: int, chunk: int = PREFILL_CHUNK):
     """transformers' StaticCache (:func:`graph_rates`): (tokens/s from Python, from a CUDA graph or None, the
-    cache's bytes)."""
+    cache's bytes, kernels a step or None)."""
     from transformers import StaticCache
 
     cache = StaticCache(config=model.config, max_cache_len=ids.shape[1] + 3 * new_tokens + 8)
-    eager, graph = graph_rates(torch, dev, model, ids, cache, new_tokens, chunk)
+    eager, graph, launches = graph_rates(torch, dev, model, ids, cache, new_tokens, chunk)
     size = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values)
                if t is not None)
-    return eager, graph, size
+    return eager, graph, size, launches
 
 
 def static_kvcx_rates(torch, dev, model, ids, new_tokens: int, chunk: int = PREFILL_CHUNK):
     """kvcx's StaticKvcxCache (:func:`graph_rates`, the same capacity as StaticCache's): (tokens/s from Python, from
-    a CUDA graph or None, the cache's bytes)."""
+    a CUDA graph or None, the cache's bytes, kernels a step or None)."""
     from kvcx.cache.static_cache import StaticKvcxCache
 
     cache = StaticKvcxCache(model.config, max_cache_len=ids.shape[1] + 3 * new_tokens + 8)
-    eager, graph = graph_rates(torch, dev, model, ids, cache, new_tokens, chunk)
-    return eager, graph, cache.memory_report()["total_bytes"]
+    eager, graph, launches = graph_rates(torch, dev, model, ids, cache, new_tokens, chunk)
+    return eager, graph, cache.memory_report()["total_bytes"], launches
 
 
 def generation(torch, dev, prompts, batches, new_tokens, out, layers, hidden, inter, vocab, hq, hkv,
@@ -562,13 +563,14 @@ def generation(torch, dev, prompts, batches, new_tokens, out, layers, hidden, in
         "with a mask (SDPA), from Python and with each step replayed from a CUDA graph (as engines run decode); "
         "KvcxCache (growing packed store) from Python; StaticKvcxCache (kvcx.cache.static_cache: the packed store "
         "allocated for the same capacity as StaticCache's, lengths read on the device) from Python and from a CUDA "
-        "graph. The graph columns compare like with like: a whole step (model, argmax, position) replayed")
+        "graph. The graph columns compare like with like: a whole step (model, argmax, position) replayed; kernels "
+        "a step: the launches of a step from Python, profiled (the model's and the cache's; what a replay runs)")
     out("")
     out("| prompt | batch | DynamicCache tok/s | StaticCache tok/s | StaticCache graph tok/s | KvcxCache tok/s | "
         "StaticKvcxCache tok/s | StaticKvcxCache graph tok/s | kvcx graph vs Static graph | KvcxCache vs Dynamic | "
         "DynamicCache MiB | StaticCache MiB | KvcxCache MiB | StaticKvcxCache MiB | StaticKvcxCache / StaticCache | "
-        "kvcx backend | fused steps |")
-    out("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|")
+        "StaticCache kernels a step | StaticKvcxCache kernels a step | kvcx backend | fused steps |")
+    out("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|")
     cfg = LlamaConfig(num_hidden_layers=layers, hidden_size=hidden, intermediate_size=inter, vocab_size=vocab,
                       num_attention_heads=hq, num_key_value_heads=hkv, max_position_embeddings=max(prompts) * 2)
     default = torch.get_default_dtype()
@@ -646,11 +648,15 @@ def generation_row(torch, dev, model, n: int, batch: int, new_tokens: int, vocab
     def ratio(a, b):
         return f"{a / b:.2f}x" if a and b else "n/a"
 
+    def launch_cell(r):
+        return cell(None) if r is None else "n/a" if r[3] is None else f"{r[3]:.0f}"
+
     return (f"| {n:,} | {batch} | {cell(dyn and dyn[0])} | {cell(static)} | {graph_cell(st, static_graph)} | "
             f"{cell(kv and kv[0])} | {cell(skv)} | {graph_cell(sk, skv_graph)} | {ratio(skv_graph, static_graph)} | "
             f"{ratio(kv and kv[0], dyn and dyn[0])} | "
             f"{cell(dyn and dyn[1] / 2**20)} | {cell(st and st[2] / 2**20)} | {cell(kv and kv[1] / 2**20)} | "
             f"{cell(sk and sk[2] / 2**20)} | {f'{sk[2] / st[2]:.3f}x' if sk and st else 'n/a'} | "
+            f"{launch_cell(st)} | {launch_cell(sk)} | "
             f"{kv[2]['backend'] if kv else 'n/a'} | {kv[2]['attention_steps']['fused'] if kv else 'n/a'} |")
 
 
