@@ -37,6 +37,15 @@ def runs_on_device(key: Codec, value: Codec, device: torch.device) -> bool:
     return all(backend_name(c, device.type) == BACKEND for c in (key, value))
 
 
+def step_output(query: torch.Tensor) -> Optional[torch.Tensor]:
+    """A decode step's output buffer [B, 1, Hq, D] in the query's dtype, which the merge kernel writes itself (no
+    conversion launched after it), or None for a dtype it does not write (the FP32 output is converted then)."""
+    B, Hq, _, D = query.shape
+    if query.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return None
+    return torch.empty(B, 1, Hq, D, dtype=query.dtype, device=query.device)
+
+
 class _Span:
     """One kind's packed tokens of a segment: growing codes [N, bytes], scales and zero points."""
 
@@ -208,10 +217,12 @@ class DevicePackedKV:
         return off
 
     def attend(self, q: torch.Tensor, residual_k: torch.Tensor, residual_v: torch.Tensor,
-               add: Optional[torch.Tensor], scaling: float, per_split: Optional[int] = None) -> torch.Tensor:
+               add: Optional[torch.Tensor], scaling: float, per_split: Optional[int] = None,
+               out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """One decode step: q [B, Hq, D] (one token per row) against the held tokens, then the residual
         [B, H, nr, D] (the step's own token its last); ``add`` float32 [B, held + nr] added to the scores, or
-        None. Returns [B, Hq, D] float32. The caller checked :meth:`unsupported`."""
+        None. Returns [B, Hq, D] float32, or written into ``out`` (:func:`step_output`'s, in its dtype). The
+        caller checked :meth:`unsupported`."""
         B, Hq, D = q.shape
         held, nr = self.tokens, residual_k.shape[2]
         t0 = self._t0("key")
@@ -220,7 +231,7 @@ class DevicePackedKV:
         sinks = (self.sinks["key"], self.sinks["value"]) if t0 else (None, None)
         residual = (residual_k.reshape(self.N, nr, D), residual_v.reshape(self.N, nr, D)) if nr else (None, None)
         return gpu.attend_spans(gpu.query_rows(q, self.N), scaling, spans, self.H, sinks, residual, add, held,
-                                per_split).reshape(B, Hq, D)
+                                per_split, out=out).reshape(B, Hq, D)
 
     @property
     def nbytes(self) -> int:

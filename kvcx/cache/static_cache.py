@@ -44,6 +44,7 @@ import transformers
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvcx.cache.attention_fn import ATTN_IMPLEMENTATION, HANDOFF
+from kvcx.cache.device_store import step_output
 from kvcx.codecs import gpu, paged
 from kvcx.codecs.base import Codec, Packed
 from kvcx.codecs.dtypes import is_int
@@ -266,12 +267,11 @@ class StaticKvcxLayer(CacheLayerMixin):
         B, Hq, Q, D = query.shape
         plan = self._plan.plan
         sinks = (self.sink_k, self.sink_v) if self.t0 else (None, None)
-        direct = query.dtype in (torch.float32, torch.float16, torch.bfloat16)    # the merge writes these
-        out = torch.empty(B, 1, Hq, D, dtype=query.dtype, device=query.device) if direct else None
+        out = step_output(query)   # written by the merge in the query's dtype
         got = paged.attend(query.reshape(B, Hq, D), self.pool, self.table, plan.packed, scaling, sinks=sinks,
                            residual=(self.res_k, self.res_v), residual_lens=plan.live,
-                           out=out.view(B, Hq, D) if direct else None)
-        return out if direct else got.to(query.dtype).view(B, 1, Hq, D)
+                           out=None if out is None else out.view(B, Hq, D))
+        return out if out is not None else got.to(query.dtype).view(B, 1, Hq, D)
 
     def materialised_step(self):
         raise KvcxError("StaticKvcxCache runs decode steps through the fused kernel only, and this model's attention "

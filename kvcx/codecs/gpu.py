@@ -441,7 +441,7 @@ def _span_args(sp: Span) -> tuple:
 
 
 def attend_spans(q, scaling: float, spans, Hkv: int, sinks=(None, None), residual=(None, None), add=None,
-                 res_off: int = 0, per_split: Optional[int] = None):
+                 res_off: int = 0, per_split: Optional[int] = None, out=None):
     """The attention output [N, R, D] float32 of the query rows ``q`` [N, R, D] (:func:`query_rows`: any float
     dtype, as the model holds them; the kernels scale them by ``scaling`` as they read them) over packed spans
     (:class:`Span`, flash-decoding splits along each in :func:`~kvcx.codecs.triton_kernels.attention.attend_packed_kernel`) and
@@ -450,7 +450,7 @@ def attend_spans(q, scaling: float, spans, Hkv: int, sinks=(None, None), residua
     Every span's values rotate alike (the merge rotates the accumulator back once). One kernel per two spans of
     one layout (a store's two segments: one launch) and one merge: no other launch (but for spans whose keys
     rotate: their query, scaled and rotated, from one product; the keys' rotation moved from every key onto the
-    query, its matrix orthogonal and symmetric). The caller checks shapes."""
+    query, its matrix orthogonal and symmetric). The caller checks shapes; ``out``: as :func:`merge_splits`'."""
     torch = _torch()
     N, R, D = q.shape
     rotate = {sp.value_codec.rotate for sp in spans}
@@ -492,12 +492,12 @@ def attend_spans(q, scaling: float, spans, Hkv: int, sinks=(None, None), residua
     nr = 0 if rk is None else rk.shape[1]
     if not full and not t0 and not nr:
         raise CodecError("attention: there are no tokens to attend to")
-    return merge_splits(q, scaling, m, l, acc, Hkv, bool(full) and True in rotate, sinks, residual, add, res_off)
+    return merge_splits(q, scaling, m, l, acc, Hkv, bool(full) and True in rotate, sinks, residual, add, res_off,
+                        out=out)
 
 
 def ptx_codes(q) -> bool:
-    """Whether the fast mode's codes are converted in PTX for a step on ``q``'s device (:data:`ATTN_ASM`, a GPU, not
-    Triton's interpreter)."""
+    """Whether the fast mode's codes are converted in PTX on ``q``'s device (:data:`ATTN_ASM`, a GPU, no interpreter)."""
     return ATTN_ASM and q.is_cuda and not interpreting()
 
 

@@ -192,3 +192,26 @@ def test_the_store_decodes_to_the_dtype_it_is_given():
         assert float((wide - narrow.float()).abs().max()) > 0          # FP32 keeps what BF16 rounds away
     with pytest.raises(CodecError, match="value.*float16, bfloat16 or float32.*torch.int32"):
         store.decode_into("value", torch.empty(1, 2, 100, 32, dtype=torch.int32, device=DEVICE))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_step_written_in_the_models_dtype_is_the_float32_step_rounded(dtype):
+    """A decode step's merge writes the model's dtype itself (step_output: no conversion launched after it, what
+    KvcxCache's and StaticKvcxCache's steps do): the FP32 step rounded to nearest even, as .to rounds, bit for bit;
+    a dtype the merge does not write gets no buffer (the FP32 output is converted)."""
+    from kvcx.cache.device_store import step_output
+
+    cfg = KVConfig.from_scheme().with_backend("triton")
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(1, 2, 100, 32, generator=g).to(DEVICE, dtype)
+    store = DevicePackedKV(1, 2, 32, torch.device(DEVICE))
+    kc, vc = (get_codec({**c.get_config(), "group_size": 32}).with_backend("triton") for c in (cfg.key, cfg.value))
+    store.append(kc.encode(x), vc.encode(x))
+    q = torch.randn(1, 4, 1, 32, generator=g).to(DEVICE, dtype)
+    rk, rv = (torch.randn(1, 2, 3, 32, generator=g).to(DEVICE, dtype) for _ in "kv")
+    wide = store.attend(q.view(1, 4, 32), rk, rv, None, 32 ** -0.5)
+    out = step_output(q)
+    assert out.shape == (1, 1, 4, 32) and out.dtype == dtype
+    store.attend(q.view(1, 4, 32), rk, rv, None, 32 ** -0.5, out=out.view(1, 4, 32))
+    assert wide.dtype == torch.float32 and torch.equal(out.view(1, 4, 32), wide.to(dtype))
+    assert step_output(q.double()) is None
