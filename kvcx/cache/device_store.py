@@ -14,7 +14,7 @@ a step runs the kernel once per segment (two in practice) and one merge kernel o
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 
@@ -37,13 +37,16 @@ def runs_on_device(key: Codec, value: Codec, device: torch.device) -> bool:
     return all(backend_name(c, device.type) == BACKEND for c in (key, value))
 
 
-def step_output(query: torch.Tensor) -> Optional[torch.Tensor]:
-    """A decode step's output buffer [B, 1, Hq, D] in the query's dtype, which the merge kernel writes itself (no
-    conversion launched after it), or None for a dtype it does not write (the FP32 output is converted then)."""
+def attend_in_dtype(query: torch.Tensor, attend: Callable[[Optional[torch.Tensor]], torch.Tensor]) -> torch.Tensor:
+    """A decode step's attention [B, 1, Hq, D] in the query's dtype (the query [B, Hq, 1, D]): ``attend(out)`` is
+    handed a [B, Hq, D] buffer of that dtype, which the merge kernel writes itself (no conversion launched after
+    it), or None for a dtype it does not write (its FP32 result is converted then)."""
     B, Hq, _, D = query.shape
-    if query.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        return None
-    return torch.empty(B, 1, Hq, D, dtype=query.dtype, device=query.device)
+    if not gpu.merge_writes(query.dtype):
+        return attend(None).to(query.dtype).view(B, 1, Hq, D)
+    out = torch.empty(B, 1, Hq, D, dtype=query.dtype, device=query.device)
+    attend(out.view(B, Hq, D))
+    return out
 
 
 class _Span:
@@ -221,7 +224,7 @@ class DevicePackedKV:
                out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """One decode step: q [B, Hq, D] (one token per row) against the held tokens, then the residual
         [B, H, nr, D] (the step's own token its last); ``add`` float32 [B, held + nr] added to the scores, or
-        None. Returns [B, Hq, D] float32, or written into ``out`` (:func:`step_output`'s, in its dtype). The
+        None. Returns [B, Hq, D] float32, or written into ``out`` (:func:`attend_in_dtype`'s, in its dtype). The
         caller checked :meth:`unsupported`."""
         B, Hq, D = q.shape
         held, nr = self.tokens, residual_k.shape[2]

@@ -56,7 +56,7 @@ from kvcx.cache.buffers import HeapRelease, MaskConverter, Scratch
 from kvcx.cache.layer_config import fitted as _fitted, on_backend as _on_backend, pressed as _pressed
 from kvcx.cache.pressing import PrefillPress
 from kvcx.cache.fused import ATTN_MAX_ROWS, CAUSAL, NO_MASK, Workspace
-from kvcx.cache.device_store import DevicePackedKV, runs_on_device, step_output
+from kvcx.cache.device_store import DevicePackedKV, attend_in_dtype, runs_on_device
 from kvcx.cache.store import PackedKV
 from kvcx.codecs.tensors import torch_to_numpy
 from kvcx.codecs.backends import check_backend
@@ -342,13 +342,12 @@ class KvcxLayer(DynamicLayer):
         if attention_mask is not None and self._press is None:
             add = self._masks.additive(attention_mask, B, self.cumulative_length)
         t = time.perf_counter()
-        out = step_output(query)   # written by the merge in the query's dtype
-        got = self.store.attend(query.reshape(B, Hq, D), self.keys, self.values, add, scaling,
-                                out=None if out is None else out.view(B, Hq, D))
+        out = attend_in_dtype(query, lambda o: self.store.attend(query.reshape(B, Hq, D), self.keys, self.values,
+                                                                 add, scaling, out=o))
         self._timer.add(time.perf_counter() - t)
         self.steps["fused"] += 1
         self.pack_residual(self.last_step)
-        return out if out is not None else got.to(query.dtype).view(B, 1, Hq, D)
+        return out
 
     def materialised_step(self):
         """Keys and values of every held token for a step the fused kernel cannot run (counted as such)."""

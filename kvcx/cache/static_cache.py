@@ -44,7 +44,7 @@ import transformers
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvcx.cache.attention_fn import ATTN_IMPLEMENTATION, HANDOFF
-from kvcx.cache.device_store import step_output
+from kvcx.cache.device_store import attend_in_dtype
 from kvcx.codecs import gpu, paged
 from kvcx.codecs.base import Codec, Packed
 from kvcx.codecs.dtypes import is_int
@@ -164,13 +164,16 @@ class StaticKvcxLayer(CacheLayerMixin):
 
     # -- the rows of the packed store, as [B, H, pages, a page's bytes or parameters] ------------------------
 
-    def _rows(self, kind: int) -> list:
-        """(codes, scales, zero points) of the keys (0) or values (1) as [B, H, pages, per page] views."""
+    def _bufs(self, kind: int) -> tuple:
+        """The pool's (codes, scales, zero points or None) of the keys (0) or values (1)."""
         p = self.pool
-        bufs = (p.key_codes, p.key_scales, p.key_zeros) if kind == 0 else (p.value_codes, p.value_scales,
+        return (p.key_codes, p.key_scales, p.key_zeros) if kind == 0 else (p.value_codes, p.value_scales,
                                                                             p.value_zeros)
-        n = p.page_tokens // self.residual_length
-        return [None if t is None else t.view(self.batch_size, self.num_heads, n, -1) for t in bufs]
+
+    def _rows(self, kind: int) -> list:
+        """:meth:`_bufs` as [B, H, pages, per page] views."""
+        n = self.pool.page_tokens // self.residual_length
+        return [None if t is None else t.view(self.batch_size, self.num_heads, n, -1) for t in self._bufs(kind)]
 
     def _write_pages(self, kind: int, bufs: tuple, first: int, count: int) -> None:
         """Encoded pages ``bufs`` (codes, scales, zero points of [B, H, count pages]) into the rows from page
@@ -212,12 +215,9 @@ class StaticKvcxLayer(CacheLayerMixin):
         """One launch a kind: the token written into the residual's slot and, when that fills it, the residual
         encoded into its page of the rows (:func:`kvcx.codecs.paged.encode_step`)."""
         plan = self._plan.plan
-        p = self.pool
-        for codec, res, new, bufs in ((self._codecs[0], self.res_k, key_states, (p.key_codes, p.key_scales,
-                                                                                  p.key_zeros)),
-                                      (self._codecs[1], self.res_v, value_states, (p.value_codes, p.value_scales,
-                                                                                    p.value_zeros))):
-            paged.encode_step(codec, res, *bufs, self.flag, new.to(self.dtype).contiguous(), plan.where)
+        for kind, (res, new) in enumerate(((self.res_k, key_states), (self.res_v, value_states))):
+            paged.encode_step(self._codecs[kind], res, *self._bufs(kind), self.flag, new.to(self.dtype).contiguous(),
+                              plan.where)
         self.steps["device"] += 1
         HANDOFF.post(key_states, self)
         return key_states, value_states
@@ -267,11 +267,10 @@ class StaticKvcxLayer(CacheLayerMixin):
         B, Hq, Q, D = query.shape
         plan = self._plan.plan
         sinks = (self.sink_k, self.sink_v) if self.t0 else (None, None)
-        out = step_output(query)   # written by the merge in the query's dtype
-        got = paged.attend(query.reshape(B, Hq, D), self.pool, self.table, plan.packed, scaling, sinks=sinks,
-                           residual=(self.res_k, self.res_v), residual_lens=plan.live,
-                           out=None if out is None else out.view(B, Hq, D))
-        return out if out is not None else got.to(query.dtype).view(B, 1, Hq, D)
+        return attend_in_dtype(query, lambda o: paged.attend(query.reshape(B, Hq, D), self.pool, self.table,
+                                                             plan.packed, scaling, sinks=sinks,
+                                                             residual=(self.res_k, self.res_v),
+                                                             residual_lens=plan.live, out=o))
 
     def materialised_step(self):
         raise KvcxError("StaticKvcxCache runs decode steps through the fused kernel only, and this model's attention "

@@ -25,7 +25,7 @@ from kvcx.codecs.base import Packed
 from kvcx.codecs.dtypes import is_int
 from kvcx.codecs.runtime import check_status
 from kvcx.codecs.splits import split_tiles
-from kvcx.codecs.tensors import float_mask, query_rows, to_device, to_host  # noqa: F401  (moved: the API here)
+from kvcx.codecs.tensors import float_mask, merge_writes, query_rows, to_device, to_host  # noqa: F401  (the API here)
 from kvcx.deps import import_torch as _torch
 from kvcx.errors import CodecError
 
@@ -548,8 +548,8 @@ def merge_splits(q, scaling: float, m, l, acc, Hkv: int, rotate: bool, sinks=(No
                          "two from 2; set one (16, 64, 256, ...)")
     if out is None:
         out = torch.empty(N, R, D, device=q.device)
-    elif not (is_tensor(out) and out.dtype in (torch.float32, torch.float16, torch.bfloat16) and out.is_contiguous()
-              and out.numel() == N * R * D and out.device == q.device):
+    elif not (is_tensor(out) and merge_writes(out.dtype) and out.is_contiguous() and out.numel() == N * R * D and
+              out.device == q.device):
         raise CodecError(f"attention: out must be a contiguous float32, float16 or bfloat16 tensor of {N * R * D} "
                          f"values ([B, Hq, D]) on {q.device}")
     bf16, pdl = out.dtype == torch.bfloat16, dependent_merge(q)

@@ -79,3 +79,9 @@ def float_mask(mask, B: int, kv_len: int):
     if mask.dtype == torch.bool:
         return torch.zeros(mask.shape, device=mask.device).masked_fill(~mask, float("-inf"))
     return mask.float().contiguous()
+
+
+def merge_writes(dtype) -> bool:
+    """Whether the attention's merge writes its output in ``dtype`` itself (``out=`` of
+    :func:`kvcx.codecs.gpu.merge_splits`): float32, float16 and bfloat16."""
+    return str(dtype) in ("torch.float32", "torch.float16", "torch.bfloat16")

@@ -196,10 +196,10 @@ def test_the_store_decodes_to_the_dtype_it_is_given():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_a_step_written_in_the_models_dtype_is_the_float32_step_rounded(dtype):
-    """A decode step's merge writes the model's dtype itself (step_output: no conversion launched after it, what
+    """A decode step's merge writes the model's dtype itself (attend_in_dtype: no conversion launched after it, what
     KvcxCache's and StaticKvcxCache's steps do): the FP32 step rounded to nearest even, as .to rounds, bit for bit;
     a dtype the merge does not write gets no buffer (the FP32 output is converted)."""
-    from kvcx.cache.device_store import step_output
+    from kvcx.cache.device_store import attend_in_dtype
 
     cfg = KVConfig.from_scheme().with_backend("triton")
     g = torch.Generator().manual_seed(5)
@@ -210,8 +210,15 @@ def test_a_step_written_in_the_models_dtype_is_the_float32_step_rounded(dtype):
     q = torch.randn(1, 4, 1, 32, generator=g).to(DEVICE, dtype)
     rk, rv = (torch.randn(1, 2, 3, 32, generator=g).to(DEVICE, dtype) for _ in "kv")
     wide = store.attend(q.view(1, 4, 32), rk, rv, None, 32 ** -0.5)
-    out = step_output(q)
-    assert out.shape == (1, 1, 4, 32) and out.dtype == dtype
-    store.attend(q.view(1, 4, 32), rk, rv, None, 32 ** -0.5, out=out.view(1, 4, 32))
+    given = []
+
+    def attend(o):
+        given.append(o)
+        return store.attend(q.view(1, 4, 32), rk, rv, None, 32 ** -0.5, out=o)
+
+    out = attend_in_dtype(q, attend)
+    assert out.shape == (1, 1, 4, 32) and out.dtype == dtype and given[0].dtype == dtype
     assert wide.dtype == torch.float32 and torch.equal(out.view(1, 4, 32), wide.to(dtype))
-    assert step_output(q.double()) is None
+    given.clear()
+    assert attend_in_dtype(q.double(), lambda o: given.append(o) or wide).dtype == torch.float64
+    assert given == [None]

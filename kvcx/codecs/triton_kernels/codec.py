@@ -187,7 +187,7 @@ def encode_token_kernel(x_ptr, codes_ptr, scales_ptr, zeros_ptr, flag_ptr, xb_pt
             _copy_sinks(xb_ptr, sinks_ptr, flag_ptr + 1, slab, t0 * D, S * D, t0 * D, 0, SB, EXP)
     if PAGED:
         _token_step(x_ptr, codes_ptr, scales_ptr, zeros_ptr, flag_ptr, where_ptr, pages, new_ptr, slab, p, S, L,
-                    row_bytes, ngroups, norm, D, G, R, ASYM, ROTATE, (p + 1) * R * G > L)
+                    row_bytes, ngroups, norm, D, G, R, ASYM, ROTATE)
     elif STEP > 0:   # whole programs' groups in a loop, the next one's values loaded while this one is worked
         whole = L // (R * G)
         base = slab.to(tl.int64) * S * D + t0 * D
@@ -213,11 +213,12 @@ def encode_token_kernel(x_ptr, codes_ptr, scales_ptr, zeros_ptr, flag_ptr, xb_pt
 @triton.jit
 def _token_step(x_ptr, codes_ptr, scales_ptr, zeros_ptr, flag_ptr, where_ptr, pages, new_ptr, slab, p, S, L,
                 row_bytes, ngroups, norm, D: tl.constexpr, G: tl.constexpr, R: tl.constexpr, ASYM: tl.constexpr,
-                ROTATE: tl.constexpr, PAD):
+                ROTATE: tl.constexpr):
     """A decode step of a paged store (no sinks): the step's token ``new`` [slabs, D] written into the residual
     ``x`` [slabs, S, D] at token ``where[0]`` (the flag set where one of its values is NaN or Inf), and, if that
     fills the residual (``where[0]`` = S - 1), program ``p``'s groups encoded into page ``where[1]`` of the
-    buffers, which hold ``pages`` pages a slab (with the token's values, not those read before the write)."""
+    buffers, which hold ``pages`` pages a slab (with the token's values, not those read before the write). The
+    encode is the masked one for every program (the same bytes for a whole one; it runs once a page)."""
     slot = tl.load(where_ptr)
     g = p * R + tl.arange(0, R)
     v = g[:, None] * G + tl.arange(0, G)[None, :]
@@ -228,13 +229,8 @@ def _token_step(x_ptr, codes_ptr, scales_ptr, zeros_ptr, flag_ptr, where_ptr, pa
     _flag_if(flag_ptr, fresh & _nonfinite(nv.to(tl.float32)))
     if slot == S - 1:
         x = tl.where(fresh, nv, tl.load(x_ptr + row + v, mask=v < L, other=0.0))
-        out = slab * pages + tl.load(where_ptr + 1)
-        if PAD:
-            _encode_groups(x_ptr, codes_ptr, scales_ptr, zeros_ptr, flag_ptr, out, p, x, S, 0, L, row_bytes, ngroups,
-                           norm, D, G, R, ASYM, ROTATE, True, True)
-        else:
-            _encode_groups(x_ptr, codes_ptr, scales_ptr, zeros_ptr, flag_ptr, out, p, x, S, 0, L, row_bytes, ngroups,
-                           norm, D, G, R, ASYM, ROTATE, False, True)
+        _encode_groups(x_ptr, codes_ptr, scales_ptr, zeros_ptr, flag_ptr, slab * pages + tl.load(where_ptr + 1), p, x,
+                       S, 0, L, row_bytes, ngroups, norm, D, G, R, ASYM, ROTATE, True, True)
 
 
 @triton.jit
