@@ -16,6 +16,7 @@ How the kernel works: ``kvcx/codecs/cpu/attn*.h``.
 """
 from __future__ import annotations
 
+import math
 from typing import Dict, List, Optional
 
 import numpy as np
@@ -33,6 +34,7 @@ from kvcx.cache.fused import (  # noqa: F401
     step_mask,
 )
 from kvcx.codecs.base import Codec, Packed, get_codec
+from kvcx.codecs.dtypes import is_int
 from kvcx.codecs.intcodec import IntCodec
 from kvcx.codecs.runtime import resolve_threads
 from kvcx.errors import CodecError
@@ -53,6 +55,7 @@ class PackedStore:
         self._chunks: List[dict] = []
         self._sinks_f32: Optional[np.ndarray] = None
         self._codecs: Dict[tuple, Codec] = {}   # the codec of each distinct chunk config (on n_threads)
+        self.version = 0   # changed by every append and drop: a kernel bound to the arrays is bound again
 
     def __len__(self) -> int:
         return len(self._chunks)
@@ -85,6 +88,39 @@ class PackedStore:
             self._sinks_f32 = None
         self.tokens += S - t0
         self._chunks.append(chunk)
+        self.version += 1
+
+    def drop_chunks(self, k: int) -> int:
+        """Drop the first ``k`` chunks (none of them holding sinks), as a sliding window leaves them behind: the
+        arrays keep only the later chunks' columns (one copy of what stays). Returns the tokens dropped."""
+        if k <= 0:
+            return 0
+        if k > len(self._chunks) or any(c["config"].get("sinks", 0) for c in self._chunks[:k]):
+            raise CodecError(f"cannot drop {k} of {len(self._chunks)} packed chunks (chunks with exact sink tokens "
+                             "stay)")
+        gone = sum(int(c["shape"][-2]) for c in self._chunks[:k])
+        ca, sa = self._chunks[k]["codes"][0] if k < len(self._chunks) else self.codes.shape[1], \
+            self._chunks[k]["scales"][0] if k < len(self._chunks) else self.scales.shape[1]
+        self._drop_columns(k, ca, sa, gone)
+        return gone
+
+    def _drop_columns(self, k: int, ca: int, sa: int, gone: int) -> None:
+        """Drop the first k chunks: their ``ca`` code and ``sa`` scale columns, ``gone`` tokens."""
+        self.codes = np.ascontiguousarray(self.codes[:, ca:])
+        self.scales = np.ascontiguousarray(self.scales[:, sa:])
+        if self.zeros is not None:
+            self.zeros = np.ascontiguousarray(self.zeros[:, sa:])
+        self._chunks = [dict(c, codes=(c["codes"][0] - ca, c["codes"][1] - ca),
+                             scales=(c["scales"][0] - sa, c["scales"][1] - sa)) for c in self._chunks[k:]]
+        self._rebase(gone)
+
+    def _rebase(self, gone: int) -> None:
+        """What every store shifts when ``gone`` leading tokens are dropped: block starts and token count."""
+        starts = self.block_starts[self.block_starts >= gone] - gone
+        self.block_starts = (starts if starts.size and starts[0] == 0 else np.concatenate([[0], starts])).astype(
+            np.int64)
+        self.tokens -= gone
+        self.version += 1
 
     def append(self, p: Packed) -> None:
         """Add an encoded chunk (shape [..., S, D] with N slabs; only the first may hold sinks)."""
@@ -249,6 +285,28 @@ class WidthStore(PackedStore):
         self.group_chunk = np.concatenate([self.group_chunk, np.full(G, len(self._chunks), dtype=np.int64)])
         self._add(p, chunk, S, t0, gs)
 
+    def drop_chunks(self, k: int) -> int:
+        """:meth:`PackedStore.drop_chunks` for the planes, the groups' tables and each chunk's widths and ranges."""
+        if k <= 0:
+            return 0
+        if k > len(self._chunks) or any(c["config"].get("sinks", 0) for c in self._chunks[:k]):
+            raise CodecError(f"cannot drop {k} of {len(self._chunks)} packed chunks (chunks with exact sink tokens "
+                             "stay)")
+        gone = sum(int(c["shape"][-2]) for c in self._chunks[:k])
+        g = self._chunks[k - 1]["groups"][1]            # the groups of the dropped chunks
+        pa = self._chunks[k - 1]["planes"][1]           # and their planes' bytes
+        D = self.D
+        self.planes = np.ascontiguousarray(self.planes[pa:])
+        self.goff = np.ascontiguousarray(self.goff[:, g:] - pa)
+        self.stats = np.ascontiguousarray(self.stats[:, g * 2 * D:])
+        self.widths = np.ascontiguousarray(self.widths[:, k * D:])
+        self.ranges = np.ascontiguousarray(self.ranges[:, k * 2 * D:])
+        self.group_chunk = np.ascontiguousarray(self.group_chunk[g:] - k)
+        self._chunks = [dict(c, groups=(c["groups"][0] - g, c["groups"][1] - g),
+                             planes=(c["planes"][0] - pa, c["planes"][1] - pa)) for c in self._chunks[k:]]
+        self._rebase(gone)
+        return gone
+
     def chunk(self, i: int) -> Packed:
         c = self._chunks[i]
         D = self.D
@@ -293,9 +351,9 @@ class PackedKV:
     """
 
     def __init__(self, N: int, D: int, key_codec: Codec, value_codec: Codec,
-                 workspace: Optional[Workspace] = None):
+                 workspace: Optional[Workspace] = None, value_dim: Optional[int] = None):
         self.keys = KEY_STORES.get(key_codec.codec_id, PackedStore)(N, D)
-        self.values = PackedStore(N, D)
+        self.values = PackedStore(N, D if value_dim is None else value_dim)
         self.key_codec, self.value_codec = key_codec, value_codec
         self._head = None
         self._why = {}          # (head dim, group) -> why the kernel cannot read the stores (None: it can)
@@ -313,13 +371,33 @@ class PackedKV:
         return self.keys.tokens + self.keys.sink_tokens
 
     def append(self, pk: Packed, pv: Packed) -> None:
-        if tuple(pk.shape) != tuple(pv.shape):
+        if tuple(pk.shape[:-1]) != tuple(pv.shape[:-1]):
             raise CodecError(f"packed keys {list(pk.shape)} and values {list(pv.shape)} differ in shape")
         self.keys.append(pk)
         self.values.append(pv)
 
+    def drop_chunks(self, k: int) -> int:
+        """Drop the first ``k`` chunks of keys and values (a sliding window has left them); returns the tokens
+        dropped. Chunks with exact sink tokens stay (a windowed layer packs none)."""
+        gone = self.keys.drop_chunks(k)
+        self.values.drop_chunks(k)
+        self._head = None
+        return gone
+
+    def chunk_tokens(self, i: int) -> int:
+        """Tokens of chunk i (sinks included)."""
+        return self.keys.chunk_tokens(i)
+
+    @property
+    def version(self) -> int:
+        """Changed by every append and drop (a kernel bound to the stores is bound again)."""
+        return self.keys.version
+
     def unsupported(self, head_dim: int, group: int) -> Optional[str]:
         """Why the fused kernel cannot read these stores (None when it can)."""
+        if self.keys.D != self.values.D:
+            return (f"fused attention reads keys and values of one width; this layer's keys are {self.keys.D} wide "
+                    f"and its values {self.values.D} (MLA): its steps decode the packed context")
         if not (self.keys.whole_groups and self.values.whole_groups):
             return "fused attention needs per-token groups that end with each packed chunk"
         k = (head_dim, group)
@@ -356,7 +434,7 @@ class PackedKV:
     def _kernel(self, B: int, Hkv: int, R: int, D: int, threads: int, nq: int = 1):
         """The fused kernel bound to the stores as they are now (bound again on change: new chunks, another
         geometry, or the shared workspace reallocated by another layer)."""
-        key = (B, Hkv, R, D, threads, nq, len(self.keys))
+        key = (B, Hkv, R, D, threads, nq, self.version)
         if self._bound_key == key and self.workspace.array is self._bound_work:
             return self._bound
         nh = max(self.keys.sink_tokens, self.values.sink_tokens)  # the head rows: exact in either kind
@@ -367,7 +445,8 @@ class PackedKV:
 
     def attend(self, q: np.ndarray, residual_k: Optional[np.ndarray], residual_v: Optional[np.ndarray],
                mask: Optional[np.ndarray], scaling: float, n_threads: Optional[int] = None,
-               out: Optional[np.ndarray] = None) -> np.ndarray:
+               out: Optional[np.ndarray] = None, sinks: Optional[np.ndarray] = None, softcap: Optional[float] = None,
+               skip: int = 0) -> np.ndarray:
         """One step: every query attends to the held tokens, then the residual.
 
         q: [B, Hq, D] float32 queries (one token per row) or [B, Hq, Q, D] (Q tokens per row: the last Q
@@ -375,7 +454,10 @@ class PackedKV:
         [B, Hkv, nr, D] float32, the full-precision tokens after the packed ones (the new tokens last) or None;
         mask: [B, kv_len] (one token) or [B, Q, kv_len], float32 added to the scores (0 = attend, -inf =
         masked) or boolean (True = attend), kv_len = held + residual tokens. Returns out, q's shape, float32
-        (``out=`` to reuse an array).
+        (``out=`` to reuse an array). ``sinks``: float32 [Hq] each query head's sink logit (GPT-OSS's ``s_aux``: a
+        term of the softmax's sum that attends to nothing) or None; ``softcap``: scores s capped to softcap
+        tanh(s / softcap) before the mask (Gemma 2) or None; ``skip``: packed tokens (after the exact head rows)
+        not read, as a sliding window has left them (kv_len then counts the held tokens after them).
         """
         if not (isinstance(q, np.ndarray) and q.dtype == np.float32 and q.ndim in (3, 4) and q.flags.c_contiguous):
             raise CodecError(f"attention: q must be a C-contiguous float32 [B, Hq, D] or [B, Hq, Q, D] array, got "
@@ -399,6 +481,14 @@ class PackedKV:
         if self.values.tokens + self.values.sink_tokens != held:
             raise CodecError(f"attention: {held} key tokens but {self.values.tokens + self.values.sink_tokens} "
                              "value tokens")
+        nh = max(self.keys.sink_tokens, self.values.sink_tokens)
+        if not is_int(skip) or not 0 <= skip <= held - nh:
+            raise CodecError(f"attention: skip={skip!r} must be a count of the {held - nh} packed tokens")
+        held -= skip
+        sinks = self._sinks(sinks, Hq)
+        if softcap is not None and not (isinstance(softcap, (int, float)) and not isinstance(softcap, bool)
+                                        and math.isfinite(softcap) and softcap > 0):
+            raise CodecError(f"attention: softcap must be a positive number or None, got {softcap!r}")
         rk, rv, nr = EMPTY_F32_3, EMPTY_F32_3, 0
         if residual_k is not None or residual_v is not None:
             rk, rv = residual_k, residual_v
@@ -431,22 +521,38 @@ class PackedKV:
                   and out.flags.c_contiguous and out.flags.writeable):
             raise CodecError(f"attention: out must be a writeable C-contiguous float32 array of shape {list(q.shape)}")
         self.step(q.reshape(B, Hq * nq, D), rk, rv, m, scaling, resolve_threads(n_threads), out.reshape(B, Hq * nq, D),
-                  nq)
+                  nq, sinks, float(softcap or 0.0), int(skip))
         return out
 
+    @staticmethod
+    def _sinks(sinks, Hq: int) -> Optional[np.ndarray]:
+        """``sinks`` as the kernel reads them (float32 [Hq], finite or -inf), or a CodecError naming the fix."""
+        if sinks is None:
+            return None
+        a = np.ascontiguousarray(sinks, dtype=np.float32) if isinstance(sinks, np.ndarray) else None
+        if a is None or a.shape != (Hq,) or np.isnan(a).any() or np.isposinf(a).any():
+            raise CodecError(f"attention: sinks must be a float array of one logit per query head ([{Hq}]), no NaN "
+                             f"or +inf, got {getattr(sinks, 'dtype', type(sinks).__name__)} "
+                             f"{list(getattr(sinks, 'shape', ()))}")
+        return a
+
     def step(self, q: np.ndarray, rk: np.ndarray, rv: np.ndarray, mask: Mask, scaling: float, threads: int,
-             out: np.ndarray, nq: int = 1) -> np.ndarray:
+             out: np.ndarray, nq: int = 1, sinks: Optional[np.ndarray] = None, softcap: float = 0.0,
+             skip: int = 0) -> np.ndarray:
         """One step for a caller that built every array itself (:meth:`attend` after its checks,
         :mod:`kvcx.cache.kvcx_cache` per layer step): q and out [B, Hq * nq, D] (query head h's nq tokens at
         rows h * nq ..), rk / rv [N, nr, D] (nr may be 0; the step's own tokens are the last nq), ``mask`` a
         :class:`~kvcx.cache.fused.Mask`, arrays float32 and C-contiguous (the kernel's typed arguments refuse
-        anything else). Only the sizes the kernel indexes by are checked here: a decode step runs once per
-        layer and token, and the per-call checks cost as much as the kernel on short contexts."""
+        anything else); ``sinks`` float32 [Hq // nq] or None, ``softcap`` (0: none) and ``skip`` as :meth:`attend`
+        takes them. Only the sizes the kernel indexes by are checked here: a decode step runs once per layer and
+        token, and the per-call checks cost as much as the kernel on short contexts."""
         B, Hq, D = q.shape
-        N, nr, held = self.keys.N, rk.shape[1], self.tokens
+        nh = max(self.keys.sink_tokens, self.values.sink_tokens)
+        N, nr, held = self.keys.N, rk.shape[1], self.tokens - skip
         if (not B or D != self.keys.D or N % B or nq < 1 or Hq % (nq * (N // B)) or (nr and rk.shape != (N, nr, D))
                 or rv.shape != rk.shape or out.shape != q.shape or not mask.fits(B, nq, held + nr)
-                or held + nr == 0 or (nq > 1 and nq > nr) or Hq // (N // B) > fused.ATTN_MAX_ROWS):
+                or held + nr == 0 or (nq > 1 and nq > nr) or Hq // (N // B) > fused.ATTN_MAX_ROWS
+                or not 0 <= skip <= self.tokens - nh or (sinks is not None and sinks.shape != (Hq // nq,))):
             raise CodecError(f"attention: q {list(q.shape)} ({nq} per row), residual {list(rk.shape)} / "
                              f"{list(rv.shape)}, mask {list(mask.array.shape)}, "
                              f"out {list(out.shape)} do not fit the packed stores ({N} rows x KV heads of head dim "
@@ -455,5 +561,6 @@ class PackedKV:
         if (held + 4 * nr) * max(1, rows // fused.ATTN_TILE_ROWS) < fused.MIN_PARALLEL_TOKENS:
             threads = 1
         self._kernel(B, N // B, rows // nq, D, threads, nq).run(q, rk, rv, mask.add, mask.keep, mask.bs, mask.qs,
-                                                                mask.causal, out, scaling, threads)
+                                                                mask.causal, out, scaling, threads, sinks, softcap,
+                                                                held - nh if skip else -1)
         return out

@@ -226,6 +226,7 @@ static inline void kvcx_attn_task_run(const kvcx_attn_layout *L, const kvcx_attn
                 for (int64_t r = 0; r < R; r++)
                     for (int64_t j = 0; j < n; j++) sc[r * T + j] = vs[j] * (sc[r * T + j] - 8.0f * sumq[r]);
         }
+        if (L->softcap > 0.0f) kvcx_attn_cap(L, sc, n);
         if (A->mask || A->maskb)   /* (causal rows see every packed token: the step's own are exact) */
             kvcx_attn_mask(L, A, b, sc, n, L->pos_q + t);
         if (L->v_group == D) {                   /* one scale per token: convert the tile's at once */
@@ -280,12 +281,17 @@ static inline void kvcx_attn_task(const kvcx_attn_layout *L, const kvcx_attn_arg
 #endif
 }
 
-/* Merge the partials of (row x KV head) `slab`, query head r: out = (H(accv) + accp) / l. */
+/* Merge the partials of (row x KV head) `slab`, row r: out = (H(accv) + accp) / l. With sinks, the row's query
+   head's sink logit z joins the softmax's sum as a token with no value: m = max(m, z), l += exp(z - m). */
 static inline void kvcx_attn_merge(const kvcx_attn_layout *L, const kvcx_attn_args *A, int64_t i) {
     const int64_t R = L->R, D = L->D, slab = i / R, r = i % R;
     const int64_t wf = kvcx_attn_work_floats(R, D, L->k_widths);
     float *o = A->out + (slab * R + r) * D;   /* [B, Hkv * R, D]: (b * Hkv + h) * R + r */
-    float m = -INFINITY;
+    float m = -INFINITY, z = -INFINITY;
+    if (A->sinks) {   /* row r of KV head h is query head h (R / nq) + r / nq */
+        z = A->sinks[(slab % L->Hkv) * (L->R / L->nq) + r / L->nq];
+        m = z;
+    }
     for (int64_t s = 0; s < L->nsplit; s++) {
         const float ms = A->work[(slab * L->nsplit + s) * wf + 2 * r];
         m = ms > m ? ms : m;
@@ -302,6 +308,7 @@ static inline void kvcx_attn_merge(const kvcx_attn_layout *L, const kvcx_attn_ar
             l += e * pr[2 * r + 1];
             for (int64_t d = 0; d < D; d++) { acc[d] += e * accv[d]; acc[D + d] += e * accp[d]; }
         }
+    if (z != -INFINITY) l += expf(z - m);
     for (int64_t d = 0; d < D; d++) o[kvcx_attn_perm(d)] = acc[d];
     if (L->v_rotate) kvcx_fwht_rows(o, 1, D);
     const float inv = l > 0.0f ? 1.0f / l : 0.0f;

@@ -46,6 +46,8 @@ cdef class AttnKernel:
         self.c.v_bits = v_bits
         self.c.k_widths = k_widths
         self.c.nsplit = 1
+        self.c.softcap = 0.0
+        self.a.sinks = NULL
         self._keep = ()
 
     def bind(self, kc, ks, kz, kblk, vc, vs, vz, hk, hv, int64_t Tq, work, int64_t nsplit, kgoff=None, kw=None,
@@ -114,16 +116,24 @@ cdef class AttnKernel:
 
     def run(self, const float[:, :, ::1] q, const float[:, :, ::1] rk, const float[:, :, ::1] rv,
             const float[:, ::1] mask, const uint8_t[:, ::1] maskb, int64_t mask_bs, int64_t mask_qs, bint causal,
-            float[:, :, ::1] out, float scaling, int nthreads):
+            float[:, :, ::1] out, float scaling, int nthreads, const float[::1] sinks=None, float softcap=0.0,
+            int64_t tq=-1):
         """One step: q, out [B, Hkv * R, D] (row r of a KV head: query head r // nq, token r % nq); rk/rv
         [B * Hkv, nr, D] the residual after the bound tokens (nr may be 0); mask [rows, kv_len] added to the
         scores or maskb [rows, kv_len] (0: masked), one of them empty or both: the row of batch row b and
-        token i is b * mask_bs + i * mask_qs; causal: token i sees positions up to kv_len - nq + i."""
+        token i is b * mask_bs + i * mask_qs; causal: token i sees positions up to kv_len - nq + i.
+        ``sinks``: [Hkv * R // nq] each query head's sink logit (in the softmax's sum, attending to nothing) or
+        None; ``softcap`` > 0: scores capped to softcap tanh(s / softcap) before the mask; ``tq`` >= 0: read only
+        the last ``tq`` of the bound packed positions (a window's first token on; at most those bound), -1: all."""
         cdef kvcx_attn_layout L = self.c
         cdef kvcx_attn_args A = self.a
         cdef int64_t ntasks = L.B * L.Hkv * L.nsplit
         cdef int64_t nrows = L.B * L.Hkv * L.R
         cdef int64_t i
+        if 0 <= tq < L.Tq:
+            L.Tq = tq
+        L.softcap = softcap if softcap > 0 else 0.0
+        A.sinks = &sinks[0] if sinks is not None and sinks.shape[0] > 0 else NULL
         L.nr = rk.shape[1]
         L.pos_r = L.ns + L.Tq
         L.kv_len = L.pos_r + L.nr

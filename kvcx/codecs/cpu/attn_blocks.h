@@ -277,6 +277,16 @@ static inline void kvcx_f_axpy(const float *x, int64_t n, int64_t D, const float
 #endif
 }
 
+/* Logit softcapping (L->softcap > 0): each of the task's R rows' n scores s becomes softcap tanh(s / softcap),
+   as Gemma 2 caps the scaled scores before the mask is added. */
+static inline void kvcx_attn_cap(const kvcx_attn_layout *L, float *sc, int64_t n) {
+    const float cap = L->softcap, inv = 1.0f / L->softcap;
+    for (int64_t r = 0; r < L->R; r++) {
+        float *s = sc + r * KVCX_ATTN_TILE;
+        for (int64_t j = 0; j < n; j++) s[j] = cap * tanhf(s[j] * inv);
+    }
+}
+
 /* The mask of n tokens at positions pos.. joins the scores of the task's R rows (batch row b): the float
    mask added, the boolean mask's zeros and (causal) positions past a row's own token set to -inf. */
 static inline void kvcx_attn_mask(const kvcx_attn_layout *L, const kvcx_attn_args *A, int64_t b, float *sc,
@@ -446,6 +456,7 @@ static inline void kvcx_attn_exact(const kvcx_attn_layout *L, const kvcx_attn_ar
         if (kT) {   /* many rows: the tile's keys transposed once, the rows' products register-blocked */
             kvcx_attn_tile_t(NULL, ek + t * D, m, D, kT);
             kvcx_f_dots(kT, m, D, qn, NULL, R, sc);
+            if (L->softcap > 0.0f) kvcx_attn_cap(L, sc, m);
             kvcx_attn_mask(L, A, b, sc, m, pos + t);
             kvcx_attn_softmax(part, R, D, sc, m, p, W, Z);
             kvcx_f_axpy(ev + t * D, m, D, p, T, R, part + 2 * R + R * D);
@@ -476,6 +487,7 @@ static inline void kvcx_attn_exact(const kvcx_attn_layout *L, const kvcx_attn_ar
             for (int64_t j = 0; j < m; j++) s[j] = kvcx_dot_f32(qn + r * D, ek + (t + j) * D, D);
 #endif
         }
+        if (L->softcap > 0.0f) kvcx_attn_cap(L, sc, m);
         kvcx_attn_mask(L, A, b, sc, m, pos + t);
         kvcx_attn_softmax(part, R, D, sc, m, p, W, Z);
         for (int64_t r = 0; r < R; r++) {   /* masked tokens (weight 0) are skipped, whatever they hold */

@@ -41,6 +41,7 @@ typedef struct {
     int64_t k_chunks, k_groups; /* widths: chunks (width tables) and groups per (row, KV head) */
     int64_t mask_bs, mask_qs;   /* mask row of (batch row b, token i): b * mask_bs + i * mask_qs */
     int causal;                 /* token i sees positions up to kv_len - nq + i (exact runs only) */
+    float softcap;              /* > 0: every score s becomes softcap tanh(s / softcap) before the mask (Gemma 2) */
 } kvcx_attn_layout;
 
 typedef struct {
@@ -59,6 +60,8 @@ typedef struct {
     const int64_t *kgchunk;              /* widths: [k_groups] the chunk of each group */
     const float *mask;                   /* [mask rows, kv_len] added to the scores, or NULL */
     const uint8_t *maskb;                /* [mask rows, kv_len]: 0 = masked (a boolean mask), or NULL */
+    const float *sinks;                  /* [Hkv * R / nq] a query head's sink logit (GPT-OSS's s_aux: in the
+                                            softmax's sum, attending to nothing), or NULL */
     float *work;                         /* [tasks, kvcx_attn_work_floats(R, D, k_widths)] */
     float *out;                          /* [B, Hkv * R, D] */
 } kvcx_attn_args;

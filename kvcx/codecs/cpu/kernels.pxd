@@ -80,6 +80,7 @@ cdef extern from "attn.h" nogil:
         int k_bits, v_bits
         int64_t nq, mask_bs, mask_qs
         int causal
+        float softcap
         int k_widths
         int64_t k_chunks, k_groups
 
@@ -102,6 +103,7 @@ cdef extern from "attn.h" nogil:
         const int64_t *kgchunk
         const float *mask
         const uint8_t *maskb
+        const float *sinks
         float *work
         float *out
 
