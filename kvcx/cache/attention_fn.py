@@ -1,63 +1,117 @@
-"""The ``"kvcx"`` attention implementation for transformers: SDPA, except on a KvcxCache's fused steps.
+"""The ``"kvcx"`` attention implementation for transformers, and the contract between a kvcx cache layer and it.
 
-A fused step's layer is handed over from the cache to this function through :data:`HANDOFF`: the
-cache posts the layer with the key tensor it returns from ``update()``; the attention function called
-next with that very tensor takes it and runs the layer's fused attention over its packed store. Nothing
-is attached to the tensors, and nothing flows back to the cache.
+transformers' attention layers call ``past_key_values.update(keys, values, layer_idx)`` and hand what it returns to
+the attention function. A kvcx cache layer that runs a step fused cannot return the context's keys and values (it
+holds them packed), so the step goes through one mechanism, the same for every layer kind (full, sliding, chunked,
+the static cache's):
+
+1. the layer's ``update()`` returns the step's own states and *posts* itself to :data:`HANDOFF` with the key
+   tensor it returns (:meth:`Handoff.post`);
+2. the ``"kvcx"`` attention function called with that very tensor finds the layer (:meth:`Handoff.take`: matched
+   by identity; nothing is attached to the tensors) and calls the layer's :meth:`FusedStep.attend` with the step's
+   queries, mask, scaling and the attention features the model asks for (``softcap``, ``s_aux`` sinks), which
+   returns the attention output ``[B, Q, Hq, Dv]``;
+3. nothing flows back to the cache but through the layer's own methods.
+
+A fused step stays posted until its layer posts its next one, so that layers sharing another layer's keys and
+values (Gemma 4's KV-shared layers hand the owner's returned tensors to their own attention) attend over the
+owner's packed store with their own queries. A press's prefill and an evicted layer's step (``"press"``,
+``"tail"``) are taken once. Steps the fused kernel cannot run (a layer that decodes its store: MLA's unequal
+widths, 8-bit codes, ``fused=False``) never post: ``update()`` returns the materialised context, as transformers'
+layers do, and the attention is the reference one below.
+
+The reference attention (steps with no posted layer) is SDPA, except where the model asks for what SDPA does not
+do, logit softcapping and per-head sinks: those run in :func:`eager_attention` (FP32 softmax), as the models' own
+eager attention does.
 """
 from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Optional
+from typing import Optional, Protocol
 
 import torch
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
+from kvcx.errors import KvcxError
+
 # the attention implementation this module registers with transformers
 ATTN_IMPLEMENTATION = "kvcx"
-# attention arguments the fused kernel does not implement: those steps run SDPA over the materialised cache
-_NOT_FUSED = frozenset(("softcap", "sliding_window", "s_aux", "position_bias"))
+# attention arguments the fused kernels do not implement: those steps run the reference over the materialised cache
+_NOT_FUSED = frozenset(("position_bias",))
+# attention arguments SDPA does not implement (transformers' sdpa_attention_forward ignores them)
+_EAGER = ("softcap", "s_aux")
+
+FUSED, PRESS, TAIL = "fused", "press", "tail"
 
 
-FUSED = "fused"
+class FusedStep(Protocol):
+    """What a cache layer posts for a fused step: :meth:`attend` runs the step's attention over what the layer
+    holds; :meth:`materialised_step` gives the held keys and values instead (a step asking for what the kernels
+    do not do), and :meth:`after_materialised` lets the layer finish such a step."""
+
+    def attend(self, query: torch.Tensor, attention_mask: Optional[torch.Tensor], scaling: float, *,
+               softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None,
+               sliding_window: Optional[int] = None) -> torch.Tensor:
+        """The step's attention output [B, Q, Hq, Dv] in the query's dtype: ``query`` [B, Hq, Q, D] over the held
+        tokens and the step's own (causal among them), ``attention_mask`` as transformers built it for this layer
+        (or None), scores scaled by ``scaling``, capped by ``softcap``, with ``sinks`` [Hq] in the softmax's sum;
+        ``sliding_window``: the window the model's attention layer names (checked against the layer's)."""
+
+    def materialised_step(self):
+        """(keys, values) of every token the step attends to, materialised."""
+
+    def after_materialised(self) -> None:
+        """Called after the attention of a materialised step."""
 
 
 class Handoff(threading.local):
-    """The fused step a cache has prepared and the attention function runs next (one per thread)."""
+    """The steps kvcx cache layers have posted for the attention function (one set per thread), keyed by the layer
+    index they posted at; the most recent first when matching a key tensor."""
 
     def __init__(self):
-        self._key = None
-        self._layer = None
-        self._kind = FUSED
+        self._steps = {}   # layer index -> (key tensor, layer, kind)
 
     def post(self, key, layer, kind: str = FUSED) -> None:
-        """``kind``: "fused" (the layer attends over its packed store), "press" (a press's prefill: attention
-        over the step's states, then the layer keeps what its press keeps) or "tail" (a pressed layer's step:
-        attention over the states given, with the layer's own causal mask)."""
-        self._key, self._layer, self._kind = key, layer, kind
+        """``kind``: "fused" (the layer attends over its packed store: :class:`FusedStep`), "press" (a press's
+        prefill: attention over the step's states, then the layer keeps what its press keeps) or "tail" (a pressed
+        layer's step: attention over the states given, with the layer's own causal mask). Replaces what the same
+        layer index posted before (and moves it last: the most recent)."""
+        idx = getattr(layer, "layer_idx", None)
+        self._steps.pop(idx, None)
+        self._steps[idx] = (key, layer, kind)
+
+    def _find(self, key):
+        for idx in reversed(self._steps):
+            k, layer, kind = self._steps[idx]
+            if k is key:
+                return idx, layer, kind
+        return None, None, None
 
     def peek(self, key):
         """The layer posted with this very key tensor, left in place (for tools that watch the steps)."""
-        return self._layer if self._layer is not None and key is self._key else None
+        return self._find(key)[1]
 
     def take(self, key):
-        """(the layer posted with this very key tensor, the step's kind), then forgotten; (None, None) if none."""
-        if self._layer is None or key is not self._key:
-            return None, None
-        layer, kind, self._key, self._layer = self._layer, self._kind, None, None
+        """(the layer posted with this very key tensor, the step's kind); (None, None) if none. A fused step stays
+        posted (a KV-shared layer may attend over it too); a press or tail step is forgotten."""
+        idx, layer, kind = self._find(key)
+        if layer is not None and kind != FUSED:
+            del self._steps[idx]
         return layer, kind
 
+    def clear(self) -> None:
+        """Forget every posted step (a cache being reset)."""
+        self._steps.clear()
 
-PRESS, TAIL = "press", "tail"
+
 HANDOFF = Handoff()
 
 
 def needs_materialising(kwargs: dict, dropout: float, module) -> bool:
-    """Whether this call asks for what the fused kernel does not do (softcap, sliding windows, attention
-    sinks, position biases, training dropout)."""
+    """Whether this call asks for what the fused kernels do not do (position biases, training dropout)."""
     return any(kwargs.get(k) is not None for k in _NOT_FUSED) or bool(dropout and module.training)
 
 
@@ -69,32 +123,77 @@ def tail_mask(query_length: int, held: int, device) -> torch.Tensor:
     return (k <= (held - query_length + q))[None, None]
 
 
+def eager_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: Optional[float] = None,
+                    softcap: Optional[float] = None, s_aux: Optional[torch.Tensor] = None, **kwargs):
+    """Attention with logit softcapping (Gemma 2: scores s -> softcap tanh(s / softcap) before the mask) and
+    per-head sinks (GPT-OSS's ``s_aux``: a logit per query head in the softmax's sum, attending to nothing), in
+    FP32 as the models' eager attention computes its softmax: what SDPA does not do. Keys may be wider than the
+    values (MLA). Returns ([B, Q, Hq, Dv] in the query's dtype, None)."""
+    B, Hq, Q, D = query.shape
+    groups = Hq // key.shape[1]
+    k, v = repeat_kv(key, groups), repeat_kv(value, groups)
+    scores = torch.matmul(query.float(), k.float().transpose(2, 3)) * (D ** -0.5 if scaling is None else scaling)
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    if attention_mask is not None:
+        m = attention_mask[:, :, :, :k.shape[-2]]
+        scores = scores.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else scores + m.float()
+    elif Q > 1:
+        scores = scores.masked_fill(~tail_mask(Q, k.shape[-2], scores.device), float("-inf"))
+    if s_aux is not None:
+        sink = s_aux.float().reshape(1, Hq, 1, 1).expand(B, Hq, Q, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    probs = torch.nan_to_num(probs, nan=0.0)   # a row that sees nothing: no output, as SDPA's masked rows
+    if dropout and module.training:
+        probs = torch.nn.functional.dropout(probs, p=dropout)
+    out = torch.matmul(probs, v.float()).to(query.dtype)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def reference_attention(module, query, key, value, attention_mask, dropout: float = 0.0,
+                        scaling: Optional[float] = None, is_causal=None, **kwargs):
+    """The attention of a step with no posted layer (or a materialised one): SDPA, or :func:`eager_attention`
+    where the model asks for softcapping or sinks (SDPA itself takes values narrower than the keys: MLA)."""
+    if any(kwargs.get(k) is not None for k in _EAGER):
+        return eager_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                               **kwargs)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                  is_causal=is_causal, **kwargs)
+
+
 def kvcx_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
                            scaling: Optional[float] = None, is_causal=None, **kwargs):
-    """transformers attention implementation ``"kvcx"``: SDPA, except on a KvcxCache's fused steps, where
-    the layer handed over by the cache attends over its packed store."""
+    """transformers attention implementation ``"kvcx"``: the reference attention, except on a kvcx cache's fused
+    steps, where the layer posted with ``key`` attends over what it holds (the module's docstring)."""
     layer, kind = HANDOFF.take(key)
     if layer is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)
+        return reference_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                   is_causal=is_causal, **kwargs)
     if kind == PRESS:   # the prefill, attended whole; then the layer keeps what its press keeps
-        out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                     is_causal=is_causal, **kwargs)
+        out = reference_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                  is_causal=is_causal, **kwargs)
         layer.press_prefill(query)
         return out
     if kind == TAIL:    # held tokens after an eviction: every one visible, the step's own causal among them
-        return sdpa_attention_forward(module, query, key, value, tail_mask(query.shape[-2], key.shape[-2],
-                                                                           query.device),
-                                      dropout=dropout, scaling=scaling, is_causal=False, **kwargs)
+        return reference_attention(module, query, key, value, tail_mask(query.shape[-2], key.shape[-2],
+                                                                         query.device),
+                                   dropout=dropout, scaling=scaling, is_causal=False, **kwargs)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     if needs_materialising(kwargs, dropout, module):
         k, v = layer.materialised_step()
-        out = sdpa_attention_forward(module, query, k, v, attention_mask, dropout=dropout, scaling=scaling,
-                                     is_causal=is_causal, **kwargs)
-        layer.pack_residual(layer.last_step)
+        out = reference_attention(module, query, k, v, attention_mask, dropout=dropout, scaling=scaling,
+                                  is_causal=is_causal, **kwargs)
+        layer.after_materialised()
         return out
-    return layer.attend(query, attention_mask, scaling), None
+    sinks = kwargs.get("s_aux")
+    if sinks is not None and not isinstance(sinks, torch.Tensor):
+        raise KvcxError(f"the model's attention gave s_aux of type {type(sinks).__name__}; kvcx reads a tensor of "
+                        "one sink logit per query head")
+    return layer.attend(query, attention_mask, scaling, softcap=kwargs.get("softcap"), sinks=sinks,
+                        sliding_window=kwargs.get("sliding_window")), None
 
 
 @contextlib.contextmanager

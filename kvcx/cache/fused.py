@@ -117,10 +117,14 @@ def fused_unsupported(key: Codec, value: Codec, head_dim: int, group: int) -> Op
         return f"fused attention serves 1 to {ATTN_MAX_GROUP} query heads per KV head, got {group}"
     if value.axis != "token":
         return "fused attention needs values grouped per token"
-    for kind, c in (("key", key), ("value", value)):
-        if getattr(c, "axis", None) == "token" and c.group_size % head_dim:
-            return (f"fused attention needs per-token {kind} groups of whole tokens (group size {c.group_size} "
-                    f"is not a multiple of head dim {head_dim})")
+    if getattr(key, "axis", None) == "token" and key.group_size % head_dim:
+        return (f"fused attention needs per-token key groups of whole tokens (group size {key.group_size} is not a "
+                f"multiple of head dim {head_dim})")
+    G = value.group_size
+    if G % head_dim and (G > head_dim or head_dim % G or G % 16):
+        return (f"fused attention needs per-token value groups of whole tokens or of a whole part of one (group "
+                f"size {G} and head dim {head_dim}: a multiple of {head_dim}, or a divisor of it that is a multiple "
+                "of 16)")
     return None
 
 
@@ -161,7 +165,8 @@ def bind(key: Codec, value: Codec, B: int, Hkv: int, R: int, D: int, keys, value
     rows = R * nq
     nsplit = splits(B * Hkv, Tq * max(1, rows // ATTN_TILE_ROWS), threads)
     settings = keys.kernel_settings(key)
-    work = workspace.get(B * Hkv * nsplit, kernel.work_floats(rows, D, settings.get("k_widths", False)))
+    work = workspace.get(B * Hkv * nsplit, kernel.work_floats(rows, D, settings.get("k_widths", False),
+                                                              value.group_size < D))
     attn = kernel.AttnKernel(B=B, Hkv=Hkv, R=rows, D=D, v_asym=value.asym, v_rotate=value.rotate,
                              v_group=value.group_size, v_bits=value.bits, nq=nq, **settings)
     attn.bind(vc=values.codes, vs=values.scales.view(np.uint16),

@@ -42,15 +42,15 @@ def on_backend(kv, backend: str, layers: int):
     return kv.with_backend(backend)
 
 
-def fitted(kv, kv_heads, residual_length: int, head_dim):
+def fitted(kv, kv_heads, residual_length: int, key_dim, value_dim=None):
     """``kv`` with the fallback codec (as ``kvcx compress`` takes it) for a kind whose codec cannot take this
-    model's chunks, e.g. a rotation over a head dim that is not a power of two: decided when the cache is made,
-    not at its first packing."""
-    if not (kv_heads and head_dim):
+    layer's chunks, e.g. a rotation over a head dim that is not a power of two (keys and values may differ in
+    width: MLA): decided when the cache is made, not at its first packing."""
+    value_dim = key_dim if value_dim is None else value_dim
+    if not (kv_heads and key_dim and value_dim):
         return kv
-    shape = (1, int(kv_heads), residual_length, int(head_dim))
-    key = kv.key if kv.key.supports(shape) else kv.fallback
-    value = kv.value if kv.value.supports(shape) else kv.fallback
+    key = kv.key if kv.key.supports((1, int(kv_heads), residual_length, int(key_dim))) else kv.fallback
+    value = kv.value if kv.value.supports((1, int(kv_heads), residual_length, int(value_dim))) else kv.fallback
     if key is kv.key and value is kv.value:
         return kv
     return type(kv)(key=key, value=value, scheme=kv.scheme)

@@ -142,3 +142,39 @@ def test_bad_sinks_softcap_and_skip_are_clear_errors():
     first, _, _ = _store("kvcx", K, V, [64])   # the first chunk keeps an exact sink token
     with pytest.raises(CodecError, match="exact sink tokens stay"):
         first.drop_chunks(1)
+
+
+@pytest.mark.parametrize("scheme,bits", [("kvcx", None), ("kivi", None), ("kvcx", 3),
+                                         ("kvcx", 2), ("kvcx2w", None)])
+@pytest.mark.parametrize("D,group", [(128, 64), (256, 64), (128, 32), (64, 16)])
+@pytest.mark.parametrize("R,Q", [(2, 1), (4, 5)])
+def test_values_in_several_groups_a_token(scheme, bits, D, group, R, Q):
+    """Head dims above the values' group (the default scheme's 64 values at head dim 128, Gemma's 256): a token's
+    values carry D / G scales (and zero points), each on its own channels; the fused step equals attention over
+    the decoded cache, few rows and many (a multi-token step)."""
+    from kvcx.codecs import KVConfig as K
+    kv = K.from_scheme(scheme, **({"bits": bits} if bits else {}))
+    kv = K(key=kv.key, value=kv.value.replace(group_size=group), scheme=kv.scheme)
+    rng = np.random.default_rng(D + group + R)
+    B, H, chunks, nr = 2, 2, [64, 128], 7
+    T = sum(chunks)
+    K_, V = _kv(rng, B, H, T + nr, D)
+    V += rng.standard_normal((1, 1, 1, D)).astype(np.float32) * 2    # per-channel offsets the zero points carry
+    store = PackedKV(B * H, D, kv.key.replace(sinks=0), kv.value.replace(sinks=0))
+    Kd, Vd = np.empty_like(K_), np.empty_like(V)
+    o = 0
+    for n in chunks:
+        pk = kv.key.replace(sinks=0).encode(np.ascontiguousarray(K_[:, :, o:o + n]))
+        pv = kv.value.replace(sinks=0).encode(np.ascontiguousarray(V[:, :, o:o + n]))
+        store.append(pk, pv)
+        Kd[:, :, o:o + n], Vd[:, :, o:o + n] = decode(pk), decode(pv)
+        o += n
+    assert store.unsupported(D, R) is None
+    q = rng.standard_normal((B, H * R, Q, D)).astype(np.float32)
+    keep = np.ones((B, Q, T + nr), bool) & np.tri(Q, T + nr, T + nr - Q, dtype=bool)[None]
+    keep[1, :, :5] = False
+    out = store.attend(q if Q > 1 else q[:, :, 0], np.ascontiguousarray(K_[:, :, T:]),
+                       np.ascontiguousarray(V[:, :, T:]), keep if Q > 1 else keep[:, 0], D ** -0.5)
+    ref = _reference(q, np.concatenate([Kd[:, :, :T], K_[:, :, T:]], 2),
+                     np.concatenate([Vd[:, :, :T], V[:, :, T:]], 2), keep, D ** -0.5)
+    np.testing.assert_allclose(out.reshape(ref.shape), ref, atol=3e-5, rtol=1e-4)

@@ -65,7 +65,8 @@ static inline void kvcx_attn_task_run(const kvcx_attn_layout *L, const kvcx_attn
     const int64_t R = L->R, D = L->D, T = KVCX_ATTN_TILE;
     const int64_t slab = task / L->nsplit, split = task % L->nsplit;
     const int64_t b = slab / L->Hkv, h = slab % L->Hkv;
-    float *part = A->work + task * kvcx_attn_work_floats(R, D, L->k_widths);
+    const int vgroups = L->v_group < D;                /* values in several groups a token */
+    float *part = A->work + task * kvcx_attn_work_floats(R, D, L->k_widths, vgroups);
     float *qn = part + kvcx_attn_part_floats(R, D);   /* R x D: q * scaling */
     float *qp = qn + R * D;                            /* R x D: keys' rotation applied, permuted */
     float *qs = qp + R * D;                            /* R x D: what the dot products read: qp (times a
@@ -78,6 +79,7 @@ static inline void kvcx_attn_task_run(const kvcx_attn_layout *L, const kvcx_attn
     uint8_t *wn = (uint8_t *)(zp + D);                 /* 2/3-bit codes: a tile's, widened to nibbles */
     float *kT = R >= KVCX_ATTN_TILE_ROWS ? zp + D + T * D / 8 : NULL;   /* many rows: keys [D][T] */
     float *vf = kT ? kT + T * D : NULL;                                  /* and values [T][D], floats */
+    if (vgroups && !kT) vf = part + kvcx_attn_work_floats(R, D, L->k_widths, 0);   /* grouped values' tile */
     /* keys with widths: a block's channels (index, plane offset, width) and the key tile [channels][T] */
     int32_t *widx = (int32_t *)(zp + D + T * D / 8 + (kT ? 2 * T * D : 0)), *woff = widx + D, *wwid = woff + D;
     float *wT = L->k_widths ? (kT ? kT : (float *)(wwid + D)) : NULL;
@@ -229,7 +231,9 @@ static inline void kvcx_attn_task_run(const kvcx_attn_layout *L, const kvcx_attn
         if (L->softcap > 0.0f) kvcx_attn_cap(L, sc, n);
         if (A->mask || A->maskb)   /* (causal rows see every packed token: the step's own are exact) */
             kvcx_attn_mask(L, A, b, sc, n, L->pos_q + t);
-        if (L->v_group == D) {                   /* one scale per token: convert the tile's at once */
+        if (vgroups)                             /* scales in the values' tile (below): weights are p */
+            for (int64_t j = 0; j < n; j++) vs[j] = 1.0f;
+        else if (L->v_group == D) {              /* one scale per token: convert the tile's at once */
             kvcx_h2f_n(vsc + t + voff, vs, n);
             if (vzc) kvcx_h2f_n(vzc + t + voff, vz, n);
         } else
@@ -239,12 +243,15 @@ static inline void kvcx_attn_task_run(const kvcx_attn_layout *L, const kvcx_attn
                 if (vzc) vz[j] = kvcx_h2f_1(vzc[g]);
             }
         /* the softmax, leaving value weights p s (and v = s (c - 8) + (z + 8 s): the sums of p s and p z) */
-        kvcx_attn_softmax_v(part, R, D, sc, n, p, W, Z, vs, vzc ? vz : NULL);
+        kvcx_attn_softmax_v(part, R, D, sc, n, p, W, Z, vs, vzc && !vgroups ? vz : NULL);
         if (L->v_bits != 4) {
             kvcx_attn_widen(vt, n * D, L->v_bits, vadd, wn);
             vt = wn;
         }
-        if (vf) {
+        if (vgroups) {                           /* each group's scale and offset on its own channels */
+            kvcx_attn_tile_vg(vt, n, D, L->v_group, vsc, vzc, t + voff, (float)(8 - vadd), vf);
+            kvcx_f_axpy(vf, n, D, p, T, R, part + 2 * R);
+        } else if (vf) {
             kvcx_attn_tile_v(vt, n, D, vf);
             kvcx_f_axpy(vf, n, D, p, T, R, part + 2 * R);
         } else
@@ -260,7 +267,7 @@ static inline void kvcx_attn_task_run(const kvcx_attn_layout *L, const kvcx_attn
     for (int64_t r = 0; r < R; r++) {        /* odd halves back from 16x; asymmetric: the values' sum p (z + 8 s) */
         float *accv = part + 2 * R + r * D;
         kvcx_attn_halve_odd(accv, accv, D);
-        if (L->v_asym) {
+        if (L->v_asym && !vgroups) {
             const float c = Z[r] + (float)(8 - vadd) * W[r];
             for (int64_t d = 0; d < D; d++) accv[d] += c;
         }
@@ -285,7 +292,7 @@ static inline void kvcx_attn_task(const kvcx_attn_layout *L, const kvcx_attn_arg
    head's sink logit z joins the softmax's sum as a token with no value: m = max(m, z), l += exp(z - m). */
 static inline void kvcx_attn_merge(const kvcx_attn_layout *L, const kvcx_attn_args *A, int64_t i) {
     const int64_t R = L->R, D = L->D, slab = i / R, r = i % R;
-    const int64_t wf = kvcx_attn_work_floats(R, D, L->k_widths);
+    const int64_t wf = kvcx_attn_work_floats(R, D, L->k_widths, L->v_group < D);
     float *o = A->out + (slab * R + r) * D;   /* [B, Hkv * R, D]: (b * Hkv + h) * R + r */
     float m = -INFINITY, z = -INFINITY;
     if (A->sinks) {   /* row r of KV head h is query head h (R / nq) + r / nq */

@@ -11,10 +11,10 @@ ATTN_TILE_ROWS = KVCX_ATTN_TILE_ROWS
 ATTN_SIMD = bool(KVCX_ATTN_AVX2)
 
 
-def attn_work_floats(int64_t R, int64_t D, bint widths=False):
+def attn_work_floats(int64_t R, int64_t D, bint widths=False, bint vgroups=False):
     """Floats of workspace one attention task needs (the caller allocates tasks x this); ``widths``: keys with
-    a width per channel."""
-    return int(kvcx_attn_work_floats(R, D, widths))
+    a width per channel; ``vgroups``: values grouped per token in several groups a token (v_group < D)."""
+    return int(kvcx_attn_work_floats(R, D, widths, vgroups))
 
 
 cdef class AttnKernel:
@@ -55,7 +55,7 @@ cdef class AttnKernel:
         """Bind the stores: codes [B * Hkv, tokens * D * bits / 8] (uint8), scales / zero points [B * Hkv, n]
         (FP16 bits; zero points empty when symmetric), key block starts (int64; empty unless keys are
         grouped per channel), head rows hk/hv [B * Hkv, nh, D] (float32), Tq packed positions after
-        them, the workspace [B * Hkv * nsplit, attn_work_floats(R, D, k_widths)] (float32).
+        them, the workspace [B * Hkv * nsplit, attn_work_floats(R, D, k_widths, v_group < D)] (float32).
 
         Keys with widths: kc [1, bytes] every group's planes (8 bytes after the last), ks [B * Hkv, groups * D]
         the groups' range bytes (2 per channel, as uint16), kblk the groups' first key tokens (and the end),

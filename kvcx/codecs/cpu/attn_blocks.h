@@ -277,6 +277,26 @@ static inline void kvcx_f_axpy(const float *x, int64_t n, int64_t D, const float
 #endif
 }
 
+/* Values grouped per token in D / G > 1 groups of G channels (G a multiple of 16): the tile's n tokens from
+   token tt0 of the slab decoded into vf [n][D] (kvcx_attn_tile_v's permuted order, odd halves 16x), each group's
+   code c' times its scale s plus, asymmetric, its offset z + off8 s (z the zero point; off8 = 2^(bits - 1) for the
+   widened codes): the values themselves, which the softmax's probabilities weigh (no per-token scale left). */
+static inline void kvcx_attn_tile_vg(const uint8_t *c, int64_t n, int64_t D, int64_t G, const uint16_t *s,
+                                     const uint16_t *z, int64_t tt0, float off8, float *vf) {
+    const int64_t NG = D / G;
+    kvcx_attn_tile_v(c, n, D, vf);
+    for (int64_t j = 0; j < n; j++)
+        for (int64_t g = 0; g < NG; g++) {
+            const int64_t k = (tt0 + j) * NG + g;
+            const float sc = kvcx_h2f_1(s[k]), o = z ? kvcx_h2f_1(z[k]) + off8 * sc : 0.0f;
+            float *x = vf + j * D + g * G;
+            for (int64_t p = 0; p < G; p += 16) {
+                for (int64_t i = 0; i < 8; i++) x[p + i] = x[p + i] * sc + o;
+                for (int64_t i = 8; i < 16; i++) x[p + i] = x[p + i] * sc + 16.0f * o;
+            }
+        }
+}
+
 /* Logit softcapping (L->softcap > 0): each of the task's R rows' n scores s becomes softcap tanh(s / softcap),
    as Gemma 2 caps the scaled scores before the mask is added. */
 static inline void kvcx_attn_cap(const kvcx_attn_layout *L, float *sc, int64_t n) {

@@ -62,7 +62,7 @@ typedef struct {
     const uint8_t *maskb;                /* [mask rows, kv_len]: 0 = masked (a boolean mask), or NULL */
     const float *sinks;                  /* [Hkv * R / nq] a query head's sink logit (GPT-OSS's s_aux: in the
                                             softmax's sum, attending to nothing), or NULL */
-    float *work;                         /* [tasks, kvcx_attn_work_floats(R, D, k_widths)] */
+    float *work;                         /* [tasks, kvcx_attn_work_floats(R, D, k_widths, v_group < D)] */
     float *out;                          /* [B, Hkv * R, D] */
 } kvcx_attn_args;
 
@@ -71,13 +71,14 @@ typedef struct {
    KVCX_ATTN_TILE_ROWS rows or more, then the float tiles of keys [D][T] and values [T][D]; keys with widths:
    a chunk's channels (3 D int32), the key tile [D][T] when it is not there already, the chunk's compacted
    query terms [R][D] and biases [R], a group's compacted code steps [D], and through float tiles the chunk's
-   channel ranges [3][D]) */
+   channel ranges [3][D]); values in several groups a token with few rows: their float tile [T][D] last) */
 static inline int64_t kvcx_attn_part_floats(int64_t R, int64_t D) { return 2 * R + 2 * R * D; }
-static inline int64_t kvcx_attn_work_floats(int64_t R, int64_t D, int widths) {
+static inline int64_t kvcx_attn_work_floats(int64_t R, int64_t D, int widths, int vgroups) {
     const int many = R >= KVCX_ATTN_TILE_ROWS;
     return kvcx_attn_part_floats(R, D) + 3 * R * D + 4 * R + 2 * R * KVCX_ATTN_TILE + 2 * KVCX_ATTN_TILE + 2 * D
            + KVCX_ATTN_TILE * D / 8 + (many ? 2 * KVCX_ATTN_TILE * D : 0)
-           + (widths ? 3 * D + (many ? 0 : KVCX_ATTN_TILE * D) + R * D + R + 4 * D : 0);
+           + (widths ? 3 * D + (many ? 0 : KVCX_ATTN_TILE * D) + R * D + R + 4 * D : 0)
+           + (vgroups && !many ? KVCX_ATTN_TILE * D : 0);
 }
 
 /* channel index of position p in the permuted order */

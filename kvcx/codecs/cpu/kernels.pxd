@@ -107,7 +107,7 @@ cdef extern from "attn.h" nogil:
         float *work
         float *out
 
-    int64_t kvcx_attn_work_floats(int64_t R, int64_t D, int widths) noexcept
+    int64_t kvcx_attn_work_floats(int64_t R, int64_t D, int widths, int vgroups) noexcept
     void kvcx_attn_task(const kvcx_attn_layout *L, const kvcx_attn_args *A, int64_t task) noexcept
     void kvcx_attn_merge(const kvcx_attn_layout *L, const kvcx_attn_args *A, int64_t i) noexcept
 
