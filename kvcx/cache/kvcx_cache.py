@@ -144,16 +144,29 @@ class KvcxCache(Cache):
         if spec.kind == STATE:
             return LinearAttentionLayer(**self._state_kwargs(spec))
         if spec.kind == UNSUPPORTED:   # unsupported="keep": transformers' own class, as DynamicCache builds it
-            cls = DYNAMIC_LAYER_TYPE_MAPPING.get(spec.type)
+            cls = DYNAMIC_LAYER_TYPE_MAPPING.get(spec.type) or self._registered(spec.type)
             if cls is None:
                 raise KvcxError(f"KvcxCache {spec.describe()}: neither kvcx nor this transformers knows the layer type "
-                                f"{spec.type!r}; import the model's modeling module first (it registers its cache "
-                                "layer), or update transformers")
+                                f"{spec.type!r}: install a transformers that has this model (its modeling module "
+                                "registers its cache layer), or fix the config's layer_types")
             return cls(**self._unsupported_kwargs(spec))
         codecs = _fitted(kv.for_layer(spec.index), spec.kv_heads, self.residual_length, spec.key_dim, spec.value_dim)
         cls = KvcxWindowLayer if spec.kind in WINDOWED else KvcxLayer
         return cls(codecs, self.residual_length, shared, spec, kv.weights_for(f"layer_{spec.index}_key"),
                    press=press if spec.kind == FULL else None)
+
+    def _registered(self, layer_type: str):
+        """The cache layer class transformers maps ``layer_type`` to once the model's modeling module is imported
+        (a model's own layer classes register themselves there), or None."""
+        import importlib
+
+        model_type = getattr(self._config, "model_type", None)
+        if model_type:
+            try:
+                importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+            except ImportError:
+                return None
+        return DYNAMIC_LAYER_TYPE_MAPPING.get(layer_type)
 
     def _state_kwargs(self, spec: LayerSpec) -> dict:
         cfg = self._config

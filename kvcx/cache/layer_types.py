@@ -61,6 +61,7 @@ class LayerSpec:
     key_dim: Optional[int] = None
     value_dim: Optional[int] = None
     latent: bool = False   # MLA: the model expands what the cache holds before attending (never fused)
+    shared: bool = False   # later layers attend over what this layer's update() returns (Gemma 4's KV sharing)
 
     @property
     def packed(self) -> bool:
@@ -150,9 +151,11 @@ def layer_specs(config) -> List[LayerSpec]:
         if len(types) != n:
             raise KvcxError(f"the model's config lists {len(types)} layer_types for num_hidden_layers={n}; one per "
                             "layer is needed: fix the config's layer_types (or num_hidden_layers)")
-    shared = _attr(text, "num_kv_shared_layers") or 0
-    if shared:   # layers that reuse an earlier layer's keys and values have no cache of their own
-        types = types[:n - shared]
+    n_shared = _attr(text, "num_kv_shared_layers") or 0
+    owners = set()
+    if n_shared:   # layers that reuse an earlier layer's keys and values have no cache of their own; they read
+        types = types[:n - n_shared]   # what the last cache layer of their type returned (Gemma 4)
+        owners = {max(i for i, t in enumerate(types) if t == kind) for kind in set(types)}
     specs = []
     for i, (t, cfg) in enumerate(zip(types, per)):
         if not isinstance(t, str):
@@ -169,7 +172,8 @@ def layer_specs(config) -> List[LayerSpec]:
                             f"{'sliding_window' if kind == SLIDING else 'attention_chunk_size'}; set it in the "
                             "model's config")
         heads, kv, kd, vd = _dims(cfg) if kind in (FULL, SLIDING, CHUNKED) else (None,) * 4
-        specs.append(LayerSpec(i, t, kind, window, heads, kv, kd, vd, latent=kind == FULL and is_latent(cfg)))
+        specs.append(LayerSpec(i, t, kind, window, heads, kv, kd, vd, latent=kind == FULL and is_latent(cfg),
+                               shared=i in owners))
     return specs
 
 
@@ -182,7 +186,8 @@ def check_unsupported(specs: List[LayerSpec], unsupported: str, cache: str = "Kv
     bad = [s for s in specs if s.kind == UNSUPPORTED]
     if bad and unsupported == "error":
         names = ", ".join(f"{s.index} ({s.type})" for s in bad[:4]) + (", ..." if len(bad) > 4 else "")
-        raise KvcxError(f"{cache}: layer {names} is a layer type kvcx cannot pack (it packs "
+        raise KvcxError(f"{cache}: {'layers' if len(bad) > 1 else 'layer'} {names} "
+                        f"{'are layer types' if len(bad) > 1 else 'is a layer type'} kvcx cannot pack (it packs "
                         f"{', '.join(sorted(t for t, k in KINDS.items() if k != STATE))} layers and keeps "
                         f"{', '.join(sorted(t for t, k in KINDS.items() if k == STATE))} layers' states as "
                         f"transformers does); pass {cache}(..., unsupported='keep') to leave such layers to "

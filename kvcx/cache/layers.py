@@ -172,8 +172,13 @@ class KvcxLayer(DynamicLayer):
         total = self.quantized_length + n_res + n_new
         out = []
         for kind, res, new in (("key", self.keys, new_k), ("value", self.values, new_v)):
-            host, dev = self._scratch.get(kind, (B, H, total, res.shape[-1]), self.dtype, self.device,
-                                          host=not self.on_device)
+            shape = (B, H, total, res.shape[-1])
+            if self.spec.shared:   # later layers read what this step returns: its own buffers, not the shared ones
+                dev = torch.empty(shape, dtype=self.dtype, device=self.device)
+                host = dev if self.device.type == "cpu" or self.on_device else torch.empty(shape, dtype=self.dtype)
+                host = None if self.on_device else host
+            else:
+                host, dev = self._scratch.get(kind, shape, self.dtype, self.device, host=not self.on_device)
             t = time.perf_counter()
             if self.on_device:   # decoded by the Triton kernels into the device scratch
                 off = self.store.decode_into(kind, dev)
