@@ -72,6 +72,7 @@ def headline() -> str:
     fp8 = find(lmc, "LMCache fp8")
     q_rel = "[quality](docs/results/quality.md)"
     long_ctx = long_context("long-context-8k.json")
+    fam = families()
     lines = [
         "| what | measured | report |",
         "|---|---|---|",
@@ -95,12 +96,30 @@ def headline() -> str:
         f"{eng_all[2]} | "
         "[engine](docs/results/engine.md) |",
         long_ctx,
+        fam,
         f"| LMCache chunk, kvcx serde vs LMCache fp8 | {kv[2]} vs {fp8[2]} smaller than BF16; serialize "
         f"{kv[7]} vs {fp8[7]} GB/s, deserialize {kv[9]} vs {fp8[9]} GB/s (2 threads) | "
         "[lmcache](docs/results/lmcache.md) |",
     ]
     return "Headline figures (2 CPU cores; every figure from the linked report, written by the bench script " \
            "named there, which names the machine and the date of its run):\n\n" + "\n".join(lines)
+
+
+def families() -> str:
+    """The headline row of docs/results/families.md: the families whose every decode step ran fused on the CPU, and
+    the memory of those with sliding or chunked layers against DynamicCache at 8x the window."""
+    path = RESULTS / "families.md"
+    rows = [v for k, v in table(path, "Every family").items() if isinstance(k, str) and k != "family"]
+    if not rows:
+        raise SystemExit("publish: no family rows in docs/results/families.md; run bench.bench_families")
+    fused = [r for r in rows if r[3].split(" ")[0] == r[3].split(" ")[2]]
+    windowed = [float(r[4].rstrip("x")) for r in rows if ("sliding" in r[1] or "chunked" in r[1]) and "kept" not in r[1]]
+    title = re.search(r"prompt \(8x a ([\d,]+)-token window\)", path.read_text())
+    window = title.group(1) if title else "?"
+    return (f"| every model family of 2026, `KvcxCache` (tiny models from transformers' configs) | {len(rows)} "
+            f"families run; every decode step fused on the CPU in {len(fused)} (MLA materialises its latent, "
+            f"stated); sliding/chunked hybrids hold {min(windowed):.3f}x-{max(windowed):.3f}x DynamicCache's bytes at "
+            f"8x a {window}-token window | [families](docs/results/families.md) |")
 
 
 def long_context(name: str) -> str:

@@ -210,7 +210,8 @@ def count_merge(warps: int, chunk: int, pdl: bool, arch: int, dump: Path | None)
     values = dict(q_scale=D ** -0.5, SPT=MERGE_SPLITS_A_ROW, n_sinks=1, n_res=32, add_stride=0, res_off=0, Hkv=8,
                   norm=gpu._norm(D))
     pointers = {**{a: "fp32" for a in ("m_ptr", "l_ptr", "acc_ptr", "add_ptr", "out_ptr")},
-                **{a: "bf16" for a in ("q_ptr", "sk_ptr", "sv_ptr", "rk_ptr", "rv_ptr")}, "res_lens_ptr": "i32"}
+                **{a: "bf16" for a in ("q_ptr", "sk_ptr", "sv_ptr", "rk_ptr", "rv_ptr")}, "res_lens_ptr": "i32",
+                "sl_ptr": "fp32"}
     const = dict(R=4, D=D, SB=1, RB=32, HAS_MASK=False, ROTATE=True, CH=chunk, PDL=pdl, RES_LENS=False, OUT_BF16=False)
     sig, attrs, consts = launch_signature(fn, values, const, pointers)
     opts = dict(num_warps=warps, enable_fp_fusion=gpu.ATTN_FP_FUSION)
@@ -266,6 +267,9 @@ def launch_signature(fn, values: dict, consts: dict, pointers: dict):
     from triton.backends.compiler import BaseBackend
 
     sig, attrs, consts = {}, {}, dict(consts)
+    for p in fn.params:   # constexprs left at their defaults (the hybrid models' softcap and sinks: off)
+        if p.is_constexpr and p.has_default and p.name not in consts and p.name not in values:
+            consts[p.name] = p.default
     for i, a in enumerate(fn.arg_names):
         if a in consts:
             sig[a] = "constexpr"

@@ -100,6 +100,19 @@ class _Span:
             self.zeros[:, g:g + s.shape[1]] = p.zeros.view(s.shape)
         self.tokens += T
 
+    def drop_front(self, T: int) -> None:
+        """Drop the first T packed tokens (whole groups), the rest moved to the front of the buffers in place."""
+        if T <= 0:
+            return
+        rest = self.tokens - T
+        a, b = T * self.D // 2, self.tokens * self.D // 2
+        self.codes[:, :b - a] = self.codes[:, a:b].clone()
+        g0, g1 = self._groups(T), self._groups(self.tokens)
+        for t in (self.scales, self.zeros):
+            if t is not None and g1 > g0:
+                t[:, :g1 - g0] = t[:, g0:g1].clone()
+        self.tokens = rest
+
     def span(self) -> gpu.PackedSpan:
         """What the attention kernel reads (the buffers whole: rows as long as the capacity)."""
         return gpu.PackedSpan(self.codes, self.scales, self.zeros, self.tokens)
@@ -141,6 +154,7 @@ class DevicePackedKV:
         self.sinks: Dict[str, Optional[torch.Tensor]] = {"key": None, "value": None}   # [N, t0, D] as written
         self.segments: List[_Segment] = []
         self.chunks = 0
+        self._chunk_tokens: List[int] = []   # packed tokens of each chunk held (after the sinks)
         self._codecs: Dict[tuple, Codec] = {}
 
     def __len__(self) -> int:
@@ -185,6 +199,38 @@ class DevicePackedKV:
         seg.keys.append(pk, S - t0["key"])
         seg.values.append(pv, S - t0["value"])
         self.chunks += 1
+        self._chunk_tokens.append(S - t0["key"])
+
+    def chunk_tokens(self, i: int) -> int:
+        """Tokens of chunk i (sinks included)."""
+        return self._chunk_tokens[i] + (self._t0("key") if i == 0 else 0)
+
+    def drop_chunks(self, k: int) -> int:
+        """Drop the first ``k`` chunks (a sliding window has left them; none may hold sinks): whole segments go,
+        a segment the last of them ends in keeps its later tokens, moved to the front of its buffers. Returns the
+        tokens dropped."""
+        if k <= 0:
+            return 0
+        if k > self.chunks or (self._t0("key") or self._t0("value")):
+            raise CodecError(f"cannot drop {k} of {self.chunks} packed chunks (a store with exact sink tokens keeps "
+                             "them all)")
+        gone = sum(self._chunk_tokens[:k])
+        left = gone
+        while left and self.segments:
+            seg = self.segments[0]
+            if seg.keys.tokens <= left:
+                left -= seg.keys.tokens
+                self.segments.pop(0)
+            else:
+                seg.keys.drop_front(left)
+                seg.values.drop_front(left)
+                left = 0
+        start = 0
+        for seg in self.segments:   # packed positions from the first held token on
+            seg.start, start = start, start + seg.keys.tokens
+        self.chunks -= k
+        self._chunk_tokens = self._chunk_tokens[k:]
+        return gone
 
     def unsupported(self, group: int) -> Optional[str]:
         """Why the Triton attention cannot read this store for ``group`` query heads per KV head (None: it can)."""
@@ -221,11 +267,13 @@ class DevicePackedKV:
 
     def attend(self, q: torch.Tensor, residual_k: torch.Tensor, residual_v: torch.Tensor,
                add: Optional[torch.Tensor], scaling: float, per_split: Optional[int] = None,
-               out: Optional[torch.Tensor] = None) -> torch.Tensor:
+               out: Optional[torch.Tensor] = None, sink_logits: Optional[torch.Tensor] = None,
+               softcap: float = 0.0) -> torch.Tensor:
         """One decode step: q [B, Hq, D] (one token per row) against the held tokens, then the residual
         [B, H, nr, D] (the step's own token its last); ``add`` float32 [B, held + nr] added to the scores, or
         None. Returns [B, Hq, D] float32, or written into ``out`` (:func:`attend_in_dtype`'s, in its dtype). The
-        caller checked :meth:`unsupported`."""
+        caller checked :meth:`unsupported`. ``sink_logits`` float32 [Hq] on the device (per-head sinks) or None;
+        ``softcap`` > 0: scores capped (:func:`kvcx.codecs.gpu.attend_spans`)."""
         B, Hq, D = q.shape
         held, nr = self.tokens, residual_k.shape[2]
         t0 = self._t0("key")
@@ -234,7 +282,7 @@ class DevicePackedKV:
         sinks = (self.sinks["key"], self.sinks["value"]) if t0 else (None, None)
         residual = (residual_k.reshape(self.N, nr, D), residual_v.reshape(self.N, nr, D)) if nr else (None, None)
         return gpu.attend_spans(gpu.query_rows(q, self.N), scaling, spans, self.H, sinks, residual, add, held,
-                                per_split, out=out).reshape(B, Hq, D)
+                                per_split, out=out, sink_logits=sink_logits, softcap=softcap).reshape(B, Hq, D)
 
     @property
     def nbytes(self) -> int:

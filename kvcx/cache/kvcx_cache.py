@@ -184,6 +184,7 @@ class KvcxCache(Cache):
         """The layers kvcx packs (full, sliding and chunked)."""
         return [layer for layer in self.layers if isinstance(layer, KvcxLayer)]
 
+    @property
     def kernel_time_s(self) -> float:
         """Seconds spent in kvcx's kernels so far (encode, decode, fused attention)."""
         return self._timer.seconds

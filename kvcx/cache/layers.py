@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from kvcx.cache.attention_fn import HANDOFF, eager_attention
+from kvcx.cache.attention_fn import HANDOFF
 from kvcx.cache.buffers import HeapRelease, MaskConverter, Scratch
 from kvcx.cache.device_store import DevicePackedKV, attend_in_dtype, runs_on_device
 from kvcx.cache.fused import ATTN_MAX_ROWS, CAUSAL, NO_MASK, Workspace, step_mask
@@ -110,7 +110,6 @@ class KvcxLayer(DynamicLayer):
         self.last_step = 0   # tokens of the last step kept in full precision (crop() may drop them)
         self._step = 0       # tokens of the step being run (its own are the residual's last)
         self._unsupported: Optional[str] = None
-        self._materialised_why: Optional[str] = None   # why a posted step materialised (the device kernels)
         self._sinks = None   # (the model's sinks tensor, its version, float32 array): converted once
         self._press = PrefillPress(press, spec.index) if press is not None else None   # token eviction at prefill
         self._prefill = None   # the prefill's states, until the press has read the prompt's queries
@@ -121,7 +120,7 @@ class KvcxLayer(DynamicLayer):
     @property
     def fused_unsupported(self) -> Optional[str]:
         """Why this layer's steps cannot run fused (None when they can, or before its first step)."""
-        return self._unsupported or self._materialised_why
+        return self._unsupported
 
     @property
     def quantized_length(self) -> int:
@@ -403,32 +402,35 @@ class KvcxLayer(DynamicLayer):
 
     def _attend_on_device(self, query: torch.Tensor, attention_mask: Optional[torch.Tensor], scaling: float,
                           softcap: Optional[float], sinks: Optional[torch.Tensor], skip: int, rskip: int):
-        """The fused single-token step over the device store (the Triton kernel), as :meth:`attend`. Softcapping,
-        sinks and windows the Triton kernels do not take yet: this step decodes the store (counted materialised,
-        the reason in fused_unsupported)."""
+        """The fused single-token step over the device store (the Triton kernels), as :meth:`attend`: a window's
+        packed tokens before its first one masked (-inf; a window holds at most a chunk of them), its residual
+        tokens before it left out, softcapping in both kernels, sinks in the merge."""
         B, Hq, _, D = query.shape
-        if softcap or sinks is not None or skip or rskip:
-            self._materialised_why = ("the device kernels take no softcapping, sinks or window start yet: this "
-                                      "layer's device steps decode the packed context")
-            k, v = self.materialised_step()
-            out = eager_attention(None, query, k, v, self._device_mask(attention_mask, B, k.shape[-2]), scaling=scaling,
-                                  softcap=softcap, s_aux=sinks)[0]
-            self.after_materialised()
-            return out
+        keys, values = self.keys, self.values
+        if rskip:
+            keys, values = keys[:, :, rskip:].contiguous(), values[:, :, rskip:].contiguous()
+        kv_len = self.store.tokens + keys.shape[2]
         add = None
         if attention_mask is not None and self._press is None:
-            add = self._masks.additive(attention_mask, B, self.cumulative_length)
+            add = self._masks.additive(attention_mask, B, kv_len - skip)
+        if skip:   # the packed tokens before the window's first one
+            full = torch.zeros(B, kv_len, dtype=torch.float32, device=query.device)
+            full[:, :skip] = float("-inf")
+            if add is not None:
+                full[:, skip:] += add
+            add = full
+        logits = None
+        if sinks is not None:
+            self._sink_logits(sinks, Hq)   # checked (one finite logit a query head)
+            logits = sinks.detach().float().reshape(-1).contiguous()
         t = time.perf_counter()
-        out = attend_in_dtype(query, lambda o: self.store.attend(query.reshape(B, Hq, D), self.keys, self.values,
-                                                                 add, scaling, out=o))
+        out = attend_in_dtype(query, lambda o: self.store.attend(query.reshape(B, Hq, D), keys, values, add, scaling,
+                                                                 out=o, sink_logits=logits,
+                                                                 softcap=float(softcap or 0.0)))
         self._timer.add(time.perf_counter() - t)
         self.steps["fused"] += 1
         self.pack_residual(self.last_step)
         return out
-
-    @staticmethod
-    def _device_mask(attention_mask: Optional[torch.Tensor], B: int, kv_len: int):
-        return None if attention_mask is None else attention_mask[..., -kv_len:]
 
     def materialised_step(self):
         """Keys and values of every token a posted step attends to, for a step the fused kernel cannot run

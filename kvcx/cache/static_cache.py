@@ -26,6 +26,12 @@ A prompt (a step of more than one token, or any step before the sinks are filled
 pages are encoded at once, the rest goes to the residual, and its attention reads the decoded history and the
 prompt's own states (SDPA, as :class:`~kvcx.cache.kvcx_cache.KvcxCache`'s materialising path).
 
+Hybrid models (:mod:`kvcx.cache.layer_types` reads their config as transformers' StaticCache does): the full-attention
+layers are packed as above; linear-attention and recurrent layers keep transformers' own layer class; sliding and
+chunked layers are held as transformers' ``StaticSlidingWindowLayer`` holds them (exact, bounded by the window: the
+pages of a packed window ring that a graph can replay are not built yet), and ``memory_report()["layers"]`` says
+which layers are packed; a layer type kvcx cannot pack is an error naming it, or kept with ``unsupported="keep"``.
+
 What it does not do (an error says so): rows of different lengths (left padding: use KvcxCache), codecs the
 Triton kernels do not run (4-bit ``kvcx.int`` only), models whose attention is not ``"kvcx"``, ``crop()``.
 A step past ``max_cache_len`` from Python raises before it runs; inside a replayed graph it cannot raise: it is
@@ -41,10 +47,12 @@ from typing import List, Optional
 
 import torch
 import transformers
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import STATIC_LAYER_TYPE_MAPPING, Cache, CacheLayerMixin, LinearAttentionLayer
 
 from kvcx.cache.attention_fn import ATTN_IMPLEMENTATION, HANDOFF
 from kvcx.cache.device_store import attend_in_dtype
+from kvcx.cache.kvcx_cache import layer_bytes
+from kvcx.cache.layer_types import FULL, STATE, check_unsupported, layer_specs
 from kvcx.codecs import gpu, paged
 from kvcx.codecs.base import Codec, Packed
 from kvcx.codecs.dtypes import is_int
@@ -257,25 +265,36 @@ class StaticKvcxLayer(CacheLayerMixin):
         return (torch.cat([history[0], key_states.to(self.dtype)], dim=2),
                 torch.cat([history[1], value_states.to(self.dtype)], dim=2))
 
-    def attend(self, query: torch.Tensor, attention_mask: Optional[torch.Tensor], scaling: float) -> torch.Tensor:
+    def attend(self, query: torch.Tensor, attention_mask: Optional[torch.Tensor], scaling: float, *,
+               softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None,
+               sliding_window: Optional[int] = None) -> torch.Tensor:
         """A decode step's attention ([B, Hq, 1, D] queries) over the packed pages, the sinks and the residual's
-        filled slots: [B, 1, Hq, D] in the query's dtype, as transformers' attention functions return."""
+        filled slots (:class:`~kvcx.cache.attention_fn.FusedStep`; softcapping and per-head sinks in the kernels):
+        [B, 1, Hq, D] in the query's dtype, as transformers' attention functions return."""
+        if sliding_window:
+            raise KvcxError(f"StaticKvcxCache layer {self.layer_idx}: the model attends over a sliding window of "
+                            f"{sliding_window} tokens, the config's layer_types say full attention: build the cache "
+                            "from the model's own config (model.config)")
         if attention_mask is not None:
             raise KvcxError("StaticKvcxCache decodes rows of equal length: this step has an attention mask (left "
                             "padding, or a mask the model builds for another reason); use KvcxCache for padded "
                             "batches")
         B, Hq, Q, D = query.shape
         plan = self._plan.plan
-        sinks = (self.sink_k, self.sink_v) if self.t0 else (None, None)
+        exact = (self.sink_k, self.sink_v) if self.t0 else (None, None)
+        logits = None if sinks is None else sinks.detach().float().reshape(-1).contiguous()
         return attend_in_dtype(query, lambda o: paged.attend(query.reshape(B, Hq, D), self.pool, self.table,
-                                                             plan.packed, scaling, sinks=sinks,
+                                                             plan.packed, scaling, sinks=exact,
                                                              residual=(self.res_k, self.res_v),
-                                                             residual_lens=plan.live, out=o))
+                                                             residual_lens=plan.live, out=o, sink_logits=logits,
+                                                             softcap=float(softcap or 0.0)))
 
     def materialised_step(self):
         raise KvcxError("StaticKvcxCache runs decode steps through the fused kernel only, and this model's attention "
-                        "asks for what it does not do (softcap, sliding windows, attention sinks, position biases or "
-                        "dropout): use KvcxCache")
+                        "asks for what it does not do (position biases or dropout): use KvcxCache")
+
+    def after_materialised(self) -> None:
+        """Nothing: a static layer has no materialised steps (:meth:`materialised_step` raises)."""
 
     # -- transformers' questions ------------------------------------------------------------------------------
 
@@ -356,11 +375,12 @@ class StaticKvcxCache(Cache):
         ``kvcx.int`` codecs: what the Triton kernels run; the default the kvcx scheme).
     residual_length: exact tokens before a page is packed (a multiple of the keys' per-channel group, so a page
         holds whole groups; 64 by default).
+    unsupported: "error" (default) or "keep", as :class:`~kvcx.cache.KvcxCache` takes it.
     """
 
     def __init__(self, config, max_cache_len: int, group_size: Optional[int] = None, scheme: str = DEFAULT_SCHEME,
                  residual_length: int = 64, bits: Optional[int] = None, sinks: Optional[int] = None,
-                 rotate: Optional[bool] = None, kv_config: Optional[KVConfig] = None):
+                 rotate: Optional[bool] = None, kv_config: Optional[KVConfig] = None, unsupported: str = "error"):
         if isinstance(max_cache_len, bool) or not is_int(max_cache_len) or max_cache_len < 1:
             raise KvcxError(f"max_cache_len must be a positive integer, got {max_cache_len!r}")
         if isinstance(residual_length, bool) or not is_int(residual_length) or residual_length < 16 or \
@@ -369,13 +389,17 @@ class StaticKvcxCache(Cache):
                             f"{residual_length!r}")
         kv = kv_config or KVConfig.from_scheme(scheme, group_size=group_size, bits=bits, sinks=sinks, rotate=rotate)
         text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-        layer_types = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
-        bad = set(layer_types) - {"full_attention"}
-        if bad:
-            raise KvcxError(f"StaticKvcxCache supports full-attention models only; this model has {sorted(bad)} "
-                            "layers")
-        codecs = [(kv.for_layer(i).key, kv.for_layer(i).value) for i in range(text.num_hidden_layers)]
-        for i, (kc, vc) in enumerate(codecs):
+        specs = layer_specs(config)
+        check_unsupported(specs, unsupported, "StaticKvcxCache")
+        latent = [s.index for s in specs if s.latent]
+        if latent:
+            raise KvcxError(f"StaticKvcxCache layer {latent[0]}: MLA (the model expands the cached latent after the "
+                            "cache) has no decode step the Triton kernels can replay; use KvcxCache")
+        full = [s.index for s in specs if s.kind == FULL]
+        if not full:
+            raise KvcxError("StaticKvcxCache packs full-attention layers and this model has none; use KvcxCache")
+        codecs = {i: (kv.for_layer(i).key, kv.for_layer(i).value) for i in full}
+        for i, (kc, vc) in codecs.items():
             for codec, what in ((kc, "keys"), (vc, "values")):
                 if getattr(codec, "codec_id", None) != "kvcx.int" or codec.bits != 4:
                     bits = getattr(codec, "bits", None)
@@ -389,7 +413,7 @@ class StaticKvcxCache(Cache):
             if kc.sinks != vc.sinks:
                 raise KvcxError(f"StaticKvcxCache layer {i}: keys keep {kc.sinks} exact sink tokens and values "
                                 f"{vc.sinks}; give both the same")
-        t0 = {kc.sinks for kc, _ in codecs}
+        t0 = {kc.sinks for kc, _ in codecs.values()}
         if len(t0) > 1 or max_cache_len <= max(t0):
             raise KvcxError(f"StaticKvcxCache: every layer must keep the same sink tokens, fewer than max_cache_len "
                             f"({max_cache_len}); got {sorted(t0)}")
@@ -399,9 +423,29 @@ class StaticKvcxCache(Cache):
         self._holder = _PlanHolder(residual_length)
         self._t0 = t0.pop()
         self._max_len = max_cache_len
-        self._device_step = False   # the current step's kind (decided at its first layer)
-        super().__init__(layers=[StaticKvcxLayer(kc, vc, self._holder, residual_length, max_cache_len, i)
-                                 for i, (kc, vc) in enumerate(codecs)])
+        self._device_step = False   # the current step's kind (decided at its first packed layer)
+        self._first = full[0]
+        self.specs = specs
+        super().__init__(layers=[StaticKvcxLayer(*codecs[s.index], self._holder, residual_length, max_cache_len,
+                                                 s.index) if s.kind == FULL else self._kept(s, max_cache_len)
+                                 for s in specs])
+
+    def _kept(self, spec, max_cache_len: int):
+        """A layer kvcx does not pack here, in transformers' own static class (as StaticCache builds it)."""
+        from transformers.cache_utils import get_layer_types_and_kwargs
+
+        if spec.kind == STATE:
+            return LinearAttentionLayer(number_of_states=getattr(self._config, "number_of_conv_states", 1) or 1)
+        cls = STATIC_LAYER_TYPE_MAPPING.get(spec.type)
+        if cls is None:
+            raise KvcxError(f"StaticKvcxCache {spec.describe()}: this transformers has no static cache layer for "
+                            f"{spec.type!r}; use KvcxCache")
+        return cls(max_cache_len=max_cache_len, **get_layer_types_and_kwargs(self._config)[1][spec.index])
+
+    @property
+    def packed_layers(self) -> List["StaticKvcxLayer"]:
+        """The layers kvcx packs (the full-attention ones)."""
+        return [layer for layer in self.layers if isinstance(layer, StaticKvcxLayer)]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """A layer's new keys and values (transformers calls this once a layer and step). At the first layer the
@@ -411,22 +455,30 @@ class StaticKvcxCache(Cache):
             raise KvcxError(f"layer_idx {layer_idx!r} is outside this StaticKvcxCache's {len(self.layers)} layers; "
                             "build the cache from the model's own config")
         S = key_states.shape[-2]
-        if layer_idx == 0 and getattr(self._config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
+        layer = self.layers[layer_idx]
+        if not isinstance(layer, StaticKvcxLayer):   # kept in transformers' own class
+            if self.specs[layer_idx].kind == STATE:
+                raise KvcxError(f"StaticKvcxCache {self.specs[layer_idx].describe()}: the model's config says this "
+                                "layer has no per-token keys and values, but the model hands it some: build the "
+                                "cache from the model's own config (model.config)")
+            return layer.update(key_states, value_states, *args, **kwargs)
+        if layer_idx == self._first and getattr(self._config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
             raise KvcxError(f"StaticKvcxCache needs the model's attention to be {ATTN_IMPLEMENTATION!r}: import "
                             f"kvcx.cache, then model.set_attn_implementation({ATTN_IMPLEMENTATION!r})")
         plan = self._holder.plan or self._holder.start(key_states.shape[0], self._t0, self._max_len,
                                                        key_states.device)
-        if layer_idx == 0:   # the step's kind, decided once for all its layers
+        if layer_idx == self._first:   # the step's kind, decided once for all its layers
             self._device_step = S == 1 and plan.host_len >= self._t0 and plan.host_len > 0
             if self._device_step:
                 plan.advance()
             else:
                 plan.begin_prompt(S)
-        return self.layers[layer_idx].update(key_states, value_states, device_step=self._device_step)
+        return layer.update(key_states, value_states, device_step=self._device_step)
 
     def get_seq_length(self, layer_idx: int = 0):
-        """The tokens held, as a device tensor (:meth:`StaticKvcxLayer.get_seq_length`); ``tokens`` reads it."""
-        return self.layers[0].get_seq_length() if self.layers else 0
+        """The tokens held, as a device tensor (:meth:`StaticKvcxLayer.get_seq_length`, the first packed layer's);
+        ``tokens`` reads it."""
+        return self.layers[self._first].get_seq_length()
 
     @property
     def tokens(self) -> int:
@@ -439,7 +491,7 @@ class StaticKvcxCache(Cache):
         there: a KvcxError for a step past ``max_cache_len``, or for keys or values that held NaN or Inf (the
         encoder's flags; each layer's, one read)."""
         held = self.tokens
-        layers = [layer for layer in self.layers if layer.is_initialized]
+        layers = [layer for layer in self.packed_layers if layer.is_initialized]
         if layers:
             bad = torch.stack([layer.flag.any() for layer in layers]).tolist()
             if any(bad):
@@ -455,15 +507,19 @@ class StaticKvcxCache(Cache):
 
     def memory_report(self) -> dict:
         """Bytes the cache holds (allocated for ``max_cache_len``): packed rows, exact sinks and residual, a page's
-        encode buffers; the tokens held (:meth:`check`: read from the device) and the bytes a BF16 cache of the
+        encode buffers, what the layers it keeps in transformers' classes hold (kept_bytes; ``layers`` says which);
+        the tokens held (:meth:`check`: read from the device) and the bytes a BF16 cache of the
         capacity holds."""
-        layers: List[StaticKvcxLayer] = [layer for layer in self.layers if layer.is_initialized]
+        layers: List[StaticKvcxLayer] = [layer for layer in self.packed_layers if layer.is_initialized]
         packed = sum(layer.packed_bytes() for layer in layers)
         exact = sum(layer.exact_bytes() for layer in layers)
         scratch = sum(layer.scratch_bytes() for layer in layers)
         static = sum(2 * 2 * layer.batch_size * layer.num_heads * self._max_len * layer.head_dim
                      for layer in layers)
-        steps = {k: sum(layer.steps[k] for layer in self.layers) for k in ("device", "prompt")}
-        return {"packed_bytes": packed, "residual_bytes": exact, "scratch_bytes": scratch,
-                "total_bytes": packed + exact + scratch, "tokens": self.check(), "max_cache_len":
-                self._max_len, "bf16_static_bytes": static, "attention_steps": steps, "backend": "triton"}
+        steps = {k: sum(layer.steps[k] for layer in self.packed_layers) for k in ("device", "prompt")}
+        kept = sum(layer_bytes(layer) for layer in self.layers if not isinstance(layer, StaticKvcxLayer))
+        return {"packed_bytes": packed, "residual_bytes": exact, "scratch_bytes": scratch, "kept_bytes": kept,
+                "total_bytes": packed + exact + scratch + kept, "tokens": self.check(), "max_cache_len":
+                self._max_len, "bf16_static_bytes": static, "attention_steps": steps, "backend": "triton",
+                "layers": [{"index": s.index, "type": s.type, "kvcx": "packed" if s.kind == FULL else "kept",
+                            "window": s.window} for s in self.specs]}

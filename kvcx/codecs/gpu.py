@@ -382,7 +382,8 @@ def attention_rows(R: int, NG: int, dot: str) -> int:
 
 
 def attention_constexprs(key_codec, value_codec, R: int, D: int, dot: str, block_tokens: int, has_mask: bool,
-                         prefetch: bool, asm: bool = False, early: bool = False, pdl: bool = False, paged=False):
+                         prefetch: bool, asm: bool = False, early: bool = False, pdl: bool = False, paged=False,
+                         softcap: float = 0.0):
     """The constexprs of :func:`~kvcx.codecs.triton_kernels.attention.attend_packed_kernel` for these codecs and launch settings
     (what the launcher passes; the offline compile test and bench/sass_gpu.py build the kernel the same way). A
     tile lies within one per-channel block: ``block_tokens`` is cut to the smallest per-channel group; ``dot`` is
@@ -390,7 +391,8 @@ def attention_constexprs(key_codec, value_codec, R: int, D: int, dot: str, block
     and for "fp16" with per-token keys, whose scales vary along the products' sums). ``asm``: "fp16"'s codes
     converted in PTX (a GPU); ``prefetch``: the next tile's codes loaded before a tile is worked (not ``paged``),
     in the transposed fast mode its scales (``AHEAD``); ``early``: that mode's first tile loaded before the query;
-    ``pdl``: the merge launched as a dependent launch (a GPU: :func:`dependent_merge`)."""
+    ``pdl``: the merge launched as a dependent launch (a GPU: :func:`dependent_merge`); ``softcap`` > 0: scores
+    capped to softcap tanh(s / softcap) before the mask (Gemma 2)."""
     if dot not in ATTN_DOTS:
         raise CodecError(f"attention products {dot!r} (kvcx.codecs.gpu.ATTN_DOT) are not a mode of the attention "
                          f"kernel; set one of {', '.join(repr(d) for d in ATTN_DOTS)}")
@@ -409,7 +411,8 @@ def attention_constexprs(key_codec, value_codec, R: int, D: int, dot: str, block
                 K_CHANNEL=key_codec.axis == "channel", K_ASYM=key_codec.asym, VG=value_codec.group_size,
                 V_CHANNEL=value_codec.axis == "channel", V_ASYM=value_codec.asym, HAS_MASK=has_mask, DOT=dot, NG=ng,
                 PREFETCH=bool(prefetch) and not trans and not paged, ASM=bool(asm) and dot == "fp16", PAGE=0,
-                TRANS=trans, EARLY=bool(early) and trans, PDL=bool(pdl), AHEAD=bool(prefetch) and trans)
+                TRANS=trans, EARLY=bool(early) and trans, PDL=bool(pdl), AHEAD=bool(prefetch) and trans,
+                SOFTCAP=float(softcap or 0.0))
 
 
 def attention_options(const: dict) -> dict:
@@ -441,7 +444,7 @@ def _span_args(sp: Span) -> tuple:
 
 
 def attend_spans(q, scaling: float, spans, Hkv: int, sinks=(None, None), residual=(None, None), add=None,
-                 res_off: int = 0, per_split: Optional[int] = None, out=None):
+                 res_off: int = 0, per_split: Optional[int] = None, out=None, sink_logits=None, softcap: float = 0.0):
     """The attention output [N, R, D] float32 of the query rows ``q`` [N, R, D] (:func:`query_rows`: any float
     dtype, as the model holds them; the kernels scale them by ``scaling`` as they read them) over packed spans
     (:class:`Span`, flash-decoding splits along each in :func:`~kvcx.codecs.triton_kernels.attention.attend_packed_kernel`) and
@@ -450,7 +453,8 @@ def attend_spans(q, scaling: float, spans, Hkv: int, sinks=(None, None), residua
     Every span's values rotate alike (the merge rotates the accumulator back once). One kernel per two spans of
     one layout (a store's two segments: one launch) and one merge: no other launch (but for spans whose keys
     rotate: their query, scaled and rotated, from one product; the keys' rotation moved from every key onto the
-    query, its matrix orthogonal and symmetric). The caller checks shapes; ``out``: as :func:`merge_splits`'."""
+    query, its matrix orthogonal and symmetric). The caller checks shapes; ``out``, ``sink_logits`` and
+    ``softcap``: as :func:`merge_splits`' (the softcap in both kernels)."""
     torch = _torch()
     N, R, D = q.shape
     rotate = {sp.value_codec.rotate for sp in spans}
@@ -463,7 +467,7 @@ def attend_spans(q, scaling: float, spans, Hkv: int, sinks=(None, None), residua
     launches = []   # [((constexprs, keys rotate), [(span, splits)])]: two spans of one layout share a launch
     for sp in full:
         key = (attention_constexprs(sp.key_codec, sp.value_codec, R, D, ATTN_DOT, ATTN_BLOCK_TOKENS, add is not None,
-                                    ATTN_PREFETCH, asm, ATTN_EARLY_TILE, pdl), sp.key_codec.rotate)
+                                    ATTN_PREFETCH, asm, ATTN_EARLY_TILE, pdl, softcap=softcap), sp.key_codec.rotate)
         item = (sp, -(-sp.keys.tokens // per))
         if launches and launches[-1][0] == key and len(launches[-1][1]) == 1:
             launches[-1][1].append(item)
@@ -493,7 +497,7 @@ def attend_spans(q, scaling: float, spans, Hkv: int, sinks=(None, None), residua
     if not full and not t0 and not nr:
         raise CodecError("attention: there are no tokens to attend to")
     return merge_splits(q, scaling, m, l, acc, Hkv, bool(full) and True in rotate, sinks, residual, add, res_off,
-                        out=out)
+                        out=out, sink_logits=sink_logits, softcap=softcap)
 
 
 def ptx_codes(q) -> bool:
@@ -531,13 +535,16 @@ def launch_attention(grid, q, q_scale: float, buffers: tuple, ints: tuple, out: 
 
 
 def merge_splits(q, scaling: float, m, l, acc, Hkv: int, rotate: bool, sinks=(None, None), residual=(None, None),
-                 add=None, res_off: int = 0, res_lens=None, out=None):
+                 add=None, res_off: int = 0, res_lens=None, out=None, sink_logits=None, softcap: float = 0.0):
     """The attention output [N, R, D] float32 of the query rows ``q`` [N, R, D]: the merge kernel's softmax over the
     splits the attention kernel wrote (``m``, ``l`` [N, splits, R], ``acc`` [N, splits, R, D]; their accumulators
     rotated back where ``rotate``) and the exact tokens (:func:`attend_spans`' ``sinks``, ``residual``, ``add``,
     ``res_off``; ``res_lens`` int32 [B], or None: batch row b's residual is its first ``res_lens[b]`` rows, read on
     the device). One launch: what :func:`attend_spans` and :func:`kvcx.codecs.paged.attend` end with. ``out``: the
-    caller's [N, R, D] (contiguous; float32, float16 or bfloat16: rounded to nearest even as ``.to`` rounds)."""
+    caller's [N, R, D] (contiguous; float32, float16 or bfloat16: rounded to nearest even as ``.to`` rounds).
+    ``sink_logits``: float32 [Hkv R] each query head's sink logit (GPT-OSS's s_aux; in the softmax's sum, attending
+    to nothing) or None; ``softcap`` > 0: the exact tokens' scores capped to softcap tanh(s / softcap), as the
+    attention kernel's (:func:`attention_constexprs`' SOFTCAP) are."""
     torch, k = _torch(), attention_kernels()
     N, R, D = q.shape
     (sk, sv), (rk, rv) = sinks, residual
@@ -556,7 +563,9 @@ def merge_splits(q, scaling: float, m, l, acc, Hkv: int, rotate: bool, sinks=(No
     k.merge_kernel[(N, R)](q, scaling, m, l, acc, m.shape[1], sk if t0 else m, sv if t0 else m, t0, rk if nr else m,
                            rv if nr else m, nr, add if add is not None else m, add.shape[1] if add is not None else 0,
                            res_off, Hkv, out.view(torch.int16) if bf16 else out, _norm(D),
-                           res_lens if res_lens is not None else m, R=R, D=D, OUT_BF16=bf16,
+                           res_lens if res_lens is not None else m,
+                           sink_logits if sink_logits is not None else m, R=R, D=D, OUT_BF16=bf16,
+                           HAS_SINKS=sink_logits is not None, SOFTCAP=float(softcap or 0.0),
                            SB=_pow2(t0), RB=max(16, _pow2(nr)), HAS_MASK=add is not None, ROTATE=rotate,
                            CH=MERGE_SPLITS, enable_fp_fusion=ATTN_FP_FUSION, num_warps=MERGE_WARPS, PDL=pdl,
                            RES_LENS=res_lens is not None and nr > 0, **({"launch_pdl": True} if pdl else {}))

@@ -187,7 +187,8 @@ def encode_step(codec: Codec, residual, codes, scales, zeros, flag, new, where) 
 
 
 def attend(q, pool: PagedKV, block_table, seq_lens, scaling: Optional[float] = None,
-           per_split: Optional[int] = None, sinks=(None, None), residual=(None, None), residual_lens=None, out=None):
+           per_split: Optional[int] = None, sinks=(None, None), residual=(None, None), residual_lens=None, out=None,
+           sink_logits=None, softcap: float = 0.0):
     """One decode step over a paged store: q [B, Hq, D] (one token a row, any float dtype), ``block_table`` int32
     [B, max_pages] (row b's pages in order; entries past its tokens are not read), ``seq_lens`` int32 [B] (row b's
     tokens, 0 to max_pages x page_tokens), both on the pool's device. Query head j reads KV head j // (Hq / Hkv).
@@ -197,6 +198,8 @@ def attend(q, pool: PagedKV, block_table, seq_lens, scaling: Optional[float] = N
     Returns [B, Hq, D] float32 (NaN for a row of no token, as SDPA gives for a row with nothing to attend to), or
     writes it into ``out`` (the caller's [B, Hq, D], contiguous: float32, float16 or bfloat16, rounded to nearest
     even as ``.to`` rounds) and returns that.
+    ``sink_logits`` float32 [Hq] on the device (each query head's sink logit, GPT-OSS's s_aux) or None; ``softcap``
+    > 0: scores capped to softcap tanh(s / softcap) (Gemma 2), in both kernels.
     No host sync: the splits are sized from the table's width, the lengths are read on the device (a step can be
     replayed from a CUDA graph)."""
     torch = _torch()
@@ -229,7 +232,7 @@ def attend(q, pool: PagedKV, block_table, seq_lens, scaling: Optional[float] = N
     table = block_table.contiguous()
     const = gpu.attention_constexprs(kc, vc, R, D, gpu.ATTN_DOT, min(gpu.ATTN_BLOCK_TOKENS, P), False,
                                      gpu.ATTN_PREFETCH, gpu.ptx_codes(q), gpu.ATTN_EARLY_TILE, gpu.dependent_merge(q),
-                                     paged=True)
+                                     paged=True, softcap=softcap)
     per = gpu.split_tokens(N, table.shape[1] * P, per_split)
     nsp = max(1, -(-(table.shape[1] * P) // per))
     m, l, acc = (torch.empty(N, nsp, R, *d, device=dev) for d in ((), (), (D,)))
@@ -239,8 +242,13 @@ def attend(q, pool: PagedKV, block_table, seq_lens, scaling: Optional[float] = N
     # the spans' integers are not read in the PAGE mode (a tile's page and a row's tokens come from the table)
     gpu.launch_attention((N, nsp), qr if kc.rotate else rows, 1.0 if kc.rotate else scaling, bufs + bufs, (0,) * 12,
                          (m, l, acc), H, per, nsp, 0, {**const, "PAGE": P}, pages=(table, seq_lens))
+    if sink_logits is not None and (not is_tensor(sink_logits) or sink_logits.dtype != torch.float32
+                                    or tuple(sink_logits.shape) != (Hq,) or sink_logits.device != dev):
+        raise CodecError(f"paged attention: sink_logits must be a float32 tensor [{Hq}] on {dev} (one logit a query "
+                         "head)")
     return gpu.merge_splits(rows, scaling, m, l, acc, H, vc.rotate, tuple(exact[:2]), tuple(exact[2:]),
-                            res_lens=residual_lens, out=out).reshape(B, Hq, D)
+                            res_lens=residual_lens, out=out, sink_logits=sink_logits,
+                            softcap=softcap).reshape(B, Hq, D)
 
 
 def _exact(t, name: str, B: int, H: int, D: int, dev):

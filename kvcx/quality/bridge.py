@@ -41,12 +41,61 @@ class KVCacheMetadata:
 
 
 def cache_layers(cache) -> List[Tuple[object, object]]:
-    """[(key, value)] per layer of a transformers cache (DynamicCache or legacy tuples)."""
+    """[(key, value)] per layer of a transformers cache (DynamicCache or legacy tuples); a hybrid model's cache
+    (linear-attention layers): its attention layers' (:func:`attention_layers` gives their indices)."""
     if hasattr(cache, "layers"):
-        return [(layer.keys, layer.values) for layer in cache.layers]
+        return [(k, v) for _, k, v in attention_layers(cache)]
     if hasattr(cache, "key_cache"):
         return list(zip(cache.key_cache, cache.value_cache))
     return [(k, v) for k, v in cache]
+
+
+def attention_layers(cache) -> List[Tuple[int, object, object]]:
+    """[(layer index, key, value)] of a transformers cache's layers that hold keys and values (a hybrid model's
+    linear-attention layers hold recurrent states instead: they are left out)."""
+    out = []
+    for i, layer in enumerate(cache.layers):
+        k, v = getattr(layer, "keys", None), getattr(layer, "values", None)
+        if k is not None and v is not None and getattr(k, "dim", lambda: 0)() == 4:
+            out.append((i, k, v))
+    return out
+
+
+def is_hybrid(cache) -> bool:
+    """Whether a transformers cache is a hybrid model's: layers with no keys and values (linear attention), or
+    sliding ones (a window's tokens only): a compressed copy is then the cache itself with its attention layers'
+    tensors replaced (:func:`refill`), not a cache rebuilt from tensors alone."""
+    layers = getattr(cache, "layers", ())
+    return any(getattr(layer, "is_sliding", False) or getattr(layer, "keys", None) is None for layer in layers)
+
+
+def refill(template, decoded: Dict[str, object], device=None):
+    """A copy of the cache ``template`` (a hybrid model's, as its prefix left it) whose attention layers hold the
+    ``decoded`` tensors (``layer_{i}_key`` / ``_value``) in place of their own: its linear-attention states and its
+    sliding layers' positions stay. The decoded tensors must keep each layer's shape (token eviction changes it:
+    not on a hybrid model's cache)."""
+    import copy
+
+    cache = copy.deepcopy(template)
+    for i, k, v in attention_layers(cache):
+        new = []
+        for kind, old in (("key", k), ("value", v)):
+            t = decoded[f"layer_{i}_{kind}"]
+            t = t.to(device) if is_tensor(t) else numpy_to_torch(t, device)
+            if tuple(t.shape) != tuple(old.shape):
+                raise KvcxError(f"layer {i}: the compressed {kind}s are {list(t.shape)}, the cache's {list(old.shape)}; "
+                                "token eviction (a press) runs on full-attention models' caches only")
+            new.append(t.to(old.dtype))
+        cache.layers[i].keys, cache.layers[i].values = new
+    return cache
+
+
+def rebuilt(template, decoded: Dict[str, object], device=None):
+    """The compressed cache to score: :func:`refill` of the prefix's cache for a hybrid model, else a cache built
+    from the decoded tensors (:func:`make_dynamic_cache`: layers of uneven counts where a press evicted tokens)."""
+    if template is not None and is_hybrid(template):
+        return refill(template, decoded, device)
+    return make_dynamic_cache(tensors_to_layers(decoded, device))
 
 
 def make_dynamic_cache(layers, config=None):
@@ -65,8 +114,9 @@ def make_dynamic_cache(layers, config=None):
 
 
 def cache_to_tensors(cache) -> Dict[str, np.ndarray]:
+    """The cache's attention layers' tensors by name (``layer_{i}_key``, its own layer index), as NumPy arrays."""
     out = {}
-    for i, (k, v) in enumerate(cache_layers(cache)):
+    for i, k, v in (attention_layers(cache) if hasattr(cache, "layers") else enumerate_pairs(cache)):
         out[f"layer_{i}_key"] = torch_to_numpy(k)
         out[f"layer_{i}_value"] = torch_to_numpy(v)
     return out
@@ -229,9 +279,14 @@ def roundtrip_tensors(tensors: Dict[str, np.ndarray], config, n_threads=None):
 def cache_to_device_tensors(cache) -> Dict[str, object]:
     """The cache's tensors by name, where they are (torch tensors on the model's device; no copies)."""
     out = {}
-    for i, (k, v) in enumerate(cache_layers(cache)):
+    for i, k, v in (attention_layers(cache) if hasattr(cache, "layers") else enumerate_pairs(cache)):
         out[f"layer_{i}_key"], out[f"layer_{i}_value"] = k, v
     return out
+
+
+def enumerate_pairs(cache) -> List[Tuple[int, object, object]]:
+    """[(index, key, value)] of a legacy cache (tuples, or key_cache / value_cache lists)."""
+    return [(i, k, v) for i, (k, v) in enumerate(cache_layers(cache))]
 
 
 def backend_of(config, device_type: str, backend: Optional[str] = None) -> str:

@@ -138,7 +138,9 @@ def run_passkey(configs: Mapping[str, KVConfig], lengths: Optional[Sequence[int]
                                                                              cpu=cpu)
     import torch
 
-    from kvcx.quality.bridge import cache_to_tensors, make_dynamic_cache, tensors_to_layers
+    import copy
+
+    from kvcx.quality.bridge import cache_to_tensors, is_hybrid, rebuilt
     from kvcx.quality.peers import roundtrip_of
     from kvcx.quality.scoring import forward_hidden
 
@@ -168,13 +170,14 @@ def run_passkey(configs: Mapping[str, KVConfig], lengths: Optional[Sequence[int]
                     q = torch.tensor([question], device=dev)
                     cache = forward_hidden(m, torch.tensor([context], device=dev))[1]
                     tensors = cache_to_tensors(cache)
+                    template = copy.deepcopy(cache) if is_hybrid(cache) else None
                     exact[i, j] += answer_of(tok.decode, greedy_answer(m, q, cache)) == key
                     del cache
                     for label, roundtrip in roundtrips.items():
                         decoded, nbytes, _ = roundtrip(tensors)
                         sizes[label][0] += nbytes
                         sizes[label][1] += sum(a.size for a in tensors.values())
-                        c = make_dynamic_cache(tensors_to_layers(decoded, dev))
+                        c = rebuilt(template, decoded, dev)
                         del decoded
                         comp[label][i, j] += answer_of(tok.decode, greedy_answer(m, q, c)) == key
                     done += 1

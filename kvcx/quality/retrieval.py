@@ -160,11 +160,9 @@ def run_retrieval(configs: Mapping[str, object], tasks: Sequence[str], lengths: 
                                                                              cpu=cpu)
     import torch
 
-    from kvcx.quality.bridge import (
-        cache_to_tensors,
-        make_dynamic_cache,
-        tensors_to_layers,
-    )
+    import copy
+
+    from kvcx.quality.bridge import cache_to_tensors, is_hybrid, rebuilt
     from kvcx.quality.scoring import forward_hidden
 
     dev = next(m.parameters()).device
@@ -214,6 +212,7 @@ def run_retrieval(configs: Mapping[str, object], tasks: Sequence[str], lengths: 
                         else:
                             cache, queries = forward_hidden(m, ctx)[1], None
                         tensors = cache_to_tensors(cache)
+                        template = copy.deepcopy(cache) if is_hybrid(cache) else None   # refilled per setting
                         spent["prefill"] += clock() - t0
 
                         def found(tokens, prompt=prompt):
@@ -230,7 +229,7 @@ def run_retrieval(configs: Mapping[str, object], tasks: Sequence[str], lengths: 
                             decoded, nbytes = roundtrip(tensors, queries)
                             sizes[label][0] += nbytes
                             sizes[label][1] += sum(a.size for a in tensors.values())
-                            c = make_dynamic_cache(tensors_to_layers(decoded, dev))   # layers may hold uneven counts
+                            c = rebuilt(template, decoded, dev)   # layers may hold uneven counts
                             del decoded
                             t1 = clock()
                             with attending(m, c):

@@ -81,14 +81,14 @@ HEAD_SLICE = 512
 
 def forward_hidden(model, ids, cache=None, chunk: int = FORWARD_CHUNK, start: Optional[int] = None):
     """(final hidden states [T, hidden], cache) of ``ids`` [1, T] run through the model's decoder over ``cache``
-    (a new DynamicCache when None) in chunks of ``chunk`` tokens, as a chunked prefill does. ``start``: the first
+    (a new DynamicCache(config=...) when None: a hybrid model's layers as its own cache builds them) in chunks of ``chunk`` tokens, as a chunked prefill does. ``start``: the first
     token's position (default: the cache's length); a cache that evicted tokens holds fewer than its context."""
     import torch
 
     if cache is None:
         from transformers import DynamicCache
 
-        cache = DynamicCache()
+        cache = DynamicCache(config=model.config)
     from kvcx.deps import cache_keyword
 
     decoder = model.get_decoder()
@@ -211,6 +211,7 @@ def compare_prefix(model, ids, starts: List[int], window: int, stride: int, roun
     is also given the context's last queries, captured during its prefill; the continuation runs at its own
     positions whatever the round trip kept."""
     import contextlib
+    import copy
 
     import torch
 
@@ -218,9 +219,9 @@ def compare_prefix(model, ids, starts: List[int], window: int, stride: int, roun
         DeviceRoundtrip,
         cache_to_device_tensors,
         cache_to_tensors,
-        make_dynamic_cache,
+        is_hybrid,
         original_nbytes,
-        tensors_to_layers,
+        rebuilt,
         value_count,
     )
     from kvcx.quality.eviction import attending
@@ -243,6 +244,9 @@ def compare_prefix(model, ids, starts: List[int], window: int, stride: int, roun
             with capture:
                 _, cache = forward_hidden(model, ctx)
             queries = capture.numpy() if query_window else None
+            # a hybrid model's cache (linear-attention states, sliding windows) is kept as the prefix left it, to be
+            # refilled with each setting's decoded tensors
+            template = copy.deepcopy(cache) if is_hybrid(cache) else None
             # device round trips read the cache where it is; the others a host copy (made once)
             on_device = cache_to_device_tensors(cache)
             host = cache_to_tensors(cache) if not all(isinstance(r, DeviceRoundtrip) for r in roundtrips.values()) \
@@ -255,7 +259,7 @@ def compare_prefix(model, ids, starts: List[int], window: int, stride: int, roun
                 tensors = on_device if isinstance(roundtrip, DeviceRoundtrip) else host
                 decoded, nbytes, stats = (roundtrip(tensors, queries) if getattr(roundtrip, "query_window", 0)
                                           else roundtrip(tensors))
-                comp_cache = make_dynamic_cache(tensors_to_layers(decoded, dev))    # a press may leave layers uneven
+                comp_cache = rebuilt(template, decoded, dev)    # a press may leave layers uneven
                 del decoded
                 codec_s, codec_cpu = time.perf_counter() - t, time.process_time() - c
                 with attending(model, comp_cache):

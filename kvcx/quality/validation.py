@@ -196,7 +196,7 @@ def perplexity_engine(model, ids, starts: List[int], window: int, stride: int, c
             targets = win[0, ctx_len + 1:]
             base_hidden = forward_hidden(model, win)[0][ctx_len:-1]
             t, sizes[:] = time.perf_counter(), [0, 0, 0]
-            comp_hidden = forward_hidden(model, win, _WrittenThroughCodec())[0][ctx_len:-1]
+            comp_hidden = forward_hidden(model, win, _WrittenThroughCodec(config=model.config))[0][ctx_len:-1]
             elapsed = time.perf_counter() - t
             base, comp, divergence = score_hidden(model, base_hidden, comp_hidden, targets)
             run.add_window(base, comp, targets.numel(), sizes[0], sizes[1], sizes[2], elapsed, divergence=divergence)

@@ -15,7 +15,7 @@ from transformers import DynamicCache, LlamaConfig  # noqa: E402
 import kvcx.cache  # noqa: E402,F401  (registers the "kvcx" attention implementation)
 from kvcx.cache.device_store import DevicePackedKV, runs_on_device  # noqa: E402
 from kvcx.cache.kvcx_cache import KvcxCache  # noqa: E402
-from kvcx.codecs import KVConfig, get_codec  # noqa: E402
+from kvcx.codecs import KVConfig, get_codec, gpu  # noqa: E402
 from kvcx.errors import CodecError, KvcxError  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -222,3 +222,41 @@ def test_a_step_written_in_the_models_dtype_is_the_float32_step_rounded(dtype):
     given.clear()
     assert attend_in_dtype(q.double(), lambda o: given.append(o) or wide).dtype == torch.float64
     assert given == [None]
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gpt_oss"])
+def test_windows_softcap_and_sinks_on_the_device_equal_the_cpu_path(family, monkeypatch):
+    """Sliding layers (a window of 40: its first token mid-block, chunks dropped as it moves), Gemma 2's logit
+    softcapping and GPT-OSS's per-head sinks through the Triton kernels (the interpreter without a GPU): every
+    decode step fused, the logits the CPU kernels' within FP32 rounding, the windows' packed chunks dropped on the
+    device as on the host."""
+    import transformers as T
+
+    common = dict(vocab_size=256, hidden_size=128, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=32, sliding_window=40, max_position_embeddings=512,
+                  layer_types=["sliding_attention", "full_attention"])
+    cfg = T.Gemma2Config(**common, attn_logit_softcapping=3.0) if family == "gemma2" else \
+        T.GptOssConfig(**common, num_local_experts=2, num_experts_per_tok=1)
+    cfg.eos_token_id = None
+    torch.manual_seed(0)
+    model = T.AutoModelForCausalLM.from_config(cfg, attn_implementation="kvcx").eval().to(DEVICE)
+    if family == "gpt_oss":
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.sinks.normal_(0.0, 2.0)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, 256, (2, 130), generator=g).to(DEVICE)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    cpu = KvcxCache(model.config, backend="cpu", **OPTS)
+    dev = KvcxCache(model.config, backend="triton", **OPTS)
+    a = _generate(model, cpu, ids, mask, n=8)
+    monkeypatch.setattr(gpu, "ATTN_DOT", "")   # FP32 sums: the CPU kernels' arithmetic, to compare within rounding
+    b = _generate(model, dev, ids, mask, n=8)
+    steps = dev.memory_report()["attention_steps"]
+    assert steps["fused"] == 2 * 7 and steps["materialised"] == 0, steps
+    worst = max(float((x - y).abs().max() / x.abs().max()) for x, y in zip(a.scores, b.scores))
+    assert worst < 2e-5, worst   # FP32 rounding: the kernels sum in other orders
+    assert torch.equal(a.sequences, b.sequences)
+    window_cpu, window_dev = cpu.layers[0], dev.layers[0]
+    assert window_dev.start == window_cpu.start > 0 and window_dev.store.tokens == window_cpu.store.tokens <= 40 + 32

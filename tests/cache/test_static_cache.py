@@ -346,3 +346,49 @@ def test_a_decode_step_of_non_finite_states_is_flagged_and_check_raises():
     HANDOFF.take(bad)
     with pytest.raises(KvcxError, match="layer 0: a decode step's keys or values held NaN or Inf"):
         cache.memory_report()
+
+
+@pytest.mark.parametrize("family", ["gemma3", "qwen3_5"])
+def test_hybrid_models_pack_their_full_layers_and_keep_the_others(family):
+    """Gemma 3 (sliding + full) and Qwen 3.5 (linear + full): the full layers packed with device decode steps, the
+    sliding layers held as transformers' StaticSlidingWindowLayer holds them, the linear ones in their own class;
+    the greedy tokens are KvcxCache's (the same codecs on the full layers) over 6 steps, memory_report names each
+    layer's kind."""
+    import transformers as T
+
+    common = dict(vocab_size=256, hidden_size=128, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=32, max_position_embeddings=256)
+    if family == "gemma3":
+        cfg = T.Gemma3TextConfig(**common, sliding_window=24, layer_types=["sliding_attention", "full_attention"])
+    else:
+        cfg = T.Qwen3_5TextConfig(**common, layer_types=["linear_attention", "full_attention"],
+                                  linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=16,
+                                  linear_value_head_dim=16)
+    cfg.eos_token_id = None
+    torch.manual_seed(0)
+    model = T.AutoModelForCausalLM.from_config(cfg, attn_implementation="kvcx").eval().to(DEVICE)
+    ids = torch.randint(3, 256, (1, 40), generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    static = StaticKvcxCache(model.config, max_cache_len=64, **OPTS)
+    ref = KvcxCache(model.config, backend="triton", **OPTS)
+    a, b = _generate(model, static, ids, 6), _generate(model, ref, ids, 6)
+    rep = static.memory_report()
+    assert [r["kvcx"] for r in rep["layers"]] == ["kept", "packed"]
+    assert rep["attention_steps"]["device"] == 5 and rep["kept_bytes"] > 0
+    assert torch.equal(a.sequences, b.sequences)
+    assert type(static.layers[0]).__name__ == ("StaticSlidingWindowLayer" if family == "gemma3"
+                                                else "LinearAttentionLayer")
+
+
+def test_hybrid_refusals_name_the_layer(tiny):
+    import transformers as T
+
+    from bench.families import family_configs, unsupported_config
+
+    with pytest.raises(KvcxError, match="MLA .* use KvcxCache"):
+        StaticKvcxCache(family_configs()["DeepSeek V3 (MLA)"](), max_cache_len=64)
+    with pytest.raises(KvcxError, match="StaticKvcxCache: layers 1 .* unsupported='keep'"):
+        StaticKvcxCache(unsupported_config(), max_cache_len=64)
+    no_full = T.Gemma3TextConfig(num_hidden_layers=1, layer_types=["sliding_attention"], head_dim=32,
+                                 hidden_size=64, num_attention_heads=2, num_key_value_heads=1)
+    with pytest.raises(KvcxError, match="packs full-attention layers and this model has none"):
+        StaticKvcxCache(no_full, max_cache_len=64)

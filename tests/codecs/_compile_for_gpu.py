@@ -29,6 +29,7 @@ POINTERS = {
     **{n: "*fp32" for n in ("q_ptr", "qs_ptr", "mask_ptr", "add_ptr", "m_ptr", "l_ptr", "acc_ptr")},
     **{n: "*bf16" for n in ("sk_ptr", "sv_ptr", "rk_ptr", "rv_ptr")},
     "pages_ptr": "*i32", "lens_ptr": "*i32", "res_lens_ptr": "*i32", "where_ptr": "*i64", "new_ptr": "*bf16",
+    "sl_ptr": "*fp32",
 }
 
 
@@ -109,6 +110,16 @@ def attention_kernels() -> None:
                                          ROTATE=rotate, CH=gpu.MERGE_SPLITS, PDL=pdl, RES_LENS=res_lens,
                                          OUT_BF16=res_lens),
                     fusion=gpu.ATTN_FP_FUSION, num_warps=gpu.MERGE_WARPS, out_ptr="*i16" if res_lens else "*fp32")
+    # the hybrid models' attention: logit softcapping (Gemma 2) in the fast mode and in FP32 sums, and the merge with
+    # per-head sinks (GPT-OSS) and the softcap on the exact tokens
+    for dot in (gpu.ATTN_DOT, ""):
+        const = gpu.attention_constexprs(cfg.key, cfg.value, 4, D, dot, gpu.ATTN_BLOCK_TOKENS, True, False,
+                                         asm=gpu.ATTN_ASM, softcap=50.0)
+        compile_one(ka.attend_packed_kernel, const, num_warps=gpu.attention_options(const)["num_warps"],
+                    fusion=gpu.ATTN_FP_FUSION)
+    compile_one(ka.merge_kernel, dict(R=4, D=D, SB=gpu._pow2(1), RB=gpu._pow2(32), HAS_MASK=True, ROTATE=True,
+                                      CH=gpu.MERGE_SPLITS, HAS_SINKS=True, SOFTCAP=50.0),
+                fusion=gpu.ATTN_FP_FUSION, num_warps=gpu.MERGE_WARPS, out_ptr="*fp32")
 
 
 if __name__ == "__main__":

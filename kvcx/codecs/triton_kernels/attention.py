@@ -13,7 +13,7 @@ except ImportError:  # pragma: no cover
     gdc_launch_dependents = None
 
 from kvcx.codecs.triton_kernels.merge import merge_kernel  # noqa: F401  (the launchers take both from here)
-from kvcx.codecs.triton_kernels.products import _absmax, _codes16, _dot3, _fixed, _max_nan, _mm, _mmc, _unit
+from kvcx.codecs.triton_kernels.products import _absmax, _codes16, _dot3, _fixed, _max_nan, _mm, _mmc, _softcap, _unit
 
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -80,7 +80,7 @@ def _tile(kb, vb, tb, tm, tt, j, g, he, ho, qe, qo, q_unit, ksr, kzr, vsr, vzr, 
           m_i, l_i, a_e, a_o, cz, u_acc, v_top, RP: tl.constexpr, D: tl.constexpr, BT: tl.constexpr,
           KG: tl.constexpr, K_CHANNEL: tl.constexpr, K_ASYM: tl.constexpr, VG: tl.constexpr, V_CHANNEL: tl.constexpr,
           V_ASYM: tl.constexpr, HAS_MASK: tl.constexpr, DOT: tl.constexpr, NG: tl.constexpr, ASM: tl.constexpr,
-          MASKED: tl.constexpr):
+          MASKED: tl.constexpr, SOFTCAP: tl.constexpr = 0.0):
     """One tile of :func:`attend_packed_kernel`'s loop: the tile's packed bytes ``kb``, ``vb`` (from token ``tb``)
     into the running max ``m_i`` and sum ``l_i``, the accumulators and their units; returns them. ``MASKED``: the
     split's last tile, partial (``tm``: its tokens before the end; the others are whole: no masks, no selects)."""
@@ -111,6 +111,8 @@ def _tile(kb, vb, tb, tm, tt, j, g, he, ho, qe, qo, q_unit, ksr, kzr, vsr, vzr, 
         sc, zc = _token_params(ksr, kzr, tb * D // KG + kg_off, tm[:, None], K_ASYM, MASKED)
         s = _mm(qe, tl.trans(klo * sc + zc), tl.zeros([RP * NG, BT], tl.float32), DOT)
         s = _mm(qo, tl.trans(khi * sc + zc), s, DOT)
+    if SOFTCAP > 0:
+        s = _softcap(s, SOFTCAP, DOT == "fp16")
     if HAS_MASK:
         if MASKED:
             add = tl.load(mask_row + tb + tt, mask=tm, other=0.0)
@@ -185,7 +187,7 @@ def _tile_scales(ksr, kzr, vsr, vzr, tb, tm, j, vcol_off, D: tl.constexpr, KG: t
 def _tile_t(kb, vb, tb, tm, tt, j, heT, hoT, q_unit, ksr, kzr, vsr, vzr, vcol_off, se, so, ze, zo, sc, zc, mask_row,
             m_i, l_i, oe, oo, cz, u_acc, v_top, RP: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, KG: tl.constexpr,
             K_ASYM: tl.constexpr, VG: tl.constexpr, V_ASYM: tl.constexpr, HAS_MASK: tl.constexpr, NG: tl.constexpr,
-            ASM: tl.constexpr, MASKED: tl.constexpr, GIVEN: tl.constexpr):
+            ASM: tl.constexpr, MASKED: tl.constexpr, GIVEN: tl.constexpr, SOFTCAP: tl.constexpr = 0.0):
     """One tile of the fast mode transposed (``TRANS``: per-channel keys, per-token values): the tokens are the
     products' long side (M) and the RP x NG product columns (g, r) their short one (N, 8 or more), so that the
     softmax, the weights and the accumulators hold no padding rows to fill tl.dot's 16: scores^T [BT, NT] =
@@ -200,6 +202,8 @@ def _tile_t(kb, vb, tb, tm, tt, j, heT, hoT, q_unit, ksr, kzr, vsr, vzr, vcol_of
                tl.dot(klo, (heT * se[:, None]).to(tl.float16), tl.zeros([BT, NT], tl.float32)))
     b = tl.sum(heT * ze[:, None] + hoT * zo[:, None], axis=0)
     s = s * q_unit[None, :] + (b * q_unit)[None, :]
+    if SOFTCAP > 0:
+        s = _softcap(s, SOFTCAP, True)
     if HAS_MASK:
         if MASKED:
             add = tl.load(mask_row + tb + tt, mask=tm, other=0.0)
@@ -264,7 +268,7 @@ def attend_packed_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, 
                          VG: tl.constexpr, V_CHANNEL: tl.constexpr, V_ASYM: tl.constexpr, HAS_MASK: tl.constexpr,
                          DOT: tl.constexpr, NG: tl.constexpr, PREFETCH: tl.constexpr, ASM: tl.constexpr,
                          PAGE: tl.constexpr, TRANS: tl.constexpr, EARLY: tl.constexpr = False,
-                         PDL: tl.constexpr = False, AHEAD: tl.constexpr = False):
+                         PDL: tl.constexpr = False, AHEAD: tl.constexpr = False, SOFTCAP: tl.constexpr = 0.0):
     """Flash-decoding over packed codes: program (slab n = batch row x KV head, split sp) reads its KV head's
     packed tokens [sp * per_split, (sp + 1) * per_split) once for the R query rows that share it (q times
     ``q_scale``, in any float dtype; rotated already where the keys are), BT tokens a tile (within one per-channel
@@ -309,7 +313,8 @@ def attend_packed_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, 
     ``EARLY`` (``TRANS``): the first tile loaded before the query (a masked tile), in flight while the query's loads
     are awaited. ``AHEAD`` (``TRANS``): each tile's scales and offsets loaded with the tile before it (their loads
     in flight while that tile is worked: Triton pipelines the codes' loads, not these). ``PDL``: the merge may
-    launch at once (a dependent launch; it waits for this grid's splits)."""
+    launch at once (a dependent launch; it waits for this grid's splits). ``SOFTCAP`` > 0: each score s becomes
+    SOFTCAP tanh(s / SOFTCAP) before the mask (Gemma 2's logit softcapping; :func:`_softcap`)."""
     n = tl.program_id(0)
     if PDL:
         gdc_launch_dependents()
@@ -369,7 +374,7 @@ def attend_packed_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, 
                 m_i, l_i, oe, oo, cz, u_acc, v_top = _tile_t(
                     kb0, vb0, t_begin, t_begin + tt < t_end, tt, j, heT, hoT, q_unit, ksr0, kzr0, vsr0, vzr0,
                     vcol_off, 0, 0, 0, 0, 0, 0, mask_row, m_i, l_i, oe, oo, cz, u_acc, v_top, RP, D, BT, KG, K_ASYM,
-                    VG, V_ASYM, HAS_MASK, NG, ASM, True, False)
+                    VG, V_ASYM, HAS_MASK, NG, ASM, True, False, SOFTCAP)
             t_first = tl.minimum(t_begin + BT, t_end)
         t_whole = t_first + (t_end - t_first) // BT * BT
         nse = tl.zeros([D // 2], tl.float32)     # AHEAD: the next tile's scales (placeholders without it)
@@ -399,7 +404,7 @@ def attend_packed_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, 
             m_i, l_i, oe, oo, cz, u_acc, v_top = _tile_t(
                 tl.load(kcr + tb * (D // 2) + c_off), tl.load(vcr + tb * (D // 2) + c_off), tb, tt < BT, tt, j, heT,
                 hoT, q_unit, ksr, kzr, vsr, vzr, vcol_off, se, so, ze, zo, sc, zc, mask_row, m_i, l_i, oe, oo, cz,
-                u_acc, v_top, RP, D, BT, KG, K_ASYM, VG, V_ASYM, HAS_MASK, NG, ASM, False, AHEAD)
+                u_acc, v_top, RP, D, BT, KG, K_ASYM, VG, V_ASYM, HAS_MASK, NG, ASM, False, AHEAD, SOFTCAP)
         if t_whole < t_end:
             kcr, vcr, ksr, kzr, vsr, vzr = _rows(kc_row, vc_row, ks_row, kz_row, vs_row, vz_row, kc_ptr, vc_ptr,
                                                  ks_ptr, kz_ptr, vs_ptr, vz_ptr, page_row, t_whole, n, Hkv, PAGE, D,
@@ -408,7 +413,7 @@ def attend_packed_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, 
                 _tile_bytes(kcr, t_whole, c_off, tt, t_end, D), _tile_bytes(vcr, t_whole, c_off, tt, t_end, D),
                 t_whole, t_whole + tt < t_end, tt, j, heT, hoT, q_unit, ksr, kzr, vsr, vzr, vcol_off, 0, 0, 0, 0, 0,
                 0, mask_row, m_i, l_i, oe, oo, cz, u_acc, v_top, RP, D, BT, KG, K_ASYM, VG, V_ASYM, HAS_MASK, NG, ASM,
-                True, False)
+                True, False, SOFTCAP)
         # column (g, r) of the sums holds group g's channels; then the zero points' term
         oe, oo = oe * u_acc, oo * u_acc
         sel = ((2 * j) // VG)[:, None, None] == g[None, :, None]
@@ -419,7 +424,7 @@ def attend_packed_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, 
         m_i, l_i, acc_e, acc_o = _rows_path(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, q_scale, n, R, Hkv,
                                             kc_row, vc_row, ks_row, kz_row, vs_row, vz_row, page_row, mask_row,
                                             t_begin, t_end, c_off, j, tt, g, RP, D, BT, KG, K_CHANNEL, K_ASYM, VG,
-                                            V_CHANNEL, V_ASYM, HAS_MASK, DOT, NG, PREFETCH, ASM, PAGE)
+                                            V_CHANNEL, V_ASYM, HAS_MASK, DOT, NG, PREFETCH, ASM, PAGE, SOFTCAP)
     o = (n.to(tl.int64) * SPT + sp_off + g_sp) * R + r
     # the rows of every group saw the same scores: their running max and sum are equal, any of them will do
     if DOT == "fp16":   # the merge takes natural units
@@ -435,7 +440,8 @@ def _rows_path(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, q_scale, n
                kz_row, vs_row, vz_row, page_row, mask_row, t_begin, t_end, c_off, j, tt, g, RP: tl.constexpr,
                D: tl.constexpr, BT: tl.constexpr, KG: tl.constexpr, K_CHANNEL: tl.constexpr, K_ASYM: tl.constexpr,
                VG: tl.constexpr, V_CHANNEL: tl.constexpr, V_ASYM: tl.constexpr, HAS_MASK: tl.constexpr,
-               DOT: tl.constexpr, NG: tl.constexpr, PREFETCH: tl.constexpr, ASM: tl.constexpr, PAGE: tl.constexpr):
+               DOT: tl.constexpr, NG: tl.constexpr, PREFETCH: tl.constexpr, ASM: tl.constexpr, PAGE: tl.constexpr,
+               SOFTCAP: tl.constexpr = 0.0):
     """:func:`attend_packed_kernel`'s split with the query rows as the products' rows (every mode but the fast
     mode's transposed one): (running max, sum, accumulators of even and odd channels [RP, D / 2])."""
     ri = tl.arange(0, RP * NG) % RP          # the query row of each product row (g, r), r fastest
@@ -472,7 +478,7 @@ def _rows_path(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, q_scale, n
             m_i, l_i, a_e, a_o, cz, u_acc, v_top = _tile(
                 kb, vb, tb, tb + tt < t_end, tt, j, g, he, ho, qe, qo, q_unit, ks_row, kz_row, vs_row, vz_row, kg_off,
                 vg_off, mask_row, m_i, l_i, a_e, a_o, cz, u_acc, v_top, RP, D, BT, KG, K_CHANNEL, K_ASYM, VG,
-                V_CHANNEL, V_ASYM, HAS_MASK, DOT, NG, ASM, True)
+                V_CHANNEL, V_ASYM, HAS_MASK, DOT, NG, ASM, True, SOFTCAP)
             kb, vb = kn, vn
     else:   # the whole tiles, then the partial last one (if any) on its own: masks and selects only there
         t_whole = t_begin + (t_end - t_begin) // BT * BT
@@ -483,7 +489,8 @@ def _rows_path(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, q_scale, n
             m_i, l_i, a_e, a_o, cz, u_acc, v_top = _tile(
                 tl.load(kcr + tb * (D // 2) + c_off), tl.load(vcr + tb * (D // 2) + c_off), tb, tt < BT, tt, j, g,
                 he, ho, qe, qo, q_unit, ksr, kzr, vsr, vzr, kg_off, vg_off, mask_row, m_i, l_i, a_e, a_o, cz, u_acc,
-                v_top, RP, D, BT, KG, K_CHANNEL, K_ASYM, VG, V_CHANNEL, V_ASYM, HAS_MASK, DOT, NG, ASM, False)
+                v_top, RP, D, BT, KG, K_CHANNEL, K_ASYM, VG, V_CHANNEL, V_ASYM, HAS_MASK, DOT, NG, ASM, False,
+                SOFTCAP)
         if t_whole < t_end:
             kcr, vcr, ksr, kzr, vsr, vzr = _rows(kc_row, vc_row, ks_row, kz_row, vs_row, vz_row, kc_ptr, vc_ptr,
                                                  ks_ptr, kz_ptr, vs_ptr, vz_ptr, page_row, t_whole, n, Hkv, PAGE, D,
@@ -492,7 +499,7 @@ def _rows_path(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, q_scale, n
                 _tile_bytes(kcr, t_whole, c_off, tt, t_end, D), _tile_bytes(vcr, t_whole, c_off, tt, t_end, D),
                 t_whole, t_whole + tt < t_end, tt, j, g, he, ho, qe, qo, q_unit, ksr, kzr, vsr, vzr, kg_off, vg_off,
                 mask_row, m_i, l_i, a_e, a_o, cz, u_acc, v_top, RP, D, BT, KG, K_CHANNEL, K_ASYM, VG, V_CHANNEL,
-                V_ASYM, HAS_MASK, DOT, NG, ASM, True)
+                V_ASYM, HAS_MASK, DOT, NG, ASM, True, SOFTCAP)
     if V_CHANNEL:
         acc_e, acc_o = a_e, a_o
     else:

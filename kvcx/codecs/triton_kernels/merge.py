@@ -10,6 +10,7 @@ except ImportError:
     gdc_wait = None
 
 from kvcx.codecs.triton_kernels.codec import _fwht_rows, _store_out
+from kvcx.codecs.triton_kernels.products import _softcap
 
 # integer arguments that change from one decode step to the next: not specialized on (see attention._STEP_ARGS)
 _MERGE_STEP_ARGS = ("SPT", "n_sinks", "n_res", "add_stride", "res_off")
@@ -24,12 +25,15 @@ def _exact_rows(e_ptr, n, rows, ne, D: tl.constexpr, EB: tl.constexpr):
 
 
 @triton.jit
-def _exact_scores(q, k, n, ne, add_ptr, add_stride, add_off, Hkv, EB: tl.constexpr, HAS_MASK: tl.constexpr):
-    """Scores [rows, EB] of the query rows ``q`` over slab n's exact keys ``k`` (:func:`_exact_rows`), their mask
-    columns from ``add_off``; -inf past ``ne``."""
+def _exact_scores(q, k, n, ne, add_ptr, add_stride, add_off, Hkv, EB: tl.constexpr, HAS_MASK: tl.constexpr,
+                  SOFTCAP: tl.constexpr = 0.0):
+    """Scores [rows, EB] of the query rows ``q`` over slab n's exact keys ``k`` (:func:`_exact_rows`), capped where
+    ``SOFTCAP`` > 0, their mask columns from ``add_off``; -inf past ``ne``."""
     e = tl.arange(0, EB)
     em = e < ne
     s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
+    if SOFTCAP > 0:
+        s = _softcap(s, SOFTCAP, False)
     if HAS_MASK:
         s += tl.load(add_ptr + (n // Hkv).to(tl.int64) * add_stride + add_off + e, mask=em, other=0.0)[None, :]
     return tl.where(em[None, :], s, float("-inf"))
@@ -37,9 +41,10 @@ def _exact_scores(q, k, n, ne, add_ptr, add_stride, add_off, Hkv, EB: tl.constex
 
 @triton.jit(do_not_specialize=_MERGE_STEP_ARGS)
 def merge_kernel(q_ptr, q_scale, m_ptr, l_ptr, acc_ptr, SPT, sk_ptr, sv_ptr, n_sinks, rk_ptr, rv_ptr, n_res, add_ptr,
-                 add_stride, res_off, Hkv, out_ptr, norm, res_lens_ptr, R: tl.constexpr, D: tl.constexpr,
+                 add_stride, res_off, Hkv, out_ptr, norm, res_lens_ptr, sl_ptr, R: tl.constexpr, D: tl.constexpr,
                  SB: tl.constexpr, RB: tl.constexpr, HAS_MASK: tl.constexpr, ROTATE: tl.constexpr, CH: tl.constexpr,
-                 PDL: tl.constexpr = False, RES_LENS: tl.constexpr = False, OUT_BF16: tl.constexpr = False):
+                 PDL: tl.constexpr = False, RES_LENS: tl.constexpr = False, OUT_BF16: tl.constexpr = False,
+                 HAS_SINKS: tl.constexpr = False, SOFTCAP: tl.constexpr = 0.0):
     """One program per (slab, query row): the softmax merge of the row's ``SPT`` splits
     (:func:`attend_packed_kernel`; their accumulators rotated back where the values are) with its slab's exact
     tokens, the sinks (``n_sinks`` at mask column 0) and the residual (``n_res`` at column ``res_off``), read as
@@ -47,6 +52,8 @@ def merge_kernel(q_ptr, q_scale, m_ptr, l_ptr, acc_ptr, SPT, sk_ptr, sv_ptr, n_s
     (FP32, FP16, or with ``OUT_BF16`` BF16 bits in an int16 view).
     ``RES_LENS``: the residual holds ``n_res`` rows a slab of which batch row b's first ``res_lens_ptr[b]`` are
     tokens (read on the device: a step replayed from a CUDA graph, :mod:`kvcx.cache.static_cache`).
+    ``HAS_SINKS``: ``sl_ptr`` [Hkv R] holds each query head's sink logit (GPT-OSS's s_aux), a term of the softmax's
+    sum that attends to nothing; ``SOFTCAP`` > 0: the exact tokens' scores capped as the splits' are.
 
     Written for latency (an earlier merge, a program a slab that read the splits twice and the exact tokens after
     them, took 36 us of an H200 step at 32k tokens): the exact tokens come first, their softmax (maximum, sum,
@@ -68,13 +75,19 @@ def merge_kernel(q_ptr, q_scale, m_ptr, l_ptr, acc_ptr, SPT, sk_ptr, sv_ptr, n_s
         live = n_res
     sk, sv = _exact_rows(sk_ptr, n, n_sinks, n_sinks, D, SB), _exact_rows(sv_ptr, n, n_sinks, n_sinks, D, SB)
     rk, rv = _exact_rows(rk_ptr, n, n_res, live, D, RB), _exact_rows(rv_ptr, n, n_res, live, D, RB)
-    s_sink = _exact_scores(q, sk, n, n_sinks, add_ptr, add_stride, 0, Hkv, SB, HAS_MASK)
-    s_res = _exact_scores(q, rk, n, live, add_ptr, add_stride, res_off, Hkv, RB, HAS_MASK)
+    s_sink = _exact_scores(q, sk, n, n_sinks, add_ptr, add_stride, 0, Hkv, SB, HAS_MASK, SOFTCAP)
+    s_res = _exact_scores(q, rk, n, live, add_ptr, add_stride, res_off, Hkv, RB, HAS_MASK, SOFTCAP)
     top = tl.maximum(tl.max(s_sink, axis=1), tl.max(s_res, axis=1))            # [1]; -inf: no exact token
+    z = tl.full([1], float("-inf"), tl.float32)
+    if HAS_SINKS:   # the row's query head's sink logit: in the sum, no value
+        z = tl.load(sl_ptr + (n % Hkv) * R + r).to(tl.float32)
+        top = tl.maximum(top, z)
     use = tl.where(top == float("-inf"), 0.0, top)
     p_sink = tl.exp(s_sink - use[:, None])
     p_res = tl.exp(s_res - use[:, None])
     den = tl.sum(p_sink, axis=1) + tl.sum(p_res, axis=1)
+    if HAS_SINKS:
+        den += tl.exp(z - use)
     acc = tl.sum(p_sink[:, :, None] * sv[None, :, :], axis=1) + tl.sum(p_res[:, :, None] * rv[None, :, :], axis=1)
     if ROTATE:   # into the splits' rotated space (the transform is its own inverse): one rotation back at the end
         acc = _fwht_rows(acc, 1, D, norm)

@@ -127,3 +127,13 @@ def _codes16(b, ASM: tl.constexpr):
         lo = ((w & 15) | 0x6400).to(tl.float16, bitcast=True) - 1032.0
         hi = ((w & 240) | 0x6400).to(tl.float16, bitcast=True) * 0.0625 - 72.0
     return lo, hi
+
+
+@triton.jit
+def _softcap(s, CAP: tl.constexpr, LOG2: tl.constexpr):
+    """Scores ``s`` capped to CAP tanh(s / CAP) (Gemma 2's logit softcapping), in natural units or, ``LOG2``, in
+    units of log 2 (the fast mode's exp2 softmax); tanh from one exponential: 1 - 2 / (exp(2 x) + 1), exact at
+    both ends (+-1) and where x is 0."""
+    x = s * 0.6931471805599453 if LOG2 else s
+    t = CAP - (2.0 * CAP) / (tl.exp(x * (2.0 / CAP)) + 1.0)
+    return t * 1.4426950408889634 if LOG2 else t
