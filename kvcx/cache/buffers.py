@@ -1,15 +1,17 @@
-"""Buffers a KvcxCache's layers share: the materialising path's full-precision scratch, the step's
-attention mask as the attention kernels read it (converted once per step: every layer gets the same mask),
-and the release of the C heap's free pages after a prompt is packed."""
+"""What a KvcxCache's layers share: the materialising path's full-precision scratch, the step's attention mask as
+the attention kernels read it (converted once per step: every layer gets the same mask), the release of the C
+heap's free pages after a prompt is packed, the kernel timer, and the step's mode (:class:`Shared`,
+:class:`StepMode`)."""
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 from typing import Callable, Optional, Tuple
 
 import numpy as np
 import torch
 
-from kvcx.cache.fused import Mask, step_mask
+from kvcx.cache.fused import Mask, Workspace, step_mask
 from kvcx.errors import KvcxError
 
 
@@ -132,3 +134,39 @@ class HeapRelease:
         if self._trim is not None and tokens >= self.min_tokens:
             self._trim(0)
             self.count += 1
+
+
+class KernelTimer:
+    """Seconds spent in kvcx's kernels (encode, decode, fused attention) by one cache's layers."""
+
+    def __init__(self):
+        self.seconds = 0.0
+
+    def add(self, seconds: float) -> None:
+        self.seconds += seconds
+
+
+FALLBACK_HINT = "pass fused=None to fall back to materialising"
+
+
+@dataclass(frozen=True)
+class StepMode:
+    """What the cache decided for one step: layer steps may run fused (one token, or a few hundred over a
+    packed history) unless ``reason`` says why not; ``required`` (``KvcxCache(fused=True)``) makes a step that
+    cannot run fused an error."""
+
+    reason: Optional[str] = None
+    required: bool = False
+    kvcx_attention: bool = True   # the model's attention is "kvcx" (a press needs it)
+
+
+@dataclass(frozen=True)
+class Shared:
+    """What a cache's layers share: the materialising path's scratch, the fused kernel's workspace, the step's mask
+    converted, the kernel timer and the C heap's release."""
+
+    scratch: Scratch
+    workspace: Workspace
+    masks: MaskConverter
+    timer: KernelTimer
+    heap: HeapRelease

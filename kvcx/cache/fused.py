@@ -13,7 +13,6 @@ from typing import Optional
 import numpy as np
 
 from kvcx.codecs import attention as kernel
-from kvcx.codecs.base import Codec
 
 # the codecs whose packed layouts the kernel reads (kvcx/codecs/cpu/attn.h): integer codes for keys and values,
 # and keys with a width per channel
@@ -104,8 +103,9 @@ def step_mask(m: np.ndarray, B: int, nq: int) -> Mask:
     return Mask(add=rows.astype(np.float32, copy=False), bs=bs, qs=qs, causal=causal)
 
 
-def fused_unsupported(key: Codec, value: Codec, head_dim: int, group: int) -> Optional[str]:
-    """Why the fused kernel cannot serve these codecs (None when it can; ``group``: query heads per KV head)."""
+def fused_unsupported(key, value, head_dim: int, group: int) -> Optional[str]:
+    """Why the fused kernel cannot serve the codecs ``key`` and ``value`` (:class:`~kvcx.codecs.base.Codec`; None
+    when it can; ``group``: query heads per KV head)."""
     if key.codec_id not in READS_KEYS or value.codec_id != READS:
         return "fused attention reads IntCodec codes (and keys with a width per channel)"
     widths = key.codec_id != READS
@@ -155,7 +155,7 @@ class Workspace:
         return int(self.array.nbytes)
 
 
-def bind(key: Codec, value: Codec, B: int, Hkv: int, R: int, D: int, keys, values, head: tuple, Tq: int,
+def bind(key, value, B: int, Hkv: int, R: int, D: int, keys, values, head: tuple, Tq: int,
          workspace: Workspace, threads: int, nq: int = 1):
     """The kernel bound to one layer's packed stores (``keys``: a :class:`~kvcx.cache.store.PackedStore` or
     the store its codec keeps, which names the kernel's key settings and arrays; ``values``: codes [N, bytes],

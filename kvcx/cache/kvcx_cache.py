@@ -49,11 +49,11 @@ import transformers
 from transformers.cache_utils import Cache, DYNAMIC_LAYER_TYPE_MAPPING, LinearAttentionLayer
 
 from kvcx.cache.attention_fn import ATTN_IMPLEMENTATION
-from kvcx.cache.buffers import HeapRelease, MaskConverter, Scratch
+from kvcx.cache.buffers import HeapRelease, KernelTimer, MaskConverter, Scratch, Shared, StepMode
 from kvcx.cache.fused import Workspace
 from kvcx.cache.layer_config import fitted as _fitted, on_backend as _on_backend, pressed as _pressed
 from kvcx.cache.layer_types import FULL, STATE, UNSUPPORTED, WINDOWED, LayerSpec, check_unsupported, layer_specs
-from kvcx.cache.layers import KernelTimer, KvcxLayer, KvcxWindowLayer, Shared, StepMode
+from kvcx.cache.layers import KvcxLayer, KvcxWindowLayer
 from kvcx.codecs.backends import check_backend
 from kvcx.codecs.dtypes import is_int
 from kvcx.codecs.kvconfig import DEFAULT_SCHEME, KVConfig

@@ -23,7 +23,6 @@ workspace, the mask converter, the kernel timer) and calls them; a layer never r
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
@@ -31,53 +30,15 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 from kvcx.cache.attention_fn import HANDOFF
-from kvcx.cache.buffers import HeapRelease, MaskConverter, Scratch
+from kvcx.cache.buffers import FALLBACK_HINT, Shared, StepMode
 from kvcx.cache.device_store import DevicePackedKV, attend_in_dtype, runs_on_device
 from kvcx.cache.fused import ATTN_MAX_ROWS, CAUSAL, NO_MASK, Workspace, step_mask
 from kvcx.cache.layer_types import CHUNKED, LayerSpec
 from kvcx.cache.pressing import PrefillPress
 from kvcx.cache.store import PackedKV
-from kvcx.codecs.kvconfig import KVConfig
-from kvcx.codecs.presses import Press
 from kvcx.codecs.runtime import resolve_threads
 from kvcx.codecs.tensors import torch_to_numpy
 from kvcx.errors import KvcxError
-
-
-class KernelTimer:
-    """Seconds spent in kvcx's kernels (encode, decode, fused attention) by one cache's layers."""
-
-    def __init__(self):
-        self.seconds = 0.0
-
-    def add(self, seconds: float) -> None:
-        self.seconds += seconds
-
-
-_FALLBACK_HINT = "pass fused=None to fall back to materialising"
-
-
-@dataclass(frozen=True)
-class StepMode:
-    """What the cache decided for one step: layer steps may run fused (one token, or a few hundred over a
-    packed history) unless ``reason`` says why not; ``required`` (``KvcxCache(fused=True)``) makes a step that
-    cannot run fused an error."""
-
-    reason: Optional[str] = None
-    required: bool = False
-    kvcx_attention: bool = True   # the model's attention is "kvcx" (a press needs it)
-
-
-@dataclass(frozen=True)
-class Shared:
-    """What a cache's layers share: the materialising path's scratch, the fused kernel's workspace, the step's mask
-    converted, the kernel timer and the C heap's release."""
-
-    scratch: Scratch
-    workspace: Workspace
-    masks: MaskConverter
-    timer: KernelTimer
-    heap: HeapRelease
 
 
 class KvcxLayer(DynamicLayer):
@@ -85,8 +46,10 @@ class KvcxLayer(DynamicLayer):
 
     is_compileable = False
 
-    def __init__(self, kv_config: KVConfig, residual_length: int, shared: Shared, spec: LayerSpec,
-                 key_weights: Optional[np.ndarray] = None, press: Optional[Press] = None):
+    def __init__(self, kv_config, residual_length: int, shared: Shared, spec: LayerSpec,
+                 key_weights: Optional[np.ndarray] = None, press=None):
+        """``kv_config``: the layer's :class:`~kvcx.codecs.KVConfig`; ``press``: a
+        :class:`~kvcx.codecs.presses.Press` run at the prefill (full layers), or None."""
         super().__init__()
         self.spec = spec
         self.layer_idx = spec.index
@@ -315,7 +278,7 @@ class KvcxLayer(DynamicLayer):
         if mode.reason or self._unsupported:
             if mode.required:
                 raise KvcxError(mode.reason or f"KvcxCache(fused=True) layer {self.layer_idx}: {self._unsupported}; "
-                                f"{_FALLBACK_HINT}")
+                                f"{FALLBACK_HINT}")
             return False
         self._scratch.release()  # fused steps need no full-precision copy of the context
         return True

@@ -1,14 +1,12 @@
-"""The integer codec on torch tensors through Triton kernels (:mod:`kvcx.codecs.triton_kernels.codec`; the fused attention's in
-:mod:`kvcx.codecs.triton_kernels.attention`): checks, allocation, launches and errors, as :mod:`kvcx.codecs.intcodec` does for
-the CPU kernels.
-
-A CUDA tensor reaches this backend by itself (``IntCodec().encode(x_cuda)``); ``IntCodec(backend="triton")``
-forces it for a tensor on any device (Triton's interpreter, ``TRITON_INTERPRET=1``, runs it on CPU tensors).
-The record it returns holds torch tensors on the input's device, with **the bytes the CPU kernels write**
-for the same input: :func:`to_host` and :func:`to_device` move records between NumPy and a device unchanged.
-4-bit codes, per-token or per-channel groups, zero points, sinks and the Hadamard rotation (the default and
-reference schemes); other widths stay on the CPU backend. torch and triton are imported when first used.
-"""
+"""The integer codec on torch tensors through Triton kernels (:mod:`kvcx.codecs.triton_kernels.codec`; the fused
+attention's in :mod:`kvcx.codecs.triton_kernels.attention`): checks, allocation, launches and errors, as
+:mod:`kvcx.codecs.intcodec` does for the CPU kernels. A CUDA tensor reaches this backend by itself
+(``IntCodec().encode(x_cuda)``); ``IntCodec(backend="triton")`` forces it for a tensor on any device (Triton's
+interpreter, ``TRITON_INTERPRET=1``, runs it on CPU tensors). The record it returns holds torch tensors on the
+input's device, with **the bytes the CPU kernels write** for the same input: :func:`to_host` and :func:`to_device`
+move records between NumPy and a device unchanged. 4-bit codes, per-token or per-channel groups, zero points, sinks
+and the Hadamard rotation (the default and reference schemes); other widths stay on the CPU backend. torch and
+triton are imported when first used."""
 from __future__ import annotations
 
 import functools
@@ -55,7 +53,6 @@ def attention_kernels():
     """The fused attention's Triton kernels (:mod:`kvcx.codecs.triton_kernels.attention`)."""
     _kernels()
     from kvcx.codecs.triton_kernels import attention as _triton_attn
-
     return _triton_attn
 
 
@@ -391,8 +388,7 @@ def attention_constexprs(key_codec, value_codec, R: int, D: int, dot: str, block
     and for "fp16" with per-token keys, whose scales vary along the products' sums). ``asm``: "fp16"'s codes
     converted in PTX (a GPU); ``prefetch``: the next tile's codes loaded before a tile is worked (not ``paged``),
     in the transposed fast mode its scales (``AHEAD``); ``early``: that mode's first tile loaded before the query;
-    ``pdl``: the merge launched as a dependent launch (a GPU: :func:`dependent_merge`); ``softcap`` > 0: scores
-    capped to softcap tanh(s / softcap) before the mask (Gemma 2)."""
+    ``pdl``: the merge launched as a dependent launch (a GPU: :func:`dependent_merge`); ``softcap``: Gemma 2's."""
     if dot not in ATTN_DOTS:
         raise CodecError(f"attention products {dot!r} (kvcx.codecs.gpu.ATTN_DOT) are not a mode of the attention "
                          f"kernel; set one of {', '.join(repr(d) for d in ATTN_DOTS)}")
@@ -453,8 +449,8 @@ def attend_spans(q, scaling: float, spans, Hkv: int, sinks=(None, None), residua
     Every span's values rotate alike (the merge rotates the accumulator back once). One kernel per two spans of
     one layout (a store's two segments: one launch) and one merge: no other launch (but for spans whose keys
     rotate: their query, scaled and rotated, from one product; the keys' rotation moved from every key onto the
-    query, its matrix orthogonal and symmetric). The caller checks shapes; ``out``, ``sink_logits`` and
-    ``softcap``: as :func:`merge_splits`' (the softcap in both kernels)."""
+    query, its matrix orthogonal and symmetric). The caller checks shapes; ``out``, ``sink_logits``, ``softcap``:
+    as :func:`merge_splits`' (the softcap in both kernels)."""
     torch = _torch()
     N, R, D = q.shape
     rotate = {sp.value_codec.rotate for sp in spans}
@@ -542,9 +538,7 @@ def merge_splits(q, scaling: float, m, l, acc, Hkv: int, rotate: bool, sinks=(No
     ``res_off``; ``res_lens`` int32 [B], or None: batch row b's residual is its first ``res_lens[b]`` rows, read on
     the device). One launch: what :func:`attend_spans` and :func:`kvcx.codecs.paged.attend` end with. ``out``: the
     caller's [N, R, D] (contiguous; float32, float16 or bfloat16: rounded to nearest even as ``.to`` rounds).
-    ``sink_logits``: float32 [Hkv R] each query head's sink logit (GPT-OSS's s_aux; in the softmax's sum, attending
-    to nothing) or None; ``softcap`` > 0: the exact tokens' scores capped to softcap tanh(s / softcap), as the
-    attention kernel's (:func:`attention_constexprs`' SOFTCAP) are."""
+    ``sink_logits``: float32 [Hkv R] a sink logit a query head (s_aux) or None; ``softcap``: as the splits'."""
     torch, k = _torch(), attention_kernels()
     N, R, D = q.shape
     (sk, sv), (rk, rv) = sinks, residual
@@ -563,8 +557,8 @@ def merge_splits(q, scaling: float, m, l, acc, Hkv: int, rotate: bool, sinks=(No
     k.merge_kernel[(N, R)](q, scaling, m, l, acc, m.shape[1], sk if t0 else m, sv if t0 else m, t0, rk if nr else m,
                            rv if nr else m, nr, add if add is not None else m, add.shape[1] if add is not None else 0,
                            res_off, Hkv, out.view(torch.int16) if bf16 else out, _norm(D),
-                           res_lens if res_lens is not None else m,
-                           sink_logits if sink_logits is not None else m, R=R, D=D, OUT_BF16=bf16,
+                           res_lens if res_lens is not None else m, m if sink_logits is None else sink_logits,
+                           R=R, D=D, OUT_BF16=bf16,
                            HAS_SINKS=sink_logits is not None, SOFTCAP=float(softcap or 0.0),
                            SB=_pow2(t0), RB=max(16, _pow2(nr)), HAS_MASK=add is not None, ROTATE=rotate,
                            CH=MERGE_SPLITS, enable_fp_fusion=ATTN_FP_FUSION, num_warps=MERGE_WARPS, PDL=pdl,
@@ -574,15 +568,12 @@ def merge_splits(q, scaling: float, m, l, acc, Hkv: int, rotate: bool, sinks=(No
 
 def attend(q, keys: Packed, values: Packed, key_codec, value_codec, residual_k=None, residual_v=None, mask=None,
            scaling: Optional[float] = None, per_split: Optional[int] = None):
-    """One decode step of one layer over packed keys and values on the device, without decoding them.
-
-    q: [B, Hq, D] queries (one token per row); keys / values: the Triton backend's records of [B, Hkv, S, D]
-    (4-bit :class:`~kvcx.codecs.intcodec.IntCodec`, sinks, rotation and either grouping); residual_k / _v:
-    [B, Hkv, nr, D] full-precision tokens after them, or None; mask: [B, S + nr] float added to the scores
-    (or boolean, True = attend), or None; scaling: default 1 / sqrt(D). Query head j reads KV head j // (Hq /
-    Hkv), as transformers' repeat_kv. The packed tokens run in the Triton kernel, split along the context
-    (``per_split`` tokens each); the exact tokens (sinks, residual) and the merge of the splits in a second
-    kernel, in FP32. Returns [B, Hq, D] float32."""
+    """One decode step of one layer over packed keys and values on the device, without decoding them: q [B, Hq, D]
+    (one token a row); keys / values the Triton backend's records of [B, Hkv, S, D] (4-bit ``IntCodec``, sinks,
+    rotation, either grouping); residual_k / _v [B, Hkv, nr, D] full-precision tokens after them, or None; mask
+    [B, S + nr] float added to the scores (boolean: True attends), or None; scaling: default 1 / sqrt(D). Query head
+    j reads KV head j // (Hq / Hkv) (transformers' repeat_kv). The packed tokens in the Triton kernel, split along
+    the context (``per_split`` tokens each); the exact tokens and the merge in a second, FP32. [B, Hq, D] float32."""
     B, Hq, D = q.shape
     shape = tuple(keys.shape)
     for codec, rec, what in ((key_codec, keys, "keys"), (value_codec, values, "values")):
