@@ -46,7 +46,7 @@ from typing import List, Optional
 
 import torch
 import transformers
-from transformers.cache_utils import Cache, DYNAMIC_LAYER_TYPE_MAPPING, LinearAttentionLayer
+from transformers.cache_utils import Cache
 
 from kvcx.cache.attention_fn import ATTN_IMPLEMENTATION
 from kvcx.cache.buffers import HeapRelease, KernelTimer, MaskConverter, Scratch, Shared, StepMode
@@ -141,15 +141,13 @@ class KvcxCache(Cache):
 
     def _layer(self, spec: LayerSpec, kv: KVConfig, shared: Shared, press):
         """The cache layer of ``spec``: kvcx's for the kinds it packs, transformers' own for the others."""
-        if spec.kind == STATE:
-            return LinearAttentionLayer(**self._state_kwargs(spec))
-        if spec.kind == UNSUPPORTED:   # unsupported="keep": transformers' own class, as DynamicCache builds it
-            cls = DYNAMIC_LAYER_TYPE_MAPPING.get(spec.type) or self._registered(spec.type)
+        if spec.kind in (STATE, UNSUPPORTED):   # transformers' own class, as DynamicCache builds it
+            cls = transformers_layer_class(spec, "DYNAMIC") or self._registered(spec.type)
             if cls is None:
                 raise KvcxError(f"KvcxCache {spec.describe()}: neither kvcx nor this transformers knows the layer type "
                                 f"{spec.type!r}: install a transformers that has this model (its modeling module "
                                 "registers its cache layer), or fix the config's layer_types")
-            return cls(**self._unsupported_kwargs(spec))
+            return cls(**layer_kwargs(self._config, spec))
         codecs = _fitted(kv.for_layer(spec.index), spec.kv_heads, self.residual_length, spec.key_dim, spec.value_dim)
         cls = KvcxWindowLayer if spec.kind in WINDOWED else KvcxLayer
         return cls(codecs, self.residual_length, shared, spec, kv.weights_for(f"layer_{spec.index}_key"),
@@ -166,18 +164,7 @@ class KvcxCache(Cache):
                 importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
             except ImportError:
                 return None
-        return DYNAMIC_LAYER_TYPE_MAPPING.get(layer_type)
-
-    def _state_kwargs(self, spec: LayerSpec) -> dict:
-        cfg = self._config
-        return {"number_of_states": getattr(cfg, "number_of_conv_states", 1) or 1}
-
-    def _unsupported_kwargs(self, spec: LayerSpec) -> dict:
-        """What transformers' get_layer_types_and_kwargs gives such a layer's class."""
-        from transformers.cache_utils import get_layer_types_and_kwargs
-
-        types, kwargs = get_layer_types_and_kwargs(self._config)
-        return kwargs[spec.index]
+        return transformers_layer_class(layer_type, "DYNAMIC")
 
     @property
     def packed_layers(self) -> List[KvcxLayer]:
@@ -294,6 +281,33 @@ class KvcxCache(Cache):
         ("cpu+triton": a plan whose layers differ), or "" before the first step."""
         return "+".join(sorted({"triton" if layer.on_device else "cpu" for layer in self.packed_layers
                                 if layer.is_initialized}))
+
+
+def transformers_layer_class(spec_or_type, which: str = "DYNAMIC"):
+    """The cache layer class transformers' ``DynamicCache`` (``which="DYNAMIC"``) or ``StaticCache`` ("STATIC")
+    builds for a layer type (a :class:`LayerSpec`'s, or a name), or None where this transformers maps none; a
+    KvcxError where it has no layer type mapping at all (before hybrid caches: older than kvcx supports hybrids
+    on)."""
+    import transformers.cache_utils as cu
+
+    mapping = getattr(cu, f"{which}_LAYER_TYPE_MAPPING", None)
+    name = getattr(spec_or_type, "type", spec_or_type)
+    if mapping is None:
+        raise KvcxError(f"transformers {transformers.__version__} has no cache layer classes by layer type; layer "
+                        f"type {name!r} needs a transformers whose caches build hybrid models' layers: pip install "
+                        "-U transformers")
+    return mapping.get(name)
+
+
+def layer_kwargs(config, spec: LayerSpec) -> dict:
+    """What transformers gives the cache layer class of ``spec`` (its window, its states, its config): the
+    arguments ``get_layer_types_and_kwargs`` yields for the layer."""
+    import transformers.cache_utils as cu
+
+    get = getattr(cu, "get_layer_types_and_kwargs", None)
+    if get is None:
+        return {"number_of_states": getattr(config, "number_of_conv_states", 1) or 1} if spec.kind == STATE else {}
+    return get(config)[1][spec.index]
 
 
 def layer_bytes(layer) -> int:

@@ -47,11 +47,11 @@ from typing import List, Optional
 
 import torch
 import transformers
-from transformers.cache_utils import STATIC_LAYER_TYPE_MAPPING, Cache, CacheLayerMixin, LinearAttentionLayer
+from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvcx.cache.attention_fn import ATTN_IMPLEMENTATION, HANDOFF
 from kvcx.cache.device_store import attend_in_dtype
-from kvcx.cache.kvcx_cache import layer_bytes
+from kvcx.cache.kvcx_cache import layer_bytes, layer_kwargs, transformers_layer_class
 from kvcx.cache.layer_types import FULL, STATE, check_unsupported, layer_specs
 from kvcx.codecs import gpu, paged
 from kvcx.codecs.base import Codec, Packed
@@ -432,15 +432,12 @@ class StaticKvcxCache(Cache):
 
     def _kept(self, spec, max_cache_len: int):
         """A layer kvcx does not pack here, in transformers' own static class (as StaticCache builds it)."""
-        from transformers.cache_utils import get_layer_types_and_kwargs
-
-        if spec.kind == STATE:
-            return LinearAttentionLayer(number_of_states=getattr(self._config, "number_of_conv_states", 1) or 1)
-        cls = STATIC_LAYER_TYPE_MAPPING.get(spec.type)
+        cls = transformers_layer_class(spec, "STATIC")
         if cls is None:
             raise KvcxError(f"StaticKvcxCache {spec.describe()}: this transformers has no static cache layer for "
                             f"{spec.type!r}; use KvcxCache")
-        return cls(max_cache_len=max_cache_len, **get_layer_types_and_kwargs(self._config)[1][spec.index])
+        kwargs = layer_kwargs(self._config, spec)
+        return cls(**kwargs) if spec.kind == STATE else cls(max_cache_len=max_cache_len, **kwargs)
 
     @property
     def packed_layers(self) -> List["StaticKvcxLayer"]:
