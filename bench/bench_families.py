@@ -77,8 +77,7 @@ def run_family(name: str, cfg_fn, window: int, steps: int, tempered: bool = True
     _, logits = decode(model, cache, ids, mask, steps, forced=ref_tokens)
     rep = cache.memory_report()
     packed = [s for s in cache.specs if s.packed]
-    shared = max(0, len(getattr(model.config.get_text_config(), "layer_types", None) or []) - len(cache.layers)) \
-        if getattr(model.config.get_text_config(), "num_kv_shared_layers", 0) else 0
+    shared = getattr(model.config.get_text_config(), "num_kv_shared_layers", 0) or 0   # KV-shared layers attend too
     decode_steps = (steps - 1) * (len(packed) + shared)
     why = sorted({r["fused_unsupported"] for r in rep["layers"] if r.get("fused_unsupported")})
     row = dict(name=name, types=_layer_types(cache), packs=_packs(cache), fused=rep["attention_steps"]["fused"],

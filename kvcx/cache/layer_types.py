@@ -40,6 +40,7 @@ KINDS = {
     "conv": STATE,
     "moe": STATE,
     "mlp": STATE,
+    "dummy": STATE,   # a layer reading another layer's keys and values, or with no attention (transformers 5.2x)
 }
 WINDOWED = (SLIDING, CHUNKED)
 # what unsupported= takes
@@ -151,10 +152,15 @@ def layer_specs(config) -> List[LayerSpec]:
         if len(types) != n:
             raise KvcxError(f"the model's config lists {len(types)} layer_types for num_hidden_layers={n}; one per "
                             "layer is needed: fix the config's layer_types (or num_hidden_layers)")
+    modes = _attr(text, "kv_sharing_modes")
     n_shared = _attr(text, "num_kv_shared_layers") or 0
     owners = set()
-    if n_shared:   # layers that reuse an earlier layer's keys and values have no cache of their own; they read
-        types = types[:n - n_shared]   # what the last cache layer of their type returned (Gemma 4)
+    if isinstance(modes, (list, tuple)) and len(modes) == len(types):   # transformers 5.2x: a placeholder layer
+        # for each layer reusing another's keys and values ("reuse"); "store": a layer whose states they read
+        owners = {i for i, m in enumerate(modes) if m == "store"}
+        types = ["dummy" if m == "reuse" else t for t, m in zip(types, modes)]
+    elif n_shared:   # earlier releases: layers that reuse an earlier layer's keys and values have no cache layer;
+        types = types[:n - n_shared]   # they read what the last cache layer of their type returned (Gemma 4)
         owners = {max(i for i, t in enumerate(types) if t == kind) for kind in set(types)}
     specs = []
     for i, (t, cfg) in enumerate(zip(types, per)):
