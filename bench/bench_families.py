@@ -106,9 +106,9 @@ def main(argv=None):
     ap.add_argument("--families", nargs="*", default=None, help="only these (substrings of the names)")
     ap.add_argument("--markdown", type=Path, default=None, help="also write the tables to this file")
     args = ap.parse_args(argv)
-    import torch
-
-    torch.set_num_threads(torch.get_num_threads())
+    if args.window < 16 or args.steps < 2:
+        ap.error(f"--window {args.window} / --steps {args.steps}: a window of 16 tokens or more (the prompt is 8 of "
+                 "them) and 2 steps or more")
     out = Report()
     fams = list(family_configs(args.window, 8 * args.window).items())
     runs = [(n, f, True, False) for n, f in fams]
@@ -118,6 +118,9 @@ def main(argv=None):
                  lambda: unsupported_config(args.window, 8 * args.window), True, True))
     if args.families:
         runs = [r for r in runs if any(f.lower() in r[0].lower() for f in args.families)]
+        if not runs:
+            ap.error(f"--families {' '.join(args.families)}: no family's name holds these; the families: "
+                     + ", ".join(n for n, _ in fams))
     rows = []
     for name, fn, tempered, keep in runs:
         row = run_family(name.replace(" (random q_norm)", ""), fn, args.window, args.steps, tempered, keep)

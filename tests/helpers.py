@@ -108,3 +108,37 @@ def reseal(buf):
     b = buf.copy()
     b[52:56] = np.frombuffer(struct.pack("<I", checksum(b)), np.uint8)
     return b
+
+
+def packed_store(kv, K, V, chunks):
+    """A PackedKV (kvcx.cache.store) from chunks of K/V [B, H, T, D] (the first chunk encoded with ``kv``'s
+    codecs, sinks and all, the others without sinks), and the decoded K/V the materialising path would see."""
+    from kvcx.cache.store import PackedKV
+    from kvcx.codecs import decode
+
+    B, H, _, D = K.shape
+    store = PackedKV(B * H, D, kv.key, kv.value)
+    nxt = [c.replace(sinks=0) for c in (kv.key, kv.value)]
+    Kd, Vd = np.empty_like(K), np.empty_like(V)
+    o = 0
+    for i, n in enumerate(chunks):
+        ck, cv = (kv.key, kv.value) if i == 0 else nxt
+        pk = ck.encode(np.ascontiguousarray(K[:, :, o:o + n]))
+        pv = cv.encode(np.ascontiguousarray(V[:, :, o:o + n]))
+        store.append(pk, pv)
+        Kd[:, :, o:o + n], Vd[:, :, o:o + n] = decode(pk), decode(pv)
+        o += n
+    return store, Kd[:, :, :o], Vd[:, :, :o]
+
+
+def kv_states(rng, B, H, T, D):
+    """(keys, values) float32 [B, H, T, D]: keys with per-channel offsets (what makes per-channel grouping pay),
+    values plain."""
+    K = (rng.standard_normal((B, H, T, D)) * 2 + rng.standard_normal((1, 1, 1, D)) * 3).astype(np.float32)
+    V = rng.standard_normal((B, H, T, D)).astype(np.float32)
+    return K, V
+
+
+def without_sinks(kv):
+    """``kv`` (a KVConfig) with no exact sink tokens (what a sliding window's layer packs)."""
+    return KVConfig(key=kv.key.replace(sinks=0), value=kv.value.replace(sinks=0), scheme=kv.scheme)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from typing import Optional, Protocol
 
 import torch
@@ -69,10 +70,11 @@ class FusedStep(Protocol):
 
 class Handoff(threading.local):
     """The steps kvcx cache layers have posted for the attention function (one set per thread), keyed by the layer
-    index they posted at; the most recent first when matching a key tensor."""
+    index they posted at; the most recent first when matching a key tensor. A layer is held weakly: a cache the
+    caller has dropped is not kept alive by its last posted step."""
 
     def __init__(self):
-        self._steps = {}   # layer index -> (key tensor, layer, kind)
+        self._steps = {}   # layer index -> (key tensor, weak reference to the layer, kind)
 
     def post(self, key, layer, kind: str = FUSED) -> None:
         """``kind``: "fused" (the layer attends over its packed store: :class:`FusedStep`), "press" (a press's
@@ -81,13 +83,14 @@ class Handoff(threading.local):
         layer index posted before (and moves it last: the most recent)."""
         idx = getattr(layer, "layer_idx", None)
         self._steps.pop(idx, None)
-        self._steps[idx] = (key, layer, kind)
+        self._steps[idx] = (key, weakref.ref(layer), kind)
 
     def _find(self, key):
         for idx in reversed(self._steps):
-            k, layer, kind = self._steps[idx]
+            k, ref, kind = self._steps[idx]
             if k is key:
-                return idx, layer, kind
+                layer = ref()
+                return (idx, layer, kind) if layer is not None else (None, None, None)
         return None, None, None
 
     def peek(self, key):

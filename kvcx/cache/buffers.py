@@ -53,16 +53,30 @@ class Scratch:
 
 class MaskConverter:
     """transformers' attention mask as the fused kernel reads it (:class:`kvcx.cache.fused.Mask`): a boolean
-    mask viewed as bytes where it is contiguous, a float mask as float32; converted once per step, as every
-    layer of a step gets the same mask tensor."""
+    mask viewed as bytes where it is contiguous, a float mask as float32; converted once per step and mask: every
+    layer of a kind gets the same mask tensor, and a hybrid model's sliding and full layers each their own, so the
+    last few are kept (by identity: the entry holds the tensor)."""
+
+    KEEP = 4   # masks a step can alternate between (sliding, chunked, full), with room for the last step's
 
     def __init__(self):
-        self._last = None       # (the step's mask tensor, its Mask, bytes held)
-        self._last_add = None   # (the step's mask tensor, its float32 [B, kv_len] on its device, bytes held)
+        self._masks = {}   # id(mask tensor) -> (the tensor, its Mask, bytes held)
+        self._adds = {}    # id(mask tensor) -> (the tensor, float32 [B, kv_len] on its device, bytes held)
+
+    def _recent(self, memo: dict, attention_mask: torch.Tensor):
+        hit = memo.get(id(attention_mask))
+        return hit if hit is not None and hit[0] is attention_mask else None
+
+    def _keep(self, memo: dict, attention_mask: torch.Tensor, entry: tuple) -> None:
+        memo.pop(id(attention_mask), None)
+        memo[id(attention_mask)] = entry
+        while len(memo) > self.KEEP:
+            memo.pop(next(iter(memo)))
 
     def convert(self, attention_mask: torch.Tensor, B: int, nq: int) -> Mask:
-        if self._last is not None and self._last[0] is attention_mask:
-            return self._last[1]
+        hit = self._recent(self._masks, attention_mask)
+        if hit is not None:
+            return hit[1]
         m = attention_mask.detach()
         if m.dim() == 4 and m.shape[1] == 1:
             m = m[:, 0]
@@ -76,18 +90,19 @@ class MaskConverter:
         mask = step_mask(arr, B, nq)
         held = mask.array
         copy = 0 if view and np.shares_memory(held, arr) else held.nbytes
-        # holds the tensor, so its identity stays its own
-        self._last = (attention_mask, mask, attention_mask.numel() * attention_mask.element_size() + copy)
+        self._keep(self._masks, attention_mask,
+                   (attention_mask, mask, attention_mask.numel() * attention_mask.element_size() + copy))
         return mask
 
     def nbytes(self) -> int:
-        return sum(last[2] for last in (self._last, self._last_add) if last is not None)
+        return sum(e[2] for memo in (self._masks, self._adds) for e in memo.values())
 
     def additive(self, attention_mask: torch.Tensor, B: int, kv_len: int) -> torch.Tensor:
         """A single-token step's mask as a float32 [B, kv_len] tensor on its device, added to the scores (0:
         attend, -inf: masked), as the Triton attention reads it."""
-        if self._last_add is not None and self._last_add[0] is attention_mask:
-            return self._last_add[1]
+        hit = self._recent(self._adds, attention_mask)
+        if hit is not None and hit[1].shape[1] == kv_len:
+            return hit[1]
         m = attention_mask.detach()
         m = m.reshape(m.shape[0], -1) if m.dim() in (2, 3, 4) and m.numel() == m.shape[0] * kv_len else None
         if m is None or m.shape[0] not in (1, B) or m.shape[1] != kv_len:
@@ -95,7 +110,8 @@ class MaskConverter:
                             f"{kv_len} tokens per batch row of {B}; pass the mask generate() builds")
         add = (torch.zeros(m.shape, dtype=torch.float32, device=m.device).masked_fill(~m, float("-inf"))
                if m.dtype == torch.bool else m.to(torch.float32)).expand(B, kv_len).contiguous()
-        self._last_add = (attention_mask, add, attention_mask.numel() * attention_mask.element_size() + add.numel() * 4)
+        self._keep(self._adds, attention_mask,
+                   (attention_mask, add, attention_mask.numel() * attention_mask.element_size() + add.numel() * 4))
         return add
 
 

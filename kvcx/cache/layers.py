@@ -32,7 +32,7 @@ from transformers.cache_utils import DynamicLayer
 from kvcx.cache.attention_fn import HANDOFF
 from kvcx.cache.buffers import FALLBACK_HINT, Shared, StepMode
 from kvcx.cache.device_store import DevicePackedKV, attend_in_dtype, runs_on_device
-from kvcx.cache.fused import ATTN_MAX_ROWS, CAUSAL, NO_MASK, Workspace, step_mask
+from kvcx.cache.fused import ATTN_MAX_ROWS, CAUSAL, NO_MASK, step_mask
 from kvcx.cache.layer_types import CHUNKED, LayerSpec
 from kvcx.cache.pressing import PrefillPress
 from kvcx.cache.store import PackedKV
@@ -73,7 +73,7 @@ class KvcxLayer(DynamicLayer):
         self.last_step = 0   # tokens of the last step kept in full precision (crop() may drop them)
         self._step = 0       # tokens of the step being run (its own are the residual's last)
         self._unsupported: Optional[str] = None
-        self._sinks = None   # (the model's sinks tensor, its version, float32 array): converted once
+        self._sinks = None   # (the model's sinks tensor, its version, float32 array, float32 on its device): once
         self._press = PrefillPress(press, spec.index) if press is not None else None   # token eviction at prefill
         self._prefill = None   # the prefill's states, until the press has read the prompt's queries
 
@@ -293,18 +293,20 @@ class KvcxLayer(DynamicLayer):
         """The key length of transformers' mask for this layer's step of Q tokens (get_mask_sizes')."""
         return self.cumulative_length
 
-    def _sink_logits(self, sinks: Optional[torch.Tensor], Hq: int) -> Optional[np.ndarray]:
-        """The model's per-head sink logits as float32 [Hq] (converted once: the same parameter every step)."""
+    def _sink_logits(self, sinks: Optional[torch.Tensor], Hq: int, on_device: bool = False):
+        """The model's per-head sink logits as float32 [Hq]: a NumPy array, or ``on_device`` a tensor where the
+        parameter is (checked and converted once: the same parameter every step)."""
         if sinks is None:
             return None
         held = self._sinks
         if held is None or held[0] is not sinks or held[1] != sinks._version:
-            arr = sinks.detach().float().cpu().reshape(-1).numpy().copy()
+            flat = sinks.detach().float().reshape(-1).contiguous()
+            arr = flat.cpu().numpy().copy()
             if arr.shape != (Hq,) or np.isnan(arr).any() or np.isposinf(arr).any():
                 raise KvcxError(f"KvcxCache layer {self.layer_idx}: the model's attention sinks (s_aux) are "
                                 f"{list(sinks.shape)}, not one finite logit per query head ({Hq}): check the model")
-            self._sinks = held = (sinks, sinks._version, arr)
-        return held[2]
+            self._sinks = held = (sinks, sinks._version, arr, flat)
+        return held[3] if on_device else held[2]
 
     def attend(self, query: torch.Tensor, attention_mask: Optional[torch.Tensor], scaling: float, *,
                softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None,
@@ -382,10 +384,7 @@ class KvcxLayer(DynamicLayer):
             if add is not None:
                 full[:, skip:] += add
             add = full
-        logits = None
-        if sinks is not None:
-            self._sink_logits(sinks, Hq)   # checked (one finite logit a query head)
-            logits = sinks.detach().float().reshape(-1).contiguous()
+        logits = self._sink_logits(sinks, Hq, on_device=True)
         t = time.perf_counter()
         out = attend_in_dtype(query, lambda o: self.store.attend(query.reshape(B, Hq, D), keys, values, add, scaling,
                                                                  out=o, sink_logits=logits,
@@ -560,7 +559,7 @@ class KvcxWindowLayer(KvcxLayer):
         while k < len(self.store) and end + self.store.chunk_tokens(k) <= lo:
             end += self.store.chunk_tokens(k)
             k += 1
-        if k and hasattr(self.store, "drop_chunks"):
+        if k:
             self.start += self.store.drop_chunks(k)
         if self.store.tokens == 0 and self.start < lo:   # nothing packed: the residual's oldest tokens go
             n = min(lo - self.start, self.keys.shape[-2])

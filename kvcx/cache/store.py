@@ -99,20 +99,20 @@ class PackedStore:
             raise CodecError(f"cannot drop {k} of {len(self._chunks)} packed chunks (chunks with exact sink tokens "
                              "stay)")
         gone = sum(int(c["shape"][-2]) for c in self._chunks[:k])
-        ca, sa = self._chunks[k]["codes"][0] if k < len(self._chunks) else self.codes.shape[1], \
-            self._chunks[k]["scales"][0] if k < len(self._chunks) else self.scales.shape[1]
-        self._drop_columns(k, ca, sa, gone)
+        self._drop_columns(k)
+        self._rebase(gone)
         return gone
 
-    def _drop_columns(self, k: int, ca: int, sa: int, gone: int) -> None:
-        """Drop the first k chunks: their ``ca`` code and ``sa`` scale columns, ``gone`` tokens."""
+    def _drop_columns(self, k: int) -> None:
+        """Drop the first k chunks' columns (codes, scales, zero points) and their records."""
+        ca, sa = (self._chunks[k]["codes"][0], self._chunks[k]["scales"][0]) if k < len(self._chunks) else \
+            (self.codes.shape[1], self.scales.shape[1])
         self.codes = np.ascontiguousarray(self.codes[:, ca:])
         self.scales = np.ascontiguousarray(self.scales[:, sa:])
         if self.zeros is not None:
             self.zeros = np.ascontiguousarray(self.zeros[:, sa:])
         self._chunks = [dict(c, codes=(c["codes"][0] - ca, c["codes"][1] - ca),
                              scales=(c["scales"][0] - sa, c["scales"][1] - sa)) for c in self._chunks[k:]]
-        self._rebase(gone)
 
     def _rebase(self, gone: int) -> None:
         """What every store shifts when ``gone`` leading tokens are dropped: block starts and token count."""
@@ -285,14 +285,8 @@ class WidthStore(PackedStore):
         self.group_chunk = np.concatenate([self.group_chunk, np.full(G, len(self._chunks), dtype=np.int64)])
         self._add(p, chunk, S, t0, gs)
 
-    def drop_chunks(self, k: int) -> int:
-        """:meth:`PackedStore.drop_chunks` for the planes, the groups' tables and each chunk's widths and ranges."""
-        if k <= 0:
-            return 0
-        if k > len(self._chunks) or any(c["config"].get("sinks", 0) for c in self._chunks[:k]):
-            raise CodecError(f"cannot drop {k} of {len(self._chunks)} packed chunks (chunks with exact sink tokens "
-                             "stay)")
-        gone = sum(int(c["shape"][-2]) for c in self._chunks[:k])
+    def _drop_columns(self, k: int) -> None:
+        """The first k chunks' planes, groups' tables, widths and ranges dropped (:meth:`PackedStore.drop_chunks`)."""
         g = self._chunks[k - 1]["groups"][1]            # the groups of the dropped chunks
         pa = self._chunks[k - 1]["planes"][1]           # and their planes' bytes
         D = self.D
@@ -304,8 +298,6 @@ class WidthStore(PackedStore):
         self.group_chunk = np.ascontiguousarray(self.group_chunk[g:] - k)
         self._chunks = [dict(c, groups=(c["groups"][0] - g, c["groups"][1] - g),
                              planes=(c["planes"][0] - pa, c["planes"][1] - pa)) for c in self._chunks[k:]]
-        self._rebase(gone)
-        return gone
 
     def chunk(self, i: int) -> Packed:
         c = self._chunks[i]

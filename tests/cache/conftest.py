@@ -27,3 +27,34 @@ def tiny():
     model = LlamaForCausalLM(cfg).eval().to("cuda" if torch.cuda.is_available() else "cpu")
     model.set_attn_implementation("kvcx")
     return model
+
+
+@pytest.fixture
+def checked():
+    """kvcx's attention, also computing the reference attention (SDPA; FP32 eager where the model asks for
+    softcapping or sinks) over the layer's context materialised, from the same query, on each fused step:
+    records (layer, max |fused - reference|, max |reference|)."""
+    pytest.importorskip("torch")
+    from transformers.modeling_utils import AttentionInterface
+
+    import kvcx.cache.attention_fn as kh
+
+    records = []
+
+    def checking(module, query, key, value, attention_mask, **kwargs):
+        layer = kh.HANDOFF.peek(key)
+        if layer is not None:  # before the step: after it, a full residual is packed
+            k, v = (t.clone() for t in layer.full_states())
+            m = attention_mask[..., -k.shape[-2]:] if attention_mask is not None else None   # a window's
+        out = kh.kvcx_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        if layer is not None:
+            ref = kh.reference_attention(module, query, k, v, m, scaling=kwargs.get("scaling"),
+                                         softcap=kwargs.get("softcap"), s_aux=kwargs.get("s_aux"))[0]
+            records.append((module.layer_idx, (out[0] - ref).abs().max().item(), ref.abs().max().item()))
+        return out
+
+    AttentionInterface.register("kvcx", checking)
+    try:
+        yield records
+    finally:
+        AttentionInterface.register("kvcx", kh.kvcx_attention_forward)

@@ -10,6 +10,8 @@ from kvcx.cache.store import NO_MASK, PackedKV, fused_unsupported
 from kvcx.codecs import IntCodec, KVConfig, WidthCodec, decode
 from kvcx.errors import CodecError
 
+from helpers import kv_states as _kv, packed_store as _build  # noqa: E402
+
 
 def _reference(q, K, V, mask, scaling):
     B, Hq, D = q.shape
@@ -37,30 +39,6 @@ def _reference_multi(q, K, V, keep, scaling):
             p = np.exp(s - s.max(-1, keepdims=True))
             out[b, h] = (p / p.sum(-1, keepdims=True)) @ V[b, h // R].astype(np.float64)
     return out
-
-
-def _build(kv: KVConfig, K, V, chunks):
-    """A PackedKV from chunks of K/V, and the decoded K/V the materialising path would see."""
-    B, H, _, D = K.shape
-    store = PackedKV(B * H, D, kv.key, kv.value)
-    nxt = [c.replace(sinks=0) for c in (kv.key, kv.value)]
-    Kd, Vd = np.empty_like(K), np.empty_like(V)
-    o = 0
-    for i, n in enumerate(chunks):
-        ck, cv = (kv.key, kv.value) if i == 0 else nxt
-        pk = ck.encode(np.ascontiguousarray(K[:, :, o:o + n]))
-        pv = cv.encode(np.ascontiguousarray(V[:, :, o:o + n]))
-        store.append(pk, pv)
-        Kd[:, :, o:o + n], Vd[:, :, o:o + n] = decode(pk), decode(pv)
-        o += n
-    return store, Kd[:, :, :o], Vd[:, :, :o]
-
-
-def _kv(rng, B, H, T, D):
-    # keys with per-channel offsets (what makes per-channel grouping pay), values plain
-    K = (rng.standard_normal((B, H, T, D)) * 2 + rng.standard_normal((1, 1, 1, D)) * 3).astype(np.float32)
-    V = rng.standard_normal((B, H, T, D)).astype(np.float32)
-    return K, V
 
 
 @pytest.mark.parametrize("scheme", ["kvcx", "reference", "kivi", "asymmetric", "kvcx3", "kvcx2", "kvcx2w"])

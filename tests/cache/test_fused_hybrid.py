@@ -9,9 +9,10 @@ float64 (the reference of test_fused.py, extended):
 import numpy as np
 import pytest
 
-from kvcx.cache.store import PackedKV
-from kvcx.codecs import KVConfig, decode
+from kvcx.codecs import KVConfig
 from kvcx.errors import CodecError
+
+from helpers import kv_states as _kv, packed_store, without_sinks  # noqa: E402
 
 
 def _reference(q, K, V, keep, scaling, softcap=None, sinks=None):
@@ -35,24 +36,7 @@ def _reference(q, K, V, keep, scaling, softcap=None, sinks=None):
 
 def _store(scheme, K, V, chunks, sinks_first=True):
     kv = KVConfig.from_scheme(scheme)
-    B, H, _, D = K.shape
-    first = (kv.key, kv.value) if sinks_first else (kv.key.replace(sinks=0), kv.value.replace(sinks=0))
-    nxt = (kv.key.replace(sinks=0), kv.value.replace(sinks=0))
-    store = PackedKV(B * H, D, *first)
-    Kd, Vd = np.empty_like(K), np.empty_like(V)
-    o = 0
-    for i, n in enumerate(chunks):
-        ck, cv = first if i == 0 else nxt
-        pk, pv = ck.encode(np.ascontiguousarray(K[:, :, o:o + n])), cv.encode(np.ascontiguousarray(V[:, :, o:o + n]))
-        store.append(pk, pv)
-        Kd[:, :, o:o + n], Vd[:, :, o:o + n] = decode(pk), decode(pv)
-        o += n
-    return store, Kd[:, :, :o], Vd[:, :, :o]
-
-
-def _kv(rng, B, H, T, D):
-    K = (rng.standard_normal((B, H, T, D)) * 2 + rng.standard_normal((1, 1, 1, D)) * 3).astype(np.float32)
-    return K, rng.standard_normal((B, H, T, D)).astype(np.float32)
+    return packed_store(kv if sinks_first else without_sinks(kv), K, V, chunks)
 
 
 @pytest.mark.parametrize("scheme", ["kvcx", "kivi", "kvcx2", "kvcx2w"])
@@ -160,21 +144,13 @@ def test_values_in_several_groups_a_token(scheme, bits, D, group, R, Q):
     T = sum(chunks)
     K_, V = _kv(rng, B, H, T + nr, D)
     V += rng.standard_normal((1, 1, 1, D)).astype(np.float32) * 2    # per-channel offsets the zero points carry
-    store = PackedKV(B * H, D, kv.key.replace(sinks=0), kv.value.replace(sinks=0))
-    Kd, Vd = np.empty_like(K_), np.empty_like(V)
-    o = 0
-    for n in chunks:
-        pk = kv.key.replace(sinks=0).encode(np.ascontiguousarray(K_[:, :, o:o + n]))
-        pv = kv.value.replace(sinks=0).encode(np.ascontiguousarray(V[:, :, o:o + n]))
-        store.append(pk, pv)
-        Kd[:, :, o:o + n], Vd[:, :, o:o + n] = decode(pk), decode(pv)
-        o += n
+    store, Kd, Vd = packed_store(without_sinks(kv), K_, V, chunks)
     assert store.unsupported(D, R) is None
     q = rng.standard_normal((B, H * R, Q, D)).astype(np.float32)
     keep = np.ones((B, Q, T + nr), bool) & np.tri(Q, T + nr, T + nr - Q, dtype=bool)[None]
     keep[1, :, :5] = False
     out = store.attend(q if Q > 1 else q[:, :, 0], np.ascontiguousarray(K_[:, :, T:]),
                        np.ascontiguousarray(V[:, :, T:]), keep if Q > 1 else keep[:, 0], D ** -0.5)
-    ref = _reference(q, np.concatenate([Kd[:, :, :T], K_[:, :, T:]], 2),
-                     np.concatenate([Vd[:, :, :T], V[:, :, T:]], 2), keep, D ** -0.5)
+    ref = _reference(q, np.concatenate([Kd, K_[:, :, T:]], 2), np.concatenate([Vd, V[:, :, T:]], 2), keep,
+                     D ** -0.5)
     np.testing.assert_allclose(out.reshape(ref.shape), ref, atol=3e-5, rtol=1e-4)

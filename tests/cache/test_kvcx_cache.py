@@ -157,31 +157,9 @@ def _decode(model, cache, tokens, mask, positions):
 
 
 @pytest.fixture
-def checked_attention(kvcx_attention):
-    """kvcx's attention, also computing SDPA over the materialised cache on each fused step from the same
-    query: records (layer, max |fused - materialised|, max |materialised|)."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.modeling_utils import AttentionInterface
-
-    import kvcx.cache.attention_fn as kh
-
-    records = []
-
-    def checking(module, query, key, value, attention_mask, **kwargs):
-        layer = kh.HANDOFF.peek(key)
-        if layer is not None:  # before the step: after it, a full residual is packed
-            k, v = (t.clone() for t in layer.full_states())
-        out = kh.kvcx_attention_forward(module, query, key, value, attention_mask, **kwargs)
-        if layer is not None:
-            ref = sdpa_attention_forward(module, query, k, v, attention_mask, scaling=kwargs.get("scaling"))[0]
-            records.append((module.layer_idx, (out[0] - ref).abs().max().item(), ref.abs().max().item()))
-        return out
-
-    AttentionInterface.register("kvcx", checking)
-    try:
-        yield records
-    finally:
-        AttentionInterface.register("kvcx", kh.kvcx_attention_forward)
+def checked_attention(kvcx_attention, checked):
+    """The embedded model with kvcx's attention, every fused step checked (tests/cache/conftest.py's ``checked``)."""
+    return checked
 
 
 @pytest.mark.parametrize("scheme", ["kvcx", "reference", "kvcx3", "kvcx2", "plan:smollm2-kvcx2-3.54", "kvcx2w",
