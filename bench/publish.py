@@ -117,7 +117,8 @@ def families() -> str:
     title = re.search(r"prompt \(8x a ([\d,]+)-token window\)", path.read_text())
     window = title.group(1) if title else "?"
     return (f"| every model family of 2026, `KvcxCache` (tiny models from transformers' configs) | {len(rows)} "
-            f"families run; every decode step fused on the CPU in {len(fused)} (MLA materialises its latent, "
+            f"rows run (13 families, Gemma 4 untempered, DeepSeek V4 with layers kept); every decode step fused "
+            f"on the CPU in {len(fused)} (MLA materialises its latent, "
             f"stated); sliding/chunked hybrids hold {min(windowed):.3f}x-{max(windowed):.3f}x DynamicCache's bytes at "
             f"8x a {window}-token window | [families](docs/results/families.md) |")
 
