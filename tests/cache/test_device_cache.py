@@ -30,10 +30,42 @@ def _generate(model, cache, ids, mask, n=14):
                               output_scores=True, return_dict_in_generate=True)
 
 
+def _codes(store, kind):
+    """A store's packed codes of ``kind`` as one host array: the device store's segments joined."""
+    if isinstance(store, DevicePackedKV):
+        spans = [s.keys if kind == "key" else s.values for s in store.segments]
+        return torch.cat([s.codes[:, :s.tokens * 16] for s in spans], 1).cpu().numpy()
+    return (store.keys if kind == "key" else store.values).codes
+
+
+def test_the_device_store_packs_the_cpu_stores_bytes():
+    """The same keys and values through update() (a 90-token prefill, then 14 single-token steps, a batch of two):
+    the device store's packed codes and sinks are the CPU store's, byte for byte, segment by segment, and the
+    states a step returns are equal."""
+    cfg = LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=128)
+    cpu = KvcxCache(cfg, backend="cpu", fused=False, **OPTS)
+    dev = KvcxCache(cfg, backend="triton", fused=False, **OPTS)
+    g = torch.Generator().manual_seed(2)
+    for n in [90] + [1] * 14:
+        for i in range(2):
+            k, v = torch.randn(2, 2, 2, n, 32, generator=g).to(DEVICE)
+            (a, b), (c, d) = cpu.update(k.cpu(), v.cpu(), i), dev.update(k.clone(), v.clone(), i)
+            assert torch.equal(a, c.cpu()) and torch.equal(b, d.cpu())
+    for lc, ld in zip(cpu.layers, dev.layers):
+        store = ld.store
+        assert isinstance(store, DevicePackedKV) and len(store.segments) == 2 and store.tokens == lc.store.tokens
+        assert store.segments[0].keys.codes.device.type == DEVICE
+        for kind, host in (("key", lc.store.keys), ("value", lc.store.values)):
+            assert np.array_equal(_codes(store, kind), host.codes)
+            assert np.array_equal(store.sinks[kind].cpu().numpy(), host.sinks.reshape(store.N, 1, 32))
+
+
 def test_generate_through_the_triton_path_equals_the_cpu_path(tiny):
-    """A left-padded batch of two: every decode step runs the Triton attention over the device store, the
-    greedy tokens equal the CPU kernels' path and the logits agree within FP32 rounding; the store's packed
-    bytes are the CPU store's, segment by segment."""
+    """A left-padded batch of two: every decode step runs the Triton attention over the device store (its default
+    FP16 products, FP32 sums) and the greedy tokens equal the CPU kernels' path (FP32). The logits differ by under
+    1 % of what the compression itself moves them (an exact DynamicCache, the same run): the FP16 products' rounding,
+    and the few values it carries across a rounding boundary when the residual is packed (a code one level off;
+    the same inputs give the same bytes: the test above)."""
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 256, (2, 90), generator=g).to(DEVICE)
     mask = torch.ones_like(ids)
@@ -41,25 +73,23 @@ def test_generate_through_the_triton_path_equals_the_cpu_path(tiny):
     cpu = KvcxCache(tiny.config, backend="cpu", **OPTS)
     dev = KvcxCache(tiny.config, backend="triton", **OPTS)
     a, b = _generate(tiny, cpu, ids, mask), _generate(tiny, dev, ids, mask)
+    exact = _generate(tiny, DynamicCache(config=tiny.config), ids, mask)
     assert dev.backend == "triton" and cpu.backend == "cpu" and dev.memory_report()["backend"] == "triton"
     steps = dev.memory_report()["attention_steps"]
     assert steps["fused"] == 2 * 13 and steps["materialised"] == 0
     assert torch.equal(a.sequences, b.sequences)
-    assert max(float((x - y).abs().max()) for x, y in zip(a.scores, b.scores)) < 1e-4
+    between = max(float((x - y).abs().max()) for x, y in zip(a.scores, b.scores))
+    compression = max(float((x - y).abs().max()) for x, y in zip(a.scores, exact.scores))
+    assert between < 0.01 * compression, (between, compression)
     for lc, ld in zip(cpu.layers, dev.layers):
-        store = ld.store
-        assert isinstance(store, DevicePackedKV) and len(store.segments) == 2 and store.tokens == lc.store.tokens
-        for kind, host in (("key", lc.store.keys), ("value", lc.store.values)):
-            spans = [s.keys if kind == "key" else s.values for s in store.segments]
-            codes = torch.cat([s.codes[:, :s.tokens * 16] for s in spans], 1).cpu().numpy()
-            assert np.array_equal(codes, host.codes)
-            assert np.array_equal(store.sinks[kind].cpu().numpy(), host.sinks.reshape(store.N, 1, 32))
-            assert ld.store.segments[0].keys.codes.device.type == DEVICE
+        assert ld.store.tokens == lc.store.tokens
+        for kind in ("key", "value"):
+            x, y = (_codes(store, kind).astype(int) for store in (lc.store, ld.store))
+            off = np.abs(np.stack([(x & 15) - (y & 15), (x >> 4) - (y >> 4)]))   # two 4-bit codes a byte
+            assert off.max() <= 1 and np.count_nonzero(off) <= off.size // 1000, (kind, np.count_nonzero(off))
     rep = dev.memory_report()
     assert rep["packed_bytes"] == sum(layer.store.nbytes for layer in dev.layers)
     assert rep["scratch_bytes"] < 4096                     # no full-precision copy of the context, only the mask
-    # capacity grows by whole 64-token units: at most one spare unit per segment and kind at this size
-    assert cpu.memory_report()["packed_bytes"] <= rep["packed_bytes"] <= 2 * cpu.memory_report()["packed_bytes"]
 
 
 def test_decode_steps_launch_no_kernel_triton_would_compile_again(tiny, monkeypatch):
