@@ -198,3 +198,14 @@ def check_unsupported(specs: List[LayerSpec], unsupported: str, cache: str = "Kv
                         f"{', '.join(sorted(t for t, k in KINDS.items() if k == STATE))} layers' states as "
                         f"transformers does); pass {cache}(..., unsupported='keep') to leave such layers to "
                         "transformers' own cache layer and pack the others")
+
+
+def cached_layers(config) -> tuple:
+    """((layer index, layer type), ...) of the layers whose keys and values a model's cache holds, as its config
+    describes them (:func:`layer_specs`): every layer of a dense model; a hybrid's attention layers (full,
+    sliding, chunked), not its linear-attention or placeholder layers. KvcxError for a config with none."""
+    out = tuple((s.index, s.type) for s in layer_specs(config) if s.packed)
+    if not out:
+        raise KvcxError("the model's config gives no layer with keys and values (its layer_types have no full, "
+                        "sliding or chunked attention layer): there is no cache to compress or plan")
+    return out

@@ -110,19 +110,22 @@ def calibrate(
         return
     t = Table(title=f"most sensitive layers (mean KLD, nats/token, at the {cfg.key.bits}/{cfg.value.bits}-bit base)",
               header_style="bold")
-    for c in ("kind", "layer", "KLD", "codec in the plan", "KLD there"):
-        t.add_column(c, justify="left" if c == "kind" else "right")
+    types = dict(result.layer_types)
+    for c in ("kind", "layer", *(["type"] if types else []), "KLD", "codec in the plan", "KLD there"):
+        t.add_column(c, justify="left" if c in ("kind", "type") else "right")
     planned = {L: (kb, vb) for L, kb, vb in cfg.layer_bits}
     ranked = sorted(result.base_sensitivity().items(), key=lambda kv: -kv[1])[:10]
     for (kind, L), v in ranked:
         sel = planned.get(L, (cfg.key.bits, cfg.value.bits))[0 if kind == "key" else 1]
         tag = tag_of(sel)
         there = result.sensitivity.get((kind, L, tag))
-        t.add_row(kind, str(L), f"{v:.5f}", tag, "estimated" if there is None else f"{there:.5f}")
+        t.add_row(kind, str(L), *([types.get(L, "")] if types else []), f"{v:.5f}", tag,
+                  "estimated" if there is None else f"{there:.5f}")
     out.print(t)
     guessed = f", {result.extrapolated} figures estimated, not measured" if result.extrapolated else ""
     out.print(f"[green]plan[/] → {out_path}: {result.bits_per_value:.3f} bits/value nominal (budget {budget}), "
-              f"{len(cfg.layer_bits)} of {result.n_layers} layers changed, estimated KLD "
+              f"{len(cfg.layer_bits)} of {len(result.layer_indices)} layers changed"
+              f"{f' (the attention layers of {result.n_layers})' if types else ''}, estimated KLD "
               f"{result.estimated_kld:.4f}{guessed}; {result.tokens:,} tokens, {result.wall_time_s:.0f} s")
 
 

@@ -215,7 +215,7 @@ def _check_key_weights(key_weights) -> tuple:
 _PLAN_NUMBERS = ("budget", "bits_per_value", "wall_time_s", "estimated_kld")
 _PLAN_COUNTS = {"n_layers": MAX_LAYERS, "windows": 1 << 31, "tokens": 1 << 48, "extrapolated": 1 << 24,
                 "head_dim": 1 << 16}
-_PLAN_FIELDS = {"config", "sensitivity", "model", "complete", "steps", "press", "guard", *_PLAN_NUMBERS,
+_PLAN_FIELDS = {"config", "sensitivity", "model", "complete", "steps", "press", "guard", "layers", *_PLAN_NUMBERS,
                 *_PLAN_COUNTS}
 # the retrieval guard's record (kvcx.quality.guard): numbers, and lists of numbers a layer or a depth each
 _GUARD_NUMBERS = {"whole", "protect", "length", "prompts", "seed"}
@@ -274,8 +274,14 @@ def check_plan_record(data, source: str) -> dict:
                     for k in _GUARD_LISTS & set(guard))):
         bad("'guard' must be the retrieval guard's record: " + ", ".join(sorted(_GUARD_NUMBERS)) + " (numbers) and "
             + ", ".join(sorted(_GUARD_LISTS)) + " (lists of numbers)")
-    rows = data.get("sensitivity", [])
     n_layers = data.get("n_layers", MAX_LAYERS)
+    layers = data.get("layers", [])   # the layers the plan covers and their types (a hybrid's attention layers)
+    if not (isinstance(layers, list) and len(layers) <= n_layers and all(
+            isinstance(r, dict) and set(r) == {"layer", "type"} and is_int(r["layer"]) and 0 <= r["layer"] < n_layers
+            and isinstance(r["type"], str) and 0 < len(r["type"]) <= 64 for r in layers)
+            and len({r["layer"] for r in layers}) == len(layers)):
+        bad("'layers' must list the plan's layers once each as {layer (below n_layers), type (a layer type name)}")
+    rows = data.get("sensitivity", [])
     if not isinstance(rows, list) or len(rows) > 64 * 3 * max(1, n_layers):
         bad("'sensitivity' must be a list of figures (kind, layer, option, kld), a few per layer and kind")
     for r in rows:
@@ -463,13 +469,15 @@ class KVConfig:
             return self
         return KVConfig(key=self.key, value=self.value, scheme=self.scheme)
 
-    def bits_per_value(self, n_layers: int) -> float:
-        """Nominal bits per value over ``n_layers`` layers of equal size (codes, scales, zero points)."""
+    def bits_per_value(self, layers) -> float:
+        """Nominal bits per value over ``layers`` (a count: layers 0..n-1; or the layer indices, a hybrid model's
+        attention layers) of equal size (codes, scales, zero points)."""
+        layers = range(layers) if isinstance(layers, int) else list(layers)
         total = 0.0
-        for L in range(n_layers):
+        for L in layers:
             c = self.for_layer(L)
             total += c.key.bits_per_value() + c.value.bits_per_value()
-        return total / (2 * n_layers)
+        return total / (2 * len(layers))
 
     @property
     def fallback(self) -> Codec:

@@ -25,6 +25,10 @@ counted whole: ``keep x (key + value bits/value) / 2`` plus the kept positions (
 head, ``8 x keep / head_dim`` bits per value). A layer's KLD with both is estimated as the sum of its eviction's
 and its codecs' (each measured with the rest of the cache exact), as the per-layer figures are summed across layers.
 
+Hybrid models (sliding-window, chunked or linear-attention layers): only the layers whose keys and values the
+cache holds are measured and planned (linear attention's states have none); a plan lists them by index with their
+layer type (``layers``), and its bits per value are over them.
+
 This module computes; it prints nothing. torch is imported inside the functions that need it.
 """
 from __future__ import annotations
@@ -32,11 +36,13 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
+from kvcx.cache.layer_types import cached_layers
 from kvcx.codecs.kvconfig import KVConfig, check_plan_record, layer_of, tag_of
 from kvcx.codecs.presses import INDEX_BITS, Press, PressedSetting
 from kvcx.errors import CodecError, KvcxError
+from kvcx.quality.query_weights import query_weights
 
 DEFAULT_WINDOWS = 4
 DEFAULT_OFFSET = 128      # windows skipped: validate scores the first 32, bench_quality the first 64
@@ -46,6 +52,11 @@ _UNITS = 64               # the knapsack's bit unit: 1/64 bit/value (FP16 scales
 KEEPS = (0.5, 0.25, 0.125)  # keep ratios a plan with a press may give a layer, besides 1 (no eviction)
 
 Sensitivity = Dict[Tuple[str, int, str], float]   # (kind, layer, option tag) -> mean KLD, nats/token
+Layers = Union[int, Sequence[int]]                # layer indices; a count n means layers 0..n-1
+
+
+def _indices(layers: Layers) -> List[int]:
+    return list(range(layers)) if isinstance(layers, int) else [int(L) for L in layers]
 
 
 @dataclass
@@ -64,6 +75,12 @@ class Calibration:
     complete: bool = True                              # False: figures of one kind only, no plan (--reuse them)
     press: Optional[Press] = None                      # a keep ratio per layer (tokens as a second axis)
     head_dim: int = 0                                  # the model's (the kept positions' share of the bytes)
+    layer_types: Tuple[Tuple[int, str], ...] = ()      # (layer, type) planned; () = every layer of n_layers
+
+    @property
+    def layer_indices(self) -> List[int]:
+        """The layers the plan covers (a hybrid's attention layers; else 0..n_layers-1)."""
+        return [L for L, _ in self.layer_types] if self.layer_types else list(range(self.n_layers))
 
     def to_dict(self) -> dict:
         return {"config": self.config.get_config(), "budget": self.budget, "bits_per_value": self.bits_per_value,
@@ -72,6 +89,7 @@ class Calibration:
                 "estimated_kld": self.estimated_kld if self.complete and math.isfinite(self.estimated_kld) else None,
                 "extrapolated": self.extrapolated, "complete": self.complete,
                 **({"press": self.press.get_config(), "head_dim": self.head_dim} if self.press is not None else {}),
+                **({"layers": [{"layer": L, "type": t} for L, t in self.layer_types]} if self.layer_types else {}),
                 "sensitivity": [{"kind": k, "layer": L, "option": t, "kld": v}
                                 for (k, L, t), v in sorted(self.sensitivity.items())]}
 
@@ -129,24 +147,25 @@ def keep_tag(keep: float) -> str:
     return f"k{keep:g}"
 
 
-def layer_sensitivity(model, ids, starts: List[int], window: int, stride: int, config: KVConfig, n_layers: int,
+def layer_sensitivity(model, ids, starts: List[int], window: int, stride: int, config: KVConfig, layers: Layers,
                       options: Optional[Iterable[str]] = None,
                       on_window: Optional[Callable[[int, int], None]] = None,
                       press: Optional[Press] = None) -> Tuple[Sensitivity, int]:
     """({(kind, layer, tag): mean KLD}, tokens scored), one layer's keys or values compressed at a time, with
     each of ``options`` (default: every option a plan may use) that the kind has; with a ``press``, also each
-    layer alone evicted at each keep ratio of :func:`keep_ladder` (kind ``"keep"``, tag ``k0.5``)."""
+    layer alone evicted at each keep ratio of :func:`keep_ladder` (kind ``"keep"``, tag ``k0.5``). ``layers``: the
+    layer indices to measure (a count n: 0..n-1)."""
     from kvcx.quality.eviction import PressRoundtrip
     from kvcx.quality.scoring import compare_prefix
 
     want = None if options is None else set(options)
     roundtrips = {(kind, L, t): _one_layer_roundtrip(config, kind, L, t)
-                  for L in range(n_layers) for kind in KINDS for t in plan_options(config, kind)
+                  for L in _indices(layers) for kind in KINDS for t in plan_options(config, kind)
                   if want is None or t in want or f"{kind}.{t}" in want}
     if press is not None:
         for r in keep_ladder(press):
             one = PressedSetting(Press(press.name, r, dict(press.options)))
-            roundtrips.update({("keep", L, keep_tag(r)): PressRoundtrip(one, layers={L}) for L in range(n_layers)})
+            roundtrips.update({("keep", L, keep_tag(r)): PressRoundtrip(one, layers={L}) for L in _indices(layers)})
     if not roundtrips:
         raise KvcxError(f"options={','.join(sorted(want))} leaves nothing to measure: the plan's options are keys "
                         f"{','.join(plan_options(config, 'key'))}, values {','.join(plan_options(config, 'value'))}")
@@ -188,16 +207,18 @@ def _measured(sensitivity, config: KVConfig, cost) -> Dict[Tuple[str, int], Dict
     return measured
 
 
-def allocate(sensitivity, config: KVConfig, n_layers: int, budget: float) -> Tuple[KVConfig, float, int]:
-    """(plan, estimated KLD, figures estimated): one option per (kind, layer) minimising the summed KLD with
-    the mean nominal bits/value within ``budget`` (keys and values of every layer the same size).
+def allocate(sensitivity, config: KVConfig, layers: Layers, budget: float) -> Tuple[KVConfig, float, int]:
+    """(plan, estimated KLD, figures estimated): one option per (kind, layer) of ``layers`` (indices; a count n:
+    0..n-1) minimising the summed KLD with the mean nominal bits/value within ``budget`` (keys and values of
+    every layer the same size).
 
     ``sensitivity`` maps (kind, layer, tag) to the KLD measured with ``config.codec_at(kind, tag)``
     ((kind, layer) keys mean the base codec). An exact multiple-choice knapsack in 1/64-bit units."""
     cost = _costs(config)
     check_budget(config, budget, cost)
     measured = _measured(sensitivity, config, cost)
-    items = [(k, L) for L in range(n_layers) for k in KINDS]
+    layers = _indices(layers)
+    items = [(k, L) for L in layers for k in KINDS]
     missing = [i for i in items if not measured.get(i)]
     if missing:
         raise KvcxError(f"no sensitivity measured for {missing[0][0]}s of layer {missing[0][1]} "
@@ -217,7 +238,7 @@ def allocate(sensitivity, config: KVConfig, n_layers: int, budget: float) -> Tup
         chosen[it] = _sel(t)
         guessed += g
     base = (config.key, config.value)
-    layer_bits = [(L, chosen[("key", L)], chosen[("value", L)]) for L in range(n_layers)
+    layer_bits = [(L, chosen[("key", L)], chosen[("value", L)]) for L in layers
                   if (config.codec_at("key", chosen[("key", L)]), config.codec_at("value", chosen[("value", L)])) != base]
     plan = KVConfig(key=config.key, value=config.value, scheme=config.scheme, layer_bits=layer_bits,
                     variants=config.variants)
@@ -264,10 +285,17 @@ def least_pressed_budget(config: KVConfig, press: Press, head_dim: int = 0) -> f
     return r * codec + (INDEX_BITS * r / (2 * head_dim) if head_dim else 0.0)
 
 
-def allocate_pressed(sensitivity, config: KVConfig, press: Press, n_layers: int, head_dim: int,
+def allocate_pressed(sensitivity, config: KVConfig, press: Press, layers: Layers, head_dim: int,
                      budget: float) -> Tuple[KVConfig, Press, float, int, float]:
     """(plan, press with a keep ratio per layer, estimated KLD, figures estimated, bits/value counted whole): per
-    layer a keep ratio and the keys' and values' codecs, the summed KLD least within ``budget``."""
+    layer of ``layers`` (indices; a count n: 0..n-1) a keep ratio and the keys' and values' codecs, the summed KLD
+    least within ``budget``."""
+    layers = _indices(layers)
+    n_layers = len(layers)
+    if layers != list(range(n_layers)):
+        raise KvcxError(f"a press plans the tokens of every layer, and this model's cache holds keys and values in "
+                        f"layers {', '.join(map(str, layers[:8]))}{', ...' if n_layers > 8 else ''} only (a hybrid "
+                        "model): calibrate its codecs without a press (--scheme kvcx, kvcx3)")
     cost = _costs(config)
     least = least_pressed_budget(config, press, head_dim)
     if not (math.isfinite(budget) and budget >= least - 1e-9):
@@ -276,7 +304,7 @@ def allocate_pressed(sensitivity, config: KVConfig, press: Press, n_layers: int,
     measured = _measured(sensitivity, config, cost)
     keeps = [1.0] + keep_ladder(press)
     choices, meta = [], []
-    for L in range(n_layers):
+    for L in layers:
         if not (measured.get(("key", L)) and measured.get(("value", L))):
             raise KvcxError(f"no sensitivity measured for layer {L}'s keys or values: calibrate again")
         opts, info = [], []
@@ -296,9 +324,9 @@ def allocate_pressed(sensitivity, config: KVConfig, press: Press, n_layers: int,
         meta.append(info)
     cap = int(math.floor(budget * n_layers * _UNITS + 1e-6))
     estimated, picks = _knapsack(choices, cap, f"budget={budget} bits/value")
-    chosen = [meta[L][j] for L, j in enumerate(picks)]
+    chosen = [meta[i][j] for i, j in enumerate(picks)]
     base = (config.key, config.value)
-    layer_bits = [(L, _sel(tk), _sel(tv)) for L, (_, tk, tv, _, _) in enumerate(chosen)
+    layer_bits = [(L, _sel(tk), _sel(tv)) for L, (_, tk, tv, _, _) in zip(layers, chosen)
                   if (config.codec_at("key", _sel(tk)), config.codec_at("value", _sel(tv))) != base]
     plan = KVConfig(key=config.key, value=config.value, scheme=config.scheme, layer_bits=layer_bits,
                     variants=config.variants)
@@ -308,11 +336,17 @@ def allocate_pressed(sensitivity, config: KVConfig, press: Press, n_layers: int,
             sum(b for *_, b in chosen) / n_layers)
 
 
+def saved_layer_types(saved: dict) -> Tuple[Tuple[int, str], ...]:
+    """A plan file's ``layers`` ((layer, type), ...: a hybrid model's attention layers), () for a dense model's."""
+    return tuple((int(r["layer"]), str(r["type"])) for r in saved.get("layers", ()))
+
+
 def _saved_sensitivity(saved: dict, source: str) -> Tuple[KVConfig, Dict[Tuple[str, int, str], Tuple[float, object]], int]:
     """(base config, {(kind, layer, tag): (KLD, codec measured with)}, n_layers) of a plan file's JSON."""
     try:
         cfg = KVConfig.from_config(saved["config"]).base()
         n_layers = int(saved["n_layers"])
+        layers = [L for L, _ in saved_layer_types(saved)] or range(n_layers)
         rows = {}
         for r in saved["sensitivity"]:
             k, L = r["kind"], int(r["layer"])
@@ -324,62 +358,11 @@ def _saved_sensitivity(saved: dict, source: str) -> Tuple[KVConfig, Dict[Tuple[s
         raise KvcxError(f"{source}: not a plan written by `kvcx calibrate` (missing or bad field: {exc}); "
                         "calibrate again") from None
     covered = {(k, L) for k, L, _ in rows}
-    want = {(k, L) for L in range(n_layers) for k in KINDS}
+    want = {(k, L) for L in layers for k in KINDS}
     if not covered <= want or (saved.get("complete", True) and covered != want):
-        raise KvcxError(f"{source}: the plan's sensitivities do not cover keys and values of its {n_layers} layers; "
-                        "calibrate again")
+        raise KvcxError(f"{source}: the plan's sensitivities do not cover keys and values of its {len(want) // 2} "
+                        "layers; calibrate again")
     return cfg, rows, n_layers
-
-
-def query_weights(model, ids, starts: List[int], window: int,
-                  on_window: Optional[Callable[[int, int], None]] = None) -> Dict[int, list]:
-    """{layer: [[mean q^2 per channel] per KV head]}: each layer's queries (``self_attn.q_proj`` outputs) over
-    the windows, their query heads summed onto the KV head they read (grouped-query attention), and the two
-    channels of each rotary pair (c, c + head_dim / 2) averaged, since RoPE turns one into the other as
-    positions advance. A key channel's quantization error moves the attention logits by q_c * error_c, so
-    these are the weights of the keys' squared errors."""
-    import torch
-
-    cfg = model.config
-    heads = int(cfg.num_attention_heads)
-    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
-    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
-    try:
-        layers = list(model.model.layers)
-        projs = [layer.self_attn.q_proj for layer in layers]
-    except AttributeError:
-        raise KvcxError("query weights need a Llama-style model (model.model.layers[i].self_attn.q_proj); use "
-                        "--scheme kvcx2w without a plan (the widths then weigh every channel alike)") from None
-    if heads % kv_heads or head_dim % 2:
-        raise KvcxError(f"query weights: {heads} query heads do not group onto {kv_heads} KV heads of even head_dim")
-    sums = [torch.zeros(kv_heads, head_dim, dtype=torch.float64) for _ in projs]
-    count = [0]
-
-    def hook(i):
-        def f(_module, _inputs, out):
-            q = out.detach().double().reshape(-1, kv_heads, heads // kv_heads, head_dim)
-            sums[i] += (q * q).sum(dim=(0, 2))
-            if i == 0:
-                count[0] += q.shape[0]
-        return f
-
-    handles = [m.register_forward_hook(hook(i)) for i, m in enumerate(projs)]
-    dev = next(model.parameters()).device
-    try:
-        with torch.inference_mode():
-            for w, a in enumerate(starts):
-                model.get_decoder()(input_ids=ids[a:a + window][None].to(dev), use_cache=False)   # no logits
-                if on_window:
-                    on_window(w + 1, len(starts))
-    finally:
-        for h in handles:
-            h.remove()
-    out = {}
-    for i, m in enumerate(sums):
-        m = m / max(1, count[0])
-        m = (m + m.roll(head_dim // 2, dims=-1)) / 2
-        out[i] = [[float(f"{x:.6g}") for x in row] for row in m.tolist()]
-    return out
 
 
 def width_plan(config: KVConfig, budget: float, weights: Dict[int, list]) -> KVConfig:
@@ -420,10 +403,12 @@ def reallocate(saved, budget: float, source="<plan>", base: Optional[KVConfig] =
         start = base if base is not None and base.key.takes_weights else saved_cfg
         plan = width_plan(start, budget, {L: [list(r) for r in w] for L, w in saved_cfg.key_weights})
         n_layers = int(plans[0].get("n_layers", 0))
+        types = saved_layer_types(plans[0])
         return Calibration(config=plan, sensitivity={}, budget=budget,
-                           bits_per_value=plan.bits_per_value(n_layers or 1), n_layers=n_layers,
-                           windows=int(plans[0].get("windows", 0)), tokens=int(plans[0].get("tokens", 0)),
-                           model=str(plans[0].get("model", "")), estimated_kld=math.nan)
+                           bits_per_value=plan.bits_per_value([L for L, _ in types] or (n_layers or 1)),
+                           n_layers=n_layers, windows=int(plans[0].get("windows", 0)),
+                           tokens=int(plans[0].get("tokens", 0)), model=str(plans[0].get("model", "")),
+                           estimated_kld=math.nan, layer_types=types)
     try:
         parsed = [_saved_sensitivity(p, s) for p, s in zip(plans, sources)]
     except CodecError as exc:
@@ -431,9 +416,11 @@ def reallocate(saved, budget: float, source="<plan>", base: Optional[KVConfig] =
     cfg0, _, n_layers = parsed[0]
     base = (base or cfg0).base()
     first = plans[0]
+    types = saved_layer_types(first)
+    layers = [L for L, _ in types] or n_layers
     for p, s, (_, _, n) in zip(plans[1:], sources[1:], parsed[1:]):
-        same = (n, p.get("model"), p.get("windows"), p.get("tokens")) == \
-               (n_layers, first.get("model"), first.get("windows"), first.get("tokens"))
+        same = (n, saved_layer_types(p), p.get("model"), p.get("windows"), p.get("tokens")) == \
+               (n_layers, types, first.get("model"), first.get("windows"), first.get("tokens"))
         if not same:
             raise KvcxError(f"{s}: measured on another model or text than {sources[0]} (layers, model, windows, "
                             "tokens differ); reuse plans calibrated with the same --model, --windows and --offset")
@@ -447,15 +434,16 @@ def reallocate(saved, budget: float, source="<plan>", base: Optional[KVConfig] =
         for r in first["sensitivity"]:
             if r["kind"] == "keep":
                 sens[("keep", int(r["layer"]), r["option"])] = float(r["kld"])
-        plan, pressed, estimated, guessed, bpv = allocate_pressed(sens, base, press, n_layers, head_dim, budget)
+        plan, pressed, estimated, guessed, bpv = allocate_pressed(sens, base, press, layers, head_dim, budget)
         return Calibration(config=plan, sensitivity=sens, budget=budget, bits_per_value=bpv, n_layers=n_layers,
                            windows=int(first.get("windows", 0)), tokens=int(first.get("tokens", 0)),
                            model=str(first.get("model", "")), estimated_kld=estimated, extrapolated=guessed,
                            press=pressed, head_dim=head_dim)
-    plan, estimated, guessed = allocate(sens, base, n_layers, budget)
-    return Calibration(config=plan, sensitivity=sens, budget=budget, bits_per_value=plan.bits_per_value(n_layers),
+    plan, estimated, guessed = allocate(sens, base, layers, budget)
+    return Calibration(config=plan, sensitivity=sens, budget=budget, bits_per_value=plan.bits_per_value(layers),
                        n_layers=n_layers, windows=int(first.get("windows", 0)), tokens=int(first.get("tokens", 0)),
-                       model=str(first.get("model", "")), estimated_kld=estimated, extrapolated=guessed)
+                       model=str(first.get("model", "")), estimated_kld=estimated, extrapolated=guessed,
+                       layer_types=types)
 
 
 def _saved_press(saved: dict, source: str) -> Tuple[Press, int]:
@@ -512,6 +500,12 @@ def run_calibration(config: KVConfig, budget: float, model: Optional[str] = None
     source = resolve_model(model) if loaded is None else None
     m, tok, name = loaded if loaded is not None else load_model_and_tokenizer(source, cpu=cpu)
     n_layers = int(m.config.num_hidden_layers)
+    types = cached_layers(m.config)
+    layers = [L for L, _ in types]
+    if layers == list(range(n_layers)) and all(t == "full_attention" for _, t in types):
+        types = ()   # a dense model: every layer, as plans have always said
+    elif press is not None:
+        allocate_pressed({}, config, press, layers, 0, budget)   # refused before the model runs
     ids = torch.tensor(tok(text, return_tensors=None)["input_ids"], dtype=torch.long)
     starts = window_starts(ids.numel(), window, stride, 0)
     if len(starts) < offset + windows:
@@ -520,24 +514,26 @@ def run_calibration(config: KVConfig, budget: float, model: Optional[str] = None
     starts = starts[offset:offset + windows]
     if widths:
         if on_phase:
-            on_phase(1, 2, f"{name}: the queries of {n_layers} layers, {windows} windows from window {offset}")
-        plan = width_plan(config, budget, query_weights(m, ids, starts, window, on_window))
+            on_phase(1, 2, f"{name}: the queries of {len(layers)} layers, {windows} windows from window {offset}")
+        plan = width_plan(config, budget, query_weights(m, ids, starts, window, on_window, layers))
         if on_phase:
             on_phase(2, 2, f"plan: keys {plan.key.bits:g} bits per code on average, "
-                           f"{plan.bits_per_value(n_layers):.3f} bits/value nominal")
-        return Calibration(config=plan, sensitivity={}, budget=budget, bits_per_value=plan.bits_per_value(n_layers),
+                           f"{plan.bits_per_value(layers):.3f} bits/value nominal")
+        return Calibration(config=plan, sensitivity={}, budget=budget, bits_per_value=plan.bits_per_value(layers),
                            n_layers=n_layers, windows=windows, tokens=windows * window,
-                           wall_time_s=time.perf_counter() - t0, model=name, estimated_kld=math.nan)
+                           wall_time_s=time.perf_counter() - t0, model=name, estimated_kld=math.nan,
+                           layer_types=types)
     if on_phase:
         n_opts = sum(len([t for t in a if options is None or t in options or f"{k}.{t}" in options])
                      for k, a in allowed.items())
-        on_phase(1, 2, f"{name}: {n_layers} layers x {n_opts} key/value codecs, {windows} windows from window "
+        hybrid = f" (the attention layers of {n_layers})" if types else ""
+        on_phase(1, 2, f"{name}: {len(layers)} layers{hybrid} x {n_opts} key/value codecs, {windows} windows from window "
                        f"{offset}, {config.describe()}")
-    sens, tokens = layer_sensitivity(m, ids, starts, window, stride, config, n_layers, options, on_window, press)
+    sens, tokens = layer_sensitivity(m, ids, starts, window, stride, config, layers, options, on_window, press)
     if press is not None:
         heads = int(m.config.num_attention_heads)
         head_dim = int(getattr(m.config, "head_dim", None) or m.config.hidden_size // heads)
-        plan, pressed, estimated, guessed, bpv = allocate_pressed(sens, config, press, n_layers, head_dim, budget)
+        plan, pressed, estimated, guessed, bpv = allocate_pressed(sens, config, press, layers, head_dim, budget)
         if on_phase:
             on_phase(2, 2, f"plan: {bpv:.3f} bits/value counted whole, keep {pressed.keep:.3f} of the tokens on "
                            f"average, {len(plan.layer_bits)} layers' codecs changed")
@@ -547,13 +543,13 @@ def run_calibration(config: KVConfig, budget: float, model: Optional[str] = None
     measured_kinds = {k for k, _, _ in sens}
     if measured_kinds != set(KINDS):
         # --options measured one kind only: keep the figures (no plan yet); --reuse combines them with others
-        return Calibration(config=config, sensitivity=sens, budget=budget, bits_per_value=config.bits_per_value(n_layers),
+        return Calibration(config=config, sensitivity=sens, budget=budget, bits_per_value=config.bits_per_value(layers),
                            n_layers=n_layers, windows=windows, tokens=tokens, wall_time_s=time.perf_counter() - t0,
-                           model=name, estimated_kld=math.nan, extrapolated=0, complete=False)
-    plan, estimated, guessed = allocate(sens, config, n_layers, budget)
+                           model=name, estimated_kld=math.nan, extrapolated=0, complete=False, layer_types=types)
+    plan, estimated, guessed = allocate(sens, config, layers, budget)
     if on_phase:
-        on_phase(2, 2, f"plan: {plan.bits_per_value(n_layers):.3f} bits/value nominal, "
+        on_phase(2, 2, f"plan: {plan.bits_per_value(layers):.3f} bits/value nominal, "
                        f"{len(plan.layer_bits)} layers changed")
-    return Calibration(config=plan, sensitivity=sens, budget=budget, bits_per_value=plan.bits_per_value(n_layers),
+    return Calibration(config=plan, sensitivity=sens, budget=budget, bits_per_value=plan.bits_per_value(layers),
                        n_layers=n_layers, windows=windows, tokens=tokens, wall_time_s=time.perf_counter() - t0,
-                       model=name, estimated_kld=estimated, extrapolated=guessed)
+                       model=name, estimated_kld=estimated, extrapolated=guessed, layer_types=types)

@@ -43,3 +43,67 @@ def test_every_mode_gates_a_hybrid_model(loaded, wikitext_path, kind):
         assert math.isfinite(r.compressed_perplexity) and r.compressed_perplexity != r.baseline_perplexity, mode
         # a random model's next-token distribution is near uniform: its top-1 flips on noise, the KLD does not
         assert 0.0 < r.kld < 0.01 and r.top1_agreement > 0.5, (mode, r.kld, r.top1_agreement)
+
+
+@pytest.mark.parametrize("kind", ["sliding", "linear"])
+def test_calibrate_plans_a_hybrids_attention_layers_by_type(loaded, wikitext_path, kind):
+    """kvcx calibrate on a hybrid measures and plans the layers whose keys and values the cache holds (linear
+    attention's states have none), names each with its layer type in the plan, counts the plan's bits over them;
+    the plan file reads back (reallocated), gates the model and runs in KvcxCache; query weights (kvcx2w) are
+    taken from the same layers; a press, which plans every layer's tokens, is refused before the model runs."""
+    import json
+
+    from kvcx.cache.kvcx_cache import KvcxCache
+    from kvcx.codecs.kvconfig import check_plan_record
+    from kvcx.codecs.presses import parse_press
+    from kvcx.errors import KvcxError
+    from kvcx.quality.calibrate import reallocate, run_calibration
+
+    _, tok, _ = loaded
+    model = _hybrid(kind, len(tok))
+    hybrid = (model, tok, f"tiny {kind} hybrid")
+    want = ((0, "sliding_attention"), (1, "sliding_attention"), (2, "sliding_attention"), (3, "full_attention")) \
+        if kind == "sliding" else ((3, "full_attention"),)
+    kw = dict(dataset_file=wikitext_path, windows=1, offset=0, window=256, stride=128, loaded=hybrid)
+    cal = run_calibration(KVConfig.from_scheme("kvcx3"), 3.0, **kw)
+    assert cal.layer_types == want and cal.layer_indices == [L for L, _ in want] and cal.n_layers == 4
+    assert {L for _, L, _ in cal.sensitivity} == {L for L, _ in want}
+    assert {L for L, _, _ in cal.config.layer_bits} <= {L for L, _ in want}
+    assert cal.bits_per_value == pytest.approx(cal.config.bits_per_value(cal.layer_indices)) and cal.bits_per_value <= 3.0
+    saved = json.loads(json.dumps(cal.to_dict()))
+    assert saved["layers"] == [{"layer": L, "type": t} for L, t in want]
+    check_plan_record(saved, "plan.json")
+    again = reallocate(saved, 3.0)
+    assert again.layer_types == want and again.config == cal.config and again.bits_per_value == cal.bits_per_value
+    r = run_validation(cal.config, dataset_file=wikitext_path, max_windows=1, loaded=hybrid, window=256, stride=128)
+    assert r.tokens_scored == 127 and 0.0 < r.kld < 0.01
+    import kvcx.cache  # noqa: F401  (registers the "kvcx" attention implementation)
+
+    model.set_attn_implementation("kvcx")
+    cache = KvcxCache(model.config, kv_config=cal.config)
+    ids = torch.randint(3, len(tok), (1, 300), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=4, do_sample=False)
+    rep = cache.memory_report()
+    assert out.shape == (1, 304) and [r["kvcx"] for r in rep["layers"]].count("packed") == len(want)
+    assert rep["attention_steps"]["fused"] == 3 * len(want) and rep["attention_steps"]["materialised"] == 0
+    widths = run_calibration(KVConfig.from_scheme("kvcx2w"), 2.6, **kw)
+    assert [L for L, _ in widths.config.key_weights] == [L for L, _ in want] and widths.layer_types == want
+    if kind == "linear":
+        with pytest.raises(KvcxError, match="hybrid model.*without a press"):
+            run_calibration(KVConfig.from_scheme("kvcx3"), 3.0, press=parse_press("snapkv:0.5"), **kw)
+
+
+def test_ruler_prompts_run_over_a_hybrids_refilled_cache(loaded, wikitext_path):
+    """--task ruler on a hybrid: each prompt's compressed replies decode over the model's own cache with its
+    attention layers' keys and values replaced (sliding windows and linear states kept), the bits counted over
+    those layers; a random model answers nothing, so the task is dropped, with the reason."""
+    from kvcx.quality.retrieval import run_retrieval
+
+    _, tok, _ = loaded
+    for kind in ("sliding", "linear"):
+        r = run_retrieval({"kvcx": KVConfig.from_scheme()}, ["niah_single"], lengths=[512], depths=[0.5], prompts=2,
+                          dataset_file=wikitext_path, loaded=(_hybrid(kind, len(tok)), tok, kind))[0]
+        assert [(c.task, c.length) for c in r.cells] == [("niah_single", 512)]
+        assert "cannot do it" in r.dropped["niah_single"] and not r.passed
+        assert 4.4 < r.bits_per_value < 4.8, r.bits_per_value   # the default's 4.46 and a short context's sinks

@@ -28,6 +28,9 @@ def _variants():
     yield "config null", {**base, "config": None}, "'config' must be an object"
     yield "an unknown field", {**base, "extra": 1}, "unknown fields"
     yield "layer_bits as a number", {**base, "config": {**base["config"], "layer_bits": 7}}, "layer_bits"
+    yield "a planned layer twice", {**base, "layers": [{"layer": 1, "type": "sliding_attention"}] * 2}, "'layers'"
+    yield "a planned layer past n_layers", {**base, "layers": [{"layer": 30, "type": "full_attention"}]}, "'layers'"
+    yield "a layer type not a name", {**base, "layers": [{"layer": 0, "type": 3}]}, "'layers'"
 
 
 @pytest.mark.parametrize("what,plan,message", list(_variants()), ids=[v[0] for v in _variants()])

@@ -1,0 +1,69 @@
+"""Query weights for ``--scheme kvcx2w`` (keys with a bit width per channel): how much the queries weigh each
+key channel, measured on the calibration text (:mod:`kvcx.quality.calibrate` turns them into a plan). torch is
+imported inside the function that needs it."""
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional, Sequence
+
+from kvcx.cache.layer_types import cached_layers, layer_specs
+from kvcx.errors import KvcxError
+
+def query_weights(model, ids, starts: List[int], window: int,
+                  on_window: Optional[Callable[[int, int], None]] = None,
+                  layers: Optional[Sequence[int]] = None) -> Dict[int, list]:
+    """{layer: [[mean q^2 per channel] per KV head]}: each layer's queries (``self_attn.q_proj`` outputs) over
+    the windows, their query heads summed onto the KV head they read (grouped-query attention), and the two
+    channels of each rotary pair (c, c + head_dim / 2) averaged, since RoPE turns one into the other as
+    positions advance. A key channel's quantization error moves the attention logits by q_c * error_c, so
+    these are the weights of the keys' squared errors. ``layers``: the layers to weigh (default: the layers
+    the cache holds keys and values for, :func:`cached_layers`), each with its own heads and head_dim."""
+    import torch
+
+    specs = {s.index: s for s in layer_specs(model.config)}
+    layers = [L for L, _ in cached_layers(model.config)] if layers is None else list(layers)
+    cfg = model.config
+    try:
+        projs = [model.model.layers[L].self_attn.q_proj for L in layers]
+    except (AttributeError, IndexError, TypeError):
+        raise KvcxError("query weights need a Llama-style model (model.model.layers[i].self_attn.q_proj); use "
+                        "--scheme kvcx2w without a plan (the widths then weigh every channel alike)") from None
+    shapes = []
+    for L in layers:
+        spec = specs[L]
+        heads = int(spec.heads or cfg.num_attention_heads)
+        kv_heads = int(spec.kv_heads or getattr(cfg, "num_key_value_heads", None) or heads)
+        head_dim = int(spec.key_dim or getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+        if heads % kv_heads or head_dim % 2:
+            raise KvcxError(f"query weights: layer {L}'s {heads} query heads do not group onto {kv_heads} KV heads "
+                            "of even head_dim")
+        shapes.append((heads, kv_heads, head_dim))
+    sums = [torch.zeros(kv, d, dtype=torch.float64) for _, kv, d in shapes]
+    count = [0]
+
+    def hook(i):
+        heads, kv_heads, head_dim = shapes[i]
+
+        def f(_module, _inputs, out):
+            q = out.detach().double().reshape(-1, kv_heads, heads // kv_heads, head_dim)
+            sums[i] += (q * q).sum(dim=(0, 2))
+            if i == 0:
+                count[0] += q.shape[0]
+        return f
+
+    handles = [m.register_forward_hook(hook(i)) for i, m in enumerate(projs)]
+    dev = next(model.parameters()).device
+    try:
+        with torch.inference_mode():
+            for w, a in enumerate(starts):
+                model.get_decoder()(input_ids=ids[a:a + window][None].to(dev), use_cache=False)   # no logits
+                if on_window:
+                    on_window(w + 1, len(starts))
+    finally:
+        for h in handles:
+            h.remove()
+    out = {}
+    for L, m, (_, _, head_dim) in zip(layers, sums, shapes):
+        m = m / max(1, count[0])
+        m = (m + m.roll(head_dim // 2, dims=-1)) / 2
+        out[L] = [[float(f"{x:.6g}") for x in row] for row in m.tolist()]
+    return out
