@@ -285,6 +285,16 @@ def least_pressed_budget(config: KVConfig, press: Press, head_dim: int = 0) -> f
     return r * codec + (INDEX_BITS * r / (2 * head_dim) if head_dim else 0.0)
 
 
+def refuse_press_on_hybrid(layer_types) -> None:
+    """KvcxError for a press (token eviction, planned per layer) on a hybrid model (``layer_types``: its
+    (layer, type) pairs whose keys and values the cache holds; empty for a dense model)."""
+    if layer_types:
+        named = ", ".join(f"{L} {t}" for L, t in list(layer_types)[:8]) + (", ..." if len(layer_types) > 8 else "")
+        raise KvcxError(f"a press evicts tokens from every layer's keys and values, and this is a hybrid model (its "
+                        f"cached layers: {named}; sliding windows and linear states are not evicted): calibrate its "
+                        "codecs without a press (--scheme kvcx, kvcx3)")
+
+
 def allocate_pressed(sensitivity, config: KVConfig, press: Press, layers: Layers, head_dim: int,
                      budget: float) -> Tuple[KVConfig, Press, float, int, float]:
     """(plan, press with a keep ratio per layer, estimated KLD, figures estimated, bits/value counted whole): per
@@ -293,9 +303,7 @@ def allocate_pressed(sensitivity, config: KVConfig, press: Press, layers: Layers
     layers = _indices(layers)
     n_layers = len(layers)
     if layers != list(range(n_layers)):
-        raise KvcxError(f"a press plans the tokens of every layer, and this model's cache holds keys and values in "
-                        f"layers {', '.join(map(str, layers[:8]))}{', ...' if n_layers > 8 else ''} only (a hybrid "
-                        "model): calibrate its codecs without a press (--scheme kvcx, kvcx3)")
+        refuse_press_on_hybrid([(L, "attention") for L in layers])
     cost = _costs(config)
     least = least_pressed_budget(config, press, head_dim)
     if not (math.isfinite(budget) and budget >= least - 1e-9):
@@ -430,6 +438,7 @@ def reallocate(saved, budget: float, source="<plan>", base: Optional[KVConfig] =
             if t in plan_options(base, k) and codec == base.codec_at(k, _sel(t)):
                 sens.setdefault((k, L, t), kld)
     if first.get("press") is not None:    # tokens as a second axis: the evictions' figures too
+        refuse_press_on_hybrid(types)
         press, head_dim = _saved_press(first, sources[0])
         for r in first["sensitivity"]:
             if r["kind"] == "keep":
@@ -505,7 +514,7 @@ def run_calibration(config: KVConfig, budget: float, model: Optional[str] = None
     if layers == list(range(n_layers)) and all(t == "full_attention" for _, t in types):
         types = ()   # a dense model: every layer, as plans have always said
     elif press is not None:
-        allocate_pressed({}, config, press, layers, 0, budget)   # refused before the model runs
+        refuse_press_on_hybrid(types)   # before any window is scored
     ids = torch.tensor(tok(text, return_tensors=None)["input_ids"], dtype=torch.long)
     starts = window_starts(ids.numel(), window, stride, 0)
     if len(starts) < offset + windows:

@@ -89,9 +89,8 @@ def test_calibrate_plans_a_hybrids_attention_layers_by_type(loaded, wikitext_pat
     assert rep["attention_steps"]["fused"] == 3 * len(want) and rep["attention_steps"]["materialised"] == 0
     widths = run_calibration(KVConfig.from_scheme("kvcx2w"), 2.6, **kw)
     assert [L for L, _ in widths.config.key_weights] == [L for L, _ in want] and widths.layer_types == want
-    if kind == "linear":
-        with pytest.raises(KvcxError, match="hybrid model.*without a press"):
-            run_calibration(KVConfig.from_scheme("kvcx3"), 3.0, press=parse_press("snapkv:0.5"), **kw)
+    with pytest.raises(KvcxError, match="hybrid model.*without a press"):
+        run_calibration(KVConfig.from_scheme("kvcx3"), 3.0, press=parse_press("snapkv:0.5"), **kw)
 
 
 def test_ruler_prompts_run_over_a_hybrids_refilled_cache(loaded, wikitext_path):
