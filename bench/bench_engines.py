@@ -10,7 +10,8 @@ size, in one run, the model loaded once.
 Settings (default; `--all` adds iq4_nl and the peers quanto / HQQ / TurboQuant through their libraries): kvcx's
 default and KIVI at 4 bits; llama.cpp's q8_0, q5_1, q4_1, q4_0 as releases before
 the attention rotation (or with LLAMA_ATTN_ROT_DISABLE=1) write them, and q8_0, q4_0 with the rotation
-(llama.cpp's default since PR #21038); vLLM's fp8 e4m3 and e5m2 at scale 1.0. Timing: at the first window
+(llama.cpp's default since PR #21038); vLLM's fp8 e4m3 and e5m2 at scale 1.0; FP4: ggml's mxfp4 and
+TensorRT-LLM's nvfp4 at per-tensor scale 1.0 and calibrated (nvfp4-amax). Timing: at the first window
 size, the same windows validated once for the first setting alone and once for all of them in one call; at
 every size the wall time of the call and the peak RSS of the process so far.
 """
@@ -22,7 +23,7 @@ import time
 from pathlib import Path
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared/data/wikitext-2-raw/wiki.test.raw"
-SETTINGS = "kvcx,kivi,q8_0,q8_0-rot,q5_1,q4_1,q4_0,q4_0-rot,fp8_e4m3,fp8_e5m2"
+SETTINGS = "kvcx,kivi,q8_0,q8_0-rot,q5_1,q4_1,q4_0,q4_0-rot,fp8_e4m3,fp8_e5m2,mxfp4,nvfp4,nvfp4-amax"
 # every format validate takes (the --all list): the above, iq4_nl, and the peers through their libraries
 ALL_SETTINGS = SETTINGS + (",iq4_nl,iq4_nl-rot,quanto-int4,quanto-int2,hqq-int4,hqq-int2,hqq-int4-axis1,"
                             "hqq-int2-axis1,turboquant-4,turboquant-3")
@@ -66,7 +67,7 @@ def main(argv=None):
     out(f"The whole run (model load included): {time.perf_counter() - t0:.0f} s; peak RSS "
         f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20:.2f} GiB.")
     if args.markdown:
-        out.write(args.markdown, "kvcx's settings and the engines' KV formats (llama.cpp, vLLM fp8) and the peers "
+        out.write(args.markdown, "kvcx's settings and the engines' KV formats (llama.cpp, vLLM fp8, FP4) and the peers "
                                  "(quanto, HQQ, TurboQuant) on the embedded model: perplexity, KL divergence and top-1 "
                                  "agreement against the exact cache, every setting on the same windows and tokens, "
                                  "at each window size.")

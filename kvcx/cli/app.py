@@ -163,7 +163,8 @@ SchemeOpt = Annotated[str, typer.Option("--scheme", help="reference | symmetric 
                                                          "| kvcx3 | kvcx2 | kvcx2w (low-bit presets) | engine formats: "
                                                          "q8_0 q4_0 q4_1 q5_0 q5_1 iq4_nl (llama.cpp; -rot: with its "
                                                          "rotation) fp8_e4m3 fp8_e5m2 (vLLM; -amax: calibrated "
-                                                         "scale); validate also: quanto-int4 quanto-int2 "
+                                                         "scale) mxfp4 (ggml) nvfp4 nvfp4-amax (TensorRT-LLM); "
+                                                         "validate also: quanto-int4 quanto-int2 "
                                                          "hqq-int4 hqq-int2 hqq-int4-axis1 hqq-int2-axis1 "
                                                          "turboquant-4 turboquant-3 "
                                                          "(kvcx[peers]).")]

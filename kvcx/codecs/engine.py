@@ -19,9 +19,18 @@ beside kvcx's own on the same tokens.
   the clamped values); ``scale=1.0`` as vLLM uses without calibration, or ``scale="amax"``: a calibrated
   per-tensor scale ``amax / fp8_max`` (rounded to FP16, recorded in the record's scales, once per slab).
 
+- :class:`FP4Codec` (``id: "fp4"``): FP4 (E2M1) KV caches. ``mxfp4``: ggml's MXFP4 block (the OCP MX format,
+  llama.cpp's type since GPT-OSS): 32 values, an E8M0 exponent, byte for byte the blocks of
+  ``gguf.quants.quantize(x, MXFP4)`` (ggml's nearest code, the first on ties; torchao's MX cast rounds ties to
+  even instead). ``nvfp4``: TensorRT-LLM's NVFP4 KV cache: 16 values, an E4M3 scale per group, a per-tensor
+  scale (``scale=1.0``, or ``"amax"``: ``amax / (448 * 6)`` rounded up to FP16, recorded per slab), byte for
+  byte torchao's reference (``nvfp4_quantize`` given the same per-tensor scale). TensorRT-LLM's CUDA kernel
+  takes reciprocals with ``rcp.approx``, which a CPU cannot reproduce bit for bit; kvcx follows the
+  reference, which divides.
+
 Schemes (``--scheme``): ``q8_0``, ``q4_0``, ``q4_1``, ``q5_0``, ``q5_1``, ``iq4_nl`` (the type alone, as llama.cpp
 before the rotation or with it disabled), the same with ``-rot`` (current llama.cpp's default), and
-``fp8_e4m3``, ``fp8_e5m2``, ``fp8_e4m3-amax``, ``fp8_e5m2-amax``.
+``fp8_e4m3``, ``fp8_e5m2``, ``fp8_e4m3-amax``, ``fp8_e5m2-amax``, ``mxfp4``, ``nvfp4``, ``nvfp4-amax``.
 """
 from __future__ import annotations
 
@@ -40,10 +49,13 @@ GGML_TYPES = {"q8_0": _core.GGML_Q8_0, "q4_0": _core.GGML_Q4_0, "q4_1": _core.GG
               "q5_0": _core.GGML_Q5_0, "q5_1": _core.GGML_Q5_1, "iq4_nl": _core.GGML_IQ4_NL}
 _WITH_MIN = ("q4_1", "q5_1")
 FP8_FORMATS = {"e4m3": (_core.FP8_E4M3, 448.0), "e5m2": (_core.FP8_E5M2, 57344.0)}
+FP4_FORMATS = {"mxfp4": (_core.FP4_MX, int(_core.MX_QK)), "nvfp4": (_core.FP4_NV, int(_core.NV_QK))}
+NV_FP_MAX = 448.0 * 6.0    # E4M3's largest scale times E2M1's largest value
 _NO_ZEROS = np.empty(0, dtype=np.float16)
 QK = int(_core.QK)
 ROTATE_BLOCK = int(_core.ENGINE_ROTATE_BLOCK)
 ENGINE_FORMAT_VERSION = "4"
+FP4_FORMAT_VERSION = "5"    # an older reader refuses a file with FP4 records ("upgrade kvcx"), never misreads it
 
 
 def _buffers(out, shapes: dict, name: str, x_shape) -> dict:
@@ -270,5 +282,124 @@ class FP8Codec(Codec):
                              "never writes; the data is damaged: encode it again")
         status = _core.fp8_decode(codes, lay.N * lay.S, lay.S, lay.D, fmt, s, raw(out), out_S, token_offset,
                                   DTYPE_NAMES[packed.dtype], resolve_threads(self.n_threads))
+        check_status(status, name, what="decoding")
+        return out
+
+
+def _fp16_at_least(v: float) -> np.float16:
+    """The smallest FP16 number not below v (v positive and below 65504)."""
+    h = np.float16(v)
+    return h if float(h) >= v else np.nextafter(h, np.float16(np.inf))
+
+
+@register_codec
+class FP4Codec(Codec):
+    """FP4 (E2M1) KV caches: ggml's MXFP4 blocks and TensorRT-LLM's NVFP4, byte for byte their references.
+
+    Parameters
+    ----------
+    format: ``"mxfp4"`` (32 values and an E8M0 exponent a block: 4.25 bits/value) or ``"nvfp4"`` (16 values
+        and an E4M3 scale a group, and a per-tensor scale: 4.5 bits/value).
+    scale: nvfp4's per-tensor scale: ``1.0`` (an engine without a calibrated scale) or another positive number
+        exact in FP16, or ``"amax"``: per tensor ``amax / (448 * 6)`` rounded up to FP16 (calibrated: the
+        groups' scales then use E4M3's whole range). mxfp4 takes none (1.0).
+    n_threads: OpenMP threads (None = all).
+    """
+
+    codec_id = "fp4"
+    settings = ("format", "scale")
+    format_version = FP4_FORMAT_VERSION
+
+    def __init__(self, format: str = "nvfp4", scale: Union[float, str] = 1.0, n_threads: Optional[int] = None,
+                 backend: Optional[str] = None):
+        if format not in FP4_FORMATS:
+            raise CodecError(f"fp4 format {format!r} is not one kvcx emulates; use 'mxfp4' or 'nvfp4'")
+        if scale != "amax" and not (isinstance(scale, (int, float)) and not isinstance(scale, bool)
+                                    and np.isfinite(scale) and scale > 0 and float(np.float16(scale)) == float(scale)):
+            raise CodecError(f"fp4 scale must be 'amax' or a positive number exact in FP16 (e.g. 1.0), got {scale!r}")
+        if format == "mxfp4" and scale != 1.0:
+            raise CodecError(f"mxfp4 has no per-tensor scale (its E8M0 block exponents cover any range); "
+                             f"leave scale at 1.0, got {scale!r}")
+        self.format = format
+        self.scale = scale if scale == "amax" else float(scale)
+        self.n_threads = resolve_threads(n_threads) if n_threads is not None else None
+        self.backend = check_backend(backend)   # no backend but the CPU kernels is registered for it
+
+    @property
+    def group(self) -> int:
+        return FP4_FORMATS[self.format][1]
+
+    def bits_per_value(self) -> float:
+        """4 bits a code and 8 a group's scale (the per-tensor scale, two bytes a slab, not counted)."""
+        return 4.0 + 8.0 / self.group
+
+    def describe(self) -> str:
+        if self.format == "mxfp4":
+            return "MXFP4 (ggml): E2M1, an E8M0 exponent per 32"
+        return "NVFP4: E2M1, an E4M3 scale per 16, " + ("a calibrated per-tensor scale" if self.scale == "amax"
+                                                        else f"per-tensor scale {self.scale:g}")
+
+    def layout(self, shape: tuple, name: str = "tensor") -> Layout:
+        shape = tuple(shape)
+        check_shape(shape, name)
+        N, S, D = view3(shape)
+        if D % self.group:
+            raise CodecError(f"tensor {name!r}: {self.format} groups hold {self.group} values of the last dim, which "
+                             f"is {D}; use a kvcx scheme for this tensor")
+        n = N * S * D
+        nbytes = n // self.group * (self.group // 2 + 1)
+        return Layout(shape=tuple(int(s) for s in shape), N=N, S=S, D=D, t0=0, codes_nbytes=nbytes,
+                      scale_shape=(N,) if self.format == "nvfp4" else (0,), partial_group=0)
+
+    def _tensor_scale(self, x: np.ndarray, name: str) -> np.float16:
+        if self.scale != "amax":
+            return np.float16(self.scale)
+        amax = float(np.max(np.abs(x.astype(np.float32, copy=False))))
+        if not np.isfinite(amax):
+            check_status(_core.STATUS_NONFINITE, name, x)
+        if amax == 0:
+            return np.float16(1.0)
+        return _fp16_at_least(max(amax / NV_FP_MAX, 2.0 ** -14))
+
+    def encode(self, x, out: Optional[Packed] = None, *, name: str = "tensor",
+               weights: Optional[np.ndarray] = None) -> Packed:
+        if weights is not None:
+            raise CodecError(f"tensor {name!r}: {self.format} takes no key weights")
+        x = check_float(x, name)
+        lay = self.layout(x.shape, name)
+        buf = _buffers(out, {"codes": ((lay.codes_nbytes,), np.uint8), "scales": (lay.scale_shape, np.float16)}, name,
+                       x.shape)
+        p = self._tensor_scale(x, name) if self.format == "nvfp4" else np.float16(1.0)
+        buf["scales"][...] = p
+        status = _core.fp4_encode(raw(x), kernel_dtype(x.dtype), lay.N * lay.S, lay.D, FP4_FORMATS[self.format][0],
+                                  float(p), buf["codes"], resolve_threads(self.n_threads))
+        if status == _core.STATUS_SCALE_OVERFLOW:
+            amax = float(np.max(np.abs(x.astype(np.float32, copy=False))))
+            raise CodecError(f"tensor {name!r}: a group's NVFP4 scale (its |x| max / 6 / the per-tensor scale "
+                             f"{float(p):g}) passes E4M3's 448 (|x| up to {amax:.4g}, the most this scale holds is "
+                             f"{NV_FP_MAX * float(p):g}); use scheme 'nvfp4-amax' (a per-tensor scale from the "
+                             "tensor's amax) or a larger scale")
+        check_status(status, name, x)
+        return _finish(out, dict(codes=buf["codes"], scales=buf["scales"], zeros=None, sinks=None, shape=lay.shape,
+                                 dtype=dtype_name(x.dtype), config=self.get_config(), meta={}))
+
+    def decode(self, packed: Packed, out: Optional[np.ndarray] = None, *, name: str = "tensor",
+               token_offset: int = 0) -> np.ndarray:
+        lay = self.layout(tuple(packed.shape), name)
+        out, out_S = decode_out(packed, out, token_offset, name)
+        codes = np.ascontiguousarray(packed.codes, dtype=np.uint8).reshape(-1)
+        scales = np.asarray(packed.scales, dtype=np.float16).reshape(-1)
+        if codes.size != lay.codes_nbytes or scales.size != lay.scale_shape[0]:
+            raise CodecError(f"tensor {name!r}: expected {lay.codes_nbytes} {self.format} code bytes and "
+                             f"{lay.scale_shape[0]} per-tensor scales, got {codes.size} and {scales.size}")
+        p = float(scales[0]) if scales.size else 1.0
+        if scales.size and not ((scales == scales[0]).all() and np.isfinite(p) and p > 0):
+            raise CodecError(f"tensor {name!r}: its NVFP4 per-tensor scales are not one positive finite number, "
+                             "which the encoder always writes; the data is damaged: encode it again")
+        status = _core.fp4_decode(codes, lay.N * lay.S, lay.S, lay.D, FP4_FORMATS[self.format][0], p, raw(out), out_S,
+                                  token_offset, DTYPE_NAMES[packed.dtype], resolve_threads(self.n_threads))
+        if status & _core.STATUS_CORRUPT:
+            raise CodecError(f"tensor {name!r}: its {self.format} scales hold bytes the encoder never writes (a NaN, "
+                             "negative or below-range scale); the data is damaged: encode it again")
         check_status(status, name, what="decoding")
         return out

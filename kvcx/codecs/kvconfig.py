@@ -73,7 +73,10 @@ _ENGINE_SCHEMES = {**{t: dict(id="llama.cpp", type=t, rotate=False) for t in _GG
                    "fp8_e4m3": dict(id="vllm.fp8", format="e4m3", scale=1.0),
                    "fp8_e5m2": dict(id="vllm.fp8", format="e5m2", scale=1.0),
                    "fp8_e4m3-amax": dict(id="vllm.fp8", format="e4m3", scale="amax"),
-                   "fp8_e5m2-amax": dict(id="vllm.fp8", format="e5m2", scale="amax")}
+                   "fp8_e5m2-amax": dict(id="vllm.fp8", format="e5m2", scale="amax"),
+                   "mxfp4": dict(id="fp4", format="mxfp4"),
+                   "nvfp4": dict(id="fp4", format="nvfp4", scale=1.0),
+                   "nvfp4-amax": dict(id="fp4", format="nvfp4", scale="amax")}
 ENGINE_SCHEMES = tuple(_ENGINE_SCHEMES)
 SCHEME_NAMES = tuple(_SCHEMES) + tuple(_WIDTH_SCHEMES) + ENGINE_SCHEMES
 # the low-bit presets' options: the codecs a plan from `kvcx calibrate` may give a layer's keys or values,

@@ -268,7 +268,7 @@ def test_engine_schemes():
     for name in ENGINE_SCHEMES:
         cfg = KVConfig.from_scheme(name)
         assert (cfg.key == cfg.value or name.endswith("-rot") and cfg.key.rotate == "key") and cfg.scheme == name
-        assert cfg.key.get_config()["id"] in ("llama.cpp", "vllm.fp8")
+        assert cfg.key.get_config()["id"] in ("llama.cpp", "vllm.fp8", "fp4")
     assert KVConfig.from_scheme("q4_0-rot").value == GGMLCodec("q4_0", rotate=True)
     assert KVConfig.from_scheme("q4_0").bits_per_value(4) == 4.5
     with pytest.raises(CodecError, match="leave out group_size=64, bits=4"):

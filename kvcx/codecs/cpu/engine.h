@@ -17,6 +17,16 @@
  * vLLM's fp8 KV cache: x / scale (float32), saturated to the format's largest finite value, rounded to
  * nearest even into e4m3fn (bias 7, max 448, no infinities) or e5m2 (bias 15, max 57344); decode is
  * fp8 * scale.
+ *
+ * FP4 (E2M1: values 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives, a nibble each):
+ *   mxfp4  ggml's block_mxfp4 (the OCP MX format, llama.cpp's type since GPT-OSS; quantize_row_mxfp4_ref):
+ *          32 values, an E8M0 exponent e = floor(log2(amax)) - 2 + 127, codes the nearest of
+ *          kvalues_mxfp4 * 2^(e - 128) (the first on ties, as best_index_mxfp4); the block is e then
+ *          16 bytes, qs[j] holding values j and j + 16                                   (17 bytes / block)
+ *   nvfp4  TensorRT-LLM's NVFP4 KV cache, as torchao's reference (nvfp4_quantize with a per-tensor scale
+ *          p): 16 values, an E4M3 scale s = e4m3(clamp(amax / 6 / p, 2^-6, 448)), codes
+ *          e2m1(x * ((1 / p) / s)) rounded to nearest even, saturated, the sign kept; two codes a byte
+ *          (element 2i in the low nibble); decode e2m1 * (p * s)                 (8 + 1 bytes / 16 values)
  */
 #ifndef KVCX_ENGINE_H
 #define KVCX_ENGINE_H
@@ -230,6 +240,103 @@ static inline float kvcx_fp82f(uint8_t c, int format) {
     const int e = (c & 0x7F) >> m, f = c & ((1 << m) - 1);
     float v = e ? ldexpf(1.0f + (float)f / (float)(1 << m), e - bias) : ldexpf((float)f, 1 - bias - m);
     return (c & 0x80) ? -v : v;
+}
+
+/* FP4 formats (the values kvcx.codecs.engine maps names to) and their group sizes */
+enum kvcx_fp4_format { KVCX_FP4_MX = 0, KVCX_FP4_NV = 1 };
+#define KVCX_MX_QK 32
+#define KVCX_NV_QK 16
+/* an NVFP4 group scale at or above this rounds past E4M3's largest finite value (448) */
+#define KVCX_NV_SCALE_LIMIT 464.0f
+
+/* ggml-common.h kvalues_mxfp4: E2M1 values doubled */
+static const int8_t kvcx_mxfp4_values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+/* ggml_e8m0_to_fp32_half: 2^(e - 128), the half that goes with the doubled values */
+static inline float kvcx_e8m0_half(uint8_t e) {
+    const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline int kvcx_mxfp4_index(float x, float d) {
+    int best = 0;
+    float best_err = fabsf((float)kvcx_mxfp4_values[0] * d - x);
+    for (int i = 1; i < 16; i++) {
+        const float err = fabsf((float)kvcx_mxfp4_values[i] * d - x);
+        if (err < best_err) {
+            best = i;
+            best_err = err;
+        }
+    }
+    return best;
+}
+
+/* One MXFP4 block: 32 finite values -> e, then 16 bytes of codes. An amax below 2^-125 (its exponent under
+ * E8M0's range: the reference's cast is undefined there) takes e = 0. */
+static inline void kvcx_mxfp4_quant_block(const float *x, uint8_t *blk) {
+    float amax = 0.0f;
+    for (int j = 0; j < KVCX_MX_QK; j++)
+        if (amax < fabsf(x[j])) amax = fabsf(x[j]);
+    const float ef = amax > 0.0f ? floorf(log2f(amax)) - 2 + 127 : 0.0f;
+    const uint8_t e = ef > 0.0f ? (uint8_t)ef : 0;
+    const float d = kvcx_e8m0_half(e);
+    blk[0] = e;
+    for (int j = 0; j < KVCX_MX_QK / 2; j++)
+        blk[1 + j] = (uint8_t)(kvcx_mxfp4_index(x[j], d) | kvcx_mxfp4_index(x[j + KVCX_MX_QK / 2], d) << 4);
+}
+
+/* KVCX_ST_CORRUPT for an exponent of 255 (E8M0's NaN, never written) */
+static inline int kvcx_mxfp4_dequant_block(const uint8_t *blk, float *y) {
+    if (blk[0] == 0xFF) return KVCX_ST_CORRUPT;
+    const float d = kvcx_e8m0_half(blk[0]);
+    for (int j = 0; j < KVCX_MX_QK / 2; j++) {
+        y[j] = (float)kvcx_mxfp4_values[blk[1 + j] & 0x0F] * d;
+        y[j + KVCX_MX_QK / 2] = (float)kvcx_mxfp4_values[blk[1 + j] >> 4] * d;
+    }
+    return KVCX_OK;
+}
+
+/* float32 -> E2M1 nibble: round to nearest, ties to the even code, saturated at 6, the sign bit kept (-0 too) */
+static inline uint8_t kvcx_e2m1(float v) {
+    const float a = fabsf(v);
+    const uint8_t c = (uint8_t)((a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) + (a >= 3.5f) +
+                                (a > 5.0f));
+    return signbit(v) ? (uint8_t)(c | 8) : c;
+}
+
+static inline float kvcx_e2m1_value(uint8_t c) {
+    static const float mag[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+    return (c & 8) ? -mag[c & 7] : mag[c & 7];
+}
+
+/* One NVFP4 group: 16 finite values, per-tensor scale p (> 0) -> 8 bytes of codes and the E4M3 scale byte.
+ * KVCX_ST_SCALE_OVERFLOW when amax / 6 / p rounds past E4M3's 448 (the reference would clip the group). */
+static inline int kvcx_nvfp4_quant_group(const float *x, float p, uint8_t *q, uint8_t *s) {
+    float amax = 0.0f;
+    for (int j = 0; j < KVCX_NV_QK; j++)
+        if (amax < fabsf(x[j])) amax = fabsf(x[j]);
+    float g = (amax / 6.0f) / p;
+    if (!(g < KVCX_NV_SCALE_LIMIT)) return KVCX_ST_SCALE_OVERFLOW;
+    g = g < 0.015625f ? 0.015625f : (g > 448.0f ? 448.0f : g);
+    const uint8_t sc = kvcx_f2fp8(g, KVCX_FP8_E4M3);
+    const float r = (1.0f / p) / kvcx_fp82f(sc, KVCX_FP8_E4M3);
+    for (int j = 0; j < KVCX_NV_QK / 2; j++)
+        q[j] = (uint8_t)(kvcx_e2m1(x[2 * j] * r) | kvcx_e2m1(x[2 * j + 1] * r) << 4);
+    *s = sc;
+    return KVCX_OK;
+}
+
+/* KVCX_ST_CORRUPT for a scale byte the encoder never writes (negative, NaN, below 2^-6) */
+static inline int kvcx_nvfp4_dequant_group(const uint8_t *q, uint8_t s, float p, float *y) {
+    if ((s & 0x80) || s == 0x7F || s < 0x08) return KVCX_ST_CORRUPT;
+    const float sc = p * kvcx_fp82f(s, KVCX_FP8_E4M3);
+    for (int j = 0; j < KVCX_NV_QK / 2; j++) {
+        y[2 * j] = kvcx_e2m1_value(q[j] & 0x0F) * sc;
+        y[2 * j + 1] = kvcx_e2m1_value(q[j] >> 4) * sc;
+    }
+    return KVCX_OK;
 }
 
 #endif

@@ -16,6 +16,10 @@ GGML_IQ4_NL = KVCX_GGML_IQ4_NL
 FP8_E4M3 = KVCX_FP8_E4M3
 FP8_E5M2 = KVCX_FP8_E5M2
 ENGINE_ROTATE_BLOCK = 64
+FP4_MX = KVCX_FP4_MX
+FP4_NV = KVCX_FP4_NV
+MX_QK = KVCX_MX_QK
+NV_QK = KVCX_NV_QK
 
 
 def ggml_qbytes(int type):
@@ -153,3 +157,83 @@ def fp8_decode(const uint8_t[::1] codes, int64_t rows, int64_t S, int64_t D, int
     return status
 
 
+
+
+# FP4 (engine.h): mxfp4 rows are D / 32 blocks of 17 bytes (ggml's block_mxfp4); nvfp4 rows are D / 2 bytes of
+# codes, all rows first, then D / 16 E4M3 scale bytes a row (torchao's qdata, then its scales)
+
+cdef int _fp4_enc_rows(const uint8_t *src, int dt, int64_t r0, int64_t r1, int64_t rows, int64_t D, int fmt,
+                       float p, uint8_t *codes, float *buf) noexcept nogil:
+    cdef int64_t r, b
+    cdef int status = KVCX_OK
+    for r in range(r0, r1):
+        _load(src, dt, r * D, D, buf)
+        if kvcx_absmax_bits(buf, D) >= 0x7f800000:
+            return KVCX_ST_NONFINITE
+        if fmt == KVCX_FP4_MX:
+            for b in range(D // KVCX_MX_QK):
+                kvcx_mxfp4_quant_block(buf + b * KVCX_MX_QK, codes + (r * (D // KVCX_MX_QK) + b) * (KVCX_MX_QK // 2 + 1))
+        else:
+            for b in range(D // KVCX_NV_QK):
+                status |= kvcx_nvfp4_quant_group(buf + b * KVCX_NV_QK, p, codes + r * (D // 2) + b * (KVCX_NV_QK // 2),
+                                                 codes + rows * (D // 2) + r * (D // KVCX_NV_QK) + b)
+    return status
+
+
+def fp4_encode(const uint8_t[::1] src, int dt, int64_t rows, int64_t D, int fmt, float p, uint8_t[::1] codes,
+               int nthreads):
+    """Quantize ``rows`` rows of D values (a multiple of the format's group) into FP4 codes (layout above);
+    p: nvfp4's per-tensor scale (> 0). Returns a kvcx_status (bits OR-ed)."""
+    cdef int64_t per = max(<int64_t>1, KVCX_TASK_VALUES // D)
+    cdef int64_t ntasks = (rows + per - 1) // per
+    cdef int64_t task
+    cdef int status = KVCX_OK
+    cdef float *buf
+    with nogil:
+        for task in prange(ntasks, num_threads=nthreads, schedule="static"):
+            buf = <float *>malloc(D * sizeof(float))
+            if buf == NULL:
+                status |= KVCX_ST_NOMEM
+            else:
+                status |= _fp4_enc_rows(&src[0], dt, task * per, min(rows, task * per + per), rows, D, fmt, p,
+                                        &codes[0], buf)
+                free(buf)
+    return status
+
+
+cdef int _fp4_dec_rows(const uint8_t *codes, int64_t r0, int64_t r1, int64_t rows, int64_t S, int64_t D, int fmt,
+                       float p, uint8_t *out, int64_t out_S, int64_t off, int dt, float *buf) noexcept nogil:
+    cdef int64_t r, b
+    cdef int status = KVCX_OK
+    for r in range(r0, r1):
+        if fmt == KVCX_FP4_MX:
+            for b in range(D // KVCX_MX_QK):
+                status |= kvcx_mxfp4_dequant_block(codes + (r * (D // KVCX_MX_QK) + b) * (KVCX_MX_QK // 2 + 1),
+                                                   buf + b * KVCX_MX_QK)
+        else:
+            for b in range(D // KVCX_NV_QK):
+                status |= kvcx_nvfp4_dequant_group(codes + r * (D // 2) + b * (KVCX_NV_QK // 2),
+                                                   codes[rows * (D // 2) + r * (D // KVCX_NV_QK) + b], p,
+                                                   buf + b * KVCX_NV_QK)
+        _store(buf, dt, ((r // S) * out_S + off + r % S) * D, D, out)
+    return status
+
+
+def fp4_decode(const uint8_t[::1] codes, int64_t rows, int64_t S, int64_t D, int fmt, float p, uint8_t[::1] out,
+               int64_t out_S, int64_t token_offset, int dt, int nthreads):
+    """Dequantize FP4 codes (see fp4_encode) into ``out`` (dtype dt, rows placed as the section says)."""
+    cdef int64_t per = max(<int64_t>1, KVCX_TASK_VALUES // D)
+    cdef int64_t ntasks = (rows + per - 1) // per
+    cdef int64_t task
+    cdef float *buf
+    cdef int status = KVCX_OK
+    with nogil:
+        for task in prange(ntasks, num_threads=nthreads, schedule="static"):
+            buf = <float *>malloc(D * sizeof(float))
+            if buf == NULL:
+                status |= KVCX_ST_NOMEM
+            else:
+                status |= _fp4_dec_rows(&codes[0], task * per, min(rows, task * per + per), rows, S, D, fmt, p,
+                                        &out[0], out_S, token_offset, dt, buf)
+                free(buf)
+    return status

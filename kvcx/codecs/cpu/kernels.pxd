@@ -137,12 +137,20 @@ cdef extern from "engine.h" nogil:
         KVCX_GGML_IQ4_NL
         KVCX_FP8_E4M3
         KVCX_FP8_E5M2
+        KVCX_FP4_MX
+        KVCX_FP4_NV
+        KVCX_MX_QK
+        KVCX_NV_QK
     int64_t kvcx_ggml_qbytes(int type) noexcept
     int kvcx_ggml_has_min(int type) noexcept
     int kvcx_ggml_quant_block(int type, const float *x, uint16_t *d_out, uint16_t *m_out, uint8_t *q) noexcept
     void kvcx_ggml_dequant_block(int type, uint16_t hd, uint16_t hm, const uint8_t *q, float *y) noexcept
     uint8_t kvcx_f2fp8(float x, int format) noexcept
     float kvcx_fp82f(uint8_t c, int format) noexcept
+    void kvcx_mxfp4_quant_block(const float *x, uint8_t *blk) noexcept
+    int kvcx_mxfp4_dequant_block(const uint8_t *blk, float *y) noexcept
+    int kvcx_nvfp4_quant_group(const float *x, float p, uint8_t *q, uint8_t *s) noexcept
+    int kvcx_nvfp4_dequant_group(const uint8_t *q, uint8_t s, float p, float *y) noexcept
 
 cdef extern from "fused.h" nogil:
     enum:

@@ -20,14 +20,16 @@ static inline uint8_t kvcx_code1(float x, float sdiv, float zero, int keep, floa
 
 #if defined(__AVX2__)
 /* t = rint((x - zero) / sdiv) for 2 x 8 values, computed as rint((x - zero) * (1 / sdiv)): the product
-   is within 3.2e-6 of the correctly rounded quotient for |t| < 16 (2 roundings of 2^-24 each, relative),
-   so its rint is the quotient's unless the product lies within 1e-5 of a half-integer; those rare lanes
-   (about 2e-5 of values) take the division itself. Codes are therefore identical to the division's.
-   Values of |t| >= 16 are clamped to the code range whichever way they round. */
+   is within |t| x 2^-23 of the correctly rounded quotient (2 roundings of 2^-24 each, relative), which is
+   3.1e-5 at |t| = 256 (8-bit codes; 1.9e-6 at 4 bits), so its rint is the quotient's unless the product
+   lies within KVCX_TIE_MARGIN of a half-integer; those rare lanes take the division itself. Codes are
+   therefore identical to the division's. (A margin of 1e-5 held only up to |t| = 84: an 8-bit code of 198.5
+   by division, 198.50002 by the product, came out one level up; found by the property test.) */
+#define KVCX_TIE_MARGIN 4e-5f
 static inline void kvcx_rdiv16(__m256 d0, __m256 d1, __m256 s0, __m256 s1, __m256 i0, __m256 i1, __m256 *r0,
                                __m256 *r1) {
     const int rnd = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-    const __m256 lim = _mm256_set1_ps(0.5f - 1e-5f);
+    const __m256 lim = _mm256_set1_ps(0.5f - KVCX_TIE_MARGIN);
     const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     __m256 t0 = _mm256_mul_ps(d0, i0), t1 = _mm256_mul_ps(d1, i1);
     __m256 q0 = _mm256_round_ps(t0, rnd), q1 = _mm256_round_ps(t1, rnd);
@@ -86,7 +88,7 @@ static inline __m128i kvcx_q4_32v(__m256 x0, __m256 x1, __m256 x2, __m256 x3, co
     /* near a half-integer the product may round the other way than the quotient: see kvcx_rdiv16 */
     __m256 d01 = _mm256_max_ps(_mm256_and_ps(_mm256_sub_ps(t0, q0), absmask), _mm256_and_ps(_mm256_sub_ps(t1, q1), absmask));
     __m256 d23 = _mm256_max_ps(_mm256_and_ps(_mm256_sub_ps(t2, q2), absmask), _mm256_and_ps(_mm256_sub_ps(t3, q3), absmask));
-    if (_mm256_movemask_ps(_mm256_cmp_ps(_mm256_max_ps(d01, d23), _mm256_set1_ps(0.5f - 1e-5f), _CMP_GT_OQ))) {
+    if (_mm256_movemask_ps(_mm256_cmp_ps(_mm256_max_ps(d01, d23), _mm256_set1_ps(0.5f - KVCX_TIE_MARGIN), _CMP_GT_OQ))) {
         kvcx_rdiv16(x0, x1, s, s, iv, iv, &q0, &q1);
         kvcx_rdiv16(x2, x3, s, s, iv, iv, &q2, &q3);
     }
