@@ -4,7 +4,7 @@ import itertools
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kvcx.codecs import IntCodec, Packed, decode
@@ -212,6 +212,8 @@ def test_bad_inputs():
 
 
 @settings(max_examples=60, deadline=None)
+# an 8-bit code whose quotient is 198.5 and product 198.50002: the AVX2 path's tie margin once missed it
+@example(shape=(2, 1, 64, 32), group_size=128, scheme="asymmetric", bits=8, scale=141.49403355980385, seed=837)
 @given(
     shape=st.sampled_from([(1, 2, 17, 64), (3, 40), (129,), (2, 1, 64, 32)]),
     group_size=st.sampled_from([16, 32, 64, 128, 256]),
