@@ -7,7 +7,7 @@ against one setting alone.
 `--at WINDOW:STRIDE:MAX_WINDOWS` (repeatable; default 1024:512:32) names the window sizes: one table per
 size, in one run, the model loaded once.
 
-Settings (default; `--all` adds iq4_nl and the peers quanto / HQQ / TurboQuant through their libraries): kvcx's
+Settings (default; `--all` adds iq4_nl and the peers quanto / HQQ / TurboQuant / NexusQuant through their libraries): kvcx's
 default and KIVI at 4 bits; llama.cpp's q8_0, q5_1, q4_1, q4_0 as releases before
 the attention rotation (or with LLAMA_ATTN_ROT_DISABLE=1) write them, and q8_0, q4_0 with the rotation
 (llama.cpp's default since PR #21038); vLLM's fp8 e4m3 and e5m2 at scale 1.0; FP4: ggml's mxfp4 and
@@ -26,7 +26,7 @@ DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared/data/wikitext-2-raw
 SETTINGS = "kvcx,kivi,q8_0,q8_0-rot,q5_1,q4_1,q4_0,q4_0-rot,fp8_e4m3,fp8_e5m2,mxfp4,nvfp4,nvfp4-amax"
 # every format validate takes (the --all list): the above, iq4_nl, and the peers through their libraries
 ALL_SETTINGS = SETTINGS + (",iq4_nl,iq4_nl-rot,quanto-int4,quanto-int2,hqq-int4,hqq-int2,hqq-int4-axis1,"
-                            "hqq-int2-axis1,turboquant-4,turboquant-3")
+                            "hqq-int2-axis1,turboquant-4,turboquant-3,nexusquant-k4v4,nexusquant-k3v2,nexusquant-k2v2")
 
 
 def window_spec(text: str) -> tuple:

@@ -166,7 +166,8 @@ SchemeOpt = Annotated[str, typer.Option("--scheme", help="reference | symmetric 
                                                          "scale) mxfp4 (ggml) nvfp4 nvfp4-amax (TensorRT-LLM); "
                                                          "validate also: quanto-int4 quanto-int2 "
                                                          "hqq-int4 hqq-int2 hqq-int4-axis1 hqq-int2-axis1 "
-                                                         "turboquant-4 turboquant-3 "
+                                                         "turboquant-4 turboquant-3 nexusquant-k4v4 "
+                                                         "nexusquant-k3v2 nexusquant-k2v2 "
                                                          "(kvcx[peers]).")]
 PlanOpt = Annotated[Optional[str], typer.Option("--plan", help="A plan from `kvcx calibrate --out`, or a shipped "
                                                                "plan's name (smollm2-kvcx2w-2.47, ...); replaces "

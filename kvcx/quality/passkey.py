@@ -149,7 +149,7 @@ def run_passkey(configs: Mapping[str, KVConfig], lengths: Optional[Sequence[int]
     lengths = list(lengths) if lengths else default_lengths(limit)
     depths = [float(d) for d in depths]
     check_passkey(lengths, depths, prompts, tolerance, limit)
-    roundtrips = {label: (roundtrips or {}).get(label) or roundtrip_of(cfg) for label, cfg in configs.items()}
+    roundtrips = {label: (roundtrips or {}).get(label) or roundtrip_of(cfg, m.config) for label, cfg in configs.items()}
     if on_phase:
         on_phase(1, 2, f"model: {name} on {dev}; {len(lengths)} lengths x {len(depths)} depths x {prompts} prompts")
 

@@ -16,14 +16,23 @@ on the same cache and tokens as kvcx's codecs (prefix mode): what a user of them
 - ``turboquant-4``, ``turboquant-3``: fused-turboquant's ``TurboQuantMSE`` (a random Hadamard rotation,
   Lloyd-Max levels for the Gaussian, one FP32 norm per vector) on its CPU path; bytes are its packed indices
   and norms as it stores them.
+- ``nexusquant-k4v4``, ``nexusquant-k3v2``, ``nexusquant-k2v2``: NexusQuant's calibration-free quant-only path
+  (``NexusQuantQuantOnly``: keys' RoPE removed, a Hadamard rotation, E8 lattice vector quantization with one
+  scale per vector at 2^bits levels, RoPE put back), through its own package on a transformers cache built from
+  the same tensors, RoPE from the model's config. It writes dequantized FP16 values back, so its bytes are
+  counted as a packed form would hold them: per 8 values an index over the lattice points its clamp can emit
+  (log2((L+1)^8 + (L+2)^8) bits, L = 2^bits: integer points and half-integer points some clamped to +-L/2),
+  and an FP16 scale per vector. Its own nominal count (bits + 16 / head_dim, e.g. K3V2 2.75 at head_dim 64) is
+  in the setting's description.
 
-They need the ``peers`` extra (``pip install kvcx[peers]``: optimum-quanto, hqq, fused-turboquant). These
+They need the ``peers`` extra (``pip install kvcx[peers]``: optimum-quanto, hqq, fused-turboquant, nexusquant-kv). These
 settings have no kvcx file format, so ``compress``, ``metrics`` and ``KvcxCache`` do not take them, and
 ``validate`` runs them in prefix mode.
 """
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,28 +42,37 @@ from kvcx.errors import KvcxError
 
 # library -> (module to find, package to install, prefix of the width in the scheme's name)
 _LIBRARY = {"quanto": ("optimum.quanto", "optimum-quanto", "int"), "hqq": ("hqq.core.quantize", "hqq", "int"),
-            "turboquant": ("fused_turboquant", "fused-turboquant", "")}
+            "turboquant": ("fused_turboquant", "fused-turboquant", ""), "nexusquant": ("nexusquant", "nexusquant-kv", "k")}
 
 
 @dataclass(frozen=True)
 class PeerSetting:
-    """One peer quantizer at one width: ``library`` "quanto", "hqq" or "turboquant", ``bits`` its code width."""
+    """One peer quantizer at one width: ``library`` "quanto", "hqq", "turboquant" or "nexusquant", ``bits`` its code
+    width (NexusQuant: the keys', ``value_bits`` the values')."""
 
     library: str
     bits: int
     axis: int = 0          # the transformers layer's axis_key and axis_value (HQQ: 0 or 1)
+    value_bits: int = 0    # NexusQuant's value width (0: the same as bits)
 
     @property
     def scheme(self) -> str:
+        if self.library == "nexusquant":
+            return f"nexusquant-k{self.bits}v{self.value_bits or self.bits}"
         return f"{self.library}-{_LIBRARY[self.library][2]}{self.bits}" + (f"-axis{self.axis}" if self.axis else "")
 
     def describe(self) -> str:
+        vb = self.value_bits or self.bits
         return {"quanto": f"transformers QuantoQuantizedLayer int{self.bits}, groups of 64",
                 "hqq": f"transformers HQQQuantizedLayer int{self.bits}, axis {self.axis}, groups of 64",
-                "turboquant": f"fused-turboquant TurboQuantMSE {self.bits}-bit"}[self.library]
+                "turboquant": f"fused-turboquant TurboQuantMSE {self.bits}-bit",
+                "nexusquant": f"NexusQuant quant-only K{self.bits}V{vb} (Hadamard + E8 lattice; its own count "
+                              f"{(self.bits + vb) / 2:g} + 16/head_dim bits/value, here a fixed-length index)"
+                }[self.library]
 
     def get_config(self) -> dict:
-        return {"id": "peer", "library": self.library, "bits": self.bits, **({"axis": self.axis} if self.axis else {})}
+        return {"id": "peer", "library": self.library, "bits": self.bits, **({"axis": self.axis} if self.axis else {}),
+                **({"value_bits": self.value_bits} if self.value_bits else {})}
 
     def check_installed(self) -> None:
         import importlib.util
@@ -64,20 +82,24 @@ class PeerSetting:
             raise KvcxError(f"scheme={self.scheme!r} runs through {package}, which is not installed; "
                             "pip install 'kvcx[peers]'")
 
-    def roundtrip(self, tensors):
-        """(decoded tensors, bytes, ErrorStats) of the cache through the library."""
-        decoded, nbytes = _ROUNDTRIPS[self.library](tensors, self.bits, self.axis)
+    def roundtrip(self, tensors, model_config=None):
+        """(decoded tensors, bytes, ErrorStats) of the cache through the library; ``model_config``: the model's
+        (NexusQuant takes the keys' RoPE from it)."""
+        if self.library == "nexusquant":
+            decoded, nbytes = _nexusquant(tensors, self.bits, self.value_bits or self.bits, model_config)
+        else:
+            decoded, nbytes = _ROUNDTRIPS[self.library](tensors, self.bits, self.axis)
         total = ErrorStats()
         for name, a in tensors.items():
             total += error_stats(a, decoded[name], name=name)
         return decoded, int(nbytes), total
 
 
-def roundtrip_of(setting):
-    """The round trip ``validate`` runs for a setting: a peer's library, a press and its codec, or kvcx's codecs and
-    packed format."""
+def roundtrip_of(setting, model_config=None):
+    """The round trip ``validate`` runs for a setting: a peer's library (given the model's config), a press and its
+    codec, or kvcx's codecs and packed format."""
     if isinstance(setting, PeerSetting):
-        return setting.roundtrip
+        return functools.partial(setting.roundtrip, model_config=model_config)
     from kvcx.codecs.presses import PressedSetting
 
     if isinstance(setting, PressedSetting):     # token eviction, then its codec (if any)
@@ -91,7 +113,9 @@ def roundtrip_of(setting):
 
 PEERS = {p.scheme: p for p in (PeerSetting("quanto", 4), PeerSetting("quanto", 2), PeerSetting("hqq", 4),
                                PeerSetting("hqq", 2), PeerSetting("hqq", 4, axis=1), PeerSetting("hqq", 2, axis=1),
-                               PeerSetting("turboquant", 4), PeerSetting("turboquant", 3))}
+                               PeerSetting("turboquant", 4), PeerSetting("turboquant", 3),
+                               PeerSetting("nexusquant", 4, value_bits=4), PeerSetting("nexusquant", 3, value_bits=2),
+                               PeerSetting("nexusquant", 2, value_bits=2))}
 
 
 def _transformers_layer(layer_name, tensors, nbits, axis):
@@ -135,3 +159,49 @@ def _turboquant_for(head_dim, bits):
     from fused_turboquant.core.quantizer import TurboQuantMSE
 
     return TurboQuantMSE(head_dim=head_dim, bits=bits)
+
+
+def e8_index_bits(bits: int) -> float:
+    """Bits per value of a fixed-length index over the 8-value lattice points NexusQuant's clamp to +-L/2 can
+    emit (L = 2^bits levels): integer points in [-L/2, L/2]^8, and half-integer points whose coordinates may be
+    clamped to +-L/2: log2((L+1)^8 + (L+2)^8) / 8 (2.62 at 2 bits, 3.39 at 3, 4.26 at 4)."""
+    L = 2 ** bits
+    return math.log2((L + 1) ** 8 + (L + 2) ** 8) / 8
+
+
+def _nexusquant(tensors, key_bits, value_bits, model_config):
+    """The cache's layers through NexusQuantQuantOnly (its compress() on a DynamicCache of these tensors)."""
+    import torch
+    from nexusquant.core.rope_utils import resolve_rope_config
+    from nexusquant.pipeline import NexusQuantQuantOnly
+    from transformers import DynamicCache
+
+    from kvcx.codecs.kvconfig import is_key_tensor, layer_of
+
+    if model_config is None:
+        raise KvcxError("NexusQuant removes the keys' RoPE before quantizing: it needs the model's config "
+                        "(validate and passkey pass it)")
+    pairs = {}
+    for name, a in tensors.items():
+        pairs.setdefault(layer_of(name), {})["key" if is_key_tensor(name) else "value"] = name
+    layers = sorted(i for i in pairs if i is not None)
+    if layers != list(range(len(pairs))) or any(len(p) != 2 for p in pairs.values()):
+        raise KvcxError(f"NexusQuant compresses a cache of layers 0..n-1, each a key and a value; got tensors "
+                        f"{sorted(tensors)[:6]}...: validate this model with a kvcx scheme")
+    cache = DynamicCache()
+    for i in layers:
+        cache.update(torch.from_numpy(np.ascontiguousarray(tensors[pairs[i]["key"]])),
+                     torch.from_numpy(np.ascontiguousarray(tensors[pairs[i]["value"]])), i)
+    rope = resolve_rope_config(model_config)
+    nq = NexusQuantQuantOnly(key_bits=key_bits, value_bits=value_bits, rope_base=rope["rope_theta"],
+                             rope_scaling=rope.get("rope_scaling"))
+    nq.set_model_config(model_config)
+    nq.compress(cache)
+    dec, nbits = {}, 0.0
+    for i in layers:
+        for kind, b in (("key", key_bits), ("value", value_bits)):
+            name = pairs[i][kind]
+            a = tensors[name]
+            dec[name] = getattr(cache.layers[i], "keys" if kind == "key" else "values").numpy().astype(a.dtype)
+            nbits += a.size * (e8_index_bits(b) + 16 / a.shape[-1])
+    return dec, nbits / 8

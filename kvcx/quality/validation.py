@@ -287,7 +287,7 @@ def run_validations(configs: Mapping[str, KVConfig], threshold: float = DEFAULT_
     if mode == "prefix":
         runs = compare_prefix(m, ids, starts, window, stride,
                               {label: roundtrips.get(label) or (DeviceRoundtrip(cfg) if backends[label] == "triton"
-                                                                else roundtrip_of(cfg))
+                                                                else roundtrip_of(cfg, m.config))
                                for label, cfg in configs.items()}, on_window)
     else:
         score = perplexity_generation if mode == "generation" else perplexity_engine

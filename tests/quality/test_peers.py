@@ -1,5 +1,5 @@
 """Other libraries' quantizers as validate settings (kvcx[peers]: optimum-quanto and hqq through transformers,
-fused-turboquant), on the same windows and tokens as kvcx's codecs. CI installs the extra: never skipped."""
+fused-turboquant, nexusquant-kv), on the same windows and tokens as kvcx's codecs. CI installs the extra: never skipped."""
 import json
 
 import numpy as np
@@ -33,7 +33,39 @@ def test_peer_round_trips_count_their_bytes_and_errors():
         errors[name] = stats.relative_rmse
     assert errors["quanto-int2"] > errors["quanto-int4"] and errors["turboquant-3"] > errors["turboquant-4"]
     assert errors["hqq-int2"] > errors["hqq-int4"] and errors["hqq-int2-axis1"] > errors["hqq-int4-axis1"]
-    assert roundtrip_of(PEERS["quanto-int4"]) == PEERS["quanto-int4"].roundtrip
+    again = roundtrip_of(PEERS["quanto-int4"])(tensors)       # what validate runs: the same library call
+    assert all(np.array_equal(again[0][k], PEERS["quanto-int4"].roundtrip(tensors)[0][k]) for k in tensors)
+
+
+def test_nexusquant_writes_e8_lattice_points_at_its_widths_and_counts_a_packed_index():
+    """NexusQuant's quant-only path through its package: each value vector, Hadamard-rotated and divided by its
+    scale (amax / (L / 2)), decodes to half-integers in [-L/2, L/2] (its E8 points at L = 2^bits levels; FP16
+    writes leave 0.005); bits per value: log2((L+1)^8 + (L+2)^8) / 8 + an FP16 scale per vector of 64."""
+    from scipy.linalg import hadamard
+    from transformers import LlamaConfig
+
+    from kvcx.quality.peers import e8_index_bits
+
+    cfg = LlamaConfig(hidden_size=128, num_attention_heads=2, num_key_value_heads=2, num_hidden_layers=2, head_dim=64)
+    rng = np.random.default_rng(0)
+    tensors = {f"layer_{i}_{k}": rng.standard_normal((1, 2, 24, 64)).astype(np.float32)
+               for i in range(2) for k in ("key", "value")}
+    H = hadamard(64) / 8.0
+    errors = {}
+    for scheme, kb, vb in (("nexusquant-k4v4", 4, 4), ("nexusquant-k3v2", 3, 2), ("nexusquant-k2v2", 2, 2)):
+        decoded, nbytes, stats = roundtrip_of(PEERS[scheme], cfg)(tensors)
+        values = sum(a.size for a in tensors.values())
+        assert 8 * nbytes / values == pytest.approx((e8_index_bits(kb) + e8_index_bits(vb)) / 2 + 0.25, abs=1e-3)
+        v, got = tensors["layer_1_value"].reshape(-1, 64) @ H, decoded["layer_1_value"].reshape(-1, 64) @ H
+        doubled = 2 * got / (np.abs(v).max(-1, keepdims=True) / 2 ** (vb - 1))
+        assert np.abs(doubled - np.round(doubled)).max() < 0.01 and np.abs(np.round(doubled)).max() == 2 ** vb
+        errors[scheme] = stats.relative_rmse
+    assert errors["nexusquant-k4v4"] < errors["nexusquant-k3v2"] < errors["nexusquant-k2v2"] < 0.5
+    assert [round(e8_index_bits(b) + 0.25, 2) for b in (2, 3, 4)] == [2.87, 3.64, 4.51]
+    with pytest.raises(KvcxError, match="needs the model's config"):
+        PEERS["nexusquant-k3v2"].roundtrip(tensors)
+    with pytest.raises(KvcxError, match="layers 0..n-1, each a key and a value"):
+        PEERS["nexusquant-k3v2"].roundtrip({"layer_1_key": tensors["layer_1_key"]}, model_config=cfg)
 
 
 @pytest.mark.parametrize("scheme,axis", [("quanto-int4", 0), ("quanto-int2", 0), ("hqq-int4", 0), ("hqq-int2", 0),
