@@ -380,8 +380,10 @@ class KVConfig:
             given = [f"{k}={v!r}" for k, v in (("group_size", group_size), ("bits", bits), ("sinks", sinks),
                                                  ("rotate", rotate)) if v is not None]
             if given:
+                base = scheme[:-4] if scheme.endswith("-rot") else scheme
+                hint = f" (its rotation is the scheme {base + '-rot'!r})" if f"{base}-rot" in _ENGINE_SCHEMES else ""
                 raise CodecError(f"scheme={scheme!r} is an engine's format, emulated as the engine defines it; leave "
-                                 f"out {', '.join(given)} (its rotation is the scheme with '-rot')")
+                                 f"out {', '.join(given)}{hint}")
             codec = get_codec(_ENGINE_SCHEMES[scheme], n_threads)
             key = get_codec({**_ENGINE_SCHEMES[scheme], "rotate": "key"}, n_threads) if scheme.endswith("-rot") \
                 else codec    # llama.cpp rotates K over the largest power of two dividing the head dim, V over 64

@@ -128,6 +128,10 @@ def test_fp4_schemes_files_and_errors(tmp_path):
         bad[0, 1, 3] = np.nan
         with pytest.raises(CodecError, match="NaN/Inf"):
             codec.encode(bad, name="v")
+    with pytest.raises(CodecError, match=r"engine's format.*leave out group_size=32$"):
+        KVConfig.from_scheme("nvfp4", group_size=32)       # no '-rot' hint where the format has no rotation
+    with pytest.raises(CodecError, match="leave out bits=2 \\(its rotation is the scheme 'q4_0-rot'\\)"):
+        KVConfig.from_scheme("q4_0", bits=2)
     with pytest.raises(CodecError, match="no per-tensor scale"):
         FP4Codec("mxfp4", "amax")
     with pytest.raises(CodecError, match="'mxfp4' or 'nvfp4'"):
