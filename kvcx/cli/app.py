@@ -32,7 +32,8 @@ EXIT_QUALITY = 3
 
 app = typer.Typer(rich_markup_mode="rich", add_completion=False, no_args_is_help=True,
                   context_settings={"help_option_names": ["-h", "--help"]},
-                  help="Compress LLM KV caches to packed INT4 and prove with perplexity that they still serve the model.")
+                  help="Compress LLM KV caches to packed low-bit codes (2, 3, 4 or 8 bits, or an engine's format) and "
+                       "prove with perplexity that they still serve the model.")
 
 
 def _version(value: bool):
@@ -168,7 +169,7 @@ SchemeOpt = Annotated[str, typer.Option("--scheme", help="reference | symmetric 
                                                          "hqq-int4 hqq-int2 hqq-int4-axis1 hqq-int2-axis1 "
                                                          "turboquant-4 turboquant-3 nexusquant-k4v4 "
                                                          "nexusquant-k3v2 nexusquant-k2v2 "
-                                                         "(kvcx[peers]).")]
+                                                         "(kvcx\\[peers]).")]
 PlanOpt = Annotated[Optional[str], typer.Option("--plan", help="A plan from `kvcx calibrate --out`, or a shipped "
                                                                "plan's name (smollm2-kvcx2w-2.47, ...); replaces "
                                                                "--scheme/--bits/--group-size.")]

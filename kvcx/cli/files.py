@@ -34,7 +34,7 @@ def compress(
     check: CheckOpt = False,
     json_out: JsonOpt = False,
 ):
-    """Compress a safetensors KV cache into a packed INT4 kvcx file (exit 0 once it is written)."""
+    """Compress a safetensors KV cache into a packed kvcx file (exit 0 once it is written)."""
     with cli_errors("compress"):
         from kvcx.api import Thresholds, compress_kv_cache
 
@@ -83,7 +83,7 @@ def metrics(
     min_snr: SnrOpt = 18.0,
     min_cosine: CosOpt = 0.99,
     plot: Annotated[Optional[Path], typer.Option("--plot", help="Also draw per-layer x per-head SNR (keys | values) "
-                                                              "to this PNG (needs kvcx[plot]).")] = None,
+                                                              "to this PNG (needs kvcx\\[plot]).")] = None,
     json_out: JsonOpt = False,
 ):
     """Quality and size of compressing a file (no file written); exit 3 when a threshold is missed."""

@@ -42,7 +42,7 @@ def validate(
     gate: Annotated[Optional[str], typer.Option("--gate", help="With several --scheme settings: the ones that must "
                                                                "pass for exit 0 (comma-separated; default: all).")] = None,
     pareto: Annotated[Optional[Path], typer.Option("--pareto", help="Also draw bits/value vs perplexity delta of "
-                                                                    "every setting to this PNG (needs kvcx[plot]).")] = None,
+                                                                    "every setting to this PNG (needs kvcx\\[plot]).")] = None,
     task: Annotated[str, typer.Option("--task", help="perplexity (default); ruler: retrieval tasks made from "
                                                      "templates (RULER's needles, variable tracking, common words; "
                                                      "--tasks picks); passkey: a key hidden in long contexts.")] = "perplexity",

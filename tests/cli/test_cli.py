@@ -12,7 +12,7 @@ from kvcx.codecs import KVConfig
 from kvcx.errors import KvcxError
 from kvcx.formats import safetensors as kst
 
-from helpers import plan_config, run, tinyllama_cache
+from helpers import app, plan_config, run, runner, tinyllama_cache
 
 
 @pytest.fixture
@@ -27,6 +27,13 @@ def test_version_and_help():
     assert r.exit_code == 0 and __version__ in r.output
     r = run("-h")
     assert r.exit_code == 0 and "compress" in r.output and "validate" in r.output
+
+
+def test_help_keeps_the_extras_names():
+    """Rich markup reads '[peers]' as a style tag and drops it unless escaped: help must say which extra to install."""
+    for command, extra in (("validate", "kvcx[peers]"), ("validate", "kvcx[plot]"), ("metrics", "kvcx[plot]")):
+        r = runner.invoke(app, [command, "--help"], env={"COLUMNS": "400"})
+        assert r.exit_code == 0 and extra in r.output, (command, extra)
 
 
 def test_info_json():
