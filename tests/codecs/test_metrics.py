@@ -42,3 +42,18 @@ def test_metrics_edge_cases():
         error_stats(np.zeros(3, np.float32), np.zeros(4, np.float32))
     with pytest.raises(CodecError, match="NaN/Inf"):
         error_stats(np.array([1, np.nan], np.float32), np.zeros(2, np.float32))
+
+
+def test_a_miss_on_absolute_rmse_alone_says_why_and_what_to_use():
+    """A cache on a larger scale than TinyLlama's (the embedded model's keys) misses the reference design's absolute
+    RMSE bound while its scale-free measures pass: the violation says so in its one line; a real miss does not."""
+    from kvcx.codecs.metrics import Thresholds, check_thresholds
+
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal(100_000) * 2.0).astype(np.float32)
+    scaled = error_stats(x, x + rng.standard_normal(x.size).astype(np.float32) * 0.12)   # SNR ~24 dB, RMSE 0.12
+    (v,) = check_thresholds(scaled, Thresholds())
+    assert v.startswith("RMSE 0.12") and "RMS 2" in v and "raise --max-rmse" in v and "kvcx validate" in v
+    noisy = error_stats(x, x + rng.standard_normal(x.size).astype(np.float32) * 0.5)     # SNR ~12 dB: a real miss
+    assert [w.split(" ")[0] for w in check_thresholds(noisy, Thresholds())] == ["RMSE", "SNR", "cosine"]
+    assert "raise" not in check_thresholds(noisy, Thresholds())[0]
