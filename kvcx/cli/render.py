@@ -78,9 +78,13 @@ def print_phase(step: int, total: int, message: str) -> None:
 
 @contextmanager
 def window_bar(quiet: bool, label: str = "windows"):
-    """A transient progress bar over the evaluation windows (or prompts), on stderr; yields the callback."""
-    if quiet or not err.is_terminal:
+    """A transient progress bar over the evaluation windows (or prompts), on stderr; yields the callback. Not on
+    a terminal (CI, a log file): a plain line at each tenth of the work, so a long run is never silent."""
+    if quiet:
         yield None
+        return
+    if not err.is_terminal:
+        yield _progress_lines(label)
         return
     from rich.progress import (
         BarColumn,
@@ -204,3 +208,18 @@ def print_retrieval(results, gated, quiet: bool) -> None:
     for task, why in r0.dropped.items():
         out.print(f"dropped {escape(task)}: {escape(why)}")
     out.print(f"wall time {r0.wall_time_s:.1f} s")
+
+
+def _progress_lines(label: str):
+    """The callback of :func:`window_bar` off a terminal: ``label done/total (elapsed)`` lines on stderr, about ten
+    a run (every item when there are ten or fewer)."""
+    import time
+
+    start = time.perf_counter()
+
+    def on_item(done: int, total: int) -> None:
+        if done == total or done % max(1, total // 10) == 0:
+            s = int(time.perf_counter() - start)
+            err.print(f"{label} {done}/{total} ({s // 60}m {s % 60:02d}s)", markup=False)
+
+    return on_item

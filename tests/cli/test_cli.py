@@ -234,3 +234,23 @@ def test_errors_do_not_start_with_a_blank_line(small_cache_file, tmp_path):
     r = run("compress", small_cache_file, tmp_path / "nodir" / "o.safetensors")
     assert r.exit_code == 1 and r.output.startswith("Error: "), repr(r.output)
     assert "o.safetensors: the output directory" in r.output
+
+
+def test_progress_off_a_terminal_is_plain_lines(capsys):
+    """`make validate` into a log or CI: a line at each tenth of the windows (every window when there are few),
+    never a bar's control codes, nothing at all with --json."""
+    from kvcx.cli.render import window_bar
+
+    with window_bar(False) as on_window:
+        for i in range(1, 33):
+            on_window(i, 32)
+    lines = capsys.readouterr().err.splitlines()
+    assert [x.split(" (")[0] for x in lines] == [f"windows {i}/32" for i in (3, 6, 9, 12, 15, 18, 21, 24, 27, 30, 32)]
+    assert all("\x1b" not in x and x.endswith("s)") for x in lines)
+    with window_bar(False, "prompts") as on_prompt:
+        for i in range(1, 4):
+            on_prompt(i, 3)
+    assert [x.split(" (")[0] for x in capsys.readouterr().err.splitlines()] == ["prompts 1/3", "prompts 2/3",
+                                                                               "prompts 3/3"]
+    with window_bar(True) as on_window:
+        assert on_window is None
