@@ -18,7 +18,7 @@ from typing import Callable, Dict, List, Optional
 import numpy as np
 
 from kvcx.codecs.dtypes import dtype_name
-from kvcx.codecs.kvconfig import DEFAULT_SCHEME, SCHEME_NAMES, KVConfig, check_plan_record
+from kvcx.codecs.kvconfig import DEFAULT_SCHEME, SCHEME_NAMES, KVConfig, check_plan_record, layer_of, tensor_kind
 from kvcx.codecs.metrics import (  # noqa: F401
     COSINE_THRESHOLD,
     RMSE_THRESHOLD,
@@ -77,6 +77,7 @@ class CompressionMetrics:
     fp16_size_bytes: int = 0
     file_size_ratio: float = 0.0
     tensors: List[TensorMetrics] = field(default_factory=list)
+    warnings: List[str] = field(default_factory=list)   # what a user would not expect, each one line (see surprises)
 
     def to_dict(self) -> dict:
         return json_safe(asdict(self))
@@ -122,8 +123,36 @@ def measure(tensors, chosen: Dict[str, Choice], n_threads: Optional[int] = None)
             for name, c in chosen.items()}
 
 
+def _span(layers) -> str:
+    layers = sorted(layers)
+    return f"{layers[0]}-{layers[-1]}" if len(layers) > 1 and layers[-1] - layers[0] == len(layers) - 1 else \
+        ", ".join(map(str, layers))
+
+
+def surprises(names, config: KVConfig, bits_per_value: float) -> List[str]:
+    """What compressing these tensors did that a user would not expect, one line each: tensors whose names say
+    neither key nor value (they get the value codec), a per-layer plan whose layers are not the cache's, a packed
+    size above FP16's (a cache of a few tokens is mostly scales)."""
+    names = list(names)
+    out = []
+    unnamed = [n for n in names if tensor_kind(n) is None]
+    if unnamed:
+        shown = ", ".join(unnamed[:3]) + (f" and {len(unnamed) - 3} more" if len(unnamed) > 3 else "")
+        out.append(f"{len(unnamed)} tensor(s) ({shown}) name neither key nor value: compressed with the value codec; "
+                   "name them like layer_0_key / layer_0_value (or past_key_values.0.0 / .0.1)")
+    planned = {L for L, _, _ in config.layer_bits} | {L for L, _ in config.key_weights}
+    held = {L for L in (layer_of(n) for n in names) if L is not None}
+    if held and planned - held:
+        out.append(f"the plan sets layers {_span(planned - held)}, which the cache (layers {_span(held)}) does not hold: "
+                   "a plan is made for one model (`kvcx calibrate` one for this cache's model)")
+    if bits_per_value > 16:
+        out.append(f"the packed file holds {bits_per_value:.1f} bits a value, more than FP16's 16: its tensors are too "
+                   "short for group scales and headers to pay (compress a cache of at least a few hundred tokens)")
+    return out
+
+
 def _metrics(f: st.SafeFile, chosen: Dict[str, Choice], original_size: int, compressed_size: int,
-             seconds: float, meta: Dict[str, str], thresholds: Thresholds) -> CompressionMetrics:
+             seconds: float, meta: Dict[str, str], thresholds: Thresholds, config: KVConfig) -> CompressionMetrics:
     total = ErrorStats()
     per = []
     for name, s in measure(f.tensors(), chosen).items():
@@ -147,7 +176,8 @@ def _metrics(f: st.SafeFile, chosen: Dict[str, Choice], original_size: int, comp
         max_error=total.max_error, quality_level=quality_level(total.rmse, total.snr_db) if total.n else "POOR",
         processing_time_ms=seconds * 1000.0, passed=not violations, violations=violations,
         bits_per_value=8.0 * compressed_size / total.n if total.n else 0.0, num_values=int(total.n),
-        config=settings_of(meta), tensors=per)
+        config=settings_of(meta), tensors=per,
+        warnings=surprises(chosen, config, 8.0 * compressed_size / total.n if total.n else 0.0))
 
 
 def _config(config: Optional[KVConfig], scheme: Optional[str], group_size: Optional[int], n_threads) -> KVConfig:
@@ -170,7 +200,7 @@ def compress_kv_cache(input_path, output_path, group_size: Optional[int] = None,
                                              source_metadata=f.metadata or None, sidecar=sidecar, progress=progress)
         _commit(outs, output_path, out, meta, sidecar)
         m = _metrics(f, chosen, os.path.getsize(input_path), os.path.getsize(output_path), time.perf_counter() - t,
-                     meta, thresholds or Thresholds())
+                     meta, thresholds or Thresholds(), cfg)
     if verbose:  # the library logs; rendering is the CLI's
         log.info("%s -> %s: %.2fx vs FP16, relative RMSE %.4f, SNR %.1f dB", input_path, output_path,
                  m.compression_ratio, m.relative_rmse, m.snr_db)
@@ -210,7 +240,7 @@ def get_compression_metrics(input_path, group_size: Optional[int] = None, scheme
                                              progress=progress)
         size = st.serialized_size(out, meta)
         return _metrics(f, chosen, os.path.getsize(input_path), size, time.perf_counter() - t, meta,
-                        thresholds or Thresholds())
+                        thresholds or Thresholds(), cfg)
 
 
 def save_plan(path, calibration) -> None:

@@ -158,3 +158,35 @@ def test_unwritable_output_directory_names_the_output(small_cache_file, tmp_path
     monkeypatch.setattr(fileio.os, "open", denied)
     r = run("compress", small_cache_file, tmp_path / "o.safetensors")
     assert r.exit_code == 1 and "o.safetensors: cannot write in" in r.output and ".kvcx-" not in r.output, r.output
+
+
+def test_surprises_are_warnings_and_check_makes_them_exit_3(tmp_path):
+    """What a user would not expect is said, one line each (CompressionMetrics.warnings, yellow on the CLI):
+    tensors named neither key nor value, a plan made for another model's layers, a file larger per value than
+    FP16; a clean cache raises none, and --check makes any of them exit 3 (the file is still written)."""
+    rng = np.random.default_rng(0)
+    clean = tmp_path / "clean.safetensors"
+    kst.save_file(tinyllama_cache(seq=256), clean)
+    assert get_compression_metrics(clean).warnings == []
+    odd = tmp_path / "odd.safetensors"
+    kst.save_file({"foo": rng.standard_normal((1, 2, 256, 64)).astype(np.float16),
+                   "layer_0_key": rng.standard_normal((1, 2, 256, 64)).astype(np.float16)}, odd)
+    (w,) = get_compression_metrics(odd).warnings
+    assert w.startswith("1 tensor(s) (foo) name neither key nor value: compressed with the value codec")
+    tiny = tmp_path / "tiny.safetensors"
+    kst.save_file(tinyllama_cache(seq=2), tiny)
+    (w,) = get_compression_metrics(tiny).warnings
+    assert "more than FP16's 16" in w and float(w.split(" holds ")[1].split(" bits")[0]) > 16
+    from kvcx.api import load_plan
+
+    plan = load_plan("smollm2-kvcx2-2.54")     # SmolLM2's 30 layers: widths set in 18, 20 and 23; this cache has 22
+    assert {L for L, _, _ in plan.layer_bits} == {18, 20, 23}
+    (w,) = get_compression_metrics(clean, config=plan).warnings
+    assert w.startswith("the plan sets layers 23, which the cache (layers 0-21) does not hold")
+    r = run("compress", odd, tmp_path / "odd.kvcx.safetensors", "--json")
+    assert r.exit_code == 0 and json.loads(r.stdout)["warnings"] == [w0 for w0 in get_compression_metrics(odd).warnings]
+    r = run("compress", odd, tmp_path / "odd2.kvcx.safetensors", "--check", "--max-rmse", "10")
+    assert r.exit_code == 3 and "name neither key nor value" in r.output
+    assert (tmp_path / "odd2.kvcx.safetensors").exists()
+    r = run("compress", clean, tmp_path / "clean.kvcx.safetensors", "--check", "--max-rmse", "10")
+    assert r.exit_code == 0 and "Warning" not in r.output

@@ -140,7 +140,10 @@ def kv_config_from(scheme, group_size, bits, sinks, rotate, threads, plan=None):
 
 
 def report_metrics(m, json_out: bool, title: str, check: bool, wrote: Optional[Path] = None) -> None:
-    """Print the metrics; with ``check`` a missed threshold is exit 3, else a yellow warning (file kept)."""
+    """Print the metrics; with ``check`` a missed threshold or a warning is exit 3, else a yellow warning (file
+    kept)."""
+    for w in m.warnings:
+        err.print(f"[{'red' if check else 'yellow'}]Warning: {escape(w)}[/]")
     if json_out:
         emit_json(m.to_dict())
     else:
@@ -152,10 +155,8 @@ def report_metrics(m, json_out: bool, title: str, check: bool, wrote: Optional[P
             out.print("[bold red]FAILED[/] quality thresholds: " + "; ".join(m.violations))
     if not m.passed and not check:
         err.print(f"[yellow]Warning: {escape(str(wrote))} was written, but it misses the reference design's "
-                  f"thresholds: {escape('; '.join(m.violations))}. Absolute RMSE depends on the model's cache "
-                  "scale: judge by relative RMSE / SNR, or by `kvcx validate` (perplexity). "
-                  "Pass --check to make this exit 3.[/]")
-    if not m.passed and check:
+                  f"thresholds: {escape('; '.join(m.violations))}. Pass --check to make this exit 3.[/]")
+    if check and (not m.passed or m.warnings):
         raise typer.Exit(code=EXIT_QUALITY)
 
 
@@ -183,8 +184,9 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable JSON on 
 RmseOpt = Annotated[float, typer.Option("--max-rmse", help="Threshold: absolute RMSE below this.")]
 SnrOpt = Annotated[float, typer.Option("--min-snr", help="Threshold: SNR (dB) above this.")]
 CosOpt = Annotated[float, typer.Option("--min-cosine", help="Threshold: cosine similarity above this.")]
-CheckOpt = Annotated[bool, typer.Option("--check", help="Exit 3 when the thresholds are missed (the file is "
-                                                        "still written); without it a miss is a warning.")]
+CheckOpt = Annotated[bool, typer.Option("--check", help="Exit 3 when the thresholds are missed or a warning is "
+                                                        "raised (the file is still written); without it both are "
+                                                        "warnings.")]
 SparsityOpt = Annotated[float, typer.Option(help="Fraction of smallest-magnitude values zeroed first (0 = off).")]
 Lz4Opt = Annotated[bool, typer.Option("--lz4", help="LZ4-compress the packed codes.")]
 

@@ -113,16 +113,22 @@ def is_key_tensor(name: str) -> bool:
     ``layer_3_value``, ``monkey_value``, ``v_cache`` are values; ``past_key_values.0.0`` / ``.0.1`` (the
     legacy tuple layout) is a key / a value by its last index. Names without such a word get the value codec.
     """
+    return tensor_kind(name) == "key"
+
+
+def tensor_kind(name: str) -> Optional[str]:
+    """``"key"`` or ``"value"`` as the tensor's name says (see :func:`is_key_tensor`), None when it names neither
+    (such a tensor gets the value codec)."""
     m = _LEGACY_RE.search(name)
     if m:
-        return m.group(3) == "0"
+        return "key" if m.group(3) == "0" else "value"
     words = [w for w in re.split(r"[^a-z]+", name.lower()) if w]
     for w in reversed(words):
         if w in _KEY_WORDS or (w.startswith("k") and w[1:] in ("proj", "cache")):
-            return True
+            return "key"
         if w in _VALUE_WORDS or (w.startswith("v") and w[1:] in ("proj", "cache")):
-            return False
-    return False
+            return "value"
+    return None
 
 
 def _check_layer_bits(layer_bits) -> tuple:
