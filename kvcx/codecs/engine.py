@@ -359,6 +359,8 @@ class FP4Codec(Codec):
             check_status(_core.STATUS_NONFINITE, name, x)
         if amax == 0:
             return np.float16(1.0)
+        if amax / NV_FP_MAX > 65504.0:      # the per-tensor scale is recorded in FP16
+            check_status(_core.STATUS_SCALE_OVERFLOW, name, x)
         return _fp16_at_least(max(amax / NV_FP_MAX, 2.0 ** -14))
 
     def encode(self, x, out: Optional[Packed] = None, *, name: str = "tensor",

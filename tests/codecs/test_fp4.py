@@ -123,6 +123,8 @@ def test_fp4_schemes_files_and_errors(tmp_path):
         FP4Codec("nvfp4").encode(np.full((1, 2, 16), 3000.0, np.float32), name="k")
     big = np.full((1, 2, 16), 3000.0, np.float32)     # the calibrated scale holds it (up to its FP16 rounding)
     assert np.allclose(FP4Codec("nvfp4", "amax").decode(FP4Codec("nvfp4", "amax").encode(big)), big, rtol=2 ** -10)
+    with pytest.raises(CodecError, match="'k' has values too large for FP16 scales"):
+        FP4Codec("nvfp4", "amax").encode(np.full((1, 2, 16), 3e8, np.float32), name="k")
     for codec in (FP4Codec("mxfp4"), FP4Codec("nvfp4", "amax")):
         bad = np.ones((1, 2, 32), np.float32)
         bad[0, 1, 3] = np.nan
