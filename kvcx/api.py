@@ -177,7 +177,9 @@ def _metrics(f: st.SafeFile, chosen: Dict[str, Choice], original_size: int, comp
         processing_time_ms=seconds * 1000.0, passed=not violations, violations=violations,
         bits_per_value=8.0 * compressed_size / total.n if total.n else 0.0, num_values=int(total.n),
         config=settings_of(meta), tensors=per,
-        warnings=surprises(chosen, config, 8.0 * compressed_size / total.n if total.n else 0.0))
+        warnings=surprises(chosen, config, 8.0 * compressed_size / total.n if total.n else 0.0) + (
+            [] if total.n else [f"no float tensors: nothing was compressed, its {len(f.keys())} tensor(s) are stored "
+                                "as they are (kvcx packs float16, bfloat16 and float32 keys and values)"]))
 
 
 def _config(config: Optional[KVConfig], scheme: Optional[str], group_size: Optional[int], n_threads) -> KVConfig:

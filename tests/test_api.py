@@ -190,3 +190,8 @@ def test_surprises_are_warnings_and_check_makes_them_exit_3(tmp_path):
     assert (tmp_path / "odd2.kvcx.safetensors").exists()
     r = run("compress", clean, tmp_path / "clean.kvcx.safetensors", "--check", "--max-rmse", "10")
     assert r.exit_code == 0 and "Warning" not in r.output
+    ints = tmp_path / "ints.safetensors"
+    kst.save_file({"ids": np.arange(10, dtype=np.int32)}, ints)
+    r = run("compress", ints, tmp_path / "ints.kvcx.safetensors")
+    assert r.exit_code == 0 and "no float tensors: nothing was compressed, its 1 tensor(s) are stored as they are" \
+        in r.output and "misses the reference design's thresholds" not in r.output

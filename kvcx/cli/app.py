@@ -153,7 +153,7 @@ def report_metrics(m, json_out: bool, title: str, check: bool, wrote: Optional[P
             out.print("[bold green]PASSED[/] quality thresholds (reference design: RMSE, SNR, cosine)")
         elif check:
             out.print("[bold red]FAILED[/] quality thresholds: " + "; ".join(m.violations))
-    if not m.passed and not check:
+    if not m.passed and not check and m.num_values:   # (nothing compressed: its warning says so)
         err.print(f"[yellow]Warning: {escape(str(wrote))} was written, but it misses the reference design's "
                   f"thresholds: {escape('; '.join(m.violations))}. Pass --check to make this exit 3.[/]")
     if check and (not m.passed or m.warnings):
