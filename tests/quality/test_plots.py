@@ -86,3 +86,22 @@ def test_labels_of_points_at_the_same_place_do_not_overlap():
         assert frame.x0 <= a.x0 and a.x1 <= frame.x1 and frame.y0 <= a.y0 and a.y1 <= frame.y1
         assert not a.overlaps(legend)
         assert not any(a.overlaps(b) for b in boxes[i + 1:])
+
+
+@pytest.mark.parametrize("n_layers", [2, 30])
+def test_the_heatmaps_title_sits_above_the_panel_titles(monkeypatch, n_layers):
+    """The figure's title (up to four wrapped lines) never covers the 'keys' / 'values' titles, short figure or tall."""
+    pytest.importorskip("matplotlib")
+    import kvcx.quality.plots as plots
+
+    figs = []
+    monkeypatch.setattr(plots, "_png", lambda fig: figs.append(fig) or b"")
+    rng = np.random.default_rng(0)
+    grids = {k: (list(range(n_layers)), rng.uniform(10, 30, (n_layers, 3))) for k in ("key", "value")}
+    plots.heatmap_png(grids, "a long title " * 30)
+    (fig,) = figs
+    r = fig.canvas.get_renderer()
+    top = fig._suptitle.get_window_extent(r)
+    assert len(fig._suptitle.get_text().splitlines()) == 4
+    for ax in fig.axes[:2]:
+        assert ax.title.get_window_extent(r).y1 < top.y0      # wholly below the figure title
