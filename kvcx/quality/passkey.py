@@ -1,7 +1,7 @@
 """The passkey grid of ``bench/bench_passkey.py`` (lengths x depths, a tolerance per length): does the model still
 find a key hidden in a long context once the context's cache is compressed? (``kvcx validate --task passkey``
-runs the same prompts through :func:`kvcx.quality.retrieval.run_retrieval`, with a paired test instead of a
-tolerance.)
+runs the passkey task of :mod:`kvcx.quality.ruler` through :func:`kvcx.quality.retrieval.run_retrieval`, judged by
+a paired test instead of a tolerance.)
 
 Perplexity averages over every token; retrieval asks one token-exact question of one place in a long context,
 which is where low-bit caches are known to break first (an int4 quantized cache answering 0 of 120 prompts its
