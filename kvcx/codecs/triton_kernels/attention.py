@@ -278,7 +278,7 @@ def attend_packed_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, 
     token (1 for per-channel values). One launch reads two spans of the same layout (a store's segments, one
     after the other): splits from ``n_first`` on read the second (the arguments named ``2``; its ``T2`` tokens at
     mask column ``mask_off2``), so that the spans' programs run side by side, not one launch after another.
-    Few instructions per code (an earlier kernel that dequantized each tile whole ran 1.8x slower on an H100):
+    Few instructions per code (what was tried, measured: docs/RESULTS.md):
 
     - the packed bytes are two streams, even channels (low nibbles) and odd channels (high nibbles): nothing is
       interleaved; the query and the accumulator are split alike;

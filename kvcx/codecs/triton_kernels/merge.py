@@ -55,8 +55,7 @@ def merge_kernel(q_ptr, q_scale, m_ptr, l_ptr, acc_ptr, SPT, sk_ptr, sv_ptr, n_s
     ``HAS_SINKS``: ``sl_ptr`` [Hkv R] holds each query head's sink logit (GPT-OSS's s_aux), a term of the softmax's
     sum that attends to nothing; ``SOFTCAP`` > 0: the exact tokens' scores capped as the splits' are.
 
-    Written for latency (an earlier merge, a program a slab that read the splits twice and the exact tokens after
-    them, took 36 us of an H200 step at 32k tokens): the exact tokens come first, their softmax (maximum, sum,
+    Written for latency (docs/results/gpu.md has the measurements): the exact tokens come first, their softmax (maximum, sum,
     weighted values; rotated as the splits' accumulators are, where the values are) the start of the running merge;
     then the splits, read CH at a time in one pass with a running maximum,
     so that every load is in flight at once; the rotation back last. ``PDL`` (a GPU, launched as a programmatic
