@@ -162,6 +162,7 @@ def _metrics(f: st.SafeFile, chosen: Dict[str, Choice], original_size: int, comp
                                  rmse=s.rmse, relative_rmse=s.relative_rmse, snr_db=s.snr_db,
                                  cosine_similarity=s.cosine_similarity, max_error=s.max_error))
     violations = check_thresholds(total, thresholds) if total.n else ["no float tensors to compress"]
+    bpv = 8.0 * compressed_size / total.n if total.n else 0.0
     fp16 = 0
     for name in f.keys():
         shape, dtype = f.shape_and_dtype(name)
@@ -175,9 +176,8 @@ def _metrics(f: st.SafeFile, chosen: Dict[str, Choice], original_size: int, comp
         rmse=total.rmse, snr_db=total.snr_db, cosine_similarity=total.cosine_similarity,
         max_error=total.max_error, quality_level=quality_level(total.rmse, total.snr_db) if total.n else "POOR",
         processing_time_ms=seconds * 1000.0, passed=not violations, violations=violations,
-        bits_per_value=8.0 * compressed_size / total.n if total.n else 0.0, num_values=int(total.n),
-        config=settings_of(meta), tensors=per,
-        warnings=surprises(chosen, config, 8.0 * compressed_size / total.n if total.n else 0.0) + (
+        bits_per_value=bpv, num_values=int(total.n), config=settings_of(meta), tensors=per,
+        warnings=surprises(chosen, config, bpv) + (
             [] if total.n else [f"no float tensors: nothing was compressed, its {len(f.keys())} tensor(s) are stored "
                                 "as they are (kvcx packs float16, bfloat16 and float32 keys and values)"]))
 

@@ -74,6 +74,14 @@ def _buffers(out, shapes: dict, name: str, x_shape) -> dict:
     return got
 
 
+def _tensor_scale_setting(scale, what: str):
+    """A per-tensor scale setting checked: ``"amax"``, or a positive number exact in FP16 (as a float)."""
+    if scale != "amax" and not (isinstance(scale, (int, float)) and not isinstance(scale, bool)
+                                and np.isfinite(scale) and scale > 0 and float(np.float16(scale)) == float(scale)):
+        raise CodecError(f"{what} scale must be 'amax' or a positive number exact in FP16 (e.g. 1.0), got {scale!r}")
+    return scale if scale == "amax" else float(scale)
+
+
 def _finish(out, fields: dict) -> Packed:
     if out is None:
         return Packed(**fields)
@@ -213,11 +221,8 @@ class FP8Codec(Codec):
                  backend: Optional[str] = None):
         if format not in FP8_FORMATS:
             raise CodecError(f"fp8 format {format!r} is not one vLLM uses; use 'e4m3' or 'e5m2'")
-        if scale != "amax" and not (isinstance(scale, (int, float)) and not isinstance(scale, bool)
-                                    and np.isfinite(scale) and scale > 0 and float(np.float16(scale)) == float(scale)):
-            raise CodecError(f"fp8 scale must be 'amax' or a positive number exact in FP16 (e.g. 1.0), got {scale!r}")
         self.format = format
-        self.scale = scale if scale == "amax" else float(scale)
+        self.scale = _tensor_scale_setting(scale, "fp8")
         self.n_threads = resolve_threads(n_threads) if n_threads is not None else None
         self.backend = check_backend(backend)   # no backend but the CPU kernels is registered for it
 
@@ -314,14 +319,11 @@ class FP4Codec(Codec):
                  backend: Optional[str] = None):
         if format not in FP4_FORMATS:
             raise CodecError(f"fp4 format {format!r} is not one kvcx emulates; use 'mxfp4' or 'nvfp4'")
-        if scale != "amax" and not (isinstance(scale, (int, float)) and not isinstance(scale, bool)
-                                    and np.isfinite(scale) and scale > 0 and float(np.float16(scale)) == float(scale)):
-            raise CodecError(f"fp4 scale must be 'amax' or a positive number exact in FP16 (e.g. 1.0), got {scale!r}")
+        scale = _tensor_scale_setting(scale, "fp4")
         if format == "mxfp4" and scale != 1.0:
             raise CodecError(f"mxfp4 has no per-tensor scale (its E8M0 block exponents cover any range); "
                              f"leave scale at 1.0, got {scale!r}")
-        self.format = format
-        self.scale = scale if scale == "amax" else float(scale)
+        self.format, self.scale = format, scale
         self.n_threads = resolve_threads(n_threads) if n_threads is not None else None
         self.backend = check_backend(backend)   # no backend but the CPU kernels is registered for it
 
