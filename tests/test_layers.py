@@ -30,7 +30,8 @@ MAX_FLOORS = 12   # two added in 2026-11: the kernels choose their variant for t
 #                   between the cache and its stores), to keep every module under MAX_LINES
 MAX_LINES = 600
 TORCH_AT_MODULE_LEVEL = {"kvcx.cache.kvcx_cache", "kvcx.cache.layers", "kvcx.cache.attention_fn", "kvcx.cache.buffers",
-                         "kvcx.cache.device_store", "kvcx.cache.pressing", "kvcx.cache.static_cache"}
+                         "kvcx.cache.device_store", "kvcx.cache.pressing", "kvcx.cache.static_cache",
+                         "kvcx.cache.static_layers"}
 RICH_MODULES = {"kvcx.cli", "kvcx.cli.app", "kvcx.cli.render", "kvcx.cli.files", "kvcx.cli.validate",
                 "kvcx.cli.calibrate", "kvcx.cli.serve"}    # the CLI package: its app, renderers and commands
 

@@ -525,7 +525,7 @@ def launch_attention(grid, q, q_scale: float, buffers: tuple, ints: tuple, out: 
     m, l, acc = out
     table, lens = pages if pages is not None else (m, m)
     attention_kernels().attend_packed_kernel[grid](
-        q, *buffers, q_scale, add if add is not None else m, m, l, acc, Hkv, add.shape[1] if add is not None else 0,
+        q, *buffers, q_scale, add if add is not None else m, m, l, acc, Hkv, add.stride(0) if add is not None else 0,
         *ints, per, n_first, sp_off, m.shape[1], table, lens, table.stride(0) if pages is not None else 0, **const,
         **attention_options(const))
 

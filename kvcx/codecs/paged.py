@@ -188,7 +188,7 @@ def encode_step(codec: Codec, residual, codes, scales, zeros, flag, new, where) 
 
 def attend(q, pool: PagedKV, block_table, seq_lens, scaling: Optional[float] = None,
            per_split: Optional[int] = None, sinks=(None, None), residual=(None, None), residual_lens=None, out=None,
-           sink_logits=None, softcap: float = 0.0):
+           sink_logits=None, softcap: float = 0.0, mask=None):
     """One decode step over a paged store: q [B, Hq, D] (one token a row, any float dtype), ``block_table`` int32
     [B, max_pages] (row b's pages in order; entries past its tokens are not read), ``seq_lens`` int32 [B] (row b's
     tokens, 0 to max_pages x page_tokens), both on the pool's device. Query head j reads KV head j // (Hq / Hkv).
@@ -199,7 +199,9 @@ def attend(q, pool: PagedKV, block_table, seq_lens, scaling: Optional[float] = N
     writes it into ``out`` (the caller's [B, Hq, D], contiguous: float32, float16 or bfloat16, rounded to nearest
     even as ``.to`` rounds) and returns that.
     ``sink_logits`` float32 [Hq] on the device (each query head's sink logit, GPT-OSS's s_aux) or None; ``softcap``
-    > 0: scores capped to softcap tanh(s / softcap) (Gemma 2), in both kernels.
+    > 0: scores capped to softcap tanh(s / softcap) (Gemma 2), in both kernels. ``mask``: float32 [B, max_pages x
+    page_tokens] on the device (a row's may be shared: stride 0 along the batch), added to the scores of the packed
+    tokens in table order (0 or -inf: a sliding window's ring, :mod:`kvcx.cache.static_layers`), or None.
     No host sync: the splits are sized from the table's width, the lengths are read on the device (a step can be
     replayed from a CUDA graph)."""
     torch = _torch()
@@ -226,11 +228,16 @@ def attend(q, pool: PagedKV, block_table, seq_lens, scaling: Optional[float] = N
                                       residual_lens.dtype != torch.int32 or tuple(residual_lens.shape) != (B,) or
                                       residual_lens.device != dev):
         raise CodecError(f"paged attention: residual_lens must be an int32 tensor [{B}] on {dev}, with a residual")
+    if mask is not None and (not is_tensor(mask) or mask.dtype != torch.float32 or
+                             tuple(mask.shape) != (B, block_table.shape[1] * P) or mask.stride(1) != 1 or
+                             mask.device != dev):
+        raise CodecError(f"paged attention: mask must be a float32 tensor [{B}, {block_table.shape[1] * P}] (the "
+                         f"table's tokens, unit stride along them) on {dev}, or None")
     rows = gpu.query_rows(q, N)
     scaling = D ** -0.5 if scaling is None else float(scaling)
     qr = gpu.rotated_query(rows, scaling) if kc.rotate else None
     table = block_table.contiguous()
-    const = gpu.attention_constexprs(kc, vc, R, D, gpu.ATTN_DOT, min(gpu.ATTN_BLOCK_TOKENS, P), False,
+    const = gpu.attention_constexprs(kc, vc, R, D, gpu.ATTN_DOT, min(gpu.ATTN_BLOCK_TOKENS, P), mask is not None,
                                      gpu.ATTN_PREFETCH, gpu.ptx_codes(q), gpu.ATTN_EARLY_TILE, gpu.dependent_merge(q),
                                      paged=True, softcap=softcap)
     per = gpu.split_tokens(N, table.shape[1] * P, per_split)
@@ -241,7 +248,7 @@ def attend(q, pool: PagedKV, block_table, seq_lens, scaling: Optional[float] = N
             pool.value_zeros if pool.value_zeros is not None else pool.value_scales)
     # the spans' integers are not read in the PAGE mode (a tile's page and a row's tokens come from the table)
     gpu.launch_attention((N, nsp), qr if kc.rotate else rows, 1.0 if kc.rotate else scaling, bufs + bufs, (0,) * 12,
-                         (m, l, acc), H, per, nsp, 0, {**const, "PAGE": P}, pages=(table, seq_lens))
+                         (m, l, acc), H, per, nsp, 0, {**const, "PAGE": P}, add=mask, pages=(table, seq_lens))
     if sink_logits is not None and (not is_tensor(sink_logits) or sink_logits.dtype != torch.float32
                                     or tuple(sink_logits.shape) != (Hq,) or sink_logits.device != dev):
         raise CodecError(f"paged attention: sink_logits must be a float32 tensor [{Hq}] on {dev} (one logit a query "

@@ -24,12 +24,13 @@ pytest.importorskip("transformers")
 from transformers import DynamicCache  # noqa: E402
 
 from bench.families import build, decode, family_configs, kl, prompts, temper  # noqa: E402
-from kvcx.cache import KvcxCache  # noqa: E402
+from kvcx.cache import KvcxCache, StaticKvcxCache  # noqa: E402
 
 WINDOW, STEPS = 64, 16
 PROMPT = 8 * WINDOW
 FAMILIES = family_configs(WINDOW, PROMPT)
 KL_BOUND = 0.003
+STATIC_STEPS = 4   # decode steps of StaticKvcxCache's families (Triton's interpreter on a CPU: about a second each)
 
 
 def _model(name):
@@ -76,6 +77,36 @@ def test_family_generates_fused_within_its_window_and_close_to_dynamic_cache(nam
     decided = lead > 2 * noise
     assert bool((logits8.argmax(-1) == ref_tokens)[decided].all())
     assert float(decided.float().mean()) >= 0.9, int((~decided).sum())   # near-ties: at most 10 % of the tokens
+
+
+STATIC_FAMILIES = [n for n in FAMILIES if "MLA" not in n and n not in ("Qwen3", "Qwen3-MoE", "Phi-3")]
+
+
+@pytest.mark.parametrize("name", STATIC_FAMILIES)
+def test_static_cache_packs_every_family_with_its_decode_steps_on_the_device(name):
+    """StaticKvcxCache (the Triton kernels; their interpreter on a CPU) on each family but MLA (refused by name:
+    tests/cache/test_static_cache.py; of the full-attention families Llama alone: the others' layers are of the
+    same kind, tested further there), batch 1 (it takes rows of equal length): the prompt of 8x the window, then
+    4 steps teacher-forced on DynamicCache's tokens. Every full, sliding and chunked layer is packed (linear ones
+    kept in transformers' class) and runs its decode steps on the device; a windowed layer holds a ring of its
+    window (64 tokens: whole tiles of the kernel), not the context; the next-token distributions are within the
+    default scheme's KL bound of DynamicCache's."""
+    model = _model(name)
+    ids, mask = prompts(1, PROMPT)
+    model.set_attn_implementation("eager")
+    ref_tokens, ref_logits = decode(model, DynamicCache(config=model.config), ids, mask, STATIC_STEPS)
+    model.set_attn_implementation("kvcx")
+    cache = StaticKvcxCache(model.config, max_cache_len=PROMPT + STATIC_STEPS)
+    _, logits = decode(model, cache, ids, mask, STATIC_STEPS, forced=ref_tokens)
+    report = cache.memory_report()
+    packed = [s for s in cache.specs if s.packed]
+    assert [r["kvcx"] for r in report["layers"]] == ["packed" if s.packed else "kept" for s in cache.specs]
+    assert report["attention_steps"]["device"] == (STATIC_STEPS - 1) * len(packed), report["attention_steps"]
+    for spec, layer in zip(cache.specs, cache.layers):
+        if spec.window:
+            assert layer.pool.page_tokens == WINDOW and layer.res_k.shape[2] == cache.residual_length
+    divergence = kl(ref_logits, logits)
+    assert divergence <= KL_BOUND, divergence
 
 
 def test_kv_shared_layers_attend_over_their_owners_packed_store():

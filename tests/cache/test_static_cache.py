@@ -190,12 +190,16 @@ def _record_launches(monkeypatch, launches):
             monkeypatch.setattr(module, name, Recorded(kernel, params, name))
 
 
-def test_a_decode_step_is_the_same_work_at_every_length(tiny, monkeypatch):
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_a_decode_step_is_the_same_work_at_every_length(tiny, monkeypatch, family):
     """What replaying one captured step needs: a whole step (the model, the argmax, the position's increment, as
     bench_gpu's section 3 captures it) reads nothing back to the host (no .item(), int(), bool(), .tolist() of a
     tensor) and runs the same torch operations on the same shapes and the same Triton launches (grids, integers,
-    constexprs) at every length: here six steps, the fourth filling a page. On a GPU the step is also captured in a
-    CUDA graph and replayed: the tokens equal the eager steps'."""
+    constexprs) at every length: here six steps, the fourth filling a page; Gemma 3's sliding layer (a window of
+    16) in its ring, which the prompt has wrapped. On a GPU the step is also captured in a CUDA graph and replayed:
+    the tokens equal the eager steps'."""
+    if family != "llama":
+        tiny = _hybrid(family, 16)
     ids = torch.randint(0, 256, (2, 42), generator=torch.Generator().manual_seed(2)).to(DEVICE)
 
     def run(cache, steps, record=False, graph=False):
@@ -348,35 +352,106 @@ def test_a_decode_step_of_non_finite_states_is_flagged_and_check_raises():
         cache.memory_report()
 
 
-@pytest.mark.parametrize("family", ["gemma3", "qwen3_5"])
-def test_hybrid_models_pack_their_full_layers_and_keep_the_others(family):
-    """Gemma 3 (sliding + full) and Qwen 3.5 (linear + full): the full layers packed with device decode steps, the
-    sliding layers held as transformers' StaticSlidingWindowLayer holds them, the linear ones in their own class;
-    the greedy tokens are KvcxCache's (the same codecs on the full layers) over 6 steps, memory_report names each
-    layer's kind."""
+def _hybrid(family: str, window: int = 24):
+    """A tiny random 2-layer hybrid of ``family`` with kvcx's attention (its first layer the hybrid kind, its
+    second full attention)."""
     import transformers as T
 
     common = dict(vocab_size=256, hidden_size=128, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=32, max_position_embeddings=256)
     if family == "gemma3":
-        cfg = T.Gemma3TextConfig(**common, sliding_window=24, layer_types=["sliding_attention", "full_attention"])
+        cfg = T.Gemma3TextConfig(**common, sliding_window=window, layer_types=["sliding_attention", "full_attention"])
+    elif family == "llama4":
+        cfg = T.Llama4TextConfig(**common, intermediate_size_mlp=128, attention_chunk_size=window,
+                                 layer_types=["chunked_attention", "full_attention"], no_rope_layers=[1, 0])
     else:
         cfg = T.Qwen3_5TextConfig(**common, layer_types=["linear_attention", "full_attention"],
                                   linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=16,
                                   linear_value_head_dim=16)
     cfg.eos_token_id = None
     torch.manual_seed(0)
-    model = T.AutoModelForCausalLM.from_config(cfg, attn_implementation="kvcx").eval().to(DEVICE)
+    return T.AutoModelForCausalLM.from_config(cfg, attn_implementation="kvcx").eval().to(DEVICE)
+
+
+@pytest.mark.parametrize("family, window, first", [("gemma3", 24, ("StaticKvcxWindowLayer", "packed")),
+                                                   ("llama4", 32, ("StaticKvcxWindowLayer", "packed")),
+                                                   ("qwen3_5", None, ("LinearAttentionLayer", "kept"))])
+def test_hybrid_models_pack_their_attention_layers_and_keep_the_others(family, window, first):
+    """Gemma 3 (sliding + full), Llama 4 (chunked + full) and Qwen 3.5 (linear + full): full layers packed, sliding
+    and chunked ones packed into a ring of pages, linear ones in their own class; a 40-token prompt
+    (the ring wraps), then 6 greedy tokens equal KvcxCache's (the same codecs), every packed layer's decode steps
+    on the device, and the window layers hold the ring, never the whole context."""
+    model = _hybrid(family, window or 24)
     ids = torch.randint(3, 256, (1, 40), generator=torch.Generator().manual_seed(2)).to(DEVICE)
-    static = StaticKvcxCache(model.config, max_cache_len=64, **OPTS)
+    static = StaticKvcxCache(model.config, max_cache_len=128, **OPTS)
     ref = KvcxCache(model.config, backend="triton", **OPTS)
     a, b = _generate(model, static, ids, 6), _generate(model, ref, ids, 6)
     rep = static.memory_report()
-    assert [r["kvcx"] for r in rep["layers"]] == ["kept", "packed"]
-    assert rep["attention_steps"]["device"] == 5 and rep["kept_bytes"] > 0
+    assert (type(static.layers[0]).__name__, rep["layers"][0]["kvcx"]) == first
+    assert rep["layers"][1]["kvcx"] == "packed"
+    packed = 2 if first[1] == "packed" else 1
+    assert rep["attention_steps"]["device"] == 5 * packed and (rep["kept_bytes"] > 0) == (packed == 1)
     assert torch.equal(a.sequences, b.sequences)
-    assert type(static.layers[0]).__name__ == ("StaticSlidingWindowLayer" if family == "gemma3"
-                                                else "LinearAttentionLayer")
+    if packed == 2:   # the ring: the window rounded up to whole tiles of the kernel (64 tokens), not the capacity
+        ring = static.layers[0]
+        assert ring.pool.page_tokens == 64 < static.layers[1].pool.page_tokens
+        assert ring.get_max_cache_shape() == window
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_windowed_layer_attends_over_its_window_in_the_ring(chunked):
+    """One windowed layer's decode steps, 28 of them after a 70-token prompt (a ring of four pages of 16: two of
+    the steps overwrite a page, the others read the wrapped ring), against attention over the window's tokens as
+    the codec holds them (each page encoded alone, the residual exact): within the kernel's rounding (2e-3), and a
+    window one token longer or shorter is off by more (the mask is the window's, to the token). Then a prompt of
+    20 more: what it returns is the window before it as held, then its own tokens."""
+    import transformers as T
+
+    W, P, D, H, Hq = (32 if chunked else 40), 16, 32, 2, 4
+    if chunked:
+        cfg = T.Llama4TextConfig(vocab_size=64, hidden_size=64, num_hidden_layers=1, num_attention_heads=Hq,
+                                 num_key_value_heads=H, head_dim=D, attention_chunk_size=W,
+                                 layer_types=["chunked_attention"], no_rope_layers=[1])
+    else:
+        cfg = T.MistralConfig(vocab_size=64, hidden_size=64, num_hidden_layers=1, num_attention_heads=Hq,
+                              num_key_value_heads=H, head_dim=D, sliding_window=W)
+    cfg._attn_implementation = "kvcx"
+    cache = StaticKvcxCache(cfg, max_cache_len=400, group_size=16, residual_length=P)
+    layer = cache.layers[0]
+    g = torch.Generator().manual_seed(0)
+    N, S0 = 98, 70
+    K, V = (torch.randn(1, H, N + 20, D, generator=g).to(DEVICE) for _ in "kv")
+    cache.update(K[:, :, :S0], V[:, :, :S0], 0)
+    kc, vc = layer._codecs
+
+    pages = [torch.cat([c.decode(c.encode(x[:, :, s:s + P].contiguous())) for s in range(0, N, P)], 2)
+             for x, c in ((K, kc), (V, vc))]   # every page packed alone
+
+    def held(kind, p):   # tokens to p as the layer holds them: the pages before p's packed, then exact
+        c = p - p % P
+        return torch.cat([pages[kind][:, :, :c], (K, V)[kind][:, :, c:p + 1]], 2)
+
+    def reference(q, p, first):
+        kk, vv = (held(kind, p).repeat_interleave(Hq // H, 1)[:, :, first:] for kind in (0, 1))
+        return torch.softmax(q @ kk.transpose(-1, -2) * D ** -0.5, -1) @ vv
+
+    worst, margin = 0.0, float("inf")
+    for p in range(S0, N):
+        cache.update(K[:, :, p:p + 1].contiguous(), V[:, :, p:p + 1].contiguous(), 0)
+        q = torch.randn(1, Hq, 1, D, generator=g).to(DEVICE)
+        with torch.inference_mode():
+            out = layer.attend(q, None, D ** -0.5).transpose(1, 2).float()
+        first = (p // W) * W if chunked else max(p - W + 1, 0)
+        worst = max(worst, float((out - reference(q, p, first)).abs().max()))
+        for off in (-1, 1):
+            if 0 <= first + off <= p:
+                margin = min(margin, float((out - reference(q, p, first + off)).abs().max()))
+    assert worst < 2e-3 and margin > 5 * worst, (worst, margin)
+    keys, values = cache.update(K[:, :, N:], V[:, :, N:], 0)
+    first = N - W + 1   # transformers' mask covers the last window - 1 tokens (chunked layers' too) and the step's
+    assert torch.equal(keys, torch.cat([held(0, N - 1)[:, :, first:], K[:, :, N:]], 2))
+    assert torch.equal(values, torch.cat([held(1, N - 1)[:, :, first:], V[:, :, N:]], 2))
+    assert layer.steps == {"device": N - S0, "prompt": 2}
 
 
 def test_hybrid_refusals_name_the_layer(tiny):
@@ -389,6 +464,12 @@ def test_hybrid_refusals_name_the_layer(tiny):
     with pytest.raises(KvcxError, match="StaticKvcxCache: layers 1 .* unsupported='keep'"):
         StaticKvcxCache(unsupported_config(), max_cache_len=64)
     no_full = T.Gemma3TextConfig(num_hidden_layers=1, layer_types=["sliding_attention"], head_dim=32,
-                                 hidden_size=64, num_attention_heads=2, num_key_value_heads=1)
-    with pytest.raises(KvcxError, match="packs full-attention layers and this model has none"):
-        StaticKvcxCache(no_full, max_cache_len=64)
+                                 hidden_size=64, num_attention_heads=2, num_key_value_heads=1, sliding_window=8)
+    with pytest.raises(KvcxError, match="sliding and chunked layers and this model has none it can pack"):
+        StaticKvcxCache(no_full, max_cache_len=64, **OPTS)
+    # a window smaller than a page, or chunks of part pages: kept in transformers' class, memory_report says why
+    for family, window, why in (("gemma3", 8, "smaller than a page"), ("llama4", 24, "not whole pages")):
+        cache = StaticKvcxCache(_hybrid(family, window).config, max_cache_len=64, **OPTS)
+        assert type(cache.layers[0]).__name__ == "StaticSlidingWindowLayer"
+        first = cache.memory_report()["layers"][0]
+        assert first["kvcx"] == "kept" and why in first["why"] and "residual_length" in first["why"]

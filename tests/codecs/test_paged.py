@@ -138,6 +138,32 @@ def test_the_paged_store_refuses_what_it_cannot_hold_by_name():
                                                                               device=DEVICE), lens)
 
 
+def test_a_mask_over_the_tables_tokens_hides_what_it_says_and_nothing_else():
+    """``mask`` (a windowed layer's ring: 0 or -inf a token in table order, one row shared by the batch through a
+    stride of 0): zeros change nothing, -inf over a page's first 40 tokens gives attention over its last 24 alone
+    (those written on their own page); a mask of another shape or dtype is refused by name."""
+    kc, vc = _codecs()
+    pool = paged.allocate(kc, vc, 2, 2, 64, 64, DEVICE)
+    K = torch.randn(2, 64, 64, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    paged.write(pool, [0], kc.encode(K), vc.encode(K))
+    q = torch.randn(1, 4, 64, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    table, lens = torch.zeros(1, 1, dtype=torch.int32, device=DEVICE), torch.tensor([64], dtype=torch.int32,
+                                                                                    device=DEVICE)
+    row = torch.zeros(64, device=DEVICE)
+    plain = paged.attend(q, pool, table, lens)
+    assert torch.equal(paged.attend(q, pool, table, lens, mask=row.expand(1, -1)), plain)
+    row[:40] = float("-inf")
+    masked = paged.attend(q, pool, table, lens, mask=row.expand(1, -1))
+    held_k, held_v = kc.decode(kc.encode(K)), vc.decode(vc.encode(K))
+    kk, vv = (x[:, 40:].repeat_interleave(2, 0) for x in (held_k, held_v))
+    ref = torch.softmax(q[0, :, None] @ kk.transpose(-1, -2) * 64 ** -0.5, -1) @ vv
+    assert float((masked[0] - ref[:, 0]).abs().max()) < 2e-3 < float((plain[0] - ref[:, 0]).abs().max())
+    with pytest.raises(CodecError, match=r"mask must be a float32 tensor \[1, 64\]"):
+        paged.attend(q, pool, table, lens, mask=row[:32].expand(1, -1))
+    with pytest.raises(CodecError, match="mask must be a float32"):
+        paged.attend(q, pool, table, lens, mask=row.double().expand(1, -1))
+
+
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")   # the interpreter's 0 / 0
 def test_a_row_of_no_tokens_gives_nan_as_sdpa_does_and_leaves_the_others():
     """seq_lens are read on the device (no host sync to check them): a row of 0 tokens has nothing to attend to and
