@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 from kvcx.codecs import engine as _engine  # noqa: F401  (registers the engine formats' codecs)
+from kvcx.codecs import turboquant as _turboquant
 from kvcx.codecs.base import Codec, get_codec
 from kvcx.codecs.dtypes import is_int
 from kvcx.codecs.intcodec import BITS, IntCodec
@@ -66,7 +67,8 @@ _SCHEMES = {
 # ranges are two bytes) and kvcx2's values: 2.5 bits/value nominal, the 2.6-bit frontier point (README "Low
 # bits"); with a plan's key_weights (`kvcx calibrate --scheme kvcx2w`) the widths follow the queries
 _WIDTH_SCHEMES = {"kvcx2w": (dict(id="kvcx.widths", bits=2.0, group_size=32, sinks=1), _SCHEMES["kvcx2"][1])}
-# engine formats (kvcx.codecs.engine): the same codec on keys and values, as the engines write their caches
+# engine formats (kvcx.codecs.engine, kvcx.codecs.turboquant): the codecs the engines write their caches with (one for
+# keys and values, or a pair)
 _GGML_SCHEMES = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl")
 _ENGINE_SCHEMES = {**{t: dict(id="llama.cpp", type=t, rotate=False) for t in _GGML_SCHEMES},
                    **{f"{t}-rot": dict(id="llama.cpp", type=t, rotate=True) for t in _GGML_SCHEMES},
@@ -76,7 +78,9 @@ _ENGINE_SCHEMES = {**{t: dict(id="llama.cpp", type=t, rotate=False) for t in _GG
                    "fp8_e5m2-amax": dict(id="vllm.fp8", format="e5m2", scale="amax"),
                    "mxfp4": dict(id="fp4", format="mxfp4"),
                    "nvfp4": dict(id="fp4", format="nvfp4", scale=1.0),
-                   "nvfp4-amax": dict(id="fp4", format="nvfp4", scale="amax")}
+                   "nvfp4-amax": dict(id="fp4", format="nvfp4", scale="amax"),
+                   # vLLM's TurboQuant presets (kvcx.codecs.turboquant): a key codec and a value codec
+                   **_turboquant.PRESETS}
 ENGINE_SCHEMES = tuple(_ENGINE_SCHEMES)
 SCHEME_NAMES = tuple(_SCHEMES) + tuple(_WIDTH_SCHEMES) + ENGINE_SCHEMES
 # the low-bit presets' options: the codecs a plan from `kvcx calibrate` may give a layer's keys or values,
@@ -390,8 +394,11 @@ class KVConfig:
                 hint = f" (its rotation is the scheme {base + '-rot'!r})" if f"{base}-rot" in _ENGINE_SCHEMES else ""
                 raise CodecError(f"scheme={scheme!r} is an engine's format, emulated as the engine defines it; leave "
                                  f"out {', '.join(given)}{hint}")
-            codec = get_codec(_ENGINE_SCHEMES[scheme], n_threads)
-            key = get_codec({**_ENGINE_SCHEMES[scheme], "rotate": "key"}, n_threads) if scheme.endswith("-rot") \
+            spec = _ENGINE_SCHEMES[scheme]
+            if isinstance(spec, tuple):    # keys and values in formats of their own (TurboQuant)
+                return cls(key=get_codec(spec[0], n_threads), value=get_codec(spec[1], n_threads), scheme=scheme)
+            codec = get_codec(spec, n_threads)
+            key = get_codec({**spec, "rotate": "key"}, n_threads) if scheme.endswith("-rot") \
                 else codec    # llama.cpp rotates K over the largest power of two dividing the head dim, V over 64
             return cls(key=key, value=codec, scheme=scheme)
         if scheme in _WIDTH_SCHEMES:

@@ -33,8 +33,9 @@ FORMAT_NAME = "kvcx.packed"
 FORMAT_VERSION = "2"
 # a file is written as version 2, or as the higher version one of its codecs needs (Codec.format_version):
 # 3 with the per-channel widths codec (kvcx.widths, docs/FORMAT.md 2.4), 4 with an engine format's codec
-# (llama.cpp, vllm.fp8: docs/FORMAT.md 2.5), 5 with an FP4 codec (fp4: docs/FORMAT.md 2.6)
-READABLE_VERSIONS = ("1", "2", "3", "4", "5")
+# (llama.cpp, vllm.fp8: docs/FORMAT.md 2.5), 5 with an FP4 codec (fp4: docs/FORMAT.md 2.6), 6 with vLLM's TurboQuant
+# records (vllm.turboquant: docs/FORMAT.md 2.7)
+READABLE_VERSIONS = ("1", "2", "3", "4", "5", "6")
 SUFFIXES = (".kvcx.codes", ".kvcx.scales", ".kvcx.zeros", ".kvcx.sinks")
 PARTS = ("codes", "scales", "zeros", "sinks")
 _KNOWN_KEYS = {FORMAT_KEY, "kvcx.format_version", "kvcx.config", "kvcx.codecs", "kvcx.tensors",

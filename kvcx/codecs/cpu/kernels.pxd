@@ -152,6 +152,16 @@ cdef extern from "engine.h" nogil:
     int kvcx_nvfp4_quant_group(const float *x, float p, uint8_t *q, uint8_t *s) noexcept
     int kvcx_nvfp4_dequant_group(const uint8_t *q, uint8_t s, float p, float *y) noexcept
 
+cdef extern from "turboquant.h" nogil:
+    enum:
+        KVCX_TQ_MAX_LEVELS
+    int kvcx_tq_key_encode(const float *x, int64_t D, int bits, const float *mid, float h, double *work, uint8_t *q,
+                           uint8_t *rec) noexcept
+    int kvcx_tq_key_decode(const uint8_t *rec, int64_t D, int bits, const float *c, int nc, float h, double *work,
+                           float *y) noexcept
+    int kvcx_tq_value_encode(const float *v, int64_t D, int bits, uint8_t *q, uint8_t *rec) noexcept
+    int kvcx_tq_value_decode(const uint8_t *rec, int64_t D, int bits, float *y) noexcept
+
 cdef extern from "fused.h" nogil:
     enum:
         KVCX_FUSED_VEC
