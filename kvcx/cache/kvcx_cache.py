@@ -113,6 +113,7 @@ class KvcxCache(Cache):
                                 f"({c.token_block}) when grouping per channel, so every packed group is full")
         specs = layer_specs(config)
         check_unsupported(specs, unsupported)
+        kv = kv.engine_layers(len(specs), hybrid=any(s.kind == STATE for s in specs))   # the engine's exact layers
         if fused not in (None, True, False):
             raise KvcxError(f"fused must be None (automatic), True or False, got {fused!r}")
         if not isinstance(release_heap, bool):
@@ -123,7 +124,7 @@ class KvcxCache(Cache):
         self.residual_length = residual_length
         self.fused = fused
         self.specs = specs
-        packed = [s for s in specs if s.packed]
+        packed = [s for s in specs if s.packed and s.index not in kv.keep_layers]
         self.query_group = packed[0].query_group if packed else 0
         self._config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         self._timer = KernelTimer()
@@ -141,7 +142,8 @@ class KvcxCache(Cache):
 
     def _layer(self, spec: LayerSpec, kv: KVConfig, shared: Shared, press):
         """The cache layer of ``spec``: kvcx's for the kinds it packs, transformers' own for the others."""
-        if spec.kind in (STATE, UNSUPPORTED):   # transformers' own class, as DynamicCache builds it
+        engine_kept = spec.index in kv.keep_layers    # a layer the engine leaves in the model's dtype
+        if spec.kind in (STATE, UNSUPPORTED) or engine_kept:   # transformers' own class, as DynamicCache builds it
             cls = transformers_layer_class(spec, "DYNAMIC") or self._registered(spec.type)
             if cls is None:
                 raise KvcxError(f"KvcxCache {spec.describe()}: neither kvcx nor this transformers knows the layer type "
@@ -267,9 +269,11 @@ class KvcxCache(Cache):
             entry.update(tokens_held=held, bytes=layer.packed_bytes() + layer.residual_bytes(),
                          fused_unsupported=layer.fused_unsupported, steps=dict(layer.steps))
         else:
-            entry.update(bytes=layer_bytes(layer),
+            entry.update(kvcx="kept", bytes=layer_bytes(layer),
                          kept_because="no per-token keys and values (transformers' own layer keeps its state)"
-                         if spec.kind == STATE else "a layer type kvcx cannot pack (unsupported='keep')")
+                         if spec.kind == STATE else "a layer type kvcx cannot pack (unsupported='keep')"
+                         if spec.kind == UNSUPPORTED else "the engine keeps it in the model's dtype (vLLM's "
+                         "TurboQuant: a dense model's first and last two layers)")
         return entry
 
     def nbytes(self) -> int:

@@ -27,6 +27,10 @@ The presets kvcx3/kvcx2 define the variants `kvcx calibrate` chooses from (:meth
 get the base codecs. In a packed file each width is a codec of its own (``key.b4``, ``value.b2``), so any
 format-2 reader decodes it.
 
+Kept layers: ``KVConfig(..., keep_layers=(0, 1))`` leaves those layers' tensors exact (a packed file stores them as
+they are): the layers an engine keeps in the model's dtype, which :meth:`KVConfig.engine_layers` fills in for a model
+(vLLM's TurboQuant schemes: a dense model's first and last two).
+
 A tensor that a codec cannot take (channel grouping of a 1-D tensor, a rotation of a last dim that is
 not a power of two) gets the ``fallback`` codec instead: the value codec's scheme, bits and group size,
 grouped per token, without rotation or sinks. The packed file records which codec each tensor used.
@@ -324,9 +328,15 @@ class KVConfig:
     variants: tuple = ()     # (("key.b3g128", codec), ...): named codecs a layer may select (the presets' options)
     key_weights: tuple = ()  # ((layer, ((w, ...), ...)), ...): per KV head and channel, how much the queries
     #                          weigh a key channel's error (``kvcx calibrate --key-weights``); WidthCodec keys only
+    keep_layers: tuple = ()  # layers whose keys and values stay exact (an engine's layers in the model's dtype:
+    #                          vLLM's TurboQuant keeps a dense model's first and last two, see engine_layers)
 
     def __post_init__(self):
         object.__setattr__(self, "layer_bits", _check_layer_bits(self.layer_bits))
+        kept = self.keep_layers
+        if not (isinstance(kept, (tuple, list)) and all(is_int(L) and 0 <= L < MAX_LAYERS for L in kept)):
+            raise CodecError(f"keep_layers must be a list of layer indices in [0, {MAX_LAYERS}), got {kept!r}")
+        object.__setattr__(self, "keep_layers", tuple(sorted({int(L) for L in kept})))
         object.__setattr__(self, "key_weights", _check_key_weights(self.key_weights))
         if self.key_weights and not self.key.takes_weights:
             raise CodecError("key_weights choose per-channel widths; they need a widths key codec "
@@ -380,7 +390,18 @@ class KVConfig:
 
     def base(self) -> "KVConfig":
         """This config without its per-layer selections (its variants kept)."""
-        return KVConfig(key=self.key, value=self.value, scheme=self.scheme, variants=self.variants)
+        return KVConfig(key=self.key, value=self.value, scheme=self.scheme, variants=self.variants,
+                        keep_layers=self.keep_layers)
+
+    def engine_layers(self, n_layers: int, hybrid: bool) -> "KVConfig":
+        """This config as its engine runs it on a model of ``n_layers`` layers (``hybrid``: with linear-attention
+        or recurrent layers): vLLM's TurboQuant schemes keep the first and last two layers of a dense model exact
+        (``--kv-cache-dtype-skip-layers``, set by ``get_boundary_skip_layers``; none on hybrids). Other schemes, or
+        a config whose kept layers are already set, are returned as they are."""
+        if self.scheme not in _turboquant.PRESETS or self.keep_layers:
+            return self
+        kept = () if hybrid else _turboquant.boundary_layers(n_layers)
+        return KVConfig(key=self.key, value=self.value, scheme=self.scheme, keep_layers=kept) if kept else self
 
     @classmethod
     def from_scheme(cls, scheme: str = DEFAULT_SCHEME, group_size: Optional[int] = None, bits: Optional[int] = None,
@@ -445,10 +466,10 @@ class KVConfig:
         if not isinstance(config, dict) or not {"key", "value"} <= set(config):
             raise CodecError("a kvcx config must be an object with 'key' and 'value' codecs "
                              "(and optionally 'scheme' and 'layer_bits'), as `kvcx calibrate` writes")
-        unknown = set(config) - {"scheme", "key", "value", "layer_bits", "variants", "key_weights"}
+        unknown = set(config) - {"scheme", "key", "value", "layer_bits", "variants", "key_weights", "keep_layers"}
         if unknown:
             raise CodecError(f"unknown kvcx config fields {sorted(unknown)}; known: scheme, key, value, layer_bits, "
-                             "variants, key_weights")
+                             "variants, key_weights, keep_layers")
         for k in ("key", "value"):
             if not isinstance(config[k], dict):
                 raise CodecError(f"a kvcx config's {k} codec must be an object, got {config[k]!r}")
@@ -463,20 +484,21 @@ class KVConfig:
         variants = {k: IntCodec.from_config({**v, "n_threads": n_threads}) if isinstance(v, dict) else v
                     for k, v in variants.items()}
         return cls(key=codecs[0], value=codecs[1], scheme=scheme, layer_bits=config.get("layer_bits", ()),
-                   variants=variants, key_weights=config.get("key_weights", ()))
+                   variants=variants, key_weights=config.get("key_weights", ()),
+                   keep_layers=config.get("keep_layers", ()))
 
     def with_threads(self, n_threads: Optional[int]) -> "KVConfig":
         return KVConfig(key=self.key.with_threads(n_threads), value=self.value.with_threads(n_threads),
                         scheme=self.scheme, layer_bits=self.layer_bits,
                         variants=tuple((n, c.with_threads(n_threads)) for n, c in self.variants),
-                        key_weights=self.key_weights)
+                        key_weights=self.key_weights, keep_layers=self.keep_layers)
 
     def with_backend(self, backend: Optional[str]) -> "KVConfig":
         """This config with its codecs working torch tensors on ``backend`` (see kvcx.codecs.backends)."""
         return KVConfig(key=self.key.with_backend(backend), value=self.value.with_backend(backend),
                         scheme=self.scheme, layer_bits=self.layer_bits,
                         variants=tuple((n, c.with_backend(backend)) for n, c in self.variants),
-                        key_weights=self.key_weights)
+                        key_weights=self.key_weights, keep_layers=self.keep_layers)
 
     def for_layer(self, layer: Optional[int]) -> "KVConfig":
         """This config with the key and value bits of ``layer`` (no per-layer widths left)."""
@@ -494,7 +516,7 @@ class KVConfig:
         total = 0.0
         for L in layers:
             c = self.for_layer(L)
-            total += c.key.bits_per_value() + c.value.bits_per_value()
+            total += 32.0 if L in self.keep_layers else c.key.bits_per_value() + c.value.bits_per_value()
         return total / (2 * len(layers))
 
     @property
@@ -517,9 +539,11 @@ class KVConfig:
                 out[name] = codec
         return out
 
-    def codec_for(self, name: str, shape=None) -> Tuple[str, IntCodec]:
+    def codec_for(self, name: str, shape=None) -> Tuple[str, Optional[Codec]]:
         """(kind, codec) for a tensor: 'key' or 'value' by name ('key.b4' where its layer selects another
-        codec), 'fallback' where that codec cannot take the shape."""
+        codec), 'fallback' where that codec cannot take the shape, ('kept', None) in a layer kept exact."""
+        if self.keep_layers and layer_of(name) in self.keep_layers:
+            return "kept", None
         kind = "key" if is_key_tensor(name) else "value"
         base = self.key if kind == "key" else self.value
         label, codec = kind, base
@@ -539,6 +563,8 @@ class KVConfig:
             cfg["variants"] = {n: c.get_config() for n, c in self.variants}
         if self.key_weights:
             cfg["key_weights"] = {str(L): [list(r) for r in w] for L, w in self.key_weights}
+        if self.keep_layers:
+            cfg["keep_layers"] = list(self.keep_layers)
         return cfg
 
     def describe(self) -> str:
@@ -550,6 +576,8 @@ class KVConfig:
             used = {n: c for n, c in self.codecs().items() if "." in n}
             if used:
                 text += " (" + ", ".join(f"{n} = {one(c)}" for n, c in sorted(used.items())) + ")"
+        if self.keep_layers:
+            text += "; layers " + ", ".join(map(str, self.keep_layers)) + " kept exact"
         return text
 
 

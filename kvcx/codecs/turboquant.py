@@ -13,9 +13,11 @@ row (``part="key"`` or ``"value"``), byte for byte what vLLM's store kernel (``t
 - ``turboquant_k8v4``'s keys are float8 e4m3 casts (:class:`~kvcx.codecs.engine.FP8Codec` at scale 1.0).
 
 The rotation is summed in double here and in a float32 GEMM in vLLM: an index can differ from vLLM's only where the
-rotated value lies within that GEMM's rounding of a midpoint (the tests count those coordinates). vLLM also keeps the
-first and last two layers of a dense model in the model's dtype by default (``get_boundary_skip_layers``; none for
-hybrids); the schemes here compress every layer they are given.
+rotated value lies within that GEMM's rounding of a midpoint (the tests count those coordinates). vLLM keeps the first
+and last two layers of a dense model in the model's dtype (``get_boundary_skip_layers``, added to
+``--kv-cache-dtype-skip-layers`` whenever a ``turboquant_*`` dtype is set; none on hybrids): where the model is known
+(``kvcx validate``, ``KvcxCache``) the schemes keep those layers exact too (:func:`boundary_layers`,
+``KVConfig.engine_layers``); a file compressed without a model compresses every layer.
 
 Schemes (``--scheme``): ``turboquant_4bit_nc`` (K4 V4, 4.19 bits/value at a head dim of 128),
 ``turboquant_k3v4_nc`` (3.69), ``turboquant_3bit_nc`` (3.19), ``turboquant_k8v4`` (6.13).
@@ -49,6 +51,13 @@ PRESETS = {
     "turboquant_k8v4": (dict(id="vllm.fp8", format="e4m3", scale=1.0),
                         dict(id="vllm.turboquant", part="value", bits=4)),
 }
+
+
+def boundary_layers(n_layers: int, n: int = 2) -> tuple:
+    """The layers vLLM's TurboQuant leaves in the model's dtype on a dense model of ``n_layers`` layers: the first
+    and last ``n`` (at most half of them), as ``TurboQuantConfig.get_boundary_skip_layers``."""
+    n = min(n, n_layers // 2)
+    return tuple(sorted(set(range(n)) | set(range(n_layers - n, n_layers)))) if n > 0 else ()
 
 
 @functools.lru_cache(maxsize=32)

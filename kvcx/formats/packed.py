@@ -149,13 +149,13 @@ def compress_tensors(tensors: Dict[str, np.ndarray], config, sparsity: float = 0
             raise FormatError(f"tensor name {name!r} ends with a kvcx-reserved suffix; rename it")
     for name, arr in tensors.items():
         arr = np.asarray(arr)
-        if dtype_name(arr.dtype) is None or arr.size == 0:
+        kind, codec = config.codec_for(name, arr.shape) if dtype_name(arr.dtype) and arr.size else ("", None)
+        if codec is None:    # not a float tensor, empty, or in a layer the config keeps exact: stored as it is
             out[name] = arr
             passthrough.append(name)
             if progress:
                 progress(name)
             continue
-        kind, codec = config.codec_for(name, arr.shape)
         src = sparsify(arr, sparsity, name).astype(arr.dtype) if sparsity else arr
         packed = codec.encode(src, name=name, weights=config.weights_for(name))
         chosen[name] = Choice(kind, codec, packed)

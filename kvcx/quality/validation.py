@@ -272,6 +272,7 @@ def run_validations(configs: Mapping[str, KVConfig], threshold: float = DEFAULT_
     window = min(DEFAULT_WINDOW, ctx_limit) if window is None else window
     check_window(window, stride, max_windows, ctx_limit)
     phase(2, f"model: {name} on {dev} ({next(m.parameters()).dtype}), {m.config.num_hidden_layers} layers")
+    configs = {label: engine_setting(cfg, m.config) for label, cfg in configs.items()}
     # peers run in their library; a press and its codec on the host (the eviction is numpy's)
     backends = {label: "" if isinstance(cfg, PeerSetting) else "cpu" if isinstance(cfg, PressedSetting)
                 else backend_of(cfg, dev.type, backend) for label, cfg in configs.items()}
@@ -301,6 +302,17 @@ def run_validations(configs: Mapping[str, KVConfig], threshold: float = DEFAULT_
     dtype = str(next(m.parameters()).dtype).replace("torch.", "")
     return [_result(label, runs[label], configs[label], threshold, window, stride, mode, name, str(dev), dtype, wall,
                     backends[label]) for label in configs]
+
+
+def engine_setting(setting, model_config):
+    """A kvcx setting as its engine runs it on this model: the layers the engine leaves in the model's dtype kept
+    exact (:meth:`KVConfig.engine_layers`: vLLM's TurboQuant on a dense model); other settings as they are."""
+    if not isinstance(setting, KVConfig):
+        return setting
+    from kvcx.cache.layer_types import STATE, layer_specs
+
+    specs = layer_specs(model_config)
+    return setting.engine_layers(len(specs), hybrid=any(s.kind == STATE for s in specs))
 
 
 def _result(label: str, run: PerplexityRun, config: KVConfig, threshold: float, window: int, stride: int, mode: str,

@@ -145,3 +145,26 @@ def test_a_window_the_model_names_must_be_the_configs():
         layer._check_window(16)
     with pytest.raises(KvcxError, match="over a sliding window of 8 tokens, its config's layer_types say full"):
         cache.layers[1]._check_window(8)
+
+
+def test_the_layers_an_engine_keeps_exact_are_transformers_own():
+    """vLLM's TurboQuant leaves a dense model's first and last two layers in the model's dtype: KvcxCache with that
+    scheme holds them in transformers' DynamicLayer, packs the others, says which and why, and generates."""
+    import torch
+    from transformers import DynamicLayer, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, hidden_size=256,
+                      intermediate_size=256, vocab_size=128, max_position_embeddings=256)
+    model = LlamaForCausalLM(cfg).eval()
+    model.set_attn_implementation("kvcx")
+    cache = KvcxCache(cfg, scheme="turboquant_4bit_nc", residual_length=16)
+    assert [type(layer) for layer in cache.layers] == [DynamicLayer] * 2 + [KvcxLayer] * 2 + [DynamicLayer] * 2
+    ids = torch.randint(0, 128, (1, 40))
+    with torch.no_grad():
+        model.generate(ids, past_key_values=cache, max_new_tokens=4, do_sample=False)
+    report = cache.memory_report()
+    rows = report["layers"]
+    assert [r["kvcx"] for r in rows] == ["kept"] * 2 + ["packed"] * 2 + ["kept"] * 2
+    assert "vLLM's TurboQuant" in rows[0]["kept_because"] and rows[2]["tokens_held"] == 43
+    assert report["kept_bytes"] == sum(r["bytes"] for r in rows if r["kvcx"] == "kept") > 0

@@ -105,7 +105,8 @@ def check_scheme(vllm_tq, scheme, key, value):
 
     differ = indices(ref) != indices(krec)
     near = (np.abs(y[:, :, None] - mid[None, None, :]) < 1e-6).any(axis=2)
-    assert not (differ & ~near).any(), f"{scheme}: {int((differ & ~near).sum())} key indices differ away from a midpoint"
+    away = int((differ & ~near).sum())
+    assert not away, f"{scheme}: {away} key indices differ away from a midpoint"
     return int(differ.sum())
 
 
@@ -220,3 +221,58 @@ def test_damaged_records_are_errors():
     p.codes = p.codes[:-1]
     with pytest.raises(CodecError, match="expected 108 TurboQuant record bytes"):
         decode(p)
+
+
+def test_vllms_boundary_layers_stay_exact_where_the_model_is_known(tmp_path):
+    """vLLM keeps a dense model's first and last two layers in the model's dtype under a ``turboquant_*`` cache dtype
+    (``get_boundary_skip_layers``): ``engine_layers`` says so for a model, and those layers' tensors pass through."""
+    from kvcx.codecs.turboquant import boundary_layers
+    from kvcx.formats.packed import compress_tensors
+
+    centroids, config, _ = _load_vllm_config()
+    for n in (1, 3, 4, 30):     # vLLM's own rule, on a stand-in for its ModelConfig
+        want = config.TurboQuantConfig.get_boundary_skip_layers(_dense(n))
+        assert list(boundary_layers(n)) == [int(x) for x in want]
+    base = KVConfig.from_scheme("turboquant_4bit_nc")
+    kv = base.engine_layers(30, hybrid=False)
+    assert kv.keep_layers == (0, 1, 28, 29) and base.engine_layers(30, hybrid=True) is base
+    assert KVConfig.from_scheme("nvfp4").engine_layers(30, hybrid=False).keep_layers == ()
+    assert KVConfig.from_config(kv.get_config()) == kv and "layers 0, 1, 28, 29 kept exact" in kv.describe()
+    assert kv.codec_for("layer_29_value") == ("kept", None) and kv.codec_for("layer_2_key")[0] == "key"
+    assert kv.bits_per_value(30) == (26 * 4.1875 + 4 * 16) / 30
+    rng = np.random.default_rng(3)
+    tensors = {f"layer_{i}_{k}": rng.standard_normal((1, 2, 8, 128)).astype(np.float16) for i in (0, 5, 29)
+               for k in ("key", "value")}
+    c = compress_tensors(tensors, kv)
+    assert set(c.chosen) == {"layer_5_key", "layer_5_value"}
+    assert all(np.array_equal(c.tensors[n], tensors[n]) for n in tensors if not n.startswith("layer_5"))
+    with pytest.raises(CodecError, match="keep_layers must be a list of layer indices"):
+        KVConfig(key=base.key, value=base.value, keep_layers=(-1,))
+
+
+def _load_vllm_config():
+    qdir = VLLM / "model_executor/layers/quantization/turboquant"
+    return _load(qdir / "centroids.py", "vllm_tq_centroids"), _load(qdir / "config.py", "vllm_tq_config"), None
+
+
+def _dense(n):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(is_hybrid=False, hf_text_config=SimpleNamespace(num_hidden_layers=n))
+
+
+def test_validate_keeps_the_engines_exact_layers(loaded, wikitext_path):
+    """``kvcx validate --scheme turboquant_4bit_nc`` on the embedded model (30 layers, dense): layers 0, 1, 28, 29
+    exact as vLLM keeps them, the rest in vLLM's records; prefix and engine modes."""
+    from kvcx.quality.validation import run_validations
+
+    engine = run_validations({"turboquant_4bit_nc": KVConfig.from_scheme("turboquant_4bit_nc")}, loaded=loaded,
+                             dataset_file=wikitext_path, window=256, stride=128, max_windows=1, mode="engine")[0]
+    assert engine.config["keep_layers"] == [0, 1, 28, 29] and 0 < engine.kld < 0.2
+    results = run_validations({"turboquant_4bit_nc": KVConfig.from_scheme("turboquant_4bit_nc")}, loaded=loaded,
+                              dataset_file=wikitext_path, window=256, stride=128, max_windows=1)
+    assert results[0].config["keep_layers"] == [0, 1, 28, 29]
+    # 26 layers of records (4.375 bits a value at a head dim of 64) and 4 exact in the cache's dtype (the CPU's
+    # float32 here), counted whole (the file's header adds the rest)
+    whole = (26 * 4.375 + 4 * 32) / 30
+    assert 0 < results[0].kld < 0.1 and whole < results[0].bits_per_value < whole + 0.1

@@ -6,9 +6,9 @@
   (per-channel widths), ``engine.h`` (llama.cpp's and vLLM's formats), ``turboquant.h`` (vLLM's TurboQuant),
   ``fused.h`` (vLLM's fused K/V planes);
 - ``core.pxi``: the module body (``common``, ``codec``, ``widths``, ``metrics``, ``attn``, ``engine``,
-  ``turboquant``, ``planes`` ``.pxi``), which every variant module includes: the SIMD paths in the headers are chosen
-  by the compiler's target macros, so each variant is the same source built for one target (as NumPy and ggml build their
-  per-architecture kernels and pick one at run time).
+  ``turboquant``, ``planes`` ``.pxi``), which every variant module includes: the SIMD paths in the headers are
+  chosen by the compiler's target macros, so each variant is the same source built for one target (as NumPy and
+  ggml build their per-architecture kernels and pick one at run time).
 
 The variants a build holds (``setup.py``): ``x86-64-v3`` (AVX2, FMA, F16C: the baseline a wheel runs on) and
 ``x86-64-v4`` (AVX-512 F/CD/BW/DQ/VL) on x86-64; ``generic`` elsewhere; ``native`` (``-march=native``, or
