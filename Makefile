@@ -44,9 +44,9 @@ validate: build
 test: build
 	$(PY) -m pytest -q -m "not slow" tests
 
-# everything, fast and slow tiers: what CI runs (.ci/run)
+# everything, fast and slow tiers: what CI runs (.ci/run); the 25 slowest tests are listed at the end (CI's time budget)
 test-all: build
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=25 tests
 
 bench: build
 	$(PIP) install -q -e ".[bench]" --no-build-isolation

@@ -262,18 +262,23 @@ def compute_kv_cache_stats(cache) -> dict:
 def roundtrip_tensors(tensors: Dict[str, np.ndarray], config, n_threads=None):
     """Compress with the file path's code (packed safetensors bytes), read back and decode.
 
-    Returns (decoded tensors, packed size in bytes, ErrorStats over all values).
+    Returns (decoded tensors, packed size in bytes, ErrorStats over all values). Tensors of layers the config keeps
+    exact (an engine's layers in the model's dtype) count as FP16, what the engine holds them in on its GPU, whatever
+    dtype the model here runs in.
     """
     from kvcx.formats.packed import compress_tensors, decompress_tensors
 
-    packed, meta, _ = compress_tensors(tensors, config)
+    packed, meta, chosen = compress_tensors(tensors, config)
     blob = st.save(packed, meta)
+    kept = [a for name, a in tensors.items() if name not in chosen and a.dtype.itemsize > 2 and a.size
+            and config.codec_for(name)[0] == "kept"]
+    size = len(blob) + sum(2 * a.size - a.nbytes for a in kept)
     loaded, loaded_meta = st.load_with_metadata(blob)
     decoded = decompress_tensors(loaded, loaded_meta, n_threads=n_threads)
     total = ErrorStats()
     for name, a in tensors.items():
         total += error_stats(a, decoded[name], name=name, n_threads=n_threads)
-    return decoded, len(blob), total
+    return decoded, size, total
 
 
 def cache_to_device_tensors(cache) -> Dict[str, object]:
@@ -319,8 +324,8 @@ class DeviceRoundtrip:
         decoded, nbytes, total = {}, 0, ErrorStats()
         for name, t in tensors.items():
             _, codec = self.config.codec_for(name, tuple(t.shape))
-            if codec is None:    # a layer the setting keeps exact
-                decoded[name], nbytes = t, nbytes + t.numel() * t.element_size()
+            if codec is None:    # a layer the setting keeps exact: FP16 on the engine's GPU (roundtrip_tensors)
+                decoded[name], nbytes = t, nbytes + 2 * t.numel()
                 sq = float((t.double() ** 2).sum())
                 total += ErrorStats(n=t.numel(), sum_xx=sq, sum_yy=sq, sum_xy=sq)
                 continue
