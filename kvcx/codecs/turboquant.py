@@ -34,6 +34,7 @@ from kvcx.codecs.backends import check_backend
 from kvcx.codecs.base import Codec, Layout, Packed, check_shape, decode_out, register_codec, view3
 from kvcx.codecs.cpu import core as _core
 from kvcx.codecs.dtypes import DTYPE_NAMES, check_float, dtype_name, kernel_dtype, raw
+from kvcx.codecs.engine import _buffers, _finish    # the engine codecs' out= buffers and Packed
 from kvcx.codecs.runtime import check_status, resolve_threads
 from kvcx.errors import CodecError
 
@@ -166,11 +167,7 @@ class TurboQuantCodec(Codec):
             raise CodecError(f"tensor {name!r}: TurboQuant takes no key weights")
         x = check_float(x, name)
         lay = self.layout(x.shape, name)
-        if out is not None and not (isinstance(out.codes, np.ndarray) and out.codes.shape == (lay.codes_nbytes,)
-                                    and out.codes.dtype == np.uint8 and out.codes.flags.writeable):
-            raise CodecError(f"tensor {name!r}: out must be a Packed from encoding a tensor of shape {list(x.shape)} "
-                             f"with this codec (codes: uint8 [{lay.codes_nbytes}])")
-        codes = out.codes if out is not None else np.empty(lay.codes_nbytes, dtype=np.uint8)
+        codes = _buffers(out, {"codes": ((lay.codes_nbytes,), np.uint8)}, name, x.shape)["codes"]
         _, mid, h = _tables(lay.D, self.bits) if self.part == "key" else (None, np.zeros(1, np.float32), 1.0)
         status = _core.tq_encode(raw(x), kernel_dtype(x.dtype), lay.N * lay.S, lay.D, self.bits, self.part == "key",
                                  mid, h, self.record_bytes(lay.D), codes, resolve_threads(self.n_threads))
@@ -179,12 +176,8 @@ class TurboQuantCodec(Codec):
             raise CodecError(f"tensor {name!r}: a row's {'norm' if self.part == 'key' else 'range'} passes FP16, which "
                              f"TurboQuant records it in (|x| up to {top:.4g}); rescale the tensor or use scheme 'kvcx'")
         check_status(status, name, x)
-        fields = dict(codes=codes, scales=np.empty(0, dtype=np.float16), zeros=None, sinks=None, shape=lay.shape,
-                      dtype=dtype_name(x.dtype), config=self.get_config(), meta={})
-        if out is None:
-            return Packed(**fields)
-        out.__dict__.update(fields)
-        return out
+        return _finish(out, dict(codes=codes, scales=np.empty(0, dtype=np.float16), zeros=None, sinks=None,
+                                 shape=lay.shape, dtype=dtype_name(x.dtype), config=self.get_config(), meta={}))
 
     def decode(self, packed: Packed, out: Optional[np.ndarray] = None, *, name: str = "tensor",
                token_offset: int = 0) -> np.ndarray:
