@@ -314,3 +314,27 @@ def write_sinks(x3: np.ndarray, t0: int, shape: tuple, out: Optional[Packed]) ->
         dst.reshape(x3.shape[0], t0, x3.shape[2])[...] = x3[:, :t0, :]
         return dst
     return np.ascontiguousarray(x3[:, :t0, :]).reshape(want)
+
+
+def out_buffers(out, shapes: dict, name: str, x_shape) -> dict:
+    """The caller's Packed buffers when they fit (section views of a file), else new ones."""
+    if out is None:
+        return {k: np.empty(s, dtype=d) for k, (s, d) in shapes.items()}
+    got = {}
+    for k, (s, d) in shapes.items():
+        a = getattr(out, k, None)
+        if not (isinstance(a, np.ndarray) and a.shape == tuple(s) and a.dtype == d and a.flags.c_contiguous
+                and a.flags.writeable):
+            raise CodecError(f"tensor {name!r}: out must be a Packed from encoding a tensor of shape "
+                             f"{list(x_shape)} with this codec ({k}: {d.__name__ if hasattr(d, '__name__') else d} "
+                             f"{list(s)})")
+        got[k] = a
+    return got
+
+
+def finish_packed(out, fields: dict) -> Packed:
+    """A new Packed of these fields, or the caller's ``out`` updated with them (the buffers it lent)."""
+    if out is None:
+        return Packed(**fields)
+    out.__dict__.update(fields)
+    return out

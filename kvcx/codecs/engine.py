@@ -40,7 +40,8 @@ import numpy as np
 
 from kvcx.codecs.cpu import core as _core
 from kvcx.codecs.backends import check_backend
-from kvcx.codecs.base import Codec, Layout, Packed, check_shape, decode_out, register_codec, view3
+from kvcx.codecs.base import (Codec, Layout, Packed, check_shape, decode_out, finish_packed, out_buffers,
+                              register_codec, view3)
 from kvcx.codecs.dtypes import DTYPE_NAMES, check_float, dtype_name, kernel_dtype, raw
 from kvcx.codecs.runtime import check_status, resolve_threads
 from kvcx.errors import CodecError
@@ -58,35 +59,12 @@ ENGINE_FORMAT_VERSION = "4"
 FP4_FORMAT_VERSION = "5"    # an older reader refuses a file with FP4 records ("upgrade kvcx"), never misreads it
 
 
-def _buffers(out, shapes: dict, name: str, x_shape) -> dict:
-    """The caller's Packed buffers when they fit (section views of a file), else new ones."""
-    if out is None:
-        return {k: np.empty(s, dtype=d) for k, (s, d) in shapes.items()}
-    got = {}
-    for k, (s, d) in shapes.items():
-        a = getattr(out, k, None)
-        if not (isinstance(a, np.ndarray) and a.shape == tuple(s) and a.dtype == d and a.flags.c_contiguous
-                and a.flags.writeable):
-            raise CodecError(f"tensor {name!r}: out must be a Packed from encoding a tensor of shape "
-                             f"{list(x_shape)} with this codec ({k}: {d.__name__ if hasattr(d, '__name__') else d} "
-                             f"{list(s)})")
-        got[k] = a
-    return got
-
-
 def _tensor_scale_setting(scale, what: str):
     """A per-tensor scale setting checked: ``"amax"``, or a positive number exact in FP16 (as a float)."""
     if scale != "amax" and not (isinstance(scale, (int, float)) and not isinstance(scale, bool)
                                 and np.isfinite(scale) and scale > 0 and float(np.float16(scale)) == float(scale)):
         raise CodecError(f"{what} scale must be 'amax' or a positive number exact in FP16 (e.g. 1.0), got {scale!r}")
     return scale if scale == "amax" else float(scale)
-
-
-def _finish(out, fields: dict) -> Packed:
-    if out is None:
-        return Packed(**fields)
-    out.__dict__.update(fields)
-    return out
 
 
 @register_codec
@@ -168,13 +146,13 @@ class GGMLCodec(Codec):
         shapes = {"codes": ((lay.codes_nbytes,), np.uint8), "scales": (lay.scale_shape, np.float16)}
         if self.has_zeros:
             shapes["zeros"] = (lay.scale_shape, np.float16)
-        buf = _buffers(out, shapes, name, x.shape)
+        buf = out_buffers(out, shapes, name, x.shape)
         zeros = buf.get("zeros", _NO_ZEROS)
         status = _core.ggml_encode(raw(x), kernel_dtype(x.dtype), lay.N * lay.S, lay.D, GGML_TYPES[self.type],
                                    self.rotation_size(lay.D), buf["codes"], buf["scales"].view(np.uint16),
                                    zeros.view(np.uint16), resolve_threads(self.n_threads))
         check_status(status, name, x)
-        return _finish(out, dict(codes=buf["codes"], scales=buf["scales"], zeros=buf.get("zeros"), sinks=None,
+        return finish_packed(out, dict(codes=buf["codes"], scales=buf["scales"], zeros=buf.get("zeros"), sinks=None,
                                  shape=lay.shape, dtype=dtype_name(x.dtype), config=self.get_config(), meta={}))
 
     def decode(self, packed: Packed, out: Optional[np.ndarray] = None, *, name: str = "tensor",
@@ -247,8 +225,8 @@ class FP8Codec(Codec):
             raise CodecError(f"tensor {name!r}: fp8 takes no key weights")
         x = check_float(x, name)
         lay = self.layout(x.shape, name)
-        buf = _buffers(out, {"codes": ((lay.codes_nbytes,), np.uint8), "scales": (lay.scale_shape, np.float16)}, name,
-                       x.shape)
+        buf = out_buffers(out, {"codes": ((lay.codes_nbytes,), np.uint8), "scales": (lay.scale_shape, np.float16)},
+                          name, x.shape)
         fmt, top = FP8_FORMATS[self.format]
         if self.scale == "amax":
             amax = float(np.max(np.abs(x.astype(np.float32, copy=False)))) if x.size else 0.0
@@ -263,8 +241,8 @@ class FP8Codec(Codec):
         status = _core.fp8_encode(raw(x), kernel_dtype(x.dtype), lay.N * lay.S, lay.D, fmt, float(s), buf["codes"],
                                   resolve_threads(self.n_threads))
         check_status(status, name, x)
-        return _finish(out, dict(codes=buf["codes"], scales=buf["scales"], zeros=None, sinks=None, shape=lay.shape,
-                                 dtype=dtype_name(x.dtype), config=self.get_config(), meta={}))
+        return finish_packed(out, dict(codes=buf["codes"], scales=buf["scales"], zeros=None, sinks=None,
+                                       shape=lay.shape, dtype=dtype_name(x.dtype), config=self.get_config(), meta={}))
 
     def decode(self, packed: Packed, out: Optional[np.ndarray] = None, *, name: str = "tensor",
                token_offset: int = 0) -> np.ndarray:
@@ -371,8 +349,8 @@ class FP4Codec(Codec):
             raise CodecError(f"tensor {name!r}: {self.format} takes no key weights")
         x = check_float(x, name)
         lay = self.layout(x.shape, name)
-        buf = _buffers(out, {"codes": ((lay.codes_nbytes,), np.uint8), "scales": (lay.scale_shape, np.float16)}, name,
-                       x.shape)
+        buf = out_buffers(out, {"codes": ((lay.codes_nbytes,), np.uint8), "scales": (lay.scale_shape, np.float16)},
+                          name, x.shape)
         p = self._tensor_scale(x, name) if self.format == "nvfp4" else np.float16(1.0)
         buf["scales"][...] = p
         status = _core.fp4_encode(raw(x), kernel_dtype(x.dtype), lay.N * lay.S, lay.D, FP4_FORMATS[self.format][0],
@@ -384,8 +362,8 @@ class FP4Codec(Codec):
                              f"{NV_FP_MAX * float(p):g}); use scheme 'nvfp4-amax' (a per-tensor scale from the "
                              "tensor's amax) or a larger scale")
         check_status(status, name, x)
-        return _finish(out, dict(codes=buf["codes"], scales=buf["scales"], zeros=None, sinks=None, shape=lay.shape,
-                                 dtype=dtype_name(x.dtype), config=self.get_config(), meta={}))
+        return finish_packed(out, dict(codes=buf["codes"], scales=buf["scales"], zeros=None, sinks=None,
+                                       shape=lay.shape, dtype=dtype_name(x.dtype), config=self.get_config(), meta={}))
 
     def decode(self, packed: Packed, out: Optional[np.ndarray] = None, *, name: str = "tensor",
                token_offset: int = 0) -> np.ndarray:

@@ -31,10 +31,10 @@ from typing import Optional
 import numpy as np
 
 from kvcx.codecs.backends import check_backend
-from kvcx.codecs.base import Codec, Layout, Packed, check_shape, decode_out, register_codec, view3
+from kvcx.codecs.base import (Codec, Layout, Packed, check_shape, decode_out, finish_packed, out_buffers,
+                              register_codec, view3)
 from kvcx.codecs.cpu import core as _core
 from kvcx.codecs.dtypes import DTYPE_NAMES, check_float, dtype_name, kernel_dtype, raw
-from kvcx.codecs.engine import _buffers, _finish    # the engine codecs' out= buffers and Packed
 from kvcx.codecs.runtime import check_status, resolve_threads
 from kvcx.errors import CodecError
 
@@ -167,7 +167,7 @@ class TurboQuantCodec(Codec):
             raise CodecError(f"tensor {name!r}: TurboQuant takes no key weights")
         x = check_float(x, name)
         lay = self.layout(x.shape, name)
-        codes = _buffers(out, {"codes": ((lay.codes_nbytes,), np.uint8)}, name, x.shape)["codes"]
+        codes = out_buffers(out, {"codes": ((lay.codes_nbytes,), np.uint8)}, name, x.shape)["codes"]
         _, mid, h = _tables(lay.D, self.bits) if self.part == "key" else (None, np.zeros(1, np.float32), 1.0)
         status = _core.tq_encode(raw(x), kernel_dtype(x.dtype), lay.N * lay.S, lay.D, self.bits, self.part == "key",
                                  mid, h, self.record_bytes(lay.D), codes, resolve_threads(self.n_threads))
@@ -176,7 +176,7 @@ class TurboQuantCodec(Codec):
             raise CodecError(f"tensor {name!r}: a row's {'norm' if self.part == 'key' else 'range'} passes FP16, which "
                              f"TurboQuant records it in (|x| up to {top:.4g}); rescale the tensor or use scheme 'kvcx'")
         check_status(status, name, x)
-        return _finish(out, dict(codes=codes, scales=np.empty(0, dtype=np.float16), zeros=None, sinks=None,
+        return finish_packed(out, dict(codes=codes, scales=np.empty(0, dtype=np.float16), zeros=None, sinks=None,
                                  shape=lay.shape, dtype=dtype_name(x.dtype), config=self.get_config(), meta={}))
 
     def decode(self, packed: Packed, out: Optional[np.ndarray] = None, *, name: str = "tensor",
