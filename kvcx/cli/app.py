@@ -36,6 +36,23 @@ app = typer.Typer(rich_markup_mode="rich", add_completion=False, no_args_is_help
                        "prove with perplexity that they still serve the model.")
 
 
+def command():
+    """The click command the ``kvcx`` script runs and the CLI reference documents: Typer's, with the flags' type
+    column left empty (Typer shows ``<bool>`` beside a flag, which reads as if it took a value)."""
+    cmd = typer.main.get_command(app)
+    stack = [(cmd, None)]
+    while stack:
+        c, parent = stack.pop()
+        # the context a run gives it (a subcommand's inherits the help option's names), so the help option the
+        # command caches here is the one it runs with
+        ctx = c.context_class(c, info_name=c.name, parent=parent, **c.context_settings)
+        for param in [*c.params, c.get_help_option(ctx)]:
+            if getattr(param, "is_flag", False):
+                param.metavar = ""
+        stack.extend((sub, ctx) for sub in getattr(c, "commands", {}).values())
+    return cmd
+
+
 def _version(value: bool):
     if value:
         typer.echo(f"kvcx {__version__}")

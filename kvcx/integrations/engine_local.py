@@ -195,6 +195,10 @@ def _start_vllm(model_dir, log, lmcache_port, port, max_model_len, kv_cache_gb, 
             "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": lmcache_port}})]
     env = {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gb), "VLLM_LOGGING_LEVEL": "INFO", "LMCACHE_DISABLE_BANNER": "1",
            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(os.cpu_count() or 1))}
+    # vLLM's ZMQ sockets go beside the log, not into /tmp (a server stopped by signal leaves them behind), where
+    # the path fits a socket's (108 bytes, a uuid's name in it)
+    if len(str(Path(log).parent.resolve())) < 60:
+        env["VLLM_RPC_BASE_PATH"] = str(Path(log).parent.resolve())
     server = Server("vLLM", _spawn("vllm", cmd, Path(log), env), port, Path(log))
     _wait_http(server, "/health", START_TIMEOUT_S)
     return server
