@@ -8,10 +8,11 @@ def on_page_markdown(markdown, page, config, files):
         return markdown
     import typer
     import typer.cli
+    import typer.main
 
-    from kvcx.cli import app, command as kvcx_command
+    from kvcx.cli import app
 
-    command = kvcx_command()
+    command = typer.main.get_command(app)
     ctx = typer.Context(command)
     ctx.ensure_object(dict)
     ctx.obj[typer.cli.MARKUP_MODE_KEY] = app.rich_markup_mode

@@ -9,13 +9,13 @@ through callbacks and returns results.
 from __future__ import annotations
 
 from kvcx.cli import files, validate, calibrate, serve  # noqa: F401, I001  (each registers its commands on app, in this order)
-from kvcx.cli.app import EXIT_ERROR, EXIT_QUALITY, app, command, in_flags
+from kvcx.cli.app import EXIT_ERROR, EXIT_QUALITY, app, in_flags
 
-__all__ = ["app", "command", "main", "in_flags", "EXIT_ERROR", "EXIT_QUALITY"]
+__all__ = ["app", "main", "in_flags", "EXIT_ERROR", "EXIT_QUALITY"]
 
 
 def main():  # console-script entry point
-    command()()
+    app()
 
 
 if __name__ == "__main__":

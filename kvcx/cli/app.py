@@ -29,28 +29,12 @@ from kvcx.version import VERSION as __version__
 
 EXIT_ERROR = 1
 EXIT_QUALITY = 3
+FLAG = ""   # a flag's metavar: an empty type column (Typer shows "<bool>" there, which reads as if it took a value)
 
 app = typer.Typer(rich_markup_mode="rich", add_completion=False, no_args_is_help=True,
                   context_settings={"help_option_names": ["-h", "--help"]},
                   help="Compress LLM KV caches to packed low-bit codes (2, 3, 4 or 8 bits, or an engine's format) and "
                        "prove with perplexity that they still serve the model.")
-
-
-def command():
-    """The click command the ``kvcx`` script runs and the CLI reference documents: Typer's, with the flags' type
-    column left empty (Typer shows ``<bool>`` beside a flag, which reads as if it took a value)."""
-    cmd = typer.main.get_command(app)
-    stack = [(cmd, None)]
-    while stack:
-        c, parent = stack.pop()
-        # the context a run gives it (a subcommand's inherits the help option's names), so the help option the
-        # command caches here is the one it runs with
-        ctx = c.context_class(c, info_name=c.name, parent=parent, **c.context_settings)
-        for param in [*c.params, c.get_help_option(ctx)]:
-            if getattr(param, "is_flag", False):
-                param.metavar = ""
-        stack.extend((sub, ctx) for sub in getattr(c, "commands", {}).values())
-    return cmd
 
 
 def _version(value: bool):
@@ -60,7 +44,7 @@ def _version(value: bool):
 
 
 @app.callback()
-def _main(version: Annotated[Optional[bool], typer.Option("--version", callback=_version, is_eager=True,
+def _main(version: Annotated[Optional[bool], typer.Option("--version", metavar=FLAG, callback=_version, is_eager=True,
                                                           help="Print the version and exit.")] = None):
     pass
 
@@ -197,16 +181,16 @@ GroupOpt = Annotated[Optional[int], typer.Option("--group-size", "-g", help="Val
                                                                          "128 or 256.")]
 BitsOpt = Annotated[Optional[int], typer.Option("--bits", help="Code width: 4 (default), 3, 2 or 8.")]
 SinksOpt = Annotated[Optional[int], typer.Option("--sinks", help="Leading tokens kept exact (scheme default if unset).")]
-RotateOpt = Annotated[Optional[bool], typer.Option("--rotate/--no-rotate", help="Hadamard-rotate head_dim first.")]
+RotateOpt = Annotated[Optional[bool], typer.Option("--rotate/--no-rotate", metavar=FLAG, help="Hadamard-rotate head_dim first.")]
 ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", help="OpenMP threads (default: all cores).")]
-JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable JSON on stdout, nothing else there.")]
+JsonOpt = Annotated[bool, typer.Option("--json", metavar=FLAG, help="Machine-readable JSON on stdout, nothing else there.")]
 RmseOpt = Annotated[float, typer.Option("--max-rmse", help="Threshold: absolute RMSE below this.")]
 SnrOpt = Annotated[float, typer.Option("--min-snr", help="Threshold: SNR (dB) above this.")]
 CosOpt = Annotated[float, typer.Option("--min-cosine", help="Threshold: cosine similarity above this.")]
-CheckOpt = Annotated[bool, typer.Option("--check", help="Exit 3 when the thresholds are missed or a warning is "
+CheckOpt = Annotated[bool, typer.Option("--check", metavar=FLAG, help="Exit 3 when the thresholds are missed or a warning is "
                                                         "raised (the file is still written); without it both are "
                                                         "warnings.")]
 SparsityOpt = Annotated[float, typer.Option(help="Fraction of smallest-magnitude values zeroed first (0 = off).")]
-Lz4Opt = Annotated[bool, typer.Option("--lz4", help="LZ4-compress the packed codes.")]
+Lz4Opt = Annotated[bool, typer.Option("--lz4", metavar=FLAG, help="LZ4-compress the packed codes.")]
 
 

@@ -7,7 +7,7 @@ from typing import Annotated, List, Optional
 import typer
 from rich.table import Table
 
-from kvcx.cli.app import (BitsOpt, GroupOpt, JsonOpt, ThreadsOpt, app, check_files_first, cli_errors,
+from kvcx.cli.app import (FLAG, BitsOpt, GroupOpt, JsonOpt, ThreadsOpt, app, check_files_first, cli_errors,
                           kv_config_from)
 from kvcx.cli.render import emit_json, out, print_phase, window_bar
 from kvcx.errors import KvcxError
@@ -45,7 +45,7 @@ def calibrate(
     prompts: Annotated[int, typer.Option(help="Passkey prompts --guard-retrieval measures on.")] = 8,
     protect: Annotated[float, typer.Option(help="--guard-retrieval: the share of the whole loss a layer's keys alone "
                                                 "must carry to get 8 bits.")] = PROTECT,
-    cpu: Annotated[bool, typer.Option("--cpu", help="Force CPU even when CUDA is available.")] = False,
+    cpu: Annotated[bool, typer.Option("--cpu", metavar=FLAG, help="Force CPU even when CUDA is available.")] = False,
     threads: ThreadsOpt = None,
     json_out: JsonOpt = False,
 ):

@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from kvcx.cli.app import (EXIT_QUALITY, BitsOpt, GroupOpt, JsonOpt, PlanOpt,
+from kvcx.cli.app import (EXIT_QUALITY, FLAG, BitsOpt, GroupOpt, JsonOpt, PlanOpt,
                           RotateOpt, SchemeOpt, SinksOpt, ThreadsOpt, check_files_first,
                           cli_errors, app)
 from kvcx.cli.render import (emit_json, out, print_phase, print_retrieval, print_validation, print_validations,
@@ -30,14 +30,14 @@ def validate(
     mode: Annotated[str, typer.Option(help="prefix: compress the context cache once; generation: through KvcxCache "
                                            "as the model runs; engine: every key/value, the current token's included, "
                                            "through the codec before attention (vLLM, llama.cpp).")] = "prefix",
-    cpu: Annotated[bool, typer.Option("--cpu", help="Force CPU even when CUDA is available.")] = False,
+    cpu: Annotated[bool, typer.Option("--cpu", metavar=FLAG, help="Force CPU even when CUDA is available.")] = False,
     backend: Annotated[Optional[str], typer.Option("--backend", help="Where kvcx compresses the cache: triton (on "
                                                                      "the GPU; 4-bit codecs) or cpu (default: by "
                                                                      "the model's device).")] = None,
     plan: PlanOpt = None,
     threads: ThreadsOpt = None,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Only the verdict line.")] = False,
-    quick_test: Annotated[bool, typer.Option("--quick-test", help="No model: a synthetic TinyLlama-shaped cache, "
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", metavar=FLAG, help="Only the verdict line.")] = False,
+    quick_test: Annotated[bool, typer.Option("--quick-test", metavar=FLAG, help="No model: a synthetic TinyLlama-shaped cache, "
                                                                   "judged on RMSE/SNR/cosine.")] = False,
     gate: Annotated[Optional[str], typer.Option("--gate", help="With several --scheme settings: the ones that must "
                                                                "pass for exit 0 (comma-separated; default: all).")] = None,
@@ -57,7 +57,7 @@ def validate(
     alpha: Annotated[float, typer.Option("--alpha", help="ruler/passkey: a setting fails where it is below the exact "
                                                          "cache at this family-wise significance (McNemar, Holm).")] = 0.05,
     seed: Annotated[int, typer.Option("--seed", help="ruler/passkey: the prompts' seed.")] = 0,
-    query_aware: Annotated[bool, typer.Option("--query-aware", help="ruler/passkey: prefill the question with the "
+    query_aware: Annotated[bool, typer.Option("--query-aware", metavar=FLAG, help="ruler/passkey: prefill the question with the "
                                                                     "context, so a press (SnapKV's window) sees it "
                                                                     "(default: the context compressed before the "
                                                                     "question is known, as a prefix cache holds it).")] = False,

@@ -143,8 +143,8 @@ def _opened(pid: int, path, timeout: float = 120.0) -> bool:
 
 
 def test_a_real_truncation_race_never_kills_kvcx_with_a_signal(tmp_path):
-    """A 128 MiB cache truncated by another process while `kvcx compress` reads it (the old reader mapped the
-    file, and a truncation under the mapping killed it with SIGBUS). The truncation comes at once (before kvcx has
+    """A 128 MiB cache truncated by another process while `kvcx compress` reads it (a reader that maps the
+    file is killed with SIGBUS by a truncation under the mapping). The truncation comes at once (before kvcx has
     started, let alone opened the file), then at delays after kvcx opened it, whatever the machine's speed (fixed
     delays from the start landed before the open on a slow machine, where the interpreter's imports alone take
     longer)."""

@@ -49,7 +49,8 @@ def test_every_registered_codec_decodes_a_tensor_of_sinks_only(codec_id):
 
 
 def test_widths_of_a_chunk_of_sinks_only_sum_to_the_budget():
-    """The kvcx2w encoder used to store zero widths when every token was a sink, which its decoder refuses."""
+    """Every token a sink: the kvcx2w encoder stores widths its decoder accepts (no zero widths), summing to the
+    budget."""
     c = WidthCodec(bits=2.0, group_size=32, sinks=64)
     p = c.encode(np.ones((1, 3, 64, 64), np.float32))
     widths = p.codes[:3 * 64].reshape(3, 64)

@@ -30,7 +30,7 @@ def test_chunked_forward_and_sliced_head_equal_one_pass(loaded, wikitext_path):
         torch.testing.assert_close(scoring.output_logits(model, hidden), full, atol=2e-4, rtol=1e-4)
         # the scores of a slice-wise head equal those of whole logit tensors, within FP32's rounding of the logits:
         # the head's matmul may block a 37-row slice and a 199-row tensor differently (bit for bit on AMD EPYC hosts;
-        # 1.8e-8 apart on an Intel Xeon with AMX, 2026-11-27), and the sums are of 199 such terms
+        # up to about 2e-8 apart on an Intel Xeon with AMX), and the sums are of 199 such terms
         targets = ids[0, 1:]
         noisy = hidden[:-1] + 0.05 * torch.randn_like(hidden[:-1])
         base, comp, (kl, top1) = scoring.score_hidden(model, hidden[:-1], noisy, targets, slice_rows=37)
