@@ -30,134 +30,15 @@ figures from it say nothing about speed, only that every path runs.
 from __future__ import annotations
 
 import argparse
-import collections
 import itertools
-import os
-import statistics
 import sys
 import time
 
-SCHEME = "kvcx"
-HQ, HKV, D = 32, 8, 128
+from bench.gpu_common import (D, HKV, HQ, RESIDUAL, SCHEME, SETTINGS, apply, capture, case, current, describe,
+                              graph_timer, kernel_times, kernels_us, rate, setup_device, steps_per_second, timer, us)
+
 CONTEXTS = (4096, 16384, 32768, 65536, 131072)
 BATCHES = (1, 8)
-RESIDUAL = 32
-
-
-def _setup(smoke: bool):
-    import torch
-
-    if not torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")   # before the kernels are first imported
-    return torch, torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-_FLUSH = {}
-
-
-def timer(torch, dev, fn, reps: int, warmup: int = 3) -> float:
-    """Median seconds of fn(): CUDA events on a GPU (the L2 cache flushed before each run, outside the timed
-    region: a packed store of a few tens of MiB would otherwise be read from the 50 MB L2), perf_counter
-    elsewhere."""
-    for _ in range(warmup if reps > 1 else 1):
-        fn()
-    times = []
-    for _ in range(reps):
-        if dev.type == "cuda":
-            flush = _FLUSH.setdefault("buf", torch.empty(256 * 2**20, dtype=torch.int8, device=dev))
-            flush.zero_()
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) / 1e3)
-        else:
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
-def capture(torch, fn, warmup: int = 3):
-    """``fn`` captured in a CUDA graph, after ``warmup`` runs on a side stream (as torch.cuda.graph wants)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(warmup):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
-
-
-def steps_per_second(torch, dev, step, steps: int) -> float:
-    """``steps`` calls of ``step`` one after another, timed from the host (the device synchronised on each side)."""
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(steps):
-        step()
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-    return steps / (time.perf_counter() - t)
-
-
-def graph_timer(torch, dev, fn, reps: int):
-    """Median seconds of replaying fn() captured in a CUDA graph (no Python or launch overhead between its
-    kernels, as serving engines run decode steps); None off CUDA or where fn cannot be captured."""
-    if dev.type != "cuda":
-        return None
-    try:
-        graph = capture(torch, fn)
-    except Exception as exc:  # reported, and the table says n/a
-        print(f"CUDA graph capture failed: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return None
-    return timer(torch, dev, graph.replay, reps)
-
-
-def kernel_times(torch, dev, step, steps: int) -> list:
-    """[(kernel name, launches a step, mean us a step)] of ``step`` over ``steps`` profiled steps, longest first."""
-    from torch.profiler import ProfilerActivity, profile
-
-    flush = torch.empty(256 * 2**20, dtype=torch.int8, device=dev)
-    acts = [ProfilerActivity.CUDA] if dev.type == "cuda" else [ProfilerActivity.CPU]
-    with profile(activities=acts) as prof:
-        for _ in range(steps):
-            flush.zero_()
-            step()
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-    got = collections.defaultdict(lambda: [0, 0.0])
-    for ev in prof.events():
-        on_device = getattr(ev, "device_type", None) == torch.autograd.DeviceType.CUDA
-        if (dev.type == "cuda") != on_device or ev.name.startswith(("ProfilerStep", "cudaDevice")):
-            continue
-        if dev.type != "cuda" and ev.cpu_parent is not None:   # the interpreter: top-level calls only
-            continue
-        low = ev.name.lower()
-        if ev.name in ("aten::zero_", "aten::fill_") or "memset" in low or ("fill" in low and "signed char" in low):
-            continue     # the flush (int8 zeros: a fill of 256 MiB), not the step
-        t = ev.device_time if dev.type == "cuda" else ev.cpu_time
-        got[ev.name][0] += 1
-        got[ev.name][1] += t
-    rows = [(name[:70], n / steps, us / steps) for name, (n, us) in got.items()]
-    return sorted(rows, key=lambda r: -r[2])
-
-
-def kernels_us(torch, dev, step, steps: int = 10) -> float:
-    """The device time of ``step``'s kernels, summed (:func:`kernel_times`), in us."""
-    return sum(us for _, _, us in kernel_times(torch, dev, step, steps))
-
-
-def _rate(r) -> str:
-    return "n/a" if r is None else f"{r:.1f}"
-
-
-def _us(t) -> str:
-    return "n/a" if t is None else f"{t * 1e6:.1f}"
 
 
 def sdpa_baseline(torch, dev, q, K, V, scale, reps):
@@ -217,33 +98,6 @@ def reference_errors(torch, store, q, rk, rv, scale, out) -> tuple:
     K = V = None
     norm = ref.norm()
     return float((out.float().reshape(ref.shape) - ref).norm() / norm), float((low.float() - ref).norm() / norm)
-
-
-def case(torch, dev, cfg, B, S, hq, hkv, d, seed):
-    """One layer's decode step at S tokens: random BF16 keys and values [B, hkv, S + RESIDUAL, d] and the query
-    [B, hq, 1, d], the first S tokens packed (:func:`build_store`), the rest the residual: (q, K, V, store, rk,
-    rv)."""
-    g = torch.Generator(device=dev).manual_seed(seed)
-    K, V = (torch.randn(B, hkv, S + RESIDUAL, d, device=dev, dtype=torch.bfloat16, generator=g) for _ in "kv")
-    q = torch.randn(B, hq, 1, d, device=dev, dtype=torch.bfloat16, generator=g)
-    store = build_store(torch, dev, cfg, K[:, :, :S], V[:, :, :S])
-    return q, K, V, store, K[:, :, S:].contiguous(), V[:, :, S:].contiguous()
-
-
-def build_store(torch, dev, cfg, K, V):
-    """A layer's device store as KvcxCache builds it: the prompt's first half as its first chunk (with the sink,
-    so a partial channel block), the rest as the next chunk: two segments, as in use."""
-    from kvcx.cache.device_store import DevicePackedKV
-    from kvcx.codecs import get_codec
-
-    kc, vc = cfg.key.with_backend("triton"), cfg.value.with_backend("triton")
-    kn, vn = (get_codec({**c.get_config(), "sinks": 0}).with_backend("triton") for c in (kc, vc))
-    B, H, S, _ = K.shape
-    store = DevicePackedKV(B, H, K.shape[-1], dev)
-    first = S // 2
-    store.append(kc.encode(K[:, :, :first].contiguous()), vc.encode(V[:, :, :first].contiguous()))
-    store.append(kn.encode(K[:, :, first:].contiguous()), vn.encode(V[:, :, first:].contiguous()))
-    return store
 
 
 PAGE_TOKENS = 64    # the paged store's pages (kvcx.codecs.paged): the smallest that holds the keys' 64-token blocks
@@ -314,7 +168,7 @@ def attention(torch, dev, cfg, contexts, batches, reps, out, hq, hkv, d):
                 row.append(f"{t_fa / t_kvcx:.2f}x")
             g_kvcx = graph_timer(torch, dev, kvcx_step, reps)
             g_sdpa = graph_timer(torch, dev, sdpa_step, reps)
-            row += [_us(g_sdpa), _us(g_kvcx), f"{g_sdpa / g_kvcx:.2f}x" if g_sdpa and g_kvcx else "n/a"]
+            row += [us(g_sdpa), us(g_kvcx), f"{g_sdpa / g_kvcx:.2f}x" if g_sdpa and g_kvcx else "n/a"]
             kv = (K.numel() + V.numel()) * 2
             row += [f"{kv / 2**20:.1f}", f"{store.nbytes / 2**20:.1f}", f"{store.nbytes / kv:.3f}x", f"{err:.1e}",
                     f"{bar:.1e}", "yes" if err <= bar else "NO"]
@@ -323,7 +177,7 @@ def attention(torch, dev, cfg, contexts, batches, reps, out, hq, hkv, d):
                 paged_step = lambda: paged_attend(q.view(B, hq, d), pool, table, lens, scale)  # noqa: E731
                 paged_step()   # once eager (the interpreter's only run)
                 g_paged = graph_timer(torch, dev, paged_step, reps)
-                row += ([_us(g_paged)] if shuffled else []) + \
+                row += ([us(g_paged)] if shuffled else []) + \
                     [f"{g_paged / g_kvcx:.2f}x" if g_paged and g_kvcx else "n/a"]
                 pool = table = lens = paged_step = None
             memory[(S, B)] = store.nbytes / kv
@@ -333,64 +187,6 @@ def attention(torch, dev, cfg, contexts, batches, reps, out, hq, hkv, d):
                 torch.cuda.empty_cache()
     out("")
     return memory
-
-
-class Setting(collections.namedtuple("Setting", "block_tokens warps dot prefetch stages per_sm max_regs early pdl "
-                                                  "merge_warps merge_splits",
-                                       defaults=(64, 1, "fp16", False, 2, 8, None, False, True, 4, 64))):
-    """One launch setting of the attention kernel and its merge, as the --variants / --tune rows time it: tokens a
-    tile, warps a program (None: the mode's), the products (``dot``), the scales a tile ahead (``prefetch``),
-    Triton's pipelining stages (None: its default), programs a multiprocessor, ptxas's register cap (None: none),
-    the fast mode's first tile before the query, the merge as a dependent launch, the merge's warps a program and
-    splits it reads at a time. The defaults are the package's (kvcx.codecs.gpu); each is one of its settings, in
-    the order of :data:`_KNOBS`."""
-
-
-# Settings the H100 runs of 2026-11-27 timed and found slower everywhere (4, 12 and 16 programs a multiprocessor of
-# one warp, 4 warps, TF32 passes, the first tile early, Triton's default stages at 8 programs a multiprocessor where 6
-# fit: docs/results/gpu-h100-fast-mode-run1.md, gpu.md; the merge inside the attention kernel:
-# docs/results/gpu-h100-merge-in-kernel.md) are no longer timed
-SETTINGS = [Setting(32, 4, "", stages=None, per_sm=4, pdl=False),      # FP32 sums (the error reference)
-            Setting(),                                                   # the default: FP16 tensor cores, one warp,
-            Setting(pdl=False),                                          # the merge a dependent launch
-            # what a batch-1 step waits on (docs/results/gpu-sass.md, the sm_90 SASS of the default's loop): each
-            # tile's scales are loaded where they are first used (a full memory latency, twice a tile), and at two
-            # stages Triton issues the next tile's codes at the loop's end and waits for them at its start (nothing
-            # of a tile's compute hides its own loads; only the other programs of a multiprocessor do). "prefetch"
-            # loads each tile's scales with the tile before it; three stages keep the next tile's codes in flight
-            # (33 KB of shared memory: 6 one-warp programs a multiprocessor); 32-token tiles at four stages keep 8
-            Setting(prefetch=True),
-            Setting(prefetch=True, stages=3, per_sm=6),
-            Setting(32, prefetch=True, stages=4),
-            # two warps a program at 128 registers: 16 warps a multiprocessor where one warp's 255 registers let 8
-            # run (+14 % instructions a token, a 24-byte spill)
-            Setting(warps=2, max_regs=128),
-            # the merge in one pass over a batch-1 step's splits (132 on an H100): 8 warps, 256 splits at a time;
-            # and with the scales ahead (the attention's and the merge's changes together, should both pay)
-            Setting(merge_warps=8, merge_splits=256),
-            Setting(prefetch=True, merge_warps=8, merge_splits=256),
-            Setting(prefetch=True, stages=3, per_sm=6, merge_warps=8, merge_splits=256),
-            Setting(warps=2, dot="int8x3", stages=None, per_sm=4)]       # the exact mode
-_KNOBS = ("ATTN_BLOCK_TOKENS", "ATTN_WARPS", "ATTN_DOT", "ATTN_PREFETCH", "ATTN_STAGES", "ATTN_PROGRAMS_PER_SM",
-          "ATTN_MAX_REGISTERS", "ATTN_EARLY_TILE", "MERGE_PDL", "MERGE_WARPS", "MERGE_SPLITS")
-def apply(gpu, setting) -> None:
-    for name, value in zip(_KNOBS, setting):
-        setattr(gpu, name, value)
-
-
-def current(gpu) -> Setting:
-    return Setting(*(getattr(gpu, name) for name in _KNOBS))
-
-
-def describe(setting) -> str:
-    from kvcx.codecs.gpu import ATTN_MODE_WARPS
-
-    bt, warps, dot, prefetch, stages, per_sm, regs, early, pdl, merge_warps, merge_splits = Setting(*setting)
-    warps = f"{warps} warps" if warps else f"the mode's warps ({ATTN_MODE_WARPS.get(dot, 'none: not a mode')})"
-    return (f"{bt} tokens, {warps}, {dot or 'FP32 sums'}{', prefetch' if prefetch else ''}"
-            f"{f', {stages} stages' if stages else ''}, {per_sm} programs/SM"
-            f"{f', at most {regs} registers' if regs else ''}{', first tile early' if early else ''}"
-            f"{', merge launched early' if pdl else ''}, merge {merge_warps} warps x {merge_splits} splits")
 
 
 def variants(torch, dev, cfg, cases, reps, out, hq, hkv, d):
@@ -422,7 +218,7 @@ def variants(torch, dev, cfg, cases, reps, out, hq, hkv, d):
             try:
                 err = float((step().double() - ref).norm() / ref.norm())
                 eager, graph = timer(torch, dev, step, reps), graph_timer(torch, dev, step, reps)
-                row = [_us(eager), _us(graph), f"{err:.1e}", f"{bar:.1e}"]
+                row = [us(eager), us(graph), f"{err:.1e}", f"{bar:.1e}"]
                 t = graph if graph is not None else eager
                 base = t if base is None else base       # the FP32 sums' time (the first setting)
                 if err <= bar:
@@ -643,7 +439,7 @@ def generation_row(torch, dev, model, n: int, batch: int, new_tokens: int, vocab
         return "out of memory" if v is None else f.format(v)
 
     def graph_cell(r, v):
-        return _rate(v) if r else cell(None)
+        return rate(v) if r else cell(None)
 
     def ratio(a, b):
         return f"{a / b:.2f}x" if a and b else "n/a"
@@ -673,7 +469,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.reps is not None and args.reps < 1:
         ap.error(f"--reps must be 1 or more, got {args.reps}")
-    torch, dev = _setup(args.smoke)
+    torch, dev = setup_device(args.smoke)
     from bench.report import Report
 
     from kvcx.codecs import KVConfig

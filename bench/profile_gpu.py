@@ -29,9 +29,9 @@ def main(argv=None):
                     help="also the encode and decode calls of bench_gpu.py's bandwidth section: their kernels, the "
                          "codec kernels' launch settings side by side, and the host's time a call by function")
     args = ap.parse_args(argv)
-    from bench import bench_gpu
+    from bench import gpu_common as common
 
-    torch, dev = bench_gpu._setup(args.smoke)
+    torch, dev = common.setup_device(args.smoke)
     from kvcx.codecs import gpu
     from kvcx.errors import KvcxError
 
@@ -69,7 +69,7 @@ def main(argv=None):
 
 def profile(torch, dev, args) -> None:
     """The tables for the contexts of ``args`` (--smoke: one tiny one), written where ``args.markdown`` says."""
-    from bench import bench_gpu
+    from bench import gpu_common as common
     from bench.report import Report
 
     from kvcx.codecs import KVConfig, gpu
@@ -77,25 +77,25 @@ def profile(torch, dev, args) -> None:
     out = Report()
     out(f"Device: {torch.cuda.get_device_name(0) if dev.type == 'cuda' else 'no GPU: the interpreter'}; torch "
         f"{torch.__version__}; triton {__import__('triton').__version__}; launch settings: "
-        f"{bench_gpu.describe(bench_gpu.current(gpu))}; at least {gpu.ATTN_SPLIT_TOKENS} tokens a split; "
+        f"{common.describe(common.current(gpu))}; at least {gpu.ATTN_SPLIT_TOKENS} tokens a split; "
         f"the merge reads {gpu.MERGE_SPLITS} splits at a time, {gpu.MERGE_WARPS} warps a program")
     out("")
-    cfg = KVConfig.from_scheme(bench_gpu.SCHEME)
+    cfg = KVConfig.from_scheme(common.SCHEME)
     if args.smoke:
         contexts, hq, hkv, d, steps, reps = (128,), 4, 2, 32, 2, 1
     else:
-        contexts, hq, hkv, d, steps, reps = (4096, 32768, 131072), bench_gpu.HQ, bench_gpu.HKV, bench_gpu.D, 20, 50
+        contexts, hq, hkv, d, steps, reps = (4096, 32768, 131072), common.HQ, common.HKV, common.D, 20, 50
     t0 = time.perf_counter()
     for S in contexts:
-        q, _, _, store, rk, rv = bench_gpu.case(torch, dev, cfg, 1, S, hq, hkv, d, seed=S)
+        q, _, _, store, rk, rv = common.case(torch, dev, cfg, 1, S, hq, hkv, d, seed=S)
         step = lambda: store.attend(q.view(1, hq, d), rk, rv, None, d ** -0.5)  # noqa: E731
         for _ in range(3):
             step()
-        rows = bench_gpu.kernel_times(torch, dev, step, steps)
-        graph = bench_gpu.graph_timer(torch, dev, step, reps)
+        rows = common.kernel_times(torch, dev, step, steps)
+        graph = common.graph_timer(torch, dev, step, reps)
         total = sum(us for _, _, us in rows)
         out(f"### {S:,} tokens, batch 1: kernels {total:.1f} us a step; the step replayed from a CUDA graph "
-            f"{bench_gpu._us(graph)} us")
+            f"{common.us(graph)} us")
         out("")
         out("| kernel | launches a step | us a step | share |")
         out("|---|---:|---:|---:|")
@@ -131,17 +131,17 @@ def codecs(torch, dev, out, smoke: bool) -> None:
     import cProfile
     import pstats
 
-    from bench import bench_gpu
+    from bench import gpu_common as common
 
     from kvcx.codecs import KVConfig, gpu
 
     shape, reps, steps = ((1, 2, 64, 32), 1, 1) if smoke else ((8, 8, 32768, 128), 20, 10)
-    cfg = KVConfig.from_scheme(bench_gpu.SCHEME)
+    cfg = KVConfig.from_scheme(common.SCHEME)
     x = torch.randn(*shape, device=dev, dtype=torch.bfloat16)
     y = torch.empty_like(x)
 
     def kernels_us(step):
-        return bench_gpu.kernels_us(torch, dev, step, steps)
+        return common.kernels_us(torch, dev, step, steps)
 
     copy = kernels_us(lambda: y.copy_(x))
     out(f"### The codec calls, {list(shape)} BF16: launch settings (a device copy's kernel: {copy:.1f} us)")
@@ -163,8 +163,8 @@ def codecs(torch, dev, out, smoke: bool) -> None:
                 gpu.PROGRAM_VALUES, gpu.CODEC_WARPS, gpu.CODEC_CHANNELS, gpu.CODEC_LOOP = values, warps, channels, loop
                 p = codec.encode(x)
                 enc, dec = kernels_us(lambda: codec.encode(x)), kernels_us(lambda: codec.decode(p, y))
-                t_enc = bench_gpu.timer(torch, dev, lambda: codec.encode(x), reps) * 1e6
-                t_dec = bench_gpu.timer(torch, dev, lambda: codec.decode(p, y), reps) * 1e6
+                t_enc = common.timer(torch, dev, lambda: codec.encode(x), reps) * 1e6
+                t_dec = common.timer(torch, dev, lambda: codec.decode(p, y), reps) * 1e6
                 per = f"{codec.group_size} x {channels or shape[-1]}" if codec.axis == "channel" else str(values)
                 looping = f"{loop}" if loop else "no loop"
                 out(f"| {label} | {per} | {warps} | {looping} | {enc:.1f} | {t_enc:.1f} | {copy / enc:.2f} | "
@@ -176,7 +176,7 @@ def codecs(torch, dev, out, smoke: bool) -> None:
         codec = codec.with_backend("triton")
         p = codec.encode(x)
         for kind, call in (("encode", lambda: codec.encode(x)), ("decode", lambda: codec.decode(p, y))):
-            rows = bench_gpu.kernel_times(torch, dev, call, steps)
+            rows = common.kernel_times(torch, dev, call, steps)
             out(f"#### {label}, {kind}: the kernels of a call")
             out("")
             out("| kernel | launches a call | us a call |")

@@ -360,7 +360,7 @@ def main(argv=None):
         ap.error(f"--arch {args.arch}: the kernel's tensor-core products need sm_80 or newer (80, 86, 89, 90, ...)")
     import triton
 
-    from bench.bench_gpu import SETTINGS, current, describe
+    from bench.gpu_common import SETTINGS, current, describe
     from bench.report import Report
 
     from kvcx.codecs import gpu

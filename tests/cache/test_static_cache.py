@@ -251,7 +251,7 @@ def test_a_decode_step_is_the_same_work_at_every_length(tiny, monkeypatch, famil
 
 def _captured(step):
     """``step`` run once from Python on a side stream (as torch.cuda.graph wants a warm-up), then captured."""
-    from bench.bench_gpu import capture
+    from bench.gpu_common import capture
 
     return capture(torch, step, warmup=1)
 
