@@ -104,6 +104,14 @@ def validate(
         if pressed and quick_test:
             raise KvcxError(f"--scheme {pressed[0]}: a press reads a model's cache (and SnapKV its queries); "
                             "--quick-test has no model: leave it out")
+        from kvcx.quality import ranks
+
+        if ranks.launched() and (retrieval or quick_test):
+            raise KvcxError(f"{'--quick-test' if quick_test else f'--task {task}'} runs in one process; the "
+                            "windows of --task perplexity are what torchrun / accelerate launch shard: run it "
+                            "without a launcher")
+        if ranks.follows():   # rank 0 reports; the other ranks score their windows quietly
+            on_phase, quiet = None, True
         if retrieval:
             return _retrieval(configs, gated, task, tasks, lengths, depths, prompts, alpha, seed, model,
                               dataset_file, cpu, mode, quiet, json_out, on_phase, query_aware)
@@ -115,6 +123,8 @@ def validate(
                     configs, threshold=threshold, model=model, dataset_file=dataset_file, window=window,
                     stride=stride, max_windows=max_windows, mode=mode, cpu=cpu, on_phase=on_phase,
                     on_window=on_window, backend=backend)
+        if not results:   # a rank other than 0: its windows went to rank 0
+            return
         if pareto is not None:
             from kvcx.quality.plots import validation_pareto
 

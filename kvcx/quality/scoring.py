@@ -160,11 +160,16 @@ class PerplexityRun:
     codec_cpu_s: float = 0.0    # CPU time of the round trips (all threads)
     kl_sum: float = 0.0         # summed KL(exact || compressed) over the scored tokens, nats
     top1_matches: int = 0       # scored tokens whose most likely next token is the same on both caches
+    records: list = field(default_factory=list, repr=False)   # each window's add_window arguments, in order
 
     def add_window(self, base_nll: float, comp_nll: float, tokens: int, original_bytes: int, packed_bytes: int,
                    values: int, codec_time_s: float, stats: Optional[ErrorStats] = None,
                    codec_cpu_s: float = 0.0, divergence: tuple = (0.0, 0)) -> None:
-        """Add one window's scores and sizes."""
+        """Add one window's scores and sizes (kept in :attr:`records`, so that a data-parallel run's rank 0 adds
+        every rank's windows in order: :func:`kvcx.quality.ranks.gather_runs`)."""
+        self.records.append(dict(base_nll=base_nll, comp_nll=comp_nll, tokens=tokens, original_bytes=original_bytes,
+                                 packed_bytes=packed_bytes, values=values, codec_time_s=codec_time_s, stats=stats,
+                                 codec_cpu_s=codec_cpu_s, divergence=divergence))
         self.kl_sum += divergence[0]
         self.top1_matches += divergence[1]
         self.baseline_nll += base_nll

@@ -20,6 +20,8 @@ The scoring itself lives in :mod:`kvcx.quality.scoring`, model and text loading 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -32,7 +34,8 @@ from kvcx.codecs.metrics import Thresholds, check_thresholds, json_safe, quality
 from kvcx.codecs.presses import PressedSetting
 from kvcx.errors import KvcxError
 from kvcx.quality.bridge import DeviceRoundtrip, backend_of
-from kvcx.quality.models import load_dataset_text, load_model_and_tokenizer, resolve_model
+from kvcx.quality import ranks
+from kvcx.quality.models import load_dataset_text, load_model_and_tokenizer, pick_device, resolve_model
 from kvcx.quality.peers import PeerSetting, roundtrip_of
 from kvcx.quality.scoring import (  # noqa: F401
     PerplexityRun,
@@ -232,6 +235,10 @@ def run_validations(configs: Mapping[str, KVConfig], threshold: float = DEFAULT_
     CPU) or "cpu"; each result says which ran.
 
     Every input (options, evaluation text, model path and packages) is resolved before the model loads.
+
+    Started by ``torchrun`` or ``accelerate launch`` with several processes (:mod:`kvcx.quality.ranks`), each rank
+    scores every N-th window and rank 0 returns the results of all of them (the sums of a one-process run); the
+    other ranks report no progress and return an empty list.
     """
     t_start = time.perf_counter()
 
@@ -263,6 +270,15 @@ def run_validations(configs: Mapping[str, KVConfig], threshold: float = DEFAULT_
                 backend_of(cfg, "cpu", backend)
     text = load_dataset_text(dataset_file)
     source = resolve_model(model) if loaded is None else None
+    device = ranks.local_device(device, cpu)
+    rank = ranks.join(next(loaded[0].parameters()).device.type if loaded is not None else
+                      pick_device(device, cpu).type)
+    ranks.same_request(rank, {"settings": {label: _fingerprint(cfg) for label, cfg in configs.items()},
+                              "text": hash_text(text), "model": str(source or loaded[2]), "window": window,
+                              "stride": stride, "max_windows": max_windows, "mode": mode, "threshold": threshold,
+                              "backend": backend})
+    if not rank.leads:   # rank 0 reports
+        on_phase = on_window = None
     phase(1, f"evaluation text: {len(text):,} characters")
     m, tok, name = loaded if loaded is not None else load_model_and_tokenizer(source, device=device, cpu=cpu)
     import torch
@@ -278,7 +294,12 @@ def run_validations(configs: Mapping[str, KVConfig], threshold: float = DEFAULT_
                 else backend_of(cfg, dev.type, backend) for label, cfg in configs.items()}
     ids = torch.tensor(tok(text, return_tensors=None)["input_ids"], dtype=torch.long)
     starts = window_starts(ids.numel(), window, stride, max_windows)
-    phase(3, f"tokenized: {ids.numel():,} tokens, {len(starts)} windows of {window} (stride {stride})")
+    if rank.size > len(starts):
+        raise KvcxError(f"{rank.size} ranks and {len(starts)} windows: every rank needs a window; give "
+                        f"--max-windows {rank.size} or more, or start fewer processes")
+    phase(3, f"tokenized: {ids.numel():,} tokens, {len(starts)} windows of {window} (stride {stride})"
+             f"{f'; {rank.size} ranks: rank r scores windows r, r + {rank.size}, ...' if rank.size > 1 else ''}")
+    mine = rank.shard(starts)
     what = (f"codec: {next(iter(configs.values())).describe()}" if len(configs) == 1 else
             f"{len(configs)} settings: {', '.join(configs)}")
     where = ", ".join(sorted({b for b in backends.values() if b}))
@@ -286,14 +307,17 @@ def run_validations(configs: Mapping[str, KVConfig], threshold: float = DEFAULT_
              f"{f', {where} kernels' if where else ''})")
     roundtrips = roundtrips or {}
     if mode == "prefix":
-        runs = compare_prefix(m, ids, starts, window, stride,
+        runs = compare_prefix(m, ids, mine, window, stride,
                               {label: roundtrips.get(label) or (DeviceRoundtrip(cfg) if backends[label] == "triton"
                                                                 else roundtrip_of(cfg, m.config))
                                for label, cfg in configs.items()}, on_window)
     else:
         score = perplexity_generation if mode == "generation" else perplexity_engine
-        runs = {label: score(m, ids, starts, window, stride, cfg, on_window=on_window, backend=backends[label])
+        runs = {label: score(m, ids, mine, window, stride, cfg, on_window=on_window, backend=backends[label])
                 for label, cfg in configs.items()}
+    runs = ranks.gather_runs(rank, runs, len(starts))
+    if not rank.leads:
+        return []
     first = next(iter(runs.values()))
     phase(5, f"baseline perplexity   {first.baseline_ppl:.4f} ({first.tokens:,} tokens)")
     phase(6, "compressed perplexity " + ", ".join(f"{r.compressed_ppl:.4f}" + (f" ({label})" if len(runs) > 1 else "")
@@ -302,6 +326,16 @@ def run_validations(configs: Mapping[str, KVConfig], threshold: float = DEFAULT_
     dtype = str(next(m.parameters()).dtype).replace("torch.", "")
     return [_result(label, runs[label], configs[label], threshold, window, stride, mode, name, str(dev), dtype, wall,
                     backends[label]) for label in configs]
+
+
+def _fingerprint(setting) -> str:
+    """What a setting is, for comparing ranks' requests: a KVConfig's config, else its repr."""
+    return json.dumps(setting.get_config(), sort_keys=True, default=str) if isinstance(setting, KVConfig) else \
+        repr(setting)
+
+
+def hash_text(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def engine_setting(setting, model_config):

@@ -1,0 +1,139 @@
+"""The gate data-parallel: under ``torchrun`` or ``accelerate launch`` each process (a rank) scores every
+``world``-th window, and rank 0 gathers the windows' scores and adds them in the windows' order, so an N-rank run
+gives the 1-rank run's sums (perplexities, deltas, KLD, top-1, error statistics) to the last digit on the CPU.
+
+    torchrun --nproc-per-node 2 -m kvcx validate --max-windows 16      # 2 processes, gloo on the CPU
+    accelerate launch --num_processes 2 -m kvcx validate ...           # the same environment, the same run
+
+The launchers set ``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``; with
+``WORLD_SIZE`` above 1 :func:`join` starts torch.distributed (gloo on the CPU, NCCL on CUDA: each rank on the GPU
+its ``LOCAL_RANK`` names). Rank 0 alone prints, writes and exits with the verdict; the others return nothing.
+A single process (no launcher) runs as before: nothing here is imported.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from typing import Dict, List, Mapping, Sequence
+
+from kvcx.errors import KvcxError
+
+
+@dataclass(frozen=True)
+class Rank:
+    """This process's place in the run: ``index`` of ``size`` ranks (0 of 1 alone)."""
+
+    index: int = 0
+    size: int = 1
+
+    @property
+    def leads(self) -> bool:
+        """Whether this rank prints, writes and gives the verdict (rank 0)."""
+        return self.index == 0
+
+    def shard(self, items: Sequence) -> list:
+        """The items this rank works: every ``size``-th from its index (the windows' order kept)."""
+        return list(items[self.index::self.size])
+
+
+ALONE = Rank()
+
+
+def launched() -> bool:
+    """Whether a launcher started this process as one of several (``WORLD_SIZE`` above 1)."""
+    return _env_int("WORLD_SIZE", 1) > 1
+
+
+def follows() -> bool:
+    """Whether this process is a launched rank other than 0 (which reports nothing: rank 0 does)."""
+    return launched() and _env_int("RANK", 0) != 0
+
+
+def join(device_type: str) -> Rank:
+    """This process's rank, torch.distributed started for it where a launcher asks for several (gloo on the CPU,
+    NCCL on CUDA); :data:`ALONE` otherwise."""
+    if not launched():
+        return ALONE
+    import torch.distributed as dist
+
+    size, index = _env_int("WORLD_SIZE", 1), _env_int("RANK", 0)
+    if not dist.is_available():
+        raise KvcxError(f"WORLD_SIZE={size}: this torch has no torch.distributed; run one process, or install a "
+                        "torch built with it")
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+    if dist.get_world_size() != size or dist.get_rank() != index:
+        raise KvcxError(f"torch.distributed says rank {dist.get_rank()} of {dist.get_world_size()}, the launcher "
+                        f"RANK={index} of WORLD_SIZE={size}: start every rank with the same launcher")
+    return Rank(index, size)
+
+
+def local_device(device, cpu: bool):
+    """The device a rank's model goes to: as asked, else the GPU ``LOCAL_RANK`` names when CUDA is there."""
+    if device is not None or cpu or not launched():
+        return device
+    import torch
+
+    if not torch.cuda.is_available():
+        return device
+    return f"cuda:{_env_int('LOCAL_RANK', 0) % torch.cuda.device_count()}"
+
+
+def same_request(rank: Rank, request: Mapping) -> None:
+    """Every rank must run the same request (options, text, model): a KvcxError naming the first that differs
+    from rank 0 (each rank parsed its own command line; a launcher gives them the same one)."""
+    if rank.size == 1:
+        return
+    import torch.distributed as dist
+
+    digest = hashlib.sha256(json.dumps(request, sort_keys=True, default=str).encode()).hexdigest()
+    every: List[str] = [""] * rank.size
+    dist.all_gather_object(every, digest)
+    odd = [i for i, d in enumerate(every) if d != every[0]]
+    if odd:
+        raise KvcxError(f"rank {odd[0]} of {rank.size} was started with other options, text or model than rank 0: "
+                        "start every rank with the same command")
+
+
+def gather_runs(rank: Rank, runs: Dict[str, "PerplexityRun"], windows: int) -> Dict[str, "PerplexityRun"]:  # noqa: F821
+    """Rank 0: every rank's windows of each setting, added in the windows' order (window ``i`` was scored by rank
+    ``i % size``, its ``i // size``-th); the other ranks: their own runs (not a result: :meth:`Rank.leads`)."""
+    if rank.size == 1:
+        return runs
+    import torch.distributed as dist
+
+    parts = [None] * rank.size if rank.leads else None
+    dist.gather_object({label: run.records for label, run in runs.items()}, parts, dst=0)
+    return merge(parts, windows) if rank.leads else runs
+
+
+def merge(parts: Sequence[Mapping[str, list]], windows: int) -> Dict[str, "PerplexityRun"]:  # noqa: F821
+    """Each rank's window records (label -> records, ranks in order) as one run a setting, the windows added in
+    their order: window ``i`` is rank ``i % len(parts)``'s ``i // len(parts)``-th."""
+    from kvcx.quality.scoring import PerplexityRun
+
+    size = len(parts)
+    merged = {}
+    for label in parts[0]:
+        got = [len(p[label]) for p in parts]
+        if sum(got) != windows:
+            raise KvcxError(f"setting {label!r}: the ranks scored {got} windows, {sum(got)} in all, not the run's "
+                            f"{windows}: a rank stopped early; run again")
+        run = PerplexityRun()
+        for i in range(windows):
+            run.add_window(**parts[i % size][label][i // size])
+        merged[label] = run
+    return merged
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise KvcxError(f"{name}={raw!r} is not a whole number: the launcher sets it (torchrun, accelerate "
+                        "launch); unset it to run one process") from None

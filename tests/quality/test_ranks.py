@@ -1,0 +1,121 @@
+"""The gate data-parallel (kvcx.quality.ranks): windows sharded over ranks, rank 0 adding them in order, so that an
+N-rank run's JSON is the one-process run's; started by the real torchrun, with gloo on the CPU."""
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from kvcx.codecs.metrics import ErrorStats  # noqa: E402
+from kvcx.errors import KvcxError  # noqa: E402
+from kvcx.quality import ranks  # noqa: E402
+from kvcx.quality.scoring import PerplexityRun  # noqa: E402
+
+TIMING = ("wall_time_s", "codec_time_s")   # what differs between any two runs, one process or several
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _window_runs(windows: int, rank: ranks.Rank, seed: int = 0) -> dict:
+    """Scores of ``windows`` windows (irregular floats, so that the order of the sums shows), as ``rank`` adds its
+    share of them."""
+    import random
+
+    rnd = random.Random(seed)
+    rows = [dict(base_nll=rnd.uniform(100, 900) / 3, comp_nll=rnd.uniform(100, 900) / 7, tokens=rnd.randint(9, 99),
+                 original_bytes=1000, packed_bytes=rnd.randint(200, 300), values=500, codec_time_s=0.1,
+                 stats=ErrorStats(n=7, sum_xx=rnd.random() / 3, sum_ee=rnd.random() / 11, sum_yy=rnd.random(),
+                                  sum_xy=rnd.random() / 13, max_error=rnd.random()),
+                 divergence=(rnd.random() / 17, rnd.randint(0, 9))) for _ in range(windows)]
+    run = PerplexityRun()
+    for row in rank.shard(rows):
+        run.add_window(**row)
+    return {"kvcx": run}
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_ranks_windows_added_in_order_give_the_one_process_sums(size):
+    alone = _window_runs(11, ranks.ALONE)["kvcx"]
+    parts = [{label: run.records for label, run in _window_runs(11, ranks.Rank(i, size)).items()}
+             for i in range(size)]
+    merged = ranks.merge(parts, 11)["kvcx"]
+    for name in ("baseline_nll", "compressed_nll", "tokens", "windows", "packed_bytes", "kl_sum", "top1_matches"):
+        assert getattr(merged, name) == getattr(alone, name), name        # bit for bit: the same order of sums
+    assert merged.stats == alone.stats
+    with pytest.raises(KvcxError, match="a rank stopped early"):
+        ranks.merge(parts[:-1], 11)
+
+
+def test_a_launchers_environment_that_is_not_a_number_is_refused(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "two")
+    with pytest.raises(KvcxError, match="WORLD_SIZE='two' is not a whole number"):
+        ranks.launched()
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert not ranks.launched() and ranks.join("cpu") is ranks.ALONE and not ranks.follows()
+
+
+def _requests(index: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(index))
+    rank = ranks.join("cpu")
+    try:
+        ranks.same_request(rank, {"window": 1024, "max_windows": 16 if index == 0 else 8})
+        Path(out, str(index)).write_text("ran")
+    except KvcxError as exc:
+        Path(out, str(index)).write_text(str(exc))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_ranks_started_with_other_options_are_refused_by_name(tmp_path):
+    torch.multiprocessing.spawn(_requests, args=(_free_port(), str(tmp_path)), nprocs=2)
+    for i in range(2):
+        said = (tmp_path / str(i)).read_text()
+        assert "rank 1 of 2 was started with other options" in said, said
+
+
+def _validate(wikitext, *args, launcher=(), env=None):
+    cmd = [*launcher, "-m", "kvcx", "validate", "--dataset-file", str(wikitext), "--window", "256", "--stride",
+           "128", "--json", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+
+
+def test_torchrun_and_accelerate_with_two_ranks_give_the_one_process_json(wikitext_path):
+    """``torchrun --nproc-per-node 2 -m kvcx validate`` and ``accelerate launch --multi_gpu --num_processes 2``:
+    each rank scores two of the four windows; rank 0 alone prints, and its JSON is the one-process run's, every
+    figure to the last digit but the times; more ranks than windows is refused."""
+    settings = ("--max-windows", "4", "--scheme", "kvcx,kvcx3")
+    one = _validate(wikitext_path, *settings, launcher=[sys.executable])
+    assert one.returncode == 0, one.stderr[-2000:]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                str(_free_port())]
+    two = _validate(wikitext_path, *settings, launcher=torchrun)
+    assert two.returncode == 0, two.stderr[-2000:]
+    a, b = json.loads(one.stdout), json.loads(two.stdout)      # one JSON document: rank 1 printed nothing
+    assert "windows 4/4" in one.stderr and "windows 2/2" in two.stderr and "windows 4/4" not in two.stderr
+    assert [r["setting"] for r in b] == ["kvcx", "kvcx3"] and b[0]["windows"] == 4
+    for x, y in zip(a, b):
+        assert {k: v for k, v in x.items() if k not in TIMING} == {k: v for k, v in y.items() if k not in TIMING}
+
+    # accelerate launch starts the same ranks (its multi-process launcher is torch's: on the CPU, gloo)
+    accelerate = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                  "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
+                  str(_free_port())]
+    acc = _validate(wikitext_path, *settings, launcher=accelerate)
+    assert acc.returncode == 0, acc.stderr[-2000:]
+    c = json.loads(acc.stdout)
+    assert [{k: v for k, v in x.items() if k not in TIMING} for x in c] == \
+        [{k: v for k, v in x.items() if k not in TIMING} for x in a]
+    assert "windows 2/2" in acc.stderr and "windows 4/4" not in acc.stderr   # two ranks ran: rank 0 scored 2
+
+    few = _validate(wikitext_path, "--max-windows", "1", launcher=torchrun[:-1] + [str(_free_port())])
+    assert few.returncode != 0 and "2 ranks and 1 windows: every rank needs a window" in few.stderr
