@@ -153,7 +153,7 @@ class GGMLCodec(Codec):
                                    zeros.view(np.uint16), resolve_threads(self.n_threads))
         check_status(status, name, x)
         return finish_packed(out, dict(codes=buf["codes"], scales=buf["scales"], zeros=buf.get("zeros"), sinks=None,
-                                 shape=lay.shape, dtype=dtype_name(x.dtype), config=self.get_config(), meta={}))
+                                       shape=lay.shape, dtype=dtype_name(x.dtype), config=self.get_config(), meta={}))
 
     def decode(self, packed: Packed, out: Optional[np.ndarray] = None, *, name: str = "tensor",
                token_offset: int = 0) -> np.ndarray:

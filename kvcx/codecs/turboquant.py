@@ -177,7 +177,7 @@ class TurboQuantCodec(Codec):
                              f"TurboQuant records it in (|x| up to {top:.4g}); rescale the tensor or use scheme 'kvcx'")
         check_status(status, name, x)
         return finish_packed(out, dict(codes=codes, scales=np.empty(0, dtype=np.float16), zeros=None, sinks=None,
-                                 shape=lay.shape, dtype=dtype_name(x.dtype), config=self.get_config(), meta={}))
+                                       shape=lay.shape, dtype=dtype_name(x.dtype), config=self.get_config(), meta={}))
 
     def decode(self, packed: Packed, out: Optional[np.ndarray] = None, *, name: str = "tensor",
                token_offset: int = 0) -> np.ndarray:

@@ -3,12 +3,12 @@
 gives the 1-rank run's sums (perplexities, deltas, KLD, top-1, error statistics) to the last digit on the CPU.
 
     torchrun --nproc-per-node 2 -m kvcx validate --max-windows 16      # 2 processes, gloo on the CPU
-    accelerate launch --num_processes 2 -m kvcx validate ...           # the same environment, the same run
+    accelerate launch --multi_gpu --num_processes 2 -m kvcx validate ...   # the same ranks (on the CPU too)
 
 The launchers set ``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``; with
 ``WORLD_SIZE`` above 1 :func:`join` starts torch.distributed (gloo on the CPU, NCCL on CUDA: each rank on the GPU
 its ``LOCAL_RANK`` names). Rank 0 alone prints, writes and exits with the verdict; the others return nothing.
-A single process (no launcher) runs as before: nothing here is imported.
+A single process (no launcher) runs as before: no process group is started and every window is its own.
 """
 from __future__ import annotations
 
@@ -88,7 +88,9 @@ def same_request(rank: Rank, request: Mapping) -> None:
         return
     import torch.distributed as dist
 
-    digest = hashlib.sha256(json.dumps(request, sort_keys=True, default=str).encode()).hexdigest()
+    # a setting by its config where it has one (KVConfig, codecs), else its repr; only the digest travels
+    digest = hashlib.sha256(json.dumps(request, sort_keys=True, default=lambda o: o.get_config() if hasattr(
+        o, "get_config") else repr(o)).encode()).hexdigest()
     every: List[str] = [""] * rank.size
     dist.all_gather_object(every, digest)
     odd = [i for i, d in enumerate(every) if d != every[0]]

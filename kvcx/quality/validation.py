@@ -20,8 +20,6 @@ The scoring itself lives in :mod:`kvcx.quality.scoring`, model and text loading 
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -273,10 +271,9 @@ def run_validations(configs: Mapping[str, KVConfig], threshold: float = DEFAULT_
     device = ranks.local_device(device, cpu)
     rank = ranks.join(next(loaded[0].parameters()).device.type if loaded is not None else
                       pick_device(device, cpu).type)
-    ranks.same_request(rank, {"settings": {label: _fingerprint(cfg) for label, cfg in configs.items()},
-                              "text": hash_text(text), "model": str(source or loaded[2]), "window": window,
-                              "stride": stride, "max_windows": max_windows, "mode": mode, "threshold": threshold,
-                              "backend": backend})
+    ranks.same_request(rank, {"settings": dict(configs), "text": text, "model": str(source or loaded[2]),
+                              "window": window, "stride": stride, "max_windows": max_windows, "mode": mode,
+                              "threshold": threshold, "backend": backend})
     if not rank.leads:   # rank 0 reports
         on_phase = on_window = None
     phase(1, f"evaluation text: {len(text):,} characters")
@@ -326,16 +323,6 @@ def run_validations(configs: Mapping[str, KVConfig], threshold: float = DEFAULT_
     dtype = str(next(m.parameters()).dtype).replace("torch.", "")
     return [_result(label, runs[label], configs[label], threshold, window, stride, mode, name, str(dev), dtype, wall,
                     backends[label]) for label in configs]
-
-
-def _fingerprint(setting) -> str:
-    """What a setting is, for comparing ranks' requests: a KVConfig's config, else its repr."""
-    return json.dumps(setting.get_config(), sort_keys=True, default=str) if isinstance(setting, KVConfig) else \
-        repr(setting)
-
-
-def hash_text(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def engine_setting(setting, model_config):
