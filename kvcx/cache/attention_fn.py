@@ -27,13 +27,14 @@ eager attention does.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import weakref
 from typing import Optional, Protocol
 
 import torch
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
 from kvcx.errors import KvcxError
@@ -212,4 +213,25 @@ def kvcx_attention(model):
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, kvcx_attention_forward)
-AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
+@functools.lru_cache(maxsize=None)
+def _eager_only(config_class: type) -> bool:
+    """Whether transformers' model of this config class runs eager attention only (its class declares no SDPA:
+    DeepSeek V4). Such a model may build on the float mask eager gives it: V4 concatenates its compressor's additive
+    bias (0 / -inf) onto the mask, which a boolean mask would read inverted."""
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING
+
+    try:
+        return not getattr(MODEL_MAPPING[config_class], "_supports_sdpa", True)
+    except (KeyError, ValueError):   # a config with no base model in the auto mapping: the SDPA mask
+        return False
+
+
+def kvcx_mask(*args, config=None, **kwargs):
+    """The masks the ``"kvcx"`` attention reads: SDPA's (boolean, or none where causal is enough), or eager's float
+    mask for a model that runs eager attention only (:func:`_eager_only`); both the reference attention and the
+    fused kernels take either."""
+    mask_fn = eager_mask if config is not None and _eager_only(type(config)) else sdpa_mask
+    return mask_fn(*args, config=config, **kwargs)
+
+
+AttentionMaskInterface.register(ATTN_IMPLEMENTATION, kvcx_mask)

@@ -154,6 +154,25 @@ def test_unsupported_layers_kept_the_others_packed_and_fused():
     assert report["kept_bytes"] > 0 and [r["kvcx"] for r in report["layers"]] == ["packed", "kept", "packed", "kept"]
 
 
+def test_eager_only_model_attends_as_its_eager_attention():
+    """DeepSeek V4 runs eager attention only and concatenates its compressor's additive bias (0 / -inf) onto the mask:
+    the "kvcx" attention hands such a model eager's float mask (a boolean one would read the bias inverted), so with
+    DynamicCache it gives eager's tokens exactly, and KvcxCache at 8 bits (compressed layers kept) gives them too."""
+    from bench.families import unsupported_config
+
+    cfg = unsupported_config(WINDOW, PROMPT)
+    cfg.eos_token_id = None
+    model = build(cfg)
+    ids, mask = prompts(1, PROMPT)
+    model.set_attn_implementation("eager")
+    ref_tokens, ref_logits = decode(model, DynamicCache(config=model.config), ids, mask, 8)
+    model.set_attn_implementation("kvcx")
+    tokens, logits = decode(model, DynamicCache(config=model.config), ids, mask, 8)
+    assert torch.equal(tokens, ref_tokens) and torch.allclose(logits, ref_logits, atol=1e-4)
+    tokens8, _ = decode(model, KvcxCache(model.config, unsupported="keep", bits=8), ids, mask, 8)
+    assert torch.equal(tokens8, ref_tokens)
+
+
 MEMORY_WINDOW = 256   # the issue's setting: a 2,048-token prompt, 8x the window
 
 
