@@ -99,7 +99,8 @@ def run_family(name: str, cfg_fn, window: int, steps: int, tempered: bool = True
     held = kc.memory_report()
     row.update(kvcx_bytes=held["total_bytes"], dynamic_bytes=dynamic_cache_bytes(dyn),
                windows=[r["tokens_held"] for r, s in zip(held["layers"], kc.specs) if s.window],
-               bf_greedy=int((bf_tokens == ref_tokens).sum()), bf_forced=int((bf_logits.argmax(-1) == ref_tokens).sum()),
+               bf_greedy=int((bf_tokens == ref_tokens).sum()),
+               bf_forced=int((bf_logits.argmax(-1) == ref_tokens).sum()),
                seconds=time.perf_counter() - t)
     return row
 

@@ -41,6 +41,7 @@ unless asked.
 """
 from __future__ import annotations
 
+import math
 import warnings
 from typing import List, Optional
 
@@ -64,6 +65,8 @@ check_transformers(transformers.__version__)
 
 __all__ = ["KvcxCache", "KvcxLayer", "KvcxWindowLayer", "dynamic_cache_bytes", "layer_bytes"]
 
+DEFAULT_RESIDUAL = 64   # tokens a layer keeps in full precision before packing them, unless its codecs need more
+
 
 class KvcxCache(Cache):
     """A packed KV cache for ``model.generate(..., past_key_values=KvcxCache(model.config))``.
@@ -73,7 +76,8 @@ class KvcxCache(Cache):
     config: the model's config (its decoder text config: the layers, their types, windows, heads and widths).
     group_size, scheme, bits, sinks, rotate: the codec, as for ``kvcx compress`` (default: the kvcx scheme).
     residual_length: tokens kept in full precision before they are packed (a multiple of the
-        group size when keys are grouped per channel).
+        group size when keys are grouped per channel); None (default): 64, or the keys' groups of tokens where
+        they are longer (128 for ``kvcx2v``).
     kv_config: a ready :class:`kvcx.codecs.KVConfig` instead of the options above (a plan: ``kvcx.api.load_plan``).
     n_threads: OpenMP threads of the kernels (None = all).
     fused: None (default): decode steps and steps of up to a few hundred tokens over a packed history run
@@ -96,7 +100,7 @@ class KvcxCache(Cache):
     """
 
     def __init__(self, config, group_size: Optional[int] = None, scheme: str = DEFAULT_SCHEME,
-                 residual_length: int = 64, bits: Optional[int] = None, sinks: Optional[int] = None,
+                 residual_length: Optional[int] = None, bits: Optional[int] = None, sinks: Optional[int] = None,
                  rotate: Optional[bool] = None, kv_config: Optional[KVConfig] = None, n_threads: Optional[int] = None,
                  fused: Optional[bool] = None, backend: Optional[str] = None, release_heap: bool = True,
                  unsupported: str = "error"):
@@ -105,6 +109,8 @@ class KvcxCache(Cache):
                                                n_threads=n_threads)
         if kv_config is not None and n_threads is not None:  # n_threads applies to a ready config too
             kv = kv.with_threads(n_threads)
+        if residual_length is None:   # 64 tokens, or the keys' groups along tokens where they are longer
+            residual_length = math.lcm(DEFAULT_RESIDUAL, kv.key.token_block, kv.value.token_block)
         if isinstance(residual_length, bool) or not isinstance(residual_length, int) or residual_length < 1:
             raise KvcxError(f"residual_length must be a positive integer, got {residual_length!r}")
         for c in (kv.key, kv.value):

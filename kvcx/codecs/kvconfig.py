@@ -13,6 +13,9 @@ Schemes (``--scheme``):
   each channel's spread, weighed by the queries where a plan gives ``key_weights``), in groups of 32 tokens
   whose ranges are stored as two bytes (``--group-size`` sets the values' groups only): 2.5 bits/value
   nominal, README "Low bits".
+- ``kvcx2v``: no calibration at 2.75 bits/value: keys with a width per channel (3 bits on average, groups of 128
+  tokens, as kvcx2w's codec), values rotated and quantized 8 at a time on QuIP#'s E8P lattice
+  (:class:`~kvcx.codecs.lattice.E8PCodec`, 2.25 bits at head dim 64); both keep the sink token exact.
 - ``kvcx3`` / ``kvcx2``: the low-bit presets: the kvcx layout at 3 bits, and at 2 bits with asymmetric
   values (symmetric 2-bit codes have only 3 useful levels). With a per-layer plan from ``kvcx calibrate`` (``layer_bits``:
   the layers the model is most sensitive to get more bits) they are the frontier of README "Low bits".
@@ -42,6 +45,7 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 from kvcx.codecs import engine as _engine  # noqa: F401  (registers the engine formats' codecs)
+from kvcx.codecs import lattice as _lattice  # noqa: F401  (registers the E8P lattice codec)
 from kvcx.codecs import turboquant as _turboquant
 from kvcx.codecs.base import Codec, get_codec
 from kvcx.codecs.dtypes import is_int
@@ -70,7 +74,11 @@ _SCHEMES = {
 # keys with per-channel widths (kvcx.codecs.widths.WidthCodec: 2 bits per code on average, groups of 32 tokens whose
 # ranges are two bytes) and kvcx2's values: 2.5 bits/value nominal, the 2.6-bit frontier point (README "Low
 # bits"); with a plan's key_weights (`kvcx calibrate --scheme kvcx2w`) the widths follow the queries
-_WIDTH_SCHEMES = {"kvcx2w": (dict(id="kvcx.widths", bits=2.0, group_size=32, sinks=1), _SCHEMES["kvcx2"][1])}
+# kvcx2v: no calibration at 2.75 bits/value: keys with a width per channel (3 bits on average, groups of 128 tokens),
+# values rotated and quantized on the E8P lattice (kvcx.codecs.lattice: 2.25 bits at head dim 64); README "Low bits"
+_WIDTH_SCHEMES = {"kvcx2w": (dict(id="kvcx.widths", bits=2.0, group_size=32, sinks=1),
+                             dict(id="kvcx.int", **_SCHEMES["kvcx2"][1])),
+                  "kvcx2v": (dict(id="kvcx.widths", bits=3.0, group_size=128, sinks=1), dict(id="kvcx.e8p", sinks=1))}
 # engine formats (kvcx.codecs.engine, kvcx.codecs.turboquant): the codecs the engines write their caches with (one for
 # keys and values, or a pair)
 _GGML_SCHEMES = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl")
@@ -427,11 +435,16 @@ class KVConfig:
                 raise CodecError(f"scheme={scheme!r} sets its own bits and rotation; use scheme='kvcx2' to change "
                                  "them")
             kw, vkw = (dict(d) for d in _WIDTH_SCHEMES[scheme])
-            vkw["group_size"] = group_size if group_size is not None else 64   # the keys keep their groups
             for d in (kw, vkw):
                 if sinks is not None:
                     d["sinks"] = sinks
-            return cls(key=get_codec(kw, n_threads), value=IntCodec(n_threads=n_threads, **vkw), scheme=scheme)
+            value = get_codec(vkw, n_threads)
+            if group_size is not None:   # the values' groups (the keys keep theirs)
+                if "group_size" not in value.settings:
+                    raise CodecError(f"scheme={scheme!r}: its values ({value.describe()}) have no groups to size; "
+                                     "leave out group_size")
+                value = get_codec({**vkw, "group_size": group_size}, n_threads)
+            return cls(key=get_codec(kw, n_threads), value=value, scheme=scheme)
         if scheme not in _SCHEMES and ("+" in str(scheme) or ":" in str(scheme)):
             raise CodecError(f"scheme {scheme!r} composes token eviction (a press) with a codec: presses run in "
                              "`kvcx validate`, `kvcx calibrate` and KvcxCache(scheme=...); a file keeps every token, so "

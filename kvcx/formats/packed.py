@@ -34,8 +34,8 @@ FORMAT_VERSION = "2"
 # a file is written as version 2, or as the higher version one of its codecs needs (Codec.format_version):
 # 3 with the per-channel widths codec (kvcx.widths, docs/FORMAT.md 2.4), 4 with an engine format's codec
 # (llama.cpp, vllm.fp8: docs/FORMAT.md 2.5), 5 with an FP4 codec (fp4: docs/FORMAT.md 2.6), 6 with vLLM's TurboQuant
-# records (vllm.turboquant: docs/FORMAT.md 2.7)
-READABLE_VERSIONS = ("1", "2", "3", "4", "5", "6")
+# records (vllm.turboquant: docs/FORMAT.md 2.7), 7 with E8P lattice records (kvcx.e8p: docs/FORMAT.md 2.8)
+READABLE_VERSIONS = ("1", "2", "3", "4", "5", "6", "7")
 SUFFIXES = (".kvcx.codes", ".kvcx.scales", ".kvcx.zeros", ".kvcx.sinks")
 PARTS = ("codes", "scales", "zeros", "sinks")
 _KNOWN_KEYS = {FORMAT_KEY, "kvcx.format_version", "kvcx.config", "kvcx.codecs", "kvcx.tensors",

@@ -174,3 +174,12 @@ cdef extern from "fused.h" nogil:
                              int64_t D, int64_t bs, int order, int64_t slab, uint16_t *scr) noexcept
     void kvcx_fused_join_u32(const uint32_t *keys, const uint32_t *values, uint32_t *chunk, int64_t T, int64_t H,
                              int64_t D, int64_t bs, int order, int64_t slab, uint32_t *scr) noexcept
+
+cdef extern from "e8p.h" nogil:
+    enum:
+        KVCX_E8P_PATTERNS
+    const signed char kvcx_e8p_grid[256][8]
+    void kvcx_e8p_init() noexcept
+    int64_t kvcx_e8p_record_bytes(int64_t D) noexcept
+    int kvcx_e8p_encode_row(float *x, int64_t D, uint8_t *rec) noexcept
+    int kvcx_e8p_decode_row(const uint8_t *rec, int64_t D, float *out) noexcept
