@@ -73,12 +73,18 @@ def headline() -> str:
     q_rel = "[quality](docs/results/quality.md)"
     long_ctx = long_context("long-context-8k.json")
     fam = families()
+    low = find(table(RESULTS / "low-bits.md"), "kvcx2v")   # setting, bits, delta, KLD, top-1, codec s
+    nq = find(table(RESULTS / "low-bits.md"), "NexusQuant K3V2")
     lines = [
         "| what | measured | report |",
         "|---|---|---|",
         f"| default scheme (`kvcx`) | {quality('kvcx default')} | {q_rel} |",
         f"| kvcx2 + plan `smollm2-kvcx2-3.50` | {quality('kvcx2 + per-layer plan smollm2-kvcx2-3.50')} | {q_rel} |",
         f"| kvcx2w + plan `smollm2-kvcx2w-2.47` | {quality('kvcx2w + query weights')} | {q_rel} |",
+        f"| `kvcx2v`, no calibration (E8P lattice values) vs NexusQuant K3V2 | {low[2]} perplexity at {low[1]} "
+        f"bits/value, KLD {low[3]}, top-1 {low[4]}; NexusQuant {nq[2]} at {nq[1]} bits, KLD {nq[3]} (the same "
+        "held-out windows) "
+        "| [low bits](docs/results/low-bits.md) |",
         f"| the reference design (`reference`) | {quality('reference')} | {q_rel} |",
         f"| peer: TurboQuant 3-bit | {quality('peer: TurboQuant 3-bit')} | {q_rel} |",
         f"| peer: quanto int4 | {quality('peer: quanto int4')} | {q_rel} |",

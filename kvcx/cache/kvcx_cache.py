@@ -77,7 +77,7 @@ class KvcxCache(Cache):
     group_size, scheme, bits, sinks, rotate: the codec, as for ``kvcx compress`` (default: the kvcx scheme).
     residual_length: tokens kept in full precision before they are packed (a multiple of the
         group size when keys are grouped per channel); None (default): 64, or the keys' groups of tokens where
-        they are longer (128 for ``kvcx2v``).
+        they are longer.
     kv_config: a ready :class:`kvcx.codecs.KVConfig` instead of the options above (a plan: ``kvcx.api.load_plan``).
     n_threads: OpenMP threads of the kernels (None = all).
     fused: None (default): decode steps and steps of up to a few hundred tokens over a packed history run

@@ -499,3 +499,29 @@ def test_kvcx2w_in_kvcx_cache_and_calibrated_query_weights(loaded, wikitext_path
         g = model.generate(ids[:, :250], past_key_values=KvcxCache(model.config, kv_config=plan),
                            max_new_tokens=80, do_sample=False)
     assert g.shape[1] == 330
+
+
+@pytest.mark.model
+def test_kvcx2v_in_kvcx_cache(kvcx_attention, loaded, wiki_ids):
+    """kvcx2v (E8P values, keys with a width per channel in groups of 64 tokens) in KvcxCache: the residual defaults to
+    the keys' groups, the cache's logits stay close to DynamicCache's through a residual flush, and the decode steps
+    run materialised (the fused kernels do not read E8P values yet), saying why."""
+    from kvcx.cache.kvcx_cache import KvcxCache
+
+    model, _, _ = loaded
+    ids = wiki_ids[:, :300]
+    with torch.inference_mode():
+        ref = model(ids, past_key_values=DynamicCache()).logits[0, -40:]
+        cache = KvcxCache(model.config, scheme="kvcx2v")
+        model(ids[:, :260], past_key_values=cache)
+        logits = model(ids[:, 260:], past_key_values=cache).logits[0]
+    assert cache.layers[0].store.keys.chunk(0).config["id"] == "kvcx.widths"
+    assert cache.layers[0].store.values.chunk(0).config == {"id": "kvcx.e8p", "sinks": 1}
+    cos = torch.nn.functional.cosine_similarity(ref, logits, dim=-1)
+    assert float(cos.mean()) > 0.98 and float((ref.argmax(-1) == logits.argmax(-1)).float().mean()) >= 0.8
+    report = cache.memory_report()
+    assert report["attention_steps"]["fused"] == 0
+    assert "reads IntCodec codes" in report["layers"][0]["fused_unsupported"]
+    g = model.generate(wiki_ids[:, :110], past_key_values=KvcxCache(model.config, scheme="kvcx2v"),
+                       max_new_tokens=30, do_sample=False)   # past the first flush of the 128-token residual
+    assert g.shape[1] == 140

@@ -141,7 +141,7 @@ def test_a_file_with_e8p_values(tmp_path):
 
 
 def test_kvcx2v_preset_counts_at_most_2_75_bits_whole(tmp_path):
-    """kvcx2v: keys with a width per channel (3 bits on average, groups of 128 tokens), E8P values, the sink token of
+    """kvcx2v: keys with a width per channel (87/32 bits on average, groups of 64 tokens), E8P values, the sink token of
     each exact: a file of a 1,024-token cache (30 layers' worth of heads: 3 KV heads of 64) holds at most 2.75 bits a
     value, every byte of it counted (codes, scales, ranges, widths, sinks, the header)."""
     from safetensors.numpy import save_file
@@ -150,7 +150,7 @@ def test_kvcx2v_preset_counts_at_most_2_75_bits_whole(tmp_path):
     from kvcx.codecs.widths import WidthCodec
 
     cfg = KVConfig.from_scheme("kvcx2v")
-    assert cfg.key == WidthCodec(bits=3.0, group_size=128, sinks=1) and cfg.value == E8PCodec(sinks=1)
+    assert cfg.key == WidthCodec(bits=2.71875, group_size=64, sinks=1) and cfg.value == E8PCodec(sinks=1)
     assert KVConfig.from_scheme("kvcx2v", sinks=0).value == E8PCodec()
     with pytest.raises(CodecError, match="kvcx2v.*no groups to size"):
         KVConfig.from_scheme("kvcx2v", group_size=32)

@@ -67,9 +67,11 @@ def test_widths_codec_errors():
         WidthCodec(bits=9)
     with pytest.raises(CodecError, match="group size"):
         WidthCodec(group_size=24)
-    c = WidthCodec(bits=2.01, group_size=32)
-    with pytest.raises(CodecError, match="'k'.*not a whole number of bits"):
-        c.encode(np.zeros((1, 1, 64, 64), np.float32), name="k")
+    c = WidthCodec(bits=2.01, group_size=32)     # 128.64 bits a slab: 128, rounded down
+    p = c.encode(np.random.default_rng(0).standard_normal((1, 2, 64, 64)).astype(np.float32), name="k")
+    assert p.codes[:2 * 64].sum() == 2 * 128 and decode(p).shape == (1, 2, 64, 64)
+    with pytest.raises(CodecError, match="'k'.*less than one bit a slab"):
+        WidthCodec(bits=0.01).encode(np.zeros((1, 1, 64, 64), np.float32), name="k")
     c = WidthCodec(bits=2.0, group_size=32, sinks=1)
     with pytest.raises(CodecError, match="multiple of 8"):
         c.encode(np.zeros((1, 1, 64, 12), np.float32), name="k")
