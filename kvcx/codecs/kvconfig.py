@@ -13,9 +13,8 @@ Schemes (``--scheme``):
   each channel's spread, weighed by the queries where a plan gives ``key_weights``), in groups of 32 tokens
   whose ranges are stored as two bytes (``--group-size`` sets the values' groups only): 2.5 bits/value
   nominal, README "Low bits".
-- ``kvcx2v``: no calibration at 2.75 bits/value counted whole: keys with a width per channel (87/32 bits on
-  average, groups of 64 tokens, as kvcx2w's codec), values rotated and quantized 8 at a time on QuIP#'s E8P lattice
-  (:class:`~kvcx.codecs.lattice.E8PCodec`, 2.25 bits at head dim 64); both keep the sink token exact.
+- ``kvcx2v``: no calibration, 2.75 bits/value counted whole: keys with a width per channel (87/32 bits on average,
+  groups of 64 tokens), values on QuIP#'s E8P lattice (:class:`~kvcx.codecs.lattice.E8PCodec`); sinks exact.
 - ``kvcx3`` / ``kvcx2``: the low-bit presets: the kvcx layout at 3 bits, and at 2 bits with asymmetric
   values (symmetric 2-bit codes have only 3 useful levels). With a per-layer plan from ``kvcx calibrate`` (``layer_bits``:
   the layers the model is most sensitive to get more bits) they are the frontier of README "Low bits".
@@ -74,11 +73,8 @@ _SCHEMES = {
 # keys with per-channel widths (kvcx.codecs.widths.WidthCodec: 2 bits per code on average, groups of 32 tokens whose
 # ranges are two bytes) and kvcx2's values: 2.5 bits/value nominal, the 2.6-bit frontier point (README "Low
 # bits"); with a plan's key_weights (`kvcx calibrate --scheme kvcx2w`) the widths follow the queries
-# kvcx2v: no calibration at 2.75 bits/value counted whole: keys with a width per channel (87/32 = 2.72 bits on
-# average, groups of 64 tokens), values rotated and quantized on the E8P lattice (kvcx.codecs.lattice: 2.25 bits at
-# head dim 64), the sink token of each exact. Chosen on 8 windows (docs/results/low-bits-study.md, written by
-# `python -m bench.bench_low_bits --study --max-windows 8`): at the same bits keys in groups of 64 tokens gave the
-# least perplexity delta of 32, 64, 128 and 256; values without their sink token lose a third more KLD
+# kvcx2v (no calibration, 2.75 bits/value counted whole): keys' widths 87/32 bits on average in groups of 64 tokens,
+# E8P values (kvcx.codecs.lattice), sinks exact; the groups and sinks chosen in docs/results/low-bits-study.md
 _WIDTH_SCHEMES = {"kvcx2w": (dict(id="kvcx.widths", bits=2.0, group_size=32, sinks=1),
                              dict(id="kvcx.int", **_SCHEMES["kvcx2"][1])),
                   "kvcx2v": (dict(id="kvcx.widths", bits=2.71875, group_size=64, sinks=1), dict(id="kvcx.e8p", sinks=1))}
