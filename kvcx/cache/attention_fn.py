@@ -226,11 +226,25 @@ def _eager_only(config_class: type) -> bool:
         return False
 
 
+def _model_code_reads_mask(config) -> bool:
+    """Whether layers kvcx leaves to the model (a layer type kvcx cannot pack, kept with ``unsupported="keep"``) run
+    an eager-only model's own code on the mask: that code is written for eager's float mask (DeepSeek V4 concatenates
+    its compressor's additive bias onto it, which a boolean mask would read inverted)."""
+    from kvcx.cache.layer_types import UNSUPPORTED, layer_specs
+
+    if not _eager_only(type(config)):
+        return False
+    try:
+        return any(s.kind == UNSUPPORTED for s in layer_specs(config))
+    except KvcxError:   # a config kvcx cannot read: KvcxCache says why at construction
+        return False
+
+
 def kvcx_mask(*args, config=None, **kwargs):
-    """The masks the ``"kvcx"`` attention reads: SDPA's (boolean, or none where causal is enough), or eager's float
-    mask for a model that runs eager attention only (:func:`_eager_only`); both the reference attention and the
-    fused kernels take either."""
-    mask_fn = eager_mask if config is not None and _eager_only(type(config)) else sdpa_mask
+    """The masks the ``"kvcx"`` attention reads: SDPA's (boolean, or none where causal is enough: what the fused
+    kernels and StaticKvcxCache's steps take), or eager's float mask where the model's own code reads the mask
+    (:func:`_model_code_reads_mask`); the reference attention and the fused kernels take either."""
+    mask_fn = eager_mask if config is not None and _model_code_reads_mask(config) else sdpa_mask
     return mask_fn(*args, config=config, **kwargs)
 
 

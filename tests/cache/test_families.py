@@ -155,13 +155,19 @@ def test_unsupported_layers_kept_the_others_packed_and_fused():
 
 
 def test_eager_only_model_attends_as_its_eager_attention():
-    """DeepSeek V4 runs eager attention only and concatenates its compressor's additive bias (0 / -inf) onto the mask:
-    the "kvcx" attention hands such a model eager's float mask (a boolean one would read the bias inverted), so with
-    DynamicCache it gives eager's tokens exactly, and KvcxCache at 8 bits (compressed layers kept) gives them too."""
+    """DeepSeek V4 runs eager attention only and its compressed layers (left to its own code) concatenate the
+    compressor's additive bias (0 / -inf) onto the mask: the "kvcx" attention hands such a model eager's float mask (a
+    boolean one would read the bias inverted), so with DynamicCache it gives eager's tokens exactly, and KvcxCache at 8
+    bits (compressed layers kept) gives them too. GPT-OSS, eager-only with every layer packed, keeps SDPA's mask:
+    none on an unpadded decode step (what StaticKvcxCache needs)."""
+    from kvcx.cache.attention_fn import _model_code_reads_mask
+
+    assert not _model_code_reads_mask(FAMILIES["GPT-OSS"]()) and not _model_code_reads_mask(FAMILIES["Llama"]())
     from bench.families import unsupported_config
 
     cfg = unsupported_config(WINDOW, PROMPT)
     cfg.eos_token_id = None
+    assert _model_code_reads_mask(cfg)
     model = build(cfg)
     ids, mask = prompts(1, PROMPT)
     model.set_attn_implementation("eager")
