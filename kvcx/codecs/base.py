@@ -316,6 +316,25 @@ def write_sinks(x3: np.ndarray, t0: int, shape: tuple, out: Optional[Packed]) ->
     return np.ascontiguousarray(x3[:, :t0, :]).reshape(want)
 
 
+def restore_sinks(packed: Packed, out: np.ndarray, out_S: int, token_offset: int, N: int, t0: int, D: int,
+                  name: str) -> None:
+    """Write the record's ``t0`` exact sink tokens into ``out`` (N slabs of ``out_S`` tokens, the tensor's token 0 at
+    ``token_offset``); CodecError when they are recorded but missing."""
+    if not t0:
+        return
+    if packed.sinks is None or packed.sinks.size != N * t0 * D:
+        raise CodecError(f"tensor {name!r}: {t0} exact sink tokens are recorded but their values are missing")
+    out.reshape(N, out_S, D)[:, token_offset:token_offset + t0, :] = \
+        np.asarray(packed.sinks).astype(out.dtype, copy=False).reshape(N, t0, D)
+
+
+def check_recorded_sinks(packed: Packed, t0: int, shape: tuple, name: str) -> None:
+    """CodecError unless the record's ``sinks`` setting gives the ``t0`` its shape does."""
+    if t0 != packed.config.get("sinks", 0):
+        raise CodecError(f"tensor {name!r}: recorded sinks {packed.config.get('sinks')} do not fit shape "
+                         f"{list(shape)}")
+
+
 def out_buffers(out, shapes: dict, name: str, x_shape) -> dict:
     """The caller's Packed buffers when they fit (section views of a file), else new ones."""
     if out is None:

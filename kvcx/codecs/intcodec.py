@@ -24,9 +24,11 @@ from kvcx.codecs.base import (
     Packed,
     check_shape,
     check_sinks,
+    check_recorded_sinks,
     check_sinks_finite,
     decode_out,
     register_codec,
+    restore_sinks,
     view3,
     write_sinks,
 )
@@ -217,9 +219,7 @@ class IntCodec(Codec):
         -2 (written at ``token_offset``)."""
         lay = self.layout(tuple(packed.shape), name)
         N, S, D, t0 = lay.N, lay.S, lay.D, lay.t0
-        if t0 != packed.config.get("sinks", 0):
-            raise CodecError(f"tensor {name!r}: recorded sinks {packed.config.get('sinks')} do not fit shape "
-                             f"{list(lay.shape)}")
+        check_recorded_sinks(packed, t0, lay.shape, name)
         backend = backend_for(self, packed.codes, name)
         if backend is not None:
             return backend.decode(self, lay, packed, out, token_offset, name)
@@ -246,9 +246,5 @@ class IntCodec(Codec):
                                   self._kernel_layout(lay), raw(out), out_S, token_offset, DTYPE_NAMES[packed.dtype],
                                   resolve_threads(self.n_threads))
             check_status(status, name, what="decoding")
-        if t0:
-            if packed.sinks is None or packed.sinks.size != N * t0 * D:
-                raise CodecError(f"tensor {name!r}: {t0} exact sink tokens are recorded but their values are missing")
-            out.reshape(N, out_S, D)[:, token_offset:token_offset + t0, :] = \
-                np.asarray(packed.sinks).astype(out.dtype, copy=False).reshape(N, t0, D)
+        restore_sinks(packed, out, out_S, token_offset, N, t0, D, name)
         return out

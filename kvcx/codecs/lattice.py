@@ -19,8 +19,9 @@ from typing import Optional
 import numpy as np
 
 from kvcx.codecs.backends import check_backend
-from kvcx.codecs.base import (Codec, Layout, Packed, check_shape, check_sinks, check_sinks_finite, decode_out,
-                              finish_packed, out_buffers, register_codec, view3, write_sinks)
+from kvcx.codecs.base import (Codec, Layout, Packed, check_recorded_sinks, check_shape, check_sinks,
+                              check_sinks_finite, decode_out, finish_packed, out_buffers, register_codec,
+                              restore_sinks, view3, write_sinks)
 from kvcx.codecs.cpu import core as _core
 from kvcx.codecs.dtypes import DTYPE_NAMES, check_float, dtype_name, kernel_dtype, raw
 from kvcx.codecs.runtime import check_status, resolve_threads
@@ -124,9 +125,7 @@ class E8PCodec(Codec):
                token_offset: int = 0) -> np.ndarray:
         lay = self.layout(tuple(packed.shape), name)
         N, S, D, t0 = lay.N, lay.S, lay.D, lay.t0
-        if t0 != packed.config.get("sinks", 0):
-            raise CodecError(f"tensor {name!r}: recorded sinks {packed.config.get('sinks')} do not fit shape "
-                             f"{list(lay.shape)}")
+        check_recorded_sinks(packed, t0, lay.shape, name)
         out, out_S = decode_out(packed, out, token_offset, name)
         codes = np.ascontiguousarray(packed.codes, dtype=np.uint8).reshape(-1)
         if codes.size != lay.codes_nbytes:
@@ -139,9 +138,5 @@ class E8PCodec(Codec):
             raise CodecError(f"tensor {name!r}: its E8P records hold a scale the encoder never writes (NaN/Inf or "
                              "negative); the data is damaged: encode it again")
         check_status(status, name, what="decoding")
-        if t0:
-            if packed.sinks is None or packed.sinks.size != N * t0 * D:
-                raise CodecError(f"tensor {name!r}: {t0} exact sink tokens are recorded but their values are missing")
-            out.reshape(N, out_S, D)[:, token_offset:token_offset + t0, :] = \
-                np.asarray(packed.sinks).astype(out.dtype, copy=False).reshape(N, t0, D)
+        restore_sinks(packed, out, out_S, token_offset, N, t0, D, name)
         return out

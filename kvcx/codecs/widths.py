@@ -14,9 +14,11 @@ from kvcx.codecs.base import (
     Packed,
     check_shape,
     check_sinks,
+    check_recorded_sinks,
     check_sinks_finite,
     decode_out,
     register_codec,
+    restore_sinks,
     view3,
     write_sinks,
 )
@@ -225,9 +227,7 @@ class WidthCodec(Codec):
                token_offset: int = 0) -> np.ndarray:
         lay = self.layout(tuple(packed.shape), name)
         N, D, t0, G = lay.N, lay.D, lay.t0, lay.groups
-        if t0 != packed.config.get("sinks", 0):
-            raise CodecError(f"tensor {name!r}: recorded sinks {packed.config.get('sinks')} do not fit shape "
-                             f"{list(lay.shape)}")
+        check_recorded_sinks(packed, t0, lay.shape, name)
         out, out_S = decode_out(packed, out, token_offset, name)
         codes = np.ascontiguousarray(packed.codes, dtype=np.uint8).reshape(-1)
         scales = np.ascontiguousarray(packed.scales, dtype=np.float16)
@@ -254,9 +254,5 @@ class WidthCodec(Codec):
                                     self._tops(widths), off.reshape(-1), slab_off, gbytes, raw(out), out_S,
                                     token_offset, DTYPE_NAMES[packed.dtype], resolve_threads(self.n_threads))
             check_status(status, name, what="decoding")
-        if t0:
-            if packed.sinks is None or packed.sinks.size != N * t0 * D:
-                raise CodecError(f"tensor {name!r}: {t0} exact sink tokens are recorded but their values are missing")
-            out.reshape(N, out_S, D)[:, token_offset:token_offset + t0, :] = \
-                np.asarray(packed.sinks).astype(out.dtype, copy=False).reshape(N, t0, D)
+        restore_sinks(packed, out, out_S, token_offset, N, t0, D, name)
         return out
