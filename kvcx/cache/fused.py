@@ -15,9 +15,10 @@ import numpy as np
 from kvcx.codecs import attention as kernel
 
 # the codecs whose packed layouts the kernel reads (kvcx/codecs/cpu/attn.h): integer codes for keys and values,
-# and keys with a width per channel
+# keys with a width per channel, values in E8P lattice records
 READS = "kvcx.int"
 WIDTHS = "kvcx.widths"
+E8P = "kvcx.e8p"
 READS_KEYS = (READS, WIDTHS)
 
 # code widths the kernel reads (2 and 3 bits widened tile by tile into the 4-bit layout)
@@ -103,29 +104,60 @@ def step_mask(m: np.ndarray, B: int, nq: int) -> Mask:
     return Mask(add=rows.astype(np.float32, copy=False), bs=bs, qs=qs, causal=causal)
 
 
-def fused_unsupported(key, value, head_dim: int, group: int) -> Optional[str]:
-    """Why the fused kernel cannot serve the codecs ``key`` and ``value`` (:class:`~kvcx.codecs.base.Codec`; None
-    when it can; ``group``: query heads per KV head)."""
-    if key.codec_id not in READS_KEYS or value.codec_id != READS:
-        return "fused attention reads IntCodec codes (and keys with a width per channel)"
-    widths = key.codec_id != READS
-    if (not widths and key.bits not in FUSED_BITS) or value.bits not in FUSED_BITS:
-        return f"fused attention reads 2-, 3- and 4-bit codes (keys {key.bits}, values {value.bits} bits)"
-    if head_dim % 16 or head_dim > ATTN_MAX_D:
-        return f"fused attention needs a head dim that is a multiple of 16 up to {ATTN_MAX_D}, got {head_dim}"
-    if group < 1 or group > ATTN_MAX_GROUP:
-        return f"fused attention serves 1 to {ATTN_MAX_GROUP} query heads per KV head, got {group}"
+def _int_values_unsupported(value, head_dim: int) -> Optional[str]:
+    if value.bits not in FUSED_BITS:
+        return f"fused attention reads 2-, 3- and 4-bit codes (values {value.bits} bits)"
     if value.axis != "token":
         return "fused attention needs values grouped per token"
-    if getattr(key, "axis", None) == "token" and key.group_size % head_dim:
-        return (f"fused attention needs per-token key groups of whole tokens (group size {key.group_size} is not a "
-                f"multiple of head dim {head_dim})")
     G = value.group_size
     if G % head_dim and (G > head_dim or head_dim % G or G % 16):
         return (f"fused attention needs per-token value groups of whole tokens or of a whole part of one (group "
                 f"size {G} and head dim {head_dim}: a multiple of {head_dim}, or a divisor of it that is a multiple "
                 "of 16)")
     return None
+
+
+def _e8p_values_unsupported(value, head_dim: int) -> Optional[str]:
+    if head_dim & (head_dim - 1):
+        return f"fused attention reads E8P values of a power-of-two head dim, got {head_dim}"
+    return None
+
+
+def _int_values(value) -> dict:
+    return dict(v_asym=value.asym, v_rotate=value.rotate, v_group=value.group_size, v_bits=value.bits)
+
+
+def _e8p_values(value) -> dict:
+    # one record a token (its scale inside), rotated, symmetric; v_group is the head dim (set at bind), bits unused
+    return dict(v_asym=False, v_rotate=True, v_e8p=True)
+
+
+# the value codecs the kernel reads: why it cannot read one (None: it can), and the kernel's value settings
+VALUE_READS = {READS: (_int_values_unsupported, _int_values), E8P: (_e8p_values_unsupported, _e8p_values)}
+
+
+def value_tile(value, head_dim: int) -> bool:
+    """Whether the kernel reads ``value``'s codes through a float tile (several groups a token, or E8P records)."""
+    return value.codec_id == E8P or value.group_size < head_dim
+
+
+def fused_unsupported(key, value, head_dim: int, group: int) -> Optional[str]:
+    """Why the fused kernel cannot serve the codecs ``key`` and ``value`` (:class:`~kvcx.codecs.base.Codec`; None
+    when it can; ``group``: query heads per KV head)."""
+    if key.codec_id not in READS_KEYS or value.codec_id not in VALUE_READS:
+        return ("fused attention reads IntCodec codes (and keys with a width per channel, values in E8P records), "
+                f"not {key.codec_id!r} keys and {value.codec_id!r} values")
+    widths = key.codec_id != READS
+    if not widths and key.bits not in FUSED_BITS:
+        return f"fused attention reads 2-, 3- and 4-bit codes (keys {key.bits} bits)"
+    if head_dim % 16 or head_dim > ATTN_MAX_D:
+        return f"fused attention needs a head dim that is a multiple of 16 up to {ATTN_MAX_D}, got {head_dim}"
+    if group < 1 or group > ATTN_MAX_GROUP:
+        return f"fused attention serves 1 to {ATTN_MAX_GROUP} query heads per KV head, got {group}"
+    if getattr(key, "axis", None) == "token" and key.group_size % head_dim:
+        return (f"fused attention needs per-token key groups of whole tokens (group size {key.group_size} is not a "
+                f"multiple of head dim {head_dim})")
+    return VALUE_READS[value.codec_id][0](value, head_dim)
 
 
 def splits(slabs: int, tokens: int, threads: int) -> int:
@@ -166,9 +198,10 @@ def bind(key, value, B: int, Hkv: int, R: int, D: int, keys, values, head: tuple
     nsplit = splits(B * Hkv, Tq * max(1, rows // ATTN_TILE_ROWS), threads)
     settings = keys.kernel_settings(key)
     work = workspace.get(B * Hkv * nsplit, kernel.work_floats(rows, D, settings.get("k_widths", False),
-                                                              value.group_size < D))
-    attn = kernel.AttnKernel(B=B, Hkv=Hkv, R=rows, D=D, v_asym=value.asym, v_rotate=value.rotate,
-                             v_group=value.group_size, v_bits=value.bits, nq=nq, **settings)
+                                                              value_tile(value, D)))
+    vset = dict(v_group=D, v_bits=4)
+    vset.update(VALUE_READS[value.codec_id][1](value))
+    attn = kernel.AttnKernel(B=B, Hkv=Hkv, R=rows, D=D, nq=nq, **vset, **settings)
     attn.bind(vc=values.codes, vs=values.scales.view(np.uint16),
               vz=values.zeros.view(np.uint16) if values.zeros is not None else EMPTY_U16,
               hk=head[0], hv=head[1], Tq=Tq, work=work, nsplit=nsplit, **keys.kernel_keys(key))

@@ -8,6 +8,7 @@ the kernels share with their callers: dtypes, conversions, threads and error met
 - :mod:`kvcx.codecs.base`: the interface, :class:`Packed`, :class:`Layout`, the registry;
 - :mod:`kvcx.codecs.intcodec`: :class:`IntCodec` (2/3/4/8-bit groups per token or per channel);
 - :mod:`kvcx.codecs.widths`: :class:`WidthCodec` (a bit width per key channel);
+- :mod:`kvcx.codecs.lattice`: :class:`E8PCodec` (Hadamard rotation + QuIP#'s E8P lattice, 2 bits, no calibration);
 - :mod:`kvcx.codecs.kvconfig`: :class:`KVConfig` (a key and a value codec, the named schemes, plans' layers);
 - :mod:`kvcx.codecs.backends`, :mod:`kvcx.codecs.gpu`: where torch tensors are worked on (the Triton kernels
   of :mod:`kvcx.codecs.triton_kernels.codec` for CUDA tensors, the same bytes as the CPU kernels);
@@ -20,7 +21,8 @@ from kvcx.codecs import gpu  # noqa: F401  - registers the Triton backend (torch
 from kvcx.codecs.base import Codec, Layout, Packed, decode, get_codec, register_codec, registered_codecs
 from kvcx.codecs.intcodec import IntCodec
 from kvcx.codecs.kvconfig import KVConfig
+from kvcx.codecs.lattice import E8PCodec
 from kvcx.codecs.widths import WidthCodec
 
-__all__ = ["Codec", "Layout", "Packed", "IntCodec", "WidthCodec", "KVConfig", "decode", "get_codec",
+__all__ = ["Codec", "Layout", "Packed", "IntCodec", "WidthCodec", "E8PCodec", "KVConfig", "decode", "get_codec",
            "register_codec", "registered_codecs"]

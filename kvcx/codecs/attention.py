@@ -13,6 +13,7 @@ ATTN_TILE_ROWS = _core.ATTN_TILE_ROWS       # rows per KV head from which tiles 
 AXIS_CHANNEL, AXIS_TOKEN = _core.AXIS_CHANNEL, _core.AXIS_TOKEN
 
 
-def work_floats(rows: int, head_dim: int, widths: bool = False, vgroups: bool = False) -> int:
-    """Floats of workspace one task of the kernel needs (``vgroups``: values in several groups a token)."""
-    return _core.attn_work_floats(rows, head_dim, widths, vgroups)
+def work_floats(rows: int, head_dim: int, widths: bool = False, vtile: bool = False) -> int:
+    """Floats of workspace one task of the kernel needs (``vtile``: values read through a float tile: several
+    groups a token, or E8P records)."""
+    return _core.attn_work_floats(rows, head_dim, widths, vtile)

@@ -7,7 +7,7 @@ import pytest
 
 from kvcx.cache import fused
 from kvcx.cache.store import NO_MASK, PackedKV, fused_unsupported
-from kvcx.codecs import IntCodec, KVConfig, WidthCodec, decode
+from kvcx.codecs import E8PCodec, IntCodec, KVConfig, WidthCodec, decode
 from kvcx.errors import CodecError
 
 from helpers import kv_states as _kv, packed_store as _build  # noqa: E402
@@ -41,7 +41,7 @@ def _reference_multi(q, K, V, keep, scaling):
     return out
 
 
-@pytest.mark.parametrize("scheme", ["kvcx", "reference", "kivi", "asymmetric", "kvcx3", "kvcx2", "kvcx2w"])
+@pytest.mark.parametrize("scheme", ["kvcx", "reference", "kivi", "asymmetric", "kvcx3", "kvcx2", "kvcx2w", "kvcx2v"])
 @pytest.mark.parametrize("B,H,R,chunks,nr", [(1, 3, 3, [128, 128, 128], 37), (2, 2, 4, [128], 1),
                                              (1, 1, 1, [256, 128], 64), (2, 3, 5, [256] * 5, 20),
                                              (1, 2, 2, [], 9)])
@@ -172,6 +172,37 @@ def test_steps_at_other_head_dims(scheme, D):
                                    atol=3e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("D", [16, 32, 128, 256])
+def test_e8p_values_at_other_head_dims(D):
+    """Values in E8P records (kvcx2v's) at head dims other than 64: one code per 8 channels, two per block of 16
+    (the accumulators' order), 1 to 7 rows per KV head, a left-padded row, 1 and 3 threads, and a step of 29 tokens
+    (87 rows: the float tiles)."""
+    rng = np.random.default_rng(D)
+    kv = KVConfig(key=IntCodec(axis="channel", scheme="asymmetric", sinks=1), value=E8PCodec(sinks=1))
+    B, H, nr = 2, 2, 33
+    chunks = [257, 384]
+    T = sum(chunks)
+    K, V = _kv(rng, B, H, T + nr, D)
+    V *= rng.uniform(0.1, 4.0, (B, H, T + nr, 1)).astype(np.float32)   # scales that differ token to token
+    store, Kd, Vd = _build(kv, K, V, chunks)
+    rk, rv = np.ascontiguousarray(K[:, :, T:]), np.ascontiguousarray(V[:, :, T:])
+    Kf, Vf = np.concatenate([Kd, rk], 2), np.concatenate([Vd, rv], 2)
+    n = T + nr
+    mask = np.zeros((B, n), np.float32)
+    mask[1, :77] = -np.inf
+    for R in (1, 4, 7):
+        q = rng.standard_normal((B, H * R, D)).astype(np.float32)
+        ref = _reference(q, Kf, Vf, mask, D ** -0.5)
+        for threads in (1, 3):
+            np.testing.assert_allclose(store.attend(q, rk, rv, mask, D ** -0.5, n_threads=threads), ref,
+                                       atol=3e-5, rtol=1e-4)
+    R, Q = 3, 29
+    q = rng.standard_normal((B, H * R, Q, D)).astype(np.float32)
+    keep = np.broadcast_to(np.arange(n)[None, :] <= (n - Q + np.arange(Q))[:, None], (B, Q, n))
+    np.testing.assert_allclose(store.attend(q, rk, rv, None, D ** -0.5, n_threads=2),
+                               _reference_multi(q, Kf, Vf, keep, D ** -0.5), atol=3e-5, rtol=1e-4)
+
+
 def test_long_context_splits_across_threads_and_rotated_keys():
     """8,000 tokens split into token ranges per thread; keys rotated too (q rotated once)."""
     rng = np.random.default_rng(5)
@@ -187,7 +218,7 @@ def test_long_context_splits_across_threads_and_rotated_keys():
                                    atol=3e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("scheme", ["kvcx", "reference", "kvcx3", "kvcx2", "kvcx2w"])
+@pytest.mark.parametrize("scheme", ["kvcx", "reference", "kvcx3", "kvcx2", "kvcx2w", "kvcx2v"])
 @pytest.mark.parametrize("B,H,R,Q,chunks,nr", [(2, 3, 3, 7, [128, 128], 9), (1, 2, 4, 40, [256, 64], 41),
                                               (2, 1, 1, 2, [128], 2), (1, 2, 3, 3, [192], 5),
                                               (1, 3, 3, 130, [512], 150)])
@@ -292,6 +323,10 @@ def test_what_the_kernel_does_not_take():
     assert "2-, 3- and 4-bit" in fused_unsupported(IntCodec(bits=8), v4, 64, 3)
     assert fused_unsupported(WidthCodec(bits=2.5), IntCodec(bits=2, scheme="asymmetric"), 64, 3) is None
     assert "IntCodec codes" in fused_unsupported(k4, WidthCodec(), 64, 3)
+    assert fused_unsupported(WidthCodec(bits=2.5), E8PCodec(sinks=1), 64, 3) is None   # kvcx2v
+    assert fused_unsupported(k4, E8PCodec(), 128, 3) is None
+    assert "power-of-two" in fused_unsupported(k4, E8PCodec(), 48, 3)
+    assert "'kvcx.e8p' keys" in fused_unsupported(E8PCodec(), v4, 64, 3)
     assert "multiple of 16" in fused_unsupported(k4, v4, 72, 3)
     assert "per token" in fused_unsupported(k4, IntCodec(axis="channel"), 64, 3)
     assert "whole tokens" in fused_unsupported(IntCodec(group_size=32), v4, 64, 3)

@@ -52,7 +52,12 @@
    Per block the query is scaled once and compacted to the channels that have codes (a width-0 channel is
    its base alone: only the bias). Per tile of at most 32 tokens, each such channel's planes are turned into
    a float row of codes (a [channels][tokens] tile in the task's scratch, as the many-rows keys) and the rows
-   run the same register-blocked products. Values are read as for the other presets. */
+   run the same register-blocked products. Values are read as for the other presets.
+
+   Values in E8P records (kvcx.e8p, kvcx2v's values; e8p.h): each tile's records are decoded into the float value
+   tile (a code's point from a 256-entry table of halved patterns in the accumulators' order, its sign field as a
+   mask, its shift added: no search, no branch) and the records' scales become the value weights p s, as per-token
+   integer scales do; the points are still rotated, and the one inverse rotation per output row ends them. */
 #ifndef KVCX_ATTN_H
 #define KVCX_ATTN_H
 
@@ -66,7 +71,8 @@ static inline void kvcx_attn_task_run(const kvcx_attn_layout *L, const kvcx_attn
     const int64_t slab = task / L->nsplit, split = task % L->nsplit;
     const int64_t b = slab / L->Hkv, h = slab % L->Hkv;
     const int vgroups = L->v_group < D;                /* values in several groups a token */
-    float *part = A->work + task * kvcx_attn_work_floats(R, D, L->k_widths, vgroups);
+    const int vtile = kvcx_attn_vtile(L);              /* values through a float tile (groups, or E8P records) */
+    float *part = A->work + task * kvcx_attn_work_floats(R, D, L->k_widths, vtile);
     float *qn = part + kvcx_attn_part_floats(R, D);   /* R x D: q * scaling */
     float *qp = qn + R * D;                            /* R x D: keys' rotation applied, permuted */
     float *qs = qp + R * D;                            /* R x D: what the dot products read: qp (times a
@@ -79,7 +85,7 @@ static inline void kvcx_attn_task_run(const kvcx_attn_layout *L, const kvcx_attn
     uint8_t *wn = (uint8_t *)(zp + D);                 /* 2/3-bit codes: a tile's, widened to nibbles */
     float *kT = R >= KVCX_ATTN_TILE_ROWS ? zp + D + T * D / 8 : NULL;   /* many rows: keys [D][T] */
     float *vf = kT ? kT + T * D : NULL;                                  /* and values [T][D], floats */
-    if (vgroups && !kT) vf = part + kvcx_attn_work_floats(R, D, L->k_widths, 0);   /* grouped values' tile */
+    if (vtile && !kT) vf = part + kvcx_attn_work_floats(R, D, L->k_widths, 0);   /* the values' tile */
     /* keys with widths: a block's channels (index, plane offset, width) and the key tile [channels][T] */
     int32_t *widx = (int32_t *)(zp + D + T * D / 8 + (kT ? 2 * T * D : 0)), *woff = widx + D, *wwid = woff + D;
     float *wT = L->k_widths ? (kT ? kT : (float *)(wwid + D)) : NULL;
@@ -89,7 +95,8 @@ static inline void kvcx_attn_task_run(const kvcx_attn_layout *L, const kvcx_attn
     const int wtiles = L->k_widths && !kvcx_attn_wreg(R);
     const uint8_t *wgrp = NULL;                        /* the block's planes */
     int64_t wnz = 0, wchunk = -1;
-    const int64_t kbt = L->k_widths ? 0 : D * L->k_bits / 8, vbt = D * L->v_bits / 8;   /* code bytes per token */
+    const int64_t kbt = L->k_widths ? 0 : D * L->k_bits / 8;                        /* code bytes per token */
+    const int64_t vbt = L->v_e8p ? kvcx_e8p_record_bytes(D) : D * L->v_bits / 8;
     const uint8_t kadd = (L->k_asym || L->k_widths) ? 0 : (uint8_t)(8 - (1 << (L->k_bits - 1)));
     const uint8_t vadd = (uint8_t)(8 - (1 << (L->v_bits - 1)));   /* values centred either way (see the end) */
 
@@ -129,7 +136,8 @@ static inline void kvcx_attn_task_run(const kvcx_attn_layout *L, const kvcx_attn
     const uint8_t *kc = A->kc + (slab * L->k_tokens + koff) * kbt;
     const uint8_t *vc = A->vc + (slab * L->v_tokens + voff) * vbt;
     const uint16_t *ks = A->ks + slab * L->k_nscale, *kz = A->kz ? A->kz + slab * L->k_nscale : NULL;
-    const uint16_t *vsc = A->vs + slab * L->v_nscale, *vzc = A->vz ? A->vz + slab * L->v_nscale : NULL;
+    const uint16_t *vsc = A->vs ? A->vs + slab * L->v_nscale : NULL;   /* (E8P: none, the records hold them) */
+    const uint16_t *vzc = A->vz ? A->vz + slab * L->v_nscale : NULL;
     int64_t blk = 0, blk_end = 0;
     if (L->k_axis == KVCX_AXIS_CHANNEL && ta < tb) {   /* the block holding ta: blocks are few, bisect */
         int64_t lo = 0, hi = L->k_nscale / D;            /* kblk has k_nscale / D + 1 entries */
@@ -233,6 +241,8 @@ static inline void kvcx_attn_task_run(const kvcx_attn_layout *L, const kvcx_attn
             kvcx_attn_mask(L, A, b, sc, n, L->pos_q + t);
         if (vgroups)                             /* scales in the values' tile (below): weights are p */
             for (int64_t j = 0; j < n; j++) vs[j] = 1.0f;
+        else if (L->v_e8p)                       /* the records' points into the tile, their scales to vs */
+            kvcx_attn_tile_e8p(vt, n, D, vf, vs);
         else if (L->v_group == D) {              /* one scale per token: convert the tile's at once */
             kvcx_h2f_n(vsc + t + voff, vs, n);
             if (vzc) kvcx_h2f_n(vzc + t + voff, vz, n);
@@ -244,11 +254,13 @@ static inline void kvcx_attn_task_run(const kvcx_attn_layout *L, const kvcx_attn
             }
         /* the softmax, leaving value weights p s (and v = s (c - 8) + (z + 8 s): the sums of p s and p z) */
         kvcx_attn_softmax_v(part, R, D, sc, n, p, W, Z, vs, vzc && !vgroups ? vz : NULL);
-        if (L->v_bits != 4) {
+        if (!L->v_e8p && L->v_bits != 4) {
             kvcx_attn_widen(vt, n * D, L->v_bits, vadd, wn);
             vt = wn;
         }
-        if (vgroups) {                           /* each group's scale and offset on its own channels */
+        if (L->v_e8p)                            /* decoded above */
+            kvcx_f_axpy(vf, n, D, p, T, R, part + 2 * R);
+        else if (vgroups) {                           /* each group's scale and offset on its own channels */
             kvcx_attn_tile_vg(vt, n, D, L->v_group, vsc, vzc, t + voff, (float)(8 - vadd), vf);
             kvcx_f_axpy(vf, n, D, p, T, R, part + 2 * R);
         } else if (vf) {
@@ -292,7 +304,7 @@ static inline void kvcx_attn_task(const kvcx_attn_layout *L, const kvcx_attn_arg
    head's sink logit z joins the softmax's sum as a token with no value: m = max(m, z), l += exp(z - m). */
 static inline void kvcx_attn_merge(const kvcx_attn_layout *L, const kvcx_attn_args *A, int64_t i) {
     const int64_t R = L->R, D = L->D, slab = i / R, r = i % R;
-    const int64_t wf = kvcx_attn_work_floats(R, D, L->k_widths, L->v_group < D);
+    const int64_t wf = kvcx_attn_work_floats(R, D, L->k_widths, kvcx_attn_vtile(L));
     float *o = A->out + (slab * R + r) * D;   /* [B, Hkv * R, D]: (b * Hkv + h) * R + r */
     float m = -INFINITY, z = -INFINITY;
     if (A->sinks) {   /* row r of KV head h is query head h (R / nq) + r / nq */

@@ -11,10 +11,10 @@ ATTN_TILE_ROWS = KVCX_ATTN_TILE_ROWS
 ATTN_SIMD = bool(KVCX_ATTN_AVX2)
 
 
-def attn_work_floats(int64_t R, int64_t D, bint widths=False, bint vgroups=False):
+def attn_work_floats(int64_t R, int64_t D, bint widths=False, bint vtile=False):
     """Floats of workspace one attention task needs (the caller allocates tasks x this); ``widths``: keys with
-    a width per channel; ``vgroups``: values grouped per token in several groups a token (v_group < D)."""
-    return int(kvcx_attn_work_floats(R, D, widths, vgroups))
+    a width per channel; ``vtile``: values read through a float tile (several groups a token, or E8P records)."""
+    return int(kvcx_attn_work_floats(R, D, widths, vtile))
 
 
 cdef class AttnKernel:
@@ -29,7 +29,7 @@ cdef class AttnKernel:
 
     def __init__(self, *, int64_t B, int64_t Hkv, int64_t R, int64_t D, int k_axis, bint k_asym, bint k_rotate,
                  int64_t k_group, bint v_asym, bint v_rotate, int64_t v_group, int k_bits=4, int v_bits=4,
-                 int64_t nq=1, bint k_widths=False):
+                 int64_t nq=1, bint k_widths=False, bint v_e8p=False):
         self.c.B = B
         self.c.nq = nq
         self.c.Hkv = Hkv
@@ -45,6 +45,7 @@ cdef class AttnKernel:
         self.c.k_bits = k_bits
         self.c.v_bits = v_bits
         self.c.k_widths = k_widths
+        self.c.v_e8p = v_e8p
         self.c.nsplit = 1
         self.c.softcap = 0.0
         self.a.sinks = NULL
@@ -55,7 +56,8 @@ cdef class AttnKernel:
         """Bind the stores: codes [B * Hkv, tokens * D * bits / 8] (uint8), scales / zero points [B * Hkv, n]
         (FP16 bits; zero points empty when symmetric), key block starts (int64; empty unless keys are
         grouped per channel), head rows hk/hv [B * Hkv, nh, D] (float32), Tq packed positions after
-        them, the workspace [B * Hkv * nsplit, attn_work_floats(R, D, k_widths, v_group < D)] (float32).
+        them, the workspace [B * Hkv * nsplit, attn_work_floats(R, D, k_widths, vtile)] (float32). Values
+        in E8P records (``v_e8p``): vc [B * Hkv, tokens * (D / 4 + 2)], vs and vz empty.
 
         Keys with widths: kc [1, bytes] every group's planes (8 bytes after the last), ks [B * Hkv, groups * D]
         the groups' range bytes (2 per channel, as uint16), kblk the groups' first key tokens (and the end),
@@ -81,7 +83,8 @@ cdef class AttnKernel:
             self._bind_widths(kgoff, kw, krange, kgchunk, kblk_)
         else:
             self.c.k_tokens = kc_.shape[1] // (D * self.c.k_bits // 8) if D else 0
-        self.c.v_tokens = vc_.shape[1] // (D * self.c.v_bits // 8) if D else 0
+        self.c.v_tokens = vc_.shape[1] // (kvcx_e8p_record_bytes(D) if self.c.v_e8p else D * self.c.v_bits // 8) \
+            if D else 0
         self.c.k_nscale = ks_.shape[1]
         self.c.v_nscale = vs_.shape[1]
         self.c.nsplit = nsplit

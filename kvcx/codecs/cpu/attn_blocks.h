@@ -4,6 +4,7 @@
 #define KVCX_ATTN_BLOCKS_H
 
 #include "attn_simd.h"
+#include "e8p.h"
 
 /* The float-tile products (many rows per KV head) are written once for a vector of KVCX_FV_LANES floats:
    AVX-512's 16 (12 rows per register block: 32 registers) or AVX2's 8 (6 rows: 16 registers). */
@@ -295,6 +296,36 @@ static inline void kvcx_attn_tile_vg(const uint8_t *c, int64_t n, int64_t D, int
                 for (int64_t i = 8; i < 16; i++) x[p + i] = x[p + i] * sc + 16.0f * o;
             }
         }
+}
+
+/* Values in E8P records (kvcx.e8p, docs/FORMAT.md 2.8; e8p.h): the tile's n records (D / 4 + 2 bytes each) decoded
+   into vf [n][D] in kvcx_attn_tile_v's order (odd halves 16x), each point unscaled and still rotated, and the
+   records' FP16 scales into vs [n] (the softmax's value weights p s, as per-token scales are; the Hadamard rotation
+   is undone once per output row, as for rotated integer values). Code b covers channels 8b .. 8b + 7: its even
+   coordinates go to positions 16 (b / 2) + 4 (b & 1) .. + 3 and its odd ones 8 further on. */
+static inline void kvcx_attn_tile_e8p(const uint8_t *rec, int64_t n, int64_t D, float *vf, float *vs) {
+    const int64_t rb = kvcx_e8p_record_bytes(D), nc = D / 8;
+    for (int64_t j = 0; j < n; j++) {
+        const uint8_t *r = rec + j * rb;
+        float *x = vf + j * D;
+        vs[j] = kvcx_h2f_1((uint16_t)(r[2 * nc] | (r[2 * nc + 1] << 8)));
+        for (int64_t b = 0; b < nc; b++) {
+            const unsigned c = (unsigned)r[2 * b] | ((unsigned)r[2 * b + 1] << 8);
+            float *o = x + 16 * (b >> 1) + 4 * (b & 1);
+#if KVCX_ATTN_AVX2
+            const __m256 v = _mm256_add_ps(
+                _mm256_xor_ps(_mm256_loadu_ps(kvcx_e8p_tile_pat[c & 0xFF]),
+                              _mm256_loadu_ps((const float *)kvcx_e8p_tile_sgn[(c >> 8) & 0x7F])),
+                _mm256_loadu_ps(kvcx_e8p_tile_shift[c >> 15]));
+            _mm_storeu_ps(o, _mm256_castps256_ps128(v));
+            _mm_storeu_ps(o + 8, _mm256_extractf128_ps(v, 1));
+#else
+            const float *pat = kvcx_e8p_tile_pat[c & 0xFF], *sh = kvcx_e8p_tile_shift[c >> 15];
+            const uint32_t *sg = kvcx_e8p_tile_sgn[(c >> 8) & 0x7F];
+            for (int i = 0; i < 8; i++) o[i < 4 ? i : i + 4] = (sg[i] ? -pat[i] : pat[i]) + sh[i];
+#endif
+        }
+    }
 }
 
 /* Logit softcapping (L->softcap > 0): each of the task's R rows' n scores s becomes softcap tanh(s / softcap),

@@ -35,6 +35,8 @@ typedef struct {
     int v_asym, v_rotate;
     int64_t v_group, v_nscale;
     int k_bits, v_bits;         /* 2, 3 or 4 */
+    int v_e8p;                  /* values in E8P records (kvcx.e8p: D / 4 + 2 bytes a token, the scale inside; rotated,
+                                   v_group D, symmetric; v_bits unused) */
     int64_t nq;                 /* query tokens per row: row r is query head r / nq, token r % nq */
     int k_widths;               /* keys with a width per channel (k_bits unused, k_axis channel: blocks are
                                    the groups of k_group tokens) */
@@ -50,7 +52,7 @@ typedef struct {
     const uint16_t *ks, *kz;             /* [B * Hkv, k_nscale] (kz: asymmetric only); widths: the groups' range
                                             bytes, 2 per channel (k_nscale = k_groups * D) */
     const int64_t *kblk;                 /* channel axis: block b = key tokens [kblk[b], kblk[b + 1]) */
-    const uint8_t *vc;                   /* [B * Hkv, v_tokens * D * v_bits / 8] */
+    const uint8_t *vc;                   /* [B * Hkv, v_tokens * D * v_bits / 8]; E8P: v_tokens records */
     const uint16_t *vs, *vz;
     const float *sk, *sv;                /* [B * Hkv, ns, D] */
     const float *rk, *rv;                /* [B * Hkv, nr, D] */
@@ -62,7 +64,7 @@ typedef struct {
     const uint8_t *maskb;                /* [mask rows, kv_len]: 0 = masked (a boolean mask), or NULL */
     const float *sinks;                  /* [Hkv * R / nq] a query head's sink logit (GPT-OSS's s_aux: in the
                                             softmax's sum, attending to nothing), or NULL */
-    float *work;                         /* [tasks, kvcx_attn_work_floats(R, D, k_widths, v_group < D)] */
+    float *work;                         /* [tasks, kvcx_attn_work_floats(R, D, k_widths, kvcx_attn_vtile(L))] */
     float *out;                          /* [B, Hkv * R, D] */
 } kvcx_attn_args;
 
@@ -71,14 +73,17 @@ typedef struct {
    KVCX_ATTN_TILE_ROWS rows or more, then the float tiles of keys [D][T] and values [T][D]; keys with widths:
    a chunk's channels (3 D int32), the key tile [D][T] when it is not there already, the chunk's compacted
    query terms [R][D] and biases [R], a group's compacted code steps [D], and through float tiles the chunk's
-   channel ranges [3][D]); values in several groups a token with few rows: their float tile [T][D] last) */
+   channel ranges [3][D]); values through a float tile (kvcx_attn_vtile) with few rows: that tile [T][D] last) */
 static inline int64_t kvcx_attn_part_floats(int64_t R, int64_t D) { return 2 * R + 2 * R * D; }
-static inline int64_t kvcx_attn_work_floats(int64_t R, int64_t D, int widths, int vgroups) {
+/* values read through a float tile [T][D]: in several groups a token, or E8P records */
+static inline int kvcx_attn_vtile(const kvcx_attn_layout *L) { return L->v_group < L->D || L->v_e8p; }
+
+static inline int64_t kvcx_attn_work_floats(int64_t R, int64_t D, int widths, int vtile) {
     const int many = R >= KVCX_ATTN_TILE_ROWS;
     return kvcx_attn_part_floats(R, D) + 3 * R * D + 4 * R + 2 * R * KVCX_ATTN_TILE + 2 * KVCX_ATTN_TILE + 2 * D
            + KVCX_ATTN_TILE * D / 8 + (many ? 2 * KVCX_ATTN_TILE * D : 0)
            + (widths ? 3 * D + (many ? 0 : KVCX_ATTN_TILE * D) + R * D + R + 4 * D : 0)
-           + (vgroups && !many ? KVCX_ATTN_TILE * D : 0);
+           + (vtile && !many ? KVCX_ATTN_TILE * D : 0);
 }
 
 /* channel index of position p in the permuted order */

@@ -78,6 +78,7 @@ cdef extern from "attn.h" nogil:
         int v_asym, v_rotate
         int64_t v_group, v_nscale
         int k_bits, v_bits
+        int v_e8p
         int64_t nq, mask_bs, mask_qs
         int causal
         float softcap
