@@ -419,8 +419,9 @@ def main(argv=None):
              "DynamicCache reads / step | kvcx kernel share | step outside attention ms | bound: attention free | "
              "bound: attention at the read bandwidth |")
         emit("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        versus = []   # the presets' attention per step against the first preset's (a speed target's form)
         for ctx in args.contexts:
-            paths = []
+            paths, attn = [], {}
             for label in (lb for lb in caches if lb != "DynamicCache"):
                 res, err = run_child("--speed-child", label, str(ctx), "--rounds", str(args.rounds), "--per-round",
                                      str(args.per_round), "--dataset-file", str(args.dataset_file),
@@ -439,12 +440,20 @@ def main(argv=None):
                      f"{1000 * k['step']:.1f} | {1000 * d['step']:.1f} | {1000 * k['attn']:.2f} | "
                      f"{d['attn'] / k['attn']:.2f}x | {mb(k['rb'])} | {mb(d['rb'])} | {share} | "
                      f"{1000 * outside:.1f} | {d['step'] / outside:.2f}x | {at_bw} |", flush=True)
+                attn[label] = k["attn"]
                 if k["steps"] is not None:
                     st = k["steps"]
                     paths.append(f"{label}: layer steps fused {st['fused']}, materialised {st['materialised']}, "
                                  f"full precision {st['full_precision']}")
             for p in paths:
                 emit(f"|  | ({p}) ||||||||||||| ")
+            first = next((lb for lb in attn if lb.endswith(f" {args.presets[0]}")), None) if args.presets else None
+            versus += [f"{lb.rsplit(' ', 1)[-1]} {attn[lb] / attn[first]:.2f}x ({1000 * attn[lb]:.2f} / "
+                       f"{1000 * attn[first]:.2f} ms at {ctx:,})" for lb in attn
+                       if first and lb != first and lb.endswith(tuple(f" {p}" for p in args.presets[1:]))]
+        if versus:
+            emit(f"\nAttention per step (all layers) against the first preset, {args.presets[0]}, each in its own "
+                 f"process: {'; '.join(versus)}.")
         emit("\nBounds: the ratio vs DynamicCache a cache would reach if its attention took no time (the step minus "
              "its attention: the model's own work stays), and if its attention took only the time to read its bytes "
              "once at the read bandwidth measured in the same process (the best of 5 sums over 256 MiB, torch's "

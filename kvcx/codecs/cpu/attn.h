@@ -241,8 +241,10 @@ static inline void kvcx_attn_task_run(const kvcx_attn_layout *L, const kvcx_attn
             kvcx_attn_mask(L, A, b, sc, n, L->pos_q + t);
         if (vgroups)                             /* scales in the values' tile (below): weights are p */
             for (int64_t j = 0; j < n; j++) vs[j] = 1.0f;
-        else if (L->v_e8p)                       /* the records' points into the tile, their scales to vs */
+        else if (L->v_e8p && kT)                 /* many rows: the records' points into the tile, scales to vs */
             kvcx_attn_tile_e8p(vt, n, D, vf, vs);
+        else if (L->v_e8p)                       /* few rows: the scales; the points where they are added */
+            kvcx_e8p_scales(vt, n, D, vs);
         else if (L->v_group == D) {              /* one scale per token: convert the tile's at once */
             kvcx_h2f_n(vsc + t + voff, vs, n);
             if (vzc) kvcx_h2f_n(vzc + t + voff, vz, n);
@@ -258,8 +260,10 @@ static inline void kvcx_attn_task_run(const kvcx_attn_layout *L, const kvcx_attn
             kvcx_attn_widen(vt, n * D, L->v_bits, vadd, wn);
             vt = wn;
         }
-        if (L->v_e8p)                            /* decoded above */
+        if (L->v_e8p && kT)                      /* decoded above */
             kvcx_f_axpy(vf, n, D, p, T, R, part + 2 * R);
+        else if (L->v_e8p)
+            kvcx_e8p_axpy(vt, n, D, p, T, R, part + 2 * R, vf, vs);
         else if (vgroups) {                           /* each group's scale and offset on its own channels */
             kvcx_attn_tile_vg(vt, n, D, L->v_group, vsc, vzc, t + voff, (float)(8 - vadd), vf);
             kvcx_f_axpy(vf, n, D, p, T, R, part + 2 * R);

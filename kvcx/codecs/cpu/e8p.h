@@ -83,11 +83,11 @@ static int32_t kvcx_e8p_negpar[KVCX_E8P_PATTERNS];
 
 /* the fused attention's value tiles (attn.h) read a code's point in the order its accumulators keep channels
    (kvcx_attn_perm: of every 16 channels the 8 even ones, then the 8 odd ones at 16x): a code's 4 even coordinates,
-   then its 4 odd ones times 16. Each pattern halved in that order; a sign mask (the float sign bit) for each of
-   the 128 codes' sign fields, the parity coordinate included, in that order; the two shifts in that order. */
+   then its 4 odd ones times 16. Each pattern halved in that order; for each of the 256 values of a code's high
+   byte (7 sign bits and the shift bit), the sign mask (the float sign bit; the parity coordinate included) then
+   the shift, both in that order: a code's point is (pattern ^ mask) + shift, two table rows found by its bytes. */
 static float kvcx_e8p_tile_pat[KVCX_E8P_PATTERNS][8];
-static uint32_t kvcx_e8p_tile_sgn[128][8];
-static float kvcx_e8p_tile_shift[2][8];
+static union { uint32_t u[16]; float f[16]; } kvcx_e8p_tile_hi[256];
 
 static inline int kvcx_e8p_tile_coord(int o) { return o < 4 ? 2 * o : 2 * (o - 4) + 1; }
 
@@ -96,12 +96,11 @@ static inline void kvcx_e8p_init(void) {
         const int i = kvcx_e8p_tile_coord(o);
         const float f = o < 4 ? 1.0f : 16.0f;
         for (int k = 0; k < KVCX_E8P_PATTERNS; k++) kvcx_e8p_tile_pat[k][o] = 0.5f * f * (float)kvcx_e8p_grid[k][i];
-        for (int sg = 0; sg < 128; sg++) {
-            const int flips = sg | ((__builtin_popcount((unsigned)sg) & 1) << 7);
-            kvcx_e8p_tile_sgn[sg][o] = ((flips >> i) & 1) ? 0x80000000u : 0u;
+        for (int hi = 0; hi < 256; hi++) {
+            const int sg = hi & 0x7F, flips = sg | ((__builtin_popcount((unsigned)sg) & 1) << 7);
+            kvcx_e8p_tile_hi[hi].u[o] = ((flips >> i) & 1) ? 0x80000000u : 0u;
+            kvcx_e8p_tile_hi[hi].f[8 + o] = (hi >> 7) ? -0.25f * f : 0.25f * f;
         }
-        kvcx_e8p_tile_shift[0][o] = 0.25f * f;
-        kvcx_e8p_tile_shift[1][o] = -0.25f * f;
     }
     for (int k = 0; k < KVCX_E8P_PATTERNS; k++) {
         float n2 = 0.0f;
