@@ -22,8 +22,9 @@ def calibrate(
     budget: Annotated[Optional[float], typer.Option(help="Nominal bits per value to spend (codes, scales, zero "
                                                          "points).")] = None,
     scheme: Annotated[Optional[str], typer.Option("--scheme", help="Base scheme: kvcx3 (default when measuring), "
-                                                  "kvcx2, kvcx2w (measures the queries' weights per key "
-                                                  "channel), or any --scheme of compress; with --reuse, default: "
+                                                  "kvcx2, kvcx2w or kvcx2v (these two measure the queries' "
+                                                  "weights per key channel; the budget sets the keys' mean width), "
+                                                  "or any --scheme of compress; with --reuse, default: "
                                                   "the first plan's.")] = None,
     group_size: GroupOpt = None,
     bits: BitsOpt = None,

@@ -108,6 +108,27 @@ def test_calibrate_measures_every_layer_and_writes_a_plan(loaded, wikitext_path,
         cal.run_calibration(res.config, budget=3.0, dataset_file=wikitext_path, loaded=loaded)
 
 
+@pytest.mark.model
+def test_calibrate_spends_a_budget_on_kvcx2v_keys(loaded, wikitext_path, tmp_path):
+    """A plan over kvcx2v (E8P values, keys with a width per channel): the queries weigh the keys' channels, the budget
+    sets the keys' mean width beside the values' 2.25 bits, and the plan compresses and decodes a cache."""
+    from kvcx.api import save_plan
+    from kvcx.codecs import E8PCodec
+    from kvcx.quality import calibrate as cal
+
+    res = cal.run_calibration(KVConfig.from_scheme("kvcx2v"), budget=2.2, dataset_file=wikitext_path, windows=1,
+                              offset=3, window=192, stride=64, loaded=loaded)
+    cfg = res.config
+    assert cfg.value == E8PCodec(sinks=1) and len(cfg.key_weights) == res.n_layers
+    assert cfg.key.bits == pytest.approx(2 * 2.2 - 2.25 - 16 / 64, abs=1 / 32) and res.bits_per_value <= 2.2 + 1e-9
+    path = tmp_path / "plan.json"
+    save_plan(path, res)
+    assert load_plan(path) == cfg
+    with pytest.raises(KvcxError, match="measures the queries"):
+        cal.run_calibration(KVConfig.from_scheme("kvcx2v"), budget=2.2, dataset_file=wikitext_path, loaded=loaded,
+                            options=["b2"])
+
+
 def test_calibrate_reuse_reallocates_without_a_model(tmp_path):
     from kvcx.quality.calibrate import reallocate
 
