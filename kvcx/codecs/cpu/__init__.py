@@ -2,10 +2,10 @@
 
 - ``base.h`` (the constants shared with Python, the tensor layout, dtype conversions, CRC-32C), ``quant.h``
   (quantize, pack, unpack), ``hadamard.h`` (the rotation), gathered by ``kernels.h``; ``attn_simd.h``,
-  ``attn_blocks.h``, ``attn_widths.h`` and ``attn.h`` (the fused attention over packed codes); ``widths.h``
-  (per-channel widths), ``engine.h`` (llama.cpp's and vLLM's formats), ``turboquant.h`` (vLLM's TurboQuant),
-  ``fused.h`` (vLLM's fused K/V planes);
-- ``core.pxi``: the module body (``common``, ``codec``, ``widths``, ``metrics``, ``attn``, ``engine``,
+  ``attn_blocks.h``, ``attn_widths.h``, ``attn_e8p.h`` and ``attn.h`` (the fused attention over packed codes);
+  ``widths.h`` (per-channel widths), ``e8p.h`` (the E8P lattice codec), ``engine.h`` (llama.cpp's and vLLM's
+  formats), ``turboquant.h`` (vLLM's TurboQuant), ``fused.h`` (vLLM's fused K/V planes);
+- ``core.pxi``: the module body (``common``, ``codec``, ``widths``, ``e8p``, ``metrics``, ``attn``, ``engine``,
   ``turboquant``, ``planes`` ``.pxi``), which every variant module includes: the SIMD paths in the headers are
   chosen by the compiler's target macros, so each variant is the same source built for one target (as NumPy and
   ggml build their per-architecture kernels and pick one at run time).

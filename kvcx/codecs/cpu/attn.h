@@ -64,6 +64,7 @@
 #include "attn_simd.h"
 #include "attn_blocks.h"
 #include "attn_widths.h"
+#include "attn_e8p.h"
 
 /* One task: (row x KV head) `slab`, token range `split`; writes the partial to the task's workspace. */
 static inline void kvcx_attn_task_run(const kvcx_attn_layout *L, const kvcx_attn_args *A, int64_t task) {
