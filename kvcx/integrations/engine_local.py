@@ -141,6 +141,13 @@ def valkey_adapter(port: int, serde: Optional[dict] = None) -> dict:
             **({"serde": serde} if serde else {})}
 
 
+def valkey_cluster_adapter(nodes: str, serde: Optional[dict] = None) -> dict:
+    """LMCache's Valkey L2 adapter in cluster mode on ``nodes`` ("host:port,...": the cluster's seeds; the client
+    finds the slots' owners and follows a failover)."""
+    return {"type": "valkey", "cluster_mode": True, "startup_nodes": nodes, "num_workers": 2,
+            **({"serde": serde} if serde else {})}
+
+
 def _retry_on_taken_port(start, port: int) -> Server:
     """``start()``, again on new ports (up to START_ATTEMPTS times) where another process took one; a port the
     caller fixed is not retried."""

@@ -256,17 +256,68 @@ def l2_adapter_configs(args: Iterable[str]) -> List[dict]:
     return found
 
 
+NODE_TIMEOUT_S = 3.0   # a store node that does not answer a PING in this long at start is unreachable
+
+
+def store_nodes(cfg: dict) -> List[tuple]:
+    """The (host, port) nodes an L2 adapter config names: a Valkey/Redis adapter's ``startup_nodes`` ("host:port,
+    ..." or a list; a cluster's seeds) or a RESP adapter's ``host`` and ``port``; none for other adapters."""
+    kind = cfg.get("type")
+    if kind == "valkey":
+        raw = cfg.get("startup_nodes")
+        items = raw.split(",") if isinstance(raw, str) else raw if isinstance(raw, list) else None
+        if not items:
+            raise KvcxError(f"startup_nodes must be \"host:port,host:port,...\" (a cluster: every seed node), got "
+                            f"{raw!r}")
+        nodes = []
+        for item in items:
+            host, _, port = (item.strip().rpartition(":") if isinstance(item, str) else
+                             (str(item[0]), ":", str(item[1])) if isinstance(item, (list, tuple)) and len(item) == 2
+                             else ("", "", ""))
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise KvcxError(f"startup node {item!r} is not host:port")
+            nodes.append((host, int(port)))
+        return nodes
+    if kind == "resp" and "host" in cfg and "port" in cfg:
+        return [(str(cfg["host"]), int(cfg["port"]))]
+    return []
+
+
+def _node_fault(host: str, port: int) -> Optional[str]:
+    """Why a RESP server on (host, port) cannot be used (None: it answers PING, or asks for auth)."""
+    import socket
+
+    try:
+        with socket.create_connection((host, port), timeout=NODE_TIMEOUT_S) as c:
+            c.settimeout(NODE_TIMEOUT_S)
+            c.sendall(b"PING\r\n")
+            reply = c.recv(64)
+    except OSError as exc:
+        return exc.strerror or type(exc).__name__
+    return None if reply[:1] in (b"+", b"-") else f"it answered {reply[:20]!r}, not as a Redis/Valkey server"
+
+
 def check_server_args(args: Iterable[str], serde_name: str = "kvcx") -> int:
-    """Check every kvcx serde config in the flags (KvcxError naming the adapter and the option); returns how
-    many adapters use the kvcx serde."""
+    """Check every kvcx serde config in the flags and that every store node they name answers (KvcxError naming
+    the adapter and the option or node); returns how many adapters use the kvcx serde."""
     n = 0
     for i, cfg in enumerate(l2_adapter_configs(args)):
+        where = f"{L2_FLAG} #{i + 1} ({cfg.get('type', '?')})"
+        try:
+            nodes = store_nodes(cfg)
+        except (KvcxError, TypeError, ValueError) as exc:
+            raise KvcxError(f"{where}: {exc}") from None
+        for host, port in nodes:
+            fault = _node_fault(host, port)
+            if fault:
+                raise KvcxError(f"{where}: store node {host}:{port} does not answer ({fault}); start it, or leave it "
+                                "out of the adapter's nodes (a cluster's seeds must all answer at start)")
         serde = cfg.get("serde")
         if isinstance(serde, dict) and serde.get("type") == serde_name:
             try:
                 chunk_codec_from_options({k: v for k, v in serde.items() if k != "type"})
             except KvcxError as exc:
-                raise KvcxError(f"{L2_FLAG} #{i + 1} ({cfg.get('type', '?')}): {exc}") from None
+                raise KvcxError(f"{where}: {exc}") from None
             n += 1
     return n
 
@@ -284,7 +335,9 @@ def run_server(args: Iterable[str]) -> None:
             --l2-adapter '{"type": "fs", "base_path": "/var/cache/kv",
                            "serde": {"type": "kvcx", "head_dim": 64, "layout": "vllm_cpu", "block_size": 128}}'
 
-    (``--supported-transfer-mode auto``: with vLLM on the CPU the engine drives the transfers.)
+    (``--supported-transfer-mode auto``: with vLLM on the CPU the engine drives the transfers.) A Valkey/Redis
+    cluster: ``{"type": "valkey", "cluster_mode": true, "startup_nodes": "10.0.0.1:7000,10.0.0.2:7000,...", "serde":
+    {...}}`` (LMCache's valkey adapter; every node named must answer when the server starts).
     """
     args = list(args)
     check_server_args(args)

