@@ -2,7 +2,7 @@
 (``kvcx lmcache-server``) storing vLLM's KV caches through the kvcx serde into an FS store and into a real Valkey
 server. Prompts are stored, both servers restarted, the prompts answered from the store; stored chunks damaged in
 three ways are misses that vLLM recomputes; Valkey killed while serving, requests are still answered, and stores
-resume when it is back. Every server runs on free loopback ports and is stopped by its pid."""
+resume when it is back; a Valkey cluster's primary killed while serving, likewise once its replica is promoted. Every server runs on free loopback ports and is stopped by its pid."""
 import os
 import time
 
@@ -201,3 +201,41 @@ def test_valkey_store_restart_and_outage(checkpoint, prompts, reference, first_r
         _wait(lambda: len(el.resp_values(port)) >= 2, what="stores resumed")
         assert s.vl.alive() and s.lm.alive()
     assert abs(_check_kvcx_chunks(el.resp_values(port).values()) - first_round["per_token"]) < 1e-9
+
+
+def test_valkey_cluster_store_and_a_primary_killed(checkpoint, prompts, reference, first_round, tmp_path):
+    """LMCache's server on a real Valkey cluster (3 primaries + 3 replicas, its valkey adapter in cluster mode, the
+    six nodes as seeds) through the kvcx serde: vLLM's chunks stored across the primaries, a fresh server pair served
+    from them; a primary killed while serving: the request is answered, the replica is promoted, later requests are
+    answered and stored again. Every answer is the one vLLM computes alone (0 wrong answers)."""
+    cluster = ls.start_valkey_cluster(tmp_path / "cluster", primaries=3, replicas=1, node_timeout_ms=1000)
+    primaries = cluster.ports[:3]
+    held = lambda: sum(ls.resp(p, "DBSIZE") for p in cluster.ports[:6] if cluster.procs[p].poll() is None   # noqa
+                       and cluster.role(p) == "master")
+    computed = first_round["computed"]
+    try:
+        adapters = [el.valkey_cluster_adapter(cluster.startup_nodes, el.serde_config())]
+        with Servers(checkpoint, adapters, first_round["logs"], "cluster-a") as s:
+            assert _tokens(el.complete(s.vl.port, prompts["ok"], max_tokens=GENERATED)["choices"][0]) == computed["ok"]
+            _wait(lambda: held() >= 2, what="chunks stored in the cluster")
+            assert el.lmcache_counts(s.lm)["failed_stores"] == 0
+        with Servers(checkpoint, adapters, first_round["logs"], "cluster-b") as s:
+            _served_from_the_store(s.vl, prompts["ok"], reference["ok"])
+            assert el.lmcache_counts(s.lm)["l2_hits"] >= 2
+            victim = next(p for p in primaries if ls.resp(p, "DBSIZE"))
+            heir = cluster.ports[3 + primaries.index(victim)]
+            before = held()
+            os.kill(cluster.procs[victim].pid, 9)                   # a primary killed while serving
+            cluster.procs[victim].wait()
+            out = el.complete(s.vl.port, prompts["outage"], max_tokens=GENERATED)["choices"][0]
+            assert _tokens(out) == computed["outage"]
+            _wait(lambda: cluster.role(heir) == "master", timeout=30, what="the replica promoted")
+            out = el.complete(s.vl.port, prompts["after"], max_tokens=GENERATED)["choices"][0]
+            assert _tokens(out) == computed["after"]
+            _wait(lambda: held() >= before + 2, what="stores resumed")
+            assert s.vl.alive() and s.lm.alive()
+        blobs = [v for p in cluster.ports if cluster.procs[p].poll() is None and cluster.role(p) == "master"
+                 for v in el.resp_values(p).values()]
+        assert abs(_check_kvcx_chunks(blobs) - first_round["per_token"]) < 1e-9
+    finally:
+        cluster.stop()
