@@ -2,7 +2,8 @@
 (``kvcx lmcache-server``) storing vLLM's KV caches through the kvcx serde into an FS store and into a real Valkey
 server. Prompts are stored, both servers restarted, the prompts answered from the store; stored chunks damaged in
 three ways are misses that vLLM recomputes; Valkey killed while serving, requests are still answered, and stores
-resume when it is back; a Valkey cluster's primary killed while serving, likewise once its replica is promoted. Every server runs on free loopback ports and is stopped by its pid."""
+resume when it is back; a Valkey cluster's primary killed while serving, likewise once its replica is promoted.
+Every server runs on free loopback ports and is stopped by its pid."""
 import os
 import time
 
