@@ -106,10 +106,10 @@ def validate(
                             "--quick-test has no model: leave it out")
         from kvcx.quality import ranks
 
-        if ranks.launched() and (retrieval or quick_test):
-            raise KvcxError(f"{'--quick-test' if quick_test else f'--task {task}'} runs in one process; the "
-                            "windows of --task perplexity are what torchrun / accelerate launch shard: run it "
-                            "without a launcher")
+        if ranks.launched() and quick_test:
+            raise KvcxError("--quick-test runs in one process; the windows of --task perplexity and the prompts of "
+                            "--task ruler / passkey are what torchrun / accelerate launch shard: run it without a "
+                            "launcher")
         if ranks.follows():   # rank 0 reports; the other ranks score their windows quietly
             on_phase, quiet = None, True
         if retrieval:
@@ -176,6 +176,8 @@ def _retrieval(configs, gated, task, tasks, lengths, depths, prompts, alpha, see
                                           prompts=prompts, seed=seed, model=model, dataset_file=dataset_file,
                                           cpu=cpu, alpha=alpha, on_phase=on_phase, on_prompt=on_prompt,
                                           task_label=task, query_aware=query_aware)
+    if not results:   # a rank other than 0: its prompts' answers went to rank 0
+        return
     if json_out:
         emit_json(results[0].to_dict() if len(results) == 1 else [r.to_dict() for r in results])
     else:

@@ -475,8 +475,13 @@ def run_calibration(config: KVConfig, budget: float, model: Optional[str] = None
     (tags; default: every option a plan may use), then allocate; with a ``press``, keep ratios per layer too."""
     import torch
 
+    from kvcx.quality import ranks
     from kvcx.quality.models import load_dataset_text, load_model_and_tokenizer, resolve_model
     from kvcx.quality.scoring import check_window, window_starts
+
+    if ranks.launched():   # every rank would measure everything and write the same plan
+        raise KvcxError("kvcx calibrate runs in one process: start it without torchrun / accelerate launch (the "
+                        "windows of kvcx validate and the prompts of --task ruler / passkey are what they shard)")
 
     t0 = time.perf_counter()
     if config.layer_bits:

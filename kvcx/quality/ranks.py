@@ -1,6 +1,7 @@
 """The gate data-parallel: under ``torchrun`` or ``accelerate launch`` each process (a rank) scores every
-``world``-th window, and rank 0 gathers the windows' scores and adds them in the windows' order, so an N-rank run
-gives the 1-rank run's sums (perplexities, deltas, KLD, top-1, error statistics) to the last digit on the CPU.
+``world``-th window (or retrieval prompt), and rank 0 gathers the windows' scores and adds them in the windows'
+order, so an N-rank run gives the 1-rank run's sums (perplexities, deltas, KLD, top-1, error statistics) to the last
+digit on the CPU; retrieval prompts' answers are put back in the prompts' order (the same counts and p-values).
 
     torchrun --nproc-per-node 2 -m kvcx validate --max-windows 16      # 2 processes, gloo on the CPU
     accelerate launch --multi_gpu --num_processes 2 -m kvcx validate ...   # the same ranks (on the CPU too)
@@ -104,11 +105,19 @@ def gather_runs(rank: Rank, runs: Dict[str, "PerplexityRun"], windows: int) -> D
     ``i % size``, its ``i // size``-th); the other ranks: their own runs (not a result: :meth:`Rank.leads`)."""
     if rank.size == 1:
         return runs
+    parts = gather(rank, {label: run.records for label, run in runs.items()})
+    return merge(parts, windows) if rank.leads else runs
+
+
+def gather(rank: Rank, part):
+    """Rank 0: every rank's ``part`` (picklable), ranks in order; the other ranks: None (one process: [part])."""
+    if rank.size == 1:
+        return [part]
     import torch.distributed as dist
 
     parts = [None] * rank.size if rank.leads else None
-    dist.gather_object({label: run.records for label, run in runs.items()}, parts, dst=0)
-    return merge(parts, windows) if rank.leads else runs
+    dist.gather_object(part, parts, dst=0)
+    return parts
 
 
 def merge(parts: Sequence[Mapping[str, list]], windows: int) -> Dict[str, "PerplexityRun"]:  # noqa: F821

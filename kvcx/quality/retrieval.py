@@ -29,7 +29,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence
 from kvcx.codecs.metrics import json_safe
 from kvcx.codecs.presses import PressedSetting
 from kvcx.errors import KvcxError
-from kvcx.quality import ruler, stats
+from kvcx.quality import ranks, ruler, stats
 from kvcx.quality.eviction import QueryCapture, attending
 from kvcx.quality.scoring import greedy_reply
 
@@ -156,6 +156,7 @@ def run_retrieval(configs: Mapping[str, object], tasks: Sequence[str], lengths: 
 
     # the haystack's text read (or its error raised) before the model loads: the needle tasks hide in it
     text = load_dataset_text(dataset_file) if any(ruler.TASKS[t].uses_haystack for t in tasks) else None
+    device = ranks.local_device(device, cpu)   # under a launcher on GPUs: the one LOCAL_RANK names
     m, tok, name = loaded if loaded is not None else load_model_and_tokenizer(resolve_model(model), device=device,
                                                                              cpu=cpu)
     import torch
@@ -169,6 +170,12 @@ def run_retrieval(configs: Mapping[str, object], tasks: Sequence[str], lengths: 
     limit = int(getattr(m.config, "max_position_embeddings", 0) or 0) or max(lengths or [1024])
     lengths = list(lengths) if lengths else ruler.default_lengths(limit)
     check_retrieval(tasks, lengths, depths, prompts, limit)
+    rank = ranks.join(dev.type)   # under a launcher: rank r answers prompts r, r + N, ... (rank 0 gathers)
+    ranks.same_request(rank, {"settings": dict(configs), "tasks": tasks, "lengths": lengths, "depths": list(depths),
+                              "prompts": prompts, "seed": seed, "model": name, "text": text, "alpha": alpha,
+                              "query_aware": query_aware})
+    if not rank.leads:
+        on_phase = on_prompt = None
 
     def encode(text):
         return tok(text, add_special_tokens=False)["input_ids"]
@@ -180,67 +187,84 @@ def run_retrieval(configs: Mapping[str, object], tasks: Sequence[str], lengths: 
     window = max((cfg.press.window for cfg in configs.values()
                   if isinstance(cfg, PressedSetting) and cfg.press.needs_queries), default=0)
     depth_of = {t: [float(d) for d in depths] if ruler.TASKS[t].uses_depth else [0.5] for t in tasks}
-    total = sum(len(depth_of[t]) for t in tasks) * len(lengths) * prompts
+    every = [(length, task, j, depth, p) for length in lengths for task in tasks
+             for j, depth in enumerate(depth_of[task]) for p in range(prompts)]   # the prompts, in order
+    if rank.size > len(every):
+        raise KvcxError(f"{rank.size} ranks and {len(every)} prompts: every rank needs a prompt; give more "
+                        "--prompts, or start fewer processes")
+    mine = rank.shard(list(enumerate(every)))
+    total = len(mine)
     if on_phase:
         on_phase(1, 2, f"model: {name} on {dev}; {len(tasks)} task(s) x {len(lengths)} lengths x depths x "
-                       f"{prompts} prompts = {total} prompts")
-    # outcomes[label][(task, length)] = [(depth, answered), ...] in prompt order; "exact" the exact cache's
-    outcomes: Dict[str, Dict[tuple, list]] = {label: {} for label in ["exact", *configs]}
+                       f"{prompts} prompts = {len(every)} prompts" +
+                       (f"; {rank.size} ranks: rank r answers prompts r, r + {rank.size}, ..." if rank.size > 1 else ""))
+    # answers[label] = [(prompt index, answered), ...]: "exact" the exact cache's
+    answers: Dict[str, list] = {label: [] for label in ["exact", *configs]}
     sizes = {label: [0, 0] for label in configs}     # bytes stored, values of the full context
     eos, done = getattr(tok, "eos_token_id", None), 0
     spent = {"prefill": 0.0, "exact_answers": 0.0, **{f"{label}:roundtrip": 0.0 for label in configs},
              **{f"{label}:answers": 0.0 for label in configs}}
     clock = time.perf_counter
     with torch.inference_mode():
-        for length in lengths:
-            for task in tasks:
-                for j, depth in enumerate(depth_of[task]):
-                    for p in range(prompts):
-                        prompt = ruler.TASKS[task].build(encode, haystack, length, depth,
-                                                         ruler.rng_for(seed, task, length, j, p))
-                        context, question = prompt.context, prompt.question
-                        if query_aware:   # the question prefilled with the context: the press sees it
-                            context, question = context + question[:-1], question[-1:]
-                        ctx = torch.tensor([context], device=dev)
-                        q = torch.tensor([question], device=dev)
-                        start = len(context)
-                        t0 = clock()
-                        if window:
-                            with QueryCapture(m, window) as capture:
-                                cache = forward_hidden(m, ctx)[1]
-                            queries = capture.numpy()
-                        else:
-                            cache, queries = forward_hidden(m, ctx)[1], None
-                        tensors = cache_to_tensors(cache)
-                        template = copy.deepcopy(cache) if is_hybrid(cache) else None   # refilled per setting
-                        spent["prefill"] += clock() - t0
+        for i, (length, task, j, depth, p) in mine:   # this rank's prompts, in order
+            prompt = ruler.TASKS[task].build(encode, haystack, length, depth,
+                                             ruler.rng_for(seed, task, length, j, p))
+            context, question = prompt.context, prompt.question
+            if query_aware:   # the question prefilled with the context: the press sees it
+                context, question = context + question[:-1], question[-1:]
+            ctx = torch.tensor([context], device=dev)
+            q = torch.tensor([question], device=dev)
+            start = len(context)
+            t0 = clock()
+            if window:
+                with QueryCapture(m, window) as capture:
+                    cache = forward_hidden(m, ctx)[1]
+                queries = capture.numpy()
+            else:
+                cache, queries = forward_hidden(m, ctx)[1], None
+            tensors = cache_to_tensors(cache)
+            template = copy.deepcopy(cache) if is_hybrid(cache) else None   # refilled per setting
+            spent["prefill"] += clock() - t0
 
-                        def found(tokens, prompt=prompt):
-                            return prompt.settled(tok.decode(tokens))
+            def found(tokens, prompt=prompt):
+                return prompt.settled(tok.decode(tokens))
 
-                        t0 = clock()
-                        reply = greedy_reply(m, q, cache, prompt.answer_tokens, start, eos, found)
-                        spent["exact_answers"] += clock() - t0
-                        outcomes["exact"].setdefault((task, length), []).append(
-                            (depth, prompt.answered(tok.decode(reply))))
-                        del cache
-                        for label, roundtrip in roundtrips.items():
-                            t0 = clock()
-                            decoded, nbytes = roundtrip(tensors, queries)
-                            sizes[label][0] += nbytes
-                            sizes[label][1] += sum(a.size for a in tensors.values())
-                            c = rebuilt(template, decoded, dev)   # layers may hold uneven counts
-                            del decoded
-                            t1 = clock()
-                            with attending(m, c):
-                                reply = greedy_reply(m, q, c, prompt.answer_tokens, start, eos, found)
-                            spent[f"{label}:roundtrip"] += t1 - t0
-                            spent[f"{label}:answers"] += clock() - t1
-                            outcomes[label].setdefault((task, length), []).append(
-                                (depth, prompt.answered(tok.decode(reply))))
-                        done += 1
-                        if on_prompt:
-                            on_prompt(done, total)
+            t0 = clock()
+            reply = greedy_reply(m, q, cache, prompt.answer_tokens, start, eos, found)
+            spent["exact_answers"] += clock() - t0
+            answers["exact"].append((i, prompt.answered(tok.decode(reply))))
+            del cache
+            for label, roundtrip in roundtrips.items():
+                t0 = clock()
+                decoded, nbytes = roundtrip(tensors, queries)
+                sizes[label][0] += nbytes
+                sizes[label][1] += sum(a.size for a in tensors.values())
+                c = rebuilt(template, decoded, dev)   # layers may hold uneven counts
+                del decoded
+                t1 = clock()
+                with attending(m, c):
+                    reply = greedy_reply(m, q, c, prompt.answer_tokens, start, eos, found)
+                spent[f"{label}:roundtrip"] += t1 - t0
+                spent[f"{label}:answers"] += clock() - t1
+                answers[label].append((i, prompt.answered(tok.decode(reply))))
+            done += 1
+            if on_prompt:
+                on_prompt(done, total)
+    parts = ranks.gather(rank, (answers, sizes, spent))
+    if not rank.leads:   # its answers went to rank 0
+        return []
+    # outcomes[label][(task, length)] = [(depth, answered), ...] in the prompts' order, from every rank's answers
+    outcomes: Dict[str, Dict[tuple, list]] = {label: {} for label in answers}
+    for label in answers:
+        got = sorted(a for part in parts for a in part[0][label])
+        if [i for i, _ in got] != list(range(len(every))):
+            raise KvcxError(f"setting {label!r}: the ranks answered {len(got)} of the {len(every)} prompts: a rank "
+                            "stopped early; run again")
+        for i, ok in got:
+            length, task, _, depth, _ = every[i]
+            outcomes[label].setdefault((task, length), []).append((depth, ok))
+    sizes = {label: [sum(part[1][label][k] for part in parts) for k in (0, 1)] for label in configs}
+    spent = {k: sum(part[2][k] for part in parts) for k in spent}
     wall = time.perf_counter() - t_start
     exact = outcomes["exact"]
     dropped = {}

@@ -119,3 +119,41 @@ def test_torchrun_and_accelerate_with_two_ranks_give_the_one_process_json(wikite
 
     few = _validate(wikitext_path, "--max-windows", "1", launcher=torchrun[:-1] + [str(_free_port())])
     assert few.returncode != 0 and "2 ranks and 1 windows: every rank needs a window" in few.stderr
+
+
+def test_torchrun_shards_retrieval_prompts_and_gives_the_one_process_json(wikitext_path):
+    """``--task passkey`` under ``torchrun --nproc-per-node 2``: rank r answers prompts r, r + 2, ...; rank 0 puts
+    every answer back in the prompts' order, so its JSON (cells, counts, p-values, bits) is the one-process run's
+    but the times; more ranks than prompts is refused."""
+    args = ("-m", "kvcx", "validate", "--task", "passkey", "--lengths", "512", "--depths", "0.3,0.9", "--prompts",
+            "3", "--scheme", "kvcx,kvcx2", "--dataset-file", str(wikitext_path), "--json")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    one = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=600, env=env)
+    assert one.returncode in (0, 1), one.stderr[-2000:]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                str(_free_port())]
+    two = subprocess.run([*torchrun, *args], capture_output=True, text=True, timeout=600, env=env)
+    assert two.returncode == one.returncode, two.stderr[-2000:]
+    a, b = json.loads(one.stdout), json.loads(two.stdout)      # one JSON document: rank 1 printed nothing
+    assert "prompts 6/6" in one.stderr and "prompts 3/3" in two.stderr and "prompts 6/6" not in two.stderr
+    timing = TIMING + ("seconds",)
+    assert [{k: v for k, v in x.items() if k not in timing} for x in a] == \
+        [{k: v for k, v in x.items() if k not in timing} for x in b]
+    assert sum(c["prompts"] for c in b[0]["cells"]) == 6
+    alone = [*args[:8], "0.5", "--prompts", "1", *args[11:]]   # one prompt for two ranks
+    few = subprocess.run([*torchrun[:-1], str(_free_port()), *alone], capture_output=True, text=True, timeout=600,
+                         env=env)
+    assert few.returncode != 0 and "2 ranks and 1 prompts: every rank needs a prompt" in few.stderr
+
+
+
+def test_calibrate_under_a_launcher_is_refused(monkeypatch):
+    """kvcx calibrate is not sharded: started by a launcher it says so before any work, rather than measure
+    everything on every rank."""
+    from kvcx.codecs import KVConfig
+    from kvcx.quality.calibrate import run_calibration
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(KvcxError, match="kvcx calibrate runs in one process"):
+        run_calibration(KVConfig.from_scheme("kvcx3"), budget=3.0)
