@@ -138,19 +138,22 @@ def test_keys_with_a_width_per_channel(group_size, bits, sinks):
 
 
 @pytest.mark.parametrize("D", [16, 32, 128, 256])
-@pytest.mark.parametrize("scheme", ["kvcx", "reference", "kivi"])
+@pytest.mark.parametrize("scheme", ["kvcx", "reference", "kivi", "e8p-values"])
 def test_steps_at_other_head_dims(scheme, D):
     """Head dims other than 64. Single-token steps: with AVX-512 the codes' products run 32 channels a vector (one
     block, 4, 8; 16 channels take the 8-lane products), rows per KV head 1, 4 and 7 (register blocks of 4 and a
     remainder), a batch row left-padded, 3 threads (token ranges that end part way through a block of 16 scores).
     A step of 29 tokens (3 x 29 = 87 rows: the float tiles, whole register blocks and a remainder; 16 channels a
-    vector of 16 alone)."""
+    vector of 16 alone). Values in E8P records (kvcx2v's): one code per 8 channels, two per block of 16 (the
+    accumulators' order), decoded in registers (few rows) or into the float tile (87 rows)."""
     rng = np.random.default_rng(D + len(scheme))
-    kv = KVConfig.from_scheme(scheme, group_size=max(D, 64))
+    kv = KVConfig(key=IntCodec(axis="channel", scheme="asymmetric", sinks=1), value=E8PCodec(sinks=1)) \
+        if scheme == "e8p-values" else KVConfig.from_scheme(scheme, group_size=max(D, 64))
     B, H, nr = 2, 2, 33
     chunks = [256 + kv.value.sinks, 512 if D < 256 else 256]
     T = sum(chunks)
     K, V = _kv(rng, B, H, T + nr, D)
+    V *= rng.uniform(0.1, 4.0, (B, H, T + nr, 1)).astype(np.float32)   # value scales that differ token to token
     store, Kd, Vd = _build(kv, K, V, chunks)
     rk, rv = np.ascontiguousarray(K[:, :, T:]), np.ascontiguousarray(V[:, :, T:])
     Kf, Vf = np.concatenate([Kd, rk], 2), np.concatenate([Vd, rv], 2)
@@ -170,37 +173,6 @@ def test_steps_at_other_head_dims(scheme, D):
     for threads in (1, 2):
         np.testing.assert_allclose(store.attend(q, rk, rv, None, D ** -0.5, n_threads=threads), ref,
                                    atol=3e-5, rtol=1e-4)
-
-
-@pytest.mark.parametrize("D", [16, 32, 128, 256])
-def test_e8p_values_at_other_head_dims(D):
-    """Values in E8P records (kvcx2v's) at head dims other than 64: one code per 8 channels, two per block of 16
-    (the accumulators' order), 1 to 7 rows per KV head, a left-padded row, 1 and 3 threads, and a step of 29 tokens
-    (87 rows: the float tiles)."""
-    rng = np.random.default_rng(D)
-    kv = KVConfig(key=IntCodec(axis="channel", scheme="asymmetric", sinks=1), value=E8PCodec(sinks=1))
-    B, H, nr = 2, 2, 33
-    chunks = [257, 384]
-    T = sum(chunks)
-    K, V = _kv(rng, B, H, T + nr, D)
-    V *= rng.uniform(0.1, 4.0, (B, H, T + nr, 1)).astype(np.float32)   # scales that differ token to token
-    store, Kd, Vd = _build(kv, K, V, chunks)
-    rk, rv = np.ascontiguousarray(K[:, :, T:]), np.ascontiguousarray(V[:, :, T:])
-    Kf, Vf = np.concatenate([Kd, rk], 2), np.concatenate([Vd, rv], 2)
-    n = T + nr
-    mask = np.zeros((B, n), np.float32)
-    mask[1, :77] = -np.inf
-    for R in (1, 4, 7):
-        q = rng.standard_normal((B, H * R, D)).astype(np.float32)
-        ref = _reference(q, Kf, Vf, mask, D ** -0.5)
-        for threads in (1, 3):
-            np.testing.assert_allclose(store.attend(q, rk, rv, mask, D ** -0.5, n_threads=threads), ref,
-                                       atol=3e-5, rtol=1e-4)
-    R, Q = 3, 29
-    q = rng.standard_normal((B, H * R, Q, D)).astype(np.float32)
-    keep = np.broadcast_to(np.arange(n)[None, :] <= (n - Q + np.arange(Q))[:, None], (B, Q, n))
-    np.testing.assert_allclose(store.attend(q, rk, rv, None, D ** -0.5, n_threads=2),
-                               _reference_multi(q, Kf, Vf, keep, D ** -0.5), atol=3e-5, rtol=1e-4)
 
 
 def test_long_context_splits_across_threads_and_rotated_keys():
