@@ -11,7 +11,6 @@ from kvcx.cli.app import (EXIT_QUALITY, FLAG, BitsOpt, GroupOpt, JsonOpt, PlanOp
                           cli_errors, app)
 from kvcx.cli.render import (emit_json, out, print_phase, print_retrieval, print_validation, print_validations,
                              window_bar)
-from kvcx.errors import KvcxError
 
 
 @app.command()
@@ -80,41 +79,19 @@ def validate(
 
         configs, gated = validation_settings(scheme, plan, gate, group_size, bits, sinks, rotate, threads, peers=PEERS)
         on_phase = None if (json_out or quiet) else print_phase
-        if task not in ("perplexity", "passkey", "ruler"):
-            raise KvcxError(f"--task {task!r} must be perplexity, ruler or passkey")
-        retrieval = task in ("passkey", "ruler")
-        if not retrieval:
-            for opt, given in (("--lengths", lengths), ("--depths", depths), ("--tasks", tasks),
-                               ("--query-aware", query_aware or None)):
-                if given is not None:
-                    raise KvcxError(f"{opt} sets the retrieval tasks' prompts; add --task ruler (or --task passkey), "
-                                    "or use --window for perplexity")
-        if tasks is not None and task != "ruler":
-            raise KvcxError("--tasks picks ruler's tasks; add --task ruler")
-        if tolerance is not None:
-            raise KvcxError("--tolerance was replaced by a paired test: a setting fails where it answers "
-                            "significantly fewer prompts than the exact cache (McNemar's exact test, --alpha 0.05, "
-                            "Holm over lengths and tasks); leave --tolerance out")
-        if backend is not None and (retrieval or quick_test):
-            raise KvcxError("--backend chooses where a model's cache is compressed for perplexity; --task passkey "
-                            "and --quick-test do not take it: leave it out")
         from kvcx.codecs.presses import PressedSetting
-
-        pressed = [label for label, c in configs.items() if isinstance(c, PressedSetting)]
-        if pressed and quick_test:
-            raise KvcxError(f"--scheme {pressed[0]}: a press reads a model's cache (and SnapKV its queries); "
-                            "--quick-test has no model: leave it out")
         from kvcx.quality import ranks
+        from kvcx.quality.request import ValidateRequest
 
-        if ranks.launched() and quick_test:
-            raise KvcxError("--quick-test runs in one process; the windows of --task perplexity and the prompts of "
-                            "--task ruler / passkey are what torchrun / accelerate launch shard: run it without a "
-                            "launcher")
+        request = ValidateRequest(task=task, tasks=tasks, lengths=lengths, depths=depths, query_aware=query_aware,
+                                  alpha=alpha, mode=mode, backend=backend, quick_test=quick_test, tolerance=tolerance,
+                                  pressed=tuple(label for label, c in configs.items() if isinstance(c, PressedSetting)))
+        request.check()
         if ranks.follows():   # rank 0 reports; the other ranks score their windows quietly
             on_phase, quiet = None, True
-        if retrieval:
-            return _retrieval(configs, gated, task, tasks, lengths, depths, prompts, alpha, seed, model,
-                              dataset_file, cpu, mode, quiet, json_out, on_phase, query_aware)
+        if request.retrieval:
+            return _retrieval(configs, gated, request, prompts, seed, model, dataset_file, cpu, quiet, json_out,
+                              on_phase)
         if quick_test:
             results = [validation.quick_test(c, on_phase=on_phase, label=label) for label, c in configs.items()]
         else:
@@ -146,36 +123,19 @@ def validate(
         raise typer.Exit(code=EXIT_QUALITY)
 
 
-def _numbers(option: str, text: Optional[str], kind, example: str):
-    if text is None:
-        return None
-    try:
-        return [kind(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise KvcxError(f"{option} {text!r} must be {example}") from None
-
-
-def _retrieval(configs, gated, task, tasks, lengths, depths, prompts, alpha, seed, model, dataset_file, cpu, mode,
-               quiet, json_out, on_phase, query_aware=False):
-    from kvcx.quality import retrieval, ruler
-
-    if mode != "prefix":
-        raise KvcxError(f"--task {task} runs in prefix mode (the prompt's cache compressed once); not --mode {mode}")
-    if not 0.0 < alpha < 1.0:
-        raise KvcxError(f"--alpha {alpha} must be a significance level between 0 and 1 (e.g. 0.05)")
-    names = ["passkey"] if task == "passkey" else ruler.task_names(tasks or "ruler")
-    parsed = _numbers("--lengths", lengths, int, "token counts, comma-separated (e.g. 1024,4096)")
-    where = _numbers("--depths", depths, float, "fractions of the context, comma-separated (e.g. 0.1,0.5,0.9)")
+def _retrieval(configs, gated, request, prompts, seed, model, dataset_file, cpu, quiet, json_out, on_phase):
+    from kvcx.quality import retrieval
     from kvcx.quality.models import context_length, resolve_model
 
+    names, parsed, where = request.retrieval_tasks(), request.retrieval_lengths(), request.retrieval_depths()
     # every option checked before the model loads (its context read from its config or GGUF, not loaded)
     retrieval.check_retrieval(names, parsed or [1024], where or retrieval.DEPTHS, prompts,
                               context_length(resolve_model(model)) if parsed else None)
     with window_bar(quiet, "prompts") as on_prompt:
         results = retrieval.run_retrieval(configs, names, lengths=parsed, depths=where or retrieval.DEPTHS,
                                           prompts=prompts, seed=seed, model=model, dataset_file=dataset_file,
-                                          cpu=cpu, alpha=alpha, on_phase=on_phase, on_prompt=on_prompt,
-                                          task_label=task, query_aware=query_aware)
+                                          cpu=cpu, alpha=request.alpha, on_phase=on_phase, on_prompt=on_prompt,
+                                          task_label=request.task, query_aware=request.query_aware)
     if not results:   # a rank other than 0: its prompts' answers went to rank 0
         return
     if json_out:

@@ -274,7 +274,7 @@ def store_nodes(cfg: dict) -> List[tuple]:
             host, _, port = (item.strip().rpartition(":") if isinstance(item, str) else
                              (str(item[0]), ":", str(item[1])) if isinstance(item, (list, tuple)) and len(item) == 2
                              else ("", "", ""))
-            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            if not host or not port.isdigit() or not 0 < int(port) <= 0xFFFF:
                 raise KvcxError(f"startup node {item!r} is not host:port")
             nodes.append((host, int(port)))
         return nodes

