@@ -136,11 +136,6 @@ def _e8p_values(value) -> dict:
 VALUE_READS = {READS: (_int_values_unsupported, _int_values), E8P: (_e8p_values_unsupported, _e8p_values)}
 
 
-def value_tile(value, head_dim: int) -> bool:
-    """Whether the kernel reads ``value``'s codes through a float tile (several groups a token, or E8P records)."""
-    return value.codec_id == E8P or value.group_size < head_dim
-
-
 def fused_unsupported(key, value, head_dim: int, group: int) -> Optional[str]:
     """Why the fused kernel cannot serve the codecs ``key`` and ``value`` (:class:`~kvcx.codecs.base.Codec`; None
     when it can; ``group``: query heads per KV head)."""
@@ -197,10 +192,10 @@ def bind(key, value, B: int, Hkv: int, R: int, D: int, keys, values, head: tuple
     rows = R * nq
     nsplit = splits(B * Hkv, Tq * max(1, rows // ATTN_TILE_ROWS), threads)
     settings = keys.kernel_settings(key)
-    work = workspace.get(B * Hkv * nsplit, kernel.work_floats(rows, D, settings.get("k_widths", False),
-                                                              value_tile(value, D)))
-    vset = dict(v_group=D, v_bits=4)
-    vset.update(VALUE_READS[value.codec_id][1](value))
+    vset = {"v_group": D, "v_bits": 4, **VALUE_READS[value.codec_id][1](value)}   # (E8P: one record a token)
+    # values through a float tile: several groups a token, or E8P records (attn.h's kvcx_attn_vtile)
+    vtile = vset["v_group"] < D or vset.get("v_e8p", False)
+    work = workspace.get(B * Hkv * nsplit, kernel.work_floats(rows, D, settings.get("k_widths", False), vtile))
     attn = kernel.AttnKernel(B=B, Hkv=Hkv, R=rows, D=D, nq=nq, **vset, **settings)
     attn.bind(vc=values.codes, vs=values.scales.view(np.uint16),
               vz=values.zeros.view(np.uint16) if values.zeros is not None else EMPTY_U16,

@@ -269,18 +269,23 @@ def store_nodes(cfg: dict) -> List[tuple]:
         if not items:
             raise KvcxError(f"startup_nodes must be \"host:port,host:port,...\" (a cluster: every seed node), got "
                             f"{raw!r}")
-        nodes = []
-        for item in items:
-            host, _, port = (item.strip().rpartition(":") if isinstance(item, str) else
-                             (str(item[0]), ":", str(item[1])) if isinstance(item, (list, tuple)) and len(item) == 2
-                             else ("", "", ""))
-            if not host or not port.isdigit() or not 0 < int(port) <= 0xFFFF:
-                raise KvcxError(f"startup node {item!r} is not host:port")
-            nodes.append((host, int(port)))
-        return nodes
+        return [_host_port(item) for item in items]
     if kind == "resp" and "host" in cfg and "port" in cfg:
         return [(str(cfg["host"]), int(cfg["port"]))]
     return []
+
+
+def _host_port(item) -> tuple:
+    """A startup node ("host:port", or a [host, port] pair) as (host, port); KvcxError when it is neither."""
+    if isinstance(item, str):
+        host, _, port = item.strip().rpartition(":")
+    elif isinstance(item, (list, tuple)) and len(item) == 2:
+        host, port = str(item[0]), str(item[1])
+    else:
+        host = port = ""
+    if not host or not port.isdigit() or not 0 < int(port) <= 0xFFFF:
+        raise KvcxError(f"startup node {item!r} is not host:port")
+    return host, int(port)
 
 
 def _node_fault(host: str, port: int) -> Optional[str]:

