@@ -74,16 +74,23 @@ def calibrate(
                             f"press with a scheme, e.g. --scheme kvcx+{press.spec}")
         base = None if scheme is None and reuse else kv_config_from(codec or "kvcx3", group_size, bits, None, None,
                                                                  threads)
+        from kvcx.quality import ranks
+
+        follows = ranks.follows()   # under torchrun / accelerate launch: rank 0 reports and writes the plan
         if reuse:
+            if follows:   # no model runs: rank 0 allocates alone
+                return
             from kvcx.api import read_plan
 
             result = cal.reallocate([read_plan(p) for p in reuse], budget, source=[str(p) for p in reuse], base=base)
         else:
-            on_phase = None if json_out else print_phase
-            with window_bar(json_out) as on_window:
+            on_phase = None if json_out or follows else print_phase
+            with window_bar(json_out or follows) as on_window:
                 result = cal.run_calibration(base, budget, model=model, dataset_file=dataset_file, windows=windows,
                                              offset=offset, cpu=cpu, options=_parse_options(options),
                                              on_phase=on_phase, on_window=on_window, press=press)
+            if result is None:   # a rank other than 0: its windows' figures went to rank 0
+                return
         save_plan(out_path, result)
     if json_out:
         emit_json(result.to_dict())

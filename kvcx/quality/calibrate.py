@@ -14,8 +14,8 @@ shows can be far off (keys lose ~10x from 3 to 2 bits, values ~3.5x): the plan s
 The calibration text comes from windows *after* the ones ``kvcx validate`` and ``bench/bench_quality.py``
 score (``offset``, default 128 windows of 512), so a plan is never judged on the tokens that chose it.
 For ``--scheme kvcx2w`` (keys with a bit width per channel) calibration measures something else: how much
-the queries weigh each key channel (:func:`query_weights`, the mean square of each query channel, per KV
-head), which the encoder multiplies into each channel's error when it chooses the widths; the budget then
+the queries weigh each key channel (:mod:`kvcx.quality.query_weights`: the mean square of each query channel, per
+KV head), which the encoder multiplies into each channel's error when it chooses the widths; the budget then
 sets the keys' mean width.
 
 Tokens as a second axis (``--scheme kvcx+snapkv:0.5``): with a press, calibration also measures, for every
@@ -39,10 +39,12 @@ from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 from kvcx.cache.layer_types import cached_layers
-from kvcx.codecs.kvconfig import KVConfig, check_plan_record, layer_of, tag_of
+from kvcx.codecs.kvconfig import KVConfig, layer_of, tag_of
+from kvcx.codecs.plan_record import check_plan_record
 from kvcx.codecs.presses import INDEX_BITS, Press, PressedSetting
 from kvcx.errors import CodecError, KvcxError
-from kvcx.quality.query_weights import query_weights
+from kvcx.quality import ranks
+from kvcx.quality.query_weights import combine_query_sums, window_query_sums
 
 DEFAULT_WINDOWS = 4
 DEFAULT_OFFSET = 128      # windows skipped: validate scores the first 32, bench_quality the first 64
@@ -150,11 +152,13 @@ def keep_tag(keep: float) -> str:
 def layer_sensitivity(model, ids, starts: List[int], window: int, stride: int, config: KVConfig, layers: Layers,
                       options: Optional[Iterable[str]] = None,
                       on_window: Optional[Callable[[int, int], None]] = None,
-                      press: Optional[Press] = None) -> Tuple[Sensitivity, int]:
+                      press: Optional[Press] = None,
+                      rank: ranks.Rank = ranks.ALONE) -> Optional[Tuple[Sensitivity, int]]:
     """({(kind, layer, tag): mean KLD}, tokens scored), one layer's keys or values compressed at a time, with
     each of ``options`` (default: every option a plan may use) that the kind has; with a ``press``, also each
     layer alone evicted at each keep ratio of :func:`keep_ladder` (kind ``"keep"``, tag ``k0.5``). ``layers``: the
-    layer indices to measure (a count n: 0..n-1)."""
+    layer indices to measure (a count n: 0..n-1). One of several ranks (:mod:`kvcx.quality.ranks`) scores its share
+    of ``starts``; rank 0 gets every window's figures, added in the windows' order, the other ranks None."""
     from kvcx.quality.eviction import PressRoundtrip
     from kvcx.quality.scoring import compare_prefix
 
@@ -169,7 +173,10 @@ def layer_sensitivity(model, ids, starts: List[int], window: int, stride: int, c
     if not roundtrips:
         raise KvcxError(f"options={','.join(sorted(want))} leaves nothing to measure: the plan's options are keys "
                         f"{','.join(plan_options(config, 'key'))}, values {','.join(plan_options(config, 'value'))}")
-    runs = compare_prefix(model, ids, starts, window, stride, roundtrips, on_window)
+    runs = compare_prefix(model, ids, rank.shard(starts), window, stride, roundtrips, on_window)
+    runs = ranks.gather_runs(rank, runs, len(starts))
+    if not rank.leads:
+        return None
     tokens = next(iter(runs.values())).tokens
     return {k: r.mean_kld for k, r in runs.items()}, tokens
 
@@ -470,18 +477,17 @@ def run_calibration(config: KVConfig, budget: float, model: Optional[str] = None
                     stride: int = 512, cpu: bool = False, loaded=None, options: Optional[Sequence[str]] = None,
                     on_phase: Optional[Callable[[int, int, str], None]] = None,
                     on_window: Optional[Callable[[int, int], None]] = None,
-                    press: Optional[Press] = None) -> Calibration:
+                    press: Optional[Press] = None) -> Optional[Calibration]:
     """Measure every layer's sensitivity on ``windows`` windows after the first ``offset`` with ``options``
-    (tags; default: every option a plan may use), then allocate; with a ``press``, keep ratios per layer too."""
+    (tags; default: every option a plan may use), then allocate; with a ``press``, keep ratios per layer too.
+
+    Started by ``torchrun`` or ``accelerate launch`` with several processes, each rank measures every N-th window and
+    rank 0 allocates from all of them (the one-process run's figures and plan, to the last digit on the CPU) and
+    returns the plan; the other ranks report nothing and return None."""
     import torch
 
-    from kvcx.quality import ranks
-    from kvcx.quality.models import load_dataset_text, load_model_and_tokenizer, resolve_model
+    from kvcx.quality.models import load_dataset_text, load_model_and_tokenizer, pick_device, resolve_model
     from kvcx.quality.scoring import check_window, window_starts
-
-    if ranks.launched():   # every rank would measure everything and write the same plan
-        raise KvcxError("kvcx calibrate runs in one process: start it without torchrun / accelerate launch (the "
-                        "windows of kvcx validate and the prompts of --task ruler / passkey are what they shard)")
 
     t0 = time.perf_counter()
     if config.layer_bits:
@@ -512,7 +518,15 @@ def run_calibration(config: KVConfig, budget: float, model: Optional[str] = None
         check_budget(config, budget)   # before the model runs, not after
     text = load_dataset_text(dataset_file)
     source = resolve_model(model) if loaded is None else None
-    m, tok, name = loaded if loaded is not None else load_model_and_tokenizer(source, cpu=cpu)
+    device = ranks.local_device(None, cpu)   # under a launcher on GPUs: the one LOCAL_RANK names
+    rank = ranks.join(next(loaded[0].parameters()).device.type if loaded is not None
+                      else pick_device(device, cpu).type)
+    ranks.same_request(rank, {"config": config, "budget": budget, "text": text, "model": str(source or loaded[2]),
+                              "windows": windows, "offset": offset, "window": window, "stride": stride,
+                              "options": options, "press": press})
+    if not rank.leads:   # rank 0 reports
+        on_phase = on_window = None
+    m, tok, name = loaded if loaded is not None else load_model_and_tokenizer(source, device=device, cpu=cpu)
     n_layers = int(m.config.num_hidden_layers)
     types = cached_layers(m.config)
     layers = [L for L, _ in types]
@@ -526,10 +540,17 @@ def run_calibration(config: KVConfig, budget: float, model: Optional[str] = None
         raise KvcxError(f"the calibration text has {len(starts)} windows of {window}; offset={offset} + windows="
                         f"{windows} needs more: lower the offset or use a longer text")
     starts = starts[offset:offset + windows]
+    if rank.size > windows:
+        raise KvcxError(f"{rank.size} ranks and {windows} windows: every rank needs a window; give --windows "
+                        f"{rank.size} or more, or start fewer processes")
     if widths:
         if on_phase:
             on_phase(1, 2, f"{name}: the queries of {len(layers)} layers, {windows} windows from window {offset}")
-        plan = width_plan(config, budget, query_weights(m, ids, starts, window, on_window, layers))
+        cached, shapes, parts = window_query_sums(m, ids, rank.shard(starts), window, on_window, layers)
+        parts = ranks.gather_in_order(rank, parts, len(starts))
+        if not rank.leads:   # its windows' sums went to rank 0
+            return None
+        plan = width_plan(config, budget, combine_query_sums(cached, shapes, parts))
         if on_phase:
             on_phase(2, 2, f"plan: keys {plan.key.bits:g} bits per code on average, "
                            f"{plan.bits_per_value(layers):.3f} bits/value nominal")
@@ -543,7 +564,10 @@ def run_calibration(config: KVConfig, budget: float, model: Optional[str] = None
         hybrid = f" (the attention layers of {n_layers})" if types else ""
         on_phase(1, 2, f"{name}: {len(layers)} layers{hybrid} x {n_opts} key/value codecs, {windows} windows from window "
                        f"{offset}, {config.describe()}")
-    sens, tokens = layer_sensitivity(m, ids, starts, window, stride, config, layers, options, on_window, press)
+    measured = layer_sensitivity(m, ids, starts, window, stride, config, layers, options, on_window, press, rank)
+    if not rank.leads:   # its windows' figures went to rank 0
+        return None
+    sens, tokens = measured
     if press is not None:
         heads = int(m.config.num_attention_heads)
         head_dim = int(getattr(m.config, "head_dim", None) or m.config.hidden_size // heads)

@@ -22,7 +22,7 @@ from typing import Callable, List, Optional, Sequence
 from kvcx.codecs.kvconfig import KVConfig
 from kvcx.codecs.metrics import json_safe
 from kvcx.errors import KvcxError
-from kvcx.quality import ruler
+from kvcx.quality import ranks, ruler
 
 GUARD_BITS = 8
 PROTECT = 0.15
@@ -81,9 +81,12 @@ def guard_config(config: KVConfig, layers: Sequence[int]) -> KVConfig:
 
 def check_guard(config: KVConfig, length: int, prompts: int, depths: Sequence[float], protect: float) -> None:
     """KvcxError naming the option, before any model loads."""
+    if ranks.launched():   # every rank would answer every prompt and write the same plan
+        raise KvcxError("--guard-retrieval runs in one process: start it without torchrun / accelerate launch (the "
+                        "windows of kvcx calibrate --budget and kvcx validate, and validate's prompts, shard)")
     if config.layer_bits or config.key.takes_weights:
         raise KvcxError("--guard-retrieval gives layers 8-bit keys on top of a scheme (kvcx, kvcx3, ...): pass a "
-                        "scheme whose keys have one width, not a plan or kvcx2w")
+                        "scheme whose keys have one width, not a plan, kvcx2w or kvcx4w")
     if length < ruler.MIN_LENGTH:
         raise KvcxError(f"--guard-retrieval {length}: contexts of at least {ruler.MIN_LENGTH} tokens; measure at the "
                         "length you serve, e.g. 8192")

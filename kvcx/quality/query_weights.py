@@ -3,20 +3,20 @@ key channel, measured on the calibration text (:mod:`kvcx.quality.calibrate` tur
 imported inside the function that needs it."""
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from kvcx.cache.layer_types import cached_layers, layer_specs
 from kvcx.errors import KvcxError
 
-def query_weights(model, ids, starts: List[int], window: int,
-                  on_window: Optional[Callable[[int, int], None]] = None,
-                  layers: Optional[Sequence[int]] = None) -> Dict[int, list]:
-    """{layer: [[mean q^2 per channel] per KV head]}: each layer's queries (``self_attn.q_proj`` outputs) over
-    the windows, their query heads summed onto the KV head they read (grouped-query attention), and the two
-    channels of each rotary pair (c, c + head_dim / 2) averaged, since RoPE turns one into the other as
-    positions advance. A key channel's quantization error moves the attention logits by q_c * error_c, so
-    these are the weights of the keys' squared errors. ``layers``: the layers to weigh (default: the layers
-    the cache holds keys and values for, :func:`cached_layers`), each with its own heads and head_dim."""
+def window_query_sums(model, ids, starts: List[int], window: int,
+                      on_window: Optional[Callable[[int, int], None]] = None,
+                      layers: Optional[Sequence[int]] = None) -> Tuple[list, list, list]:
+    """(layers, [(heads, kv_heads, head_dim) per layer], [([sum of q^2 per KV head and channel, per layer], tokens)
+    per window]): each layer's queries (``self_attn.q_proj`` outputs), a window at a time, their query heads summed
+    onto the KV head they read (grouped-query attention), so that windows measured apart (the ranks of
+    :mod:`kvcx.quality.ranks`) add up in the windows' order (:func:`combine_query_sums`) to the same weights.
+    ``layers``: the layers to weigh (default: the layers the cache holds keys and values for, :func:`cached_layers`),
+    each with its own heads and head_dim."""
     import torch
 
     specs = {s.index: s for s in layer_specs(model.config)}
@@ -37,17 +37,16 @@ def query_weights(model, ids, starts: List[int], window: int,
             raise KvcxError(f"query weights: layer {L}'s {heads} query heads do not group onto {kv_heads} KV heads "
                             "of even head_dim")
         shapes.append((heads, kv_heads, head_dim))
-    sums = [torch.zeros(kv, d, dtype=torch.float64) for _, kv, d in shapes]
-    count = [0]
+    parts = []   # per window of this rank's: ([sum of q^2 per layer], tokens)
 
     def hook(i):
         heads, kv_heads, head_dim = shapes[i]
 
         def f(_module, _inputs, out):
             q = out.detach().double().reshape(-1, kv_heads, heads // kv_heads, head_dim)
-            sums[i] += (q * q).sum(dim=(0, 2))
+            parts[-1][0][i] = (q * q).sum(dim=(0, 2)).cpu()
             if i == 0:
-                count[0] += q.shape[0]
+                parts[-1][1] += q.shape[0]
         return f
 
     handles = [m.register_forward_hook(hook(i)) for i, m in enumerate(projs)]
@@ -55,12 +54,29 @@ def query_weights(model, ids, starts: List[int], window: int,
     try:
         with torch.inference_mode():
             for w, a in enumerate(starts):
+                parts.append([[None] * len(layers), 0])
                 model.get_decoder()(input_ids=ids[a:a + window][None].to(dev), use_cache=False)   # no logits
                 if on_window:
                     on_window(w + 1, len(starts))
     finally:
         for h in handles:
             h.remove()
+    return layers, shapes, parts
+
+
+def combine_query_sums(layers: Sequence[int], shapes: Sequence[tuple], parts: Sequence[tuple]) -> Dict[int, list]:
+    """{layer: [[mean q^2 per channel] per KV head]} from :func:`window_query_sums`' windows, added in their order,
+    the two channels of each rotary pair (c, c + head_dim / 2) averaged, since RoPE turns one into the other as
+    positions advance. A key channel's quantization error moves the attention logits by q_c * error_c, so these
+    are the weights of the keys' squared errors."""
+    import torch
+
+    sums = [torch.zeros(kv, d, dtype=torch.float64) for _, kv, d in shapes]
+    count = [0]
+    for window_sums, tokens in parts:
+        for i, s in enumerate(window_sums):
+            sums[i] += s
+        count[0] += tokens
     out = {}
     for L, m, (_, _, head_dim) in zip(layers, sums, shapes):
         m = m / max(1, count[0])

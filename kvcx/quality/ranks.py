@@ -120,6 +120,19 @@ def gather(rank: Rank, part):
     return parts
 
 
+def gather_in_order(rank: Rank, mine: Sequence, total: int):
+    """Rank 0: the ``total`` items every rank worked (its :meth:`Rank.shard`), back in their order (item ``i`` is
+    rank ``i % size``'s ``i // size``-th); the other ranks: None (one process: ``mine`` as a list)."""
+    parts = gather(rank, list(mine))
+    if not rank.leads:
+        return None
+    got = [len(p) for p in parts]
+    if sum(got) != total:
+        raise KvcxError(f"the ranks worked {got} items, {sum(got)} in all, not the run's {total}: a rank stopped "
+                        "early; run again")
+    return [parts[i % rank.size][i // rank.size] for i in range(total)]
+
+
 def merge(parts: Sequence[Mapping[str, list]], windows: int) -> Dict[str, "PerplexityRun"]:  # noqa: F821
     """Each rank's window records (label -> records, ranks in order) as one run a setting, the windows added in
     their order: window ``i`` is rank ``i % len(parts)``'s ``i // len(parts)``-th."""

@@ -146,14 +146,67 @@ def test_torchrun_shards_retrieval_prompts_and_gives_the_one_process_json(wikite
     assert few.returncode != 0 and "2 ranks and 1 prompts: every rank needs a prompt" in few.stderr
 
 
+@pytest.fixture(scope="module")
+def tiny_model_dir(loaded, tmp_path_factory):
+    """A 2-layer Llama of seeded random weights with the embedded model's tokenizer, saved as a local model
+    directory: calibration's code paths (every layer x option x window) in seconds, not quality."""
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-def test_calibrate_under_a_launcher_is_refused(monkeypatch):
-    """kvcx calibrate is not sharded: started by a launcher it says so before any work, rather than measure
-    everything on every rank."""
+    tok = loaded[1]
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=128, intermediate_size=256,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                         head_dim=32, max_position_embeddings=2048))
+    path = tmp_path_factory.mktemp("tiny-llama")
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def _calibrate(tmp_path, name: str, launcher: list, *args) -> tuple:
+    """``kvcx calibrate ... --json --out tmp/name`` under ``launcher``: (process, the plan file's JSON or None)."""
+    out = tmp_path / name
+    r = subprocess.run([*launcher, "-m", "kvcx", "calibrate", *args, "--out", str(out), "--json"], capture_output=True,
+                       text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return r, (json.loads(out.read_text()) if out.exists() else None)
+
+
+@pytest.mark.parametrize("args", [("--scheme", "kvcx3", "--budget", "3.2", "--windows", "3"),
+                                  ("--scheme", "kvcx2w", "--budget", "2.5", "--windows", "3")],
+                         ids=["per-layer-widths", "query-weights"])
+def test_torchrun_shards_calibration_windows_and_writes_the_one_process_plan(wikitext_path, tiny_model_dir, tmp_path,
+                                                                            args):
+    """``kvcx calibrate`` under ``torchrun --nproc-per-node 2`` (a tiny random model: the code paths): rank r measures
+    windows r, r + 2, ... (each layer's KLD per option; for kvcx2w the queries' weights), 2 and 1 windows; rank 0
+    adds them in the windows' order, allocates and alone prints and writes: the plan file and the JSON are the
+    one-process run's but the time. More ranks than windows
+    is refused; --guard-retrieval (prompts, not windows) says it runs in one process."""
+    data = ("--model", str(tiny_model_dir), "--dataset-file", str(wikitext_path), "--offset", "0")
+    one, plan1 = _calibrate(tmp_path, "one.json", [sys.executable], *args, *data)
+    assert one.returncode == 0, one.stderr[-2000:]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                str(_free_port())]
+    two, plan2 = _calibrate(tmp_path, "two.json", torchrun, *args, *data)
+    assert two.returncode == 0, two.stderr[-2000:]
+    a, b = json.loads(one.stdout), json.loads(two.stdout)   # one JSON document: rank 1 printed nothing
+    for x in (a, b, plan1, plan2):
+        x.pop("wall_time_s")
+    assert a == b and plan1 == plan2 == a
+    assert a["config"] and (a["sensitivity"] or a["config"].get("key_weights"))
+    if args[1] == "kvcx2w":
+        return
+    few, _ = _calibrate(tmp_path, "few.json", torchrun[:-1] + [str(_free_port())], *args[:-1], "1", *data)
+    assert few.returncode != 0 and "2 ranks and 1 windows: every rank needs a window" in few.stderr
+    assert not (tmp_path / "few.json").exists()
+
+
+def test_guard_retrieval_under_a_launcher_is_refused(monkeypatch):
+    """--guard-retrieval answers passkey prompts in one process: started by a launcher it says so before any work,
+    rather than answer every prompt on every rank."""
     from kvcx.codecs import KVConfig
-    from kvcx.quality.calibrate import run_calibration
+    from kvcx.quality.guard import GUARD_DEPTHS, check_guard
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "1")
-    with pytest.raises(KvcxError, match="kvcx calibrate runs in one process"):
-        run_calibration(KVConfig.from_scheme("kvcx3"), budget=3.0)
+    with pytest.raises(KvcxError, match="--guard-retrieval runs in one process"):
+        check_guard(KVConfig.from_scheme("kvcx"), 8192, 8, GUARD_DEPTHS, 0.5)
