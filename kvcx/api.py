@@ -18,7 +18,8 @@ from typing import Callable, Dict, List, Optional
 import numpy as np
 
 from kvcx.codecs.dtypes import dtype_name
-from kvcx.codecs.kvconfig import DEFAULT_SCHEME, SCHEME_NAMES, KVConfig, check_plan_record, layer_of, tensor_kind
+from kvcx.codecs.kvconfig import DEFAULT_SCHEME, SCHEME_NAMES, KVConfig, layer_of, tensor_kind
+from kvcx.codecs.plan_record import check_plan_record
 from kvcx.codecs.metrics import (  # noqa: F401
     COSINE_THRESHOLD,
     RMSE_THRESHOLD,

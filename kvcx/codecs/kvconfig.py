@@ -13,6 +13,8 @@ Schemes (``--scheme``):
   each channel's spread, weighed by the queries where a plan gives ``key_weights``), in groups of 32 tokens
   whose ranges are stored as two bytes (``--group-size`` sets the values' groups only): 2.5 bits/value
   nominal, README "Low bits".
+- ``kvcx4w``: the default's values; keys with a width per channel (4 bits on average, groups of 64 tokens, the sink
+  exact): fewer bits than ``kvcx`` and the deep needle kept (docs/results/deep-needle.md).
 - ``kvcx2v``: no calibration, 2.75 bits/value counted whole: keys with a width per channel (87/32 bits on average,
   groups of 64 tokens), values on QuIP#'s E8P lattice (:class:`~kvcx.codecs.lattice.E8PCodec`); sinks exact.
 - ``kvcx3`` / ``kvcx2``: the low-bit presets: the kvcx layout at 3 bits, and at 2 bits with asymmetric
@@ -49,6 +51,7 @@ from kvcx.codecs import turboquant as _turboquant
 from kvcx.codecs.base import Codec, get_codec
 from kvcx.codecs.dtypes import is_int
 from kvcx.codecs.intcodec import BITS, IntCodec
+from kvcx.codecs.plan_record import MAX_LAYERS, TAG_RE
 from kvcx.errors import CodecError
 
 DEFAULT_SCHEME = "kvcx"
@@ -74,9 +77,12 @@ _SCHEMES = {
 # ranges are two bytes) and kvcx2's values: 2.5 bits/value nominal, the 2.6-bit frontier point (README "Low
 # bits"); with a plan's key_weights (`kvcx calibrate --scheme kvcx2w`) the widths follow the queries
 # kvcx2v (no calibration, 2.75 bits/value counted whole): keys' widths 87/32 bits on average in groups of 64 tokens,
-# E8P values (kvcx.codecs.lattice), sinks exact; the groups and sinks chosen in docs/results/low-bits-study.md
+# E8P values (kvcx.codecs.lattice), sinks exact; the groups and sinks chosen in docs/results/low-bits-study.md;
+# kvcx4w: the default's values, keys' widths 4 bits on average in groups of 64 (docs/results/deep-needle.md)
 _WIDTH_SCHEMES = {"kvcx2w": (dict(id="kvcx.widths", bits=2.0, group_size=32, sinks=1),
                              dict(id="kvcx.int", **_SCHEMES["kvcx2"][1])),
+                  "kvcx4w": (dict(id="kvcx.widths", bits=4.0, group_size=64, sinks=1),
+                             dict(id="kvcx.int", **_SCHEMES["kvcx"][1])),
                   "kvcx2v": (dict(id="kvcx.widths", bits=2.71875, group_size=64, sinks=1), dict(id="kvcx.e8p", sinks=1))}
 # engine formats (kvcx.codecs.engine, kvcx.codecs.turboquant): the codecs the engines write their caches with (one for
 # keys and values, or a pair)
@@ -105,14 +111,12 @@ _LADDER = {
               "b3a": dict(bits=3, scheme="asymmetric"), "b4": dict(bits=4, scheme="symmetric"),
               "b4a": dict(bits=4, scheme="asymmetric")},
 }
-_TAG_RE = re.compile(r"b(2|3|4|8)[a-z0-9]*")
 
 _KEY_WORDS = {"key", "keys", "k"}
 _VALUE_WORDS = {"value", "values", "v"}
 # transformers' legacy tuples: past_key_values.<layer>.<0 = key | 1 = value>
 _LEGACY_RE = re.compile(r"(^|[._])past_key_values?[._](\d+)[._]([01])$", re.IGNORECASE)
 _LAYER_RE = re.compile(r"(?:^|[^a-z])(?:layers?|past_key_values?|blocks?)[._]?(\d+)(?![0-9])", re.IGNORECASE)
-MAX_LAYERS = 1 << 16
 
 
 def layer_of(name: str) -> Optional[int]:
@@ -162,7 +166,7 @@ def _check_layer_bits(layer_bits) -> tuple:
         if not is_int(layer) or not 0 <= layer < MAX_LAYERS:
             raise CodecError(f"layer_bits: layer {layer!r} must be an integer in [0, {MAX_LAYERS})")
         for what, b in (("key", kb), ("value", vb)):
-            if isinstance(b, str) and _TAG_RE.fullmatch(b):
+            if isinstance(b, str) and TAG_RE.fullmatch(b):
                 continue
             if not is_int(b) or b not in BITS:
                 raise CodecError(f"layer_bits: layer {layer} {what} bits {b!r} is not one of {', '.join(map(str, BITS))} "
@@ -184,7 +188,7 @@ def _check_variants(variants) -> tuple:
             name, codec = row
         except (TypeError, ValueError):
             raise CodecError(f"variants must map 'key.TAG' / 'value.TAG' to a codec, got {row!r}") from None
-        m = re.fullmatch(r"(key|value)\.(" + _TAG_RE.pattern + ")", name) if isinstance(name, str) else None
+        m = re.fullmatch(r"(key|value)\.(" + TAG_RE.pattern + ")", name) if isinstance(name, str) else None
         if m is None:
             raise CodecError(f"variants: {name!r} is not a variant name; use 'key.TAG' or 'value.TAG' with TAG = "
                              "b<bits> and an optional suffix (e.g. 'value.b3', 'key.b3g128')")
@@ -233,92 +237,6 @@ def _check_key_weights(key_weights) -> tuple:
         seen.add(int(layer))
         out.append((int(layer), w))
     return tuple(sorted(out))
-
-
-# a plan file: the config and what calibration recorded, each field typed and bounded
-_PLAN_NUMBERS = ("budget", "bits_per_value", "wall_time_s", "estimated_kld")
-_PLAN_COUNTS = {"n_layers": MAX_LAYERS, "windows": 1 << 31, "tokens": 1 << 48, "extrapolated": 1 << 24,
-                "head_dim": 1 << 16}
-_PLAN_FIELDS = {"config", "sensitivity", "model", "complete", "steps", "press", "guard", "layers", *_PLAN_NUMBERS,
-                *_PLAN_COUNTS}
-# the retrieval guard's record (kvcx.quality.guard): numbers, and lists of numbers a layer or a depth each
-_GUARD_NUMBERS = {"whole", "protect", "length", "prompts", "seed"}
-_GUARD_LISTS = {"layers", "losses", "depths"}
-_KEEP_TAG_RE = re.compile(r"k(1|0?\.[0-9]+)")   # an eviction's keep ratio, as calibration tags it
-
-
-def _finite_number(v) -> bool:
-    import math
-
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        return False
-    try:
-        return math.isfinite(float(v))
-    except OverflowError:   # an integer too large for a float
-        return False
-
-
-def check_plan_record(data, source: str) -> dict:
-    """A plan file's JSON (``kvcx calibrate --out``), every field typed and bounded; CodecError naming the file
-    and field otherwise. Returns ``data``."""
-    def bad(what: str):
-        raise CodecError(f"{source}: {what}; the plan is damaged or was not written by `kvcx calibrate`: write it "
-                         "again")
-    if not isinstance(data, dict):
-        bad("a plan must be a JSON object")
-    unknown = sorted(set(data) - _PLAN_FIELDS)
-    if unknown and "config" in data:
-        bad(f"unknown fields {unknown[:5]}")
-    cfg = data.get("config", data)
-    if not isinstance(cfg, dict):
-        bad(f"'config' must be an object, got {type(cfg).__name__}")
-    if "config" not in data:
-        return data   # a bare config (KVConfig.get_config()): KVConfig.from_config reads it strictly
-    for k in _PLAN_NUMBERS:
-        v = data.get(k)
-        if k == "estimated_kld" and isinstance(v, float) and v != v:   # NaN: not estimated (earlier releases)
-            continue
-        if v is not None and not _finite_number(v):
-            bad(f"'{k}' must be a finite number, got {str(v)[:40]}")
-    for k, top in _PLAN_COUNTS.items():
-        v = data.get(k)
-        if v is not None and not (is_int(v) and 0 <= v <= top):
-            bad(f"'{k}' must be a whole number from 0 to {top}, got {str(v)[:40]}")
-    steps = data.get("steps", [])   # earlier releases: the greedy allocator's steps, kept, not read
-    if not (isinstance(steps, list) and len(steps) <= 1 << 16 and all(isinstance(x, list) and len(x) <= 8
-                                                                       for x in steps)):
-        bad("'steps' must be a list of short lists")
-    for k, t in (("model", str), ("complete", bool), ("press", dict)):
-        if k in data and not isinstance(data[k], t):
-            bad(f"'{k}' must be a {t.__name__}, got {type(data[k]).__name__}")
-    guard = data.get("guard", {})
-    if not (isinstance(guard, dict) and set(guard) <= _GUARD_NUMBERS | _GUARD_LISTS
-            and all(_finite_number(guard[k]) for k in _GUARD_NUMBERS & set(guard))
-            and all(isinstance(guard[k], list) and len(guard[k]) <= MAX_LAYERS and all(map(_finite_number, guard[k]))
-                    for k in _GUARD_LISTS & set(guard))):
-        bad("'guard' must be the retrieval guard's record: " + ", ".join(sorted(_GUARD_NUMBERS)) + " (numbers) and "
-            + ", ".join(sorted(_GUARD_LISTS)) + " (lists of numbers)")
-    n_layers = data.get("n_layers", MAX_LAYERS)
-    layers = data.get("layers", [])   # the layers the plan covers and their types (a hybrid's attention layers)
-    if not (isinstance(layers, list) and len(layers) <= n_layers and all(
-            isinstance(r, dict) and set(r) == {"layer", "type"} and is_int(r["layer"]) and 0 <= r["layer"] < n_layers
-            and isinstance(r["type"], str) and 0 < len(r["type"]) <= 64 for r in layers)
-            and len({r["layer"] for r in layers}) == len(layers)):
-        bad("'layers' must list the plan's layers once each as {layer (below n_layers), type (a layer type name)}")
-    rows = data.get("sensitivity", [])
-    if not isinstance(rows, list) or len(rows) > 64 * 3 * max(1, n_layers):
-        bad("'sensitivity' must be a list of figures (kind, layer, option, kld), a few per layer and kind")
-    for r in rows:
-        keep = isinstance(r, dict) and r.get("kind") == "keep"
-        tag = _KEEP_TAG_RE if keep else _TAG_RE
-        if not (isinstance(r, dict) and {"kind", "layer", "kld"} <= set(r) <= {"kind", "layer", "option", "kld"}
-                and r["kind"] in ("key", "value", "keep") and is_int(r["layer"]) and 0 <= r["layer"] < n_layers
-                and _finite_number(r["kld"]) and r["kld"] >= 0
-                and ("option" not in r or (isinstance(r["option"], str) and tag.fullmatch(r["option"])))
-                and (not keep or "option" in r)):
-            bad(f"sensitivity figure {str(r)[:80]} is not kind (key/value/keep), layer (below n_layers), option (a tag "
-                "such as b3g128, or k0.5 for an eviction) and kld (a finite number >= 0)")
-    return data
 
 
 def tag_of(sel) -> str:
@@ -431,8 +349,8 @@ class KVConfig:
             return cls(key=key, value=codec, scheme=scheme)
         if scheme in _WIDTH_SCHEMES:
             if bits is not None or rotate is not None:
-                raise CodecError(f"scheme={scheme!r} sets its own bits and rotation; use scheme='kvcx2' to change "
-                                 "them")
+                raise CodecError(f"scheme={scheme!r} sets its own bits and rotation; leave them out, or use "
+                                 "scheme='kvcx2' (or scheme='kvcx') to change them")
             kw, vkw = (dict(d) for d in _WIDTH_SCHEMES[scheme])
             for d in (kw, vkw):
                 if sinks is not None:

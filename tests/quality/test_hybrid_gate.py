@@ -54,7 +54,7 @@ def test_calibrate_plans_a_hybrids_attention_layers_by_type(loaded, wikitext_pat
     import json
 
     from kvcx.cache.kvcx_cache import KvcxCache
-    from kvcx.codecs.kvconfig import check_plan_record
+    from kvcx.codecs.plan_record import check_plan_record
     from kvcx.codecs.presses import parse_press
     from kvcx.errors import KvcxError
     from kvcx.quality.calibrate import reallocate, run_calibration
