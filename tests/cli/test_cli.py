@@ -186,7 +186,7 @@ def test_library_errors_name_parameters_and_the_cli_its_flags(small_cache_file, 
     r = run("validate", "--window", "1", "--dataset-file", str(tmp_path / "x.raw"))
     assert r.exit_code == 1 and "--window 1 and --stride 512 must be at least 2" in r.output, r.output
     r = run("compress", small_cache_file, tmp_path / "b.safetensors", "--scheme", "kvcx2w", "--bits", "3")
-    assert r.exit_code == 1 and "--scheme kvcx2w sets its own bits and rotation; use --scheme kvcx2" in r.output
+    assert r.exit_code == 1 and "--scheme kvcx2w sets its own bits and rotation; leave them out, or use --scheme kvcx2" in r.output
     assert in_flags("pass rotate=False", "compress") == "pass --no-rotate"
     assert in_flags("pass rotate=True, or sinks=2", "compress") == "pass --rotate, or --sinks 2"
     assert in_flags("max_windows=-1 must be >= 0", "validate") == "--max-windows -1 must be >= 0"
