@@ -21,7 +21,7 @@ from pathlib import Path
 
 
 def kind_of(setting) -> str:
-    from kvcx.codecs.presses import PressedSetting
+    from kvcx.presses import PressedSetting
 
     if isinstance(setting, PressedSetting):
         if setting.press.layer_keep:

@@ -284,7 +284,7 @@ def read_plan(plan) -> dict:
 def load_plan(plan, n_threads: Optional[int] = None):
     """The KVConfig of a plan written by ``kvcx calibrate`` (a file's path, or a shipped plan's name such as
     ``"smollm2-kvcx2w-2.47"``; any JSON object with a ``config`` works). A plan calibrated with a press (keep
-    ratios per layer) is a :class:`~kvcx.codecs.presses.PressedSetting` of its press and config, which
+    ratios per layer) is a :class:`~kvcx.presses.PressedSetting` of its press and config, which
     ``validate`` and ``KvcxCache(kv_config=...)`` take."""
     p = plan_file(plan)
     data = read_plan(p)
@@ -295,7 +295,7 @@ def load_plan(plan, n_threads: Optional[int] = None):
         raise FormatError(f"{p}: {exc}") from None
     if data.get("press") is None or "config" not in data:
         return config
-    from kvcx.codecs.presses import Press, PressedSetting
+    from kvcx.presses import Press, PressedSetting
 
     try:
         press = Press.from_config(data["press"], p)
@@ -327,7 +327,7 @@ def validation_settings(scheme: str, plan=None, gate: Optional[str] = None, grou
     if given and any(x in peers for x in labels):
         raise CodecError(f"scheme={','.join(x for x in labels if x in peers)} runs through its own library with its "
                          f"own settings; leave out {', '.join(given)}")
-    from kvcx.codecs.presses import PressedSetting, split_scheme
+    from kvcx.presses import PressedSetting, split_scheme
 
     split = {x: split_scheme(x) for x in labels}       # a press (token eviction) composed by '+', and the codec
     codecs = [c for _, c in split.values() if c is not None]

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "kvcx"
 
 # layer of each part of the package: a module may import from its own layer and those below
-LAYERS = [("kvcx.errors", 0), ("kvcx.deps", 0), ("kvcx.version", 0), ("kvcx.codecs", 1), ("kvcx.formats", 2), ("kvcx.api", 3),
+LAYERS = [("kvcx.errors", 0), ("kvcx.deps", 0), ("kvcx.version", 0), ("kvcx.codecs", 1), ("kvcx.presses", 1), ("kvcx.formats", 2), ("kvcx.api", 3),
           ("kvcx.cache", 4), ("kvcx.quality", 5), ("kvcx.integrations", 5), ("kvcx.cli", 6), ("kvcx.__main__", 7),
           ("kvcx", 7)]
 # wings of one layer that must not import each other

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 from kvcx.codecs.backends import TRITON, backend_takes
-from kvcx.codecs.presses import Press, PressedSetting, split_scheme
+from kvcx.presses import Press, PressedSetting, split_scheme
 from kvcx.errors import KvcxError
 
 

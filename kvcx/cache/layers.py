@@ -49,7 +49,7 @@ class KvcxLayer(DynamicLayer):
     def __init__(self, kv_config, residual_length: int, shared: Shared, spec: LayerSpec,
                  key_weights: Optional[np.ndarray] = None, press=None):
         """``kv_config``: the layer's :class:`~kvcx.codecs.KVConfig`; ``press``: a
-        :class:`~kvcx.codecs.presses.Press` run at the prefill (full layers), or None."""
+        :class:`~kvcx.presses.Press` run at the prefill (full layers), or None."""
         super().__init__()
         self.spec = spec
         self.layer_idx = spec.index

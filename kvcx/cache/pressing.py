@@ -1,4 +1,4 @@
-"""Token eviction in :class:`~kvcx.cache.KvcxCache`: a press (:mod:`kvcx.codecs.presses`) runs once per layer, on
+"""Token eviction in :class:`~kvcx.cache.KvcxCache`: a press (:mod:`kvcx.presses`) runs once per layer, on
 the prompt's prefill, and the layer packs only the tokens it keeps.
 
 The prefill's own attention reads every prompt token at full precision (the press runs after it, as kvpress
@@ -21,7 +21,7 @@ import torch
 from transformers import DynamicCache
 
 from kvcx.cache.attention_fn import HANDOFF, TAIL
-from kvcx.codecs.presses import Press
+from kvcx.presses import Press
 from kvcx.errors import KvcxError
 
 

@@ -66,7 +66,7 @@ def calibrate(
         from kvcx.quality import calibrate as cal
 
         check_files_first(dataset=dataset_file, reuse=reuse, outputs=[(out_path, "plan")], sidecars=False)
-        from kvcx.codecs.presses import split_scheme
+        from kvcx.presses import split_scheme
 
         press, codec = split_scheme(scheme) if scheme else (None, None)
         if press is not None and codec is None:
@@ -142,7 +142,7 @@ def _guard(out_path, length, prompts, protect, scheme, group_size, bits, unused,
     """``kvcx calibrate --guard-retrieval LENGTH``: the layers whose keys carry the retrieval loss, at 8 bits."""
     with cli_errors("calibrate"):
         from kvcx.api import save_plan
-        from kvcx.codecs.presses import split_scheme
+        from kvcx.presses import split_scheme
         from kvcx.quality.guard import GUARD_DEPTHS, check_guard, measure_guard
 
         given = [name for name, v in unused.items() if v]

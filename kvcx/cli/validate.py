@@ -79,7 +79,7 @@ def validate(
 
         configs, gated = validation_settings(scheme, plan, gate, group_size, bits, sinks, rotate, threads, peers=PEERS)
         on_phase = None if (json_out or quiet) else print_phase
-        from kvcx.codecs.presses import PressedSetting
+        from kvcx.presses import PressedSetting
         from kvcx.quality import ranks
         from kvcx.quality.request import ValidateRequest
 

@@ -41,7 +41,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Un
 from kvcx.cache.layer_types import cached_layers
 from kvcx.codecs.kvconfig import KVConfig, layer_of, tag_of
 from kvcx.codecs.plan_record import check_plan_record
-from kvcx.codecs.presses import INDEX_BITS, Press, PressedSetting
+from kvcx.presses import INDEX_BITS, Press, PressedSetting
 from kvcx.errors import CodecError, KvcxError
 from kvcx.quality import ranks
 from kvcx.quality.query_weights import combine_query_sums, window_query_sums

@@ -1,4 +1,4 @@
-"""Token eviction run on a model's cache (the presses of :mod:`kvcx.codecs.presses`): the queries SnapKV
+"""Token eviction run on a model's cache (the presses of :mod:`kvcx.presses`): the queries SnapKV
 scores with, captured during a prefill (:class:`QueryCapture`); a cache's tensors evicted layer by layer
 (:func:`evict`); and :class:`PressRoundtrip`, a press composed with a codec as one round trip of the cache,
 which ``validate``'s perplexity (prefix mode), its retrieval tasks and ``calibrate`` run alike.
@@ -15,7 +15,7 @@ from typing import Callable, Dict, List, Optional
 import numpy as np
 
 from kvcx.codecs.metrics import ErrorStats
-from kvcx.codecs.presses import PressedSetting, index_bytes
+from kvcx.presses import PressedSetting, index_bytes
 from kvcx.errors import KvcxError
 
 

@@ -100,7 +100,7 @@ def roundtrip_of(setting, model_config=None):
     codec, or kvcx's codecs and packed format."""
     if isinstance(setting, PeerSetting):
         return functools.partial(setting.roundtrip, model_config=model_config)
-    from kvcx.codecs.presses import PressedSetting
+    from kvcx.presses import PressedSetting
 
     if isinstance(setting, PressedSetting):     # token eviction, then its codec (if any)
         from kvcx.quality.eviction import PressRoundtrip

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
 from kvcx.codecs.metrics import json_safe
-from kvcx.codecs.presses import PressedSetting
+from kvcx.presses import PressedSetting
 from kvcx.errors import KvcxError
 from kvcx.quality import ranks, ruler, stats
 from kvcx.quality.eviction import QueryCapture, attending

@@ -29,7 +29,7 @@ import numpy as np
 
 from kvcx.codecs.kvconfig import KVConfig
 from kvcx.codecs.metrics import Thresholds, check_thresholds, json_safe, quality_level
-from kvcx.codecs.presses import PressedSetting
+from kvcx.presses import PressedSetting
 from kvcx.errors import KvcxError
 from kvcx.quality.bridge import DeviceRoundtrip, backend_of
 from kvcx.quality import ranks
@@ -117,7 +117,7 @@ def perplexity_generation(model, ids, starts: List[int], window: int, stride: in
 
     The window is fed in chunks of ``residual_length`` tokens, so each chunk attends to all earlier
     tokens in packed INT4 form (plus the full-precision residual), as during generation. With a press
-    (a :class:`~kvcx.codecs.presses.PressedSetting`) the window's context is the prompt: one prefill, which the
+    (a :class:`~kvcx.presses.PressedSetting`) the window's context is the prompt: one prefill, which the
     press prunes (KvcxCache runs it through the ``"kvcx"`` attention, set for the run), then the continuation in
     chunks.
     """

@@ -39,7 +39,7 @@ def _reference(model, ids, press, new_tokens):
 @pytest.mark.parametrize("spec", ["snapkv:0.25", "knorm:0.5", "streaming:0.5"])
 def test_generate_after_a_press_equals_the_prefix_path(kvcx_attention, loaded, prompt, spec):
     from kvcx.cache import KvcxCache
-    from kvcx.codecs.presses import parse_press
+    from kvcx.presses import parse_press
 
     model = kvcx_attention
     press = parse_press(spec)
@@ -68,7 +68,7 @@ def test_a_multi_token_step_after_the_press_is_causal(kvcx_attention, loaded, pr
     """The question after a pruned prompt, several tokens in one step (the materialising path and its own mask),
     gives the hidden states the prefix path gives."""
     from kvcx.cache import KvcxCache
-    from kvcx.codecs.presses import parse_press
+    from kvcx.presses import parse_press
     from kvcx.quality.bridge import cache_to_tensors, make_dynamic_cache, tensors_to_layers
     from kvcx.quality.eviction import evict
     from kvcx.quality.scoring import forward_hidden
@@ -121,7 +121,7 @@ def test_an_evicted_cache_gives_each_layer_its_own_causal_mask(loaded, prompt):
     """A context whose layers keep different counts (a plan's keep ratio per layer) runs through the "kvcx"
     attention with each layer's own mask: with even layers it equals a DynamicCache exactly; with uneven ones each
     layer holds what its ratio keeps and the scores stay finite."""
-    from kvcx.codecs.presses import Press
+    from kvcx.presses import Press
     from kvcx.quality.bridge import cache_to_tensors, make_dynamic_cache, tensors_to_layers
     from kvcx.quality.eviction import attending, evict
     from kvcx.quality.scoring import forward_hidden
@@ -157,7 +157,7 @@ def test_a_plan_with_a_keep_ratio_per_layer_generates_as_the_prefix_path(kvcx_at
     count and decodes with its own mask, as the prefix path over an EvictedCache does."""
     from kvcx.cache import KvcxCache
     from kvcx.codecs import KVConfig
-    from kvcx.codecs.presses import Press, PressedSetting
+    from kvcx.presses import Press, PressedSetting
     from kvcx.quality.bridge import cache_to_tensors, make_dynamic_cache, tensors_to_layers
     from kvcx.quality.eviction import attending, evict
     from kvcx.quality.scoring import greedy_reply

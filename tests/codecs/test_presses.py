@@ -5,7 +5,7 @@ import pytest
 
 from kvcx.api import validation_settings
 from kvcx.codecs.kvconfig import KVConfig
-from kvcx.codecs.presses import PRESSES, Press, PressedSetting, index_bytes, parse_press, split_scheme
+from kvcx.presses import PRESSES, Press, PressedSetting, index_bytes, parse_press, split_scheme
 from kvcx.errors import KvcxError
 
 

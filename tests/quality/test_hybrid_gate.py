@@ -55,7 +55,7 @@ def test_calibrate_plans_a_hybrids_attention_layers_by_type(loaded, wikitext_pat
 
     from kvcx.cache.kvcx_cache import KvcxCache
     from kvcx.codecs.plan_record import check_plan_record
-    from kvcx.codecs.presses import parse_press
+    from kvcx.presses import parse_press
     from kvcx.errors import KvcxError
     from kvcx.quality.calibrate import reallocate, run_calibration
 

@@ -9,7 +9,7 @@ import pytest
 from kvcx.api import load_plan
 from kvcx.codecs import KVConfig
 from kvcx.codecs.plan_record import check_plan_record
-from kvcx.codecs.presses import Press, PressedSetting
+from kvcx.presses import Press, PressedSetting
 from kvcx.errors import KvcxError
 from kvcx.quality.calibrate import (Calibration, _costs, allocate_pressed, keep_ladder, keep_tag, plan_options,
                                     reallocate)
