@@ -121,7 +121,7 @@ def paged_case(torch, dev, cfg, K, V, S: int, shuffled: bool = True):
 
 
 def attention(torch, dev, cfg, contexts, batches, reps, out, hq, hkv, d):
-    from kvcx.codecs import gpu
+    from kvcx.codecs import gpu_attn
     from kvcx.codecs.paged import attend as paged_attend
 
     try:
@@ -131,7 +131,7 @@ def attention(torch, dev, cfg, contexts, batches, reps, out, hq, hkv, d):
     out("## 1. Decode attention, one layer's step")
     out("")
     out(f"{hq} query heads, {hkv} KV heads, head dim {d}, BF16; kvcx: the {SCHEME} scheme's packed store (+ 1 sink "
-        f"and {RESIDUAL} residual tokens) through DevicePackedKV.attend (launch settings: {describe(current(gpu))}); "
+        f"and {RESIDUAL} residual tokens) through DevicePackedKV.attend (launch settings: {describe(current(gpu_attn))}); "
         "SDPA: the fastest "
         "of its backends that takes the shapes (named); ratio = baseline / kvcx (> 1: kvcx faster); L2 flushed "
         "before each timed run; graphs: one step captured in a CUDA graph and replayed; errors: kvcx's output, and "
@@ -195,9 +195,9 @@ def variants(torch, dev, cfg, cases, reps, out, hq, hkv, d):
     on the same store (the bar: :func:`reference_errors`). Returns the fastest of those within the bar in every
     case: the smallest sum over the cases of its graph time over the FP32 sums' (each case counts alike, batch 8's
     longer steps no more than batch 1's)."""
-    from kvcx.codecs import gpu
+    from kvcx.codecs import gpu_attn
 
-    default = current(gpu)
+    default = current(gpu_attn)
     times = {}
     out(f"## 5. Attention kernel settings (the package's default: {describe(default)})")
     out("")
@@ -209,12 +209,12 @@ def variants(torch, dev, cfg, cases, reps, out, hq, hkv, d):
         q, _, _, store, rk, rv = case(torch, dev, cfg, B, S, hq, hkv, d, seed=S + B)
         q = q.view(B, hq, d)
         step = lambda: store.attend(q, rk, rv, None, d ** -0.5)  # noqa: E731
-        apply(gpu, SETTINGS[0])
+        apply(gpu_attn, SETTINGS[0])
         ref = step().double()
         _, bar = reference_errors(torch, store, q, rk, rv, d ** -0.5, ref)
         base = None
         for setting in SETTINGS:
-            apply(gpu, setting)
+            apply(gpu_attn, setting)
             try:
                 err = float((step().double() - ref).norm() / ref.norm())
                 eager, graph = timer(torch, dev, step, reps), graph_timer(torch, dev, step, reps)
@@ -226,7 +226,7 @@ def variants(torch, dev, cfg, cases, reps, out, hq, hkv, d):
             except Exception as exc:  # a setting that does not compile or run is a row, not the end of the run
                 row = ["failed", f"{type(exc).__name__}", str(exc).splitlines()[0][:60] if str(exc) else "", ""]
             finally:
-                apply(gpu, default)
+                apply(gpu_attn, default)
             bt, warps, dot, prefetch, stages, per_sm, regs, early, pdl, merge_warps, merge_splits = setting
             out(f"| {S:,} | {B} | {bt} | {warps} | {dot or 'FP32 sums'} | {'yes' if prefetch else 'no'} | "
                 f"{stages or 'default'} | {per_sm} | {regs or 'none'} | {'yes' if early else 'no'} | "
@@ -494,10 +494,10 @@ def main(argv=None):
     # against the default's 16.8 in an earlier run; not yet timed side by side)
     tune_cases = [(shapes["contexts"][-1], 1)] if args.smoke else [(4096, 1), (32768, 1), (131072, 1), (32768, 8)]
     if args.tune:
-        from kvcx.codecs import gpu
+        from kvcx.codecs import gpu_attn
 
         best = variants(torch, dev, cfg, tune_cases, shapes["reps"], out, shapes["hq"], shapes["hkv"], shapes["d"])
-        apply(gpu, best)
+        apply(gpu_attn, best)
         out(f"The other sections run with the fastest setting within the bar in every case (the smallest sum of "
             f"its graph times over the FP32 sums'): "
             f"{describe(best)}.")

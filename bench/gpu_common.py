@@ -197,17 +197,17 @@ SETTINGS = [Setting(32, 4, "", stages=None, per_sm=4, pdl=False),      # FP32 su
             Setting(warps=2, dot="int8x3", stages=None, per_sm=4)]       # the exact mode
 KNOBS = ("ATTN_BLOCK_TOKENS", "ATTN_WARPS", "ATTN_DOT", "ATTN_PREFETCH", "ATTN_STAGES", "ATTN_PROGRAMS_PER_SM",
           "ATTN_MAX_REGISTERS", "ATTN_EARLY_TILE", "MERGE_PDL", "MERGE_WARPS", "MERGE_SPLITS")
-def apply(gpu, setting) -> None:
+def apply(gpu_attn, setting) -> None:
     for name, value in zip(KNOBS, setting):
-        setattr(gpu, name, value)
+        setattr(gpu_attn, name, value)
 
 
-def current(gpu) -> Setting:
-    return Setting(*(getattr(gpu, name) for name in KNOBS))
+def current(gpu_attn) -> Setting:
+    return Setting(*(getattr(gpu_attn, name) for name in KNOBS))
 
 
 def describe(setting) -> str:
-    from kvcx.codecs.gpu import ATTN_MODE_WARPS
+    from kvcx.codecs.gpu_attn import ATTN_MODE_WARPS
 
     bt, warps, dot, prefetch, stages, per_sm, regs, early, pdl, merge_warps, merge_splits = Setting(*setting)
     warps = f"{warps} warps" if warps else f"the mode's warps ({ATTN_MODE_WARPS.get(dot, 'none: not a mode')})"

@@ -32,20 +32,21 @@ def main(argv=None):
     from bench import gpu_common as common
 
     torch, dev = common.setup_device(args.smoke)
-    from kvcx.codecs import gpu
+    from kvcx.codecs import gpu, gpu_attn
     from kvcx.errors import KvcxError
 
     settings = {}
     for item in args.set:
         name, _, value = item.partition("=")
-        if not name.startswith(("ATTN_", "MERGE_", "CODEC_", "PROGRAM_")) or not hasattr(gpu, name):
-            ap.error(f"--set {item}: not a launch setting of kvcx.codecs.gpu (ATTN_*, MERGE_*, CODEC_WARPS, CODEC_LOOP, "
-                     "CODEC_CHANNELS, PROGRAM_VALUES)")
+        home = gpu_attn if name.startswith(("ATTN_", "MERGE_")) else gpu   # the attention's settings, the codec's
+        if not name.startswith(("ATTN_", "MERGE_", "CODEC_", "PROGRAM_")) or not hasattr(home, name):
+            ap.error(f"--set {item}: not a launch setting of kvcx.codecs.gpu_attn (ATTN_*, MERGE_*) or kvcx.codecs.gpu "
+                     "(CODEC_WARPS, CODEC_LOOP, CODEC_CHANNELS, PROGRAM_VALUES)")
         try:
             settings[name] = ast.literal_eval(value)
         except (ValueError, SyntaxError):
             ap.error(f"--set {item}: the value is not a Python literal (a number, a string in quotes, None)")
-        default = getattr(gpu, name)
+        default = getattr(home, name)
         if isinstance(default, bool) and not isinstance(settings[name], bool):
             ap.error(f"--set {item}: {name} is on or off; give True or False")
         if isinstance(default, int) and not isinstance(default, bool) and \
@@ -55,16 +56,19 @@ def main(argv=None):
             ap.error(f"--set {item}: a program's warps are a power of two, 1 to 32")
     if dev.type != "cuda" and not args.smoke:
         ap.error("no CUDA device here: the full shapes would run for hours in Triton's interpreter; pass --smoke")
-    saved = {name: getattr(gpu, name) for name in settings}
+    def home_of(name):
+        return gpu_attn if name.startswith(("ATTN_", "MERGE_")) else gpu
+
+    saved = {name: getattr(home_of(name), name) for name in settings}
     try:   # the settings for this run only (the module's own again after it, also when imported)
         for name, value in settings.items():
-            setattr(gpu, name, value)
+            setattr(home_of(name), name, value)
         profile(torch, dev, args)
     except KvcxError as exc:   # a setting the kernels refuse (a product mode, a register cap), by its name
         ap.error(str(exc))
     finally:
         for name, value in saved.items():
-            setattr(gpu, name, value)
+            setattr(home_of(name), name, value)
 
 
 def profile(torch, dev, args) -> None:
@@ -72,13 +76,13 @@ def profile(torch, dev, args) -> None:
     from bench import gpu_common as common
     from bench.report import Report
 
-    from kvcx.codecs import KVConfig, gpu
+    from kvcx.codecs import KVConfig, gpu_attn
 
     out = Report()
     out(f"Device: {torch.cuda.get_device_name(0) if dev.type == 'cuda' else 'no GPU: the interpreter'}; torch "
         f"{torch.__version__}; triton {__import__('triton').__version__}; launch settings: "
-        f"{common.describe(common.current(gpu))}; at least {gpu.ATTN_SPLIT_TOKENS} tokens a split; "
-        f"the merge reads {gpu.MERGE_SPLITS} splits at a time, {gpu.MERGE_WARPS} warps a program")
+        f"{common.describe(common.current(gpu_attn))}; at least {gpu_attn.ATTN_SPLIT_TOKENS} tokens a split; "
+        f"the merge reads {gpu_attn.MERGE_SPLITS} splits at a time, {gpu_attn.MERGE_WARPS} warps a program")
     out("")
     cfg = KVConfig.from_scheme(common.SCHEME)
     if args.smoke:

@@ -82,14 +82,14 @@ def main_loop(instrs):
 def compile_setting(setting, arch: int, dump: Path | None):
     """(SASS text, registers, stack bytes, kernel name, shared-memory bytes, tile tokens) of the attention kernel at
     setting."""
-    from kvcx.codecs import KVConfig, gpu
+    from kvcx.codecs import KVConfig, gpu_attn
     from kvcx.codecs.triton_kernels import attention as k
 
     s = setting
     bt, warps, dot, prefetch, stages, max_regs, early, pdl = (s.block_tokens, s.warps, s.dot, s.prefetch, s.stages,
                                                                s.max_regs, s.early, s.pdl)
     cfg = KVConfig.from_scheme(SCHEME)
-    consts = gpu.attention_constexprs(cfg.key, cfg.value, 4, D, dot, bt, False, prefetch, True, early, pdl)
+    consts = gpu_attn.attention_constexprs(cfg.key, cfg.value, 4, D, dot, bt, False, prefetch, True, early, pdl)
     fn = k.attend_packed_kernel
     pointers = {"q_ptr": "*fp32", "mask_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32",
                 **{f"{n}{i}_ptr": "*u8" if n.endswith("c") else "*fp16" for n in ("kc", "vc", "ks", "kz", "vs", "vz")
@@ -100,7 +100,7 @@ def compile_setting(setting, arch: int, dump: Path | None):
            for a in fn.arg_names}
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in fn.arg_names
              if a in pointers or a in aligned}
-    opts = dict(num_warps=warps, enable_fp_fusion=gpu.ATTN_FP_FUSION)
+    opts = dict(num_warps=warps, enable_fp_fusion=gpu_attn.ATTN_FP_FUSION)
     if stages:
         opts["num_stages"] = stages
     if max_regs:
@@ -204,17 +204,17 @@ def count_merge(warps: int, chunk: int, pdl: bool, arch: int, dump: Path | None)
     barriers (``BAR.SYNC``: the warps wait for one another, a reduction or a layout change across them) in all and
     after the grid-dependency wait (what a dependent launch leaves on the step's critical path), and in the loop
     over the splits' chunks (run once per chunk)."""
-    from kvcx.codecs import gpu
+    from kvcx.codecs import gpu_attn, tensors
 
-    fn = gpu.attention_kernels().merge_kernel
+    fn = gpu_attn.attention_kernels().merge_kernel
     values = dict(q_scale=D ** -0.5, SPT=MERGE_SPLITS_A_ROW, n_sinks=1, n_res=32, add_stride=0, res_off=0, Hkv=8,
-                  norm=gpu._norm(D))
+                  norm=tensors.norm_of(D))
     pointers = {**{a: "fp32" for a in ("m_ptr", "l_ptr", "acc_ptr", "add_ptr", "out_ptr")},
                 **{a: "bf16" for a in ("q_ptr", "sk_ptr", "sv_ptr", "rk_ptr", "rv_ptr")}, "res_lens_ptr": "i32",
                 "sl_ptr": "fp32"}
     const = dict(R=4, D=D, SB=1, RB=32, HAS_MASK=False, ROTATE=True, CH=chunk, PDL=pdl, RES_LENS=False, OUT_BF16=False)
     sig, attrs, consts = launch_signature(fn, values, const, pointers)
-    opts = dict(num_warps=warps, enable_fp_fusion=gpu.ATTN_FP_FUSION)
+    opts = dict(num_warps=warps, enable_fp_fusion=gpu_attn.ATTN_FP_FUSION)
     sass, regs, stack, kname, _ = build(fn, sig, consts, attrs, opts, arch, dump, f"merge_{warps}w_{chunk}s")
     instrs = parse(sass, kname)
     wait = next((i for i, (_, op, _) in enumerate(instrs) if op.startswith("ACQBULK")), 0)
@@ -287,7 +287,7 @@ def launch_signature(fn, values: dict, consts: dict, pointers: dict):
 
 def count_codec(label: str, scheme: str, which: str, decode: bool, arch: int, dump: Path | None):
     """One codec kernel as bench_gpu.py launches it: a dict of its counts a value."""
-    from kvcx.codecs import KVConfig, gpu
+    from kvcx.codecs import KVConfig, gpu, tensors
 
     codec = getattr(KVConfig.from_scheme(scheme), which)
     lay = codec.layout(CODEC_SHAPE, which)
@@ -295,7 +295,7 @@ def count_codec(label: str, scheme: str, which: str, decode: bool, arch: int, du
         (_, fn), args, _, const = gpu._programs(codec, lay)
     else:            # as the launcher encodes (CODEC_LOOP: the blocks in a loop)
         fn, args, _, const = gpu.encode_launch(codec, lay)
-    values = {**args, "norm": gpu._norm(lay.D), "pages": 1}
+    values = {**args, "norm": tensors.norm_of(lay.D), "pages": 1}
     pointers = {"codes_ptr": "u8", "scales_ptr": "fp16", "zeros_ptr": "fp16", "flag_ptr": "i32", "xb_ptr": "i16",
                 "sinks_ptr": "i16", "sb_ptr": "i16", "ob_ptr": "i16", "where_ptr": "i32", "new_ptr": "bf16"}
     if decode:
@@ -363,13 +363,13 @@ def main(argv=None):
     from bench.gpu_common import SETTINGS, current, describe
     from bench.report import Report
 
-    from kvcx.codecs import gpu
+    from kvcx.codecs import gpu_attn
 
     emit = Report()
     t0 = time.perf_counter()
     emit(f"Triton {triton.__version__}, target sm_{args.arch}; the {SCHEME} scheme's layout (keys per channel with "
          f"zero points, values rotated per token), head dim {D}, 4 query rows a KV head, no mask; the package's "
-         f"default: {describe(current(gpu))}.\n")
+         f"default: {describe(current(gpu_attn))}.\n")
     emit("Instructions per token of context in the kernel's main loop (one iteration = one tile): a program's warp "
          "instructions (what the multiprocessors issue: a thread's count times the warps), a thread's, and a thread's "
          "by kind; registers a thread and the bytes of its stack frame (spills; ptxas) with the loop's accesses to it, "

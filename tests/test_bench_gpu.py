@@ -32,11 +32,11 @@ def test_the_step_profile_runs_and_names_the_kernels(tmp_path):
     from bench import profile_gpu
 
     out = tmp_path / "profile.md"
-    from kvcx.codecs import gpu
+    from kvcx.codecs import gpu, gpu_attn
 
-    default = gpu.ATTN_SPLIT_TOKENS
+    default = gpu_attn.ATTN_SPLIT_TOKENS
     profile_gpu.main(["--smoke", "--set", "ATTN_SPLIT_TOKENS=128", "CODEC_WARPS=2", "--codecs", "--markdown", str(out)])
-    assert gpu.ATTN_SPLIT_TOKENS == default and gpu.CODEC_WARPS == 4   # the settings held for the run only
+    assert gpu_attn.ATTN_SPLIT_TOKENS == default and gpu.CODEC_WARPS == 4   # the settings held for the run only
     text = out.read_text()
     assert "at least 128 tokens a split" in text and "| launches a step |" in text
     step, _, calls = text.partition("### The codec calls")
@@ -53,7 +53,7 @@ def test_the_step_profile_runs_and_names_the_kernels(tmp_path):
                 "MERGE_PDL=3", "ATTN_EARLY_TILE='yes'"):
         with pytest.raises(SystemExit):
             profile_gpu.main(["--smoke", "--set", bad])
-    assert gpu.ATTN_DOT != "int4"
+    assert gpu_attn.ATTN_DOT != "int4"
 
 
 def sass_near() -> int:

@@ -3,7 +3,7 @@
 The device counterpart of :mod:`kvcx.cache.store`: :class:`DevicePackedKV` keeps one layer's packed keys and
 values where the model runs (a CUDA GPU; a CPU tensor when the Triton backend is forced, in Triton's
 interpreter), appends the chunks the Triton encoder writes, and attends over them with the Triton kernels of
-:func:`kvcx.codecs.gpu.attend_spans` (flash-decoding along the context; the exact sinks and the residual in the
+:func:`kvcx.codecs.gpu_attn.attend_spans` (flash-decoding along the context; the exact sinks and the residual in the
 same softmax). Nothing crosses to the host.
 
 Chunks that continue one another (the same codecs, the last chunk ending on whole groups) are kept in one
@@ -18,7 +18,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from kvcx.codecs import gpu
+from kvcx.codecs import gpu, gpu_attn
 from kvcx.codecs.backends import TRITON, backend_name
 from kvcx.codecs.base import Codec, Packed, get_codec
 from kvcx.errors import CodecError
@@ -113,9 +113,9 @@ class _Span:
                 t[:, :g1 - g0] = t[:, g0:g1].clone()
         self.tokens = rest
 
-    def span(self) -> gpu.PackedSpan:
+    def span(self) -> gpu_attn.PackedSpan:
         """What the attention kernel reads (the buffers whole: rows as long as the capacity)."""
-        return gpu.PackedSpan(self.codes, self.scales, self.zeros, self.tokens)
+        return gpu_attn.PackedSpan(self.codes, self.scales, self.zeros, self.tokens)
 
     def record(self, lead: tuple, dtype: str) -> Packed:
         """The held tokens as a record of [*lead, tokens, D] (copies), to decode."""
@@ -273,15 +273,15 @@ class DevicePackedKV:
         [B, H, nr, D] (the step's own token its last); ``add`` float32 [B, held + nr] added to the scores, or
         None. Returns [B, Hq, D] float32, or written into ``out`` (:func:`attend_in_dtype`'s, in its dtype). The
         caller checked :meth:`unsupported`. ``sink_logits`` float32 [Hq] on the device (per-head sinks) or None;
-        ``softcap`` > 0: scores capped (:func:`kvcx.codecs.gpu.attend_spans`)."""
+        ``softcap`` > 0: scores capped (:func:`kvcx.codecs.gpu_attn.attend_spans`)."""
         B, Hq, D = q.shape
         held, nr = self.tokens, residual_k.shape[2]
         t0 = self._t0("key")
-        spans = [gpu.Span(seg.keys.span(), seg.values.span(), seg.keys.codec, seg.values.codec, t0 + seg.start)
+        spans = [gpu_attn.Span(seg.keys.span(), seg.values.span(), seg.keys.codec, seg.values.codec, t0 + seg.start)
                  for seg in self.segments]
         sinks = (self.sinks["key"], self.sinks["value"]) if t0 else (None, None)
         residual = (residual_k.reshape(self.N, nr, D), residual_v.reshape(self.N, nr, D)) if nr else (None, None)
-        return gpu.attend_spans(gpu.query_rows(q, self.N), scaling, spans, self.H, sinks, residual, add, held,
+        return gpu_attn.attend_spans(gpu.query_rows(q, self.N), scaling, spans, self.H, sinks, residual, add, held,
                                 per_split, out=out, sink_logits=sink_logits, softcap=softcap).reshape(B, Hq, D)
 
     @property

@@ -19,7 +19,7 @@ from transformers.cache_utils import CacheLayerMixin
 from kvcx.cache.attention_fn import HANDOFF
 from kvcx.cache.device_store import attend_in_dtype
 from kvcx.cache.layer_types import CHUNKED
-from kvcx.codecs import gpu, paged
+from kvcx.codecs import gpu, paged, gpu_attn
 from kvcx.codecs.base import Codec, Packed
 from kvcx.errors import KvcxError
 
@@ -115,7 +115,7 @@ class StaticKvcxLayer(CacheLayerMixin):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         B, H, _, D = key_states.shape
-        if not gpu.TritonIntBackend.available() or key_states.device.type != "cuda" and not gpu.interpreting():
+        if not gpu.TritonIntBackend.available() or key_states.device.type != "cuda" and not gpu_attn.interpreting():
             raise KvcxError(f"StaticKvcxCache runs the Triton kernels: it needs triton (pip install 'kvcx[gpu]') and "
                             f"a CUDA model, not one on {key_states.device.type} (Triton's interpreter, "
                             "TRITON_INTERPRET=1, runs them on the CPU for tests); on the CPU use KvcxCache")
@@ -441,7 +441,7 @@ class PlanHolder:
 
     def capacity(self, max_cache_len: int, t0: int) -> int:
         """Packed tokens a row holds: ``max_cache_len`` after the sinks, to whole pages of the kernel's tiles."""
-        unit = self.page * gpu.ATTN_BLOCK_TOKENS // math.gcd(self.page, gpu.ATTN_BLOCK_TOKENS)
+        unit = self.page * gpu_attn.ATTN_BLOCK_TOKENS // math.gcd(self.page, gpu_attn.ATTN_BLOCK_TOKENS)
         return max(unit, -(-(max_cache_len - t0) // unit) * unit)
 
 

@@ -1,5 +1,5 @@
 """The integer codec on torch tensors through Triton kernels (:mod:`kvcx.codecs.triton_kernels.codec`; the fused
-attention's in :mod:`kvcx.codecs.triton_kernels.attention`): checks, allocation, launches and errors, as
+attention's launches are :mod:`kvcx.codecs.gpu_attn`'s): checks, allocation, launches and errors, as
 :mod:`kvcx.codecs.intcodec` does for the CPU kernels. A CUDA tensor reaches this backend by itself
 (``IntCodec().encode(x_cuda)``); ``IntCodec(backend="triton")`` forces it for a tensor on any device (Triton's
 interpreter, ``TRITON_INTERPRET=1``, runs it on CPU tensors). The record it returns holds torch tensors on the
@@ -9,21 +9,17 @@ and the Hadamard rotation (the default and reference schemes); other widths stay
 triton are imported when first used."""
 from __future__ import annotations
 
-import functools
 import math
-import os
-from dataclasses import dataclass
 from importlib.util import find_spec
 from typing import Optional
 
-import numpy as np
 
 from kvcx.codecs.backends import is_tensor, register_backend
 from kvcx.codecs.base import Packed
 from kvcx.codecs.dtypes import is_int
 from kvcx.codecs.runtime import check_status
-from kvcx.codecs.splits import split_tiles
-from kvcx.codecs.tensors import float_mask, merge_writes, query_rows, to_device, to_host  # noqa: F401  (the API here)
+from kvcx.codecs import tensors
+from kvcx.codecs.tensors import NEEDS_TRITON, float_mask, merge_writes, query_rows, to_device, to_host  # noqa: F401
 from kvcx.deps import import_torch as _torch
 from kvcx.errors import CodecError
 
@@ -40,20 +36,13 @@ CODEC_LOOP = None
 _TORCH_DTYPES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32"}
 
 
-def _kernels():
+def codec_kernels():
     """The codec's Triton kernels (:mod:`kvcx.codecs.triton_kernels.codec`); a CodecError naming the extra without triton."""
     try:
         from kvcx.codecs.triton_kernels import codec as _triton
     except ImportError as exc:  # triton is the kvcx[gpu] extra
-        raise CodecError("the Triton backend needs triton: pip install 'kvcx[gpu]' (or pass backend='cpu')") from exc
+        raise CodecError(NEEDS_TRITON) from exc
     return _triton
-
-
-def attention_kernels():
-    """The fused attention's Triton kernels (:mod:`kvcx.codecs.triton_kernels.attention`)."""
-    _kernels()
-    from kvcx.codecs.triton_kernels import attention as _triton_attn
-    return _triton_attn
 
 
 def dtype_name_of(x) -> Optional[str]:
@@ -71,20 +60,14 @@ def _bits(t, dt: str):
     return t.view(getattr(_torch(), _BITS[dt][0]))
 
 
-@functools.lru_cache(maxsize=None)
-def _norm(D: int) -> float:
-    """1 / sqrt(D) as the CPU kernels compute it (a float division in double of 1 by the float sqrtf(D))."""
-    return float(np.float32(1.0 / float(np.sqrt(np.float32(D)))))
-
-
 def _programs(codec, lay, dtype: str = "BF16") -> tuple:
     """(the encode and decode kernels of ``codec``'s grouping, kernel arguments common to both, grid, their
     constexprs of the layout and of the values' dtype) for a layout: what the launchers pass, and what the offline
     compile test and bench/sass_gpu.py compile."""
     G, D, S, t0, N = codec.group_size, lay.D, lay.S, lay.t0, lay.N
-    k = _kernels()
+    k = codec_kernels()
     row_bytes = ((S - t0) * D * 4 + 7) // 8
-    flags = dict(ASYM=codec.asym, ROTATE=codec.rotate, SB=min(_pow2(t0 * D), 1024) if t0 else 0, EXP=_BITS[dtype][1])
+    flags = dict(ASYM=codec.asym, ROTATE=codec.rotate, SB=min(tensors.pow2(t0 * D), 1024) if t0 else 0, EXP=_BITS[dtype][1])
     if codec.axis == "token":
         L = (S - t0) * D
         ngroups = -(-L // G)
@@ -129,7 +112,7 @@ class TritonIntBackend:
     def encode(self, codec, lay, x, out: Optional[Packed], name: str) -> Packed:
         self.check(codec, name)
         torch = _torch()
-        _kernels()   # triton is installed, or a CodecError before any work
+        codec_kernels()   # triton is installed, or a CodecError before any work
         dt = dtype_name_of(x)
         if dt is None:
             raise CodecError(f"tensor {name!r} has dtype {x.dtype}; kvcx handles float16, bfloat16 and float32 "
@@ -165,7 +148,7 @@ class TritonIntBackend:
     def decode(self, codec, lay, packed: Packed, out, token_offset: int, name: str):
         self.check(codec, name)
         torch = _torch()
-        _kernels()   # triton is installed, or a CodecError before any work
+        codec_kernels()   # triton is installed, or a CodecError before any work
         codes, scales, zeros = packed.codes, packed.scales, packed.zeros
         dev = codes.device
         if not all(is_tensor(a) and a.device == dev for a in (scales, zeros if codec.asym else scales)):
@@ -205,7 +188,7 @@ class TritonIntBackend:
             ob = _bits(out3, packed.dtype)
             dst = ob if packed.dtype == "BF16" else out3
             decode[grid](codes, scales, zp, dst, flag, ob if sinks is None else _bits(sinks, packed.dtype), ob,
-                         **args, out_S=out3.shape[1], out_off=token_offset, norm=_norm(D),
+                         **args, out_S=out3.shape[1], out_off=token_offset, norm=tensors.norm_of(D),
                          SAT=packed.dtype == "F16", BF16=packed.dtype == "BF16", **const, enable_fp_fusion=False,
                          num_warps=CODEC_WARPS)
         elif t0:     # sinks alone: no kernel
@@ -232,7 +215,7 @@ def encode_launch(codec, lay, dt: str = "BF16", paged: bool = False) -> tuple:
         raise CodecError(f"encode programs a multiprocessor {CODEC_LOOP!r} (kvcx.codecs.gpu.CODEC_LOOP) is not a "
                          "count; set a whole number from 1, or None (a program a block)")
     # at most the programs that run at once (a second, partial wave of looping programs would double the time)
-    step = max(1, _multiprocessors() * CODEC_LOOP // (grid[0] * math.prod(grid[2:]))) if CODEC_LOOP else 0
+    step = max(1, tensors.multiprocessors() * CODEC_LOOP // (grid[0] * math.prod(grid[2:]))) if CODEC_LOOP else 0
     step = step if step < grid[1] else 0
     return encode, args, (grid[0], step, *grid[2:]) if step else grid, {**const, "STEP": step, "PAGED": False}
 
@@ -244,357 +227,5 @@ def launch_encode(codec, lay, x3, dt: str, codes, scales, zeros, flag, sinks=Non
     xb = _bits(x3, dt)
     where, pages, new = step if step is not None else (flag, 1, x3)
     encode[grid](x3, codes, scales, zeros if zeros is not None else scales, flag, xb, xb if sinks is None else
-                 _bits(sinks, dt), **args, norm=_norm(lay.D), where_ptr=where, pages=pages, new_ptr=new, **const,
+                 _bits(sinks, dt), **args, norm=tensors.norm_of(lay.D), where_ptr=where, pages=pages, new_ptr=new, **const,
                  enable_fp_fusion=False, num_warps=CODEC_WARPS)
-
-
-# -- fused decode attention over packed records ----------------------------------------------------------
-# Launch settings of the attention kernel: the fast mode ("fp16", transposed), one warp a program, two stages, 8
-# programs a multiprocessor: by the offline count (docs/results/gpu-sass.md) and an H100's --tune (docs/RESULTS.md)
-ATTN_BLOCK_TOKENS = 64       # packed tokens a program reads per step
-# warps per attention program, or None (the default): the mode's own (ATTN_MODE_WARPS, by the mode a launch runs)
-ATTN_WARPS = None
-# each mode's warps a program: the fast mode one (an H100's --tune: 38.1 us at 32k against 40.4 at two), the exact
-# mode two (at one its registers spill; an H200's choice), TF32 passes two (an H100's), FP32 sums four
-ATTN_MODE_WARPS = {"fp16": 1, "int8x3": 2, "tf32x2": 2, "tf32": 2, "tf32x3": 2, "ieee": 2, "": 4}
-# the products: "fp16" (the fast mode, the default: the codes as FP16 on the FP16 tensor cores, FP32 sums, the
-# other operand rounded to FP16 after a power of two of its own, as FlashAttention rounds P for P V; keys per token
-# take "tf32x2"), "" FP32 broadcast sums (CUDA cores), or tl.dot at this input precision: "tf32x2" (the operand
-# that is not codes split in two TF32 parts: FP32's accuracy), "tf32", "tf32x3", "ieee", or "int8x3" (the exact
-# mode: the codes as int8 on the integer tensor cores, the other operand a 21-bit fixed point of its row in three
-# int8 pieces: 2**-20 of the row's largest term at most; "tf32x2" unless the head dim is 64 to 128 and a tile 32
-# to 128 tokens; two warps a program: ATTN_MODE_WARPS); query rows padded to 16
-ATTN_DOT = "fp16"
-ATTN_DOTS = ("", "tf32x2", "tf32", "tf32x3", "ieee", "int8x3", "fp16")   # what ATTN_DOT may be
-# "fp16" on a GPU: the codes become FP16 in PTX (inline assembly: a byte permute, lop3 and FP16x2 arithmetic, 8
-# codes in 10 instructions); False: the same bits in Triton's own operations (what the interpreter always runs)
-ATTN_ASM = True
-ATTN_PREFETCH = False        # load the next tile's codes (the fast mode: its scales) before working this one
-ATTN_STAGES = 2              # Triton's software pipelining depth for the attention kernel (None: its default)
-# packed tokens per split at least (flash-decoding along the context): short contexts get many short splits, each
-# program's tiles one after another being the step's latency (the merge reads the splits a query row a program)
-ATTN_SPLIT_TOKENS = 64
-ATTN_PROGRAMS_PER_SM = 8     # splits enough for about this many programs per multiprocessor
-# a program's fixed time in tiles beside its tiles (its query, its first loads, its outputs; the programs of a wave
-# overlap theirs), for kvcx.codecs.splits.split_tiles: fitted to an H100's batch-8 steps (docs/RESULTS.md), 0.5
-ATTN_PROGRAM_TILES = 0.5
-# ptxas's cap on the attention kernel's registers a thread (Triton's ``maxnreg``; None: ptxas's own): at 255 eight
-ATTN_MAX_REGISTERS = None    # one-warp programs fit a multiprocessor, at 128 sixteen (bench/sass_gpu.py: spills)
-MERGE_SPLITS = 64            # splits the merge kernel reads at a time (a program a query row: [64, D] floats)
-MERGE_WARPS = 4              # warps per merge program (a batch-1 step's merge is 32 programs: its latency counts)
-# the merge launched while the attention runs (sm_90: a dependent launch, it waits for the attention's grid to read
-# the splits; an H100's --tune chose it, 4k -16 %); the first tile before the query (no gain: docs/RESULTS.md)
-MERGE_PDL = True
-ATTN_EARLY_TILE = False
-# a * b + c as one FMA in the attention kernels (one rounding instead of two: no less accurate, and a multiply and
-# an add fewer to issue). The codec kernels keep it off: they must round as the CPU kernels do, bit for bit.
-ATTN_FP_FUSION = True
-
-
-@functools.lru_cache(maxsize=None)
-def _hadamard(D: int, device):
-    """The orthonormal Walsh-Hadamard matrix of size D (symmetric: its own inverse), built once per device."""
-    torch = _torch()
-    h = torch.ones(1, 1, dtype=torch.float32)
-    while h.shape[0] < D:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return (h * _norm(D)).to(device)
-
-
-def rotated_query(q, scaling: float):
-    """The query rows ``q`` [N, R, D] in FP32 times ``scaling``, rotated as keys that rotate are: what the attention
-    kernel reads for them (the keys' rotation moved from every key onto the query; its matrix is orthogonal and
-    symmetric)."""
-    return (q.float() * scaling) @ _hadamard(q.shape[-1], q.device)
-
-
-@dataclass(frozen=True)
-class PackedSpan:
-    """Packed tokens of one kind that continue one another, laid out per slab (batch row x KV head) as the
-    attention kernel reads them: ``codes`` uint8 [N, row bytes], ``scales`` FP16 [N, groups] (per-token groups)
-    or [N, blocks, D] (per-channel groups), ``zeros`` like ``scales`` or None, ``tokens`` packed tokens from
-    the first; rows may be longer than the tokens need (a growing store's capacity)."""
-
-    codes: object
-    scales: object
-    zeros: object
-    tokens: int
-
-
-def span_of(rec: Packed, codec) -> PackedSpan:
-    """The span of a Triton-backend record of [B, Hkv, S, D] (its packed tokens: S minus the sinks)."""
-    lay = codec.layout(tuple(rec.shape), "span")
-    return PackedSpan(rec.codes.view(lay.N, -1), rec.scales.view(lay.scale_shape),
-                      None if rec.zeros is None else rec.zeros.view(lay.scale_shape), lay.S - lay.t0)
-
-
-@functools.lru_cache(maxsize=None)
-def _multiprocessors() -> int:
-    """The current GPU's multiprocessors (8 without one: the interpreter's splits), read once."""
-    torch = _torch()
-    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count \
-        if torch.cuda.is_available() else 8
-
-
-def split_tokens(slabs: int, tokens, per_split: Optional[int] = None) -> int:
-    """Packed tokens per split (whole tiles of :data:`ATTN_BLOCK_TOKENS`): ``per_split`` if given, else
-    :func:`~kvcx.codecs.splits.split_tiles`' choice for ``tokens``, the packed tokens of each span a slab reads (an
-    int: one span), at least :data:`ATTN_SPLIT_TOKENS`."""
-    if per_split is None:
-        spans = (tokens,) if is_int(tokens) else tuple(tokens)
-        tiles = tuple(-(-int(n) // ATTN_BLOCK_TOKENS) for n in spans if n > 0) or (1,)
-        slots = ATTN_PROGRAMS_PER_SM * _multiprocessors()
-        per_split = max(ATTN_SPLIT_TOKENS, split_tiles(slabs, tiles, slots, ATTN_PROGRAM_TILES) * ATTN_BLOCK_TOKENS)
-    per = max(ATTN_BLOCK_TOKENS, int(per_split))
-    return -(-per // ATTN_BLOCK_TOKENS) * ATTN_BLOCK_TOKENS
-
-
-@dataclass(frozen=True)
-class Span:
-    """Packed keys and values of the same tokens for :func:`attend_spans`: their spans and codecs, and the mask
-    column of their first token."""
-
-    keys: PackedSpan
-    values: PackedSpan
-    key_codec: object
-    value_codec: object
-    mask_off: int
-
-
-def interpreting() -> bool:
-    """Whether Triton's interpreter runs the kernels (``TRITON_INTERPRET=1``): no inline assembly there."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def _pow2(n: int) -> int:
-    """n rounded up to a power of two, at least 2 (a Triton block's extent)."""
-    return max(2, 1 << (max(1, n) - 1).bit_length())
-
-
-def attention_rows(R: int, NG: int, dot: str) -> int:
-    """The query rows RP the attention kernel pads R to, for NG value groups a token: its products have RP x NG
-    rows (each query row once per group), and tl.dot needs at least 16, so with ``dot`` the groups fill rows that
-    would otherwise be padding."""
-    return max(_pow2(R), -(-16 // NG)) if dot else _pow2(R)
-
-
-def attention_constexprs(key_codec, value_codec, R: int, D: int, dot: str, block_tokens: int, has_mask: bool,
-                         prefetch: bool, asm: bool = False, early: bool = False, pdl: bool = False, paged=False,
-                         softcap: float = 0.0):
-    """The constexprs of :func:`~kvcx.codecs.triton_kernels.attention.attend_packed_kernel` for these codecs and launch settings
-    (what the launcher passes; the offline compile test and bench/sass_gpu.py build the kernel the same way). A
-    tile lies within one per-channel block: ``block_tokens`` is cut to the smallest per-channel group; ``dot`` is
-    what the shapes allow of it (FP32 sums under head dim 32, two TF32 passes where int8 products would not do
-    and for "fp16" with per-token keys, whose scales vary along the products' sums). ``asm``: "fp16"'s codes
-    converted in PTX (a GPU); ``prefetch``: the next tile's codes loaded before a tile is worked (not ``paged``),
-    in the transposed fast mode its scales (``AHEAD``); ``early``: that mode's first tile loaded before the query;
-    ``pdl``: the merge launched as a dependent launch (a GPU: :func:`dependent_merge`); ``softcap``: Gemma 2's."""
-    if dot not in ATTN_DOTS:
-        raise CodecError(f"attention products {dot!r} (kvcx.codecs.gpu.ATTN_DOT) are not a mode of the attention "
-                         f"kernel; set one of {', '.join(repr(d) for d in ATTN_DOTS)}")
-    ng = 1 if value_codec.axis == "channel" else max(1, D // value_codec.group_size)
-    bt = min([block_tokens] + [c.group_size for c in (key_codec, value_codec) if c.axis == "channel"])
-    if D < 32:
-        dot = ""          # tl.dot needs 16 along each side: D // 2 channels a stream
-    elif dot == "int8x3" and not (64 <= D <= 128 and 32 <= bt <= 128):
-        dot = "tf32x2"    # int8 products sum 32 or more (channels a stream, a tile's tokens); exact in int32 to 128
-    elif dot == "fp16" and (key_codec.axis != "channel" or bt < 16):
-        dot = "tf32x2"    # per-token keys: a scale a group of a token's channels (dequantized in the tile)
-    # the fast mode with per-channel keys and per-token values runs transposed (the tokens the products' long side)
-    trans = dot == "fp16" and key_codec.axis == "channel" and value_codec.axis != "channel"
-    rp = max(_pow2(R), -(-8 // ng)) if trans else attention_rows(R, ng, dot)
-    return dict(R=R, RP=rp, D=D, BT=bt, KG=key_codec.group_size,
-                K_CHANNEL=key_codec.axis == "channel", K_ASYM=key_codec.asym, VG=value_codec.group_size,
-                V_CHANNEL=value_codec.axis == "channel", V_ASYM=value_codec.asym, HAS_MASK=has_mask, DOT=dot, NG=ng,
-                PREFETCH=bool(prefetch) and not trans and not paged, ASM=bool(asm) and dot == "fp16", PAGE=0,
-                TRANS=trans, EARLY=bool(early) and trans, PDL=bool(pdl), AHEAD=bool(prefetch) and trans,
-                SOFTCAP=float(softcap or 0.0))
-
-
-def attention_options(const: dict) -> dict:
-    """The attention kernel's launch options for its constexprs ``const`` (:func:`attention_constexprs`): warps
-    (:data:`ATTN_WARPS`, or the mode's own from :data:`ATTN_MODE_WARPS`), pipelining stages, register cap, FMA
-    fusion; or CodecError for a register cap that ptxas would not take."""
-    if ATTN_WARPS is not None and ATTN_WARPS not in (1, 2, 4, 8, 16):
-        raise CodecError(f"attention warps {ATTN_WARPS!r} (kvcx.codecs.gpu.ATTN_WARPS) is not a program's warps; set "
-                         "1, 2, 4, 8 or 16, or None (each mode's own: ATTN_MODE_WARPS)")
-    extra = dict(num_warps=ATTN_WARPS or ATTN_MODE_WARPS[const["DOT"]], enable_fp_fusion=ATTN_FP_FUSION)
-    if ATTN_STAGES is not None:
-        extra["num_stages"] = ATTN_STAGES
-    if ATTN_MAX_REGISTERS is not None:
-        if not is_int(ATTN_MAX_REGISTERS) or not 24 <= ATTN_MAX_REGISTERS <= 255:
-            raise CodecError(f"attention register cap {ATTN_MAX_REGISTERS!r} (kvcx.codecs.gpu.ATTN_MAX_REGISTERS) "
-                             "is not one ptxas takes; set an integer from 24 to 255, or None")
-        extra["maxnreg"] = int(ATTN_MAX_REGISTERS)
-    return extra
-
-
-def _span_args(sp: Span) -> tuple:
-    """A span's arguments of the attention kernel: (its six buffers, its integers in the kernel's order: tokens,
-    key and value row bytes, key and value scale columns, the mask column of its first token)."""
-    ks, vs = sp.keys, sp.values
-    buffers = (ks.codes, ks.scales, ks.zeros if ks.zeros is not None else ks.scales,
-               vs.codes, vs.scales, vs.zeros if vs.zeros is not None else vs.scales)
-    return buffers, (ks.tokens, ks.codes.shape[1], vs.codes.shape[1], ks.scales.shape[1], vs.scales.shape[1],
-                     sp.mask_off)
-
-
-def attend_spans(q, scaling: float, spans, Hkv: int, sinks=(None, None), residual=(None, None), add=None,
-                 res_off: int = 0, per_split: Optional[int] = None, out=None, sink_logits=None, softcap: float = 0.0):
-    """The attention output [N, R, D] float32 of the query rows ``q`` [N, R, D] (:func:`query_rows`: any float
-    dtype, as the model holds them; the kernels scale them by ``scaling`` as they read them) over packed spans
-    (:class:`Span`, flash-decoding splits along each in :func:`~kvcx.codecs.triton_kernels.attention.attend_packed_kernel`) and
-    the exact tokens: ``sinks`` (keys, values) [N, t0, D] at mask columns 0.., ``residual`` [N, nr, D] (any
-    float dtype, as held) at columns ``res_off``..; ``add`` float32 [B, kv_len] added to the scores, or None.
-    Every span's values rotate alike (the merge rotates the accumulator back once). One kernel per two spans of
-    one layout (a store's two segments: one launch) and one merge: no other launch (but for spans whose keys
-    rotate: their query, scaled and rotated, from one product; the keys' rotation moved from every key onto the
-    query, its matrix orthogonal and symmetric). The caller checks shapes; ``out``, ``sink_logits``, ``softcap``:
-    as :func:`merge_splits`' (the softcap in both kernels)."""
-    torch = _torch()
-    N, R, D = q.shape
-    rotate = {sp.value_codec.rotate for sp in spans}
-    if len(rotate) > 1:
-        raise CodecError("attention: the packed spans' values must all rotate, or none")
-    full = [sp for sp in spans if sp.keys.tokens]
-    asm, pdl = ptx_codes(q), dependent_merge(q)
-    qr = rotated_query(q, scaling) if any(sp.key_codec.rotate for sp in full) else None
-    per = split_tokens(N, [sp.keys.tokens for sp in full], per_split) if full else 0   # one size for all
-    launches = []   # [((constexprs, keys rotate), [(span, splits)])]: two spans of one layout share a launch
-    for sp in full:
-        key = (attention_constexprs(sp.key_codec, sp.value_codec, R, D, ATTN_DOT, ATTN_BLOCK_TOKENS, add is not None,
-                                    ATTN_PREFETCH, asm, ATTN_EARLY_TILE, pdl, softcap=softcap), sp.key_codec.rotate)
-        item = (sp, -(-sp.keys.tokens // per))
-        if launches and launches[-1][0] == key and len(launches[-1][1]) == 1:
-            launches[-1][1].append(item)
-        else:
-            launches.append((key, [item]))
-    spt = max(1, sum(n for _, items in launches for _, n in items))
-    if full:   # every split written by the kernel
-        m, l, acc = (torch.empty(N, spt, R, *d, device=q.device) for d in ((), (), (D,)))
-    else:      # no packed token yet: one empty split (weight exp(-inf) = 0 times a sum and an accumulator of 0,
-        # not of whatever the allocator held: 0 x NaN would be NaN)
-        m = torch.full((N, 1, R), float("-inf"), device=q.device)
-        l, acc = torch.zeros(N, 1, R, device=q.device), torch.zeros(N, 1, R, D, device=q.device)
-    off = 0
-    for (const, rotated), items in launches:
-        if len(items) == 1:   # a launch of one span passes it as the second too, with no split reading it
-            items = items + [(items[0][0], 0)]
-        (a, na), (b, nb) = items
-        (pa, ia), (pb, ib) = _span_args(a), _span_args(b)
-        # a tile lies within one per-channel block (splits are whole ATTN_BLOCK_TOKENS, a multiple of it)
-        launch_attention((N, na + nb), qr if rotated else q, 1.0 if rotated else scaling, pa + pb,
-                         tuple(v for pair in zip(ia, ib) for v in pair), (m, l, acc), Hkv, per, na, off, const, add)
-        off += na + nb
-    sk, sv = sinks
-    rk, rv = residual
-    t0 = 0 if sk is None else sk.shape[1]
-    nr = 0 if rk is None else rk.shape[1]
-    if not full and not t0 and not nr:
-        raise CodecError("attention: there are no tokens to attend to")
-    return merge_splits(q, scaling, m, l, acc, Hkv, bool(full) and True in rotate, sinks, residual, add, res_off,
-                        out=out, sink_logits=sink_logits, softcap=softcap)
-
-
-def ptx_codes(q) -> bool:
-    """Whether the fast mode's codes are converted in PTX on ``q``'s device (:data:`ATTN_ASM`, a GPU, no interpreter)."""
-    return ATTN_ASM and q.is_cuda and not interpreting()
-
-
-def dependent_merge(q) -> bool:
-    """Whether a step on ``q``'s device launches the merge as a dependent launch (MERGE_PDL, :func:`_takes_pdl`)."""
-    return MERGE_PDL and q.is_cuda and not interpreting() and _takes_pdl(q.device.index)
-
-
-@functools.lru_cache(maxsize=None)
-def _takes_pdl(index: int) -> bool:
-    """Whether GPU ``index`` runs the grid-dependency instructions (sm_90 PTX: compute capability 9 or more) and this
-    Triton has them (3.4 on); read once a device."""
-    return attention_kernels().gdc_launch_dependents is not None and _torch().cuda.get_device_capability(index)[0] >= 9
-
-
-def launch_attention(grid, q, q_scale: float, buffers: tuple, ints: tuple, out: tuple, Hkv: int, per: int,
-                     n_first: int, sp_off: int, const: dict, add=None, pages=None) -> None:
-    """One launch of :func:`~kvcx.codecs.triton_kernels.attention.attend_packed_kernel` on ``grid`` (slabs,
-    splits): query rows ``q`` times ``q_scale``; ``buffers`` the two spans' six buffers each (codes, scales, zero
-    points of keys, then of values), ``ints`` their integers in pairs (:func:`_span_args`' order, the first span's
-    then the second's of each); ``out`` the splits' (max, sum, accumulators) of all launches, this one's from split
-    ``sp_off``; ``per`` tokens a split, the first span's ``n_first`` splits; ``add`` the scores' float mask or None;
-    ``pages`` (block table, lengths) for a paged store's ``const`` (its ``PAGE`` mode) or None. What
-    :func:`attend_spans` and :func:`kvcx.codecs.paged.attend` launch."""
-    m, l, acc = out
-    table, lens = pages if pages is not None else (m, m)
-    attention_kernels().attend_packed_kernel[grid](
-        q, *buffers, q_scale, add if add is not None else m, m, l, acc, Hkv, add.stride(0) if add is not None else 0,
-        *ints, per, n_first, sp_off, m.shape[1], table, lens, table.stride(0) if pages is not None else 0, **const,
-        **attention_options(const))
-
-
-def merge_splits(q, scaling: float, m, l, acc, Hkv: int, rotate: bool, sinks=(None, None), residual=(None, None),
-                 add=None, res_off: int = 0, res_lens=None, out=None, sink_logits=None, softcap: float = 0.0):
-    """The attention output [N, R, D] float32 of the query rows ``q`` [N, R, D]: the merge kernel's softmax over the
-    splits the attention kernel wrote (``m``, ``l`` [N, splits, R], ``acc`` [N, splits, R, D]; their accumulators
-    rotated back where ``rotate``) and the exact tokens (:func:`attend_spans`' ``sinks``, ``residual``, ``add``,
-    ``res_off``; ``res_lens`` int32 [B], or None: batch row b's residual is its first ``res_lens[b]`` rows, read on
-    the device). One launch: what :func:`attend_spans` and :func:`kvcx.codecs.paged.attend` end with. ``out``: the
-    caller's [N, R, D] (contiguous; float32, float16 or bfloat16: rounded to nearest even as ``.to`` rounds).
-    ``sink_logits``: float32 [Hkv R] a sink logit a query head (s_aux) or None; ``softcap``: as the splits'."""
-    torch, k = _torch(), attention_kernels()
-    N, R, D = q.shape
-    (sk, sv), (rk, rv) = sinks, residual
-    t0 = 0 if sk is None else sk.shape[1]
-    nr = 0 if rk is None else rk.shape[1]
-    if not (is_int(MERGE_SPLITS) and MERGE_SPLITS >= 2 and MERGE_SPLITS & (MERGE_SPLITS - 1) == 0):
-        raise CodecError(f"merge splits at a time {MERGE_SPLITS!r} (kvcx.codecs.gpu.MERGE_SPLITS) is not a power of "
-                         "two from 2; set one (16, 64, 256, ...)")
-    if out is None:
-        out = torch.empty(N, R, D, device=q.device)
-    elif not (is_tensor(out) and merge_writes(out.dtype) and out.is_contiguous() and out.numel() == N * R * D and
-              out.device == q.device):
-        raise CodecError(f"attention: out must be a contiguous float32, float16 or bfloat16 tensor of {N * R * D} "
-                         f"values ([B, Hq, D]) on {q.device}")
-    bf16, pdl = out.dtype == torch.bfloat16, dependent_merge(q)
-    k.merge_kernel[(N, R)](q, scaling, m, l, acc, m.shape[1], sk if t0 else m, sv if t0 else m, t0, rk if nr else m,
-                           rv if nr else m, nr, add if add is not None else m, add.shape[1] if add is not None else 0,
-                           res_off, Hkv, out.view(torch.int16) if bf16 else out, _norm(D),
-                           res_lens if res_lens is not None else m, m if sink_logits is None else sink_logits,
-                           R=R, D=D, OUT_BF16=bf16,
-                           HAS_SINKS=sink_logits is not None, SOFTCAP=float(softcap or 0.0),
-                           SB=_pow2(t0), RB=max(16, _pow2(nr)), HAS_MASK=add is not None, ROTATE=rotate,
-                           CH=MERGE_SPLITS, enable_fp_fusion=ATTN_FP_FUSION, num_warps=MERGE_WARPS, PDL=pdl,
-                           RES_LENS=res_lens is not None and nr > 0, **({"launch_pdl": True} if pdl else {}))
-    return out
-
-
-def attend(q, keys: Packed, values: Packed, key_codec, value_codec, residual_k=None, residual_v=None, mask=None,
-           scaling: Optional[float] = None, per_split: Optional[int] = None):
-    """One decode step of one layer over packed keys and values on the device, without decoding them: q [B, Hq, D]
-    (one token a row); keys / values the Triton backend's records of [B, Hkv, S, D] (4-bit ``IntCodec``, sinks,
-    rotation, either grouping); residual_k / _v [B, Hkv, nr, D] full-precision tokens after them, or None; mask
-    [B, S + nr] float added to the scores (boolean: True attends), or None; scaling: default 1 / sqrt(D). Query head
-    j reads KV head j // (Hq / Hkv) (transformers' repeat_kv). The packed tokens in the Triton kernel, split along
-    the context (``per_split`` tokens each); the exact tokens and the merge in a second, FP32. [B, Hq, D] float32."""
-    B, Hq, D = q.shape
-    shape = tuple(keys.shape)
-    for codec, rec, what in ((key_codec, keys, "keys"), (value_codec, values, "values")):
-        if getattr(codec, "codec_id", None) != "kvcx.int" or codec.bits != 4 or not is_tensor(rec.codes):
-            raise CodecError(f"attention: the {what} must be a 4-bit kvcx.int record on the device (the Triton "
-                             f"backend's), got {getattr(codec, 'codec_id', codec)!r}")
-        if tuple(rec.shape) != shape or len(shape) != 4 or shape[0] != B or shape[3] != D or Hq % shape[1]:
-            raise CodecError(f"attention: q {list(q.shape)} does not fit {what} of shape {list(rec.shape)}")
-    Hkv, S = shape[1], shape[2]
-    N = B * Hkv
-    kl, vl = key_codec.layout(shape, "keys"), value_codec.layout(shape, "values")
-    if kl.t0 != vl.t0:
-        raise CodecError(f"attention: keys keep {kl.t0} exact tokens, values {vl.t0}; they must keep the same")
-    t0 = kl.t0
-    nr = 0 if residual_k is None else residual_k.shape[2]
-    rows = query_rows(q, N)
-    add = None if mask is None else float_mask(mask, B, S + nr)
-    spans = [Span(span_of(keys, key_codec), span_of(values, value_codec), key_codec, value_codec, t0)] if S > t0 else []
-    sinks = (keys.sinks.reshape(N, t0, D).contiguous(), values.sinks.reshape(N, t0, D).contiguous()) if t0 else \
-        (None, None)
-    residual = (residual_k.reshape(N, nr, D).contiguous(), residual_v.reshape(N, nr, D).contiguous()) if nr else \
-        (None, None)
-    return attend_spans(rows, D ** -0.5 if scaling is None else float(scaling), spans, Hkv, sinks, residual, add, S,
-                        per_split).reshape(B, Hq, D)

@@ -6,7 +6,7 @@ fixed number of tokens from a pool and give the attention a block table, ``block
 pages in order) and ``seq_lens[B]`` (row b's tokens). :class:`PagedKV` is such a pool in kvcx's packed format
 (4-bit codes, FP16 scales and zero points; page p's KV head h at slot p x Hkv + h), :func:`write` puts a record's
 tokens into pages, and :func:`attend` runs one decode step over the pages with the same Triton kernel as the
-contiguous store (:func:`kvcx.codecs.gpu.attend_spans`; its ``PAGE`` mode reads each tile's page from the table):
+contiguous store (:func:`kvcx.codecs.gpu_attn.attend_spans`; its ``PAGE`` mode reads each tile's page from the table):
 no copy, no host sync (the splits are sized from the table's width, so a step can be captured in a CUDA graph).
 
 A page holds whole groups: per-channel key blocks (the default's 64 tokens) lie within a page, so that a page is
@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from kvcx.codecs import gpu
+from kvcx.codecs import gpu, gpu_attn
 from kvcx.codecs.backends import is_tensor
 from kvcx.codecs.base import Codec, Packed
 from kvcx.codecs.dtypes import is_int
@@ -90,9 +90,9 @@ def allocate(key_codec: Codec, value_codec: Codec, num_pages: int, kv_heads: int
     or a multiple of the kernel's tiles (a page a row as long as a sequence: :mod:`kvcx.cache.static_cache`)."""
     torch = _torch()
     if not is_int(page_tokens) or page_tokens < 16 or (page_tokens & (page_tokens - 1) and
-                                                      page_tokens % gpu.ATTN_BLOCK_TOKENS):
+                                                      page_tokens % gpu_attn.ATTN_BLOCK_TOKENS):
         raise CodecError(f"paged store: page_tokens must be a power of two from 16 or a multiple of "
-                         f"{gpu.ATTN_BLOCK_TOKENS} (the kernel's tiles lie within a page), got {page_tokens!r}")
+                         f"{gpu_attn.ATTN_BLOCK_TOKENS} (the kernel's tiles lie within a page), got {page_tokens!r}")
     if num_pages < 1 or kv_heads < 1 or head_dim < 16 or head_dim % 16:
         raise CodecError(f"paged store: need num_pages >= 1, kv_heads >= 1 and a head dim that is a multiple of 16; "
                          f"got {num_pages}, {kv_heads}, {head_dim}")
@@ -139,7 +139,7 @@ def write(pool: PagedKV, pages: Sequence[int], keys: Packed, values: Packed) -> 
     for rec, codec, codes, scales, zeros in ((keys, pool.key_codec, pool.key_codes, pool.key_scales, pool.key_zeros),
                                              (values, pool.value_codec, pool.value_codes, pool.value_scales,
                                               pool.value_zeros)):
-        span = gpu.span_of(rec, codec.with_backend("triton"))
+        span = gpu_attn.span_of(rec, codec.with_backend("triton"))
         G = codec.group_size
         per = P // G if codec.axis == "channel" else P * D // G     # a page's scale columns (blocks)
         bufs = [(codes, span.codes, P * D // 2)] + [(dst, src, per) for dst, src in ((scales, span.scales),
@@ -235,25 +235,27 @@ def attend(q, pool: PagedKV, block_table, seq_lens, scaling: Optional[float] = N
                          f"table's tokens, unit stride along them) on {dev}, or None")
     rows = gpu.query_rows(q, N)
     scaling = D ** -0.5 if scaling is None else float(scaling)
-    qr = gpu.rotated_query(rows, scaling) if kc.rotate else None
+    qr = gpu_attn.rotated_query(rows, scaling) if kc.rotate else None
     table = block_table.contiguous()
-    const = gpu.attention_constexprs(kc, vc, R, D, gpu.ATTN_DOT, min(gpu.ATTN_BLOCK_TOKENS, P), mask is not None,
-                                     gpu.ATTN_PREFETCH, gpu.ptx_codes(q), gpu.ATTN_EARLY_TILE, gpu.dependent_merge(q),
-                                     paged=True, softcap=softcap)
-    per = gpu.split_tokens(N, table.shape[1] * P, per_split)
+    A = gpu_attn
+    const = A.attention_constexprs(kc, vc, R, D, A.ATTN_DOT, min(A.ATTN_BLOCK_TOKENS, P), mask is not None,
+                                   A.ATTN_PREFETCH, A.ptx_codes(q), A.ATTN_EARLY_TILE, A.dependent_merge(q),
+                                   paged=True, softcap=softcap)
+    per = gpu_attn.split_tokens(N, table.shape[1] * P, per_split)
     nsp = max(1, -(-(table.shape[1] * P) // per))
     m, l, acc = (torch.empty(N, nsp, R, *d, device=dev) for d in ((), (), (D,)))
     bufs = (pool.key_codes, pool.key_scales, pool.key_zeros if pool.key_zeros is not None else pool.key_scales,
             pool.value_codes, pool.value_scales,
             pool.value_zeros if pool.value_zeros is not None else pool.value_scales)
     # the spans' integers are not read in the PAGE mode (a tile's page and a row's tokens come from the table)
-    gpu.launch_attention((N, nsp), qr if kc.rotate else rows, 1.0 if kc.rotate else scaling, bufs + bufs, (0,) * 12,
-                         (m, l, acc), H, per, nsp, 0, {**const, "PAGE": P}, add=mask, pages=(table, seq_lens))
+    gpu_attn.launch_attention((N, nsp), qr if kc.rotate else rows, 1.0 if kc.rotate else scaling, bufs + bufs,
+                              (0,) * 12, (m, l, acc), H, per, nsp, 0, {**const, "PAGE": P}, add=mask,
+                              pages=(table, seq_lens))
     if sink_logits is not None and (not is_tensor(sink_logits) or sink_logits.dtype != torch.float32
                                     or tuple(sink_logits.shape) != (Hq,) or sink_logits.device != dev):
         raise CodecError(f"paged attention: sink_logits must be a float32 tensor [{Hq}] on {dev} (one logit a query "
                          "head)")
-    return gpu.merge_splits(rows, scaling, m, l, acc, H, vc.rotate, tuple(exact[:2]), tuple(exact[2:]),
+    return gpu_attn.merge_splits(rows, scaling, m, l, acc, H, vc.rotate, tuple(exact[:2]), tuple(exact[2:]),
                             res_lens=residual_lens, out=out, sink_logits=sink_logits,
                             softcap=softcap).reshape(B, Hq, D)
 

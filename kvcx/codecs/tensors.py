@@ -6,6 +6,7 @@ torch is imported when a function runs, so importing this module costs nothing.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 
@@ -13,6 +14,9 @@ from kvcx.codecs.backends import is_tensor
 from kvcx.codecs.dtypes import BFLOAT16
 from kvcx.deps import import_torch
 from kvcx.errors import CodecError
+
+# what the Triton launchers (kvcx.codecs.gpu, kvcx.codecs.gpu_attn) say where triton is not installed
+NEEDS_TRITON = "the Triton backend needs triton: pip install 'kvcx[gpu]' (or pass backend='cpu')"
 
 
 def torch_to_numpy(t) -> np.ndarray:
@@ -83,5 +87,25 @@ def float_mask(mask, B: int, kv_len: int):
 
 def merge_writes(dtype) -> bool:
     """Whether the attention's merge writes its output in ``dtype`` itself (``out=`` of
-    :func:`kvcx.codecs.gpu.merge_splits`): float32, float16 and bfloat16."""
+    :func:`kvcx.codecs.gpu_attn.merge_splits`): float32, float16 and bfloat16."""
     return str(dtype) in ("torch.float32", "torch.float16", "torch.bfloat16")
+
+
+@functools.lru_cache(maxsize=None)
+def norm_of(D: int) -> float:
+    """1 / sqrt(D) as the CPU kernels compute it (a float division in double of 1 by the float sqrtf(D))."""
+    return float(np.float32(1.0 / float(np.sqrt(np.float32(D)))))
+
+
+def pow2(n: int) -> int:
+    """n rounded up to a power of two, at least 2 (a Triton block's extent)."""
+    return max(2, 1 << (max(1, n) - 1).bit_length())
+
+
+
+@functools.lru_cache(maxsize=None)
+def multiprocessors() -> int:
+    """The current GPU's multiprocessors (8 without one: the interpreter's splits), read once."""
+    torch = import_torch()
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count \
+        if torch.cuda.is_available() else 8

@@ -15,7 +15,7 @@ from transformers import DynamicCache, LlamaConfig  # noqa: E402
 import kvcx.cache  # noqa: E402,F401  (registers the "kvcx" attention implementation)
 from kvcx.cache.device_store import DevicePackedKV, runs_on_device  # noqa: E402
 from kvcx.cache.kvcx_cache import KvcxCache  # noqa: E402
-from kvcx.codecs import KVConfig, get_codec, gpu  # noqa: E402
+from kvcx.codecs import KVConfig, get_codec, gpu_attn  # noqa: E402
 from kvcx.errors import CodecError, KvcxError  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -281,7 +281,7 @@ def test_windows_softcap_and_sinks_on_the_device_equal_the_cpu_path(family, monk
     cpu = KvcxCache(model.config, backend="cpu", **OPTS)
     dev = KvcxCache(model.config, backend="triton", **OPTS)
     a = _generate(model, cpu, ids, mask, n=8)
-    monkeypatch.setattr(gpu, "ATTN_DOT", "")   # FP32 sums: the CPU kernels' arithmetic, to compare within rounding
+    monkeypatch.setattr(gpu_attn, "ATTN_DOT", "")   # FP32 sums: the CPU kernels' arithmetic, to compare within rounding
     b = _generate(model, dev, ids, mask, n=8)
     steps = dev.memory_report()["attention_steps"]
     assert steps["fused"] == 2 * 7 and steps["materialised"] == 0, steps

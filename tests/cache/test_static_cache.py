@@ -20,7 +20,7 @@ from transformers import LlamaConfig  # noqa: E402
 import kvcx.cache  # noqa: E402,F401  (registers the "kvcx" attention implementation)
 from kvcx.cache import KvcxCache, StaticKvcxCache  # noqa: E402
 from kvcx.cache.attention_fn import HANDOFF  # noqa: E402
-from kvcx.codecs import KVConfig, gpu  # noqa: E402
+from kvcx.codecs import KVConfig, gpu_attn  # noqa: E402
 from kvcx.codecs.triton_kernels import attention as _triton_attn  # noqa: E402
 from kvcx.codecs.triton_kernels import codec as _triton_codec  # noqa: E402
 from kvcx.errors import KvcxError  # noqa: E402
@@ -121,8 +121,8 @@ def test_pages_hold_the_codecs_bytes_and_steps_attend_as_the_reference(scheme):
     cache.update(K[:, :, :21], V[:, :, :21], 0)
     layer = cache.layers[0]
     kc, vc = layer._codecs
-    old = gpu.ATTN_DOT
-    gpu.ATTN_DOT = "int8x3"
+    old = gpu_attn.ATTN_DOT
+    gpu_attn.ATTN_DOT = "int8x3"
     try:
         for t in range(21, T):
             k, v = K[:, :, t:t + 1], V[:, :, t:t + 1]
@@ -139,7 +139,7 @@ def test_pages_hold_the_codecs_bytes_and_steps_attend_as_the_reference(scheme):
             ref = _reference(q[:, :, 0], keys, values, D ** -0.5)
             assert float((out.float() - ref).abs().max()) < 2e-5 * float(ref.abs().max()) + 1e-6, t
     finally:
-        gpu.ATTN_DOT = old
+        gpu_attn.ATTN_DOT = old
     assert cache.get_seq_length() == T
     pages = (T - t0) // 16
     for codec, X, (codes, scales, zeros) in ((kc, K, layer._rows(0)), (vc, V, layer._rows(1))):
@@ -292,7 +292,7 @@ def test_what_the_static_cache_refuses_it_names(tiny, monkeypatch):
                 cfg, max_cache_len=64, **OPTS), max_new_tokens=3, do_sample=False)
     if DEVICE == "cpu":   # the Triton kernels on CPU tensors only in the interpreter
         with monkeypatch.context() as m:
-            m.setattr(gpu, "interpreting", lambda: False)
+            m.setattr(gpu_attn, "interpreting", lambda: False)
             with pytest.raises(KvcxError, match="needs triton .* and a CUDA model, not one on cpu.*use KvcxCache"):
                 _generate(tiny, StaticKvcxCache(cfg, max_cache_len=64, **OPTS), ids, 2)
     cache = StaticKvcxCache(cfg, max_cache_len=64, **OPTS)
@@ -330,7 +330,7 @@ def test_capacity_is_whole_tiles():
     cfg = LlamaConfig(num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, hidden_size=128)
     cache = StaticKvcxCache(cfg, max_cache_len=1000, **OPTS)
     cap = cache._holder.capacity(1000, 1)
-    assert cap % gpu.ATTN_BLOCK_TOKENS == 0 and cap >= 999 and cap - 999 < math.lcm(16, gpu.ATTN_BLOCK_TOKENS)
+    assert cap % gpu_attn.ATTN_BLOCK_TOKENS == 0 and cap >= 999 and cap - 999 < math.lcm(16, gpu_attn.ATTN_BLOCK_TOKENS)
 
 
 def test_a_decode_step_of_non_finite_states_is_flagged_and_check_raises():

@@ -4,7 +4,7 @@ where there is no GPU (tests/conftest.py); nothing here is skipped for lack of o
 import pytest
 import torch
 
-from kvcx.codecs import IntCodec, KVConfig, get_codec, gpu, paged
+from kvcx.codecs import IntCodec, KVConfig, get_codec, gpu, paged, gpu_attn
 from kvcx.errors import CodecError
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -33,15 +33,15 @@ def _sequences(g, H, D, lens, shared):
 def test_paged_attention_equals_the_contiguous_store(dot, keys, monkeypatch):
     """Three rows of odd lengths (a partial last page each but one) in scrambled pages of 64 tokens, row 2 sharing
     row 0's first page (the same prefix: the same bytes), the table's padding pointing at a page of NaN scales (not
-    read): each row's output equals the contiguous store's over the same records (gpu.attend, one row at a time),
+    read): each row's output equals the contiguous store's over the same records (gpu_attn.attend, one row at a time),
     within FP32 rounding in the exact mode and, in the fast mode, within SDPA-BF16's own error of the FP32 result;
     also with a split's first tile loaded before the query ("fp16-early": row 1's splits past its length, over the
     padding's NaN page, count for nothing) and with each tile's scales loaded with the tile before it through the
     table ("fp16-prefetch": the same bits as without)."""
-    monkeypatch.setattr(gpu, "ATTN_EARLY_TILE", dot.endswith("-early"))
-    monkeypatch.setattr(gpu, "ATTN_PREFETCH", dot.endswith("-prefetch"))
+    monkeypatch.setattr(gpu_attn, "ATTN_EARLY_TILE", dot.endswith("-early"))
+    monkeypatch.setattr(gpu_attn, "ATTN_PREFETCH", dot.endswith("-prefetch"))
     dot = dot.split("-")[0]
-    monkeypatch.setattr(gpu, "ATTN_DOT", dot)
+    monkeypatch.setattr(gpu_attn, "ATTN_DOT", dot)
     kc, vc = _codecs()
     if keys == "rotated":   # the query rotated (and scaled) before the kernel, as for the contiguous store
         kc = IntCodec(scheme="asymmetric", axis="channel", rotate=True).with_backend("triton")
@@ -67,12 +67,12 @@ def test_paged_attention_equals_the_contiguous_store(dot, keys, monkeypatch):
     q = torch.randn(3, H * R, D, generator=g).to(DEVICE)
     out = paged.attend(q, pool, table.to(DEVICE), torch.tensor(lens, dtype=torch.int32, device=DEVICE), per_split=64)
     assert out.shape == q.shape and out.dtype == torch.float32 and bool(torch.isfinite(out).all())
-    if gpu.ATTN_PREFETCH:   # loads moved, not arithmetic: the same bits as the scales loaded with their tile
-        monkeypatch.setattr(gpu, "ATTN_PREFETCH", False)
+    if gpu_attn.ATTN_PREFETCH:   # loads moved, not arithmetic: the same bits as the scales loaded with their tile
+        monkeypatch.setattr(gpu_attn, "ATTN_PREFETCH", False)
         assert torch.equal(out, paged.attend(q, pool, table.to(DEVICE), torch.tensor(lens, dtype=torch.int32,
                                                                                      device=DEVICE), per_split=64))
     for b, (pk, pv) in enumerate(records):
-        alone = gpu.attend(q[b:b + 1], gpu.to_device(_batched(pk), DEVICE), gpu.to_device(_batched(pv), DEVICE),
+        alone = gpu_attn.attend(q[b:b + 1], gpu.to_device(_batched(pk), DEVICE), gpu.to_device(_batched(pv), DEVICE),
                            kc, vc, per_split=64)[0]
         Kd, Vd = (c.decode(p).repeat_interleave(R, 0).double() for c, p in ((kc, pk), (vc, pv)))
         ref = (torch.softmax((q[b].double()[:, None] @ Kd.transpose(-1, -2)) * D ** -0.5, -1) @ Vd)[:, 0]
@@ -87,7 +87,7 @@ def test_paged_attention_equals_the_contiguous_store(dot, keys, monkeypatch):
 
 
 def _batched(rec):
-    """A record of [H, S, D] as one of [1, H, S, D] (gpu.attend takes a batch)."""
+    """A record of [H, S, D] as one of [1, H, S, D] (gpu_attn.attend takes a batch)."""
     from kvcx.codecs.base import Packed
 
     return Packed(codes=rec.codes, scales=rec.scales, zeros=rec.zeros, sinks=rec.sinks, shape=(1, *rec.shape),
@@ -185,7 +185,7 @@ def test_exact_sinks_and_a_residual_of_lengths_on_the_device_join_the_softmax(mo
     rounding of FP32 attention over the sinks, the decoded pages and the live residual (the exact mode). A row with
     no packed token yet (seq_lens 0) attends to its exact tokens alone. Pages of 192 tokens (not a power of two: a
     multiple of the kernel's tiles) are taken."""
-    monkeypatch.setattr(gpu, "ATTN_DOT", "int8x3")
+    monkeypatch.setattr(gpu_attn, "ATTN_DOT", "int8x3")
     kc, vc = _codecs()
     g = torch.Generator().manual_seed(8)
     B, H, R, D, P = 2, 2, 2, 64, 192

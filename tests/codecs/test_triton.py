@@ -318,12 +318,12 @@ def test_fused_attention_equals_sdpa_over_the_decoded_cache(loads, scheme, D, R,
     row 1 left-padded), with the next tile's codes loaded in each step, prefetched, or (the fast mode) a split's
     first tile loaded before the query; in the fast mode ("fp16": FP16 products, FP32 sums) within what SDPA in
     BF16 over the same decoded tokens loses itself."""
-    from kvcx.codecs import gpu
-    from kvcx.codecs.gpu import attend
+    from kvcx.codecs import gpu_attn
+    from kvcx.codecs.gpu_attn import attend
 
-    monkeypatch.setattr(gpu, "ATTN_DOT", dot)
-    monkeypatch.setattr(gpu, "ATTN_PREFETCH", loads == "prefetch")
-    monkeypatch.setattr(gpu, "ATTN_EARLY_TILE", loads == "early")
+    monkeypatch.setattr(gpu_attn, "ATTN_DOT", dot)
+    monkeypatch.setattr(gpu_attn, "ATTN_PREFETCH", loads == "prefetch")
+    monkeypatch.setattr(gpu_attn, "ATTN_EARLY_TILE", loads == "early")
 
     g = torch.Generator().manual_seed(D + R)
     if isinstance(scheme, tuple):
@@ -376,10 +376,10 @@ def test_spans_of_one_layout_share_a_launch_and_equal_sdpa(dot, monkeypatch):
     past the first span's read the second: its tokens, buffers, mask columns), the third has another (16-token
     key blocks) and runs in its own; with the sinks, the residual and a padding mask the step equals SDPA over the
     decoded tokens within FP32 rounding. Every launch the step makes is counted."""
-    from kvcx.codecs import gpu
+    from kvcx.codecs import gpu, gpu_attn
     from kvcx.codecs.triton_kernels import attention as _triton_attn
 
-    monkeypatch.setattr(gpu, "ATTN_DOT", dot)
+    monkeypatch.setattr(gpu_attn, "ATTN_DOT", dot)
     launches = []
     real = _triton_attn.attend_packed_kernel
 
@@ -408,7 +408,7 @@ def test_spans_of_one_layout_share_a_launch_and_equal_sdpa(dot, monkeypatch):
         Vd.append(b.decode(pv))
         lead = t0 if start == 0 else 0
         an, bn = (get_codec({**c.get_config(), "sinks": 0}).with_backend("triton") for c in (a, b))
-        spans.append(gpu.Span(gpu.span_of(pk, a), gpu.span_of(pv, b), an, bn, start + lead))
+        spans.append(gpu_attn.Span(gpu_attn.span_of(pk, a), gpu_attn.span_of(pv, b), an, bn, start + lead))
         if start == 0:
             sinks = (pk.sinks.reshape(N, t0, D), pv.sinks.reshape(N, t0, D))
         start += size
@@ -416,8 +416,9 @@ def test_spans_of_one_layout_share_a_launch_and_equal_sdpa(dot, monkeypatch):
     keep[1, :20] = False
     keep[0, 150:160] = False               # inside the second span
     add = gpu.float_mask(keep, B, start + nr)
-    out = gpu.attend_spans(gpu.query_rows(q, N), D ** -0.5, spans, Hkv, sinks, (rk.reshape(N, nr, D), rv.reshape(N, nr, D)), add, start,
-                           per_split=64).reshape(B, Hkv * R, D)
+    residual = (rk.reshape(N, nr, D), rv.reshape(N, nr, D))
+    out = gpu_attn.attend_spans(gpu.query_rows(q, N), D ** -0.5, spans, Hkv, sinks, residual, add, start,
+                                per_split=64).reshape(B, Hkv * R, D)
     assert [grid[1] for grid in launches] == [2 + 3, 1]     # splits of 64 tokens: (100 + 130) in one, 48 in one
     Kf = torch.cat(Kd + [rk], 2).repeat_interleave(R, 1)
     Vf = torch.cat(Vd + [rv], 2).repeat_interleave(R, 1)
@@ -441,82 +442,83 @@ def _default_step(seed: int, B: int, S: int, nr: int):
 
 
 def test_a_register_cap_changes_no_bit_of_the_attention(monkeypatch):
-    """gpu.ATTN_MAX_REGISTERS (a --tune setting: ptxas's register cap, Triton's maxnreg) changes where values live,
+    """gpu_attn.ATTN_MAX_REGISTERS (a --tune setting: ptxas's register cap, Triton's maxnreg) changes where values live,
     not what is computed: the same bits with and without it (on a GPU a second compiled kernel; the interpreter
     takes the launch option and runs the same code)."""
-    from kvcx.codecs import gpu
-    from kvcx.codecs.gpu import attend
+    from kvcx.codecs import gpu_attn
+    from kvcx.codecs.gpu_attn import attend
 
-    monkeypatch.setattr(gpu, "ATTN_DOT", "int8x3")
+    monkeypatch.setattr(gpu_attn, "ATTN_DOT", "int8x3")
     q, pk, pv, kc, vc, rk, rv = _default_step(7, B=1, S=150, nr=3)
     free = attend(q, pk, pv, kc, vc, rk, rv, per_split=64)
-    monkeypatch.setattr(gpu, "ATTN_MAX_REGISTERS", 128)
+    monkeypatch.setattr(gpu_attn, "ATTN_MAX_REGISTERS", 128)
     capped = attend(q, pk, pv, kc, vc, rk, rv, per_split=64)
     assert torch.equal(free, capped) and bool(torch.isfinite(free).all())
     for bad in (0, 300, 12.5, "128"):   # a cap ptxas would not take fails in kvcx, by the setting's name
-        monkeypatch.setattr(gpu, "ATTN_MAX_REGISTERS", bad)
+        monkeypatch.setattr(gpu_attn, "ATTN_MAX_REGISTERS", bad)
         with pytest.raises(CodecError, match=r"ATTN_MAX_REGISTERS.*24 to 255"):
             attend(q, pk, pv, kc, vc, rk, rv, per_split=64)
 
 
 def test_the_merge_launched_early_changes_no_bit_of_the_attention(monkeypatch):
-    """gpu.MERGE_PDL (the default on sm_90: the merge as a programmatic dependent launch, its query and exact tokens
-    read while the attention kernel runs, the splits after it) changes when the merge starts, not what it computes:
-    the same bits with and without it, over a store of several splits, the sinks and a residual (on a GPU two
-    other compiled kernels and a launch attribute; Triton's interpreter runs no PTX, nor does a GPU before sm_90:
-    there it is off, and says so)."""
-    from kvcx.codecs import gpu
-    from kvcx.codecs.gpu import attend
+    """gpu_attn.MERGE_PDL (the default on sm_90: the merge as a programmatic dependent launch, its query and exact
+    tokens read while the attention kernel runs, the splits after it) changes when the merge starts, not what it
+    computes: the same bits with and without it, over a store of several splits, the sinks and a residual (on a GPU
+    two other compiled kernels and a launch attribute; Triton's interpreter runs no PTX, nor does a GPU before
+    sm_90: there it is off, and says so).
+    """
+    from kvcx.codecs import gpu_attn
+    from kvcx.codecs.gpu_attn import attend
 
     q, pk, pv, kc, vc, rk, rv = _default_step(11, B=2, S=300, nr=5)
-    monkeypatch.setattr(gpu, "MERGE_PDL", False)
+    monkeypatch.setattr(gpu_attn, "MERGE_PDL", False)
     plain = attend(q, pk, pv, kc, vc, rk, rv, per_split=64)
-    monkeypatch.setattr(gpu, "MERGE_PDL", True)     # the default
-    assert gpu.dependent_merge(q) == (DEVICE == "cuda" and torch.cuda.get_device_capability()[0] >= 9)
+    monkeypatch.setattr(gpu_attn, "MERGE_PDL", True)     # the default
+    assert gpu_attn.dependent_merge(q) == (DEVICE == "cuda" and torch.cuda.get_device_capability()[0] >= 9)
     early = attend(q, pk, pv, kc, vc, rk, rv, per_split=64)
     assert torch.equal(plain, early) and bool(torch.isfinite(plain).all())
 
 
 @pytest.mark.parametrize("S,per", [(300, 128), (300, 64), (100, 64), (40, 64)])
 def test_the_scales_loaded_a_tile_ahead_change_no_bit_of_the_attention(S, per, monkeypatch):
-    """gpu.ATTN_PREFETCH in the fast mode transposed (a --tune setting): each tile's scales and offsets are loaded
+    """gpu_attn.ATTN_PREFETCH in the fast mode transposed (a --tune setting): each tile's scales and offsets are loaded
     with the tile before it, so that their loads are in flight while that tile is worked (Triton pipelines the
     codes' loads, not these); the same arithmetic on the same values: the same bits, over splits of several whole
     tiles and a partial last one, of one whole tile, and of a partial tile alone (the loop runs no tile)."""
-    from kvcx.codecs import gpu
-    from kvcx.codecs.gpu import attend
+    from kvcx.codecs import gpu_attn
+    from kvcx.codecs.gpu_attn import attend
 
-    monkeypatch.setattr(gpu, "ATTN_DOT", "fp16")
+    monkeypatch.setattr(gpu_attn, "ATTN_DOT", "fp16")
     q, pk, pv, kc, vc, rk, rv = _default_step(S + per, B=2, S=S, nr=3)
     cfg = KVConfig.from_scheme("kvcx")
     D, R = q.shape[-1], q.shape[1] // 2
-    assert gpu.attention_constexprs(cfg.key, cfg.value, R, D, "fp16", 64, False, True)["AHEAD"]
+    assert gpu_attn.attention_constexprs(cfg.key, cfg.value, R, D, "fp16", 64, False, True)["AHEAD"]
     plain = attend(q, pk, pv, kc, vc, rk, rv, per_split=per)
-    monkeypatch.setattr(gpu, "ATTN_PREFETCH", True)
+    monkeypatch.setattr(gpu_attn, "ATTN_PREFETCH", True)
     ahead = attend(q, pk, pv, kc, vc, rk, rv, per_split=per)
     assert torch.equal(plain, ahead) and bool(torch.isfinite(plain).all())
 
 
 def test_the_merge_reads_the_splits_in_chunks_of_any_size_to_the_same_softmax(monkeypatch):
-    """gpu.MERGE_SPLITS / MERGE_WARPS (launch settings bench_gpu's --tune times): the merge reads a query row's splits
-    a chunk at a time with a running maximum, after the exact tokens' softmax; chunks of 2 (three of them over 5
+    """gpu_attn.MERGE_SPLITS / MERGE_WARPS (launch settings bench_gpu's --tune times): the merge reads a query row's
+    splits a chunk at a time with a running maximum, after the exact tokens' softmax; chunks of 2 (three of them over 5
     splits: the running maximum across chunks), of 256 (all at once) and 8 warps give the default's output within
     FP32's rounding (only the order of the sums differs), with the scheme's sink and a residual, and with the sink
     alone."""
-    from kvcx.codecs import gpu
-    from kvcx.codecs.gpu import attend
+    from kvcx.codecs import gpu_attn
+    from kvcx.codecs.gpu_attn import attend
 
     for nr in (5, 0):
         q, pk, pv, kc, vc, rk, rv = _default_step(12 + nr, B=2, S=300, nr=nr)
         rk, rv = (rk, rv) if nr else (None, None)
         base = attend(q, pk, pv, kc, vc, rk, rv, per_split=64)
         for warps, chunk in ((4, 2), (8, 256), (1, 16)):
-            monkeypatch.setattr(gpu, "MERGE_WARPS", warps)
-            monkeypatch.setattr(gpu, "MERGE_SPLITS", chunk)
+            monkeypatch.setattr(gpu_attn, "MERGE_WARPS", warps)
+            monkeypatch.setattr(gpu_attn, "MERGE_SPLITS", chunk)
             other = attend(q, pk, pv, kc, vc, rk, rv, per_split=64)
             assert torch.allclose(other, base, rtol=1e-5, atol=1e-6 * float(base.abs().max())), (warps, chunk, nr)
         for bad in (48, 1, 2.0):   # not a power of two from 2: refused by the setting's name
-            monkeypatch.setattr(gpu, "MERGE_SPLITS", bad)
+            monkeypatch.setattr(gpu_attn, "MERGE_SPLITS", bad)
             with pytest.raises(CodecError, match=r"MERGE_SPLITS.*power of two"):
                 attend(q, pk, pv, kc, vc, rk, rv, per_split=64)
         monkeypatch.undo()
@@ -529,11 +531,11 @@ def test_int8_products_fall_back_where_they_would_not_be_exact(D, block, kg, dot
     """The int8 products sum 32 or more (head dim 64 to 128: 32 to 64 channels a stream; tiles of 32 to 128
     tokens, cut to the key blocks); elsewhere the kernel gets two TF32 passes, not a product that the GPU compiler
     refuses (K under 32) or int32 sums that could wrap; under head dim 32 (8 channels a stream), FP32 sums."""
-    from kvcx.codecs import gpu
+    from kvcx.codecs import gpu_attn
 
     kc = IntCodec(scheme="asymmetric", axis="channel", group_size=kg)
     vc = IntCodec(scheme="symmetric", axis="token", group_size=64, rotate=True)
-    assert gpu.attention_constexprs(kc, vc, 4, D, "int8x3", block, False, False)["DOT"] == dot
+    assert gpu_attn.attention_constexprs(kc, vc, 4, D, "int8x3", block, False, False)["DOT"] == dot
 
 
 @triton.jit
@@ -551,13 +553,13 @@ def test_fp16_products_where_the_keys_scales_fold_into_the_query(key_axis, D, do
     """The fast mode folds per-channel key scales into the query (one FP16 rounding a product); per-token keys
     (a scale a group of channels) take two TF32 passes, and head dims under 32 FP32 sums, rather than a product
     the mode would round more. Its PTX conversion is asked for only in the fast mode."""
-    from kvcx.codecs import gpu
+    from kvcx.codecs import gpu_attn
 
     kc = IntCodec(scheme="asymmetric", axis=key_axis)
     vc = IntCodec(scheme="symmetric", group_size=64, rotate=True)
-    const = gpu.attention_constexprs(kc, vc, 4, D, "fp16", 64, False, False, asm=True)
+    const = gpu_attn.attention_constexprs(kc, vc, 4, D, "fp16", 64, False, False, asm=True)
     assert const["DOT"] == dot and const["ASM"] == (dot == "fp16")
-    assert not gpu.attention_constexprs(kc, vc, 4, D, "int8x3", 64, False, False, asm=True)["ASM"]
+    assert not gpu_attn.attention_constexprs(kc, vc, 4, D, "int8x3", 64, False, False, asm=True)["ASM"]
 
 
 def test_fp16_codes_are_exact_and_the_ptx_gives_the_same_bits():
@@ -590,10 +592,10 @@ def test_the_fast_mode_keeps_its_bar_at_any_magnitude(k_mag, v_mag, q_std, monke
     value scales to FP16 after powers of two of their own, so that keys, values and queries of any magnitude a
     BF16 model holds neither overflow (a query times a key scale past 65,504: "saturated") nor lose their bits as
     subnormals (weights p s under 2**-14: "tiny-values"): finite, and within SDPA-BF16's own error."""
-    from kvcx.codecs import gpu
-    from kvcx.codecs.gpu import attend
+    from kvcx.codecs import gpu_attn
+    from kvcx.codecs.gpu_attn import attend
 
-    monkeypatch.setattr(gpu, "ATTN_DOT", "fp16")
+    monkeypatch.setattr(gpu_attn, "ATTN_DOT", "fp16")
     g = torch.Generator().manual_seed(17)
     cfg = KVConfig.from_scheme("kvcx")
     kc, vc = cfg.key.with_backend("triton"), cfg.value.with_backend("triton")
@@ -611,18 +613,18 @@ def test_the_fast_mode_keeps_its_bar_at_any_magnitude(k_mag, v_mag, q_std, monke
 
 
 def test_an_unknown_product_mode_is_refused_by_name():
-    """gpu.ATTN_DOT is a module setting (bench_gpu.py's --tune sets it): a mode the kernel does not have fails in
+    """gpu_attn.ATTN_DOT is a module setting (bench_gpu.py's --tune sets it): a mode the kernel does not have fails in
     kvcx with the modes it has, not inside Triton's compiler."""
-    from kvcx.codecs import gpu
+    from kvcx.codecs import gpu_attn
 
     kc = IntCodec(scheme="asymmetric", axis="channel")
     vc = IntCodec(scheme="symmetric", rotate=True)
     with pytest.raises(CodecError, match=r"'int4'.*ATTN_DOT.*'tf32x2'"):
-        gpu.attention_constexprs(kc, vc, 4, 64, "int4", 32, False, False)
+        gpu_attn.attention_constexprs(kc, vc, 4, 64, "int4", 32, False, False)
 
 
 def test_fused_attention_refuses_what_it_cannot_read():
-    from kvcx.codecs.gpu import attend
+    from kvcx.codecs.gpu_attn import attend
 
     kc = IntCodec(scheme="asymmetric", axis="channel", backend="triton")
     pk = kc.encode(torch.randn(1, 2, 64, 64, device=DEVICE))
@@ -640,10 +642,10 @@ def test_fused_attention_passes_a_nan_in_the_query_on(dot, monkeypatch):
     """A NaN in a query row gives NaN in that row's output in every product mode; the other rows are unaffected.
     (On a GPU, tl.max skips NaN: the integer products' row maximum must not, or they would round the NaN's bits
     to a finite, wrong result; the interpreter's maximum propagates NaN either way.)"""
-    from kvcx.codecs import gpu
-    from kvcx.codecs.gpu import attend
+    from kvcx.codecs import gpu_attn
+    from kvcx.codecs.gpu_attn import attend
 
-    monkeypatch.setattr(gpu, "ATTN_DOT", dot)
+    monkeypatch.setattr(gpu_attn, "ATTN_DOT", dot)
     cfg = KVConfig.from_scheme()
     kc, vc = cfg.key.with_backend("triton"), cfg.value.with_backend("triton")
     g = torch.Generator().manual_seed(5)
@@ -657,7 +659,7 @@ def test_fused_attention_passes_a_nan_in_the_query_on(dot, monkeypatch):
 
 def test_fused_attention_with_no_packed_token_yet():
     """A record of only its exact sink token and a residual (a cache's first steps): the merge kernel alone."""
-    from kvcx.codecs.gpu import attend
+    from kvcx.codecs.gpu_attn import attend
 
     cfg = KVConfig.from_scheme()
     kc, vc = cfg.key.with_backend("triton"), cfg.value.with_backend("triton")

@@ -1,7 +1,7 @@
 """Triton kernels of the fused decode attention over packed 4-bit codes (flash-decoding along the context, then a
 merge of the splits with the exact tokens, :mod:`kvcx.codecs.triton_kernels.merge`): :mod:`kvcx.codecs.gpu` checks,
 allocates and launches them
-(:func:`~kvcx.codecs.gpu.attend_spans`). The codes and scales are read as the codec kernels of
+(:func:`~kvcx.codecs.gpu_attn.attend_spans`). The codes and scales are read as the codec kernels of
 :mod:`kvcx.codecs.triton_kernels.codec` write them. Imported only when a tensor goes to the Triton backend; under
 ``TRITON_INTERPRET=1`` Triton's interpreter runs the same kernels on CPU tensors (the tests do).
 """
@@ -296,7 +296,7 @@ def attend_packed_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, 
     cores with FP32 sums, the other side rounded to FP16 after a power of two of its own: the keys' scaled query
     a row's (11 bits of each term, as a BF16 model's query times the scale would need 16), the values' weights p s
     a tile's (the scales' largest; p <= 1): the products round where FlashAttention's P V rounds, no more; per-token
-    keys take "tf32x2" (:func:`~kvcx.codecs.gpu.attention_constexprs`). "tf32x2": products of codes in two TF32
+    keys take "tf32x2" (:func:`~kvcx.codecs.gpu_attn.attention_constexprs`). "tf32x2": products of codes in two TF32
     passes (FP32's accuracy); "tf32": one; "": FP32 sums; "int8x3" (the exact mode): the codes as int8 on the
     integer tensor cores, the other side a 21-bit fixed point of its row (:func:`_mm_int8x3`; the keys' two
     streams share one fixed point and one conversion to FP32).

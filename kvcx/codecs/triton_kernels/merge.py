@@ -1,10 +1,10 @@
 """The merge kernel of the fused decode attention: a query row's flash-decoding splits
 (:func:`kvcx.codecs.triton_kernels.attention.attend_packed_kernel`) merged with the exact tokens (sinks, residual)
-in one softmax. Launched by :func:`kvcx.codecs.gpu.attend_spans` and :func:`kvcx.codecs.paged.attend`.
+in one softmax. Launched by :func:`kvcx.codecs.gpu_attn.attend_spans` and :func:`kvcx.codecs.paged.attend`.
 """
 import triton
 import triton.language as tl
-try:   # programmatic dependent launch (Triton 3.4 on; kvcx.codecs.gpu.dependent_merge: off without it)
+try:   # programmatic dependent launch (Triton 3.4 on; kvcx.codecs.gpu_attn.dependent_merge: off without it)
     from triton.language.extra.cuda import gdc_wait
 except ImportError:
     gdc_wait = None
