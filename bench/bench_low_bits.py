@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.report import Report
+from bench.report import Report, held_out_text
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared/data/wikitext-2-raw/wiki.test.raw"
 TARGET_BITS, TARGET_DELTA, TARGET_KLD = 2.75, 0.334, 0.0270   # issue 68: NexusQuant K3V2 on 16 windows
@@ -74,7 +74,7 @@ def main(argv=None):
     rows = study() if args.study else settings(not args.no_peers)
     t0 = time.perf_counter()
     held_out = not (args.study or args.from_start)
-    data = _second_half(args.dataset_file) if held_out else args.dataset_file
+    data = held_out_text(args.dataset_file) if held_out else args.dataset_file
     res = run_validations(rows, dataset_file=data, window=1024, stride=512,
                           max_windows=args.max_windows, cpu=True,
                           on_window=lambda done, total: print(f"window {done}/{total} "
@@ -98,23 +98,6 @@ def main(argv=None):
     if args.markdown:
         out.write(args.markdown, "# How kvcx2v was chosen: its keys' token groups at the same bits, its values' sink"
                   if args.study else "# Two bits without calibration: kvcx2v, NexusQuant and the default")
-
-
-def _second_half(path: Path) -> Path:
-    """A copy of the text from its first article heading (`` = Title = ``) after the middle, in a temporary file
-    (removed at exit): the held-out windows."""
-    import atexit
-    import os
-    import re
-    import tempfile
-
-    text = Path(path).read_text(encoding="utf-8")
-    m = re.compile(r"^ = [^=].* = $", re.M).search(text, len(text) // 2)
-    fd, name = tempfile.mkstemp(suffix=".raw", prefix="kvcx-held-out-")
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(text[m.start() if m else len(text) // 2:])
-    atexit.register(os.unlink, name)
-    return Path(name)
 
 
 def _verdicts(out, by) -> None:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.report import held_out_text
 from kvcx.codecs import IntCodec, KVConfig
 from kvcx.codecs.metrics import ErrorStats, error_stats
 from kvcx.quality.peers import PeerSetting
@@ -50,6 +51,8 @@ def settings(full: bool, plans, candidates: bool = False):
                dict(scheme="symmetric", rotate=True, bits=3)),
         ("kvcx3 preset (every layer 3-bit, K and V sink exact)", KVConfig.from_scheme("kvcx3")),
         ("kvcx2 preset (every layer 2-bit, K and V sink exact)", KVConfig.from_scheme("kvcx2")),
+        ("kvcx4w preset (keys: a width per channel, 4 bits on average, g64 + sink; values as kvcx)",
+         KVConfig.from_scheme("kvcx4w")),
         ("kvcx2w preset (keys: a width per channel, 2 bits on average, g32; values as kvcx2)",
          KVConfig.from_scheme("kvcx2w")),
     ]
@@ -248,6 +251,8 @@ def main(argv=None):
     ap.add_argument("--study", choices=["frontier", "default"], default="frontier",
                     help="frontier: presets, plans, peers (default); default: the 4-bit layouts the default was "
                          "chosen from")
+    ap.add_argument("--held-out", action="store_true", help="score the text's second half (from the first article "
+                    "heading after the middle) instead of its first windows: text no choice of kvcx's was made on")
     ap.add_argument("--only", nargs="+", default=None, help="run only the rows whose label contains one of these")
     ap.add_argument("--plan", nargs="*", default=None,
                     help="plans from `kvcx calibrate`, files or shipped names (default: every shipped plan)")
@@ -269,7 +274,7 @@ def main(argv=None):
 
     t0 = time.perf_counter()
     model, tok, name = load_model_and_tokenizer(args.model, cpu=True)
-    text = load_dataset_text(args.dataset_file)
+    text = load_dataset_text(held_out_text(args.dataset_file) if args.held_out else args.dataset_file)
     ids = torch.tensor(tok(text)["input_ids"], dtype=torch.long)
     starts = window_starts(ids.numel(), args.window, args.stride, args.max_windows)
     from kvcx.api import shipped_plans
@@ -306,8 +311,9 @@ def main(argv=None):
     first = next(iter(runs.values()))
     base_nll, tokens = first.baseline_nll, first.tokens
     base_ppl = math.exp(base_nll / tokens)
+    held_out = " (its second half: text no choice of kvcx's was made on)" if args.held_out else ""
     lines = [
-        f"Embedded SmolLM2-135M, WikiText-2 raw test, {len(starts)} windows of {args.window} (stride "
+        f"Embedded SmolLM2-135M, WikiText-2 raw test{held_out}, {len(starts)} windows of {args.window} (stride "
         f"{args.stride}), {tokens:,} tokens scored; baseline perplexity {base_ppl:.4f}.",
         "",
         "| setting | bits/value | ratio vs FP16 | RMSE | SNR dB | perplexity | delta | KLD (nats/token) | top-1 agreement | "

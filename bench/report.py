@@ -69,3 +69,20 @@ class Report:
             why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
             raise SystemExit(f"{Path(sys.argv[0]).name}: cannot write {path} ({why}); the table is printed above: "
                              "pass a writable --markdown path to save it") from None
+
+
+def held_out_text(path: Path) -> Path:
+    """A copy of the text from its first article heading (`` = Title = ``) after the middle, in a temporary file
+    (removed at exit): the held-out windows."""
+    import atexit
+    import os
+    import re
+    import tempfile
+
+    text = Path(path).read_text(encoding="utf-8")
+    m = re.compile(r"^ = [^=].* = $", re.M).search(text, len(text) // 2)
+    fd, name = tempfile.mkstemp(suffix=".raw", prefix="kvcx-held-out-")
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text[m.start() if m else len(text) // 2:])
+    atexit.register(os.unlink, name)
+    return Path(name)

@@ -163,9 +163,9 @@ def report_metrics(m, json_out: bool, title: str, check: bool, wrote: Optional[P
 
 # shared options
 SchemeOpt = Annotated[str, typer.Option("--scheme", help="reference | symmetric | asymmetric | kivi | kvcx (default) "
-                                                         "| kvcx3 | kvcx2 | kvcx2w | kvcx2v (low-bit presets; "
-                                                         "kvcx2v: E8P lattice values, no calibration) | engine "
-                                                         "formats: "
+                                                         "| kvcx4w (keys a width per channel) | kvcx3 | kvcx2 | "
+                                                         "kvcx2w | kvcx2v (low-bit presets; kvcx2v: E8P lattice "
+                                                         "values, no calibration) | engine formats: "
                                                          "q8_0 q4_0 q4_1 q5_0 q5_1 iq4_nl (llama.cpp; -rot: with its "
                                                          "rotation) fp8_e4m3 fp8_e5m2 (vLLM; -amax: calibrated "
                                                          "scale) mxfp4 (ggml) nvfp4 nvfp4-amax (TensorRT-LLM) "

@@ -14,7 +14,7 @@ Schemes (``--scheme``):
   whose ranges are stored as two bytes (``--group-size`` sets the values' groups only): 2.5 bits/value
   nominal, README "Low bits".
 - ``kvcx4w``: the default's values; keys with a width per channel (4 bits on average, groups of 64 tokens, the sink
-  exact): fewer bits than ``kvcx`` and the deep needle kept (docs/results/deep-needle.md).
+  exact): fewer bits than ``kvcx`` and half its KLD on held-out text (docs/results/kvcx4w-quality.md).
 - ``kvcx2v``: no calibration, 2.75 bits/value counted whole: keys with a width per channel (87/32 bits on average,
   groups of 64 tokens), values on QuIP#'s E8P lattice (:class:`~kvcx.codecs.lattice.E8PCodec`); sinks exact.
 - ``kvcx3`` / ``kvcx2``: the low-bit presets: the kvcx layout at 3 bits, and at 2 bits with asymmetric
@@ -78,7 +78,7 @@ _SCHEMES = {
 # bits"); with a plan's key_weights (`kvcx calibrate --scheme kvcx2w`) the widths follow the queries
 # kvcx2v (no calibration, 2.75 bits/value counted whole): keys' widths 87/32 bits on average in groups of 64 tokens,
 # E8P values (kvcx.codecs.lattice), sinks exact; the groups and sinks chosen in docs/results/low-bits-study.md;
-# kvcx4w: the default's values, keys' widths 4 bits on average in groups of 64 (docs/results/deep-needle.md)
+# kvcx4w: the default's values, keys' widths 4 bits on average in groups of 64 (docs/results/kvcx4w-quality.md)
 _WIDTH_SCHEMES = {"kvcx2w": (dict(id="kvcx.widths", bits=2.0, group_size=32, sinks=1),
                              dict(id="kvcx.int", **_SCHEMES["kvcx2"][1])),
                   "kvcx4w": (dict(id="kvcx.widths", bits=4.0, group_size=64, sinks=1),

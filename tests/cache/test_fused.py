@@ -41,7 +41,8 @@ def _reference_multi(q, K, V, keep, scaling):
     return out
 
 
-@pytest.mark.parametrize("scheme", ["kvcx", "reference", "kivi", "asymmetric", "kvcx3", "kvcx2", "kvcx2w", "kvcx2v"])
+@pytest.mark.parametrize("scheme", ["kvcx", "reference", "kivi", "asymmetric", "kvcx3", "kvcx2", "kvcx2w", "kvcx4w",
+                                    "kvcx2v"])
 @pytest.mark.parametrize("B,H,R,chunks,nr", [(1, 3, 3, [128, 128, 128], 37), (2, 2, 4, [128], 1),
                                              (1, 1, 1, [256, 128], 64), (2, 3, 5, [256] * 5, 20),
                                              (1, 2, 2, [], 9)])
@@ -190,7 +191,7 @@ def test_long_context_splits_across_threads_and_rotated_keys():
                                    atol=3e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("scheme", ["kvcx", "reference", "kvcx3", "kvcx2", "kvcx2w", "kvcx2v"])
+@pytest.mark.parametrize("scheme", ["kvcx", "reference", "kvcx3", "kvcx2", "kvcx2w", "kvcx4w", "kvcx2v"])
 @pytest.mark.parametrize("B,H,R,Q,chunks,nr", [(2, 3, 3, 7, [128, 128], 9), (1, 2, 4, 40, [256, 64], 41),
                                               (2, 1, 1, 2, [128], 2), (1, 2, 3, 3, [192], 5),
                                               (1, 3, 3, 130, [512], 150)])

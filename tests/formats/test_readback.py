@@ -15,7 +15,7 @@ from kvcx.formats import safetensors as kst
 from kvcx.formats.chunk import ChunkCodec
 from kvcx.formats.packed import compress_tensors, decompress_tensors
 
-SCHEMES = ["reference", "kvcx", "kivi", "kvcx3", "kvcx2", "kvcx2w", "kvcx2v", "symmetric", "asymmetric"]
+SCHEMES = ["reference", "kvcx", "kivi", "kvcx3", "kvcx2", "kvcx2w", "kvcx4w", "kvcx2v", "symmetric", "asymmetric"]
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
