@@ -185,6 +185,11 @@ BitsOpt = Annotated[Optional[int], typer.Option("--bits", help="Code width: 4 (d
 SinksOpt = Annotated[Optional[int], typer.Option("--sinks", help="Leading tokens kept exact (scheme default if unset).")]
 RotateOpt = Annotated[Optional[bool], typer.Option("--rotate/--no-rotate", metavar=FLAG, help="Hadamard-rotate head_dim first.")]
 ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", help="OpenMP threads (default: all cores).")]
+DeviceOpt = Annotated[Optional[str], typer.Option("--device", help="Where the model runs: cpu, cuda, cuda:N, or auto "
+                                                                   "(one model spread over this machine's GPUs, for "
+                                                                   "one no GPU holds alone; needs accelerate). Default: "
+                                                                   "CUDA when there is one (under a launcher the GPU "
+                                                                   "LOCAL_RANK names).")]
 JsonOpt = Annotated[bool, typer.Option("--json", metavar=FLAG, help="Machine-readable JSON on stdout, nothing else there.")]
 RmseOpt = Annotated[float, typer.Option("--max-rmse", help="Threshold: absolute RMSE below this.")]
 SnrOpt = Annotated[float, typer.Option("--min-snr", help="Threshold: SNR (dB) above this.")]

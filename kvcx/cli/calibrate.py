@@ -7,7 +7,7 @@ from typing import Annotated, List, Optional
 import typer
 from rich.table import Table
 
-from kvcx.cli.app import (FLAG, BitsOpt, GroupOpt, JsonOpt, ThreadsOpt, app, check_files_first, cli_errors,
+from kvcx.cli.app import (FLAG, BitsOpt, DeviceOpt, GroupOpt, JsonOpt, ThreadsOpt, app, check_files_first, cli_errors,
                           kv_config_from)
 from kvcx.cli.render import emit_json, out, print_phase, window_bar
 from kvcx.errors import KvcxError
@@ -47,6 +47,7 @@ def calibrate(
     protect: Annotated[float, typer.Option(help="--guard-retrieval: the share of the whole loss a layer's keys alone "
                                                 "must carry to get 8 bits.")] = PROTECT,
     cpu: Annotated[bool, typer.Option("--cpu", metavar=FLAG, help="Force CPU even when CUDA is available.")] = False,
+    device: DeviceOpt = None,
     threads: ThreadsOpt = None,
     json_out: JsonOpt = False,
 ):
@@ -55,7 +56,7 @@ def calibrate(
     retrieval needs."""
     if guard_retrieval is not None:
         unused = {"--budget": budget, "--reuse": reuse, "--options": options, "--dataset-file": dataset_file,
-                  "--windows": windows != DEFAULT_WINDOWS, "--offset": offset != DEFAULT_OFFSET}
+                  "--windows": windows != DEFAULT_WINDOWS, "--offset": offset != DEFAULT_OFFSET, "--device": device}
         return _guard(out_path, guard_retrieval, prompts, protect, scheme, group_size, bits, unused, model, cpu,
                       threads, json_out)
     with cli_errors("calibrate"):
@@ -87,7 +88,7 @@ def calibrate(
             on_phase = None if json_out or follows else print_phase
             with window_bar(json_out or follows) as on_window:
                 result = cal.run_calibration(base, budget, model=model, dataset_file=dataset_file, windows=windows,
-                                             offset=offset, cpu=cpu, options=_parse_options(options),
+                                             offset=offset, cpu=cpu, device=device, options=_parse_options(options),
                                              on_phase=on_phase, on_window=on_window, press=press)
             if result is None:   # a rank other than 0: its windows' figures went to rank 0
                 return

@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from kvcx.cli.app import (EXIT_QUALITY, FLAG, BitsOpt, GroupOpt, JsonOpt, PlanOpt,
+from kvcx.cli.app import (EXIT_QUALITY, FLAG, BitsOpt, DeviceOpt, GroupOpt, JsonOpt, PlanOpt,
                           RotateOpt, SchemeOpt, SinksOpt, ThreadsOpt, check_files_first,
                           cli_errors, app)
 from kvcx.cli.render import (emit_json, out, print_phase, print_retrieval, print_validation, print_validations,
@@ -30,6 +30,7 @@ def validate(
                                            "as the model runs; engine: every key/value, the current token's included, "
                                            "through the codec before attention (vLLM, llama.cpp).")] = "prefix",
     cpu: Annotated[bool, typer.Option("--cpu", metavar=FLAG, help="Force CPU even when CUDA is available.")] = False,
+    device: DeviceOpt = None,
     backend: Annotated[Optional[str], typer.Option("--backend", help="Where kvcx compresses the cache: triton (on "
                                                                      "the GPU; 4-bit codecs) or cpu (default: by "
                                                                      "the model's device).")] = None,
@@ -85,6 +86,7 @@ def validate(
 
         request = ValidateRequest(task=task, tasks=tasks, lengths=lengths, depths=depths, query_aware=query_aware,
                                   alpha=alpha, mode=mode, backend=backend, quick_test=quick_test, tolerance=tolerance,
+                                  device=device,
                                   pressed=tuple(label for label, c in configs.items() if isinstance(c, PressedSetting)))
         request.check()
         if ranks.follows():   # rank 0 reports; the other ranks score their windows quietly
@@ -98,7 +100,7 @@ def validate(
             with window_bar(quiet) as on_window:
                 results = validation.run_validations(
                     configs, threshold=threshold, model=model, dataset_file=dataset_file, window=window,
-                    stride=stride, max_windows=max_windows, mode=mode, cpu=cpu, on_phase=on_phase,
+                    stride=stride, max_windows=max_windows, mode=mode, cpu=cpu, device=device, on_phase=on_phase,
                     on_window=on_window, backend=backend)
         if not results:   # a rank other than 0: its windows went to rank 0
             return
@@ -134,7 +136,8 @@ def _retrieval(configs, gated, request, prompts, seed, model, dataset_file, cpu,
     with window_bar(quiet, "prompts") as on_prompt:
         results = retrieval.run_retrieval(configs, names, lengths=parsed, depths=where or retrieval.DEPTHS,
                                           prompts=prompts, seed=seed, model=model, dataset_file=dataset_file,
-                                          cpu=cpu, alpha=request.alpha, on_phase=on_phase, on_prompt=on_prompt,
+                                          cpu=cpu, device=request.device, alpha=request.alpha, on_phase=on_phase,
+                                          on_prompt=on_prompt,
                                           task_label=request.task, query_aware=request.query_aware)
     if not results:   # a rank other than 0: its prompts' answers went to rank 0
         return

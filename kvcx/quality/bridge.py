@@ -69,19 +69,32 @@ def is_hybrid(cache) -> bool:
     return any(getattr(layer, "is_sliding", False) or getattr(layer, "keys", None) is None for layer in layers)
 
 
+def _device_of(device, name: str):
+    """``device`` for tensor ``name``: one device for every tensor, or a mapping name -> device (a model spread
+    over several GPUs: :func:`tensor_devices`)."""
+    return device.get(name) if isinstance(device, dict) else device
+
+
+def tensor_devices(cache) -> Dict[str, object]:
+    """Where each of the cache's tensors is (``layer_{i}_key`` -> device): for a model spread over several GPUs
+    (``device_map="auto"``) a compressed copy goes back layer by layer to where the model keeps that layer."""
+    return {name: t.device for name, t in cache_to_device_tensors(cache).items()}
+
+
 def refill(template, decoded: Dict[str, object], device=None):
     """A copy of the cache ``template`` (a hybrid model's, as its prefix left it) whose attention layers hold the
     ``decoded`` tensors (``layer_{i}_key`` / ``_value``) in place of their own: its linear-attention states and its
     sliding layers' positions stay. The decoded tensors must keep each layer's shape (token eviction changes it:
-    not on a hybrid model's cache)."""
+    not on a hybrid model's cache). ``device``: one device, or a mapping from tensor name (:func:`tensor_devices`)."""
     import copy
 
     cache = copy.deepcopy(template)
     for i, k, v in attention_layers(cache):
         new = []
         for kind, old in (("key", k), ("value", v)):
-            t = decoded[f"layer_{i}_{kind}"]
-            t = t.to(device) if is_tensor(t) else numpy_to_torch(t, device)
+            name = f"layer_{i}_{kind}"
+            t, dev = decoded[name], _device_of(device, name)
+            t = t.to(dev) if is_tensor(t) else numpy_to_torch(t, dev)
             if tuple(t.shape) != tuple(old.shape):
                 raise KvcxError(f"layer {i}: the compressed {kind}s are {list(t.shape)}, the cache's {list(old.shape)}; "
                                 "token eviction (a press) runs on full-attention models' caches only")
@@ -92,7 +105,8 @@ def refill(template, decoded: Dict[str, object], device=None):
 
 def rebuilt(template, decoded: Dict[str, object], device=None):
     """The compressed cache to score: :func:`refill` of the prefix's cache for a hybrid model, else a cache built
-    from the decoded tensors (:func:`make_dynamic_cache`: layers of uneven counts where a press evicted tokens)."""
+    from the decoded tensors (:func:`make_dynamic_cache`: layers of uneven counts where a press evicted tokens).
+    ``device``: one device, or a mapping from tensor name to device (:func:`tensor_devices`)."""
     if template is not None and is_hybrid(template):
         return refill(template, decoded, device)
     return make_dynamic_cache(tensors_to_layers(decoded, device))
@@ -140,7 +154,8 @@ def tensors_to_layers(tensors: Dict[str, np.ndarray], device=None):
         if pair[0].shape != pair[1].shape:
             raise KvcxError(f"KV cache layer {i}: key {list(pair[0].shape)} and value {list(pair[1].shape)} "
                             "shapes differ")
-        layers.append(tuple(a.to(device) if is_tensor(a) else numpy_to_torch(a, device) for a in pair))
+        devs = [_device_of(device, f"layer_{i}_{kind}") for kind in ("key", "value")]
+        layers.append(tuple(a.to(d) if is_tensor(a) else numpy_to_torch(a, d) for a, d in zip(pair, devs)))
     return layers
 
 

@@ -474,7 +474,8 @@ def _saved_press(saved: dict, source: str) -> Tuple[Press, int]:
 
 def run_calibration(config: KVConfig, budget: float, model: Optional[str] = None, dataset_file=None,
                     windows: int = DEFAULT_WINDOWS, offset: int = DEFAULT_OFFSET, window: int = 1024,
-                    stride: int = 512, cpu: bool = False, loaded=None, options: Optional[Sequence[str]] = None,
+                    stride: int = 512, cpu: bool = False, device=None, loaded=None,
+                    options: Optional[Sequence[str]] = None,
                     on_phase: Optional[Callable[[int, int, str], None]] = None,
                     on_window: Optional[Callable[[int, int], None]] = None,
                     press: Optional[Press] = None) -> Optional[Calibration]:
@@ -483,7 +484,8 @@ def run_calibration(config: KVConfig, budget: float, model: Optional[str] = None
 
     Started by ``torchrun`` or ``accelerate launch`` with several processes, each rank measures every N-th window and
     rank 0 allocates from all of them (the one-process run's figures and plan, to the last digit on the CPU) and
-    returns the plan; the other ranks report nothing and return None."""
+    returns the plan; the other ranks report nothing and return None. ``device``: where the model runs (``"auto"``:
+    spread over this machine's GPUs, :func:`~kvcx.quality.models.load_model_and_tokenizer`)."""
     import torch
 
     from kvcx.quality.models import load_dataset_text, load_model_and_tokenizer, pick_device, resolve_model
@@ -518,7 +520,7 @@ def run_calibration(config: KVConfig, budget: float, model: Optional[str] = None
         check_budget(config, budget)   # before the model runs, not after
     text = load_dataset_text(dataset_file)
     source = resolve_model(model) if loaded is None else None
-    device = ranks.local_device(None, cpu)   # under a launcher on GPUs: the one LOCAL_RANK names
+    device = ranks.local_device(device, cpu)   # under a launcher on GPUs: the one LOCAL_RANK names
     rank = ranks.join(next(loaded[0].parameters()).device.type if loaded is not None
                       else pick_device(device, cpu).type)
     ranks.same_request(rank, {"config": config, "budget": budget, "text": text, "model": str(source or loaded[2]),

@@ -111,13 +111,17 @@ def context_length(src: ModelSource) -> Optional[int]:
     return None
 
 
+SPREAD = "auto"   # device: one model over this machine's GPUs (transformers' device_map="auto")
+
+
 def pick_device(device=None, cpu: bool = False):
-    """torch.device: CPU when asked, else ``device``, else CUDA when available."""
+    """torch.device: CPU when asked, else ``device``, else CUDA when available (``"auto"``: the model spread over
+    the GPUs by :func:`load_model_and_tokenizer`; its first device is CUDA's when there is one)."""
     import torch
 
     if cpu:
         return torch.device("cpu")
-    if device is not None:
+    if device is not None and device != SPREAD:
         return torch.device(device)
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
@@ -125,32 +129,42 @@ def pick_device(device=None, cpu: bool = False):
 def load_model_and_tokenizer(model=None, device=None, cpu: bool = False):
     """(model, tokenizer, name). ``model``: None (embedded SmolLM2), a HF id, a local dir, a .gguf file,
     or a :class:`ModelSource` from :func:`resolve_model`. FP16 on CUDA, FP32 on CPU; eval mode. A GGUF's
-    conversion is kept in :mod:`kvcx.quality.model_cache` after its first load."""
+    conversion is kept in :mod:`kvcx.quality.model_cache` after its first load. ``device="auto"``
+    (:data:`SPREAD`): the model's layers spread over this machine's GPUs (transformers' ``device_map="auto"``,
+    which needs accelerate), for a model one GPU cannot hold; without ``cpu``."""
     src = model if isinstance(model, ModelSource) else resolve_model(model)
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dev = pick_device(device, cpu)
+    spread = device == SPREAD and not cpu
+    if spread and importlib.util.find_spec("accelerate") is None:
+        raise ModelError("--device auto spreads the model over the GPUs with accelerate: pip install accelerate, or "
+                         "give one device (--device cuda:0)")
+    placed = {"device_map": SPREAD} if spread else {}
     dtype = torch.float16 if dev.type == "cuda" else torch.float32
     gguf = src.kwargs.get("gguf_file")
     try:
         entry = model_cache.entry_for(os.path.join(src.source, gguf)) if gguf else None
         if entry is not None and model_cache.verified(entry):        # converted before: read in ~1 s
             tok = AutoTokenizer.from_pretrained(str(entry))
-            m = AutoModelForCausalLM.from_pretrained(str(entry), dtype=dtype)
+            m = AutoModelForCausalLM.from_pretrained(str(entry), dtype=dtype, **placed)
+        elif entry is not None:                                      # the FP32 conversion kept, then cast
+            tok = AutoTokenizer.from_pretrained(src.source, **src.kwargs)
+            m = AutoModelForCausalLM.from_pretrained(src.source, dtype=torch.float32, **src.kwargs)
+            model_cache.save(m, tok, entry)
+            m = AutoModelForCausalLM.from_pretrained(str(entry), dtype=dtype, **placed) if spread else m.to(dtype)
         else:
             tok = AutoTokenizer.from_pretrained(src.source, **src.kwargs)
-            m = AutoModelForCausalLM.from_pretrained(src.source, dtype=torch.float32 if entry else dtype,
-                                                     **src.kwargs)
-            if entry is not None:                                    # the FP32 conversion kept, then cast
-                model_cache.save(m, tok, entry)
-                m = m.to(dtype)
+            m = AutoModelForCausalLM.from_pretrained(src.source, dtype=dtype, **src.kwargs, **placed)
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:   # what a bad model dir raises
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelError(f"cannot load model {src.requested or EMBEDDED_GGUF!r}: {first[:200]}. Pass a local model "
                          f"directory, a .gguf file, or a Hugging Face id with internet access (e.g. {TINYLLAMA_ID})"
                          ) from None
-    m.to(dev).eval()
+    if not spread:
+        m.to(dev)
+    m.eval()
     return m, tok, src.name
 
 

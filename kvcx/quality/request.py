@@ -30,6 +30,7 @@ class ValidateRequest:
     quick_test: bool = False
     tolerance: Optional[int] = None
     pressed: Tuple[str, ...] = ()
+    device: Optional[str] = None
 
     @property
     def retrieval(self) -> bool:
@@ -59,6 +60,12 @@ class ValidateRequest:
         if self.pressed and self.quick_test:
             raise KvcxError(f"--scheme {self.pressed[0]}: a press reads a model's cache (and SnapKV its queries); "
                             "--quick-test has no model: leave it out")
+        if self.device is not None and self.quick_test:
+            raise KvcxError("--device places a model; --quick-test has none: leave it out")
+        if self.device == "auto" and self.mode != "prefix":
+            raise KvcxError(f"--device auto spreads one model over the GPUs for prefix mode and --task ruler / "
+                            f"passkey; --mode {self.mode} runs KvcxCache on one device: give --device cuda:0, or "
+                            "--mode prefix")
         if ranks.launched() and self.quick_test:
             raise KvcxError("--quick-test runs in one process; the windows of --task perplexity and the prompts of "
                             "--task ruler / passkey are what torchrun / accelerate launch shard: run it without a "

@@ -163,7 +163,7 @@ def run_retrieval(configs: Mapping[str, object], tasks: Sequence[str], lengths: 
 
     import copy
 
-    from kvcx.quality.bridge import cache_to_tensors, is_hybrid, rebuilt
+    from kvcx.quality.bridge import cache_to_tensors, is_hybrid, rebuilt, tensor_devices
     from kvcx.quality.scoring import forward_hidden
 
     dev = next(m.parameters()).device
@@ -223,6 +223,7 @@ def run_retrieval(configs: Mapping[str, object], tasks: Sequence[str], lengths: 
             else:
                 cache, queries = forward_hidden(m, ctx)[1], None
             tensors = cache_to_tensors(cache)
+            devices = tensor_devices(cache)   # each layer's, where the model keeps it (one model over several GPUs)
             template = copy.deepcopy(cache) if is_hybrid(cache) else None   # refilled per setting
             spent["prefill"] += clock() - t0
 
@@ -239,7 +240,7 @@ def run_retrieval(configs: Mapping[str, object], tasks: Sequence[str], lengths: 
                 decoded, nbytes = roundtrip(tensors, queries)
                 sizes[label][0] += nbytes
                 sizes[label][1] += sum(a.size for a in tensors.values())
-                c = rebuilt(template, decoded, dev)   # layers may hold uneven counts
+                c = rebuilt(template, decoded, devices)   # layers may hold uneven counts
                 del decoded
                 t1 = clock()
                 with attending(m, c):

@@ -254,6 +254,7 @@ def compare_prefix(model, ids, starts: List[int], window: int, stride: int, roun
             template = copy.deepcopy(cache) if is_hybrid(cache) else None
             # device round trips read the cache where it is; the others a host copy (made once)
             on_device = cache_to_device_tensors(cache)
+            devices = {name: t.device for name, t in on_device.items()}   # a layer's, where the model keeps it
             host = cache_to_tensors(cache) if not all(isinstance(r, DeviceRoundtrip) for r in roundtrips.values()) \
                 else None
             base_hidden = forward_hidden(model, cont, cache)[0][:-1]
@@ -264,7 +265,7 @@ def compare_prefix(model, ids, starts: List[int], window: int, stride: int, roun
                 tensors = on_device if isinstance(roundtrip, DeviceRoundtrip) else host
                 decoded, nbytes, stats = (roundtrip(tensors, queries) if getattr(roundtrip, "query_window", 0)
                                           else roundtrip(tensors))
-                comp_cache = rebuilt(template, decoded, dev)    # a press may leave layers uneven
+                comp_cache = rebuilt(template, decoded, devices)    # a press may leave layers uneven
                 del decoded
                 codec_s, codec_cpu = time.perf_counter() - t, time.process_time() - c
                 with attending(model, comp_cache):

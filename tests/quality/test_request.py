@@ -19,6 +19,8 @@ from kvcx.quality.request import ValidateRequest
     ({"task": "passkey", "alpha": 1.5}, "--alpha 1.5 must be a significance level"),
     ({"task": "passkey", "lengths": "1k"}, "--lengths '1k' must be token counts"),
     ({"task": "passkey", "depths": "half"}, "--depths 'half' must be fractions"),
+    ({"quick_test": True, "device": "cpu"}, "--device places a model; --quick-test has none"),
+    ({"device": "auto", "mode": "generation"}, "--device auto spreads one model over the GPUs for prefix mode"),
 ])
 def test_options_that_do_not_go_with_the_task_are_named(fields, message):
     with pytest.raises(KvcxError, match=message):
