@@ -122,7 +122,10 @@ def pick_device(device=None, cpu: bool = False):
     if cpu:
         return torch.device("cpu")
     if device is not None and device != SPREAD:
-        return torch.device(device)
+        try:
+            return torch.device(device)
+        except (RuntimeError, TypeError):
+            raise ModelError(f"--device {device!r} is not a device: give cpu, cuda, cuda:N or auto") from None
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 

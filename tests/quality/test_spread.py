@@ -57,3 +57,13 @@ def test_validate_with_device_auto_gives_the_one_device_json(wikitext_path):
     guard = subprocess.run([sys.executable, "-m", "kvcx", "calibrate", "--guard-retrieval", "8192", "--device", "auto",
                             "--out", os.devnull], capture_output=True, text=True, timeout=600, env=env)
     assert guard.returncode == 1 and "--device" in guard.stderr
+
+
+def test_a_device_that_is_not_one_is_named():
+    """--device bogus: one line naming the option and what it takes, before any model loads."""
+    from kvcx.errors import ModelError
+    from kvcx.quality.models import pick_device
+
+    with pytest.raises(ModelError, match="--device 'bogus' is not a device: give cpu, cuda, cuda:N or auto"):
+        pick_device("bogus")
+    assert pick_device("auto", cpu=True).type == "cpu" and pick_device("cpu").type == "cpu"
