@@ -72,14 +72,14 @@ def combine_query_sums(layers: Sequence[int], shapes: Sequence[tuple], parts: Se
     import torch
 
     sums = [torch.zeros(kv, d, dtype=torch.float64) for _, kv, d in shapes]
-    count = [0]
+    count = 0
     for window_sums, tokens in parts:
         for i, s in enumerate(window_sums):
             sums[i] += s
-        count[0] += tokens
+        count += tokens
     out = {}
     for L, m, (_, _, head_dim) in zip(layers, sums, shapes):
-        m = m / max(1, count[0])
+        m = m / max(1, count)
         m = (m + m.roll(head_dim // 2, dims=-1)) / 2
         out[L] = [[float(f"{x:.6g}") for x in row] for row in m.tolist()]
     return out

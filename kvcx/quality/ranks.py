@@ -129,13 +129,17 @@ def gather_in_order(rank: Rank, mine: Sequence, total: int):
     """Rank 0: the ``total`` items every rank worked (its :meth:`Rank.shard`), back in their order (item ``i`` is
     rank ``i % size``'s ``i // size``-th); the other ranks: None (one process: ``mine`` as a list)."""
     parts = gather(rank, list(mine))
-    if not rank.leads:
-        return None
+    return in_order(parts, total, "items") if rank.leads else None
+
+
+def in_order(parts: Sequence[Sequence], total: int, what: str) -> list:
+    """The ``total`` items of every rank's part (ranks in order) in the run's order: item ``i`` is rank
+    ``i % len(parts)``'s ``i // len(parts)``-th; a KvcxError where the ranks worked another count."""
     got = [len(p) for p in parts]
     if sum(got) != total:
-        raise KvcxError(f"the ranks worked {got} items, {sum(got)} in all, not the run's {total}: a rank stopped "
+        raise KvcxError(f"{what}: the ranks worked {got}, {sum(got)} in all, not the run's {total}: a rank stopped "
                         "early; run again")
-    return [parts[i % rank.size][i // rank.size] for i in range(total)]
+    return [parts[i % len(parts)][i // len(parts)] for i in range(total)]
 
 
 def merge(parts: Sequence[Mapping[str, list]], windows: int) -> Dict[str, "PerplexityRun"]:  # noqa: F821
@@ -143,16 +147,11 @@ def merge(parts: Sequence[Mapping[str, list]], windows: int) -> Dict[str, "Perpl
     their order: window ``i`` is rank ``i % len(parts)``'s ``i // len(parts)``-th."""
     from kvcx.quality.scoring import PerplexityRun
 
-    size = len(parts)
     merged = {}
     for label in parts[0]:
-        got = [len(p[label]) for p in parts]
-        if sum(got) != windows:
-            raise KvcxError(f"setting {label!r}: the ranks scored {got} windows, {sum(got)} in all, not the run's "
-                            f"{windows}: a rank stopped early; run again")
         run = PerplexityRun()
-        for i in range(windows):
-            run.add_window(**parts[i % size][label][i // size])
+        for record in in_order([p[label] for p in parts], windows, f"setting {label!r}'s windows"):
+            run.add_window(**record)
         merged[label] = run
     return merged
 

@@ -227,6 +227,7 @@ def compare_prefix(model, ids, starts: List[int], window: int, stride: int, roun
         is_hybrid,
         original_nbytes,
         rebuilt,
+        tensor_devices,
         value_count,
     )
     from kvcx.quality.eviction import attending
@@ -254,7 +255,7 @@ def compare_prefix(model, ids, starts: List[int], window: int, stride: int, roun
             template = copy.deepcopy(cache) if is_hybrid(cache) else None
             # device round trips read the cache where it is; the others a host copy (made once)
             on_device = cache_to_device_tensors(cache)
-            devices = {name: t.device for name, t in on_device.items()}   # a layer's, where the model keeps it
+            devices = tensor_devices(cache)   # each layer's, where the model keeps it
             host = cache_to_tensors(cache) if not all(isinstance(r, DeviceRoundtrip) for r in roundtrips.values()) \
                 else None
             base_hidden = forward_hidden(model, cont, cache)[0][:-1]
