@@ -30,11 +30,12 @@ figures from it say nothing about speed, only that every path runs.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import sys
 import time
 
-from bench.gpu_common import (D, HKV, HQ, RESIDUAL, SCHEME, SETTINGS, apply, capture, case, current, describe,
+from bench.gpu_common import (D, HKV, HQ, RESIDUAL, SCHEME, SETTINGS, capture, case, describe,
                               graph_timer, kernel_times, kernels_us, rate, setup_device, steps_per_second, timer, us)
 
 CONTEXTS = (4096, 16384, 32768, 65536, 131072)
@@ -120,8 +121,7 @@ def paged_case(torch, dev, cfg, K, V, S: int, shuffled: bool = True):
     return pool, order.to(torch.int32).to(dev), torch.full((B,), S, dtype=torch.int32, device=dev)
 
 
-def attention(torch, dev, cfg, contexts, batches, reps, out, hq, hkv, d):
-    from kvcx.codecs import gpu_attn
+def attention(torch, dev, cfg, contexts, batches, reps, out, hq, hkv, d, launch):
     from kvcx.codecs.paged import attend as paged_attend
 
     try:
@@ -131,7 +131,7 @@ def attention(torch, dev, cfg, contexts, batches, reps, out, hq, hkv, d):
     out("## 1. Decode attention, one layer's step")
     out("")
     out(f"{hq} query heads, {hkv} KV heads, head dim {d}, BF16; kvcx: the {SCHEME} scheme's packed store (+ 1 sink "
-        f"and {RESIDUAL} residual tokens) through DevicePackedKV.attend (launch settings: {describe(current(gpu_attn))}); "
+        f"and {RESIDUAL} residual tokens) through DevicePackedKV.attend (launch settings: {describe(launch)}); "
         "SDPA: the fastest "
         "of its backends that takes the shapes (named); ratio = baseline / kvcx (> 1: kvcx faster); L2 flushed "
         "before each timed run; graphs: one step captured in a CUDA graph and replayed; errors: kvcx's output, and "
@@ -154,7 +154,7 @@ def attention(torch, dev, cfg, contexts, batches, reps, out, hq, hkv, d):
         for B in batches:
             q, K, V, store, rk, rv = case(torch, dev, cfg, B, S, hq, hkv, d, seed=S + B)
             scale = d ** -0.5
-            kvcx_step = lambda: store.attend(q.view(B, hq, d), rk, rv, None, scale)  # noqa: E731
+            kvcx_step = lambda: store.attend(q.view(B, hq, d), rk, rv, None, scale, launch=launch)  # noqa: E731
             err, bar = reference_errors(torch, store, q, rk, rv, scale, kvcx_step())
             t_kvcx = timer(torch, dev, kvcx_step, reps)
             sdpa_name, sdpa_step, t_sdpa = sdpa_baseline(torch, dev, q, K, V, scale, reps)
@@ -174,7 +174,8 @@ def attention(torch, dev, cfg, contexts, batches, reps, out, hq, hkv, d):
                     f"{bar:.1e}", "yes" if err <= bar else "NO"]
             for shuffled in (True, False):
                 pool, table, lens = paged_case(torch, dev, cfg, K, V, S, shuffled)
-                paged_step = lambda: paged_attend(q.view(B, hq, d), pool, table, lens, scale)  # noqa: E731
+                paged_step = lambda: paged_attend(q.view(B, hq, d), pool, table, lens, scale,  # noqa: E731
+                                                  launch=launch)
                 paged_step()   # once eager (the interpreter's only run)
                 g_paged = graph_timer(torch, dev, paged_step, reps)
                 row += ([us(g_paged)] if shuffled else []) + \
@@ -190,34 +191,39 @@ def attention(torch, dev, cfg, contexts, batches, reps, out, hq, hkv, d):
 
 
 def variants(torch, dev, cfg, cases, reps, out, hq, hkv, d):
-    """The attention kernel's launch settings (:data:`SETTINGS`), each timed on the same store for each (tokens,
-    batch) of ``cases``, eager and from a CUDA graph, with its relative error vs FP32 sums and SDPA-BF16's own error
-    on the same store (the bar: :func:`reference_errors`). Returns the fastest of those within the bar in every
-    case: the smallest sum over the cases of its graph time over the FP32 sums' (each case counts alike, batch 8's
-    longer steps no more than batch 1's)."""
+    """The attention kernel's launch settings (:data:`SETTINGS`, each a
+    :class:`~kvcx.codecs.gpu_attn.LaunchSettings` passed to the step it times), each timed on the same store for
+    each (tokens, batch) of ``cases``, eager and from a CUDA graph, with its relative error vs FP32 sums and
+    SDPA-BF16's own error on the same store (the bar: :func:`reference_errors`). Returns the fastest of those within
+    the bar in every case: the smallest sum over the cases of its graph time over the FP32 sums' (each case counts
+    alike, batch 8's longer steps no more than batch 1's)."""
     from kvcx.codecs import gpu_attn
 
-    default = current(gpu_attn)
+    default = gpu_attn.DEFAULT_LAUNCH
     times = {}
     out(f"## 5. Attention kernel settings (the package's default: {describe(default)})")
     out("")
-    out("| tokens | batch | block tokens | warps | products | prefetch | stages | programs/SM | register cap | "
-        "first tile early | merge early | merge warps | merge splits | eager (us) | graph (us) | rel. error vs FP32 "
-        "sums | SDPA-BF16 error (the bar) |")
-    out("|---:|---:|---:|---:|---|---|---:|---:|---:|---|---|---:|---:|---:|---:|---:|---:|")
+    out("Each row names its setting as `kvcx.codecs.gpu_attn.LaunchSettings` (the fields that differ from the "
+        "package's defaults) and spells it out.")
+    out("")
+    out("| tokens | batch | setting | block tokens | warps | products | prefetch | stages | programs/SM | "
+        "register cap | first tile early | merge early | merge warps | merge splits | eager (us) | graph (us) | "
+        "rel. error vs FP32 sums | SDPA-BF16 error (the bar) |")
+    out("|---:|---:|---|---:|---:|---|---|---:|---:|---:|---|---|---:|---:|---:|---:|---:|---:|")
     for S, B in cases:
         q, _, _, store, rk, rv = case(torch, dev, cfg, B, S, hq, hkv, d, seed=S + B)
         q = q.view(B, hq, d)
-        step = lambda: store.attend(q, rk, rv, None, d ** -0.5)  # noqa: E731
-        apply(gpu_attn, SETTINGS[0])
-        ref = step().double()
+        def step(setting):
+            return store.attend(q, rk, rv, None, d ** -0.5, launch=setting)
+
+        ref = step(SETTINGS[0]).double()
         _, bar = reference_errors(torch, store, q, rk, rv, d ** -0.5, ref)
         base = None
         for setting in SETTINGS:
-            apply(gpu_attn, setting)
             try:
-                err = float((step().double() - ref).norm() / ref.norm())
-                eager, graph = timer(torch, dev, step, reps), graph_timer(torch, dev, step, reps)
+                err = float((step(setting).double() - ref).norm() / ref.norm())
+                run = functools.partial(step, setting)
+                eager, graph = timer(torch, dev, run, reps), graph_timer(torch, dev, run, reps)
                 row = [us(eager), us(graph), f"{err:.1e}", f"{bar:.1e}"]
                 t = graph if graph is not None else eager
                 base = t if base is None else base       # the FP32 sums' time (the first setting)
@@ -225,12 +231,11 @@ def variants(torch, dev, cfg, cases, reps, out, hq, hkv, d):
                     times.setdefault(setting, []).append(t / base)
             except Exception as exc:  # a setting that does not compile or run is a row, not the end of the run
                 row = ["failed", f"{type(exc).__name__}", str(exc).splitlines()[0][:60] if str(exc) else "", ""]
-            finally:
-                apply(gpu_attn, default)
-            bt, warps, dot, prefetch, stages, per_sm, regs, early, pdl, merge_warps, merge_splits = setting
-            out(f"| {S:,} | {B} | {bt} | {warps} | {dot or 'FP32 sums'} | {'yes' if prefetch else 'no'} | "
-                f"{stages or 'default'} | {per_sm} | {regs or 'none'} | {'yes' if early else 'no'} | "
-                f"{'yes' if pdl else 'no'} | {merge_warps} | {merge_splits} | " + " | ".join(row) + " |")
+            s = setting
+            out(f"| {S:,} | {B} | `{s}` | {s.block_tokens} | {s.program_warps(s.dot)} | {s.dot or 'FP32 sums'} | "
+                f"{'yes' if s.prefetch else 'no'} | {s.stages or 'default'} | {s.programs_per_sm} | "
+                f"{s.max_registers or 'none'} | {'yes' if s.early_tile else 'no'} | {'yes' if s.merge_pdl else 'no'} | "
+                f"{s.merge_warps} | {s.merge_splits} | " + " | ".join(row) + " |")
         _ = store = rk = rv = None
         if dev.type == "cuda":
             torch.cuda.empty_cache()
@@ -333,18 +338,18 @@ def static_rates(torch, dev, model, ids, new_tokens: int, chunk: int = PREFILL_C
     return eager, graph, size, launches
 
 
-def static_kvcx_rates(torch, dev, model, ids, new_tokens: int, chunk: int = PREFILL_CHUNK):
+def static_kvcx_rates(torch, dev, model, ids, new_tokens: int, chunk: int = PREFILL_CHUNK, launch=None):
     """kvcx's StaticKvcxCache (:func:`graph_rates`, the same capacity as StaticCache's): (tokens/s from Python, from
-    a CUDA graph or None, the cache's bytes, kernels a step or None)."""
+    a CUDA graph or None, the cache's bytes, kernels a step or None); ``launch``: its LaunchSettings."""
     from kvcx.cache.static_cache import StaticKvcxCache
 
-    cache = StaticKvcxCache(model.config, max_cache_len=ids.shape[1] + 3 * new_tokens + 8)
+    cache = StaticKvcxCache(model.config, max_cache_len=ids.shape[1] + 3 * new_tokens + 8, launch=launch)
     eager, graph, launches = graph_rates(torch, dev, model, ids, cache, new_tokens, chunk)
     return eager, graph, cache.memory_report()["total_bytes"], launches
 
 
 def generation(torch, dev, prompts, batches, new_tokens, out, layers, hidden, inter, vocab, hq, hkv,
-               chunk: int = PREFILL_CHUNK):
+               chunk: int = PREFILL_CHUNK, launch=None):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from kvcx.cache import kvcx_cache  # noqa: F401  (registers the "kvcx" attention implementation)
@@ -379,7 +384,7 @@ def generation(torch, dev, prompts, batches, new_tokens, out, layers, hidden, in
     model.eval()
     model.set_attn_implementation("kvcx")
     for n, batch in itertools.product(prompts, batches):
-        out(generation_row(torch, dev, model, n, batch, new_tokens, vocab, chunk))
+        out(generation_row(torch, dev, model, n, batch, new_tokens, vocab, chunk, launch))
     out("")
 
 
@@ -406,9 +411,10 @@ def eager_rate(torch, dev, model, ids, cache, new_tokens: int, chunk: int = PREF
 
 
 def generation_row(torch, dev, model, n: int, batch: int, new_tokens: int, vocab: int,
-                   chunk: int = PREFILL_CHUNK) -> str:
+                   chunk: int = PREFILL_CHUNK, launch=None) -> str:
     """Section 3's row for a prompt of ``n`` random tokens in each of ``batch`` rows; a cache that runs out of
-    device memory (batch 8 at a long prompt) is a cell that says so, the others are measured."""
+    device memory (batch 8 at a long prompt) is a cell that says so, the others are measured; kvcx's caches launch
+    with ``launch`` (a LaunchSettings, or None: the package's defaults)."""
     from transformers import DynamicCache
 
     from kvcx.cache.kvcx_cache import KvcxCache
@@ -425,10 +431,10 @@ def generation_row(torch, dev, model, n: int, batch: int, new_tokens: int, vocab
                 torch.cuda.empty_cache()
 
     dyn = measured(lambda: eager_rate(torch, dev, model, ids, DynamicCache(), new_tokens, chunk))
-    kv = measured(lambda: eager_rate(torch, dev, model, ids, KvcxCache(model.config, backend="triton"), new_tokens,
-                                     chunk))
+    kv = measured(lambda: eager_rate(torch, dev, model, ids, KvcxCache(model.config, backend="triton", launch=launch),
+                                     new_tokens, chunk))
     st = measured(lambda: static_rates(torch, dev, model, ids, new_tokens, chunk))
-    sk = measured(lambda: static_kvcx_rates(torch, dev, model, ids, new_tokens, chunk))
+    sk = measured(lambda: static_kvcx_rates(torch, dev, model, ids, new_tokens, chunk, launch))
 
     def rates(r):   # (tokens/s from Python, from a graph or None) over the batch's rows
         return (batch * r[0], r[1] and batch * r[1]) if r else (None, None)
@@ -472,7 +478,7 @@ def main(argv=None):
     torch, dev = setup_device(args.smoke)
     from bench.report import Report
 
-    from kvcx.codecs import KVConfig
+    from kvcx.codecs import KVConfig, gpu_attn
 
     out = Report()
     name = torch.cuda.get_device_name(0) if dev.type == "cuda" else "no GPU: Triton's interpreter on the CPU"
@@ -493,23 +499,20 @@ def main(argv=None):
     # at 4k, where a step is mostly its fixed part (the H100's profile of the merge launched early: 14.0 us replayed
     # against the default's 16.8 in an earlier run; not yet timed side by side)
     tune_cases = [(shapes["contexts"][-1], 1)] if args.smoke else [(4096, 1), (32768, 1), (131072, 1), (32768, 8)]
+    launch = gpu_attn.DEFAULT_LAUNCH   # what the sections run with: the package's defaults, or the tune's choice
     if args.tune:
-        from kvcx.codecs import gpu_attn
-
-        best = variants(torch, dev, cfg, tune_cases, shapes["reps"], out, shapes["hq"], shapes["hkv"], shapes["d"])
-        apply(gpu_attn, best)
+        launch = variants(torch, dev, cfg, tune_cases, shapes["reps"], out, shapes["hq"], shapes["hkv"], shapes["d"])
         out(f"The other sections run with the fastest setting within the bar in every case (the smallest sum of "
-            f"its graph times over the FP32 sums'): "
-            f"{describe(best)}.")
+            f"its graph times over the FP32 sums'): `{launch}`: {describe(launch)}.")
         out("")
     if "attention" not in args.skip:
         memory = attention(torch, dev, cfg, shapes["contexts"], shapes["batches"], shapes["reps"], out,
-                           shapes["hq"], shapes["hkv"], shapes["d"])
+                           shapes["hq"], shapes["hkv"], shapes["d"], launch)
     if "bandwidth" not in args.skip:
         bandwidth(torch, dev, cfg, shapes["bw"], shapes["reps"], out)
     if "generate" not in args.skip:
         generation(torch, dev, shapes["prompts"], shapes["gen_batches"], shapes["new"], out, *shapes["model"],
-                   chunk=shapes["chunk"])
+                   chunk=shapes["chunk"], launch=launch)
     if memory:
         S = 32768 if (32768, 1) in memory else shapes["contexts"][-1]
         out(f"## 4. Memory: the packed store holds {memory[(S, 1)]:.3f}x the BF16 keys and values at {S:,} tokens "

@@ -9,6 +9,8 @@ import statistics
 import sys
 import time
 
+from kvcx.codecs.gpu_attn import LaunchSettings
+
 SCHEME = "kvcx"
 HQ, HKV, D = 32, 8, 128
 RESIDUAL = 32
@@ -159,59 +161,40 @@ def build_store(torch, dev, cfg, K, V):
 
 
 
-class Setting(collections.namedtuple("Setting", "block_tokens warps dot prefetch stages per_sm max_regs early pdl "
-                                                  "merge_warps merge_splits",
-                                       defaults=(64, 1, "fp16", False, 2, 8, None, False, True, 4, 64))):
-    """One launch setting of the attention kernel and its merge, as the --variants / --tune rows time it: tokens a
-    tile, warps a program (None: the mode's), the products (``dot``), the scales a tile ahead (``prefetch``),
-    Triton's pipelining stages (None: its default), programs a multiprocessor, ptxas's register cap (None: none),
-    the fast mode's first tile before the query, the merge as a dependent launch, the merge's warps a program and
-    splits it reads at a time. The defaults are the package's (kvcx.codecs.gpu); each is one of its settings, in
-    the order of :data:`KNOBS`."""
-
-
 # Settings the H100 runs of 2026-11-27 timed and found slower everywhere (4, 12 and 16 programs a multiprocessor of
 # one warp, 4 warps, TF32 passes, the first tile early, Triton's default stages at 8 programs a multiprocessor where 6
 # fit: docs/results/gpu-h100-fast-mode-run1.md, gpu.md; the merge inside the attention kernel:
-# docs/results/gpu-h100-merge-in-kernel.md) are no longer timed
-SETTINGS = [Setting(32, 4, "", stages=None, per_sm=4, pdl=False),      # FP32 sums (the error reference)
-            Setting(),                                                   # the default: FP16 tensor cores, one warp,
-            Setting(pdl=False),                                          # the merge a dependent launch
+# docs/results/gpu-h100-merge-in-kernel.md) are no longer timed. Each is a kvcx.codecs.gpu_attn.LaunchSettings, passed
+# to the launches it times (nothing in the package is set); str() names what differs from the package's defaults.
+SETTINGS = [LaunchSettings(block_tokens=32, warps=4, dot="", stages=None, programs_per_sm=4,
+                           merge_pdl=False),                            # FP32 sums (the error reference)
+            LaunchSettings(),                                           # the default: FP16 tensor cores, one warp,
+            LaunchSettings(merge_pdl=False),                            # the merge a dependent launch
             # what a batch-1 step waits on (docs/results/gpu-sass.md, the sm_90 SASS of the default's loop): each
             # tile's scales are loaded where they are first used (a full memory latency, twice a tile), and at two
             # stages Triton issues the next tile's codes at the loop's end and waits for them at its start (nothing
             # of a tile's compute hides its own loads; only the other programs of a multiprocessor do). "prefetch"
             # loads each tile's scales with the tile before it; three stages keep the next tile's codes in flight
             # (33 KB of shared memory: 6 one-warp programs a multiprocessor); 32-token tiles at four stages keep 8
-            Setting(prefetch=True),
-            Setting(prefetch=True, stages=3, per_sm=6),
-            Setting(32, prefetch=True, stages=4),
+            LaunchSettings(prefetch=True),
+            LaunchSettings(prefetch=True, stages=3, programs_per_sm=6),
+            LaunchSettings(block_tokens=32, prefetch=True, stages=4),
             # two warps a program at 128 registers: 16 warps a multiprocessor where one warp's 255 registers let 8
             # run (+14 % instructions a token, a 24-byte spill)
-            Setting(warps=2, max_regs=128),
+            LaunchSettings(warps=2, max_registers=128),
             # the merge in one pass over a batch-1 step's splits (132 on an H100): 8 warps, 256 splits at a time;
             # and with the scales ahead (the attention's and the merge's changes together, should both pay)
-            Setting(merge_warps=8, merge_splits=256),
-            Setting(prefetch=True, merge_warps=8, merge_splits=256),
-            Setting(prefetch=True, stages=3, per_sm=6, merge_warps=8, merge_splits=256),
-            Setting(warps=2, dot="int8x3", stages=None, per_sm=4)]       # the exact mode
-KNOBS = ("ATTN_BLOCK_TOKENS", "ATTN_WARPS", "ATTN_DOT", "ATTN_PREFETCH", "ATTN_STAGES", "ATTN_PROGRAMS_PER_SM",
-          "ATTN_MAX_REGISTERS", "ATTN_EARLY_TILE", "MERGE_PDL", "MERGE_WARPS", "MERGE_SPLITS")
-def apply(gpu_attn, setting) -> None:
-    for name, value in zip(KNOBS, setting):
-        setattr(gpu_attn, name, value)
+            LaunchSettings(merge_warps=8, merge_splits=256),
+            LaunchSettings(prefetch=True, merge_warps=8, merge_splits=256),
+            LaunchSettings(prefetch=True, stages=3, programs_per_sm=6, merge_warps=8, merge_splits=256),
+            LaunchSettings(warps=2, dot="int8x3", stages=None, programs_per_sm=4)]       # the exact mode
 
 
-def current(gpu_attn) -> Setting:
-    return Setting(*(getattr(gpu_attn, name) for name in KNOBS))
-
-
-def describe(setting) -> str:
-    from kvcx.codecs.gpu_attn import ATTN_MODE_WARPS
-
-    bt, warps, dot, prefetch, stages, per_sm, regs, early, pdl, merge_warps, merge_splits = Setting(*setting)
-    warps = f"{warps} warps" if warps else f"the mode's warps ({ATTN_MODE_WARPS.get(dot, 'none: not a mode')})"
-    return (f"{bt} tokens, {warps}, {dot or 'FP32 sums'}{', prefetch' if prefetch else ''}"
-            f"{f', {stages} stages' if stages else ''}, {per_sm} programs/SM"
-            f"{f', at most {regs} registers' if regs else ''}{', first tile early' if early else ''}"
-            f"{', merge launched early' if pdl else ''}, merge {merge_warps} warps x {merge_splits} splits")
+def describe(launch: LaunchSettings) -> str:
+    """A launch setting in words (a table cell or a sentence)."""
+    s = launch
+    return (f"{s.block_tokens} tokens, {s.program_warps(s.dot)} warps, {s.dot or 'FP32 sums'}"
+            f"{', prefetch' if s.prefetch else ''}{f', {s.stages} stages' if s.stages else ''}, "
+            f"{s.programs_per_sm} programs/SM{f', at most {s.max_registers} registers' if s.max_registers else ''}"
+            f"{', first tile early' if s.early_tile else ''}{', merge launched early' if s.merge_pdl else ''}, "
+            f"merge {s.merge_warps} warps x {s.merge_splits} splits")

@@ -5,7 +5,7 @@
 
 The step of bench_gpu.py's section 1 (``DevicePackedKV.attend`` over the kvcx scheme's two-segment store, the
 sink and a 32-token residual; Llama-3-8B's attention shapes, batch 1) at a short and two long contexts, with the
-package's current launch settings: each kernel it launches, its mean device time a step (the L2 flushed before
+launch settings given (``--set``; else the package's defaults): each kernel it launches, its mean device time a step (the L2 flushed before
 each step, as the bench does), and the step's whole time replayed from a CUDA graph beside the kernels' sum (the
 difference: the gaps between kernels). Why: at 4k tokens the H100 run's step took 85 us where SDPA took 19, a fixed
 cost the kernel's time a token does not explain; this says which launch holds it.
@@ -23,8 +23,9 @@ def main(argv=None):
     ap.add_argument("--smoke", action="store_true", help="tiny shapes: every path runs (any device, the interpreter)")
     ap.add_argument("--markdown", default=None, help="also write the tables to this file")
     ap.add_argument("--set", nargs="*", default=[], metavar="NAME=VALUE",
-                    help="launch settings of kvcx.codecs.gpu to use (e.g. ATTN_SPLIT_TOKENS=64, CODEC_WARPS=8), as "
-                         "Python literals")
+                    help="launch settings to use, as Python literals: the attention's by their "
+                         "kvcx.codecs.gpu_attn.LaunchSettings field (e.g. split_tokens=128 prefetch=True dot='int8x3'), "
+                         "the codec kernels' by their kvcx.codecs.gpu name (CODEC_WARPS=8)")
     ap.add_argument("--codecs", action="store_true",
                     help="also the encode and decode calls of bench_gpu.py's bandwidth section: their kernels, the "
                          "codec kernels' launch settings side by side, and the host's time a call by function")
@@ -32,57 +33,64 @@ def main(argv=None):
     from bench import gpu_common as common
 
     torch, dev = common.setup_device(args.smoke)
+    from dataclasses import fields
+
     from kvcx.codecs import gpu, gpu_attn
     from kvcx.errors import KvcxError
 
-    settings = {}
+    launch_fields = {f.name for f in fields(gpu_attn.LaunchSettings)}
+    changes, settings = {}, {}   # the attention's LaunchSettings fields; the codec kernels' module settings
     for item in args.set:
         name, _, value = item.partition("=")
-        home = gpu_attn if name.startswith(("ATTN_", "MERGE_")) else gpu   # the attention's settings, the codec's
-        if not name.startswith(("ATTN_", "MERGE_", "CODEC_", "PROGRAM_")) or not hasattr(home, name):
-            ap.error(f"--set {item}: not a launch setting of kvcx.codecs.gpu_attn (ATTN_*, MERGE_*) or kvcx.codecs.gpu "
+        codec = name.startswith(("CODEC_", "PROGRAM_")) and hasattr(gpu, name)
+        if name not in launch_fields and not codec:
+            ap.error(f"--set {item}: not a field of kvcx.codecs.gpu_attn.LaunchSettings "
+                     f"({', '.join(sorted(launch_fields))}) or a codec setting of kvcx.codecs.gpu "
                      "(CODEC_WARPS, CODEC_LOOP, CODEC_CHANNELS, PROGRAM_VALUES)")
         try:
-            settings[name] = ast.literal_eval(value)
+            parsed = ast.literal_eval(value)
         except (ValueError, SyntaxError):
             ap.error(f"--set {item}: the value is not a Python literal (a number, a string in quotes, None)")
-        default = getattr(home, name)
-        if isinstance(default, bool) and not isinstance(settings[name], bool):
-            ap.error(f"--set {item}: {name} is on or off; give True or False")
-        if isinstance(default, int) and not isinstance(default, bool) and \
-                not (type(settings[name]) is int and settings[name] >= 1):
+        if not codec:
+            changes[name] = parsed
+            continue
+        default = getattr(gpu, name)
+        if isinstance(default, int) and not isinstance(default, bool) and not (type(parsed) is int and parsed >= 1):
             ap.error(f"--set {item}: {name} is a count; give a whole number from 1")
-        if name.endswith("_WARPS") and settings[name] not in (1, 2, 4, 8, 16, 32):
+        if name.endswith("_WARPS") and parsed not in (1, 2, 4, 8, 16, 32):
             ap.error(f"--set {item}: a program's warps are a power of two, 1 to 32")
+        settings[name] = parsed
+    try:
+        launch = gpu_attn.DEFAULT_LAUNCH.replace(**changes)   # checked by field, as when made
+    except KvcxError as exc:
+        ap.error(f"--set: {exc}")
     if dev.type != "cuda" and not args.smoke:
         ap.error("no CUDA device here: the full shapes would run for hours in Triton's interpreter; pass --smoke")
-    def home_of(name):
-        return gpu_attn if name.startswith(("ATTN_", "MERGE_")) else gpu
-
-    saved = {name: getattr(home_of(name), name) for name in settings}
-    try:   # the settings for this run only (the module's own again after it, also when imported)
+    saved = {name: getattr(gpu, name) for name in settings}
+    try:   # the codec's settings for this run only (the module's own again after it, also when imported)
         for name, value in settings.items():
-            setattr(home_of(name), name, value)
-        profile(torch, dev, args)
-    except KvcxError as exc:   # a setting the kernels refuse (a product mode, a register cap), by its name
+            setattr(gpu, name, value)
+        profile(torch, dev, args, launch)
+    except KvcxError as exc:   # a setting the kernels refuse, by its name
         ap.error(str(exc))
     finally:
         for name, value in saved.items():
-            setattr(home_of(name), name, value)
+            setattr(gpu, name, value)
 
 
-def profile(torch, dev, args) -> None:
-    """The tables for the contexts of ``args`` (--smoke: one tiny one), written where ``args.markdown`` says."""
+def profile(torch, dev, args, launch=None) -> None:
+    """The tables for the contexts of ``args`` (--smoke: one tiny one), written where ``args.markdown`` says, each
+    step launched with ``launch`` (a LaunchSettings; None: the package's defaults)."""
     from bench import gpu_common as common
     from bench.report import Report
 
     from kvcx.codecs import KVConfig, gpu_attn
 
+    launch = gpu_attn.launch_settings(launch)
     out = Report()
     out(f"Device: {torch.cuda.get_device_name(0) if dev.type == 'cuda' else 'no GPU: the interpreter'}; torch "
         f"{torch.__version__}; triton {__import__('triton').__version__}; launch settings: "
-        f"{common.describe(common.current(gpu_attn))}; at least {gpu_attn.ATTN_SPLIT_TOKENS} tokens a split; "
-        f"the merge reads {gpu_attn.MERGE_SPLITS} splits at a time, {gpu_attn.MERGE_WARPS} warps a program")
+        f"`{launch}`: {common.describe(launch)}; at least {launch.split_tokens} tokens a split")
     out("")
     cfg = KVConfig.from_scheme(common.SCHEME)
     if args.smoke:
@@ -92,7 +100,7 @@ def profile(torch, dev, args) -> None:
     t0 = time.perf_counter()
     for S in contexts:
         q, _, _, store, rk, rv = common.case(torch, dev, cfg, 1, S, hq, hkv, d, seed=S)
-        step = lambda: store.attend(q.view(1, hq, d), rk, rv, None, d ** -0.5)  # noqa: E731
+        step = lambda: store.attend(q.view(1, hq, d), rk, rv, None, d ** -0.5, launch=launch)  # noqa: E731
         for _ in range(3):
             step()
         rows = common.kernel_times(torch, dev, step, steps)

@@ -85,11 +85,11 @@ def compile_setting(setting, arch: int, dump: Path | None):
     from kvcx.codecs import KVConfig, gpu_attn
     from kvcx.codecs.triton_kernels import attention as k
 
-    s = setting
-    bt, warps, dot, prefetch, stages, max_regs, early, pdl = (s.block_tokens, s.warps, s.dot, s.prefetch, s.stages,
-                                                               s.max_regs, s.early, s.pdl)
+    s = setting   # a kvcx.codecs.gpu_attn.LaunchSettings
     cfg = KVConfig.from_scheme(SCHEME)
-    consts = gpu_attn.attention_constexprs(cfg.key, cfg.value, 4, D, dot, bt, False, prefetch, True, early, pdl)
+    consts = gpu_attn.attention_constexprs(cfg.key, cfg.value, 4, D, False, s, asm=s.asm, pdl=s.merge_pdl)
+    bt, dot, stages, max_regs = consts["BT"], consts["DOT"], s.stages, s.max_registers
+    warps = s.program_warps(dot)
     fn = k.attend_packed_kernel
     pointers = {"q_ptr": "*fp32", "mask_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32",
                 **{f"{n}{i}_ptr": "*u8" if n.endswith("c") else "*fp16" for n in ("kc", "vc", "ks", "kz", "vs", "vz")
@@ -100,14 +100,10 @@ def compile_setting(setting, arch: int, dump: Path | None):
            for a in fn.arg_names}
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in fn.arg_names
              if a in pointers or a in aligned}
-    opts = dict(num_warps=warps, enable_fp_fusion=gpu_attn.ATTN_FP_FUSION)
-    if stages:
-        opts["num_stages"] = stages
-    if max_regs:
-        opts["maxnreg"] = max_regs
-    name = f"attend_{bt}t_{warps}w_{dot or 'fp32'}{'_prefetch' if prefetch else ''}" + \
-        (f"_s{stages}" if stages else "") + (f"_r{max_regs}" if max_regs else "") + ("_early" if early else "") + \
-        ("_pdl" if pdl else "")
+    opts = gpu_attn.attention_options(consts, s)
+    name = f"attend_{bt}t_{warps}w_{dot or 'fp32'}{'_prefetch' if s.prefetch else ''}" + \
+        (f"_s{stages}" if stages else "") + (f"_r{max_regs}" if max_regs else "") + \
+        ("_early" if s.early_tile else "") + ("_pdl" if s.merge_pdl else "")
     return (*build(fn, sig, consts, attrs, opts, arch, dump, name), consts["BT"])
 
 
@@ -165,7 +161,7 @@ def count(setting, arch, dump):
     body = instrs[loop[0]:loop[1] + 1]
     kinds = collections.Counter(kind_of(op) for _, op, _ in body)
     return dict(total=len(instrs), loop=len(body), per_token=len(body) / bt, kinds=kinds, regs=regs, stack=stack,
-                shared=shared, programs=resident(regs, shared, setting.warps),
+                shared=shared, programs=resident(regs, shared, setting.program_warps(setting.dot)),
                 local=sum(op.split(".")[0] in ("LDL", "STL") for _, op, _ in body), **waits(body))
 
 
@@ -214,7 +210,7 @@ def count_merge(warps: int, chunk: int, pdl: bool, arch: int, dump: Path | None)
                 "sl_ptr": "fp32"}
     const = dict(R=4, D=D, SB=1, RB=32, HAS_MASK=False, ROTATE=True, CH=chunk, PDL=pdl, RES_LENS=False, OUT_BF16=False)
     sig, attrs, consts = launch_signature(fn, values, const, pointers)
-    opts = dict(num_warps=warps, enable_fp_fusion=gpu_attn.ATTN_FP_FUSION)
+    opts = dict(num_warps=warps, enable_fp_fusion=gpu_attn.DEFAULT_LAUNCH.fp_fusion)
     sass, regs, stack, kname, _ = build(fn, sig, consts, attrs, opts, arch, dump, f"merge_{warps}w_{chunk}s")
     instrs = parse(sass, kname)
     wait = next((i for i, (_, op, _) in enumerate(instrs) if op.startswith("ACQBULK")), 0)
@@ -238,7 +234,7 @@ def merge_table(emit, settings, arch: int, dump: Path | None) -> None:
          "in the loop | barriers | after the wait | in the loop | barriers after the wait, per row | registers | "
          "stack bytes |")
     emit("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for warps, chunk, pdl in dict.fromkeys((s.merge_warps, s.merge_splits, s.pdl) for s in settings):
+    for warps, chunk, pdl in dict.fromkeys((s.merge_warps, s.merge_splits, s.merge_pdl) for s in settings):
         r = count_merge(warps, chunk, pdl, arch, dump)
         path = r["bars_after"] - r["loop_bars"] + r["loop_bars"] * r["chunks"] if pdl else None
         emit(f"| {warps} | {chunk} | {'yes' if pdl else 'no'} | {r['chunks']} | {r['total']} | "
@@ -360,7 +356,7 @@ def main(argv=None):
         ap.error(f"--arch {args.arch}: the kernel's tensor-core products need sm_80 or newer (80, 86, 89, 90, ...)")
     import triton
 
-    from bench.gpu_common import SETTINGS, current, describe
+    from bench.gpu_common import SETTINGS, describe
     from bench.report import Report
 
     from kvcx.codecs import gpu_attn
@@ -369,7 +365,7 @@ def main(argv=None):
     t0 = time.perf_counter()
     emit(f"Triton {triton.__version__}, target sm_{args.arch}; the {SCHEME} scheme's layout (keys per channel with "
          f"zero points, values rotated per token), head dim {D}, 4 query rows a KV head, no mask; the package's "
-         f"default: {describe(current(gpu_attn))}.\n")
+         f"default: {describe(gpu_attn.DEFAULT_LAUNCH)}.\n")
     emit("Instructions per token of context in the kernel's main loop (one iteration = one tile): a program's warp "
          "instructions (what the multiprocessors issue: a thread's count times the warps), a thread's, and a thread's "
          "by kind; registers a thread and the bytes of its stack frame (spills; ptxas) with the loop's accesses to it, "
@@ -388,8 +384,9 @@ def main(argv=None):
         r = count(setting, args.arch, args.dump)
         bt = r["loop"] / r["per_token"]
         cells = " | ".join(f"{r['kinds'].get(h, 0) / bt:.1f}" for h in head)
-        emit(f"| {describe(setting)} | {bt:.0f} | {r['per_token'] * setting.warps:.1f} | {r['per_token']:.1f} | {cells} | "
-             f"{r['regs']} | {r['stack']} | {r['local']} | {r['shared']} | {r['programs'] * setting.warps} | "
+        warps = setting.program_warps(setting.dot)
+        emit(f"| {describe(setting)} | {bt:.0f} | {r['per_token'] * warps:.1f} | {r['per_token']:.1f} | {cells} | "
+             f"{r['regs']} | {r['stack']} | {r['local']} | {r['shared']} | {r['programs'] * warps} | "
              f"{r['total']} | {r['near']} | {'n/a' if r['ahead'] is None else r['ahead']} |", flush=True)
     merge_table(emit, SETTINGS[:args.limit], args.arch, args.dump)
     codec_table(emit, args.arch, args.dump)

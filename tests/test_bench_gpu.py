@@ -26,6 +26,28 @@ def test_every_section_runs_and_writes_its_table(tmp_path):
     assert "paged in order / contiguous |" in text and all(line.count(" | ") == 17 for line in rows[:4])
 
 
+def test_the_tune_passes_each_setting_it_times_and_runs_the_sections_with_its_choice(tmp_path, monkeypatch):
+    """--tune (section 5) times launch settings by passing each LaunchSettings to the step (nothing in the package
+    is set): each row names its setting; the choice, one of them within the error bar, is what the attention
+    section then states it ran with; the package's defaults are unchanged after the run."""
+    from bench import bench_gpu as bench
+
+    from kvcx.codecs import gpu_attn
+
+    tried = [gpu_attn.LaunchSettings(dot="", warps=4), gpu_attn.LaunchSettings(),
+             gpu_attn.LaunchSettings(merge_warps=8, merge_splits=2)]
+    monkeypatch.setattr(bench, "SETTINGS", tried)
+    out = tmp_path / "tune.md"
+    bench.main(["--smoke", "--tune", "--skip", "bandwidth", "generate", "--markdown", str(out)])
+    text = out.read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| ") and "`LaunchSettings(" in line]
+    assert [r.split(" | ")[2].strip("`") for r in rows] == [str(s) for s in tried]
+    assert all(r.split(" | ")[-1].strip(" |") != "" and "failed" not in r for r in rows)
+    chosen = next(s for s in tried if f"the FP32 sums'): `{s}`" in text)
+    assert f"launch settings: {bench.describe(chosen)}" in text
+    assert gpu_attn.DEFAULT_LAUNCH == gpu_attn.LaunchSettings()
+
+
 def test_the_step_profile_runs_and_names_the_kernels(tmp_path):
     """bench/profile_gpu.py (--smoke: tiny shapes, the interpreter) gives a step's calls by time with a launch
     setting from the command line, and refuses a name that is not one."""
@@ -34,11 +56,12 @@ def test_the_step_profile_runs_and_names_the_kernels(tmp_path):
     out = tmp_path / "profile.md"
     from kvcx.codecs import gpu, gpu_attn
 
-    default = gpu_attn.ATTN_SPLIT_TOKENS
-    profile_gpu.main(["--smoke", "--set", "ATTN_SPLIT_TOKENS=128", "CODEC_WARPS=2", "--codecs", "--markdown", str(out)])
-    assert gpu_attn.ATTN_SPLIT_TOKENS == default and gpu.CODEC_WARPS == 4   # the settings held for the run only
+    profile_gpu.main(["--smoke", "--set", "split_tokens=128", "merge_warps=8", "CODEC_WARPS=2", "--codecs",
+                      "--markdown", str(out)])
+    assert gpu.CODEC_WARPS == 4 and gpu_attn.DEFAULT_LAUNCH == gpu_attn.LaunchSettings()   # held for the run only
     text = out.read_text()
-    assert "at least 128 tokens a split" in text and "| launches a step |" in text
+    assert "`LaunchSettings(split_tokens=128, merge_warps=8)`" in text and "at least 128 tokens a split" in text
+    assert "| launches a step |" in text
     step, _, calls = text.partition("### The codec calls")
     rows = [line for line in step.splitlines() if line.startswith("| `")]
     assert rows and all(float(line.split(" | ")[2]) >= 0 for line in rows)
@@ -49,11 +72,10 @@ def test_the_step_profile_runs_and_names_the_kernels(tmp_path):
     assert calls.count("the kernels of a call") == 4 and calls.count("cProfile over") == 4
     host = [line.split(" | ") for line in calls.splitlines() if line.startswith("| `") and line.count(" | ") == 3]
     assert len(host) >= 4 and all(float(r[2]) >= 0 and float(r[3].rstrip(" |")) >= float(r[2]) for r in host)
-    for bad in ("NOT_A_SETTING=1", "ATTN_SPLIT_TOKENS=0", "ATTN_SPLIT_TOKENS=x", "ATTN_DOT='int4'", "CODEC_WARPS=3",
-                "MERGE_PDL=3", "ATTN_EARLY_TILE='yes'"):
+    for bad in ("NOT_A_SETTING=1", "split_tokens=0", "split_tokens=x", "dot='int4'", "CODEC_WARPS=3",
+                "merge_pdl=3", "early_tile='yes'", "ATTN_SPLIT_TOKENS=128"):
         with pytest.raises(SystemExit):
             profile_gpu.main(["--smoke", "--set", bad])
-    assert gpu_attn.ATTN_DOT != "int4"
 
 
 def sass_near() -> int:

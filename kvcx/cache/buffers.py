@@ -179,10 +179,12 @@ class StepMode:
 @dataclass(frozen=True)
 class Shared:
     """What a cache's layers share: the materialising path's scratch, the fused kernel's workspace, the step's mask
-    converted, the kernel timer and the C heap's release."""
+    converted, the kernel timer, the C heap's release and how the device kernels launch
+    (:class:`kvcx.codecs.gpu_attn.LaunchSettings`, or None: the defaults)."""
 
     scratch: Scratch
     workspace: Workspace
     masks: MaskConverter
     timer: KernelTimer
     heap: HeapRelease
+    launch: object = None

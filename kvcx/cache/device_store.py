@@ -268,12 +268,13 @@ class DevicePackedKV:
     def attend(self, q: torch.Tensor, residual_k: torch.Tensor, residual_v: torch.Tensor,
                add: Optional[torch.Tensor], scaling: float, per_split: Optional[int] = None,
                out: Optional[torch.Tensor] = None, sink_logits: Optional[torch.Tensor] = None,
-               softcap: float = 0.0) -> torch.Tensor:
+               softcap: float = 0.0, launch: Optional[gpu_attn.LaunchSettings] = None) -> torch.Tensor:
         """One decode step: q [B, Hq, D] (one token per row) against the held tokens, then the residual
         [B, H, nr, D] (the step's own token its last); ``add`` float32 [B, held + nr] added to the scores, or
         None. Returns [B, Hq, D] float32, or written into ``out`` (:func:`attend_in_dtype`'s, in its dtype). The
         caller checked :meth:`unsupported`. ``sink_logits`` float32 [Hq] on the device (per-head sinks) or None;
-        ``softcap`` > 0: scores capped (:func:`kvcx.codecs.gpu_attn.attend_spans`)."""
+        ``softcap`` > 0: scores capped; ``launch``: how the kernels launch (None: the defaults)
+        (:func:`kvcx.codecs.gpu_attn.attend_spans`)."""
         B, Hq, D = q.shape
         held, nr = self.tokens, residual_k.shape[2]
         t0 = self._t0("key")
@@ -282,7 +283,8 @@ class DevicePackedKV:
         sinks = (self.sinks["key"], self.sinks["value"]) if t0 else (None, None)
         residual = (residual_k.reshape(self.N, nr, D), residual_v.reshape(self.N, nr, D)) if nr else (None, None)
         return gpu_attn.attend_spans(gpu.query_rows(q, self.N), scaling, spans, self.H, sinks, residual, add, held,
-                                per_split, out=out, sink_logits=sink_logits, softcap=softcap).reshape(B, Hq, D)
+                                per_split, out=out, sink_logits=sink_logits, softcap=softcap,
+                                launch=launch).reshape(B, Hq, D)
 
     @property
     def nbytes(self) -> int:

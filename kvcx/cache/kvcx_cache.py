@@ -55,6 +55,7 @@ from kvcx.cache.fused import Workspace
 from kvcx.cache.layer_config import fitted as _fitted, on_backend as _on_backend, pressed as _pressed
 from kvcx.cache.layer_types import FULL, STATE, UNSUPPORTED, WINDOWED, LayerSpec, check_unsupported, layer_specs
 from kvcx.cache.layers import KvcxLayer, KvcxWindowLayer
+from kvcx.codecs import gpu_attn
 from kvcx.codecs.backends import check_backend
 from kvcx.codecs.dtypes import is_int
 from kvcx.codecs.kvconfig import DEFAULT_SCHEME, KVConfig
@@ -94,6 +95,8 @@ class KvcxCache(Cache):
     unsupported: "error" (default): a layer type kvcx cannot pack (DeepSeek V4's compressed attention, ...) is a
         KvcxError naming it; "keep": such layers stay in transformers' own cache layer class, the others are
         packed (``memory_report()["layers"]`` says which).
+    launch: how the Triton kernels launch a device store's decode steps (:class:`kvcx.codecs.gpu_attn.LaunchSettings`:
+        the products' mode, warps, splits, ...); None (default): :data:`kvcx.codecs.gpu_attn.DEFAULT_LAUNCH`.
 
     A press (token eviction, ``scheme="kvcx+snapkv:0.5"``) runs on the full-attention layers; sliding and chunked
     layers hold their window anyway.
@@ -103,7 +106,7 @@ class KvcxCache(Cache):
                  residual_length: Optional[int] = None, bits: Optional[int] = None, sinks: Optional[int] = None,
                  rotate: Optional[bool] = None, kv_config: Optional[KVConfig] = None, n_threads: Optional[int] = None,
                  fused: Optional[bool] = None, backend: Optional[str] = None, release_heap: bool = True,
-                 unsupported: str = "error"):
+                 unsupported: str = "error", launch=None):
         kv_config, press, scheme = _pressed(kv_config, scheme)   # a press composed by '+' (or a plan's)
         kv = kv_config or KVConfig.from_scheme(scheme, group_size=group_size, bits=bits, sinks=sinks, rotate=rotate,
                                                n_threads=n_threads)
@@ -129,6 +132,7 @@ class KvcxCache(Cache):
         self.kv_config = kv
         self.residual_length = residual_length
         self.fused = fused
+        self.launch = gpu_attn.launch_settings(launch)   # how the Triton kernels launch (a device store's steps)
         self.specs = specs
         packed = [s for s in specs if s.packed and s.index not in kv.keep_layers]
         self.query_group = packed[0].query_group if packed else 0
@@ -141,7 +145,7 @@ class KvcxCache(Cache):
         self._hinted = False                    # told how to turn the fused path on (once per cache)
         self._first = packed[0].index if packed else -1
         workspace = Workspace()  # the fused kernel's scratch, one for all layers
-        shared = Shared(self._scratch, workspace, self._masks, self._timer, self._heap)
+        shared = Shared(self._scratch, workspace, self._masks, self._timer, self._heap, self.launch)
         super().__init__(layers=[self._layer(s, kv, shared, press) for s in specs])
         self._workspace = workspace
         self.press = press

@@ -388,7 +388,8 @@ class KvcxLayer(DynamicLayer):
         t = time.perf_counter()
         out = attend_in_dtype(query, lambda o: self.store.attend(query.reshape(B, Hq, D), keys, values, add, scaling,
                                                                  out=o, sink_logits=logits,
-                                                                 softcap=float(softcap or 0.0)))
+                                                                 softcap=float(softcap or 0.0),
+                                                                 launch=self._shared.launch))
         self._timer.add(time.perf_counter() - t)
         self.steps["fused"] += 1
         self.pack_residual(self.last_step)

@@ -54,6 +54,7 @@ from kvcx.cache.attention_fn import ATTN_IMPLEMENTATION
 from kvcx.cache.kvcx_cache import layer_bytes, layer_kwargs, transformers_layer_class
 from kvcx.cache.layer_types import CHUNKED, FULL, STATE, WINDOWED, check_unsupported, layer_specs
 from kvcx.cache.static_layers import PlanHolder, StaticKvcxLayer, StaticKvcxWindowLayer
+from kvcx.codecs import gpu_attn
 from kvcx.codecs.dtypes import is_int
 from kvcx.codecs.kvconfig import DEFAULT_SCHEME, KVConfig
 from kvcx.deps import check_transformers
@@ -73,11 +74,14 @@ class StaticKvcxCache(Cache):
     residual_length: exact tokens before a page is packed (a multiple of the keys' per-channel group, so a page
         holds whole groups; 64 by default).
     unsupported: "error" (default) or "keep", as :class:`~kvcx.cache.KvcxCache` takes it.
+    launch: how the Triton kernels launch each step (:class:`kvcx.codecs.gpu_attn.LaunchSettings`); None (default):
+        the defaults.
     """
 
     def __init__(self, config, max_cache_len: int, group_size: Optional[int] = None, scheme: str = DEFAULT_SCHEME,
                  residual_length: int = 64, bits: Optional[int] = None, sinks: Optional[int] = None,
-                 rotate: Optional[bool] = None, kv_config: Optional[KVConfig] = None, unsupported: str = "error"):
+                 rotate: Optional[bool] = None, kv_config: Optional[KVConfig] = None, unsupported: str = "error",
+                 launch=None):
         if isinstance(max_cache_len, bool) or not is_int(max_cache_len) or max_cache_len < 1:
             raise KvcxError(f"max_cache_len must be a positive integer, got {max_cache_len!r}")
         if isinstance(residual_length, bool) or not is_int(residual_length) or residual_length < 16 or \
@@ -120,7 +124,8 @@ class StaticKvcxCache(Cache):
         self.kv_config = kv
         self.residual_length = residual_length
         self._config = text
-        self._holder = PlanHolder(residual_length)
+        self.launch = gpu_attn.launch_settings(launch)   # how the Triton kernels launch
+        self._holder = PlanHolder(residual_length, self.launch)
         self._t0 = t0.pop()
         self._max_len = max_cache_len
         self._device_step = False   # the current step's kind (decided at its first packed layer)

@@ -269,7 +269,8 @@ class StaticKvcxLayer(CacheLayerMixin):
                                                              packed, scaling, sinks=exact,
                                                              residual=(self.res_k, self.res_v), residual_lens=live,
                                                              out=o, sink_logits=logits,
-                                                             softcap=float(softcap or 0.0), mask=mask))
+                                                             softcap=float(softcap or 0.0), mask=mask,
+                                                             launch=self._plan.launch))
 
     def materialised_step(self):
         raise KvcxError("StaticKvcxCache runs decode steps through the fused kernel only, and this model's attention "
@@ -421,8 +422,9 @@ class PlanHolder:
     """The cache's step plan, made at its first step (the batch and device are known then) and shared by its
     layers; the cache is the only one to advance it. Windowed layers register their ring at construction."""
 
-    def __init__(self, page: int):
+    def __init__(self, page: int, launch=None):
         self.page = page
+        self.launch = launch   # the cache's LaunchSettings (None: the defaults), for every layer's steps
         self.plan: Optional[StepPlan] = None
         self.rings = set()
 
@@ -441,7 +443,7 @@ class PlanHolder:
 
     def capacity(self, max_cache_len: int, t0: int) -> int:
         """Packed tokens a row holds: ``max_cache_len`` after the sinks, to whole pages of the kernel's tiles."""
-        unit = self.page * gpu_attn.ATTN_BLOCK_TOKENS // math.gcd(self.page, gpu_attn.ATTN_BLOCK_TOKENS)
+        unit = self.page * gpu_attn.TILE_TOKENS // math.gcd(self.page, gpu_attn.TILE_TOKENS)
         return max(unit, -(-(max_cache_len - t0) // unit) * unit)
 
 

@@ -4,9 +4,10 @@ launch settings, the spans a step reads, the grid, the launches and the merge, a
 codec's kernels. torch and triton are imported when first used."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Optional
 
 from kvcx.codecs import tensors
@@ -19,47 +20,130 @@ from kvcx.deps import import_torch as _torch
 from kvcx.errors import CodecError
 
 # -- fused decode attention over packed records ----------------------------------------------------------
-# Launch settings of the attention kernel: the fast mode ("fp16", transposed), one warp a program, two stages, 8
-# programs a multiprocessor: by the offline count (docs/results/gpu-sass.md) and an H100's --tune (docs/RESULTS.md)
-ATTN_BLOCK_TOKENS = 64       # packed tokens a program reads per step
-# warps per attention program, or None (the default): the mode's own (ATTN_MODE_WARPS, by the mode a launch runs)
-ATTN_WARPS = None
+TILE_TOKENS = 64   # the longest tile a program reads: paged stores' pages and static rows are whole tiles of it
 # each mode's warps a program: the fast mode one (an H100's --tune: 38.1 us at 32k against 40.4 at two), the exact
 # mode two (at one its registers spill; an H200's choice), TF32 passes two (an H100's), FP32 sums four
-ATTN_MODE_WARPS = {"fp16": 1, "int8x3": 2, "tf32x2": 2, "tf32": 2, "tf32x3": 2, "ieee": 2, "": 4}
-# the products: "fp16" (the fast mode, the default: the codes as FP16 on the FP16 tensor cores, FP32 sums, the
-# other operand rounded to FP16 after a power of two of its own, as FlashAttention rounds P for P V; keys per token
-# take "tf32x2"), "" FP32 broadcast sums (CUDA cores), or tl.dot at this input precision: "tf32x2" (the operand
-# that is not codes split in two TF32 parts: FP32's accuracy), "tf32", "tf32x3", "ieee", or "int8x3" (the exact
-# mode: the codes as int8 on the integer tensor cores, the other operand a 21-bit fixed point of its row in three
-# int8 pieces: 2**-20 of the row's largest term at most; "tf32x2" unless the head dim is 64 to 128 and a tile 32
-# to 128 tokens; two warps a program: ATTN_MODE_WARPS); query rows padded to 16
-ATTN_DOT = "fp16"
-ATTN_DOTS = ("", "tf32x2", "tf32", "tf32x3", "ieee", "int8x3", "fp16")   # what ATTN_DOT may be
-# "fp16" on a GPU: the codes become FP16 in PTX (inline assembly: a byte permute, lop3 and FP16x2 arithmetic, 8
-# codes in 10 instructions); False: the same bits in Triton's own operations (what the interpreter always runs)
-ATTN_ASM = True
-ATTN_PREFETCH = False        # load the next tile's codes (the fast mode: its scales) before working this one
-ATTN_STAGES = 2              # Triton's software pipelining depth for the attention kernel (None: its default)
-# packed tokens per split at least (flash-decoding along the context): short contexts get many short splits, each
-# program's tiles one after another being the step's latency (the merge reads the splits a query row a program)
-ATTN_SPLIT_TOKENS = 64
-ATTN_PROGRAMS_PER_SM = 8     # splits enough for about this many programs per multiprocessor
-# a program's fixed time in tiles beside its tiles (its query, its first loads, its outputs; the programs of a wave
-# overlap theirs), for kvcx.codecs.splits.split_tiles: fitted to an H100's batch-8 steps (docs/RESULTS.md), 0.5
-ATTN_PROGRAM_TILES = 0.5
-# ptxas's cap on the attention kernel's registers a thread (Triton's ``maxnreg``; None: ptxas's own): at 255 eight
-ATTN_MAX_REGISTERS = None    # one-warp programs fit a multiprocessor, at 128 sixteen (bench/sass_gpu.py: spills)
-MERGE_SPLITS = 64            # splits the merge kernel reads at a time (a program a query row: [64, D] floats)
-MERGE_WARPS = 4              # warps per merge program (a batch-1 step's merge is 32 programs: its latency counts)
-# the merge launched while the attention runs (sm_90: a dependent launch, it waits for the attention's grid to read
-# the splits; an H100's --tune chose it, 4k -16 %); the first tile before the query (no gain: docs/RESULTS.md)
-MERGE_PDL = True
-ATTN_EARLY_TILE = False
-# a * b + c as one FMA in the attention kernels (one rounding instead of two: no less accurate, and a multiply and
-# an add fewer to issue). The codec kernels keep it off: they must round as the CPU kernels do, bit for bit.
-ATTN_FP_FUSION = True
+MODE_WARPS = {"fp16": 1, "int8x3": 2, "tf32x2": 2, "tf32": 2, "tf32x3": 2, "ieee": 2, "": 4}
+DOTS = tuple(MODE_WARPS)   # the products a launch may take (LaunchSettings.dot)
+_WARPS = (1, 2, 4, 8, 16)
 
+
+@dataclass(frozen=True)
+class LaunchSettings:
+    """How the fused decode attention launches its two kernels (the attention's splits and their merge): passed to
+    :func:`attend`, :func:`attend_spans`, :func:`kvcx.codecs.paged.attend`, and to ``KvcxCache`` /
+    ``StaticKvcxCache`` as ``launch=``; :data:`DEFAULT_LAUNCH` when not given. Frozen and checked when made (a
+    :class:`~kvcx.errors.CodecError` naming the field). The defaults are the fast mode ("fp16"), one warp a program,
+    two stages, 8 programs a multiprocessor: by the offline count (docs/results/gpu-sass.md) and an H100's ``--tune``
+    (docs/RESULTS.md). ``str()`` names the fields that differ from the defaults (what a tune prints a row as).
+
+    - ``dot``: the products. "fp16" (the default: the codes as FP16 on the FP16 tensor cores, FP32 sums, the other
+      operand rounded to FP16 after a power of two of its own, as FlashAttention rounds P for P V; keys per token
+      take "tf32x2"); "" FP32 broadcast sums (CUDA cores); or tl.dot at this input precision: "tf32x2" (the operand
+      that is not codes split in two TF32 parts: FP32's accuracy), "tf32", "tf32x3", "ieee", or "int8x3" (the exact
+      mode: the codes as int8 on the integer tensor cores, the other operand a 21-bit fixed point of its row in
+      three int8 pieces: 2**-20 of the row's largest term at most; "tf32x2" unless the head dim is 64 to 128 and a
+      tile 32 to 128 tokens). Query rows are padded to 16.
+    - ``block_tokens``: packed tokens a program reads per step (16, 32 or 64: within :data:`TILE_TOKENS`).
+    - ``warps``: warps a program, or None: the mode's own (:data:`MODE_WARPS`).
+    - ``asm``: "fp16"'s codes become FP16 in PTX on a GPU (inline assembly: a byte permute, lop3 and FP16x2
+      arithmetic, 8 codes in 10 instructions); False: the same bits in Triton's own operations (what the
+      interpreter always runs).
+    - ``prefetch``: the next tile's codes (the fast mode: its scales) loaded before this one is worked.
+    - ``stages``: Triton's software pipelining depth for the attention kernel (None: Triton's default).
+    - ``split_tokens``: packed tokens a split at least (flash-decoding along the context: short contexts get many
+      short splits, each program's tiles one after another being the step's latency).
+    - ``programs_per_sm``: splits enough for about this many programs a multiprocessor.
+    - ``program_tiles``: a program's fixed time in tiles beside its tiles (its query, first loads, outputs), for
+      :func:`kvcx.codecs.splits.split_tiles`: fitted to an H100's batch-8 steps (docs/RESULTS.md).
+    - ``max_registers``: ptxas's cap on the attention kernel's registers a thread (Triton's ``maxnreg``, 24 to
+      255), or None: ptxas's own (at 255 eight one-warp programs fit a multiprocessor, at 128 sixteen).
+    - ``merge_splits``: splits the merge kernel reads at a time (a power of two from 2; a program a query row).
+    - ``merge_warps``: warps a merge program (a batch-1 step's merge is 32 programs: its latency counts).
+    - ``merge_pdl``: the merge launched while the attention runs (sm_90: a dependent launch that waits for the
+      attention's grid to read the splits; an H100's ``--tune`` chose it, 4k -16 %).
+    - ``early_tile``: the fast mode's first tile loaded before the query (no gain measured: docs/RESULTS.md).
+    - ``fp_fusion``: a * b + c as one FMA in the attention kernels (one rounding instead of two: no less accurate).
+      The codec kernels keep it off: they round as the CPU kernels do, bit for bit.
+    """
+
+    dot: str = "fp16"
+    block_tokens: int = 64
+    warps: Optional[int] = None
+    asm: bool = True
+    prefetch: bool = False
+    stages: Optional[int] = 2
+    split_tokens: int = 64
+    programs_per_sm: int = 8
+    program_tiles: float = 0.5
+    max_registers: Optional[int] = None
+    merge_splits: int = 64
+    merge_warps: int = 4
+    merge_pdl: bool = True
+    early_tile: bool = False
+    fp_fusion: bool = True
+
+    def __post_init__(self):
+        def bad(name, wants):
+            raise CodecError(f"LaunchSettings({name}={getattr(self, name)!r}): {wants}")
+
+        def whole(v, lo, hi=None):
+            return is_int(v) and not isinstance(v, bool) and v >= lo and (hi is None or v <= hi)
+
+        if self.dot not in DOTS:
+            bad("dot", f"not a mode of the attention kernel; use one of {', '.join(repr(d) for d in DOTS)}")
+        if self.block_tokens not in (16, 32, 64):
+            bad("block_tokens", f"a tile is 16, 32 or 64 tokens (within the stores' {TILE_TOKENS}-token tiles)")
+        if self.warps is not None and self.warps not in _WARPS:
+            bad("warps", "a program's warps are 1, 2, 4, 8 or 16, or None (each mode's own: MODE_WARPS)")
+        if self.merge_warps not in _WARPS:
+            bad("merge_warps", "a merge program's warps are 1, 2, 4, 8 or 16")
+        if self.stages is not None and not whole(self.stages, 1, 8):
+            bad("stages", "pipelining stages are an integer from 1 to 8, or None (Triton's default)")
+        if self.max_registers is not None and not whole(self.max_registers, 24, 255):
+            bad("max_registers", "ptxas takes a register cap from 24 to 255; or None (ptxas's own)")
+        if not (whole(self.merge_splits, 2) and self.merge_splits & (self.merge_splits - 1) == 0):
+            bad("merge_splits", "splits the merge reads at a time are a power of two from 2 (16, 64, 256, ...)")
+        for name in ("split_tokens", "programs_per_sm"):
+            if not whole(getattr(self, name), 1):
+                bad(name, "a positive integer")
+        if isinstance(self.program_tiles, bool) or not isinstance(self.program_tiles, (int, float)) or \
+                not 0 <= self.program_tiles < 1e6:
+            bad("program_tiles", "a number of tiles from 0")
+        for name in ("asm", "prefetch", "merge_pdl", "early_tile", "fp_fusion"):
+            if not isinstance(getattr(self, name), bool):
+                bad(name, "True or False")
+
+    def replace(self, **changes) -> "LaunchSettings":
+        """These settings with ``changes`` (field names), checked as when made."""
+        unknown = sorted(set(changes) - {f.name for f in fields(self)})
+        if unknown:
+            raise CodecError(f"LaunchSettings has no field {', '.join(unknown)}; its fields: "
+                             f"{', '.join(f.name for f in fields(self))}")
+        return dataclasses.replace(self, **changes)
+
+    def program_warps(self, dot: str) -> int:
+        """Warps an attention program runs with for the products ``dot`` a launch takes."""
+        return self.warps or MODE_WARPS[dot]
+
+    def __str__(self) -> str:
+        changed = [f"{f.name}={getattr(self, f.name)!r}" for f in fields(self)
+                   if getattr(self, f.name) != f.default]
+        return f"LaunchSettings({', '.join(changed)})" if changed else "LaunchSettings() (the defaults)"
+
+
+DEFAULT_LAUNCH = LaunchSettings()   # what a launch takes when none is given
+
+
+def launch_settings(launch) -> LaunchSettings:
+    """``launch`` as the settings a launch takes: :data:`DEFAULT_LAUNCH` for None; a CodecError for anything
+    that is not a :class:`LaunchSettings`."""
+    if launch is None:
+        return DEFAULT_LAUNCH
+    if not isinstance(launch, LaunchSettings):
+        raise CodecError(f"launch must be a kvcx.codecs.gpu_attn.LaunchSettings or None, got "
+                         f"{type(launch).__name__}: build one, e.g. LaunchSettings(dot='int8x3')")
+    return launch
 
 
 def attention_kernels():
@@ -107,17 +191,19 @@ def span_of(rec: Packed, codec) -> PackedSpan:
                       None if rec.zeros is None else rec.zeros.view(lay.scale_shape), lay.S - lay.t0)
 
 
-def split_tokens(slabs: int, tokens, per_split: Optional[int] = None) -> int:
-    """Packed tokens per split (whole tiles of :data:`ATTN_BLOCK_TOKENS`): ``per_split`` if given, else
+def split_tokens(slabs: int, tokens, per_split: Optional[int] = None, launch: Optional[LaunchSettings] = None) -> int:
+    """Packed tokens per split (whole tiles of ``launch.block_tokens``): ``per_split`` if given, else
     :func:`~kvcx.codecs.splits.split_tiles`' choice for ``tokens``, the packed tokens of each span a slab reads (an
-    int: one span), at least :data:`ATTN_SPLIT_TOKENS`."""
+    int: one span), at least ``launch.split_tokens`` (:class:`LaunchSettings`; None: :data:`DEFAULT_LAUNCH`)."""
+    launch = launch_settings(launch)
+    bt = launch.block_tokens
     if per_split is None:
         spans = (tokens,) if is_int(tokens) else tuple(tokens)
-        tiles = tuple(-(-int(n) // ATTN_BLOCK_TOKENS) for n in spans if n > 0) or (1,)
-        slots = ATTN_PROGRAMS_PER_SM * tensors.multiprocessors()
-        per_split = max(ATTN_SPLIT_TOKENS, split_tiles(slabs, tiles, slots, ATTN_PROGRAM_TILES) * ATTN_BLOCK_TOKENS)
-    per = max(ATTN_BLOCK_TOKENS, int(per_split))
-    return -(-per // ATTN_BLOCK_TOKENS) * ATTN_BLOCK_TOKENS
+        tiles = tuple(-(-int(n) // bt) for n in spans if n > 0) or (1,)
+        slots = launch.programs_per_sm * tensors.multiprocessors()
+        per_split = max(launch.split_tokens, split_tiles(slabs, tiles, slots, launch.program_tiles) * bt)
+    per = max(bt, int(per_split))
+    return -(-per // bt) * bt
 
 
 @dataclass(frozen=True)
@@ -144,22 +230,24 @@ def attention_rows(R: int, NG: int, dot: str) -> int:
     return max(tensors.pow2(R), -(-16 // NG)) if dot else tensors.pow2(R)
 
 
-def attention_constexprs(key_codec, value_codec, R: int, D: int, dot: str, block_tokens: int, has_mask: bool,
-                         prefetch: bool, asm: bool = False, early: bool = False, pdl: bool = False, paged=False,
+def attention_constexprs(key_codec, value_codec, R: int, D: int, has_mask: bool,
+                         launch: Optional[LaunchSettings] = None, asm: bool = False, pdl: bool = False, page: int = 0,
                          softcap: float = 0.0):
-    """The constexprs of :func:`~kvcx.codecs.triton_kernels.attention.attend_packed_kernel` for these codecs and launch settings
-    (what the launcher passes; the offline compile test and bench/sass_gpu.py build the kernel the same way). A
-    tile lies within one per-channel block: ``block_tokens`` is cut to the smallest per-channel group; ``dot`` is
-    what the shapes allow of it (FP32 sums under head dim 32, two TF32 passes where int8 products would not do
-    and for "fp16" with per-token keys, whose scales vary along the products' sums). ``asm``: "fp16"'s codes
-    converted in PTX (a GPU); ``prefetch``: the next tile's codes loaded before a tile is worked (not ``paged``),
-    in the transposed fast mode its scales (``AHEAD``); ``early``: that mode's first tile loaded before the query;
-    ``pdl``: the merge launched as a dependent launch (a GPU: :func:`dependent_merge`); ``softcap``: Gemma 2's."""
-    if dot not in ATTN_DOTS:
-        raise CodecError(f"attention products {dot!r} (kvcx.codecs.gpu_attn.ATTN_DOT) are not a mode of the attention "
-                         f"kernel; set one of {', '.join(repr(d) for d in ATTN_DOTS)}")
+    """The constexprs of :func:`~kvcx.codecs.triton_kernels.attention.attend_packed_kernel` for these codecs and
+    ``launch`` (:class:`LaunchSettings`; None: :data:`DEFAULT_LAUNCH`): what the launcher passes; the offline compile
+    test and bench/sass_gpu.py build the kernel the same way. A tile lies within one per-channel block and one
+    ``page`` (a paged store's page tokens, or 0): ``launch.block_tokens`` is cut to the smallest of them; its
+    ``dot`` to what the shapes allow (FP32 sums under head dim 32, two TF32 passes where int8 products would not
+    do and for "fp16" with per-token keys, whose scales vary along the products' sums). ``asm``: "fp16"'s codes
+    converted in PTX (a GPU: :func:`ptx_codes`); ``launch.prefetch``: the next tile's codes loaded before a tile is
+    worked (not paged), in the transposed fast mode its scales (``AHEAD``); ``launch.early_tile``: that mode's first
+    tile loaded before the query; ``pdl``: the merge launched as a dependent launch (a GPU:
+    :func:`dependent_merge`); ``softcap``: Gemma 2's."""
+    launch = launch_settings(launch)
+    dot, prefetch, early, paged = launch.dot, launch.prefetch, launch.early_tile, page > 0
     ng = 1 if value_codec.axis == "channel" else max(1, D // value_codec.group_size)
-    bt = min([block_tokens] + [c.group_size for c in (key_codec, value_codec) if c.axis == "channel"])
+    bt = min([launch.block_tokens] + ([page] if paged else []) +
+             [c.group_size for c in (key_codec, value_codec) if c.axis == "channel"])
     if D < 32:
         dot = ""          # tl.dot needs 16 along each side: D // 2 channels a stream
     elif dot == "int8x3" and not (64 <= D <= 128 and 32 <= bt <= 128):
@@ -177,21 +265,16 @@ def attention_constexprs(key_codec, value_codec, R: int, D: int, dot: str, block
                 SOFTCAP=float(softcap or 0.0))
 
 
-def attention_options(const: dict) -> dict:
-    """The attention kernel's launch options for its constexprs ``const`` (:func:`attention_constexprs`): warps
-    (:data:`ATTN_WARPS`, or the mode's own from :data:`ATTN_MODE_WARPS`), pipelining stages, register cap, FMA
-    fusion; or CodecError for a register cap that ptxas would not take."""
-    if ATTN_WARPS is not None and ATTN_WARPS not in (1, 2, 4, 8, 16):
-        raise CodecError(f"attention warps {ATTN_WARPS!r} (kvcx.codecs.gpu_attn.ATTN_WARPS) is not a program's warps; set "
-                         "1, 2, 4, 8 or 16, or None (each mode's own: ATTN_MODE_WARPS)")
-    extra = dict(num_warps=ATTN_WARPS or ATTN_MODE_WARPS[const["DOT"]], enable_fp_fusion=ATTN_FP_FUSION)
-    if ATTN_STAGES is not None:
-        extra["num_stages"] = ATTN_STAGES
-    if ATTN_MAX_REGISTERS is not None:
-        if not is_int(ATTN_MAX_REGISTERS) or not 24 <= ATTN_MAX_REGISTERS <= 255:
-            raise CodecError(f"attention register cap {ATTN_MAX_REGISTERS!r} (kvcx.codecs.gpu_attn.ATTN_MAX_REGISTERS) "
-                             "is not one ptxas takes; set an integer from 24 to 255, or None")
-        extra["maxnreg"] = int(ATTN_MAX_REGISTERS)
+def attention_options(const: dict, launch: Optional[LaunchSettings] = None) -> dict:
+    """The attention kernel's launch options for its constexprs ``const`` (:func:`attention_constexprs`) under
+    ``launch`` (None: :data:`DEFAULT_LAUNCH`): warps (its own, or the mode's: :data:`MODE_WARPS`), pipelining
+    stages, register cap, FMA fusion."""
+    launch = launch_settings(launch)
+    extra = dict(num_warps=launch.program_warps(const["DOT"]), enable_fp_fusion=launch.fp_fusion)
+    if launch.stages is not None:
+        extra["num_stages"] = launch.stages
+    if launch.max_registers is not None:
+        extra["maxnreg"] = launch.max_registers
     return extra
 
 
@@ -206,7 +289,8 @@ def _span_args(sp: Span) -> tuple:
 
 
 def attend_spans(q, scaling: float, spans, Hkv: int, sinks=(None, None), residual=(None, None), add=None,
-                 res_off: int = 0, per_split: Optional[int] = None, out=None, sink_logits=None, softcap: float = 0.0):
+                 res_off: int = 0, per_split: Optional[int] = None, out=None, sink_logits=None, softcap: float = 0.0,
+                 launch: Optional[LaunchSettings] = None):
     """The attention output [N, R, D] float32 of the query rows ``q`` [N, R, D] (:func:`query_rows`: any float
     dtype, as the model holds them; the kernels scale them by ``scaling`` as they read them) over packed spans
     (:class:`Span`, flash-decoding splits along each in :func:`~kvcx.codecs.triton_kernels.attention.attend_packed_kernel`) and
@@ -216,20 +300,20 @@ def attend_spans(q, scaling: float, spans, Hkv: int, sinks=(None, None), residua
     one layout (a store's two segments: one launch) and one merge: no other launch (but for spans whose keys
     rotate: their query, scaled and rotated, from one product; the keys' rotation moved from every key onto the
     query, its matrix orthogonal and symmetric). The caller checks shapes; ``out``, ``sink_logits``, ``softcap``:
-    as :func:`merge_splits`' (the softcap in both kernels)."""
-    torch = _torch()
+    as :func:`merge_splits`' (the softcap in both kernels); ``launch``: :class:`LaunchSettings` (None: the defaults)."""
+    torch, launch = _torch(), launch_settings(launch)
     N, R, D = q.shape
     rotate = {sp.value_codec.rotate for sp in spans}
     if len(rotate) > 1:
         raise CodecError("attention: the packed spans' values must all rotate, or none")
     full = [sp for sp in spans if sp.keys.tokens]
-    asm, pdl = ptx_codes(q), dependent_merge(q)
+    asm, pdl = ptx_codes(q, launch), dependent_merge(q, launch)
     qr = rotated_query(q, scaling) if any(sp.key_codec.rotate for sp in full) else None
-    per = split_tokens(N, [sp.keys.tokens for sp in full], per_split) if full else 0   # one size for all
+    per = split_tokens(N, [sp.keys.tokens for sp in full], per_split, launch) if full else 0   # one size for all
     launches = []   # [((constexprs, keys rotate), [(span, splits)])]: two spans of one layout share a launch
     for sp in full:
-        key = (attention_constexprs(sp.key_codec, sp.value_codec, R, D, ATTN_DOT, ATTN_BLOCK_TOKENS, add is not None,
-                                    ATTN_PREFETCH, asm, ATTN_EARLY_TILE, pdl, softcap=softcap), sp.key_codec.rotate)
+        key = (attention_constexprs(sp.key_codec, sp.value_codec, R, D, add is not None, launch, asm, pdl,
+                                    softcap=softcap), sp.key_codec.rotate)
         item = (sp, -(-sp.keys.tokens // per))
         if launches and launches[-1][0] == key and len(launches[-1][1]) == 1:
             launches[-1][1].append(item)
@@ -248,9 +332,10 @@ def attend_spans(q, scaling: float, spans, Hkv: int, sinks=(None, None), residua
             items = items + [(items[0][0], 0)]
         (a, na), (b, nb) = items
         (pa, ia), (pb, ib) = _span_args(a), _span_args(b)
-        # a tile lies within one per-channel block (splits are whole ATTN_BLOCK_TOKENS, a multiple of it)
+        # a tile lies within one per-channel block (splits are whole tiles of launch.block_tokens, a multiple of it)
         launch_attention((N, na + nb), qr if rotated else q, 1.0 if rotated else scaling, pa + pb,
-                         tuple(v for pair in zip(ia, ib) for v in pair), (m, l, acc), Hkv, per, na, off, const, add)
+                         tuple(v for pair in zip(ia, ib) for v in pair), (m, l, acc), Hkv, per, na, off, const, add,
+                         launch=launch)
         off += na + nb
     sk, sv = sinks
     rk, rv = residual
@@ -259,17 +344,18 @@ def attend_spans(q, scaling: float, spans, Hkv: int, sinks=(None, None), residua
     if not full and not t0 and not nr:
         raise CodecError("attention: there are no tokens to attend to")
     return merge_splits(q, scaling, m, l, acc, Hkv, bool(full) and True in rotate, sinks, residual, add, res_off,
-                        out=out, sink_logits=sink_logits, softcap=softcap)
+                        out=out, sink_logits=sink_logits, softcap=softcap, launch=launch)
 
 
-def ptx_codes(q) -> bool:
-    """Whether the fast mode's codes are converted in PTX on ``q``'s device (:data:`ATTN_ASM`, a GPU, no interpreter)."""
-    return ATTN_ASM and q.is_cuda and not interpreting()
+def ptx_codes(q, launch: Optional[LaunchSettings] = None) -> bool:
+    """Whether the fast mode's codes are converted in PTX on ``q``'s device (``launch.asm``, a GPU, no interpreter)."""
+    return launch_settings(launch).asm and q.is_cuda and not interpreting()
 
 
-def dependent_merge(q) -> bool:
-    """Whether a step on ``q``'s device launches the merge as a dependent launch (MERGE_PDL, :func:`_takes_pdl`)."""
-    return MERGE_PDL and q.is_cuda and not interpreting() and _takes_pdl(q.device.index)
+def dependent_merge(q, launch: Optional[LaunchSettings] = None) -> bool:
+    """Whether a step on ``q``'s device launches the merge as a dependent launch (``launch.merge_pdl``,
+    :func:`_takes_pdl`)."""
+    return launch_settings(launch).merge_pdl and q.is_cuda and not interpreting() and _takes_pdl(q.device.index)
 
 
 @functools.lru_cache(maxsize=None)
@@ -280,46 +366,47 @@ def _takes_pdl(index: int) -> bool:
 
 
 def launch_attention(grid, q, q_scale: float, buffers: tuple, ints: tuple, out: tuple, Hkv: int, per: int,
-                     n_first: int, sp_off: int, const: dict, add=None, pages=None) -> None:
+                     n_first: int, sp_off: int, const: dict, add=None, pages=None,
+                     launch: Optional[LaunchSettings] = None) -> None:
     """One launch of :func:`~kvcx.codecs.triton_kernels.attention.attend_packed_kernel` on ``grid`` (slabs,
     splits): query rows ``q`` times ``q_scale``; ``buffers`` the two spans' six buffers each (codes, scales, zero
     points of keys, then of values), ``ints`` their integers in pairs (:func:`_span_args`' order, the first span's
     then the second's of each); ``out`` the splits' (max, sum, accumulators) of all launches, this one's from split
     ``sp_off``; ``per`` tokens a split, the first span's ``n_first`` splits; ``add`` the scores' float mask or None;
-    ``pages`` (block table, lengths) for a paged store's ``const`` (its ``PAGE`` mode) or None. What
+    ``pages`` (block table, lengths) for a paged store's ``const`` (its ``PAGE`` mode) or None; ``launch`` the
+    settings ``const`` was made with (its warps, stages, register cap). What
     :func:`attend_spans` and :func:`kvcx.codecs.paged.attend` launch."""
     m, l, acc = out
     table, lens = pages if pages is not None else (m, m)
     attention_kernels().attend_packed_kernel[grid](
         q, *buffers, q_scale, add if add is not None else m, m, l, acc, Hkv, add.stride(0) if add is not None else 0,
         *ints, per, n_first, sp_off, m.shape[1], table, lens, table.stride(0) if pages is not None else 0, **const,
-        **attention_options(const))
+        **attention_options(const, launch))
 
 
 def merge_splits(q, scaling: float, m, l, acc, Hkv: int, rotate: bool, sinks=(None, None), residual=(None, None),
-                 add=None, res_off: int = 0, res_lens=None, out=None, sink_logits=None, softcap: float = 0.0):
+                 add=None, res_off: int = 0, res_lens=None, out=None, sink_logits=None, softcap: float = 0.0,
+                 launch: Optional[LaunchSettings] = None):
     """The attention output [N, R, D] float32 of the query rows ``q`` [N, R, D]: the merge kernel's softmax over the
     splits the attention kernel wrote (``m``, ``l`` [N, splits, R], ``acc`` [N, splits, R, D]; their accumulators
     rotated back where ``rotate``) and the exact tokens (:func:`attend_spans`' ``sinks``, ``residual``, ``add``,
     ``res_off``; ``res_lens`` int32 [B], or None: batch row b's residual is its first ``res_lens[b]`` rows, read on
     the device). One launch: what :func:`attend_spans` and :func:`kvcx.codecs.paged.attend` end with. ``out``: the
     caller's [N, R, D] (contiguous; float32, float16 or bfloat16: rounded to nearest even as ``.to`` rounds).
-    ``sink_logits``: float32 [Hkv R] a sink logit a query head (s_aux) or None; ``softcap``: as the splits'."""
-    torch, k = _torch(), attention_kernels()
+    ``sink_logits``: float32 [Hkv R] a sink logit a query head (s_aux) or None; ``softcap``: as the splits';
+    ``launch``: :class:`LaunchSettings` (None: the defaults; its merge's splits at a time, warps, dependent launch)."""
+    torch, k, launch = _torch(), attention_kernels(), launch_settings(launch)
     N, R, D = q.shape
     (sk, sv), (rk, rv) = sinks, residual
     t0 = 0 if sk is None else sk.shape[1]
     nr = 0 if rk is None else rk.shape[1]
-    if not (is_int(MERGE_SPLITS) and MERGE_SPLITS >= 2 and MERGE_SPLITS & (MERGE_SPLITS - 1) == 0):
-        raise CodecError(f"merge splits at a time {MERGE_SPLITS!r} (kvcx.codecs.gpu_attn.MERGE_SPLITS) is not a power of "
-                         "two from 2; set one (16, 64, 256, ...)")
     if out is None:
         out = torch.empty(N, R, D, device=q.device)
     elif not (is_tensor(out) and merge_writes(out.dtype) and out.is_contiguous() and out.numel() == N * R * D and
               out.device == q.device):
         raise CodecError(f"attention: out must be a contiguous float32, float16 or bfloat16 tensor of {N * R * D} "
                          f"values ([B, Hq, D]) on {q.device}")
-    bf16, pdl = out.dtype == torch.bfloat16, dependent_merge(q)
+    bf16, pdl = out.dtype == torch.bfloat16, dependent_merge(q, launch)
     k.merge_kernel[(N, R)](q, scaling, m, l, acc, m.shape[1], sk if t0 else m, sv if t0 else m, t0, rk if nr else m,
                            rv if nr else m, nr, add if add is not None else m, add.shape[1] if add is not None else 0,
                            res_off, Hkv, out.view(torch.int16) if bf16 else out, tensors.norm_of(D),
@@ -327,19 +414,20 @@ def merge_splits(q, scaling: float, m, l, acc, Hkv: int, rotate: bool, sinks=(No
                            R=R, D=D, OUT_BF16=bf16,
                            HAS_SINKS=sink_logits is not None, SOFTCAP=float(softcap or 0.0),
                            SB=tensors.pow2(t0), RB=max(16, tensors.pow2(nr)), HAS_MASK=add is not None, ROTATE=rotate,
-                           CH=MERGE_SPLITS, enable_fp_fusion=ATTN_FP_FUSION, num_warps=MERGE_WARPS, PDL=pdl,
+                           CH=launch.merge_splits, enable_fp_fusion=launch.fp_fusion, num_warps=launch.merge_warps, PDL=pdl,
                            RES_LENS=res_lens is not None and nr > 0, **({"launch_pdl": True} if pdl else {}))
     return out
 
 
 def attend(q, keys: Packed, values: Packed, key_codec, value_codec, residual_k=None, residual_v=None, mask=None,
-           scaling: Optional[float] = None, per_split: Optional[int] = None):
+           scaling: Optional[float] = None, per_split: Optional[int] = None, launch: Optional[LaunchSettings] = None):
     """One decode step of one layer over packed keys and values on the device, without decoding them: q [B, Hq, D]
     (one token a row); keys / values the Triton backend's records of [B, Hkv, S, D] (4-bit ``IntCodec``, sinks,
     rotation, either grouping); residual_k / _v [B, Hkv, nr, D] full-precision tokens after them, or None; mask
     [B, S + nr] float added to the scores (boolean: True attends), or None; scaling: default 1 / sqrt(D). Query head
     j reads KV head j // (Hq / Hkv) (transformers' repeat_kv). The packed tokens in the Triton kernel, split along
-    the context (``per_split`` tokens each); the exact tokens and the merge in a second, FP32. [B, Hq, D] float32."""
+    the context (``per_split`` tokens each); the exact tokens and the merge in a second, FP32; ``launch``: how
+    (:class:`LaunchSettings`; None: :data:`DEFAULT_LAUNCH`). [B, Hq, D] float32."""
     B, Hq, D = q.shape
     shape = tuple(keys.shape)
     for codec, rec, what in ((key_codec, keys, "keys"), (value_codec, values, "values")):
@@ -363,4 +451,4 @@ def attend(q, keys: Packed, values: Packed, key_codec, value_codec, residual_k=N
     residual = (residual_k.reshape(N, nr, D).contiguous(), residual_v.reshape(N, nr, D).contiguous()) if nr else \
         (None, None)
     return attend_spans(rows, D ** -0.5 if scaling is None else float(scaling), spans, Hkv, sinks, residual, add, S,
-                        per_split).reshape(B, Hq, D)
+                        per_split, launch=launch).reshape(B, Hq, D)

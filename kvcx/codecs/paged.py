@@ -90,9 +90,9 @@ def allocate(key_codec: Codec, value_codec: Codec, num_pages: int, kv_heads: int
     or a multiple of the kernel's tiles (a page a row as long as a sequence: :mod:`kvcx.cache.static_cache`)."""
     torch = _torch()
     if not is_int(page_tokens) or page_tokens < 16 or (page_tokens & (page_tokens - 1) and
-                                                      page_tokens % gpu_attn.ATTN_BLOCK_TOKENS):
+                                                      page_tokens % gpu_attn.TILE_TOKENS):
         raise CodecError(f"paged store: page_tokens must be a power of two from 16 or a multiple of "
-                         f"{gpu_attn.ATTN_BLOCK_TOKENS} (the kernel's tiles lie within a page), got {page_tokens!r}")
+                         f"{gpu_attn.TILE_TOKENS} (the kernel's tiles lie within a page), got {page_tokens!r}")
     if num_pages < 1 or kv_heads < 1 or head_dim < 16 or head_dim % 16:
         raise CodecError(f"paged store: need num_pages >= 1, kv_heads >= 1 and a head dim that is a multiple of 16; "
                          f"got {num_pages}, {kv_heads}, {head_dim}")
@@ -188,7 +188,7 @@ def encode_step(codec: Codec, residual, codes, scales, zeros, flag, new, where) 
 
 def attend(q, pool: PagedKV, block_table, seq_lens, scaling: Optional[float] = None,
            per_split: Optional[int] = None, sinks=(None, None), residual=(None, None), residual_lens=None, out=None,
-           sink_logits=None, softcap: float = 0.0, mask=None):
+           sink_logits=None, softcap: float = 0.0, mask=None, launch=None):
     """One decode step over a paged store: q [B, Hq, D] (one token a row, any float dtype), ``block_table`` int32
     [B, max_pages] (row b's pages in order; entries past its tokens are not read), ``seq_lens`` int32 [B] (row b's
     tokens, 0 to max_pages x page_tokens), both on the pool's device. Query head j reads KV head j // (Hq / Hkv).
@@ -202,9 +202,10 @@ def attend(q, pool: PagedKV, block_table, seq_lens, scaling: Optional[float] = N
     > 0: scores capped to softcap tanh(s / softcap) (Gemma 2), in both kernels. ``mask``: float32 [B, max_pages x
     page_tokens] on the device (a row's may be shared: stride 0 along the batch), added to the scores of the packed
     tokens in table order (0 or -inf: a sliding window's ring, :mod:`kvcx.cache.static_layers`), or None.
+    ``launch``: how the kernels launch (:class:`kvcx.codecs.gpu_attn.LaunchSettings`; None: the defaults).
     No host sync: the splits are sized from the table's width, the lengths are read on the device (a step can be
     replayed from a CUDA graph)."""
-    torch = _torch()
+    torch, launch = _torch(), gpu_attn.launch_settings(launch)
     B, Hq, D = q.shape
     H, P = pool.kv_heads, pool.page_tokens
     dev = pool.key_codes.device
@@ -237,11 +238,9 @@ def attend(q, pool: PagedKV, block_table, seq_lens, scaling: Optional[float] = N
     scaling = D ** -0.5 if scaling is None else float(scaling)
     qr = gpu_attn.rotated_query(rows, scaling) if kc.rotate else None
     table = block_table.contiguous()
-    A = gpu_attn
-    const = A.attention_constexprs(kc, vc, R, D, A.ATTN_DOT, min(A.ATTN_BLOCK_TOKENS, P), mask is not None,
-                                   A.ATTN_PREFETCH, A.ptx_codes(q), A.ATTN_EARLY_TILE, A.dependent_merge(q),
-                                   paged=True, softcap=softcap)
-    per = gpu_attn.split_tokens(N, table.shape[1] * P, per_split)
+    const = gpu_attn.attention_constexprs(kc, vc, R, D, mask is not None, launch, gpu_attn.ptx_codes(q, launch),
+                                          gpu_attn.dependent_merge(q, launch), page=P, softcap=softcap)
+    per = gpu_attn.split_tokens(N, table.shape[1] * P, per_split, launch)
     nsp = max(1, -(-(table.shape[1] * P) // per))
     m, l, acc = (torch.empty(N, nsp, R, *d, device=dev) for d in ((), (), (D,)))
     bufs = (pool.key_codes, pool.key_scales, pool.key_zeros if pool.key_zeros is not None else pool.key_scales,
@@ -250,14 +249,14 @@ def attend(q, pool: PagedKV, block_table, seq_lens, scaling: Optional[float] = N
     # the spans' integers are not read in the PAGE mode (a tile's page and a row's tokens come from the table)
     gpu_attn.launch_attention((N, nsp), qr if kc.rotate else rows, 1.0 if kc.rotate else scaling, bufs + bufs,
                               (0,) * 12, (m, l, acc), H, per, nsp, 0, {**const, "PAGE": P}, add=mask,
-                              pages=(table, seq_lens))
+                              pages=(table, seq_lens), launch=launch)
     if sink_logits is not None and (not is_tensor(sink_logits) or sink_logits.dtype != torch.float32
                                     or tuple(sink_logits.shape) != (Hq,) or sink_logits.device != dev):
         raise CodecError(f"paged attention: sink_logits must be a float32 tensor [{Hq}] on {dev} (one logit a query "
                          "head)")
     return gpu_attn.merge_splits(rows, scaling, m, l, acc, H, vc.rotate, tuple(exact[:2]), tuple(exact[2:]),
                             res_lens=residual_lens, out=out, sink_logits=sink_logits,
-                            softcap=softcap).reshape(B, Hq, D)
+                            softcap=softcap, launch=launch).reshape(B, Hq, D)
 
 
 def _exact(t, name: str, B: int, H: int, D: int, dev):

@@ -7,10 +7,11 @@ import functools
 @functools.lru_cache(maxsize=1024)
 def split_tiles(slabs: int, tiles: tuple, slots: int, program_tiles: float) -> int:
     """Tiles a split (flash-decoding) for ``slabs`` slabs that each read spans of ``tiles`` tiles (a span's splits:
-    its tiles over this, rounded up), when ``slots`` programs run at once (``kvcx.codecs.gpu_attn.ATTN_PROGRAMS_PER_SM``
-    a multiprocessor): the least time in tiles, waves of programs (their count over ``slots``, rounded up) times
-    the tiles a program reads and ``program_tiles``, a program's own fixed time (its query, first loads, outputs:
-    ``kvcx.codecs.gpu_attn.ATTN_PROGRAM_TILES``); more splits (a longer merge) only for 3 % less of it.
+    its tiles over this, rounded up), when ``slots`` programs run at once (``programs_per_sm`` of
+    :class:`kvcx.codecs.gpu_attn.LaunchSettings` a multiprocessor): the least time in tiles, waves of programs
+    (their count over ``slots``, rounded up) times the tiles a program reads and ``program_tiles``, a program's own
+    fixed time (its query, first loads, outputs: the settings' ``program_tiles``); more splits (a longer merge)
+    only for 3 % less of it.
     Without the rounding of the waves a step of 17 splits a slab where 16.5 fit ran a second wave of a few
     programs behind the first (an H100 at batch 8, 32k tokens: 173 us, where 16 programs a multiprocessor, two
     whole waves of 16 tiles, took 159). A binary search a wave count; cached by the arguments (they change once in

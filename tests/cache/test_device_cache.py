@@ -255,7 +255,7 @@ def test_a_step_written_in_the_models_dtype_is_the_float32_step_rounded(dtype):
 
 
 @pytest.mark.parametrize("family", ["gemma2", "gpt_oss"])
-def test_windows_softcap_and_sinks_on_the_device_equal_the_cpu_path(family, monkeypatch):
+def test_windows_softcap_and_sinks_on_the_device_equal_the_cpu_path(family):
     """Sliding layers (a window of 40: its first token mid-block, chunks dropped as it moves), Gemma 2's logit
     softcapping and GPT-OSS's per-head sinks through the Triton kernels (the interpreter without a GPU): every
     decode step fused, the logits the CPU kernels' within FP32 rounding, the windows' packed chunks dropped on the
@@ -279,9 +279,9 @@ def test_windows_softcap_and_sinks_on_the_device_equal_the_cpu_path(family, monk
     mask = torch.ones_like(ids)
     mask[1, :5] = 0
     cpu = KvcxCache(model.config, backend="cpu", **OPTS)
-    dev = KvcxCache(model.config, backend="triton", **OPTS)
+    # FP32 sums: the CPU kernels' arithmetic, to compare within rounding
+    dev = KvcxCache(model.config, backend="triton", launch=gpu_attn.LaunchSettings(dot=""), **OPTS)
     a = _generate(model, cpu, ids, mask, n=8)
-    monkeypatch.setattr(gpu_attn, "ATTN_DOT", "")   # FP32 sums: the CPU kernels' arithmetic, to compare within rounding
     b = _generate(model, dev, ids, mask, n=8)
     steps = dev.memory_report()["attention_steps"]
     assert steps["fused"] == 2 * 7 and steps["materialised"] == 0, steps

@@ -112,7 +112,9 @@ def test_pages_hold_the_codecs_bytes_and_steps_attend_as_the_reference(scheme):
     cfg = LlamaConfig(num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, hidden_size=128)
     cfg._attn_implementation = "kvcx"
     kv = KVConfig.from_scheme(scheme, group_size=16)
-    cache = StaticKvcxCache(cfg, max_cache_len=80, kv_config=kv, residual_length=16)
+    # the exact mode: within FP32 rounding of the reference
+    cache = StaticKvcxCache(cfg, max_cache_len=80, kv_config=kv, residual_length=16,
+                            launch=gpu_attn.LaunchSettings(dot="int8x3"))
     g = torch.Generator().manual_seed(4)
     B, H, D, T = 2, 2, 32, 61
     K = (torch.randn(B, H, T, D, generator=g) + torch.randn(D, generator=g) * 3).to(DEVICE)
@@ -121,25 +123,20 @@ def test_pages_hold_the_codecs_bytes_and_steps_attend_as_the_reference(scheme):
     cache.update(K[:, :, :21], V[:, :, :21], 0)
     layer = cache.layers[0]
     kc, vc = layer._codecs
-    old = gpu_attn.ATTN_DOT
-    gpu_attn.ATTN_DOT = "int8x3"
-    try:
-        for t in range(21, T):
-            k, v = K[:, :, t:t + 1], V[:, :, t:t + 1]
-            cache.update(k, v, 0)
-            got_layer, kind = HANDOFF.take(k)
-            assert got_layer is layer and kind == "fused"
-            q = torch.randn(B, 4, 1, D, generator=g).to(DEVICE)
-            out = layer.attend(q, None, D ** -0.5)[:, 0]
-            packed = (t - t0) // 16 * 16        # whole pages before this step's
-            dk = kc.decode(kc.encode(K[:, :, t0:t0 + packed].contiguous())) if packed else K[:, :, :0]
-            dv = vc.decode(vc.encode(V[:, :, t0:t0 + packed].contiguous())) if packed else V[:, :, :0]
-            keys = torch.cat([K[:, :, :t0], dk, K[:, :, t0 + packed:t + 1]], dim=2)
-            values = torch.cat([V[:, :, :t0], dv, V[:, :, t0 + packed:t + 1]], dim=2)
-            ref = _reference(q[:, :, 0], keys, values, D ** -0.5)
-            assert float((out.float() - ref).abs().max()) < 2e-5 * float(ref.abs().max()) + 1e-6, t
-    finally:
-        gpu_attn.ATTN_DOT = old
+    for t in range(21, T):
+        k, v = K[:, :, t:t + 1], V[:, :, t:t + 1]
+        cache.update(k, v, 0)
+        got_layer, kind = HANDOFF.take(k)
+        assert got_layer is layer and kind == "fused"
+        q = torch.randn(B, 4, 1, D, generator=g).to(DEVICE)
+        out = layer.attend(q, None, D ** -0.5)[:, 0]
+        packed = (t - t0) // 16 * 16        # whole pages before this step's
+        dk = kc.decode(kc.encode(K[:, :, t0:t0 + packed].contiguous())) if packed else K[:, :, :0]
+        dv = vc.decode(vc.encode(V[:, :, t0:t0 + packed].contiguous())) if packed else V[:, :, :0]
+        keys = torch.cat([K[:, :, :t0], dk, K[:, :, t0 + packed:t + 1]], dim=2)
+        values = torch.cat([V[:, :, :t0], dv, V[:, :, t0 + packed:t + 1]], dim=2)
+        ref = _reference(q[:, :, 0], keys, values, D ** -0.5)
+        assert float((out.float() - ref).abs().max()) < 2e-5 * float(ref.abs().max()) + 1e-6, t
     assert cache.get_seq_length() == T
     pages = (T - t0) // 16
     for codec, X, (codes, scales, zeros) in ((kc, K, layer._rows(0)), (vc, V, layer._rows(1))):
@@ -330,7 +327,7 @@ def test_capacity_is_whole_tiles():
     cfg = LlamaConfig(num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, hidden_size=128)
     cache = StaticKvcxCache(cfg, max_cache_len=1000, **OPTS)
     cap = cache._holder.capacity(1000, 1)
-    assert cap % gpu_attn.ATTN_BLOCK_TOKENS == 0 and cap >= 999 and cap - 999 < math.lcm(16, gpu_attn.ATTN_BLOCK_TOKENS)
+    assert cap % gpu_attn.TILE_TOKENS == 0 and cap >= 999 and cap - 999 < math.lcm(16, gpu_attn.TILE_TOKENS)
 
 
 def test_a_decode_step_of_non_finite_states_is_flagged_and_check_raises():

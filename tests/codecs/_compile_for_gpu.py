@@ -76,51 +76,50 @@ def codec_kernels() -> None:
 
 
 def attention_kernels() -> None:
-    """The packed attention with the default launch settings (gpu.ATTN_*: the fast mode, FP16 products with the codes
+    """The packed attention with the default launch settings (gpu_attn.DEFAULT_LAUNCH: the fast mode, FP16 products with the codes
     converted in PTX) for the default scheme, the reference (per-token keys, FP32 sums) and kivi (per-token values
     with zero points, one TF32 pass, prefetch; and in the fast mode), the other products (tl.dot in FP32, in three
     TF32 passes, and on the integer tensor cores for the default and the reference), the paged store's (also with
     the first tile early and the dependent launch's PTX), and the merge with and without a mask (and as a dependent
     launch)."""
-    for scheme, dot, prefetch in (("kvcx", gpu_attn.ATTN_DOT, gpu_attn.ATTN_PREFETCH), ("reference", "", False),
+    base = gpu_attn.DEFAULT_LAUNCH
+    for scheme, dot, prefetch in (("kvcx", base.dot, base.prefetch), ("reference", "", False),
                                   ("kivi", "tf32", True), ("kvcx", "ieee", False), ("kvcx", "tf32x3", False),
                                   ("kvcx", "int8x3", False), ("reference", "int8x3", False), ("kivi", "fp16", False)):
         cfg = KVConfig.from_scheme(scheme)
-        const = gpu_attn.attention_constexprs(cfg.key, cfg.value, 4, D, dot, gpu_attn.ATTN_BLOCK_TOKENS, True, prefetch,
-                                         asm=gpu_attn.ATTN_ASM)
+        launch = base.replace(dot=dot, prefetch=prefetch)
+        const = gpu_attn.attention_constexprs(cfg.key, cfg.value, 4, D, True, launch, asm=launch.asm)
         compile_one(ka.attend_packed_kernel, const,   # the fast mode's codes converted in PTX, as on a GPU
-                    num_warps=gpu_attn.attention_options(const)["num_warps"], fusion=gpu_attn.ATTN_FP_FUSION)
+                    num_warps=gpu_attn.attention_options(const, launch)["num_warps"], fusion=launch.fp_fusion)
     cfg = KVConfig.from_scheme("kvcx")   # the paged store (kvcx.codecs.paged): tiles through the block table
-    const = {**gpu_attn.attention_constexprs(cfg.key, cfg.value, 4, D, gpu_attn.ATTN_DOT, gpu_attn.ATTN_BLOCK_TOKENS,
-                                             False, False, asm=gpu_attn.ATTN_ASM), "PAGE": 64}
-    compile_one(ka.attend_packed_kernel, const, num_warps=gpu_attn.attention_options(const)["num_warps"],
-                fusion=gpu_attn.ATTN_FP_FUSION)
+    const = {**gpu_attn.attention_constexprs(cfg.key, cfg.value, 4, D, False, base, asm=base.asm, page=64), "PAGE": 64}
+    warps = gpu_attn.attention_options(const, base)["num_warps"]
+    compile_one(ka.attend_packed_kernel, const, num_warps=warps, fusion=base.fp_fusion)
     # a page a row as long as the sequence's capacity (kvcx.cache.static_cache): a multiple of the tiles, not a power
     # of two
-    compile_one(ka.attend_packed_kernel, {**const, "PAGE": 33 * gpu_attn.ATTN_BLOCK_TOKENS},
-                num_warps=gpu_attn.attention_options(const)["num_warps"], fusion=gpu_attn.ATTN_FP_FUSION)
+    compile_one(ka.attend_packed_kernel, {**const, "PAGE": 33 * gpu_attn.TILE_TOKENS}, num_warps=warps,
+                fusion=base.fp_fusion)
     # and with the first tile loaded before the query, the merge as a dependent launch (griddepcontrol in PTX)
-    compile_one(ka.attend_packed_kernel, {**const, "EARLY": True, "PDL": True},
-                num_warps=gpu_attn.attention_options(const)["num_warps"], fusion=gpu_attn.ATTN_FP_FUSION)
+    compile_one(ka.attend_packed_kernel, {**const, "EARLY": True, "PDL": True}, num_warps=warps, fusion=base.fp_fusion)
     # the residual's lengths read on the device with the dependent launch, writing BF16 (kvcx.cache.static_cache's
     # steps)
     for has_mask, rotate, pdl, res_lens in ((True, True, False, False), (False, False, True, False),
                                             (False, True, True, True)):
         compile_one(ka.merge_kernel, dict(R=4, D=D, SB=tensors.pow2(1), RB=tensors.pow2(32), HAS_MASK=has_mask,
-                                         ROTATE=rotate, CH=gpu_attn.MERGE_SPLITS, PDL=pdl, RES_LENS=res_lens,
+                                         ROTATE=rotate, CH=base.merge_splits, PDL=pdl, RES_LENS=res_lens,
                                          OUT_BF16=res_lens),
-                    fusion=gpu_attn.ATTN_FP_FUSION, num_warps=gpu_attn.MERGE_WARPS,
+                    fusion=base.fp_fusion, num_warps=base.merge_warps,
                     out_ptr="*i16" if res_lens else "*fp32")
     # the hybrid models' attention: logit softcapping (Gemma 2) in the fast mode and in FP32 sums, and the merge with
     # per-head sinks (GPT-OSS) and the softcap on the exact tokens
-    for dot in (gpu_attn.ATTN_DOT, ""):
-        const = gpu_attn.attention_constexprs(cfg.key, cfg.value, 4, D, dot, gpu_attn.ATTN_BLOCK_TOKENS, True, False,
-                                         asm=gpu_attn.ATTN_ASM, softcap=50.0)
-        compile_one(ka.attend_packed_kernel, const, num_warps=gpu_attn.attention_options(const)["num_warps"],
-                    fusion=gpu_attn.ATTN_FP_FUSION)
+    for dot in (base.dot, ""):
+        launch = base.replace(dot=dot, prefetch=False)
+        const = gpu_attn.attention_constexprs(cfg.key, cfg.value, 4, D, True, launch, asm=launch.asm, softcap=50.0)
+        compile_one(ka.attend_packed_kernel, const, num_warps=gpu_attn.attention_options(const, launch)["num_warps"],
+                    fusion=launch.fp_fusion)
     compile_one(ka.merge_kernel, dict(R=4, D=D, SB=tensors.pow2(1), RB=tensors.pow2(32), HAS_MASK=True, ROTATE=True,
-                                      CH=gpu_attn.MERGE_SPLITS, HAS_SINKS=True, SOFTCAP=50.0),
-                fusion=gpu_attn.ATTN_FP_FUSION, num_warps=gpu_attn.MERGE_WARPS, out_ptr="*fp32")
+                                      CH=base.merge_splits, HAS_SINKS=True, SOFTCAP=50.0),
+                fusion=base.fp_fusion, num_warps=base.merge_warps, out_ptr="*fp32")
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ def _sequences(g, H, D, lens, shared):
 
 @pytest.mark.parametrize("dot", ["int8x3", "fp16", "fp16-early", "fp16-prefetch"])
 @pytest.mark.parametrize("keys", ["channel", "rotated"])
-def test_paged_attention_equals_the_contiguous_store(dot, keys, monkeypatch):
+def test_paged_attention_equals_the_contiguous_store(dot, keys):
     """Three rows of odd lengths (a partial last page each but one) in scrambled pages of 64 tokens, row 2 sharing
     row 0's first page (the same prefix: the same bytes), the table's padding pointing at a page of NaN scales (not
     read): each row's output equals the contiguous store's over the same records (gpu_attn.attend, one row at a time),
@@ -38,10 +38,9 @@ def test_paged_attention_equals_the_contiguous_store(dot, keys, monkeypatch):
     also with a split's first tile loaded before the query ("fp16-early": row 1's splits past its length, over the
     padding's NaN page, count for nothing) and with each tile's scales loaded with the tile before it through the
     table ("fp16-prefetch": the same bits as without)."""
-    monkeypatch.setattr(gpu_attn, "ATTN_EARLY_TILE", dot.endswith("-early"))
-    monkeypatch.setattr(gpu_attn, "ATTN_PREFETCH", dot.endswith("-prefetch"))
-    dot = dot.split("-")[0]
-    monkeypatch.setattr(gpu_attn, "ATTN_DOT", dot)
+    launch = gpu_attn.LaunchSettings(dot=dot.split("-")[0], early_tile=dot.endswith("-early"),
+                                     prefetch=dot.endswith("-prefetch"))
+    dot = launch.dot
     kc, vc = _codecs()
     if keys == "rotated":   # the query rotated (and scaled) before the kernel, as for the contiguous store
         kc = IntCodec(scheme="asymmetric", axis="channel", rotate=True).with_backend("triton")
@@ -65,15 +64,16 @@ def test_paged_attention_equals_the_contiguous_store(dot, keys, monkeypatch):
             paged.write(pool, pages[b], pk, pv)
         table[b, :len(pages[b])] = torch.tensor(pages[b], dtype=torch.int32)
     q = torch.randn(3, H * R, D, generator=g).to(DEVICE)
-    out = paged.attend(q, pool, table.to(DEVICE), torch.tensor(lens, dtype=torch.int32, device=DEVICE), per_split=64)
+    lens_on = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    out = paged.attend(q, pool, table.to(DEVICE), lens_on, per_split=64, launch=launch)
     assert out.shape == q.shape and out.dtype == torch.float32 and bool(torch.isfinite(out).all())
-    if gpu_attn.ATTN_PREFETCH:   # loads moved, not arithmetic: the same bits as the scales loaded with their tile
-        monkeypatch.setattr(gpu_attn, "ATTN_PREFETCH", False)
-        assert torch.equal(out, paged.attend(q, pool, table.to(DEVICE), torch.tensor(lens, dtype=torch.int32,
-                                                                                     device=DEVICE), per_split=64))
+    if launch.prefetch:   # loads moved, not arithmetic: the same bits as the scales loaded with their tile
+        assert torch.equal(out, paged.attend(q, pool, table.to(DEVICE), lens_on, per_split=64,
+                                             launch=launch.replace(prefetch=False)))
+    plain = gpu_attn.LaunchSettings(dot=dot)
     for b, (pk, pv) in enumerate(records):
         alone = gpu_attn.attend(q[b:b + 1], gpu.to_device(_batched(pk), DEVICE), gpu.to_device(_batched(pv), DEVICE),
-                           kc, vc, per_split=64)[0]
+                           kc, vc, per_split=64, launch=plain)[0]
         Kd, Vd = (c.decode(p).repeat_interleave(R, 0).double() for c, p in ((kc, pk), (vc, pv)))
         ref = (torch.softmax((q[b].double()[:, None] @ Kd.transpose(-1, -2)) * D ** -0.5, -1) @ Vd)[:, 0]
         err = float((out[b].double() - ref).norm() / ref.norm())
@@ -179,13 +179,12 @@ def test_a_row_of_no_tokens_gives_nan_as_sdpa_does_and_leaves_the_others():
     assert bool(torch.isnan(out[1]).all()) and torch.equal(out[0], alone[0])
 
 
-def test_exact_sinks_and_a_residual_of_lengths_on_the_device_join_the_softmax(monkeypatch):
+def test_exact_sinks_and_a_residual_of_lengths_on_the_device_join_the_softmax():
     """Sinks [B, Hkv, 1, D] before the pages and a residual [B, Hkv, 16, D] after them of which row b's first
     residual_lens[b] are tokens (3 and 16 here; the rest NaN, never read), in one softmax with the pages: within FP32
     rounding of FP32 attention over the sinks, the decoded pages and the live residual (the exact mode). A row with
     no packed token yet (seq_lens 0) attends to its exact tokens alone. Pages of 192 tokens (not a power of two: a
     multiple of the kernel's tiles) are taken."""
-    monkeypatch.setattr(gpu_attn, "ATTN_DOT", "int8x3")
     kc, vc = _codecs()
     g = torch.Generator().manual_seed(8)
     B, H, R, D, P = 2, 2, 2, 64, 192
@@ -201,7 +200,8 @@ def test_exact_sinks_and_a_residual_of_lengths_on_the_device_join_the_softmax(mo
     table = torch.ones(B, 1, dtype=torch.int32, device=DEVICE)
     lens = torch.tensor([150, 0], dtype=torch.int32, device=DEVICE)
     out = paged.attend(q, pool, table, lens, sinks=sinks, residual=res,
-                       residual_lens=torch.tensor(live, dtype=torch.int32, device=DEVICE))
+                       residual_lens=torch.tensor(live, dtype=torch.int32, device=DEVICE),
+                       launch=gpu_attn.LaunchSettings(dot="int8x3"))
     Kd, Vd = kc.decode(kc.encode(K)), vc.decode(vc.encode(V))
     for b in range(B):
         packed = 150 if b == 0 else 0

@@ -312,8 +312,7 @@ def _case_id(i: int, loads: str) -> str:
                          [pytest.param("load", *c, id=_case_id(i, "load")) for i, c in enumerate(ATTENTION_CASES)] +
                          [pytest.param(loads, *ATTENTION_CASES[i], id=_case_id(i, loads))
                           for loads, cases in (("prefetch", PREFETCHED), ("early", EARLY)) for i in sorted(cases)])
-def test_fused_attention_equals_sdpa_over_the_decoded_cache(loads, scheme, D, R, nr, mask_kind, per, dot, S,
-                                                            monkeypatch):
+def test_fused_attention_equals_sdpa_over_the_decoded_cache(loads, scheme, D, R, nr, mask_kind, per, dot, S):
     """The Triton decode step over packed codes equals SDPA over the decoded cache within FP32 rounding (batch 2,
     row 1 left-padded), with the next tile's codes loaded in each step, prefetched, or (the fast mode) a split's
     first tile loaded before the query; in the fast mode ("fp16": FP16 products, FP32 sums) within what SDPA in
@@ -321,9 +320,7 @@ def test_fused_attention_equals_sdpa_over_the_decoded_cache(loads, scheme, D, R,
     from kvcx.codecs import gpu_attn
     from kvcx.codecs.gpu_attn import attend
 
-    monkeypatch.setattr(gpu_attn, "ATTN_DOT", dot)
-    monkeypatch.setattr(gpu_attn, "ATTN_PREFETCH", loads == "prefetch")
-    monkeypatch.setattr(gpu_attn, "ATTN_EARLY_TILE", loads == "early")
+    launch = gpu_attn.LaunchSettings(dot=dot, prefetch=loads == "prefetch", early_tile=loads == "early")
 
     g = torch.Generator().manual_seed(D + R)
     if isinstance(scheme, tuple):
@@ -342,7 +339,7 @@ def test_fused_attention_equals_sdpa_over_the_decoded_cache(loads, scheme, D, R,
     keep[1, :20] = False
     mask = None if mask_kind is None else keep if mask_kind == "bool" else \
         torch.zeros(B, S + nr, device=DEVICE).masked_fill(~keep, float("-inf"))
-    out = attend(q, pk, pv, kc, vc, rk if nr else None, rv if nr else None, mask, per_split=per)
+    out = attend(q, pk, pv, kc, vc, rk if nr else None, rv if nr else None, mask, per_split=per, launch=launch)
     Kf = torch.cat([kc.decode(pk), rk], 2).repeat_interleave(R, 1)
     Vf = torch.cat([vc.decode(pv), rv], 2).repeat_interleave(R, 1)
     ref = torch.nn.functional.scaled_dot_product_attention(
@@ -379,7 +376,6 @@ def test_spans_of_one_layout_share_a_launch_and_equal_sdpa(dot, monkeypatch):
     from kvcx.codecs import gpu, gpu_attn
     from kvcx.codecs.triton_kernels import attention as _triton_attn
 
-    monkeypatch.setattr(gpu_attn, "ATTN_DOT", dot)
     launches = []
     real = _triton_attn.attend_packed_kernel
 
@@ -418,7 +414,7 @@ def test_spans_of_one_layout_share_a_launch_and_equal_sdpa(dot, monkeypatch):
     add = gpu.float_mask(keep, B, start + nr)
     residual = (rk.reshape(N, nr, D), rv.reshape(N, nr, D))
     out = gpu_attn.attend_spans(gpu.query_rows(q, N), D ** -0.5, spans, Hkv, sinks, residual, add, start,
-                                per_split=64).reshape(B, Hkv * R, D)
+                                per_split=64, launch=gpu_attn.LaunchSettings(dot=dot)).reshape(B, Hkv * R, D)
     assert [grid[1] for grid in launches] == [2 + 3, 1]     # splits of 64 tokens: (100 + 130) in one, 48 in one
     Kf = torch.cat(Kd + [rk], 2).repeat_interleave(R, 1)
     Vf = torch.cat(Vd + [rv], 2).repeat_interleave(R, 1)
@@ -441,27 +437,24 @@ def _default_step(seed: int, B: int, S: int, nr: int):
     return q, kc.encode(K), vc.encode(V), kc, vc, rk, rv
 
 
-def test_a_register_cap_changes_no_bit_of_the_attention(monkeypatch):
-    """gpu_attn.ATTN_MAX_REGISTERS (a --tune setting: ptxas's register cap, Triton's maxnreg) changes where values live,
-    not what is computed: the same bits with and without it (on a GPU a second compiled kernel; the interpreter
-    takes the launch option and runs the same code)."""
-    from kvcx.codecs import gpu_attn
-    from kvcx.codecs.gpu_attn import attend
+def test_a_register_cap_changes_no_bit_of_the_attention():
+    """LaunchSettings.max_registers (a --tune setting: ptxas's register cap, Triton's maxnreg) changes where values
+    live, not what is computed: the same bits with and without it (on a GPU a second compiled kernel; the
+    interpreter takes the launch option and runs the same code)."""
+    from kvcx.codecs.gpu_attn import LaunchSettings, attend
 
-    monkeypatch.setattr(gpu_attn, "ATTN_DOT", "int8x3")
+    exact = LaunchSettings(dot="int8x3")
     q, pk, pv, kc, vc, rk, rv = _default_step(7, B=1, S=150, nr=3)
-    free = attend(q, pk, pv, kc, vc, rk, rv, per_split=64)
-    monkeypatch.setattr(gpu_attn, "ATTN_MAX_REGISTERS", 128)
-    capped = attend(q, pk, pv, kc, vc, rk, rv, per_split=64)
+    free = attend(q, pk, pv, kc, vc, rk, rv, per_split=64, launch=exact)
+    capped = attend(q, pk, pv, kc, vc, rk, rv, per_split=64, launch=exact.replace(max_registers=128))
     assert torch.equal(free, capped) and bool(torch.isfinite(free).all())
     for bad in (0, 300, 12.5, "128"):   # a cap ptxas would not take fails in kvcx, by the setting's name
-        monkeypatch.setattr(gpu_attn, "ATTN_MAX_REGISTERS", bad)
-        with pytest.raises(CodecError, match=r"ATTN_MAX_REGISTERS.*24 to 255"):
-            attend(q, pk, pv, kc, vc, rk, rv, per_split=64)
+        with pytest.raises(CodecError, match=r"max_registers=.*24 to 255"):
+            exact.replace(max_registers=bad)
 
 
-def test_the_merge_launched_early_changes_no_bit_of_the_attention(monkeypatch):
-    """gpu_attn.MERGE_PDL (the default on sm_90: the merge as a programmatic dependent launch, its query and exact
+def test_the_merge_launched_early_changes_no_bit_of_the_attention():
+    """LaunchSettings.merge_pdl (the default on sm_90: the merge as a programmatic dependent launch, its query and exact
     tokens read while the attention kernel runs, the splits after it) changes when the merge starts, not what it
     computes: the same bits with and without it, over a store of several splits, the sinks and a residual (on a GPU
     two other compiled kernels and a launch attribute; Triton's interpreter runs no PTX, nor does a GPU before
@@ -471,36 +464,35 @@ def test_the_merge_launched_early_changes_no_bit_of_the_attention(monkeypatch):
     from kvcx.codecs.gpu_attn import attend
 
     q, pk, pv, kc, vc, rk, rv = _default_step(11, B=2, S=300, nr=5)
-    monkeypatch.setattr(gpu_attn, "MERGE_PDL", False)
-    plain = attend(q, pk, pv, kc, vc, rk, rv, per_split=64)
-    monkeypatch.setattr(gpu_attn, "MERGE_PDL", True)     # the default
+    plain = attend(q, pk, pv, kc, vc, rk, rv, per_split=64, launch=gpu_attn.LaunchSettings(merge_pdl=False))
+    assert gpu_attn.DEFAULT_LAUNCH.merge_pdl     # the default
     assert gpu_attn.dependent_merge(q) == (DEVICE == "cuda" and torch.cuda.get_device_capability()[0] >= 9)
+    assert not gpu_attn.dependent_merge(q, gpu_attn.LaunchSettings(merge_pdl=False))
     early = attend(q, pk, pv, kc, vc, rk, rv, per_split=64)
     assert torch.equal(plain, early) and bool(torch.isfinite(plain).all())
 
 
 @pytest.mark.parametrize("S,per", [(300, 128), (300, 64), (100, 64), (40, 64)])
-def test_the_scales_loaded_a_tile_ahead_change_no_bit_of_the_attention(S, per, monkeypatch):
-    """gpu_attn.ATTN_PREFETCH in the fast mode transposed (a --tune setting): each tile's scales and offsets are loaded
+def test_the_scales_loaded_a_tile_ahead_change_no_bit_of_the_attention(S, per):
+    """LaunchSettings.prefetch in the fast mode transposed (a --tune setting): each tile's scales and offsets are loaded
     with the tile before it, so that their loads are in flight while that tile is worked (Triton pipelines the
     codes' loads, not these); the same arithmetic on the same values: the same bits, over splits of several whole
     tiles and a partial last one, of one whole tile, and of a partial tile alone (the loop runs no tile)."""
     from kvcx.codecs import gpu_attn
     from kvcx.codecs.gpu_attn import attend
 
-    monkeypatch.setattr(gpu_attn, "ATTN_DOT", "fp16")
+    fast = gpu_attn.LaunchSettings(dot="fp16")
     q, pk, pv, kc, vc, rk, rv = _default_step(S + per, B=2, S=S, nr=3)
     cfg = KVConfig.from_scheme("kvcx")
     D, R = q.shape[-1], q.shape[1] // 2
-    assert gpu_attn.attention_constexprs(cfg.key, cfg.value, R, D, "fp16", 64, False, True)["AHEAD"]
-    plain = attend(q, pk, pv, kc, vc, rk, rv, per_split=per)
-    monkeypatch.setattr(gpu_attn, "ATTN_PREFETCH", True)
-    ahead = attend(q, pk, pv, kc, vc, rk, rv, per_split=per)
+    assert gpu_attn.attention_constexprs(cfg.key, cfg.value, R, D, False, fast.replace(prefetch=True))["AHEAD"]
+    plain = attend(q, pk, pv, kc, vc, rk, rv, per_split=per, launch=fast)
+    ahead = attend(q, pk, pv, kc, vc, rk, rv, per_split=per, launch=fast.replace(prefetch=True))
     assert torch.equal(plain, ahead) and bool(torch.isfinite(plain).all())
 
 
-def test_the_merge_reads_the_splits_in_chunks_of_any_size_to_the_same_softmax(monkeypatch):
-    """gpu_attn.MERGE_SPLITS / MERGE_WARPS (launch settings bench_gpu's --tune times): the merge reads a query row's
+def test_the_merge_reads_the_splits_in_chunks_of_any_size_to_the_same_softmax():
+    """LaunchSettings.merge_splits / merge_warps (launch settings bench_gpu's --tune times): the merge reads a query row's
     splits a chunk at a time with a running maximum, after the exact tokens' softmax; chunks of 2 (three of them over 5
     splits: the running maximum across chunks), of 256 (all at once) and 8 warps give the default's output within
     FP32's rounding (only the order of the sums differs), with the scheme's sink and a residual, and with the sink
@@ -513,19 +505,16 @@ def test_the_merge_reads_the_splits_in_chunks_of_any_size_to_the_same_softmax(mo
         rk, rv = (rk, rv) if nr else (None, None)
         base = attend(q, pk, pv, kc, vc, rk, rv, per_split=64)
         for warps, chunk in ((4, 2), (8, 256), (1, 16)):
-            monkeypatch.setattr(gpu_attn, "MERGE_WARPS", warps)
-            monkeypatch.setattr(gpu_attn, "MERGE_SPLITS", chunk)
-            other = attend(q, pk, pv, kc, vc, rk, rv, per_split=64)
+            launch = gpu_attn.LaunchSettings(merge_warps=warps, merge_splits=chunk)
+            other = attend(q, pk, pv, kc, vc, rk, rv, per_split=64, launch=launch)
             assert torch.allclose(other, base, rtol=1e-5, atol=1e-6 * float(base.abs().max())), (warps, chunk, nr)
-        for bad in (48, 1, 2.0):   # not a power of two from 2: refused by the setting's name
-            monkeypatch.setattr(gpu_attn, "MERGE_SPLITS", bad)
-            with pytest.raises(CodecError, match=r"MERGE_SPLITS.*power of two"):
-                attend(q, pk, pv, kc, vc, rk, rv, per_split=64)
-        monkeypatch.undo()
+    for bad in (48, 1, 2.0):   # not a power of two from 2: refused by the setting's name
+        with pytest.raises(CodecError, match=r"merge_splits=.*power of two"):
+            gpu_attn.LaunchSettings(merge_splits=bad)
 
 
 @pytest.mark.parametrize("D,block,kg,dot", [(128, 64, 64, "int8x3"), (64, 32, 64, "int8x3"), (32, 32, 64, "tf32x2"),
-                                           (256, 64, 64, "tf32x2"), (128, 64, 16, "tf32x2"), (128, 256, 256, "tf32x2"),
+                                           (256, 64, 64, "tf32x2"), (128, 64, 16, "tf32x2"), (128, 16, 64, "tf32x2"),
                                            (16, 32, 64, "")])
 def test_int8_products_fall_back_where_they_would_not_be_exact(D, block, kg, dot):
     """The int8 products sum 32 or more (head dim 64 to 128: 32 to 64 channels a stream; tiles of 32 to 128
@@ -535,7 +524,8 @@ def test_int8_products_fall_back_where_they_would_not_be_exact(D, block, kg, dot
 
     kc = IntCodec(scheme="asymmetric", axis="channel", group_size=kg)
     vc = IntCodec(scheme="symmetric", axis="token", group_size=64, rotate=True)
-    assert gpu_attn.attention_constexprs(kc, vc, 4, D, "int8x3", block, False, False)["DOT"] == dot
+    launch = gpu_attn.LaunchSettings(dot="int8x3", block_tokens=block)
+    assert gpu_attn.attention_constexprs(kc, vc, 4, D, False, launch)["DOT"] == dot
 
 
 @triton.jit
@@ -557,9 +547,10 @@ def test_fp16_products_where_the_keys_scales_fold_into_the_query(key_axis, D, do
 
     kc = IntCodec(scheme="asymmetric", axis=key_axis)
     vc = IntCodec(scheme="symmetric", group_size=64, rotate=True)
-    const = gpu_attn.attention_constexprs(kc, vc, 4, D, "fp16", 64, False, False, asm=True)
+    const = gpu_attn.attention_constexprs(kc, vc, 4, D, False, gpu_attn.LaunchSettings(dot="fp16"), asm=True)
     assert const["DOT"] == dot and const["ASM"] == (dot == "fp16")
-    assert not gpu_attn.attention_constexprs(kc, vc, 4, D, "int8x3", 64, False, False, asm=True)["ASM"]
+    assert not gpu_attn.attention_constexprs(kc, vc, 4, D, False, gpu_attn.LaunchSettings(dot="int8x3"),
+                                             asm=True)["ASM"]
 
 
 def test_fp16_codes_are_exact_and_the_ptx_gives_the_same_bits():
@@ -587,7 +578,7 @@ def test_fp16_codes_are_exact_and_the_ptx_gives_the_same_bits():
 
 @pytest.mark.parametrize("k_mag,v_mag,q_std", [(1e-3, 1e-4, 300.0), (100.0, 1.0, 2e4), (1.0, 1e-5, 3.0)],
                          ids=["small", "saturated", "tiny-values"])
-def test_the_fast_mode_keeps_its_bar_at_any_magnitude(k_mag, v_mag, q_std, monkeypatch):
+def test_the_fast_mode_keeps_its_bar_at_any_magnitude(k_mag, v_mag, q_std):
     """FP16 holds 2**-24 to 65,504: the fast mode rounds the query times the key scales and the weights p times the
     value scales to FP16 after powers of two of their own, so that keys, values and queries of any magnitude a
     BF16 model holds neither overflow (a query times a key scale past 65,504: "saturated") nor lose their bits as
@@ -595,7 +586,6 @@ def test_the_fast_mode_keeps_its_bar_at_any_magnitude(k_mag, v_mag, q_std, monke
     from kvcx.codecs import gpu_attn
     from kvcx.codecs.gpu_attn import attend
 
-    monkeypatch.setattr(gpu_attn, "ATTN_DOT", "fp16")
     g = torch.Generator().manual_seed(17)
     cfg = KVConfig.from_scheme("kvcx")
     kc, vc = cfg.key.with_backend("triton"), cfg.value.with_backend("triton")
@@ -605,7 +595,7 @@ def test_the_fast_mode_keeps_its_bar_at_any_magnitude(k_mag, v_mag, q_std, monke
     q = torch.randn(B, Hkv * R, D, generator=g) * q_std
     K, V, q = (t.to(DEVICE) for t in (K, V, q))
     pk, pv = kc.encode(K), vc.encode(V)
-    out = attend(q, pk, pv, kc, vc, per_split=64)
+    out = attend(q, pk, pv, kc, vc, per_split=64, launch=gpu_attn.LaunchSettings(dot="fp16"))
     Kf, Vf = (c.decode(p).repeat_interleave(R, 1) for c, p in ((kc, pk), (vc, pv)))
     ref = torch.softmax((q.double()[:, :, None] @ Kf.double().transpose(-1, -2)) * D ** -0.5, -1) @ Vf.double()
     assert bool(torch.isfinite(out).all())
@@ -613,14 +603,12 @@ def test_the_fast_mode_keeps_its_bar_at_any_magnitude(k_mag, v_mag, q_std, monke
 
 
 def test_an_unknown_product_mode_is_refused_by_name():
-    """gpu_attn.ATTN_DOT is a module setting (bench_gpu.py's --tune sets it): a mode the kernel does not have fails in
-    kvcx with the modes it has, not inside Triton's compiler."""
+    """LaunchSettings.dot (bench_gpu.py's --tune tries several): a mode the kernel does not have fails in kvcx when
+    the settings are made, with the modes it has, not inside Triton's compiler."""
     from kvcx.codecs import gpu_attn
 
-    kc = IntCodec(scheme="asymmetric", axis="channel")
-    vc = IntCodec(scheme="symmetric", rotate=True)
-    with pytest.raises(CodecError, match=r"'int4'.*ATTN_DOT.*'tf32x2'"):
-        gpu_attn.attention_constexprs(kc, vc, 4, 64, "int4", 32, False, False)
+    with pytest.raises(CodecError, match=r"LaunchSettings\(dot='int4'\).*'tf32x2'"):
+        gpu_attn.LaunchSettings(dot="int4")
 
 
 def test_fused_attention_refuses_what_it_cannot_read():
@@ -638,21 +626,20 @@ def test_fused_attention_refuses_what_it_cannot_read():
 
 
 @pytest.mark.parametrize("dot", ["", "tf32x2", "int8x3", "fp16"])
-def test_fused_attention_passes_a_nan_in_the_query_on(dot, monkeypatch):
+def test_fused_attention_passes_a_nan_in_the_query_on(dot):
     """A NaN in a query row gives NaN in that row's output in every product mode; the other rows are unaffected.
     (On a GPU, tl.max skips NaN: the integer products' row maximum must not, or they would round the NaN's bits
     to a finite, wrong result; the interpreter's maximum propagates NaN either way.)"""
     from kvcx.codecs import gpu_attn
     from kvcx.codecs.gpu_attn import attend
 
-    monkeypatch.setattr(gpu_attn, "ATTN_DOT", dot)
     cfg = KVConfig.from_scheme()
     kc, vc = cfg.key.with_backend("triton"), cfg.value.with_backend("triton")
     g = torch.Generator().manual_seed(5)
     K, V = (torch.randn(1, 2, 96, 64, generator=g).to(DEVICE) for _ in range(2))
     q = torch.randn(1, 4, 64, generator=g).to(DEVICE)
     q[0, 1, 7] = float("nan")
-    out = attend(q, kc.encode(K), vc.encode(V), kc, vc, per_split=32)
+    out = attend(q, kc.encode(K), vc.encode(V), kc, vc, per_split=32, launch=gpu_attn.LaunchSettings(dot=dot))
     assert bool(torch.isnan(out[0, 1]).all())
     assert not bool(torch.isnan(out[0, [0, 2, 3]]).any())
 
