@@ -130,7 +130,7 @@ def families() -> str:
 
 
 def long_context(name: str) -> str:
-    """The headline row of a long-context run (bench.bench_long_context's JSON): the 1.0-bit calibrated plan's
+    """The headline row of a long-context run (bench.bench_retrieval --ppl-windows's JSON): the 1.0-bit calibrated plan's
     retrieval beside the exact cache's and beside eviction alone at about the same bytes."""
     runs = json.loads((RESULTS / name).read_text())["retrieval"]
 
@@ -140,7 +140,7 @@ def long_context(name: str) -> str:
 
     plan = next((r for r in runs if r["setting"].endswith("snapkv-1.0")), None)
     if plan is None:
-        raise SystemExit(f"publish: {name} has no calibrated 1.0-bit plan; run bench.bench_long_context with it")
+        raise SystemExit(f"publish: {name} has no calibrated 1.0-bit plan; run bench.bench_retrieval --ppl-windows with it")
     near = [r for r in runs if r["config"].get("scheme") == "exact" and abs(r["bits_per_value"] -
                                                                              plan["bits_per_value"]) < 0.1]
     got, n, exact = cells(plan)

@@ -6,7 +6,7 @@ evicted) and the question after it (which attends to that cache), and the answer
 prompt counts as answered when every answer appears in the greedy reply (RULER's ``string_match_all``, taken
 per prompt as all-or-nothing, so that a cell is a count of prompts and gets a binomial interval).
 
-- ``passkey``: the passkey test (Mohtashami & Jaggi 2023) in its filler text (:mod:`kvcx.quality.passkey`);
+- ``passkey``: the passkey test (Mohtashami & Jaggi 2023) in its filler text (:func:`build_passkey_prompt`);
 - ``niah_single``: one needle ("One of the special magic numbers for {key} is: {value}.") in the dataset text,
   the question asks for the key's number;
 - ``niah_multikey``: that needle among 3 distractor needles with other keys;

@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 from typer.testing import CliRunner  # noqa: E402
 
 from kvcx.cli import app  # noqa: E402
-from kvcx.quality import passkey, scoring  # noqa: E402
+from kvcx.quality import retrieval, ruler, scoring  # noqa: E402
 from kvcx.quality.validation import identity_roundtrip, run_validations  # noqa: E402
 
 pytestmark = pytest.mark.model
@@ -69,48 +69,29 @@ def test_long_window_never_holds_window_by_vocabulary(loaded, wikitext_path):
 
 
 def test_passkey_prompts():
+    """The passkey prompt (ruler's ``passkey`` task): its length with the answer's room, the key at its depth, the
+    same key for the same seed and another for another seed."""
     def encode(text):
         return [ord(ch) for ch in text]   # one token per character: lengths are exact
 
-    key = passkey.passkey_key(0, 1024, 2, 1)
-    assert 10000 <= key < 100000 and key == passkey.passkey_key(0, 1024, 2, 1) != passkey.passkey_key(1, 1024, 2, 1)
+    def key_of(seed):
+        return int(ruler.passkey_task(encode, None, 1024, 0.5, ruler.rng_for(seed, "passkey", 1024, 2, 1)).answers[0])
+
+    key = key_of(0)
+    assert 10000 <= key < 100000 and key == key_of(0) != key_of(1)
     for depth in (0.3, 0.5, 0.9):
-        context, question = passkey.build_prompt(encode, 1024, depth, key)
+        context, question = ruler.build_passkey_prompt(encode, 1024, depth, key)
         text = "".join(map(chr, context))
-        assert len(context) + len(question) + passkey.ANSWER_TOKENS <= 1024
-        assert len(context) + len(question) + passkey.ANSWER_TOKENS > 1024 - len(passkey.FILLER)
+        assert len(context) + len(question) + ruler.ANSWER_TOKENS <= 1024
+        assert len(context) + len(question) + ruler.ANSWER_TOKENS > 1024 - len(ruler.FILLER)
         at = text.index(f"pass key is {key}") / len(text)
-        assert abs(at - depth) < 0.1 and text.startswith(passkey.INTRO)
-    context, _ = passkey.build_prompt(encode, 1024, 0.0, key)   # as early as the introduction allows
-    assert "".join(map(chr, context)).index("pass key") < len(passkey.INTRO) + 20
-    assert passkey.answer_of(lambda t: " 71432. Remember", []) == 71432
-    assert passkey.answer_of(lambda t: " a secret", []) is None
-    assert passkey.default_lengths(8192) == [1024, 2048, 4096, 8192]
-    assert passkey.default_lengths(3000) == [1024, 2048, 3000]
+        assert abs(at - depth) < 0.1 and text.startswith(ruler.INTRO)
+    context, _ = ruler.build_passkey_prompt(encode, 1024, 0.0, key)   # as early as the introduction allows
+    assert "".join(map(chr, context)).index("pass key") < len(ruler.INTRO) + 20
+    assert ruler.default_lengths(8192) == [1024, 2048, 4096, 8192]
+    assert ruler.default_lengths(3000) == [1024, 2048, 3000]
     with pytest.raises(KvcxError, match="no room"):
-        passkey.build_prompt(encode, 150, 0.5, key)
-    for bad, match in (({"lengths": [100]}, "shorter than 256"), ({"lengths": [9000]}, "context of 8192"), ({"lengths": [512, 512]}, "once"),
-                       ({"depths": [1.5]}, "fractions"), ({"prompts": 0}, "at least 1"),
-                       ({"tolerance": -1}, ">= 0")):
-        args = {"lengths": [1024], "depths": [0.5], "prompts": 1, "tolerance": 1, **bad}
-        with pytest.raises(KvcxError, match=match):
-            passkey.check_passkey(args["lengths"], args["depths"], args["prompts"], args["tolerance"], 8192)
-
-
-def test_passkey_exact_and_compressed_on_the_same_prompts(loaded):
-    results = passkey.run_passkey({"kvcx": KVConfig.from_scheme(), "exact": KVConfig.from_scheme()},
-                                  lengths=[512, 768], depths=[0.2, 0.8], prompts=1, loaded=loaded,
-                                  roundtrips={"exact": identity_roundtrip})
-    kvcx, exact = results
-    assert exact.compressed == exact.exact and exact.passed   # the identity codec answers as the exact cache
-    assert kvcx.exact == exact.exact and kvcx.lengths == [512, 768] and kvcx.depths == [0.2, 0.8]
-    assert sum(map(sum, kvcx.exact)) >= 3      # the model finds the key at these lengths
-    assert 4.0 < kvcx.bits_per_value < 4.7 and exact.bits_per_value == 32.0
-    per = kvcx.per_length()
-    assert [p[0] for p in per] == [512, 768] and all(p[3] == 2 for p in per)
-    assert kvcx.passed == all(e - c <= kvcx.tolerance for _, e, c, _ in per)
-    d = kvcx.to_dict()
-    assert d["task"] == "passkey" and d["exact"] == kvcx.exact and d["config"]["scheme"] == "kvcx"
+        ruler.build_passkey_prompt(encode, 150, 0.5, key)
 
 
 def test_cli_passkey_table_json_and_bad_options():
@@ -121,7 +102,7 @@ def test_cli_passkey_table_json_and_bad_options():
     assert [x["setting"] for x in rows] == ["kvcx", "q8_0"] and all(x["task"] == "passkey" for x in rows)
     for x in rows:     # one cell: passkey at 512, its prompts over the five depths, the exact cache's beside it
         (cell,) = x["cells"]
-        assert cell["task"] == "passkey" and cell["length"] == 512 and cell["prompts"] == len(passkey.DEPTHS)
+        assert cell["task"] == "passkey" and cell["length"] == 512 and cell["prompts"] == len(retrieval.DEPTHS)
         assert cell["exact_correct"] == rows[0]["cells"][0]["exact_correct"]
         assert cell["ci_low"] <= cell["accuracy"] <= cell["ci_high"]
     assert r.exit_code == (0 if all(x["passed"] for x in rows) else 3)
