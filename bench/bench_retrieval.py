@@ -168,7 +168,6 @@ def both_axes(out, results, configs, ppl: dict, args) -> list:
     perplexity delta and KLD at each length; returns the Pareto chart's points (accuracy over the kept cells)."""
     r0 = results[0]
     kept = [c for c in r0.cells if c.kept]
-    out("")
     out(f"Both axes of compression, a row a setting (kept cells; perplexity and KLD: {args.ppl_windows} windows of "
         f"the context length, the last {args.stride} tokens scored; bits per value-equivalent: every byte held per "
         "value of the full context, 16 = FP16).")
