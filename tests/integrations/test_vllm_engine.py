@@ -49,18 +49,6 @@ def prompts(checkpoint, wikitext_path):
             for i, name in enumerate(NAMES)}
 
 
-@pytest.fixture(scope="module")
-def reference(checkpoint, prompts, tmp_path_factory):
-    """vLLM alone (no LMCache, no prefix cache): each prompt's greedy continuation and its top logprobs."""
-    vl = el.start_vllm(checkpoint, log=tmp_path_factory.mktemp("ref") / "vllm.log", prefix_caching=False,
-                       max_model_len=2048)
-    try:
-        return {n: el.complete(vl.port, p, max_tokens=GENERATED, logprobs=5)["choices"][0]
-                for n, p in prompts.items()}
-    finally:
-        vl.stop()
-
-
 class Servers:
     """LMCache's server with the kvcx serde over ``adapters``, and vLLM connected to it; stopped by pid."""
 
@@ -114,7 +102,8 @@ def _check_kvcx_chunks(blobs):
 
 
 def _served_from_the_store(vl, prompt, ref):
-    """Teacher-forced greedy agreement with vLLM alone over the reference continuation."""
+    """Teacher-forced greedy agreement with the first round's uncompressed continuation ``ref`` (vLLM's own
+    computation: nothing was in the store yet) and the KL of their top logprobs."""
     tf = el.teacher_forced(vl.port, prompt, _tokens(ref))
     assert tf["agreement"] >= 0.9, tf
     kld = el.top_kld(ref["logprobs"]["top_logprobs"], tf["top_logprobs"])
@@ -136,27 +125,31 @@ def valkey():
 @pytest.fixture(scope="module")
 def first_round(checkpoint, prompts, valkey, tmp_path_factory):
     """Every prompt computed once by vLLM with LMCache's server storing into an FS store and into Valkey (two L2
-    adapters, both through the kvcx serde): each prompt's answer, and which files each prompt's chunks went to."""
+    adapters, both through the kvcx serde): each prompt's answer with its top logprobs (the reference: the store
+    was empty, so vLLM computed every token itself; the prompts share no prefix vLLM's own cache could reuse), and
+    which files each prompt's chunks went to."""
     logs = tmp_path_factory.mktemp("engine")
     store, serde = logs / "kv", el.serde_config()
     adapters = [el.fs_adapter(store, serde), el.valkey_adapter(valkey["port"], serde)]
-    written, computed = {}, {}
+    written, computed, reference = {}, {}, {}
     with Servers(checkpoint, adapters, logs, "first") as s:
         for name in NAMES:
             before = _files(store)
-            computed[name] = _tokens(el.complete(s.vl.port, prompts[name], max_tokens=GENERATED)["choices"][0])
+            reference[name] = el.complete(s.vl.port, prompts[name], max_tokens=GENERATED, logprobs=5)["choices"][0]
+            computed[name] = _tokens(reference[name])
             _wait(lambda: len(_files(store) - before) >= 2, what=f"{name}'s chunks stored")
             written[name] = sorted(_files(store) - before)
         _wait(lambda: len(el.resp_values(valkey["port"])) >= 2 * len(NAMES), what="chunks stored in Valkey")
         counts = el.lmcache_counts(s.lm)
     assert counts["failed_stores"] == 0 and counts["stored_tokens"] >= len(NAMES) * 2 * CHUNK, counts
-    return {"store": store, "logs": logs, "written": written, "computed": computed,
+    return {"store": store, "logs": logs, "written": written, "computed": computed, "reference": reference,
             "per_token": _check_kvcx_chunks([f.read_bytes() for f in _files(store)] +
                                             list(el.resp_values(valkey["port"]).values()))}
 
 
-def test_fs_store_restart_and_damaged_chunks(checkpoint, prompts, reference, first_round):
+def test_fs_store_restart_and_damaged_chunks(checkpoint, prompts, first_round):
     store, written, computed = first_round["store"], first_round["written"], first_round["computed"]
+    reference = first_round["reference"]
     for f in written["truncated"]:                       # damage three prompts' chunks, each its own way
         f.write_bytes(f.read_bytes()[:-1000])
     for i, f in enumerate(written["flipped"]):
@@ -187,8 +180,8 @@ def test_fs_store_restart_and_damaged_chunks(checkpoint, prompts, reference, fir
     assert counts["failed_loads"] >= 2, counts                          # the serde refused what it read
 
 
-def test_valkey_store_restart_and_outage(checkpoint, prompts, reference, first_round, valkey):
-    port, computed = valkey["port"], first_round["computed"]
+def test_valkey_store_restart_and_outage(checkpoint, prompts, first_round, valkey):
+    port, computed, reference = valkey["port"], first_round["computed"], first_round["reference"]
     adapters = [el.valkey_adapter(port, el.serde_config())]
     with Servers(checkpoint, adapters, first_round["logs"], "valkey") as s:
         _served_from_the_store(s.vl, prompts["ok"], reference["ok"])
@@ -204,7 +197,7 @@ def test_valkey_store_restart_and_outage(checkpoint, prompts, reference, first_r
     assert abs(_check_kvcx_chunks(el.resp_values(port).values()) - first_round["per_token"]) < 1e-9
 
 
-def test_valkey_cluster_store_and_a_primary_killed(checkpoint, prompts, reference, first_round, tmp_path):
+def test_valkey_cluster_store_and_a_primary_killed(checkpoint, prompts, first_round, tmp_path):
     """LMCache's server on a real Valkey cluster (3 primaries + 3 replicas, its valkey adapter in cluster mode, the
     six nodes as seeds) through the kvcx serde: vLLM's chunks stored across the primaries, a fresh server pair served
     from them; a primary killed while serving: the request is answered, the replica is promoted, later requests are
@@ -213,7 +206,7 @@ def test_valkey_cluster_store_and_a_primary_killed(checkpoint, prompts, referenc
     primaries = cluster.ports[:3]
     held = lambda: sum(ls.resp(p, "DBSIZE") for p in cluster.ports[:6] if cluster.procs[p].poll() is None   # noqa
                        and cluster.role(p) == "master")
-    computed = first_round["computed"]
+    computed, reference = first_round["computed"], first_round["reference"]
     try:
         adapters = [el.valkey_cluster_adapter(cluster.startup_nodes, el.serde_config())]
         with Servers(checkpoint, adapters, first_round["logs"], "cluster-a") as s:
