@@ -48,12 +48,40 @@ test: build
 test-all: build
 	$(PY) -m pytest -q --durations=25 tests
 
+# every bench a CPU runs, in docs/RESULTS.md's order (its table: each page, its command and time; 7 to 8 hours on 2
+# cores, each writing its docs/results page): quality and the low-bit presets, generate(), the codec kernels, the
+# model families, LMCache and a fleet, the engines' formats, retrieval, kvcx inside vLLM, the offline GPU counts.
+# Not here: bench_gpu (a CUDA machine), bench_llamacpp (llama-cpp-python), the long-context grids (calibrated plans
+# first). `make -k bench` carries on past a failed one.
 bench: build
 	$(PIP) install -q -e ".[bench]" --no-build-isolation
-	$(PY) -m bench.bench_codec
-	$(PY) -m bench.bench_quality --max-windows 64 $(DATASET_ARG)
-	$(PY) -m bench.bench_generate $(DATASET_ARG)
-	$(PY) -m bench.bench_lmcache
+	$(PY) -m bench.bench_quality --max-windows 64 --pareto docs/pareto.png --markdown docs/results/quality.md
+	$(PY) -m bench.bench_low_bits --markdown docs/results/low-bits.md
+	$(PY) -m bench.bench_low_bits --from-start --markdown docs/results/low-bits-start.md
+	$(PY) -m bench.bench_retrieval --tasks passkey --lengths 8192 --depths 0.5 --prompts 20 --scheme kvcx2v --markdown docs/results/retrieval-passkey-8k-kvcx2v.md --json docs/results/retrieval-passkey-8k-kvcx2v.json
+	$(PY) -m bench.bench_retrieval --tasks passkey --lengths 8192 --depths 0.9 --prompts 20 --scheme kvcx2v --markdown docs/results/retrieval-passkey-8k-90-kvcx2v.md --json docs/results/retrieval-passkey-8k-90-kvcx2v.json
+	$(PY) -m bench.bench_quality --max-windows 16 --held-out --only 'kvcx default' kvcx4w --markdown docs/results/kvcx4w-quality.md
+	$(PY) -m bench.bench_generate --presets kvcx kvcx4w --contexts 8000 --skip rss chunk --no-quanto --markdown docs/results/generate-kvcx4w.md
+	$(PY) -m bench.bench_retrieval --tasks passkey --lengths 8192 --depths 0.9 --prompts 25 --seed 1129 --scheme kvcx,kvcx4w --plans bench/plans/kvcx4w-k4.5.json --markdown docs/results/retrieval-passkey-8k-90-kvcx4w.md --json docs/results/retrieval-passkey-8k-90-kvcx4w.json
+	$(PY) -m bench.bench_generate --presets kvcx2 kvcx2v --contexts 8000 --skip rss chunk --no-quanto --markdown docs/results/generate-kvcx2v.md
+	$(PY) -m bench.bench_low_bits --study --max-windows 8 --markdown docs/results/low-bits-study.md
+	$(PY) -m bench.bench_quality --study default --max-windows 64 --markdown docs/results/default.md
+	$(PY) -m bench.bench_codec --repeat 7 --markdown docs/results/codec.md
+	$(PY) -m bench.bench_generate --markdown docs/results/generate.md
+	$(PY) -m bench.bench_generate --presets kvcx3 kvcx2 kvcx2w --contexts 512 8000 --skip rss --no-quanto --markdown docs/results/generate-presets.md
+	$(PY) -m bench.bench_families --markdown docs/results/families.md
+	$(PY) -m bench.bench_lmcache --markdown docs/results/lmcache.md
+	$(PY) -m bench.bench_fleet --rounds 24 --markdown docs/results/fleet.md
+	$(PY) -m bench.bench_engines --all --at 1024:512:32 --at 8192:4096:4 --markdown docs/results/engines.md
+	$(PY) -m bench.bench_engines --scheme kvcx,q4_0,q4_0-rot,iq4_nl-rot,fp8_e4m3,mxfp4,nvfp4,nvfp4-amax --at 1024:512:32 --skip-alone --markdown docs/results/engines-fp4.md
+	$(PY) -m bench.bench_engines --scheme kvcx,kvcx3,turboquant_4bit_nc,turboquant_k3v4_nc,turboquant_3bit_nc,turboquant_k8v4,turboquant-4,turboquant-3 --at 1024:512:32 --skip-alone --markdown docs/results/engines-turboquant.md
+	$(PY) -m bench.bench_retrieval --tasks passkey --lengths 1024,2048,4096,8192 --prompts 2 --scheme kvcx,kivi,q8_0,q8_0-rot,q5_1,q4_1,q4_0,q4_0-rot,fp8_e4m3,fp8_e5m2 --markdown docs/results/passkey.md
+	$(PY) -m bench.bench_retrieval --tasks passkey --lengths 8192 --depths 0.9 --prompts 20 --scheme kvcx,q8_0,kvcx3 --markdown docs/results/retrieval-passkey-8k.md --json docs/results/retrieval-passkey-8k.json
+	$(PY) -m bench.bench_retrieval_loss --length 8192 --depth 0.9 --prompts 25 --codecs 'kvcx:sinks=4;kvcx:key_group=32;kvcx:key_bits=8' --markdown docs/results/retrieval-loss-8k.md --json docs/results/retrieval-loss-8k.json
+	$(PY) -m bench.bench_retrieval --tasks passkey --lengths 8192 --depths 0.9 --prompts 25 --seed 1 --scheme kvcx --plans bench/plans/measured/kvcx-layer18-keys8.json,bench/plans/measured/kvcx-layers17-18-20-keys8.json --markdown docs/results/retrieval-passkey-8k-seed1.md --json docs/results/retrieval-passkey-8k-seed1.json
+	$(PY) -m bench.bench_engine --markdown docs/results/engine.md --json docs/results/engine.json
+	$(PY) -m bench.sass_gpu --markdown docs/results/gpu-sass.md
+	$(PY) -m bench.check_division --markdown docs/results/division.md
 
 # kvcx on the newest transformers PyPI serves (a second venv; torch's CPU build, which is what this machine has):
 # KvcxCache generating through the fused path, masks, crop, and validate, every model family's layers as that
