@@ -542,9 +542,7 @@ def run_calibration(config: KVConfig, budget: float, model: Optional[str] = None
         raise KvcxError(f"the calibration text has {len(starts)} windows of {window}; offset={offset} + windows="
                         f"{windows} needs more: lower the offset or use a longer text")
     starts = starts[offset:offset + windows]
-    if rank.size > windows:
-        raise KvcxError(f"{rank.size} ranks and {windows} windows: every rank needs a window; give --windows "
-                        f"{rank.size} or more, or start fewer processes")
+    rank.check_enough(windows, "window", f"give --windows {rank.size} or more")
     if widths:
         if on_phase:
             on_phase(1, 2, f"{name}: the queries of {len(layers)} layers, {windows} windows from window {offset}")

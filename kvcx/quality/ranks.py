@@ -38,6 +38,13 @@ class Rank:
         """The items this rank works: every ``size``-th from its index (the windows' order kept)."""
         return list(items[self.index::self.size])
 
+    def check_enough(self, count: int, what: str, fix: str) -> None:
+        """KvcxError when there are fewer ``what`` (windows, prompts) than ranks: every rank needs one; ``fix``
+        says which option gives more."""
+        if self.size > count:
+            raise KvcxError(f"{self.size} ranks and {count} {what}s: every rank needs a {what}; {fix}, or start "
+                            "fewer processes")
+
 
 ALONE = Rank()
 

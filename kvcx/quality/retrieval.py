@@ -189,9 +189,7 @@ def run_retrieval(configs: Mapping[str, object], tasks: Sequence[str], lengths: 
     depth_of = {t: [float(d) for d in depths] if ruler.TASKS[t].uses_depth else [0.5] for t in tasks}
     every = [(length, task, j, depth, p) for length in lengths for task in tasks
              for j, depth in enumerate(depth_of[task]) for p in range(prompts)]   # the prompts, in order
-    if rank.size > len(every):
-        raise KvcxError(f"{rank.size} ranks and {len(every)} prompts: every rank needs a prompt; give more "
-                        "--prompts, or start fewer processes")
+    rank.check_enough(len(every), "prompt", "give more --prompts")
     mine = rank.shard(list(enumerate(every)))
     total = len(mine)
     if on_phase:

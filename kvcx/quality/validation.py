@@ -291,9 +291,7 @@ def run_validations(configs: Mapping[str, KVConfig], threshold: float = DEFAULT_
                 else backend_of(cfg, dev.type, backend) for label, cfg in configs.items()}
     ids = torch.tensor(tok(text, return_tensors=None)["input_ids"], dtype=torch.long)
     starts = window_starts(ids.numel(), window, stride, max_windows)
-    if rank.size > len(starts):
-        raise KvcxError(f"{rank.size} ranks and {len(starts)} windows: every rank needs a window; give "
-                        f"--max-windows {rank.size} or more, or start fewer processes")
+    rank.check_enough(len(starts), "window", f"give --max-windows {rank.size} or more")
     phase(3, f"tokenized: {ids.numel():,} tokens, {len(starts)} windows of {window} (stride {stride})"
              f"{f'; {rank.size} ranks: rank r scores windows r, r + {rank.size}, ...' if rank.size > 1 else ''}")
     mine = rank.shard(starts)

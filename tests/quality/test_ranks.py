@@ -55,6 +55,16 @@ def test_ranks_windows_added_in_order_give_the_one_process_sums(size):
         ranks.merge(parts[:-1], 11)
 
 
+def test_every_rank_needs_an_item_and_the_refusal_names_the_option():
+    """Rank.check_enough, what validate (windows), retrieval (prompts) and calibrate (windows) call before any rank
+    works: as many items as ranks is enough; fewer is one KvcxError naming the counts and the option to raise."""
+    for rank in (ranks.ALONE, ranks.Rank(1, 3)):
+        rank.check_enough(rank.size, "window", "give more")
+    with pytest.raises(KvcxError, match=r"^3 ranks and 2 prompts: every rank needs a prompt; give more --prompts, "
+                                        r"or start fewer processes$"):
+        ranks.Rank(2, 3).check_enough(2, "prompt", "give more --prompts")
+
+
 def test_a_launchers_environment_that_is_not_a_number_is_refused(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "two")
     with pytest.raises(KvcxError, match="WORLD_SIZE='two' is not a whole number"):
