@@ -163,8 +163,8 @@ def build_store(torch, dev, cfg, K, V):
 
 # Settings the H100 runs of 2026-11-27 timed and found slower everywhere (4, 12 and 16 programs a multiprocessor of
 # one warp, 4 warps, TF32 passes, the first tile early, Triton's default stages at 8 programs a multiprocessor where 6
-# fit: docs/results/gpu-h100-fast-mode-run1.md, gpu.md; the merge inside the attention kernel:
-# docs/results/gpu-h100-merge-in-kernel.md) are no longer timed. Each is a kvcx.codecs.gpu_attn.LaunchSettings, passed
+# fit: docs/results/history/gpu-h100-fast-mode-run1.md, gpu.md; the merge inside the attention kernel:
+# docs/results/history/gpu-h100-merge-in-kernel.md) are no longer timed. Each is a kvcx.codecs.gpu_attn.LaunchSettings, passed
 # to the launches it times (nothing in the package is set); str() names what differs from the package's defaults.
 SETTINGS = [LaunchSettings(block_tokens=32, warps=4, dot="", stages=None, programs_per_sm=4,
                            merge_pdl=False),                            # FP32 sums (the error reference)
