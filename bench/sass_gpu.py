@@ -80,8 +80,8 @@ def main_loop(instrs):
 
 
 def compile_setting(setting, arch: int, dump: Path | None):
-    """(SASS text, registers, stack bytes, kernel name, shared-memory bytes, tile tokens) of the attention kernel at
-    setting."""
+    """(SASS text, registers, stack bytes, kernel name, shared-memory bytes, tile tokens, warps a program) of the
+    attention kernel at setting (its mode and warps as the shapes allow them)."""
     from kvcx.codecs import KVConfig, gpu_attn
     from kvcx.codecs.triton_kernels import attention as k
 
@@ -104,7 +104,7 @@ def compile_setting(setting, arch: int, dump: Path | None):
     name = f"attend_{bt}t_{warps}w_{dot or 'fp32'}{'_prefetch' if s.prefetch else ''}" + \
         (f"_s{stages}" if stages else "") + (f"_r{max_regs}" if max_regs else "") + \
         ("_early" if s.early_tile else "") + ("_pdl" if s.merge_pdl else "")
-    return (*build(fn, sig, consts, attrs, opts, arch, dump, name), consts["BT"])
+    return (*build(fn, sig, consts, attrs, opts, arch, dump, name), consts["BT"], warps)
 
 
 def build(fn, sig, consts, attrs, opts, arch: int, dump: Path | None, name: str):
@@ -153,7 +153,7 @@ def run_tool(name: str, *args: str) -> str:
 
 
 def count(setting, arch, dump):
-    sass, regs, stack, name, shared, bt = compile_setting(setting, arch, dump)
+    sass, regs, stack, name, shared, bt, warps = compile_setting(setting, arch, dump)
     instrs = parse(sass, name)
     loop = main_loop(instrs)
     if loop is None:
@@ -161,7 +161,7 @@ def count(setting, arch, dump):
     body = instrs[loop[0]:loop[1] + 1]
     kinds = collections.Counter(kind_of(op) for _, op, _ in body)
     return dict(total=len(instrs), loop=len(body), per_token=len(body) / bt, kinds=kinds, regs=regs, stack=stack,
-                shared=shared, programs=resident(regs, shared, setting.program_warps(setting.dot)),
+                shared=shared, programs=resident(regs, shared, warps), warps=warps,
                 local=sum(op.split(".")[0] in ("LDL", "STL") for _, op, _ in body), **waits(body))
 
 
@@ -384,7 +384,7 @@ def main(argv=None):
         r = count(setting, args.arch, args.dump)
         bt = r["loop"] / r["per_token"]
         cells = " | ".join(f"{r['kinds'].get(h, 0) / bt:.1f}" for h in head)
-        warps = setting.program_warps(setting.dot)
+        warps = r["warps"]   # as compiled: the mode the shapes allow, its warps
         emit(f"| {describe(setting)} | {bt:.0f} | {r['per_token'] * warps:.1f} | {r['per_token']:.1f} | {cells} | "
              f"{r['regs']} | {r['stack']} | {r['local']} | {r['shared']} | {r['programs'] * warps} | "
              f"{r['total']} | {r['near']} | {'n/a' if r['ahead'] is None else r['ahead']} |", flush=True)

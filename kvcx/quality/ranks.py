@@ -81,7 +81,9 @@ def join(device_type: str) -> Rank:
 def local_device(device, cpu: bool):
     """The device a rank's model goes to: as asked, else the GPU ``LOCAL_RANK`` names when CUDA is there.
     ``"auto"`` (one model spread over the machine's GPUs) is refused under a launcher: every rank would take them all."""
-    if device == "auto" and launched() and not cpu:
+    from kvcx.quality.models import SPREAD
+
+    if device == SPREAD and launched() and not cpu:
         raise KvcxError("--device auto spreads one model over this machine's GPUs, and every rank of a launcher would "
                         "take them all: start one process, or let each rank take the GPU its LOCAL_RANK names "
                         "(leave --device out)")

@@ -9,6 +9,7 @@ from typing import List, Optional, Sequence, Tuple
 
 from kvcx.errors import KvcxError
 from kvcx.quality import ranks, stats
+from kvcx.quality.models import SPREAD
 
 TASKS = ("perplexity", "passkey", "ruler")
 
@@ -62,7 +63,7 @@ class ValidateRequest:
                             "--quick-test has no model: leave it out")
         if self.device is not None and self.quick_test:
             raise KvcxError("--device places a model; --quick-test has none: leave it out")
-        if self.device == "auto" and self.mode != "prefix":
+        if self.device == SPREAD and self.mode != "prefix":
             raise KvcxError(f"--device auto spreads one model over the GPUs for prefix mode and --task ruler / "
                             f"passkey; --mode {self.mode} runs KvcxCache on one device: give --device cuda:0, or "
                             "--mode prefix")
