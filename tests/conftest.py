@@ -24,7 +24,7 @@ WIKITEXT = Path(os.environ.get("KVCX_WIKITEXT", ROOT.parent / "shared/data/wikit
 # (what CI runs): tests that load the model, start servers, run Triton's interpreter or calibrate. A test is slow
 # when it is marked model or engine, uses the `loaded` model, or lives in one of these files.
 SLOW_FILES = ("cache/test_kvcx_cache.py", "cache/test_families.py", "cache/test_device_cache.py", "cache/test_static_cache.py", "codecs/test_triton.py",
-              "codecs/test_triton_compile.py", "integrations/test_fleet.py", "integrations/test_vllm_engine.py",
+              "codecs/test_triton_compile.py", "codecs/test_triton_e8p.py", "integrations/test_fleet.py", "integrations/test_vllm_engine.py",
               "cli/test_first_run.py", "test_bench_gpu.py", "quality/")
 TESTS = Path(__file__).resolve().parent
 

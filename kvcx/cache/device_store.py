@@ -33,8 +33,9 @@ _TOKEN_UNIT = 64
 def runs_on_device(key: Codec, value: Codec, device: torch.device) -> bool:
     """Whether a layer with these codecs keeps its packed store on ``device`` with the Triton backend: both
     codecs are worked there on it (named, ``backend="triton"``, or chosen by the device: CUDA, 4-bit codes,
-    triton installed; :func:`kvcx.codecs.backends.backend_name`). Otherwise the store is the CPU one."""
-    return all(backend_name(c, device.type) == BACKEND for c in (key, value))
+    triton installed; :func:`kvcx.codecs.backends.backend_name`) and the fused attention reads their records there
+    (:func:`kvcx.codecs.gpu_attn.reads`). Otherwise the store is the CPU one."""
+    return all(backend_name(c, device.type) == BACKEND and gpu_attn.reads(c) for c in (key, value))
 
 
 def attend_in_dtype(query: torch.Tensor, attend: Callable[[Optional[torch.Tensor]], torch.Tensor]) -> torch.Tensor:

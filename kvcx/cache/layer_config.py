@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Optional, Tuple
 
+from kvcx.codecs import gpu_attn
 from kvcx.codecs.backends import TRITON, backend_takes
 from kvcx.presses import Press, PressedSetting, split_scheme
 from kvcx.errors import KvcxError
@@ -35,7 +36,7 @@ def on_backend(kv, backend: str, layers: int):
     """``kv`` with its codecs on ``backend``; KvcxError when a layer's codecs have no such backend."""
     if backend == TRITON:
         bad = sorted({c.describe() for i in range(layers) for c in (kv.for_layer(i).key, kv.for_layer(i).value)
-                      if not backend_takes(c, TRITON)})
+                      if not (backend_takes(c, TRITON) and gpu_attn.reads(c))})
         if bad:
             raise KvcxError(f"KvcxCache(backend='triton') runs 4-bit integer codecs; this config has {', '.join(bad)}: "
                             "pass backend=None (by device) or 'cpu', or a 4-bit scheme (kvcx, reference, kivi)")

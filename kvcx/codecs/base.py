@@ -297,8 +297,14 @@ def decode_out(packed: Packed, out: Optional[np.ndarray], token_offset: int, nam
 
 
 def check_sinks_finite(packed: Packed, t0: int, name: str) -> None:
-    """CodecError unless the record's exact sink tokens are all finite (an encoder refuses non-finite ones)."""
-    if t0 and packed.sinks is not None and not np.isfinite(np.asarray(packed.sinks, dtype=np.float32)).all():
+    """CodecError unless the record's exact sink tokens are all finite (an encoder refuses non-finite ones); a
+    record's torch tensors are checked where they are."""
+    from kvcx.codecs.backends import is_tensor
+
+    sinks = packed.sinks
+    finite = sinks is None or (bool(sinks.isfinite().all()) if is_tensor(sinks) else
+                               np.isfinite(np.asarray(sinks, dtype=np.float32)).all())
+    if t0 and not finite:
         raise CodecError(f"tensor {name!r}: its exact sink tokens hold NaN/Inf, which no kvcx encoder writes; the "
                          "data is damaged: encode it again")
 

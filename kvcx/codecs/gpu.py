@@ -51,11 +51,42 @@ def dtype_name_of(x) -> Optional[str]:
     return {torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32"}.get(x.dtype)
 
 
+def device_input(x, out, name: str) -> tuple:
+    """(``x`` contiguous, its dtype's name) for a Triton encode; CodecError for a dtype the kernels do not take or
+    an ``out=`` record (a device backend allocates its record on the tensor's device)."""
+    dt = dtype_name_of(x)
+    if dt is None:
+        raise CodecError(f"tensor {name!r} has dtype {x.dtype}; kvcx handles float16, bfloat16 and float32 "
+                         "(cast it with .float() first)")
+    if out is not None:
+        raise CodecError(f"tensor {name!r}: out= records are for NumPy arrays; the Triton backend allocates "
+                         "its record on the tensor's device")
+    return x.detach().contiguous(), dt
+
+
+def device_output(lay, dt: str, out, token_offset: int, dev, name: str) -> tuple:
+    """(out, out seen as [N, tokens, D]) for a Triton decode of ``lay`` in dtype ``dt``: a new tensor on ``dev``,
+    or the caller's after every check (the same shape, or longer on axis -2 with ``token_offset``)."""
+    torch = _torch()
+    want = getattr(torch, _TORCH_DTYPES[dt])
+    if out is None:
+        if token_offset:
+            raise CodecError("token_offset needs an out= tensor")
+        out = torch.empty(lay.shape, dtype=want, device=dev)
+    ok = is_tensor(out) and out.dtype == want and out.device == dev and out.is_contiguous() and \
+        out.dim() == len(lay.shape) and tuple(out.shape[:-2]) == lay.shape[:-2] and out.shape[-1] == lay.D and \
+        0 <= token_offset and token_offset + lay.S <= out.shape[-2]
+    if not ok:
+        raise CodecError(f"tensor {name!r}: out must be a contiguous {want} tensor on {dev} of shape "
+                         f"{list(lay.shape)} (or longer on axis -2 with token_offset)")
+    return out, out.view(lay.N, out.shape[-2] if len(lay.shape) >= 2 else 1, lay.D)
+
+
 # a dtype's bits as the kernels copy them (the exact sink tokens), and its exponent's bits (all ones: NaN or Inf)
 _BITS = {"F16": ("int16", 0x7C00), "BF16": ("int16", 0x7F80), "F32": ("int32", 0x7F800000)}
 
 
-def _bits(t, dt: str):
+def as_bits(t, dt: str):
     """``t`` (dtype ``dt``) seen as the integers of its bits."""
     return t.view(getattr(_torch(), _BITS[dt][0]))
 
@@ -113,14 +144,7 @@ class TritonIntBackend:
         self.check(codec, name)
         torch = _torch()
         codec_kernels()   # triton is installed, or a CodecError before any work
-        dt = dtype_name_of(x)
-        if dt is None:
-            raise CodecError(f"tensor {name!r} has dtype {x.dtype}; kvcx handles float16, bfloat16 and float32 "
-                             "(cast it with .float() first)")
-        if out is not None:
-            raise CodecError(f"tensor {name!r}: out= records are for NumPy arrays; the Triton backend allocates "
-                             "its record on the tensor's device")
-        x = x.detach().contiguous()
+        x, dt = device_input(x, out, name)
         dev = x.device
         codes = torch.empty(lay.codes_nbytes, dtype=torch.uint8, device=dev)
         scales = torch.empty(lay.scale_shape, dtype=torch.float16, device=dev)
@@ -166,28 +190,17 @@ class TritonIntBackend:
         sinks = packed.sinks if t0 else None
         if t0 and (sinks is None or not is_tensor(sinks) or sinks.numel() != N * t0 * D):
             raise CodecError(f"tensor {name!r}: {t0} exact sink tokens are recorded but their values are missing")
-        want = getattr(torch, _TORCH_DTYPES[packed.dtype])
-        sinks = None if sinks is None else sinks.to(dev, want).contiguous()
-        if out is None:
-            if token_offset:
-                raise CodecError("token_offset needs an out= tensor")
-            out = torch.empty(lay.shape, dtype=want, device=dev)
-        ok = is_tensor(out) and out.dtype == want and out.device == dev and out.is_contiguous() and \
-            out.dim() == len(lay.shape) and tuple(out.shape[:-2]) == lay.shape[:-2] and out.shape[-1] == D and \
-            0 <= token_offset and token_offset + S <= out.shape[-2]
-        if not ok:
-            raise CodecError(f"tensor {name!r}: out must be a contiguous {want} tensor on {dev} of shape "
-                             f"{list(lay.shape)} (or longer on axis -2 with token_offset)")
-        out3 = out.view(N, out.shape[-2] if len(lay.shape) >= 2 else 1, D)
+        out, out3 = device_output(lay, packed.dtype, out, token_offset, dev, name)
+        sinks = None if sinks is None else sinks.to(dev, out.dtype).contiguous()
         # the kernel's checks (scales negative or not finite, zero points not finite; sinks not finite), read in
         # one copy to the host after it: ``out`` holds what was decoded even when the record is refused
         flag = torch.zeros(2, dtype=torch.int32, device=dev)
         if S > t0:   # the kernel also copies the sinks and checks them
             (_, decode), args, grid, const = _programs(codec, lay, packed.dtype)
             zp = zeros if codec.asym else scales
-            ob = _bits(out3, packed.dtype)
+            ob = as_bits(out3, packed.dtype)
             dst = ob if packed.dtype == "BF16" else out3
-            decode[grid](codes, scales, zp, dst, flag, ob if sinks is None else _bits(sinks, packed.dtype), ob,
+            decode[grid](codes, scales, zp, dst, flag, ob if sinks is None else as_bits(sinks, packed.dtype), ob,
                          **args, out_S=out3.shape[1], out_off=token_offset, norm=tensors.norm_of(D),
                          SAT=packed.dtype == "F16", BF16=packed.dtype == "BF16", **const, enable_fp_fusion=False,
                          num_warps=CODEC_WARPS)
@@ -224,8 +237,8 @@ def launch_encode(codec, lay, x3, dt: str, codes, scales, zeros, flag, sinks=Non
     """The encode kernel over ``x3`` [N, S, D] into ``lay``'s buffers; ``flag`` gets its checks (non-finite);
     ``step``: (where, pages, new) of a decode step (:func:`kvcx.codecs.paged.encode_step` checks them)."""
     encode, args, grid, const = encode_launch(codec, lay, dt, paged=step is not None)
-    xb = _bits(x3, dt)
+    xb = as_bits(x3, dt)
     where, pages, new = step if step is not None else (flag, 1, x3)
     encode[grid](x3, codes, scales, zeros if zeros is not None else scales, flag, xb, xb if sinks is None else
-                 _bits(sinks, dt), **args, norm=tensors.norm_of(lay.D), where_ptr=where, pages=pages, new_ptr=new, **const,
+                 as_bits(sinks, dt), **args, norm=tensors.norm_of(lay.D), where_ptr=where, pages=pages, new_ptr=new, **const,
                  enable_fp_fusion=False, num_warps=CODEC_WARPS)

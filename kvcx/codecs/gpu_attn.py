@@ -419,6 +419,13 @@ def merge_splits(q, scaling: float, m, l, acc, Hkv: int, rotate: bool, sinks=(No
     return out
 
 
+def reads(codec) -> bool:
+    """Whether the fused attention reads ``codec``'s records on the device: 4-bit ``kvcx.int`` codes (sinks,
+    rotation, either grouping). Other codecs may run on the device (E8P: :mod:`kvcx.codecs.gpu_lattice`) but a cache
+    of them attends over what it decodes."""
+    return getattr(codec, "codec_id", None) == "kvcx.int" and codec.bits == 4
+
+
 def attend(q, keys: Packed, values: Packed, key_codec, value_codec, residual_k=None, residual_v=None, mask=None,
            scaling: Optional[float] = None, per_split: Optional[int] = None, launch: Optional[LaunchSettings] = None):
     """One decode step of one layer over packed keys and values on the device, without decoding them: q [B, Hq, D]
@@ -431,7 +438,7 @@ def attend(q, keys: Packed, values: Packed, key_codec, value_codec, residual_k=N
     B, Hq, D = q.shape
     shape = tuple(keys.shape)
     for codec, rec, what in ((key_codec, keys, "keys"), (value_codec, values, "values")):
-        if getattr(codec, "codec_id", None) != "kvcx.int" or codec.bits != 4 or not is_tensor(rec.codes):
+        if not reads(codec) or not is_tensor(rec.codes):
             raise CodecError(f"attention: the {what} must be a 4-bit kvcx.int record on the device (the Triton "
                              f"backend's), got {getattr(codec, 'codec_id', codec)!r}")
         if tuple(rec.shape) != shape or len(shape) != 4 or shape[0] != B or shape[3] != D or Hq % shape[1]:

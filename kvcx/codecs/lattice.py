@@ -18,7 +18,7 @@ from typing import Optional
 
 import numpy as np
 
-from kvcx.codecs.backends import check_backend
+from kvcx.codecs.backends import backend_for, check_backend
 from kvcx.codecs.base import (Codec, Layout, Packed, check_recorded_sinks, check_shape, check_sinks,
                               check_sinks_finite, decode_out, finish_packed, out_buffers, register_codec,
                               restore_sinks, view3, write_sinks)
@@ -33,6 +33,18 @@ E8P_FORMAT_VERSION = "7"   # an older reader refuses a file with E8P records ("u
 def e8p_grid() -> np.ndarray:
     """The codebook's 256 signed patterns, twice their values (int8, 256 x 8), as the kernels hold them."""
     return _core.e8p_grid()
+
+
+def scale_overflow(name: str, top: float) -> CodecError:
+    """The error for a row whose scale passes FP16 (the record holds it in FP16); ``top``: the tensor's max |x|."""
+    return CodecError(f"tensor {name!r}: a row's scale passes FP16, which the E8P record holds it in (|x| up to "
+                      f"{top:.4g}); rescale the tensor or use scheme 'kvcx'")
+
+
+def damaged(name: str) -> CodecError:
+    """The error for a record whose scale no encoder writes (NaN/Inf or negative)."""
+    return CodecError(f"tensor {name!r}: its E8P records hold a scale the encoder never writes (NaN/Inf or "
+                      "negative); the data is damaged: encode it again")
 
 
 def e8p_points(codes: np.ndarray) -> np.ndarray:
@@ -65,7 +77,7 @@ class E8PCodec(Codec):
     def __init__(self, sinks: int = 0, n_threads: Optional[int] = None, backend: Optional[str] = None):
         self.sinks = check_sinks(sinks)
         self.n_threads = resolve_threads(n_threads) if n_threads is not None else None
-        self.backend = check_backend(backend)   # no backend but the CPU kernels is registered for it
+        self.backend = check_backend(backend)   # None: by the tensor's device (CUDA: the Triton kernels)
 
     @staticmethod
     def record_bytes(D: int) -> int:
@@ -103,6 +115,9 @@ class E8PCodec(Codec):
         if weights is not None:
             raise CodecError(f"tensor {name!r}: the E8P codec takes no key weights (they choose per-channel widths: "
                              "scheme 'kvcx2w')")
+        backend = backend_for(self, x, name)
+        if backend is not None:   # a torch tensor to a device backend (kvcx.codecs.gpu_lattice)
+            return backend.encode(self, self.layout(tuple(x.shape), name), x, out, name)
         x = check_float(x, name)
         lay = self.layout(x.shape, name)
         N, S, D, t0 = lay.N, lay.S, lay.D, lay.t0
@@ -111,9 +126,7 @@ class E8PCodec(Codec):
             check_status(_core.STATUS_NONFINITE, name, x)
         status = _core.e8p_encode(raw(x), kernel_dtype(x.dtype), N, S, t0, D, codes, resolve_threads(self.n_threads))
         if status == _core.STATUS_SCALE_OVERFLOW:
-            top = float(np.max(np.abs(x.astype(np.float32))))
-            raise CodecError(f"tensor {name!r}: a row's scale passes FP16, which the E8P record holds it in (|x| up "
-                             f"to {top:.4g}); rescale the tensor or use scheme 'kvcx'")
+            raise scale_overflow(name, float(np.max(np.abs(x.astype(np.float32)))))
         check_status(status, name, x)
         cfg = self.get_config()
         cfg["sinks"] = t0
@@ -126,6 +139,9 @@ class E8PCodec(Codec):
         lay = self.layout(tuple(packed.shape), name)
         N, S, D, t0 = lay.N, lay.S, lay.D, lay.t0
         check_recorded_sinks(packed, t0, lay.shape, name)
+        backend = backend_for(self, packed.codes, name)
+        if backend is not None:
+            return backend.decode(self, lay, packed, out, token_offset, name)
         out, out_S = decode_out(packed, out, token_offset, name)
         codes = np.ascontiguousarray(packed.codes, dtype=np.uint8).reshape(-1)
         if codes.size != lay.codes_nbytes:
@@ -135,8 +151,7 @@ class E8PCodec(Codec):
         status = _core.e8p_decode(codes, N, S, t0, D, raw(out), out_S, token_offset, DTYPE_NAMES[packed.dtype],
                                   resolve_threads(self.n_threads))
         if status & _core.STATUS_CORRUPT:
-            raise CodecError(f"tensor {name!r}: its E8P records hold a scale the encoder never writes (NaN/Inf or "
-                             "negative); the data is damaged: encode it again")
+            raise damaged(name)
         check_status(status, name, what="decoding")
         restore_sinks(packed, out, out_S, token_offset, N, t0, D, name)
         return out

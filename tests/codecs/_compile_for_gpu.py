@@ -17,6 +17,8 @@ from triton.compiler import ASTSource
 from kvcx.codecs import IntCodec, KVConfig, gpu, gpu_attn, tensors
 from kvcx.codecs.triton_kernels import codec as k
 from kvcx.codecs.triton_kernels import attention as ka
+from kvcx.codecs.triton_kernels import lattice as kl
+from kvcx.codecs import gpu_lattice
 
 TARGET = GPUTarget("cuda", 90, 32)
 D = 128
@@ -29,32 +31,36 @@ POINTERS = {
     **{n: "*fp32" for n in ("q_ptr", "qs_ptr", "mask_ptr", "add_ptr", "m_ptr", "l_ptr", "acc_ptr")},
     **{n: "*bf16" for n in ("sk_ptr", "sv_ptr", "rk_ptr", "rv_ptr")},
     "pages_ptr": "*i32", "lens_ptr": "*i32", "res_lens_ptr": "*i32", "where_ptr": "*i64", "new_ptr": "*bf16",
-    "sl_ptr": "*fp32",
+    "sl_ptr": "*fp32", "y_ptr": "*fp32", "rec_ptr": "*u8", "abs_ptr": "*fp32", "norm2_ptr": "*fp32",
+    "negpar_ptr": "*i32", "grid_ptr": "*i8",
 }
 
 
 JOBS = []   # (kernel name, constexprs, warps, FMA fusion, pointer types), compiled by _compile in worker processes
 
 
-def compile_one(fn, consts: dict, num_warps: int = 4, fusion: bool = False, **pointers) -> None:
+def compile_one(fn, consts: dict, num_warps: int = 4, fusion: bool = False, ptx_has: tuple = (), **pointers) -> None:
     """Queue a compile of ``fn`` with these constexprs (and FMA fusion as its launcher sets it); ``pointers``
-    overrides :data:`POINTERS` by argument name."""
-    JOBS.append((fn.__name__, consts, num_warps, fusion, pointers))
+    overrides :data:`POINTERS` by argument name; ``ptx_has``: instructions its PTX must hold."""
+    JOBS.append((fn.__name__, consts, num_warps, fusion, pointers, ptx_has))
 
 
 def _compile(job) -> str:
     """"ok ..." or the compiler's own message, with the kernel and its settings."""
-    name, consts, num_warps, fusion, pointers = job
-    fn = getattr(k, name, None) or getattr(ka, name)
+    name, consts, num_warps, fusion, pointers, ptx_has = job
+    fn = getattr(k, name, None) or getattr(ka, name, None) or getattr(kl, name)
     types = {**POINTERS, **pointers}
-    sig = {a: "constexpr" if a in consts else "fp32" if a in ("norm", "q_scale") else types.get(a, "i32")
+    sig = {a: "constexpr" if a in consts else "fp32" if a in ("norm", "q_scale", "rms") else types.get(a, "i32")
            for a in fn.arg_names}
     try:
-        triton.compile(ASTSource(fn, sig, consts), target=TARGET,
-                       options=dict(num_warps=num_warps, enable_fp_fusion=fusion))
+        compiled = triton.compile(ASTSource(fn, sig, consts), target=TARGET,
+                                  options=dict(num_warps=num_warps, enable_fp_fusion=fusion))
     except Exception as exc:
         cause = exc.__cause__ if exc.__cause__ is not None else exc
         return f"{name} {consts} does not compile for sm_90: {type(cause).__name__}: {cause}"
+    missing = [op for op in ptx_has if op not in compiled.asm["ptx"]]
+    if missing:
+        return f"{name} {consts}: its PTX has no {', '.join(missing)}"
     return f"ok {name} {consts}"
 
 
@@ -73,6 +79,15 @@ def codec_kernels() -> None:
         if scheme != "symmetric" or rotate and axis == "token":   # a decode step's (gpu.encode_into)
             compile_one(enc, gpu.encode_launch(codec.replace(sinks=0), codec.layout((1, 8, 64, D), "x"),
                                                paged=True)[3])
+
+
+def lattice_kernels() -> None:
+    """E8P's encode (the scale, its FP64 square root and division correctly rounded in the PTX, as the CPU's; the
+    search) and decode (to BF16), at the launcher's program sizes."""
+    R = gpu_lattice.program_rows(D)
+    compile_one(kl.e8p_scale_kernel, dict(D=D, R=R), ptx_has=("sqrt.rn.f64", "div.rn.f64"))
+    compile_one(kl.e8p_search_kernel, dict(D=D, V=gpu_lattice.SEARCH_VECTORS))
+    compile_one(kl.e8p_decode_kernel, dict(D=D, R=R, SAT=False, BF16=True))
 
 
 def attention_kernels() -> None:
@@ -124,6 +139,7 @@ def attention_kernels() -> None:
 
 if __name__ == "__main__":
     codec_kernels()
+    lattice_kernels()
     attention_kernels()
     # the compiles are independent and each keeps one core busy: one process a core (forked where the platform
     # forks: nothing to import again)

@@ -4,6 +4,7 @@
 # output (tokens [0, t0) of each slab are the exact sinks, written by the codec).
 
 E8P_PATTERNS = KVCX_E8P_PATTERNS
+E8P_RMS = KVCX_E8P_RMS     # a row's scale is its RMS over this (FP32; the Triton kernels read it here)
 kvcx_e8p_init()   # the search's tables, once, before any thread reads them
 
 
