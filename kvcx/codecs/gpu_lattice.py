@@ -22,6 +22,7 @@ from kvcx.codecs.backends import is_tensor, register_backend
 from kvcx.codecs.base import Packed, check_sinks_finite
 from kvcx.codecs.cpu import core as _core
 from kvcx.codecs.gpu import CODEC_WARPS, as_bits, device_input, device_output
+from kvcx.codecs.gpu_attn import interpreting
 from kvcx.codecs.lattice import damaged, e8p_grid, scale_overflow
 from kvcx.codecs.runtime import check_status
 from kvcx.codecs.tensors import NEEDS_TRITON
@@ -30,6 +31,9 @@ from kvcx.errors import CodecError
 
 PROGRAM_VALUES = 2048   # values a program of the scale and decode kernels holds (whole rows)
 SEARCH_VECTORS = 16     # 8-value vectors a program of the search holds: 16 x 256 scores, two FP32 tiles of them
+# ... and in Triton's interpreter (no registers to spare; its time is a NumPy call an operation, so fewer, larger
+# programs: a test's encode 8x faster). Each vector is searched alone: the bytes do not depend on it
+INTERPRETER_SEARCH_VECTORS = 256
 
 
 def lattice_kernels():
@@ -102,7 +106,7 @@ class TritonE8PBackend:
             k.e8p_scale_kernel[(-(-rows // R),)](x3, y, codes, flag, S, t0, rows, tensors.norm_of(D),
                                                  float(_core.E8P_RMS), D=D, R=R, enable_fp_fusion=False,
                                                  num_warps=CODEC_WARPS)
-            nvec, V = rows * (D // 8), SEARCH_VECTORS
+            nvec, V = rows * (D // 8), INTERPRETER_SEARCH_VECTORS if interpreting() else SEARCH_VECTORS
             k.e8p_search_kernel[(-(-nvec // V),)](y, codes, *_tables(dev), nvec, D=D, V=V, enable_fp_fusion=False,
                                                   num_warps=CODEC_WARPS)
         nonfinite, overflow = flag.tolist()

@@ -164,3 +164,11 @@ def test_a_cache_of_e8p_values_attends_over_what_it_decodes():
         on_backend(KVConfig(key=IntCodec(), value=E8PCodec(), scheme="mixed"), "triton", 2)
     with pytest.raises(KvcxError, match="a width per channel"):
         on_backend(KVConfig.from_scheme("kvcx2v"), "triton", 2)
+
+
+def test_the_device_program_size_writes_the_same_bytes(monkeypatch):
+    """The interpreter searches 256 vectors a program, a GPU 16 (gpu_lattice.SEARCH_VECTORS): each vector alone."""
+    from kvcx.codecs import gpu_lattice
+
+    monkeypatch.setattr(gpu_lattice, "INTERPRETER_SEARCH_VECTORS", gpu_lattice.SEARCH_VECTORS)
+    _check(random_array((1, 2, 9, 64), np.float32, seed=9, scale=2.0), sinks=1)
