@@ -142,3 +142,39 @@ def kl(ref_logits, logits) -> float:
 
     lp, lq = torch.log_softmax(ref_logits, -1), torch.log_softmax(logits, -1)
     return float((lp.exp() * (lp - lq)).sum(-1).mean())
+
+
+def attention_branch(model, ids, mask, tail: int = 64) -> dict:
+    """layer index -> {"residual": the rms of the residual stream entering the decoder layer, "branch": the rms of
+    what its attention adds to it}, over the prompt's last ``tail`` tokens, in one forward. What attention adds is
+    its module's output, or where the layer normalizes that before the sum (Gemma 2/3/4: a post_attention_layernorm
+    beside a pre_feedforward_layernorm) the norm's output: at random init a small attention output (near-uniform
+    weights over random values) normalized up to the norm's unit scale."""
+    import torch
+
+    got, hooks = {}, []
+
+    def rms(t):
+        return float(t[0, -tail:].float().pow(2).mean().sqrt())
+
+    def entering(i):
+        def hook(mod, args, kwargs):
+            got.setdefault(i, {})["residual"] = rms(args[0] if args else kwargs["hidden_states"])
+        return hook
+
+    def adds(i):
+        def hook(mod, args, out):
+            got.setdefault(i, {})["branch"] = rms(out[0] if isinstance(out, tuple) else out)
+        return hook
+
+    for i, layer in enumerate(model.model.layers):
+        hooks.append(layer.register_forward_pre_hook(entering(i), with_kwargs=True))
+        normed = hasattr(layer, "pre_feedforward_layernorm") and hasattr(layer, "post_attention_layernorm")
+        hooks.append((layer.post_attention_layernorm if normed else layer.self_attn).register_forward_hook(adds(i)))
+    try:
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=mask)
+    finally:
+        for h in hooks:
+            h.remove()
+    return got
