@@ -203,3 +203,20 @@ def test_memory_held_at_8x_the_window_against_dynamic_cache(name):
     decode(model, cache, ids, mask, 4)
     held = cache.memory_report()["total_bytes"]
     assert held <= 0.45 * dynamic_cache_bytes(dynamic), (held, dynamic_cache_bytes(dynamic))
+
+
+def test_attention_branch_reads_what_each_layer_adds():
+    """bench/families.attention_branch (the families page's table of where the error enters): for every decoder
+    layer the residual stream entering it and what its attention adds; Gemma normalizes its attention's output before
+    the sum (a post_attention_layernorm beside a pre_feedforward_layernorm), so what it adds is that norm's output,
+    of unit rms at init, while Llama adds its attention module's output as it is."""
+    from bench.families import attention_branch
+
+    ids, mask = prompts(1, 96)
+    gemma = attention_branch(_model("Gemma 3"), ids, mask)
+    llama = attention_branch(_model("Llama"), ids, mask)
+    for got in (gemma, llama):
+        assert sorted(got) == [0, 1, 2, 3]
+        assert all(x["residual"] > 0 and x["branch"] > 0 for x in got.values())
+    assert all(abs(x["branch"] - 1.0) < 0.05 for x in gemma.values())
+    assert all(x["branch"] < 0.5 for x in llama.values())
