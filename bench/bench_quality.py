@@ -72,20 +72,34 @@ def settings(full: bool, plans, candidates: bool = False):
                  ("candidate, dropped: K3 + 1 exact outlier per group (dense-and-sparse), V4", "outlier-k3"),
                  custom("K4 V2: kvcx layout, 2-bit asym values", dict(asym_ch, sinks=1),
                         dict(scheme="asymmetric", rotate=True, bits=2))]
-    try:  # the peers users would pick instead, measured on the same windows
-        import optimum.quanto  # noqa: F401
+    rows += [("kvcx2v preset (keys: a width per channel, 2.72 bits on average; values: E8P lattice, no calibration)",
+              KVConfig.from_scheme("kvcx2v")),
+             # the engines' FP4 and TurboQuant KV formats, byte-exact emulations (docs/results/engines-fp4.md)
+             ("engine: nvfp4 (TensorRT-LLM NVFP4 KV: E2M1, E4M3 scale per 16, per-tensor scale 1)",
+              KVConfig.from_scheme("nvfp4")),
+             ("engine: nvfp4-amax (the same, a calibrated per-tensor scale)", KVConfig.from_scheme("nvfp4-amax")),
+             ("engine: mxfp4 (ggml MXFP4: E2M1, E8M0 scale per 32)", KVConfig.from_scheme("mxfp4")),
+             ("engine: turboquant_4bit_nc (vLLM TurboQuant: K Hadamard + 4-bit Lloyd-Max, V 4-bit)",
+              KVConfig.from_scheme("turboquant_4bit_nc")),
+             ("engine: turboquant_3bit_nc (vLLM TurboQuant: K 3-bit Lloyd-Max, V 3-bit)",
+              KVConfig.from_scheme("turboquant_3bit_nc"))]
+    # the peers users would pick instead, through their own libraries (kvcx.quality.peers, as `kvcx validate
+    # --scheme NAME` runs them), on the same windows; a peer not installed is left out
+    from kvcx.errors import KvcxError
+    from kvcx.quality.peers import PEERS
 
-        rows += [("peer: quanto int4 g64 (transformers QuantizedCache)", ("quanto", 4)),
-                 ("peer: quanto int2 g64 (transformers QuantizedCache)", ("quanto", 2))]
-    except ImportError:
-        pass
-    try:
-        import fused_turboquant  # noqa: F401
-
-        rows += [("peer: TurboQuant 4-bit (fused-turboquant, CPU path)", ("turboquant", 4)),
-                 ("peer: TurboQuant 3-bit (fused-turboquant, CPU path)", ("turboquant", 3))]
-    except ImportError:
-        pass
+    for name, label in (("quanto-int4", "quanto int4 g64 (transformers QuantizedCache)"),
+                        ("quanto-int2", "quanto int2 g64 (transformers QuantizedCache)"),
+                        ("turboquant-4", "TurboQuant 4-bit (fused-turboquant, CPU path)"),
+                        ("turboquant-3", "TurboQuant 3-bit (fused-turboquant, CPU path)"),
+                        ("nexusquant-k4v4", "NexusQuant K4V4 (Hadamard + E8 lattice; bits as fixed-length codes)"),
+                        ("nexusquant-k3v2", "NexusQuant K3V2 (Hadamard + E8 lattice; bits as fixed-length codes)"),
+                        ("nexusquant-k2v2", "NexusQuant K2V2 (Hadamard + E8 lattice; bits as fixed-length codes)")):
+        try:
+            PEERS[name].check_installed()
+        except KvcxError:
+            continue
+        rows.append((f"peer: {label}", PEERS[name]))
     if full:
         rows += [("8-bit: sym g64 per-token", KVConfig.from_scheme("symmetric", bits=8)),
                  ("3-bit: reference layout", KVConfig.from_scheme("symmetric", bits=3))]
@@ -117,18 +131,20 @@ def default_study():
         ("3-bit: KIVI + sink", KVConfig.from_scheme("kivi", bits=3, sinks=1)),
         ("8-bit: sym g64 per-token", KVConfig.from_scheme("symmetric", bits=8)),
     ]
-    try:
-        import optimum.quanto  # noqa: F401
+    from kvcx.errors import KvcxError
+    from kvcx.quality.peers import PEERS
 
-        rows.insert(4, ("peer: quanto int4 g64 (transformers QuantizedCache)", ("quanto", 4)))
-    except ImportError:
+    try:
+        PEERS["quanto-int4"].check_installed()
+        rows.insert(4, ("peer: quanto int4 g64 (transformers QuantizedCache)", PEERS["quanto-int4"]))
+    except KvcxError:
         pass
     return rows
 
 
 def _short(label: str) -> str:
     """A row's name on the Pareto chart."""
-    for prefix in ("peer: ", "candidate, dropped: "):
+    for prefix in ("peer: ", "engine: ", "candidate, dropped: "):
         if label.startswith(prefix):
             return ("(dropped) " if "dropped" in prefix else "") + label[len(prefix):].split(" (")[0].split(":")[0]
     for how in (" + per-layer plan ", " + query weights "):  # "kvcx2 + per-layer plan smollm2-kvcx2-3.54"
@@ -143,21 +159,6 @@ def _stats(tensors, decoded) -> ErrorStats:
     for k, v in tensors.items():
         total += error_stats(v, decoded[k])
     return total
-
-
-def quanto_roundtrip(tensors, nbits):
-    """transformers' QuantoQuantizedLayer (groups of 64, axis 0: its defaults) on the same cache, through
-    kvcx.quality.peers (as `kvcx validate --scheme quanto-int4` runs it): bytes nominal, nbits per value + an
-    FP16 scale and shift per group of 64."""
-    decoded, nbytes, _ = PeerSetting("quanto", nbits).roundtrip(tensors)
-    return decoded, nbytes
-
-
-def turboquant_roundtrip(tensors, bits):
-    """fused-turboquant's TurboQuantMSE on its CPU path, through kvcx.quality.peers; bytes = its packed indices
-    + norms, as it stores them."""
-    decoded, nbytes, _ = PeerSetting("turboquant", bits).roundtrip(tensors)
-    return decoded, nbytes
 
 
 def _hadamard(d):
@@ -296,11 +297,9 @@ def main(argv=None):
 
     def other_rt(cfg):
         def rt(tensors):
-            if isinstance(cfg, tuple):
-                fn = quanto_roundtrip if cfg[0] == "quanto" else turboquant_roundtrip
-                decoded, nbytes = fn(tensors, cfg[1])
-            else:
-                decoded, nbytes = candidate_roundtrip(cfg, tensors)
+            if isinstance(cfg, PeerSetting):    # its library's round trip; NexusQuant takes RoPE from the config
+                return cfg.roundtrip(tensors, model_config=model.config)
+            decoded, nbytes = candidate_roundtrip(cfg, tensors)
             return decoded, nbytes, _stats(tensors, decoded)
         return rt
 
@@ -348,7 +347,8 @@ def _draw(path: Path, results, windows: int) -> None:
     from kvcx.quality.plots import pareto_png
 
     pts = [{"bits": bits, "delta": delta, "label": _short(label),
-            "kind": "peer" if label.startswith("peer") else "dropped" if label.startswith("candidate") else "kvcx"}
+            "kind": next((k for k, head in (("peer", "peer"), ("engine", "engine:"), ("dropped", "candidate"))
+                          if label.startswith(head)), "kvcx")}
            for label, bits, delta in results]
     path.write_bytes(pareto_png(pts, title=f"SmolLM2-135M, WikiText-2, {windows} windows: perplexity delta vs "
                                            "bits/value"))

@@ -85,6 +85,8 @@ def headline() -> str:
         f"bits/value, KLD {low[3]}, top-1 {low[4]}; NexusQuant {nq[2]} at {nq[1]} bits, KLD {nq[3]} (the same "
         "held-out windows) "
         "| [low bits](docs/results/low-bits.md) |",
+        f"| engines' 4-bit KV formats as kvcx emulates them byte for byte: `nvfp4` (TensorRT-LLM), `mxfp4` (ggml), "
+        f"`turboquant_4bit_nc` (vLLM) | {engine_formats(q)} | {q_rel} |",
         f"| the reference design (`reference`) | {quality('reference')} | {q_rel} |",
         f"| peer: TurboQuant 3-bit | {quality('peer: TurboQuant 3-bit')} | {q_rel} |",
         f"| peer: quanto int4 | {quality('peer: quanto int4')} | {q_rel} |",
@@ -109,6 +111,15 @@ def headline() -> str:
     ]
     return "Headline figures (2 CPU cores; every figure from the linked report, written by the bench script " \
            "named there, which names the machine and the date of its run):\n\n" + "\n".join(lines)
+
+
+def engine_formats(q: dict) -> str:
+    """The engines' 4-bit formats' quality row cell: each one's perplexity delta, KLD and bits (quality.md)."""
+    cells = []
+    for name in ("nvfp4", "mxfp4", "turboquant_4bit_nc"):
+        r = find(q, f"engine: {name} (")   # setting, bits, ratio, RMSE, SNR, ppl, delta, KLD, top-1, ms
+        cells.append(f"`{name}` {r[6]} at {r[1]} bits (KLD {float(r[7]):.4f})")
+    return "; ".join(cells) + " (the same windows as the default's row)"
 
 
 def families() -> str:

@@ -67,7 +67,8 @@ def pareto_png(points: Iterable[dict], thresholds: Iterable[tuple] = ((0.5, "0.5
                                                                        (0.3, "0.3 (users' CI threshold)")),
                title: Optional[str] = None) -> bytes:
     """Bits/value (x) vs perplexity delta (log y); ``points``: dicts with bits, delta, label and kind
-    ("kvcx", "peer" or "dropped": a candidate measured and not shipped).
+    ("kvcx", "peer", "engine": an engine's KV format as kvcx emulates it, or "dropped": a candidate measured and not
+    shipped).
     Settings whose delta is <= 0 are drawn at the axis floor (a log scale has no room for them)."""
     plt = _pyplot()
     pts = list(points)
@@ -76,6 +77,7 @@ def pareto_png(points: Iterable[dict], thresholds: Iterable[tuple] = ((0.5, "0.5
     fig, ax = plt.subplots(figsize=(8.5, 5.5))
     placed = []
     for kind, colour, marker, name in (("kvcx", "tab:blue", "o", "kvcx"), ("peer", "tab:red", "s", "peers"),
+                                       ("engine", "tab:green", "^", "engine formats (kvcx's byte-exact emulations)"),
                                        ("dropped", "tab:grey", "x", "kvcx candidates not shipped")):
         sel = [p for p in pts if p.get("kind", "kvcx") == kind]
         if not sel:
