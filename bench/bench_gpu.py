@@ -265,7 +265,10 @@ def bandwidth(torch, dev, cfg, shape, reps, out):
 
     # every call timed before any kernel is profiled (the calls' times untouched by whatever a profiler leaves behind)
     calls = []
-    for label, codec in (("kvcx keys (channel, zero points)", cfg.key), ("kvcx values (token, rotated)", cfg.value)):
+    from kvcx.codecs import KVConfig
+
+    for label, codec in (("kvcx keys (channel, zero points)", cfg.key), ("kvcx values (token, rotated)", cfg.value),
+                         ("kvcx2v values (E8P: rotation, lattice search)", KVConfig.from_scheme("kvcx2v").value)):
         codec = codec.with_backend("triton")
         p = codec.encode(x)
         calls.append((label, codec, p, timer(torch, dev, lambda: codec.encode(x), reps),
