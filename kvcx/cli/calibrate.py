@@ -43,6 +43,10 @@ def calibrate(
         "--guard-retrieval", help="Instead of --budget: a context length (e.g. 8192) at which to measure, on passkey "
                                   "prompts, which layers' keys carry the scheme's retrieval loss, and give those keys "
                                   "8 bits (the scheme defaults to kvcx).")] = None,
+    guard_induction: Annotated[Optional[int], typer.Option(
+        "--guard-induction", help="Instead of --budget: give 8-bit keys to this many layers (e.g. 3), those whose "
+                                  "heads copy most on random tokens fed twice (induction heads: a probe of seconds, "
+                                  "no data; the scheme defaults to kvcx).")] = None,
     prompts: Annotated[int, typer.Option(help="Passkey prompts --guard-retrieval measures on.")] = 8,
     protect: Annotated[float, typer.Option(help="--guard-retrieval: the share of the whole loss a layer's keys alone "
                                                 "must carry to get 8 bits.")] = PROTECT,
@@ -54,6 +58,11 @@ def calibrate(
     """Per-layer bit widths: measure each layer's sensitivity (KL divergence) at each width and spend --budget
     bits/value where it buys the most; or, with --guard-retrieval, give 8-bit keys to the layers that long-context
     retrieval needs."""
+    if guard_induction is not None:
+        unused = {"--budget": budget, "--reuse": reuse, "--options": options, "--dataset-file": dataset_file,
+                  "--windows": windows != DEFAULT_WINDOWS, "--offset": offset != DEFAULT_OFFSET, "--device": device,
+                  "--guard-retrieval": guard_retrieval, "--prompts": prompts != 8, "--protect": protect != PROTECT}
+        return _induction(out_path, guard_induction, scheme, group_size, bits, unused, model, cpu, threads, json_out)
     if guard_retrieval is not None:
         unused = {"--budget": budget, "--reuse": reuse, "--options": options, "--dataset-file": dataset_file,
                   "--windows": windows != DEFAULT_WINDOWS, "--offset": offset != DEFAULT_OFFSET, "--device": device}
@@ -176,6 +185,43 @@ def _guard(out_path, length, prompts, protect, scheme, group_size, bits, unused,
               f"{len(result.layers)} of {result.n_layers} layers ({', '.join(map(str, result.layers)) or 'none'}): "
               f"{result.bits_per_value:.3f} bits/value nominal; {result.wall_time_s:.0f} s. Gate it: `kvcx validate "
               f"--task passkey --lengths {length} --depths 0.9 --plan {out_path}`")
+
+
+def _induction(out_path, n, scheme, group_size, bits, unused, model, cpu, threads, json_out):
+    """``kvcx calibrate --guard-induction N``: 8-bit keys in the N layers whose heads copy most (no data)."""
+    with cli_errors("calibrate"):
+        from kvcx.api import save_plan
+        from kvcx.presses import split_scheme
+        from kvcx.quality.induction import check_induction, induction_guard
+
+        given = [name for name, v in unused.items() if v]
+        if given:
+            raise KvcxError(f"--guard-induction probes the model with random tokens (no budget, no text, no passkey "
+                            f"prompts); leave out {', '.join(given)}")
+        press, codec = split_scheme(scheme) if scheme else (None, "kvcx")
+        if press is not None:
+            raise KvcxError(f"--scheme {scheme}: --guard-induction guards a codec's keys; give the scheme without its "
+                            "press (e.g. --scheme kvcx)")
+        config = kv_config_from(codec, group_size, bits, None, None, threads)
+        check_induction(config)
+        check_files_first(outputs=[(out_path, "plan")], sidecars=False)
+        result = induction_guard(config, n, model=model, cpu=cpu)
+        save_plan(out_path, result)
+    if json_out:
+        emit_json(result.to_dict())
+        return
+    t = Table(title="induction score: attention from a random sequence's second copy to the token after the "
+                    "earlier occurrence (the layer's strongest KV head)", header_style="bold")
+    for c in ("layer", "score", "guarded"):
+        t.add_column(c, justify="right")
+    best = result.scores.max(-1)
+    for i in sorted(range(result.n_layers), key=lambda i: -best[i])[:8]:
+        t.add_row(str(i), f"{best[i]:.3f}", "8-bit keys" if i in result.layers else "")
+    out.print(t)
+    out.print(f"[green]plan[/] → {out_path}: {config.scheme} with 8-bit keys in {len(result.layers)} of "
+              f"{result.n_layers} layers ({', '.join(map(str, result.layers))}): {result.bits_per_value:.3f} "
+              f"bits/value nominal; {result.wall_time_s:.0f} s. Gate it: `kvcx validate --task passkey --lengths "
+              f"8192 --depths 0.9 --plan {out_path}`")
 
 
 def _parse_options(text: Optional[str]) -> Optional[List[str]]:

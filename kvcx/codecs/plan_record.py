@@ -17,11 +17,14 @@ TAG_RE = re.compile(r"b(2|3|4|8)[a-z0-9]*")   # a variant's tag: bN = N bits, th
 _PLAN_NUMBERS = ("budget", "bits_per_value", "wall_time_s", "estimated_kld")
 _PLAN_COUNTS = {"n_layers": MAX_LAYERS, "windows": 1 << 31, "tokens": 1 << 48, "extrapolated": 1 << 24,
                 "head_dim": 1 << 16}
-_PLAN_FIELDS = {"config", "sensitivity", "model", "complete", "steps", "press", "guard", "layers", *_PLAN_NUMBERS,
+_PLAN_FIELDS = {"config", "sensitivity", "model", "complete", "steps", "press", "guard", "induction", "layers",
+                *_PLAN_NUMBERS,
                 *_PLAN_COUNTS}
 # the retrieval guard's record (kvcx.quality.guard): numbers, and lists of numbers a layer or a depth each
 _GUARD_NUMBERS = {"whole", "protect", "length", "prompts", "seed"}
 _GUARD_LISTS = {"layers", "losses", "depths"}
+# the induction probe's record (kvcx.quality.induction): its settings, the layers it guarded, each layer's scores
+_INDUCTION_NUMBERS = {"tokens", "trials", "seed"}
 _KEEP_TAG_RE = re.compile(r"k(1|0?\.[0-9]+)")   # an eviction's keep ratio, as calibration tags it
 
 
@@ -76,6 +79,16 @@ def check_plan_record(data, source: str) -> dict:
                     for k in _GUARD_LISTS & set(guard))):
         bad("'guard' must be the retrieval guard's record: " + ", ".join(sorted(_GUARD_NUMBERS)) + " (numbers) and "
             + ", ".join(sorted(_GUARD_LISTS)) + " (lists of numbers)")
+    probe = data.get("induction", {})
+    if not (isinstance(probe, dict) and set(probe) <= _INDUCTION_NUMBERS | {"layers", "scores"}
+            and all(_finite_number(probe[k]) for k in _INDUCTION_NUMBERS & set(probe))
+            and isinstance(probe.get("layers", []), list) and len(probe.get("layers", [])) <= MAX_LAYERS
+            and all(map(_finite_number, probe.get("layers", [])))
+            and isinstance(probe.get("scores", []), list) and len(probe.get("scores", [])) <= MAX_LAYERS
+            and all(isinstance(r, list) and len(r) <= 1 << 12 and all(map(_finite_number, r))
+                    for r in probe.get("scores", []))):
+        bad("'induction' must be the induction probe's record: " + ", ".join(sorted(_INDUCTION_NUMBERS)) +
+            " (numbers), layers (a list of numbers) and scores (a list of lists of numbers a layer)")
     n_layers = data.get("n_layers", MAX_LAYERS)
     layers = data.get("layers", [])   # the layers the plan covers and their types (a hybrid's attention layers)
     if not (isinstance(layers, list) and len(layers) <= n_layers and all(
