@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from typing import Optional, Tuple
 
-from kvcx.codecs import gpu_attn
 from kvcx.codecs.backends import TRITON, backend_takes
 from kvcx.presses import Press, PressedSetting, split_scheme
 from kvcx.errors import KvcxError
@@ -35,6 +34,8 @@ def pressed(kv_config, scheme: str) -> Tuple[object, Optional[Press], str]:
 def on_backend(kv, backend: str, layers: int):
     """``kv`` with its codecs on ``backend``; KvcxError when a layer's codecs have no such backend."""
     if backend == TRITON:
+        from kvcx.codecs import gpu_attn   # (here: this module sits below the codecs' GPU launchers in the floors)
+
         bad = sorted({c.describe() for i in range(layers) for c in (kv.for_layer(i).key, kv.for_layer(i).value)
                       if not (backend_takes(c, TRITON) and gpu_attn.reads(c))})
         if bad:

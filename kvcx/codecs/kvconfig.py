@@ -244,6 +244,9 @@ def tag_of(sel) -> str:
     return sel if isinstance(sel, str) else f"b{sel}"
 
 
+GUARD_BITS = 8   # the key width the retrieval guards give the layers they guard
+
+
 @dataclass(frozen=True)
 class KVConfig:
     key: Codec
@@ -416,6 +419,15 @@ class KVConfig:
         return cls(key=codecs[0], value=codecs[1], scheme=scheme, layer_bits=config.get("layer_bits", ()),
                    variants=variants, key_weights=config.get("key_weights", ()),
                    keep_layers=config.get("keep_layers", ()))
+
+    def guarded(self, layers, bits: int = GUARD_BITS) -> "KVConfig":
+        """This config (a scheme's, no per-layer widths) with ``bits``-bit keys in ``layers``, their values as the
+        config gives them: the retrieval guards' plans (kvcx.quality.guard, kvcx.quality.induction)."""
+        if self.layer_bits:
+            raise CodecError("the guard starts from a scheme's config, without per-layer widths; pass a scheme, not a "
+                             "plan")
+        return KVConfig(key=self.key, value=self.value, scheme=self.scheme, variants=self.variants,
+                        layer_bits=tuple((int(L), bits, self.value.bits) for L in sorted(layers)))
 
     def with_threads(self, n_threads: Optional[int]) -> "KVConfig":
         return KVConfig(key=self.key.with_threads(n_threads), value=self.value.with_threads(n_threads),

@@ -19,12 +19,11 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Callable, List, Optional, Sequence
 
-from kvcx.codecs.kvconfig import KVConfig
+from kvcx.codecs.kvconfig import GUARD_BITS, KVConfig
 from kvcx.codecs.metrics import json_safe
 from kvcx.errors import KvcxError
 from kvcx.quality import ranks, ruler
 
-GUARD_BITS = 8
 PROTECT = 0.15
 GUARD_SEED = 1000          # the guard's prompts: not validate's (seed 0 by default)
 GUARD_DEPTHS = (0.9,)
@@ -73,10 +72,7 @@ def guarded_layers(losses: Sequence[float], whole: float, protect: float = PROTE
 
 def guard_config(config: KVConfig, layers: Sequence[int]) -> KVConfig:
     """``config`` with 8-bit keys in ``layers`` (their values as the config gives them)."""
-    if config.layer_bits:
-        raise KvcxError("the guard starts from a scheme's config, without per-layer widths; pass a scheme, not a plan")
-    return KVConfig(key=config.key, value=config.value, scheme=config.scheme, variants=config.variants,
-                    layer_bits=tuple((int(L), GUARD_BITS, config.value.bits) for L in sorted(layers)))
+    return config.guarded(layers, GUARD_BITS)
 
 
 def check_guard(config: KVConfig, length: int, prompts: int, depths: Sequence[float], protect: float) -> None:

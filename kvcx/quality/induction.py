@@ -5,7 +5,7 @@ it (induction heads; the retrieval heads of long-context studies are among them)
 tokens: a random sequence fed twice, each token of the second copy attends, in such a head, to the token after its
 earlier occurrence. The probe scores every head so, in one forward of ``2 x tokens`` random tokens a trial with the
 model's eager attention (no dataset, no calibration, a second on the embedded model), and the layers holding the
-strongest copying KV heads get 8-bit keys (the retrieval guard's plan, :func:`kvcx.quality.guard.guard_config`).
+strongest copying KV heads get 8-bit keys (the retrieval guard's plan, :meth:`KVConfig.guarded`).
 
 On SmolLM2-135M the probe's top three layers are 18, 17 and 20: the layers the measured guard (``--guard-retrieval
 8192``, passkey prompts scored layer by layer) chose from the loss itself.
@@ -123,8 +123,6 @@ def induction_guard(config: KVConfig, n: int = 3, model: Optional[str] = None, c
                     loaded=None) -> InductionGuard:
     """``config`` with 8-bit keys in the ``n`` layers the probe ranks first (module docstring); ``loaded``: a
     (model, tokenizer, name) already loaded, else ``model`` (default: the embedded SmolLM2-135M)."""
-    from kvcx.quality.guard import guard_config
-
     t0 = time.perf_counter()
     check_induction(config)
     if loaded is None:
@@ -134,5 +132,5 @@ def induction_guard(config: KVConfig, n: int = 3, model: Optional[str] = None, c
     m, _, name = loaded
     scores = induction_scores(m)
     layers = induction_layers(scores, n)
-    return InductionGuard(config=guard_config(config, layers), layers=layers, scores=scores, model=name,
+    return InductionGuard(config=config.guarded(layers), layers=layers, scores=scores, model=name,
                           wall_time_s=time.perf_counter() - t0)
