@@ -148,22 +148,28 @@ def calibrate(
 
 
 
+def _guard_base(option, what, unused, scheme, group_size, bits, threads):
+    """The scheme a guard option starts from (kvcx by default): KvcxError for options it does not take or a press."""
+    from kvcx.presses import split_scheme
+
+    given = [name for name, v in unused.items() if v]
+    if given:
+        raise KvcxError(f"{option} {what}; leave out {', '.join(given)}")
+    press, codec = split_scheme(scheme) if scheme else (None, "kvcx")
+    if press is not None:
+        raise KvcxError(f"--scheme {scheme}: {option} guards a codec's keys; give the scheme without its press (e.g. "
+                        "--scheme kvcx)")
+    return kv_config_from(codec, group_size, bits, None, None, threads)
+
+
 def _guard(out_path, length, prompts, protect, scheme, group_size, bits, unused, model, cpu, threads, json_out):
     """``kvcx calibrate --guard-retrieval LENGTH``: the layers whose keys carry the retrieval loss, at 8 bits."""
     with cli_errors("calibrate"):
         from kvcx.api import save_plan
-        from kvcx.presses import split_scheme
         from kvcx.quality.guard import GUARD_DEPTHS, check_guard, measure_guard
 
-        given = [name for name, v in unused.items() if v]
-        if given:
-            raise KvcxError(f"--guard-retrieval measures the keys of one scheme on passkey prompts (no budget, no "
-                            f"text windows); leave out {', '.join(given)}")
-        press, codec = split_scheme(scheme) if scheme else (None, "kvcx")
-        if press is not None:
-            raise KvcxError(f"--scheme {scheme}: --guard-retrieval guards a codec's keys; give the scheme without its "
-                            "press (e.g. --scheme kvcx)")
-        config = kv_config_from(codec, group_size, bits, None, None, threads)
+        config = _guard_base("--guard-retrieval", "measures the keys of one scheme on passkey prompts (no budget, "
+                             "no text windows)", unused, scheme, group_size, bits, threads)
         check_guard(config, length, prompts, GUARD_DEPTHS, protect)
         check_files_first(outputs=[(out_path, "plan")], sidecars=False)
         with window_bar(json_out, "prompts") as on_prompt:
@@ -191,19 +197,11 @@ def _induction(out_path, n, scheme, group_size, bits, unused, model, cpu, thread
     """``kvcx calibrate --guard-induction N``: 8-bit keys in the N layers whose heads copy most (no data)."""
     with cli_errors("calibrate"):
         from kvcx.api import save_plan
-        from kvcx.presses import split_scheme
         from kvcx.quality.induction import check_induction, induction_guard
 
-        given = [name for name, v in unused.items() if v]
-        if given:
-            raise KvcxError(f"--guard-induction probes the model with random tokens (no budget, no text, no passkey "
-                            f"prompts); leave out {', '.join(given)}")
-        press, codec = split_scheme(scheme) if scheme else (None, "kvcx")
-        if press is not None:
-            raise KvcxError(f"--scheme {scheme}: --guard-induction guards a codec's keys; give the scheme without its "
-                            "press (e.g. --scheme kvcx)")
-        config = kv_config_from(codec, group_size, bits, None, None, threads)
-        check_induction(config)
+        config = _guard_base("--guard-induction", "probes the model with random tokens (no budget, no text, no "
+                             "passkey prompts)", unused, scheme, group_size, bits, threads)
+        check_induction(config, n)
         check_files_first(outputs=[(out_path, "plan")], sidecars=False)
         result = induction_guard(config, n, model=model, cpu=cpu)
         save_plan(out_path, result)

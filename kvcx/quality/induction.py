@@ -112,8 +112,10 @@ class InductionGuard:
                                         "tokens": PROBE_TOKENS, "trials": PROBE_TRIALS, "seed": PROBE_SEED}})
 
 
-def check_induction(config: KVConfig) -> None:
+def check_induction(config: KVConfig, n: int = 1) -> None:
     """KvcxError naming the option, before any model loads."""
+    if n < 1:
+        raise KvcxError(f"--guard-induction {n}: guard at least 1 layer (3 is +0.2 bits/value on a 30-layer model)")
     if config.layer_bits or config.key.takes_weights:
         raise KvcxError("--guard-induction gives layers 8-bit keys on top of a scheme (kvcx, kvcx3, ...): pass a "
                         "scheme whose keys have one width, not a plan, kvcx2w or kvcx4w")
@@ -124,7 +126,7 @@ def induction_guard(config: KVConfig, n: int = 3, model: Optional[str] = None, c
     """``config`` with 8-bit keys in the ``n`` layers the probe ranks first (module docstring); ``loaded``: a
     (model, tokenizer, name) already loaded, else ``model`` (default: the embedded SmolLM2-135M)."""
     t0 = time.perf_counter()
-    check_induction(config)
+    check_induction(config, n)
     if loaded is None:
         from kvcx.quality.models import load_model_and_tokenizer, resolve_model
 
