@@ -45,6 +45,7 @@ from pathlib import Path
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared/data/wikitext-2-raw/wiki.test.raw"
 QUANTO = "QuantizedCache (quanto int4 g64)"
+FOR_MODEL = "KvcxCache.for_model fused"   # the default scheme, guarded by the induction probe
 ATTN_TIME = {"s": 0.0}
 # the RSS section's fresh processes: kind -> row label
 RSS_KINDS = {"dynamic": "DynamicCache", "kvcx": "KvcxCache fused",
@@ -84,7 +85,7 @@ def model_and_ids(dataset_file, n, timed=True):
     return model, ids, name
 
 
-def make_caches(model, with_quanto=True, presets=()):
+def make_caches(model, with_quanto=True, presets=(), for_model=False):
     from transformers import DynamicCache
 
     from kvcx.cache import fused
@@ -100,6 +101,8 @@ def make_caches(model, with_quanto=True, presets=()):
                                       model.config.num_attention_heads // model.config.num_key_value_heads)
         label = f"KvcxCache fused {p}" if why is None else f"KvcxCache materialising {p}"
         caches[label] = (lambda p=p, why=why: KvcxCache(model.config, scheme=p, fused=True if why is None else None))
+    if for_model:   # the default scheme with the induction probe's guard (8-bit keys in a tenth of the layers)
+        caches[FOR_MODEL] = lambda: KvcxCache.for_model(model, fused=True)
     if with_quanto:
         try:
             import optimum.quanto  # noqa: F401
@@ -196,7 +199,7 @@ def speed_child(label, context, args):
     model, ids, _ = model_and_ids(args.dataset_file, context + 1)
     ids = ids[:, :context]
     cfg = model.config
-    caches = make_caches(model, label == QUANTO, args.presets)
+    caches = make_caches(model, label == QUANTO, args.presets, args.for_model)
     if label not in caches or label == "DynamicCache":
         others = ", ".join(c for c in caches if c != "DynamicCache")
         raise SystemExit(f"bench_generate: --speed-child: no cache {label!r} to compare (with --presets "
@@ -342,6 +345,8 @@ def main(argv=None):
     ap.add_argument("--dataset-file", type=Path, default=DEFAULT_DATA)  # the Makefile passes it explicitly
     ap.add_argument("--no-quanto", action="store_true")
     ap.add_argument("--presets", nargs="*", default=[], help="KvcxCache presets to add (kvcx3 kvcx2 kvcx2w ...)")
+    ap.add_argument("--for-model", action="store_true", help="add KvcxCache.for_model(model): the default scheme with "
+                                                             "the induction probe's guard (the probe runs per cache)")
     ap.add_argument("--chunk", type=int, default=128, help="tokens of the multi-token step")
     ap.add_argument("--chunk-prefix", type=int, default=8000, help="context before the multi-token step")
     ap.add_argument("--chunk-reps", type=int, default=5)
@@ -379,7 +384,7 @@ def main(argv=None):
     L, Hkv, D = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
     emit(f"# {name}: {L} layers, {Hkv} KV heads of {D}, {cfg.num_attention_heads} query heads; FP32 on CPU; "
           f"torch threads {torch.get_num_threads()}, kvcx threads {torch.get_num_threads()}")
-    caches = make_caches(model, not args.no_quanto, args.presets)
+    caches = make_caches(model, not args.no_quanto, args.presets, args.for_model)
 
     if "agreement" not in args.skip:
         emit(f"\n## Agreement: {args.prompt}-token prompt, next {args.steps} tokens teacher-forced\n")
@@ -425,7 +430,7 @@ def main(argv=None):
             for label in (lb for lb in caches if lb != "DynamicCache"):
                 res, err = run_child("--speed-child", label, str(ctx), "--rounds", str(args.rounds), "--per-round",
                                      str(args.per_round), "--dataset-file", str(args.dataset_file),
-                                     "--presets", *args.presets)
+                                     "--presets", *args.presets, *(["--for-model"] if args.for_model else []))
                 if res is None:
                     emit(f"| {ctx} | {label} | failed: {err} |||||||||||")
                     continue
@@ -489,6 +494,8 @@ def main(argv=None):
                                    (f"a {args.chunk}-token step after {args.chunk_prefix:,} tokens", "chunk"),
                                    ("peak RSS", "rss")) if skip not in args.skip]
         presets = f" (presets: {', '.join(args.presets)})" if args.presets else ""
+        presets += " (and KvcxCache.for_model: the default scheme, guarded by the induction probe)" if args.for_model \
+            else ""
         emit.write(args.markdown, f"KvcxCache decoding the embedded model (FP32 on CPU){presets}: "
                                   f"{', '.join(parts)}.")
 

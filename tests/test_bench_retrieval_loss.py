@@ -29,7 +29,8 @@ def test_the_plan_gives_the_guarded_layers_8_bit_keys(tmp_path):
     out = tmp_path / "plan.json"
     assert guard_plan("kvcx", _forced([0.0, 0.05, 0.0], whole=0.1), 0.15, out, "m") == [1]
     cfg = load_plan(out)
-    assert cfg.layer_bits == ((1, 8, 4),) and cfg.scheme == "kvcx"
+    assert [(L, vb) for L, _, vb in cfg.layer_bits] == [(1, 4)] and cfg.scheme == "kvcx"
+    assert cfg.for_layer(1).key.bits == 8 and cfg.for_layer(0).key.bits == 4
     assert read_plan(out)["bits_per_value"] == cfg.bits_per_value(3) and read_plan(out)["model"] == "m"
 
 
@@ -38,7 +39,13 @@ def test_the_shipped_plan_is_the_rule_applied_to_the_recorded_measurement(tmp_pa
     out = tmp_path / "plan.json"
     layers = guard_plan(saved["args"]["scheme"], saved["forced"], 0.15, out, "m")
     assert layers == [17, 18, 20]
-    assert load_plan(out) == load_plan("smollm2-kvcx-4.58")
+    # the shipped plan was written (and measured) with 8-bit integer keys; the rule now writes 8-bit keys of a width
+    # per channel (KVConfig.guarded: the codes the fused kernel reads): the same layers, keys and values
+    written, shipped = load_plan(out), load_plan("smollm2-kvcx-4.58")
+    assert [L for L, _, _ in written.layer_bits] == [L for L, _, _ in shipped.layer_bits] == layers
+    assert all(written.for_layer(L).key.bits == shipped.for_layer(L).key.bits == 8 for L in layers)
+    assert all(written.for_layer(L).value == shipped.for_layer(L).value for L in range(30))
+    assert all(written.for_layer(L) == shipped.for_layer(L) for L in range(30) if L not in layers)
     exact = np.array(saved["forced"]["exact"])
     whole = (exact - np.array(saved["forced"]["kvcx"])).mean()
     assert whole > 0   # the measured loss the guard answers

@@ -52,6 +52,7 @@ from kvcx.codecs.base import Codec, get_codec
 from kvcx.codecs.dtypes import is_int
 from kvcx.codecs.intcodec import BITS, IntCodec
 from kvcx.codecs.plan_record import MAX_LAYERS, TAG_RE
+from kvcx.codecs.widths import WidthCodec
 from kvcx.errors import CodecError
 
 DEFAULT_SCHEME = "kvcx"
@@ -193,10 +194,11 @@ def _check_variants(variants) -> tuple:
             raise CodecError(f"variants: {name!r} is not a variant name; use 'key.TAG' or 'value.TAG' with TAG = "
                              "b<bits> and an optional suffix (e.g. 'value.b3', 'key.b3g128')")
         if isinstance(codec, dict):
-            codec = IntCodec.from_config(codec)
-        if not isinstance(codec, IntCodec) or codec.bits != int(m.group(3)):
-            raise CodecError(f"variants: {name!r} must be a codec of {m.group(3)} bits, got "
-                             f"{getattr(codec, 'bits', codec)!r}")
+            codec = get_codec(codec)
+        widths = m.group(1) == "key" and name.endswith(_WIDTHS_SUFFIX)   # keys of a width per channel (the guard's)
+        if not isinstance(codec, WidthCodec if widths else IntCodec) or codec.bits != int(m.group(3)):
+            raise CodecError(f"variants: {name!r} must be {'a widths' if widths else 'an integer'} codec of "
+                             f"{m.group(3)} bits, got {getattr(codec, 'bits', codec)!r}")
         if name in out:
             raise CodecError(f"variants lists {name!r} twice; give each once")
         out[name] = codec
@@ -245,6 +247,8 @@ def tag_of(sel) -> str:
 
 
 GUARD_BITS = 8   # the key width the retrieval guards give the layers they guard
+DEFAULT_GUARD_GROUP = 64   # the guard's key groups (tokens) where the scheme's keys are grouped per token
+_WIDTHS_SUFFIX = "w"   # a key variant's tag ending so ('b8w'): a widths codec (WidthCodec), every channel its bits
 
 
 @dataclass(frozen=True)
@@ -414,20 +418,29 @@ class KVConfig:
         if not isinstance(variants, dict):
             raise CodecError(f"a kvcx config's variants must be an object of 'key.TAG' / 'value.TAG' codecs, "
                              f"got {variants!r}")
-        variants = {k: IntCodec.from_config({**v, "n_threads": n_threads}) if isinstance(v, dict) else v
-                    for k, v in variants.items()}
+        variants = {k: get_codec(v, n_threads) if isinstance(v, dict) else v for k, v in variants.items()}
         return cls(key=codecs[0], value=codecs[1], scheme=scheme, layer_bits=config.get("layer_bits", ()),
                    variants=variants, key_weights=config.get("key_weights", ()),
                    keep_layers=config.get("keep_layers", ()))
 
     def guarded(self, layers, bits: int = GUARD_BITS) -> "KVConfig":
         """This config (a scheme's, no per-layer widths) with ``bits``-bit keys in ``layers``, their values as the
-        config gives them: the retrieval guards' plans (kvcx.quality.guard, kvcx.quality.induction)."""
+        config gives them: the retrieval guards' plans (kvcx.quality.guard, kvcx.cache.induction).
+
+        The guarded keys are a widths codec with every channel at ``bits`` (the variant ``key.b8w``:
+        :class:`~kvcx.codecs.widths.WidthCodec`, groups of the keys' tokens, the keys' sinks): the same per-channel
+        endpoint codes as 8-bit integer keys grouped per channel, which the fused CPU kernel reads (8-bit integer
+        codes it does not: those layers would decode their whole context every step), and ranges of two bytes
+        instead of four (6.25 bits/value a layer with the default's values, against 6.375)."""
         if self.layer_bits:
             raise CodecError("the guard starts from a scheme's config, without per-layer widths; pass a scheme, not a "
                              "plan")
-        return KVConfig(key=self.key, value=self.value, scheme=self.scheme, variants=self.variants,
-                        layer_bits=tuple((int(L), bits, self.value.bits) for L in sorted(layers)))
+        tag = f"b{bits}{_WIDTHS_SUFFIX}"
+        group = self.key.group_size if getattr(self.key, "axis", None) == "channel" else DEFAULT_GUARD_GROUP
+        codec = WidthCodec(bits=bits, group_size=group, sinks=self.key.sinks, n_threads=self.key.n_threads)
+        variants = tuple(v for v in self.variants if v[0] != f"key.{tag}") + ((f"key.{tag}", codec),)
+        return KVConfig(key=self.key, value=self.value, scheme=self.scheme, variants=variants,
+                        layer_bits=tuple((int(L), tag, self.value.bits) for L in sorted(layers)))
 
     def with_threads(self, n_threads: Optional[int]) -> "KVConfig":
         return KVConfig(key=self.key.with_threads(n_threads), value=self.value.with_threads(n_threads),

@@ -25,10 +25,13 @@ def test_a_layer_is_guarded_when_its_keys_alone_carry_the_share_of_the_loss():
 def test_the_guarded_layers_get_8_bit_keys_and_keep_their_values():
     base = KVConfig.from_scheme("kvcx3")
     cfg = guard_config(base, [18, 2])
-    assert cfg.layer_bits == ((2, GUARD_BITS, 3), (18, GUARD_BITS, 3))
-    assert cfg.for_layer(18).key.bits == 8 and cfg.for_layer(18).value == base.value
-    assert cfg.for_layer(3).key == base.key
-    assert cfg.bits_per_value(30) == pytest.approx(base.bits_per_value(30) + 2 * 5 / 2 / 30)
+    assert [L for L, _, _ in cfg.layer_bits] == [2, 18] and all(vb == 3 for _, _, vb in cfg.layer_bits)
+    guarded = cfg.for_layer(18).key   # 8 bits in every channel, the keys' groups and sinks (the fused kernel reads it)
+    assert (guarded.codec_id, guarded.bits, guarded.group_size, guarded.sinks) == ("kvcx.widths", GUARD_BITS, 64, 1)
+    assert cfg.for_layer(18).value == base.value and cfg.for_layer(3).key == base.key
+    # 8 bits + two bytes of range per channel and 64 tokens, against 3 bits + an FP16 scale and zero point per 64
+    assert guarded.bits_per_value() == 8 + 16 / 64 and base.key.bits_per_value() == 3 + 32 / 64
+    assert cfg.bits_per_value(30) == pytest.approx(base.bits_per_value(30) + 2 * (8.25 - 3.5) / 2 / 30)
     with pytest.raises(KvcxError, match="not a plan"):
         guard_config(cfg, [1])
 

@@ -8,6 +8,7 @@ from helpers import run
 
 from bench.families import build, family_configs
 from kvcx.api import load_plan, read_plan
+from kvcx.cache import KvcxCache
 from kvcx.codecs.kvconfig import KVConfig
 from kvcx.errors import KvcxError
 from kvcx.quality.guard import GUARD_BITS
@@ -27,9 +28,13 @@ def test_on_the_embedded_model_the_probe_finds_the_retrieval_guards_layers(loade
     assert model.config._attn_implementation == before
     assert guard.layers == [18, 17, 20]
     assert guard.scores.shape == (model.config.num_hidden_layers, model.config.num_attention_heads)
-    assert guard.config.layer_bits == tuple((L, GUARD_BITS, base.value.bits) for L in (17, 18, 20))
-    assert guard.config == load_plan("bench/plans/measured/kvcx-layers17-18-20-keys8.json")
-    assert guard.bits_per_value == pytest.approx(base.bits_per_value(30) + 3 * (GUARD_BITS - 4) / 2 / 30)
+    assert guard.config == base.guarded([17, 18, 20])
+    measured = load_plan("bench/plans/measured/kvcx-layers17-18-20-keys8.json")   # (written with 8-bit integer keys)
+    assert [L for L, _, _ in measured.layer_bits] == [L for L, _, _ in guard.config.layer_bits] == [17, 18, 20]
+    assert guard.bits_per_value == pytest.approx(base.bits_per_value(30) + 3 * (GUARD_BITS + 0.25 - 4.5) / 2 / 30)
+    cache = KvcxCache.for_model(model)   # the same probe in memory: a tenth of the 30 layers
+    assert cache.guard_layers == (17, 18, 20) and cache.kv_config == guard.config
+    assert model.config._attn_implementation == before
     best = guard.scores.max(-1)
     assert best[18] > 0.5 and best[17] > 0.5 and np.median(best) < 0.05   # a few heads copy; most do not
     path = tmp_path / "induction.json"
@@ -53,7 +58,7 @@ def test_the_probe_runs_on_the_families(name):
 def test_bad_probe_settings_are_refused():
     scores = np.zeros((30, 9))
     for n in (0, 31):
-        with pytest.raises(KvcxError, match="between 1 and the model's 30 layers"):
+        with pytest.raises(KvcxError, match="between 1 and the model.s 30 attention layers"):
             induction_layers(scores, n)
     with pytest.raises(KvcxError, match="kvcx2w"):
         check_induction(KVConfig.from_scheme("kvcx2w"))

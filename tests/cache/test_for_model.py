@@ -1,0 +1,104 @@
+"""KvcxCache.for_model: the retrieval guard found without data (the induction probe ranks the attention layers by how
+much their heads copy; a tenth of them get 8-bit keys), and ``guard_layers`` for layers chosen by hand. On the tiny
+random-weight families: the guard lands on the layers the probe ranks first, a hybrid's linear layers are never
+guarded, the guarded cache decodes fused; schemes without integer keys are left as they are; bad options are one
+KvcxError before the probe runs. The embedded model's guard (layers 17, 18, 20) is tests/quality/test_induction.py's.
+"""
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from bench.families import build, decode, family_configs, prompts  # noqa: E402
+from kvcx.cache import KvcxCache  # noqa: E402
+from kvcx.cache.induction import GUARD_SHARE, guard_count, induction_layers, induction_scores  # noqa: E402
+from kvcx.codecs.kvconfig import GUARD_BITS, KVConfig  # noqa: E402
+from kvcx.errors import KvcxError  # noqa: E402
+
+WINDOW, PROMPT = 64, 512
+
+
+def _model(name):
+    cfg = family_configs(WINDOW, PROMPT)[name]()
+    cfg.eos_token_id = None
+    return build(cfg)
+
+
+def test_a_tenth_of_the_attention_layers_rounded_at_least_one():
+    assert [guard_count(n) for n in (1, 4, 14, 15, 16, 30, 32, 80)] == [1, 1, 1, 2, 2, 3, 3, 8]
+    assert GUARD_SHARE == 10
+
+
+@pytest.mark.parametrize("name,guard", [("Llama", None), ("Llama", 2), ("Gemma 4", None), ("Qwen 3.5 (linear)", None)])
+def test_for_model_guards_the_layers_the_probe_ranks_first(name, guard):
+    model = _model(name)
+    model.set_attn_implementation("kvcx")
+    cache = KvcxCache.for_model(model, guard=guard)
+    assert model.config._attn_implementation == "kvcx"          # the probe's eager forwards leave it as found
+    attending = [s.index for s in cache.specs if s.packed]
+    expected = induction_layers(induction_scores(model), guard or guard_count(len(attending)), among=attending)
+    assert cache.guard_layers == tuple(sorted(expected)) and set(expected) <= set(attending)
+    base = KVConfig.from_scheme("kvcx")
+    assert cache.kv_config == base.guarded(expected)
+    for L in range(4):   # the guarded keys: a width per channel, every channel 8 bits (the codes the kernel reads)
+        key = cache.kv_config.for_layer(L).key
+        assert (key.codec_id, key.bits, key.sinks) == (("kvcx.widths", GUARD_BITS, 1) if L in expected else
+                                                       ("kvcx.int", 4, 1))
+        assert cache.kv_config.for_layer(L).value == base.value
+    assert cache.memory_report()["guard_layers"] == sorted(expected)
+    if "linear" in name:
+        assert cache.guard_layers == (3,)                       # the one full-attention layer; linear layers never
+    ids, mask = prompts(1, 2 * WINDOW + 5)
+    tokens, _ = decode(model, cache, ids, mask, 4)
+    report = cache.memory_report()
+    assert report["attention_steps"]["materialised"] == 0 and report["attention_steps"]["fused"] > 0
+    by_hand, _ = decode(model, KvcxCache(model.config, guard_layers=expected), ids, mask, 4)
+    assert torch.equal(tokens, by_hand)                         # the same cache as guard_layers by hand
+
+
+@pytest.mark.parametrize("kwargs", [dict(guard=0), dict(scheme="kvcx2w"), dict(scheme="kvcx2v"), dict(scheme="q4_0"),
+                                    dict(kv_config=KVConfig.from_scheme("kvcx").guarded([1]))])
+def test_no_guard_where_asked_for_none_or_the_keys_are_not_integer_codes(kwargs):
+    model = _model("Llama")
+    cache = KvcxCache.for_model(model, **kwargs)
+    plain = KvcxCache(model.config, **{k: v for k, v in kwargs.items() if k != "guard"})
+    assert cache.guard_layers == () and cache.kv_config == plain.kv_config
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(guard=-1), "0 to the model's 4"), (dict(guard=5), "0 to the model's 4"), (dict(guard=True), "guard=True"),
+    (dict(guard=1.5), "guard=1.5"), (dict(guard=2, scheme="q4_0"), "or guard=0"),
+    (dict(guard=1, scheme="kvcx2w"), "kvcx2w"), (dict(guard_layers=[1]), "pass guard="),
+    (dict(guard=1, bits=5), "bits"),
+])
+def test_bad_for_model_options_are_refused_before_the_probe(kwargs, message):
+    model = _model("Llama")
+    with pytest.raises(KvcxError, match=message):
+        KvcxCache.for_model(model, **kwargs)
+
+
+def test_a_hybrids_linear_layers_are_not_counted():
+    with pytest.raises(KvcxError, match="0 to the model's 1 "):
+        KvcxCache.for_model(_model("Qwen 3.5 (linear)"), guard=2)
+
+
+@pytest.mark.parametrize("layers,message", [([4], "4 is not a layer this cache packs"), ([1, 1], "each layer once"),
+                                            (["1"], "'1' is not a layer"), ([True], "True is not a layer"),
+                                            ([0], "linear")])
+def test_bad_guard_layers_are_refused(layers, message):
+    name = "Qwen 3.5 (linear)" if message == "linear" else "Llama"
+    config = family_configs(WINDOW, PROMPT)[name]()
+    with pytest.raises(KvcxError, match="0 is not a layer" if message == "linear" else message):
+        KvcxCache(config, guard_layers=layers)
+    with pytest.raises(KvcxError, match="kvcx2v"):
+        KvcxCache(family_configs(WINDOW, PROMPT)["Llama"](), scheme="kvcx2v", guard_layers=[1])
+
+
+def test_the_guards_key_groups_set_the_residual():
+    """The guard's keys are grouped by the scheme's per-channel key groups, or by 64 tokens where the scheme groups
+    keys per token: the residual (full-precision tokens before packing) holds whole groups of every layer's codecs."""
+    config = family_configs(WINDOW, PROMPT)["Llama"]()
+    assert KvcxCache(config, scheme="symmetric", guard_layers=[1]).residual_length == 64
+    assert KvcxCache(config, group_size=128, guard_layers=[1]).residual_length == 128
+    with pytest.raises(KvcxError, match=r"residual_length \(32\) must be a multiple of the group size \(64\)"):
+        KvcxCache(config, scheme="symmetric", residual_length=32, guard_layers=[1])
