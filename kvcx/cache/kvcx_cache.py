@@ -164,11 +164,15 @@ class KvcxCache(Cache):
         The induction probe (:mod:`kvcx.cache.induction`: random tokens fed twice, each head scored by how much it
         copies; 4 forwards of 1,024 tokens with the model's eager attention, 14 s for SmolLM2-135M on 2 CPU cores)
         ranks the attention layers, and the ``guard`` first get 8-bit keys (``guard_layers``). None (default): a
-        tenth of the attention layers (:func:`~kvcx.cache.induction.guard_count`: 3 of 30, +0.20 bits/value), and
-        no probe where the scheme has no integer keys to guard (kvcx2w, kvcx2v, an engine's format, a plan);
-        0: no probe, the plain scheme. Why: on 8,192-token passkeys at 90 % depth the default scheme misses prompts
-        the exact cache answers (17 of 95 over four fresh seeds), the guarded one none measured so far
-        (docs/results/retrieval-passkey-8k-90-induction.md). ``kwargs``: the constructor's options."""
+        tenth of the attention layers (:func:`~kvcx.cache.induction.guard_count`: 3 of 30, +0.19 bits/value), and
+        no probe where the scheme has no integer keys to guard (kvcx2w, kvcx2v, an engine's format, a plan) or
+        with ``backend="triton"``;
+        0: no probe, the plain scheme. The guarded keys are 8 bits in every channel (a widths codec, which the fused
+        CPU kernel reads). Why: on 8,192-token passkeys at 90 % depth the default scheme loses prompts the exact
+        cache answers (13 of 75 over three fresh seeds), the guard none of them
+        (docs/results/retrieval-passkey-8k-90-for-model.md). On a CUDA model the guarded layers keep their store on
+        the host (the Triton kernels read 4-bit integer codes): a SlowPathWarning says so. ``kwargs``: the
+        constructor's options."""
         from kvcx.cache.induction import guard_count, guardable, induction_layers, induction_scores
 
         if "guard_layers" in kwargs:
@@ -180,12 +184,17 @@ class KvcxCache(Cache):
                                   or not 0 <= guard <= len(attending)):
             raise KvcxError(f"KvcxCache.for_model guard={guard!r}: how many attention layers get 8-bit keys, 0 to the "
                             f"model's {len(attending)} (None: a tenth of them)")
+        if guard and kwargs.get("backend") == "triton":
+            raise KvcxError(f"KvcxCache.for_model guard={guard} with backend='triton': the Triton kernels run 4-bit "
+                            "integer codecs, not the guard's 8-bit keys; pass guard=0, or backend=None (by device: "
+                            "the guarded layers on the host)")
         if guard and not guardable(plain.kv_config):
             raise KvcxError(f"KvcxCache.for_model guard={guard}: the guard gives layers 8-bit keys on top of a "
                             f"scheme's integer keys, but this config is {plain.kv_config.describe()}: pass a scheme "
                             "such as kvcx or kvcx3, or guard=0")
-        if guard == 0 or not attending or (guard is None and not guardable(plain.kv_config)):
-            return plain
+        if guard == 0 or not attending or (guard is None and (not guardable(plain.kv_config)
+                                                              or kwargs.get("backend") == "triton")):
+            return plain   # (backend="triton": every layer on the Triton kernels, which read 4-bit integer codes)
         n = guard_count(len(attending)) if guard is None else guard
         layers = induction_layers(induction_scores(model), n, among=attending, option="KvcxCache.for_model guard")
         cache = cls(model.config, guard_layers=layers, **kwargs)

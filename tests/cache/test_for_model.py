@@ -57,7 +57,8 @@ def test_for_model_guards_the_layers_the_probe_ranks_first(name, guard):
 
 
 @pytest.mark.parametrize("kwargs", [dict(guard=0), dict(scheme="kvcx2w"), dict(scheme="kvcx2v"), dict(scheme="q4_0"),
-                                    dict(kv_config=KVConfig.from_scheme("kvcx").guarded([1]))])
+                                    dict(kv_config=KVConfig.from_scheme("kvcx").guarded([1])),
+                                    dict(backend="triton")])   # the Triton kernels read 4-bit integer codes
 def test_no_guard_where_asked_for_none_or_the_keys_are_not_integer_codes(kwargs):
     model = _model("Llama")
     cache = KvcxCache.for_model(model, **kwargs)
@@ -69,7 +70,7 @@ def test_no_guard_where_asked_for_none_or_the_keys_are_not_integer_codes(kwargs)
     (dict(guard=-1), "0 to the model's 4"), (dict(guard=5), "0 to the model's 4"), (dict(guard=True), "guard=True"),
     (dict(guard=1.5), "guard=1.5"), (dict(guard=2, scheme="q4_0"), "or guard=0"),
     (dict(guard=1, scheme="kvcx2w"), "kvcx2w"), (dict(guard_layers=[1]), "pass guard="),
-    (dict(guard=1, bits=5), "bits"),
+    (dict(guard=1, bits=5), "bits"), (dict(guard=1, backend="triton"), "run 4-bit integer codecs"),
 ])
 def test_bad_for_model_options_are_refused_before_the_probe(kwargs, message):
     model = _model("Llama")
