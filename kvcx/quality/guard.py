@@ -19,6 +19,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Callable, List, Optional, Sequence
 
+from kvcx.cache.induction import guardable
 from kvcx.codecs.kvconfig import GUARD_BITS, KVConfig
 from kvcx.codecs.metrics import json_safe
 from kvcx.errors import KvcxError
@@ -80,9 +81,9 @@ def check_guard(config: KVConfig, length: int, prompts: int, depths: Sequence[fl
     if ranks.launched():   # every rank would answer every prompt and write the same plan
         raise KvcxError("--guard-retrieval runs in one process: start it without torchrun / accelerate launch (the "
                         "windows of kvcx calibrate --budget and kvcx validate, and validate's prompts, shard)")
-    if config.layer_bits or config.key.takes_weights:
+    if not guardable(config):
         raise KvcxError("--guard-retrieval gives layers 8-bit keys on top of a scheme (kvcx, kvcx3, ...): pass a "
-                        "scheme whose keys have one width, not a plan, kvcx2w or kvcx4w")
+                        "scheme whose keys have one width, not a plan, kvcx2w, kvcx4w, kvcx2v or an engine's format")
     if length < ruler.MIN_LENGTH:
         raise KvcxError(f"--guard-retrieval {length}: contexts of at least {ruler.MIN_LENGTH} tokens; measure at the "
                         "length you serve, e.g. 8192")

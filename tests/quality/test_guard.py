@@ -40,6 +40,7 @@ def test_the_guarded_layers_get_8_bit_keys_and_keep_their_values():
     (dict(length=100), "at least"), (dict(prompts=0), "--prompts"), (dict(depths=[1.5]), "depths"),
     (dict(depths=[]), "depths"), (dict(protect=2.0), "protect"),
     (dict(config=KVConfig.from_scheme("kvcx2w")), "kvcx2w"),
+    (dict(config=KVConfig.from_scheme("q4_0")), "an engine's format"),   # was an AttributeError after the prompts
 ])
 def test_bad_guard_settings_are_refused(kw, message):
     args = dict(config=KVConfig.from_scheme("kvcx"), length=8192, prompts=8, depths=[0.9], protect=0.15)
@@ -54,6 +55,7 @@ def test_bad_guard_settings_are_refused(kw, message):
     (["--guard-retrieval", "8192", "--windows", "2"], "leave out --windows"),
     (["--guard-retrieval", "8192", "--scheme", "kvcx+snapkv:0.5"], "without its press"),
     (["--guard-retrieval", "8192", "--prompts", "0"], "--prompts"),
+    (["--guard-retrieval", "8192", "--scheme", "q4_0"], "an engine's format"),
     (["--guard-retrieval", "8192", "--protect", "0"], "protect"),
     (["--guard-retrieval", "8192", "--scheme", "kvcx2w"], "kvcx2w"),
     (["--scheme", "kvcx3"], "--budget is missing"),

@@ -72,6 +72,7 @@ def test_bad_probe_settings_are_refused():
     (["--guard-induction", "3", "--prompts", "4"], "leave out --prompts"),
     (["--guard-induction", "3", "--scheme", "kvcx+snapkv:0.5"], "without its press"),
     (["--guard-induction", "3", "--scheme", "kvcx2w"], "kvcx2w"),
+    (["--guard-induction", "3", "--scheme", "q4_0"], "an engine's format"),
     (["--guard-induction", "0"], "at least 1 layer"),
 ])
 def test_bad_induction_options_are_one_red_line_before_the_model_loads(tmp_path, extra, message):
