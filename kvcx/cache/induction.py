@@ -76,8 +76,8 @@ def _attention_layers(cfg, returned: int) -> List[int]:
                     "use --guard-retrieval, which measures every layer")
 
 
-def induction_layers(scores: np.ndarray, n: int, among: Optional[Sequence[int]] = None, option: str = "--guard-induction"
-                     ) -> List[int]:
+def induction_layers(scores: np.ndarray, n: int, among: Optional[Sequence[int]] = None,
+                     option: str = "--guard-induction") -> List[int]:
     """The ``n`` layers holding the highest-scoring heads, strongest first (their keys: the KV heads those heads
     read); ``among``: the layers that may be chosen (default: all; a hybrid's attention layers); ``option``: the
     name the error gives ``n``."""
@@ -89,19 +89,21 @@ def induction_layers(scores: np.ndarray, n: int, among: Optional[Sequence[int]] 
     return [among[int(i)] for i in np.argsort(-best, kind="stable")[:n]]
 
 
-GUARD_SHARE = 10   # a tenth of the attention layers: 3 of SmolLM2's 30 (+0.20 bits/value, the plan measured on
-#                    the 8k needle: docs/results/retrieval-passkey-8k-90-induction.md)
+GUARD_SHARE = 10   # a tenth of the attention layers: 3 of SmolLM2's 30 (+0.19 bits/value, the plan measured on
+#                    the 8k needle: docs/results/retrieval-passkey-8k-90-for-model.md)
 
 
 def guard_count(attention_layers: int) -> int:
     """The layers :meth:`KvcxCache.for_model` guards by default: a tenth of the model's attention layers, rounded,
-    at least one (each adds (8 - 4) / 2 bits/value over its share of the layers: +0.2 bits at a tenth)."""
+    at least one (on the default scheme each adds (8.25 - 4.5) / 2 bits/value over its share of the layers: +0.19
+    bits at a tenth)."""
     return max(1, round(attention_layers / GUARD_SHARE))
 
 
 def guardable(config) -> bool:
-    """Whether the probe's guard applies on top of ``config`` (a :class:`~kvcx.codecs.KVConfig`): a scheme's config whose keys are kvcx's integer codes
-    of one width (not a plan with per-layer widths, not per-channel widths, not an engine's format)."""
+    """Whether the probe's guard applies on top of ``config`` (a :class:`~kvcx.codecs.KVConfig`): a scheme's config
+    whose keys are kvcx's integer codes of one width (not a plan with per-layer widths, not per-channel widths, not
+    an engine's format)."""
     return not config.layer_bits and isinstance(config.key, IntCodec)
 
 
