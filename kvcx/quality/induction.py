@@ -15,6 +15,7 @@ from typing import List, Optional
 import numpy as np
 
 from kvcx.cache.induction import PROBE_SEED, PROBE_TOKENS, PROBE_TRIALS, guardable, induction_layers, induction_scores
+from kvcx.cache.layer_types import cached_layers
 from kvcx.codecs.kvconfig import KVConfig
 from kvcx.codecs.metrics import json_safe
 from kvcx.errors import KvcxError
@@ -60,8 +61,10 @@ def check_induction(config: KVConfig, n: int = 1) -> None:
 
 def induction_guard(config: KVConfig, n: int = 3, model: Optional[str] = None, cpu: bool = False,
                     loaded=None) -> InductionGuard:
-    """``config`` with 8-bit keys in the ``n`` layers the probe ranks first (module docstring); ``loaded``: a
-    (model, tokenizer, name) already loaded, else ``model`` (default: the embedded SmolLM2-135M)."""
+    """``config`` with 8-bit keys in the ``n`` layers the probe ranks first among those holding keys and values (a
+    hybrid's attention layers, as :meth:`KvcxCache.for_model <kvcx.cache.KvcxCache.for_model>` ranks them; module
+    docstring); ``loaded``: a (model, tokenizer, name) already loaded, else ``model`` (default: the embedded
+    SmolLM2-135M)."""
     t0 = time.perf_counter()
     check_induction(config, n)
     if loaded is None:
@@ -70,6 +73,6 @@ def induction_guard(config: KVConfig, n: int = 3, model: Optional[str] = None, c
         loaded = load_model_and_tokenizer(resolve_model(model), cpu=cpu)
     m, _, name = loaded
     scores = induction_scores(m)
-    layers = induction_layers(scores, n)
+    layers = induction_layers(scores, n, among=[L for L, _ in cached_layers(m.config)])
     return InductionGuard(config=config.guarded(layers), layers=layers, scores=scores, model=name,
                           wall_time_s=time.perf_counter() - t0)

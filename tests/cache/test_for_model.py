@@ -103,3 +103,38 @@ def test_the_guards_key_groups_set_the_residual():
     assert KvcxCache(config, group_size=128, guard_layers=[1]).residual_length == 128
     with pytest.raises(KvcxError, match=r"residual_length \(32\) must be a multiple of the group size \(64\)"):
         KvcxCache(config, scheme="symmetric", residual_length=32, guard_layers=[1])
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("name", ["Gemma 3", "GPT-OSS", "Llama 4 (chunked)"])
+def test_guarded_windowed_layers_wrap_their_ring_fused_8_windows_in(name, batch, checked):
+    """Every attention layer guarded (the sliding and chunked ones among them), a prompt of 8x the window (the rings
+    wrap 8 times) at batch 1 and left-padded at batch 3: every decode step fused and equal to the reference attention
+    over the same context within FP32 rounding, a windowed layer holds at most its window, one packed chunk and the
+    residual, and teacher-forced on DynamicCache's tokens the distributions are within the families' KL bound
+    (tests/cache/test_families.py's: the default scheme's KLD on the embedded model)."""
+    from transformers import DynamicCache
+
+    from bench.families import kl, temper
+
+    steps = 4
+    model = temper(_model(name), name)
+    ids, mask = prompts(batch, 8 * WINDOW)
+    model.set_attn_implementation("eager")
+    ref_tokens, ref_logits = decode(model, DynamicCache(config=model.config), ids, mask, steps)
+    model.set_attn_implementation("kvcx")
+    packed = [s.index for s in KvcxCache(model.config).specs if s.packed]
+    cache = KvcxCache.for_model(model, guard=len(packed))
+    assert cache.guard_layers == tuple(packed)
+    assert any(s.window for s in cache.specs if s.index in cache.guard_layers)
+    _, logits = decode(model, cache, ids, mask, steps, forced=ref_tokens)
+    report = cache.memory_report()
+    assert report["attention_steps"] == {**report["attention_steps"], "materialised": 0,
+                                         "fused": (steps - 1) * len(packed)}
+    assert len(checked) == (steps - 1) * len(packed)
+    worst = max(checked, key=lambda r: r[1] / r[2])
+    assert worst[1] <= 2e-5 * worst[2], worst
+    for spec, layer in zip(cache.specs, report["layers"]):
+        if spec.window:
+            assert layer["tokens_held"] <= spec.window + 2 * cache.residual_length, layer
+    assert kl(ref_logits, logits) <= 0.003

@@ -55,6 +55,18 @@ def test_the_probe_runs_on_the_families(name):
     assert induction_layers(scores, 4) == sorted(range(4), key=lambda i: -scores[i].max())
 
 
+
+def test_the_plan_guards_a_hybrids_attention_layers_only():
+    """``--guard-induction`` ranks the layers that hold keys and values, as KvcxCache.for_model does: on Qwen 3.5's
+    tiny model (3 linear layers, 1 full) the one full layer, and no more than it has."""
+    model = build(family_configs(64, 512)["Qwen 3.5 (linear)"]())
+    base = KVConfig.from_scheme("kvcx")
+    guard = induction_guard(base, 1, loaded=(model, None, "qwen3.5-tiny"))
+    assert guard.layers == [3] and guard.config == base.guarded([3])
+    assert guard.config == KvcxCache.for_model(model).kv_config
+    with pytest.raises(KvcxError, match="between 1 and the model.s 1 attention layers"):
+        induction_guard(base, 2, loaded=(model, None, "qwen3.5-tiny"))
+
 def test_bad_probe_settings_are_refused():
     scores = np.zeros((30, 9))
     for n in (0, 31):
