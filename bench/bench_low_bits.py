@@ -7,7 +7,8 @@ The windows come from the second half of the test split (``--from-start``: its f
 the layout was not chosen on (``--study`` scores the first 8 windows: how the layout was chosen).
 
 Rows: the default (``kvcx``); ``kvcx2v`` (keys with a width per channel, values on the E8P lattice); the same codecs
-with 2-bit keys (near 2.25 bits a value: the K2V2 comparison); NexusQuant K3V2 and K2V2 through its own package (the
+with 2-bit keys (near 2.25 bits a value: the K2V2 comparison); the default and kvcx2v with ``KvcxCache.for_model``'s
+guard (the induction probe's plans, ``kvcx calibrate --guard-induction 3``: 8-bit keys in layers 17, 18, 20); NexusQuant K3V2 and K2V2 through its own package (the
 ``peers`` extra), its bits counted from the codes it emits, fixed-length. Bits per value are validate's: the whole
 packed file of each window's context cache (codes, scales, ranges, widths, sinks, the header) over its values.
 The issue's targets (issue 68): kvcx2v at <= 2.75 bits, delta <= +0.334 and KLD <= 0.0270 (NexusQuant K3V2's on 16
@@ -24,6 +25,8 @@ from bench.report import Report, held_out_text
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared/data/wikitext-2-raw/wiki.test.raw"
 TARGET_BITS, TARGET_DELTA, TARGET_KLD = 2.75, 0.334, 0.0270   # issue 68: NexusQuant K3V2 on 16 windows
+PLANS = Path(__file__).resolve().parent / "plans/measured"   # the probe's plans (kvcx calibrate --guard-induction 3)
+GUARDED = "layers 17, 18, 20 keys 8-bit"
 
 
 def settings(peers: bool):
@@ -31,9 +34,13 @@ def settings(peers: bool):
     from kvcx.codecs.lattice import E8PCodec
     from kvcx.codecs.widths import WidthCodec
 
+    from kvcx.api import load_plan
+
     rows = {"kvcx (default)": KVConfig.from_scheme("kvcx"), "kvcx2v": KVConfig.from_scheme("kvcx2v"),
             "kvcx2v with 2-bit keys": KVConfig(key=WidthCodec(bits=2.0, group_size=128, sinks=1),
                                                value=E8PCodec(sinks=1), scheme="kvcx2v-k2")}
+    for scheme in ("kvcx", "kvcx2v"):   # KvcxCache.for_model's guard: 8-bit keys in the probe's 3 of 30 layers
+        rows[f"{scheme}, for_model's guard ({GUARDED})"] = load_plan(PLANS / f"{scheme}-induction3.json")
     if peers:
         from kvcx.quality.peers import PEERS
 

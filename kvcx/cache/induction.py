@@ -21,6 +21,7 @@ from typing import List, Optional, Sequence
 import numpy as np
 
 from kvcx.codecs.intcodec import IntCodec
+from kvcx.codecs.widths import WidthCodec
 from kvcx.errors import KvcxError
 
 PROBE_TOKENS = 512     # the random sequence's length (fed twice); 4 trials of 512 rank SmolLM2's layers the
@@ -102,18 +103,26 @@ def guard_count(attention_layers: int) -> int:
 
 def guardable(config) -> bool:
     """Whether the probe's guard applies on top of ``config`` (a :class:`~kvcx.codecs.KVConfig`): a scheme's config
-    whose keys are kvcx's integer codes of one width (not a plan with per-layer widths, not per-channel widths, not
-    an engine's format)."""
-    return not config.layer_bits and isinstance(config.key, IntCodec)
+    whose keys are kvcx's integer codes or its widths per channel (kvcx, kvcx3, kvcx2w, kvcx4w, kvcx2v, ...; not a
+    plan with per-layer widths, not an engine's format)."""
+    return not config.layer_bits and isinstance(config.key, (IntCodec, WidthCodec))
+
+
+def guarded_by_default(config) -> bool:
+    """Whether :meth:`KvcxCache.for_model <kvcx.cache.KvcxCache.for_model>` guards ``config`` unasked: where the
+    guard was measured to keep the deep needle, a scheme's integer keys (kvcx, ...). Keys of a width per channel take
+    the guard when asked (``guard=N``); on kvcx2v it kept no prompt the scheme lost (22/25 either way against the
+    exact cache's 25/25: docs/results/retrieval-passkey-8k-90-kvcx2v-guard.md)."""
+    return guardable(config) and isinstance(config.key, IntCodec)
 
 
 def guarded_config(config, layers, attending):
     """``config`` with 8-bit keys in ``layers`` (:meth:`KVConfig.guarded`); KvcxError naming the layer or the scheme
     where it cannot (``attending``: the indices of the layers kvcx packs)."""
     if not guardable(config):
-        raise KvcxError(f"guard_layers gives layers 8-bit keys on top of a scheme's integer keys, but this config is "
-                        f"{config.describe()}: pass a scheme such as kvcx or kvcx3 (not a plan, kvcx2w, kvcx4w, "
-                        "kvcx2v or an engine's format), or leave guard_layers out")
+        raise KvcxError(f"guard_layers gives layers 8-bit keys on top of a scheme's keys, but this config is "
+                        f"{config.describe()}: pass one of kvcx's schemes (kvcx, kvcx3, kvcx2v, ...; not a plan or "
+                        "an engine's format), or leave guard_layers out")
     layers = list(layers)
     for L in layers:
         if isinstance(L, bool) or not isinstance(L, (int, np.integer)) or L not in attending:

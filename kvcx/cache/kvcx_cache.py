@@ -51,6 +51,7 @@ from transformers.cache_utils import Cache
 
 from kvcx.cache.attention_fn import ATTN_IMPLEMENTATION
 from kvcx.cache.buffers import HeapRelease, KernelTimer, MaskConverter, Scratch, Shared, StepMode
+from kvcx.cache.device_store import runs_on_device
 from kvcx.cache.fused import Workspace
 from kvcx.cache.induction import guarded_config
 from kvcx.cache.layer_config import fitted as _fitted, on_backend as _on_backend, pressed as _pressed
@@ -164,16 +165,17 @@ class KvcxCache(Cache):
         The induction probe (:mod:`kvcx.cache.induction`: random tokens fed twice, each head scored by how much it
         copies; 4 forwards of 1,024 tokens with the model's eager attention, 14 s for SmolLM2-135M on 2 CPU cores)
         ranks the attention layers, and the ``guard`` first get 8-bit keys (``guard_layers``). None (default): a
-        tenth of the attention layers (:func:`~kvcx.cache.induction.guard_count`: 3 of 30, +0.19 bits/value), and
-        no probe where the scheme has no integer keys to guard (kvcx2w, kvcx2v, an engine's format, a plan) or
-        with ``backend="triton"``;
-        0: no probe, the plain scheme. The guarded keys are 8 bits in every channel (a widths codec, which the fused
-        CPU kernel reads). Why: on 8,192-token passkeys at 90 % depth the default scheme loses prompts the exact
+        tenth of the attention layers (:func:`~kvcx.cache.induction.guard_count`: 3 of 30, +0.19 bits/value on the
+        default scheme) where the scheme's keys are integer codes (kvcx, kvcx3, ...), and no probe otherwise: keys
+        of a width per channel (kvcx2w, kvcx4w, kvcx2v take the guard with ``guard=N``; on kvcx2v it costs +0.27
+        bits and answered no needle more: :func:`~kvcx.cache.induction.guarded_by_default`), an engine's format, a
+        plan, or ``backend="triton"``; 0: no probe, the plain scheme. The guarded keys are 8 bits in every channel
+        (a widths codec, which the fused CPU kernel reads). Why: on 8,192-token passkeys at 90 % depth the default scheme loses prompts the exact
         cache answers (13 of 75 over three fresh seeds), the guard none of them
-        (docs/results/retrieval-passkey-8k-90-for-model.md). On a CUDA model the guarded layers keep their store on
-        the host (the Triton kernels read 4-bit integer codes): a SlowPathWarning says so. ``kwargs``: the
-        constructor's options."""
-        from kvcx.cache.induction import guard_count, guardable, induction_layers, induction_scores
+        (docs/results/retrieval-passkey-8k-90-for-model.md). On a CUDA model whose other layers run on the Triton
+        kernels (4-bit integer codes) the guarded layers keep their store on the host: a SlowPathWarning says so.
+        ``kwargs``: the constructor's options."""
+        from kvcx.cache.induction import guard_count, guardable, guarded_by_default, induction_layers, induction_scores
 
         if "guard_layers" in kwargs:
             raise KvcxError("KvcxCache.for_model finds the guard's layers itself: pass guard= (how many), or build "
@@ -190,16 +192,16 @@ class KvcxCache(Cache):
                             "the guarded layers on the host)")
         if guard and not guardable(plain.kv_config):
             raise KvcxError(f"KvcxCache.for_model guard={guard}: the guard gives layers 8-bit keys on top of a "
-                            f"scheme's integer keys, but this config is {plain.kv_config.describe()}: pass a scheme "
-                            "such as kvcx or kvcx3, or guard=0")
-        if guard == 0 or not attending or (guard is None and (not guardable(plain.kv_config)
+                            f"scheme's keys, but this config is {plain.kv_config.describe()}: pass one of kvcx's "
+                            "schemes (kvcx, kvcx3, kvcx2v, ...; not a plan or an engine's format), or guard=0")
+        if guard == 0 or not attending or (guard is None and (not guarded_by_default(plain.kv_config)
                                                               or kwargs.get("backend") == "triton")):
             return plain   # (backend="triton": every layer on the Triton kernels, which read 4-bit integer codes)
         n = guard_count(len(attending)) if guard is None else guard
         layers = induction_layers(induction_scores(model), n, among=attending, option="KvcxCache.for_model guard")
         cache = cls(model.config, guard_layers=layers, **kwargs)
         device = next(iter(model.parameters())).device
-        if device.type == "cuda" and kwargs.get("backend") != "cpu":
+        if device.type == "cuda" and runs_on_device(plain.kv_config.key, plain.kv_config.value, device):
             warnings.warn(f"KvcxCache.for_model: the guarded layers {sorted(layers)} keep their store on the host and "
                           "attend with the CPU kernels (the Triton kernels read 4-bit integer codes, not the guard's "
                           "8-bit keys): each decode step copies their queries over; guard=0 keeps every layer on "

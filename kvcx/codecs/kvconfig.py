@@ -29,7 +29,8 @@ codecs. A selection is a bit width (the base codec with only ``bits`` changed, o
 The presets kvcx3/kvcx2 define the variants `kvcx calibrate` chooses from (:meth:`KVConfig.options`). A tensor's layer comes from its name (``layer_3_key``, ``past_key_values.3.0``,
 ``model.layers.3.k_cache``: the number after ``layer``/``layers``/``past_key_values``); tensors without one
 get the base codecs. In a packed file each width is a codec of its own (``key.b4``, ``value.b2``), so any
-format-2 reader decodes it.
+format-2 reader decodes it. Keys with a width per channel (kvcx2w, kvcx4w, kvcx2v) take no per-layer selection
+but the retrieval guard's (:meth:`KVConfig.guarded`: ``key.b8w`` in the guarded layers, the values' own codec).
 
 Kept layers: ``KVConfig(..., keep_layers=(0, 1))`` leaves those layers' tensors exact (a packed file stores them as
 they are): the layers an engine keeps in the model's dtype, which :meth:`KVConfig.engine_layers` fills in for a model
@@ -273,18 +274,25 @@ class KVConfig:
         if self.key_weights and not self.key.takes_weights:
             raise CodecError("key_weights choose per-channel widths; they need a widths key codec "
                              "(--scheme kvcx2w), not " + repr(self.key))
-        if not isinstance(self.key, IntCodec) and (self.layer_bits or self.variants):
-            raise CodecError("a widths key codec (kvcx2w) takes no per-layer bits or variants; its widths are "
-                             "chosen per channel from the data")
         if self.value.takes_weights:
             raise CodecError("per-channel widths are for keys; give values an IntCodec")
         object.__setattr__(self, "variants", _check_variants(self.variants))
+        if not isinstance(self.key, IntCodec) and (self.layer_bits or self.variants) and not self._guard_only():
+            raise CodecError("a widths key codec (kvcx2w) takes no per-layer bits or variants but the retrieval "
+                             "guard's 8-bit keys (KVConfig.guarded); its widths are chosen per channel from the data")
         names = {n for n, _ in self.variants}
         for L, kb, vb in self.layer_bits:
             for kind, sel in (("key", kb), ("value", vb)):
                 if isinstance(sel, str) and f"{kind}.{sel}" not in names:
                     raise CodecError(f"layer_bits: layer {L} selects {kind} variant {sel!r}, which the config does not "
                                      f"define; defined: {', '.join(sorted(names)) or 'none'}")
+
+    def _guard_only(self) -> bool:
+        """Whether the per-layer selections are a guard's alone (:meth:`guarded`): key variants of a width per
+        channel, the values' own codec in every layer (what a config with widths keys may select)."""
+        own = getattr(self.value, "bits", None)
+        return all(n.startswith("key.") and n.endswith(_WIDTHS_SUFFIX) for n, _ in self.variants) and \
+            all(isinstance(kb, str) and kb.endswith(_WIDTHS_SUFFIX) and vb == own for _, kb, vb in self.layer_bits)
 
     def codec_at(self, kind: str, sel) -> IntCodec:
         """The codec keys (``kind='key'``) or values get for a selection: a variant's tag (``'b3g128'``), or a
@@ -424,8 +432,9 @@ class KVConfig:
                    keep_layers=config.get("keep_layers", ()))
 
     def guarded(self, layers, bits: int = GUARD_BITS) -> "KVConfig":
-        """This config (a scheme's, no per-layer widths) with ``bits``-bit keys in ``layers``, their values as the
-        config gives them: the retrieval guards' plans (kvcx.quality.guard, kvcx.cache.induction).
+        """This config (a scheme's, no per-layer widths; keys of integer codes or of a width per channel) with
+        ``bits``-bit keys in ``layers``, their values as the config gives them: the retrieval guards' plans
+        (kvcx.quality.guard, kvcx.cache.induction). Key weights and kept layers stay as they are.
 
         The guarded keys are a widths codec with every channel at ``bits`` (the variant ``key.b8w``:
         :class:`~kvcx.codecs.widths.WidthCodec`, groups of the keys' tokens, the keys' sinks): the same per-channel
@@ -436,11 +445,13 @@ class KVConfig:
             raise CodecError("the guard starts from a scheme's config, without per-layer widths; pass a scheme, not a "
                              "plan")
         tag = f"b{bits}{_WIDTHS_SUFFIX}"
-        group = self.key.group_size if getattr(self.key, "axis", None) == "channel" else DEFAULT_GUARD_GROUP
+        per_channel = isinstance(self.key, WidthCodec) or getattr(self.key, "axis", None) == "channel"
+        group = self.key.group_size if per_channel else DEFAULT_GUARD_GROUP
         codec = WidthCodec(bits=bits, group_size=group, sinks=self.key.sinks, n_threads=self.key.n_threads)
         variants = tuple(v for v in self.variants if v[0] != f"key.{tag}") + ((f"key.{tag}", codec),)
         return KVConfig(key=self.key, value=self.value, scheme=self.scheme, variants=variants,
-                        layer_bits=tuple((int(L), tag, self.value.bits) for L in sorted(layers)))
+                        layer_bits=tuple((int(L), tag, self.value.bits) for L in sorted(layers)),
+                        key_weights=self.key_weights, keep_layers=self.keep_layers)
 
     def with_threads(self, n_threads: Optional[int]) -> "KVConfig":
         return KVConfig(key=self.key.with_threads(n_threads), value=self.value.with_threads(n_threads),

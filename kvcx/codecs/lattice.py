@@ -71,6 +71,7 @@ class E8PCodec(Codec):
     """
 
     codec_id = "kvcx.e8p"
+    bits = 2   # code bits a value (a 16-bit code per 8 values), as an integer codec's bits: a plan's selection of it
     settings = ("sinks",)
     format_version = E8P_FORMAT_VERSION
 

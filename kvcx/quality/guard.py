@@ -82,8 +82,8 @@ def check_guard(config: KVConfig, length: int, prompts: int, depths: Sequence[fl
         raise KvcxError("--guard-retrieval runs in one process: start it without torchrun / accelerate launch (the "
                         "windows of kvcx calibrate --budget and kvcx validate, and validate's prompts, shard)")
     if not guardable(config):
-        raise KvcxError("--guard-retrieval gives layers 8-bit keys on top of a scheme (kvcx, kvcx3, ...): pass a "
-                        "scheme whose keys have one width, not a plan, kvcx2w, kvcx4w, kvcx2v or an engine's format")
+        raise KvcxError("--guard-retrieval gives layers 8-bit keys on top of one of kvcx's schemes (kvcx, kvcx3, "
+                        "kvcx2v, ...): pass such a scheme, not a plan or an engine's format")
     if length < ruler.MIN_LENGTH:
         raise KvcxError(f"--guard-retrieval {length}: contexts of at least {ruler.MIN_LENGTH} tokens; measure at the "
                         "length you serve, e.g. 8192")

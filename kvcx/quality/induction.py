@@ -55,8 +55,8 @@ def check_induction(config: KVConfig, n: int = 1) -> None:
     if n < 1:
         raise KvcxError(f"--guard-induction {n}: guard at least 1 layer (3 is +0.2 bits/value on a 30-layer model)")
     if not guardable(config):
-        raise KvcxError("--guard-induction gives layers 8-bit keys on top of a scheme (kvcx, kvcx3, ...): pass a "
-                        "scheme whose keys have one width, not a plan, kvcx2w, kvcx4w, kvcx2v or an engine's format")
+        raise KvcxError("--guard-induction gives layers 8-bit keys on top of one of kvcx's schemes (kvcx, kvcx3, "
+                        "kvcx2v, ...): pass such a scheme, not a plan or an engine's format")
 
 
 def induction_guard(config: KVConfig, n: int = 3, model: Optional[str] = None, cpu: bool = False,

@@ -29,21 +29,29 @@ def test_a_tenth_of_the_attention_layers_rounded_at_least_one():
     assert GUARD_SHARE == 10
 
 
-@pytest.mark.parametrize("name,guard", [("Llama", None), ("Llama", 2), ("Gemma 4", None), ("Qwen 3.5 (linear)", None)])
-def test_for_model_guards_the_layers_the_probe_ranks_first(name, guard):
+@pytest.mark.parametrize("name,guard,scheme", [("Llama", None, "kvcx"), ("Llama", 2, "kvcx"), ("Gemma 4", None, "kvcx"),
+                                               ("Qwen 3.5 (linear)", None, "kvcx"), ("Llama", 1, "kvcx2v"),
+                                               ("Gemma 3", 2, "kvcx2w"), ("Llama", 1, "kvcx4w")])
+def test_for_model_guards_the_layers_the_probe_ranks_first(name, guard, scheme):
+    """Keys of integer codes (kvcx) or of a width per channel (kvcx2v, kvcx2w, kvcx4w): the guarded layers' keys are
+    8 bits in every channel, grouped as the scheme's keys are (its widths' groups, its sinks), their values the
+    scheme's."""
     model = _model(name)
     model.set_attn_implementation("kvcx")
-    cache = KvcxCache.for_model(model, guard=guard)
+    cache = KvcxCache.for_model(model, guard=guard, scheme=scheme)
     assert model.config._attn_implementation == "kvcx"          # the probe's eager forwards leave it as found
     attending = [s.index for s in cache.specs if s.packed]
     expected = induction_layers(induction_scores(model), guard or guard_count(len(attending)), among=attending)
     assert cache.guard_layers == tuple(sorted(expected)) and set(expected) <= set(attending)
-    base = KVConfig.from_scheme("kvcx")
+    base = KVConfig.from_scheme(scheme)
     assert cache.kv_config == base.guarded(expected)
+    group = base.key.group_size if scheme != "kvcx" else 64     # the default's keys: per channel in groups of 64
     for L in range(4):   # the guarded keys: a width per channel, every channel 8 bits (the codes the kernel reads)
         key = cache.kv_config.for_layer(L).key
-        assert (key.codec_id, key.bits, key.sinks) == (("kvcx.widths", GUARD_BITS, 1) if L in expected else
-                                                       ("kvcx.int", 4, 1))
+        if L in expected:
+            assert (key.codec_id, key.bits, key.group_size, key.sinks) == ("kvcx.widths", GUARD_BITS, group, 1)
+        else:
+            assert key == base.key
         assert cache.kv_config.for_layer(L).value == base.value
     assert cache.memory_report()["guard_layers"] == sorted(expected)
     if "linear" in name:
@@ -52,14 +60,15 @@ def test_for_model_guards_the_layers_the_probe_ranks_first(name, guard):
     tokens, _ = decode(model, cache, ids, mask, 4)
     report = cache.memory_report()
     assert report["attention_steps"]["materialised"] == 0 and report["attention_steps"]["fused"] > 0
-    by_hand, _ = decode(model, KvcxCache(model.config, guard_layers=expected), ids, mask, 4)
+    by_hand, _ = decode(model, KvcxCache(model.config, scheme=scheme, guard_layers=expected), ids, mask, 4)
     assert torch.equal(tokens, by_hand)                         # the same cache as guard_layers by hand
 
 
-@pytest.mark.parametrize("kwargs", [dict(guard=0), dict(scheme="kvcx2w"), dict(scheme="kvcx2v"), dict(scheme="q4_0"),
+@pytest.mark.parametrize("kwargs", [dict(guard=0), dict(scheme="q4_0"), dict(scheme="nvfp4"),
                                     dict(kv_config=KVConfig.from_scheme("kvcx").guarded([1])),
-                                    dict(backend="triton")])   # the Triton kernels read 4-bit integer codes
-def test_no_guard_where_asked_for_none_or_the_keys_are_not_integer_codes(kwargs):
+                                    dict(backend="triton"),    # the Triton kernels read 4-bit integer codes
+                                    dict(scheme="kvcx2v"), dict(scheme="kvcx4w")])   # widths keys: when asked
+def test_no_guard_unasked_but_on_integer_keys(kwargs):
     model = _model("Llama")
     cache = KvcxCache.for_model(model, **kwargs)
     plain = KvcxCache(model.config, **{k: v for k, v in kwargs.items() if k != "guard"})
@@ -69,7 +78,8 @@ def test_no_guard_where_asked_for_none_or_the_keys_are_not_integer_codes(kwargs)
 @pytest.mark.parametrize("kwargs,message", [
     (dict(guard=-1), "0 to the model's 4"), (dict(guard=5), "0 to the model's 4"), (dict(guard=True), "guard=True"),
     (dict(guard=1.5), "guard=1.5"), (dict(guard=2, scheme="q4_0"), "or guard=0"),
-    (dict(guard=1, scheme="kvcx2w"), "kvcx2w"), (dict(guard_layers=[1]), "pass guard="),
+    (dict(guard=1, kv_config=KVConfig.from_scheme("kvcx").guarded([1])), "not a plan"),
+    (dict(guard_layers=[1]), "pass guard="),
     (dict(guard=1, bits=5), "bits"), (dict(guard=1, backend="triton"), "run 4-bit integer codecs"),
 ])
 def test_bad_for_model_options_are_refused_before_the_probe(kwargs, message):
@@ -91,8 +101,8 @@ def test_bad_guard_layers_are_refused(layers, message):
     config = family_configs(WINDOW, PROMPT)[name]()
     with pytest.raises(KvcxError, match="0 is not a layer" if message == "linear" else message):
         KvcxCache(config, guard_layers=layers)
-    with pytest.raises(KvcxError, match="kvcx2v"):
-        KvcxCache(family_configs(WINDOW, PROMPT)["Llama"](), scheme="kvcx2v", guard_layers=[1])
+    with pytest.raises(KvcxError, match="not a plan or an engine's format"):
+        KvcxCache(family_configs(WINDOW, PROMPT)["Llama"](), scheme="q4_0", guard_layers=[1])
 
 
 def test_the_guards_key_groups_set_the_residual():

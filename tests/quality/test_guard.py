@@ -39,7 +39,7 @@ def test_the_guarded_layers_get_8_bit_keys_and_keep_their_values():
 @pytest.mark.parametrize("kw,message", [
     (dict(length=100), "at least"), (dict(prompts=0), "--prompts"), (dict(depths=[1.5]), "depths"),
     (dict(depths=[]), "depths"), (dict(protect=2.0), "protect"),
-    (dict(config=KVConfig.from_scheme("kvcx2w")), "kvcx2w"),
+    (dict(config=KVConfig.from_scheme("mxfp4")), "an engine's format"),
     (dict(config=KVConfig.from_scheme("q4_0")), "an engine's format"),   # was an AttributeError after the prompts
 ])
 def test_bad_guard_settings_are_refused(kw, message):
@@ -57,7 +57,7 @@ def test_bad_guard_settings_are_refused(kw, message):
     (["--guard-retrieval", "8192", "--prompts", "0"], "--prompts"),
     (["--guard-retrieval", "8192", "--scheme", "q4_0"], "an engine's format"),
     (["--guard-retrieval", "8192", "--protect", "0"], "protect"),
-    (["--guard-retrieval", "8192", "--scheme", "kvcx2w"], "kvcx2w"),
+    (["--guard-retrieval", "8192", "--scheme", "nvfp4"], "an engine's format"),
     (["--scheme", "kvcx3"], "--budget is missing"),
 ])
 def test_bad_guard_options_are_one_red_line_before_the_model_loads(tmp_path, extra, message):
@@ -89,3 +89,44 @@ def test_the_guard_measures_each_layers_keys_on_the_model(loaded, tmp_path):
     path.write_text(json.dumps(bad))
     r = run("validate", "--plan", path, "--task", "passkey")
     assert r.exit_code == 1 and "'guard'" in r.output and "Traceback" not in r.output
+
+
+@pytest.mark.parametrize("scheme", ["kvcx2v", "kvcx2w"])
+def test_a_widths_key_scheme_takes_the_guard_and_a_packed_file_keeps_it(scheme):
+    """Keys of a width per channel (kvcx2v: E8P values; kvcx2w): the guarded layers' keys are 8 bits in every channel
+    in the scheme's own key groups, their values the scheme's; the plan goes through its record and a packed file
+    (each guarded layer's keys under the variant's name, decoding as finely as 8 bits do)."""
+    from helpers import tinyllama_cache
+
+    from kvcx.codecs.metrics import error_stats
+    from kvcx.formats.packed import compress_tensors, decompress_tensors
+
+    base = KVConfig.from_scheme(scheme)
+    cfg = guard_config(base, [2])
+    key = cfg.for_layer(2).key
+    assert (key.codec_id, key.bits, key.group_size, key.sinks) == ("kvcx.widths", GUARD_BITS, base.key.group_size,
+                                                                    base.key.sinks)
+    assert cfg.for_layer(2).value == base.value and cfg.for_layer(0) == KVConfig(base.key, base.value, scheme=scheme)
+    assert cfg.bits_per_value(8) == pytest.approx(base.bits_per_value(8) + (key.bits_per_value()
+                                                                           - base.key.bits_per_value()) / 2 / 8)
+    assert KVConfig.from_config(json.loads(json.dumps(cfg.get_config()))) == cfg
+    tensors = {n: a for n, a in tinyllama_cache(seq=128).items() if n.startswith(("layer_0_", "layer_2_"))}
+    packed, meta, _ = compress_tensors(tensors, cfg)
+    info = json.loads(meta["kvcx.tensors"])
+    assert info["layer_2_key"]["codec"] == "key.b8w" and info["layer_0_key"]["codec"] == "key"
+    assert info["layer_2_value"]["codec"] == info["layer_0_value"]["codec"] == "value"
+    out = decompress_tensors(packed, meta)
+    snr = {n: error_stats(tensors[n], out[n]).snr_db for n in ("layer_0_key", "layer_2_key")}
+    assert snr["layer_2_key"] > 40 > snr["layer_0_key"], snr
+
+
+def test_widths_keys_take_no_per_layer_selection_but_the_guards():
+    from kvcx.errors import CodecError
+
+    base = KVConfig.from_scheme("kvcx2v")
+    guard = base.guarded([1]).variants
+    for layer_bits, variants in (([(0, 4, 2)], ()), ([(0, "b8w", 3)], guard), ([(0, "b8w", 2), (1, 4, 2)], guard)):
+        with pytest.raises(CodecError, match="widths key codec .* but the retrieval guard's"):
+            KVConfig(key=base.key, value=base.value, layer_bits=layer_bits, variants=variants)
+    assert KVConfig(key=base.key, value=base.value, scheme="kvcx2v", layer_bits=[(1, "b8w", 2)],
+                    variants=guard) == base.guarded([1])

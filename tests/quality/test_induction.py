@@ -32,6 +32,9 @@ def test_on_the_embedded_model_the_probe_finds_the_retrieval_guards_layers(loade
     measured = load_plan("bench/plans/measured/kvcx-layers17-18-20-keys8.json")   # (written with 8-bit integer keys)
     assert [L for L, _, _ in measured.layer_bits] == [L for L, _, _ in guard.config.layer_bits] == [17, 18, 20]
     assert guard.bits_per_value == pytest.approx(base.bits_per_value(30) + 3 * (GUARD_BITS + 0.25 - 4.5) / 2 / 30)
+    for scheme in ("kvcx", "kvcx2v"):   # the probe's plans the benches read (docs/results/low-bits.md, ...)
+        shipped = load_plan(f"bench/plans/measured/{scheme}-induction3.json")
+        assert shipped == KVConfig.from_scheme(scheme).guarded(guard.layers)
     cache = KvcxCache.for_model(model)   # the same probe in memory: a tenth of the 30 layers
     assert cache.guard_layers == (17, 18, 20) and cache.kv_config == guard.config
     assert model.config._attn_implementation == before
@@ -72,8 +75,9 @@ def test_bad_probe_settings_are_refused():
     for n in (0, 31):
         with pytest.raises(KvcxError, match="between 1 and the model.s 30 attention layers"):
             induction_layers(scores, n)
-    with pytest.raises(KvcxError, match="kvcx2w"):
-        check_induction(KVConfig.from_scheme("kvcx2w"))
+    check_induction(KVConfig.from_scheme("kvcx2v"))   # keys of a width per channel take the guard too
+    with pytest.raises(KvcxError, match="an engine's format"):
+        check_induction(KVConfig.from_scheme("nvfp4"))
     with pytest.raises(KvcxError, match="not a plan"):
         check_induction(load_plan("bench/plans/measured/kvcx-layers17-18-20-keys8.json"))
 
@@ -83,7 +87,7 @@ def test_bad_probe_settings_are_refused():
     (["--guard-induction", "3", "--guard-retrieval", "8192"], "leave out --guard-retrieval"),
     (["--guard-induction", "3", "--prompts", "4"], "leave out --prompts"),
     (["--guard-induction", "3", "--scheme", "kvcx+snapkv:0.5"], "without its press"),
-    (["--guard-induction", "3", "--scheme", "kvcx2w"], "kvcx2w"),
+    (["--guard-induction", "3", "--scheme", "mxfp4"], "an engine's format"),
     (["--guard-induction", "3", "--scheme", "q4_0"], "an engine's format"),
     (["--guard-induction", "0"], "at least 1 layer"),
 ])
