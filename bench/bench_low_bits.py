@@ -8,7 +8,9 @@ the layout was not chosen on (``--study`` scores the first 8 windows: how the la
 
 Rows: the default (``kvcx``); ``kvcx2v`` (keys with a width per channel, values on the E8P lattice); the same codecs
 with 2-bit keys (near 2.25 bits a value: the K2V2 comparison); the default and kvcx2v with ``KvcxCache.for_model``'s
-guard (the induction probe's plans, ``kvcx calibrate --guard-induction 3``: 8-bit keys in layers 17, 18, 20); NexusQuant K3V2 and K2V2 through its own package (the
+guard (the induction probe's plans, ``kvcx calibrate --guard-induction 3``: 8-bit keys in layers 17, 18, 20); kvcx2v
+with the guard measured on its 8k needle (``bench/plans/measured/kvcx2v-guard-8192.json``: 8-bit keys in 7 layers,
+docs/results/retrieval-loss-8k-kvcx2v.md); NexusQuant K3V2 and K2V2 through its own package (the
 ``peers`` extra), its bits counted from the codes it emits, fixed-length. Bits per value are validate's: the whole
 packed file of each window's context cache (codes, scales, ranges, widths, sinks, the header) over its values.
 The issue's targets (issue 68): kvcx2v at <= 2.75 bits, delta <= +0.334 and KLD <= 0.0270 (NexusQuant K3V2's on 16
@@ -41,6 +43,9 @@ def settings(peers: bool):
                                                value=E8PCodec(sinks=1), scheme="kvcx2v-k2")}
     for scheme in ("kvcx", "kvcx2v"):   # KvcxCache.for_model's guard: 8-bit keys in the probe's 3 of 30 layers
         rows[f"{scheme}, for_model's guard ({GUARDED})"] = load_plan(PLANS / f"{scheme}-induction3.json")
+    # the measured guard (bench_retrieval_loss --write-plan on kvcx2v's 8k needle figures): 8-bit keys in 7 layers
+    rows["kvcx2v, measured 8k guard (layers 2, 7, 15, 18, 20, 21, 23 keys 8-bit)"] = load_plan(
+        PLANS / "kvcx2v-guard-8192.json")
     if peers:
         from kvcx.quality.peers import PEERS
 
