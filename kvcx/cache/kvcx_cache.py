@@ -170,8 +170,8 @@ class KvcxCache(Cache):
         of a width per channel (kvcx2w, kvcx4w, kvcx2v take the guard with ``guard=N``; on kvcx2v it costs +0.27
         bits and answered no needle more: :func:`~kvcx.cache.induction.guarded_by_default`), an engine's format, a
         plan, or ``backend="triton"``; 0: no probe, the plain scheme. The guarded keys are 8 bits in every channel
-        (a widths codec, which the fused CPU kernel reads). Why: on 8,192-token passkeys at 90 % depth the default scheme loses prompts the exact
-        cache answers (13 of 75 over three fresh seeds), the guard none of them
+        (a widths codec, which the fused CPU kernel reads). Why: on 8,192-token passkeys at 90 % depth the default
+        scheme loses prompts the exact cache answers (13 of 75 over three fresh seeds), the guard none of them
         (docs/results/retrieval-passkey-8k-90-for-model.md). On a CUDA model whose other layers run on the Triton
         kernels (4-bit integer codes) the guarded layers keep their store on the host: a SlowPathWarning says so.
         ``kwargs``: the constructor's options."""

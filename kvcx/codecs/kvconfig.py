@@ -444,6 +444,10 @@ class KVConfig:
         if self.layer_bits:
             raise CodecError("the guard starts from a scheme's config, without per-layer widths; pass a scheme, not a "
                              "plan")
+        if not isinstance(self.key, (IntCodec, WidthCodec)):
+            raise CodecError(f"the guard gives 8-bit keys on top of kvcx's own keys (integer codes or a width per "
+                             f"channel), not {self.key.describe()}: pass one of kvcx's schemes (kvcx, kvcx3, kvcx2v, "
+                             "...), not an engine's format")
         tag = f"b{bits}{_WIDTHS_SUFFIX}"
         per_channel = isinstance(self.key, WidthCodec) or getattr(self.key, "axis", None) == "channel"
         group = self.key.group_size if per_channel else DEFAULT_GUARD_GROUP

@@ -130,3 +130,6 @@ def test_widths_keys_take_no_per_layer_selection_but_the_guards():
             KVConfig(key=base.key, value=base.value, layer_bits=layer_bits, variants=variants)
     assert KVConfig(key=base.key, value=base.value, scheme="kvcx2v", layer_bits=[(1, "b8w", 2)],
                     variants=guard) == base.guarded([1])
+    for scheme in ("nvfp4", "q4_0", "turboquant_k8v4"):   # an engine's keys: no guard to give them
+        with pytest.raises(CodecError, match="not an engine's format"):
+            KVConfig.from_scheme(scheme).guarded([1])
