@@ -108,6 +108,15 @@ def guardable(config) -> bool:
     return not config.layer_bits and isinstance(config.key, (IntCodec, WidthCodec))
 
 
+def check_guardable(config, option: str, otherwise: str) -> None:
+    """KvcxError where the guard cannot go on top of ``config`` (:func:`guardable`): the one message every way to the
+    guard gives, naming its ``option`` and what to do ``otherwise`` instead."""
+    if not guardable(config):
+        raise KvcxError(f"{option} gives layers 8-bit keys on top of one of kvcx's schemes (kvcx, kvcx3, kvcx2v, ...), "
+                        f"but this config is {config.describe()}: pass such a scheme, not a plan or an engine's "
+                        f"format, {otherwise}")
+
+
 def guarded_by_default(config) -> bool:
     """Whether :meth:`KvcxCache.for_model <kvcx.cache.KvcxCache.for_model>` guards ``config`` unasked: where the
     guard was measured to keep the deep needle, a scheme's integer keys (kvcx, ...). Keys of a width per channel take
@@ -119,10 +128,7 @@ def guarded_by_default(config) -> bool:
 def guarded_config(config, layers, attending):
     """``config`` with 8-bit keys in ``layers`` (:meth:`KVConfig.guarded`); KvcxError naming the layer or the scheme
     where it cannot (``attending``: the indices of the layers kvcx packs)."""
-    if not guardable(config):
-        raise KvcxError(f"guard_layers gives layers 8-bit keys on top of a scheme's keys, but this config is "
-                        f"{config.describe()}: pass one of kvcx's schemes (kvcx, kvcx3, kvcx2v, ...; not a plan or "
-                        "an engine's format), or leave guard_layers out")
+    check_guardable(config, "guard_layers", "or leave guard_layers out")
     layers = list(layers)
     for L in layers:
         if isinstance(L, bool) or not isinstance(L, (int, np.integer)) or L not in attending:

@@ -175,7 +175,8 @@ class KvcxCache(Cache):
         (docs/results/retrieval-passkey-8k-90-for-model.md). On a CUDA model whose other layers run on the Triton
         kernels (4-bit integer codes) the guarded layers keep their store on the host: a SlowPathWarning says so.
         ``kwargs``: the constructor's options."""
-        from kvcx.cache.induction import guard_count, guardable, guarded_by_default, induction_layers, induction_scores
+        from kvcx.cache.induction import (check_guardable, guard_count, guarded_by_default, induction_layers,
+                                          induction_scores)
 
         if "guard_layers" in kwargs:
             raise KvcxError("KvcxCache.for_model finds the guard's layers itself: pass guard= (how many), or build "
@@ -190,10 +191,8 @@ class KvcxCache(Cache):
             raise KvcxError(f"KvcxCache.for_model guard={guard} with backend='triton': the Triton kernels run 4-bit "
                             "integer codecs, not the guard's 8-bit keys; pass guard=0, or backend=None (by device: "
                             "the guarded layers on the host)")
-        if guard and not guardable(plain.kv_config):
-            raise KvcxError(f"KvcxCache.for_model guard={guard}: the guard gives layers 8-bit keys on top of a "
-                            f"scheme's keys, but this config is {plain.kv_config.describe()}: pass one of kvcx's "
-                            "schemes (kvcx, kvcx3, kvcx2v, ...; not a plan or an engine's format), or guard=0")
+        if guard:
+            check_guardable(plain.kv_config, f"KvcxCache.for_model guard={guard}", "or guard=0")
         if guard == 0 or not attending or (guard is None and (not guarded_by_default(plain.kv_config)
                                                               or kwargs.get("backend") == "triton")):
             return plain   # (backend="triton": every layer on the Triton kernels, which read 4-bit integer codes)

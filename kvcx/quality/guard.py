@@ -19,7 +19,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Callable, List, Optional, Sequence
 
-from kvcx.cache.induction import guardable
+from kvcx.cache.induction import check_guardable
 from kvcx.codecs.kvconfig import GUARD_BITS, KVConfig
 from kvcx.codecs.metrics import json_safe
 from kvcx.errors import KvcxError
@@ -81,9 +81,7 @@ def check_guard(config: KVConfig, length: int, prompts: int, depths: Sequence[fl
     if ranks.launched():   # every rank would answer every prompt and write the same plan
         raise KvcxError("--guard-retrieval runs in one process: start it without torchrun / accelerate launch (the "
                         "windows of kvcx calibrate --budget and kvcx validate, and validate's prompts, shard)")
-    if not guardable(config):
-        raise KvcxError("--guard-retrieval gives layers 8-bit keys on top of one of kvcx's schemes (kvcx, kvcx3, "
-                        "kvcx2v, ...): pass such a scheme, not a plan or an engine's format")
+    check_guardable(config, "--guard-retrieval", "or leave out --guard-retrieval")
     if length < ruler.MIN_LENGTH:
         raise KvcxError(f"--guard-retrieval {length}: contexts of at least {ruler.MIN_LENGTH} tokens; measure at the "
                         "length you serve, e.g. 8192")

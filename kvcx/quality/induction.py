@@ -14,7 +14,14 @@ from typing import List, Optional
 
 import numpy as np
 
-from kvcx.cache.induction import PROBE_SEED, PROBE_TOKENS, PROBE_TRIALS, guardable, induction_layers, induction_scores
+from kvcx.cache.induction import (
+    PROBE_SEED,
+    PROBE_TOKENS,
+    PROBE_TRIALS,
+    check_guardable,
+    induction_layers,
+    induction_scores,
+)
 from kvcx.cache.layer_types import cached_layers
 from kvcx.codecs.kvconfig import KVConfig
 from kvcx.codecs.metrics import json_safe
@@ -54,9 +61,7 @@ def check_induction(config: KVConfig, n: int = 1) -> None:
     """KvcxError naming the option, before any model loads."""
     if n < 1:
         raise KvcxError(f"--guard-induction {n}: guard at least 1 layer (3 is +0.2 bits/value on a 30-layer model)")
-    if not guardable(config):
-        raise KvcxError("--guard-induction gives layers 8-bit keys on top of one of kvcx's schemes (kvcx, kvcx3, "
-                        "kvcx2v, ...): pass such a scheme, not a plan or an engine's format")
+    check_guardable(config, "--guard-induction", "or leave out --guard-induction")
 
 
 def induction_guard(config: KVConfig, n: int = 3, model: Optional[str] = None, cpu: bool = False,
