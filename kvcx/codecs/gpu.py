@@ -19,7 +19,7 @@ from kvcx.codecs.base import Packed
 from kvcx.codecs.dtypes import is_int
 from kvcx.codecs.runtime import check_status
 from kvcx.codecs import tensors
-from kvcx.codecs.tensors import NEEDS_TRITON, float_mask, merge_writes, query_rows, to_device, to_host  # noqa: F401
+from kvcx.codecs.tensors import float_mask, merge_writes, query_rows, to_device, to_host, triton_kernels  # noqa: F401
 from kvcx.deps import import_torch as _torch
 from kvcx.errors import CodecError
 
@@ -38,11 +38,7 @@ _TORCH_DTYPES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32"}
 
 def codec_kernels():
     """The codec's Triton kernels (:mod:`kvcx.codecs.triton_kernels.codec`); a CodecError naming the extra without triton."""
-    try:
-        from kvcx.codecs.triton_kernels import codec as _triton
-    except ImportError as exc:  # triton is the kvcx[gpu] extra
-        raise CodecError(NEEDS_TRITON) from exc
-    return _triton
+    return triton_kernels("codec")
 
 
 def dtype_name_of(x) -> Optional[str]:

@@ -15,7 +15,7 @@ from kvcx.codecs.backends import is_tensor
 from kvcx.codecs.base import Packed
 from kvcx.codecs.dtypes import is_int
 from kvcx.codecs.splits import split_tiles
-from kvcx.codecs.tensors import NEEDS_TRITON, float_mask, merge_writes, query_rows
+from kvcx.codecs.tensors import float_mask, merge_writes, query_rows, triton_kernels
 from kvcx.deps import import_torch as _torch
 from kvcx.errors import CodecError
 
@@ -148,11 +148,7 @@ def launch_settings(launch) -> LaunchSettings:
 
 def attention_kernels():
     """The fused attention's Triton kernels (:mod:`kvcx.codecs.triton_kernels.attention`)."""
-    try:
-        from kvcx.codecs.triton_kernels import attention as _triton_attn
-    except ImportError as exc:  # triton is the kvcx[gpu] extra
-        raise CodecError(NEEDS_TRITON) from exc
-    return _triton_attn
+    return triton_kernels("attention")
 
 @functools.lru_cache(maxsize=None)
 def _hadamard(D: int, device):

@@ -25,7 +25,7 @@ from kvcx.codecs.gpu import CODEC_WARPS, as_bits, device_input, device_output
 from kvcx.codecs.gpu_attn import interpreting
 from kvcx.codecs.lattice import damaged, e8p_grid, scale_overflow
 from kvcx.codecs.runtime import check_status
-from kvcx.codecs.tensors import NEEDS_TRITON
+from kvcx.codecs.tensors import triton_kernels
 from kvcx.deps import import_torch as _torch
 from kvcx.errors import CodecError
 
@@ -38,11 +38,7 @@ INTERPRETER_SEARCH_VECTORS = 256
 
 def lattice_kernels():
     """The E8P Triton kernels; a CodecError naming the extra without triton."""
-    try:
-        from kvcx.codecs.triton_kernels import lattice as _triton
-    except ImportError as exc:  # triton is the kvcx[gpu] extra
-        raise CodecError(NEEDS_TRITON) from exc
-    return _triton
+    return triton_kernels("lattice")
 
 
 @functools.lru_cache(maxsize=None)

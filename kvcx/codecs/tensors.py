@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 
 import numpy as np
 
@@ -17,6 +18,15 @@ from kvcx.errors import CodecError
 
 # what the Triton launchers (kvcx.codecs.gpu, kvcx.codecs.gpu_attn) say where triton is not installed
 NEEDS_TRITON = "the Triton backend needs triton: pip install 'kvcx[gpu]' (or pass backend='cpu')"
+
+
+def triton_kernels(module: str):
+    """The Triton kernels of ``kvcx.codecs.triton_kernels.<module>`` (codec, attention, lattice), imported when first
+    asked for; a CodecError naming the extra where triton is not installed."""
+    try:
+        return importlib.import_module(f"kvcx.codecs.triton_kernels.{module}")
+    except ImportError as exc:  # triton is the kvcx[gpu] extra
+        raise CodecError(NEEDS_TRITON) from exc
 
 
 def torch_to_numpy(t) -> np.ndarray:

@@ -121,3 +121,21 @@ def test_a_paged_tile_lies_within_its_page_and_a_per_channel_block():
         min(64, kvcx.key.group_size)
     paged = gpu_attn.attention_constexprs(kvcx.key, kvcx.value, 4, 128, False, launch, page=16)
     assert paged["BT"] == 16 and not paged["PREFETCH"]
+
+
+@pytest.mark.parametrize("accessor,module", [("kvcx.codecs.gpu:codec_kernels", "codec"),
+                                             ("kvcx.codecs.gpu_attn:attention_kernels", "attention"),
+                                             ("kvcx.codecs.gpu_lattice:lattice_kernels", "lattice")])
+def test_each_launcher_gets_its_kernels_from_one_import_that_names_the_extra(accessor, module, monkeypatch):
+    import importlib
+    import sys
+
+    mod, name = accessor.split(":")
+    get = getattr(importlib.import_module(mod), name)
+    assert get() is importlib.import_module(f"kvcx.codecs.triton_kernels.{module}")
+    # without triton (the module cannot be imported): the extra named, never an ImportError's traceback
+    monkeypatch.setitem(sys.modules, f"kvcx.codecs.triton_kernels.{module}", None)
+    with pytest.raises(CodecError, match=r"pip install 'kvcx\[gpu\]'"):
+        get()
+    with pytest.raises(CodecError, match="needs triton"):
+        tensors.triton_kernels(module)
