@@ -5,7 +5,6 @@ atomically."""
 from __future__ import annotations
 
 import io
-import math
 import os
 import textwrap
 from typing import Iterable, Optional
@@ -70,12 +69,17 @@ def pareto_png(points: Iterable[dict], thresholds: Iterable[tuple] = ((0.5, "0.5
     ("kvcx", "peer", "engine": an engine's KV format as kvcx emulates it, or "dropped": a candidate measured and not
     shipped).
     Settings whose delta is <= 0 are drawn at the axis floor (a log scale has no room for them)."""
+    return _png(pareto_figure(points, thresholds, title))
+
+
+def pareto_figure(points: Iterable[dict], thresholds: Iterable[tuple], title: Optional[str] = None):
+    """:func:`pareto_png`'s figure, every label placed (:func:`place_labels`)."""
     plt = _pyplot()
     pts = list(points)
     pos = [p["delta"] for p in pts if p["delta"] > 0]
     floor = min(pos) / 2 if pos else 1e-3
     fig, ax = plt.subplots(figsize=(8.5, 5.5))
-    placed = []
+    labels = []
     for kind, colour, marker, name in (("kvcx", "tab:blue", "o", "kvcx"), ("peer", "tab:red", "s", "peers"),
                                        ("engine", "tab:green", "^", "engine formats (kvcx's byte-exact emulations)"),
                                        ("dropped", "tab:grey", "x", "kvcx candidates not shipped")):
@@ -84,17 +88,13 @@ def pareto_png(points: Iterable[dict], thresholds: Iterable[tuple] = ((0.5, "0.5
             continue
         ax.scatter([p["bits"] for p in sel], [max(p["delta"], floor) for p in sel], c=colour, marker=marker,
                    label=name, zorder=3)
-        for p in sorted(sel, key=lambda p: -p["delta"]):  # a label that would sit on an earlier (higher) one
-            #                                                  goes below its point
-            y = max(p["delta"], floor)
-            near = any(abs(q[0] - p["bits"]) < 0.25 and abs(math.log10(q[1] / y)) < 0.12 for q in placed)
-            placed.append((p["bits"], y))
-            ax.annotate(p["label"], (p["bits"], y), fontsize=6.5, xytext=(4, -9 if near else 3),
-                        textcoords="offset points", color=colour)
+        labels += [(p["bits"], max(p["delta"], floor), p["label"], colour) for p in sel]
+    notes = []
     for y, text in thresholds:
         ax.axhline(y, ls="--", lw=0.8, color="grey")
         # at the right end, under the line: the low-bit points sit at the left, near these thresholds
-        ax.text(max(p["bits"] for p in pts), y / 1.07, text, fontsize=7, color="grey", ha="right", va="top")
+        notes.append(ax.text(max(p["bits"] for p in pts), y / 1.07, text, fontsize=7, color="grey", ha="right",
+                             va="top"))
     ax.set_yscale("log")
     ax.set_xlabel("bits per value (everything stored)")
     ax.set_ylabel("perplexity delta vs the exact cache (log)")
@@ -102,7 +102,9 @@ def pareto_png(points: Iterable[dict], thresholds: Iterable[tuple] = ((0.5, "0.5
     ax.legend(loc="upper right")
     if title:
         ax.set_title(title, fontsize=9)
-    return _png(fig)
+    fig.tight_layout()   # the axes' final place, so the labels' boxes are measured where they will be drawn
+    place_labels(ax, labels, avoid=notes)
+    return fig
 
 
 def head_snr_grid(original: dict, decoded: dict, n_threads: Optional[int] = None) -> dict:
@@ -172,10 +174,12 @@ def validation_pareto(results, output_path, title: Optional[str] = None) -> None
         write_bytes_to(tmp[os.fspath(output_path)], os.fspath(output_path), [png])
 
 
-def place_labels(ax, labels, fontsize: float = 6.5) -> None:
-    """Each (x, y, text, colour) written beside its point where it overlaps no label already written and stays
-    in the axes: tried right and left of the point, then further above and below it (joined to the point by a
-    thin line); a label with no free place takes its first. The legend counts as written."""
+def place_labels(ax, labels, fontsize: float = 6.5, avoid=()) -> None:
+    """Each (x, y, text, colour) written beside its point where it overlaps no label already written, no other
+    point and no artist of ``avoid`` (a threshold's note), and stays in the axes: tried right and left of the point,
+    then further above and below it (joined to the point by a thin line); a label with no free place takes its
+    first. The legend counts as written."""
+    from matplotlib.transforms import Bbox
     from matplotlib.text import Text
 
     renderer = ax.figure.canvas.get_renderer()
@@ -185,7 +189,15 @@ def place_labels(ax, labels, fontsize: float = 6.5) -> None:
         offsets += [(5, 3 + 8 * k), (5, -10 - 8 * k), (-5, 3 + 8 * k), (-5, -10 - 8 * k)]
     legend = ax.get_legend()
     placed = [legend.get_window_extent(renderer)] if legend is not None else []
-    for x, y, text, colour in sorted(labels, key=lambda t: (-t[1], t[0])):
+    placed += [a.get_window_extent(renderer) for a in avoid]
+    # each point's marker (a few pixels each way), which no other point's label may cover
+    at = ax.transData.transform([(x, y) for x, y, _, _ in labels]) if labels else []
+    r = 3.5 * ax.figure.dpi / 72
+    marks = [Bbox.from_extents(px - r, py - r, px + r, py + r) for px, py in at]
+    order = sorted(range(len(labels)), key=lambda i: (-labels[i][1], labels[i][0]))
+    for i in order:
+        x, y, text, colour = labels[i]
+        others = [m for j, m in enumerate(marks) if j != i]
         chosen = None
         for dx, dy in offsets:
             far = abs(dy) > 10
@@ -195,7 +207,7 @@ def place_labels(ax, labels, fontsize: float = 6.5) -> None:
             t.update_positions(renderer)
             box = Text.get_window_extent(t, renderer)   # the words alone, not the line to the point
             inside = frame.x0 <= box.x0 and box.x1 <= frame.x1 and frame.y0 <= box.y0 and box.y1 <= frame.y1
-            if inside and not any(box.overlaps(b) for b in placed):
+            if inside and not any(box.overlaps(b) for b in placed + others):
                 chosen = box
                 break
             t.remove()

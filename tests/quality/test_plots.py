@@ -105,3 +105,39 @@ def test_the_heatmaps_title_sits_above_the_panel_titles(monkeypatch, n_layers):
     assert len(fig._suptitle.get_text().splitlines()) == 4
     for ax in fig.axes[:2]:
         assert ax.title.get_window_extent(r).y1 < top.y0      # wholly below the figure title
+
+
+def test_the_pareto_charts_labels_cover_no_label_point_or_threshold_note():
+    """bench_quality's chart (docs/pareto.png) crowds settings at about the same bits and delta, some on a threshold:
+    each label sits clear of the others, of every other point and of the thresholds' notes, inside the axes."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.text import Text
+
+    from kvcx.quality.plots import _pyplot, pareto_figure
+
+    pts = [{"bits": b, "delta": d, "label": f"setting {i} of a long name", "kind": k}
+           for i, (b, d, k) in enumerate([(3.26, 0.48, "peer"), (3.5, 0.68, "peer"), (3.5, 0.66, "kvcx"),
+                                          (3.38, 0.53, "engine"), (3.43, 0.34, "kvcx"), (4.25, 0.52, "kvcx"),
+                                          (4.25, 0.58, "engine"), (4.5, 0.29, "engine"), (4.5, 0.27, "engine"),
+                                          (4.5, 0.13, "peer"), (4.5, 0.12, "peer"), (2.5, 60.0, "peer"),
+                                          (4.63, 0.016, "kvcx"), (4.35, 0.024, "kvcx"), (4.43, 0.026, "kvcx")])]
+    fig = pareto_figure(pts, ((0.5, "0.5 (KVQuant, validate default)"), (0.3, "0.3 (users' CI threshold)")), "t")
+    ax = fig.axes[0]
+    renderer = fig.canvas.get_renderer()
+    notes = [t for t in ax.texts if t.get_text().startswith(("0.5 (", "0.3 ("))]
+    labels = [t for t in ax.texts if t not in notes]
+    assert len(notes) == 2 and sorted(t.get_text() for t in labels) == sorted(p["label"] for p in pts)
+    boxes = []
+    for t in labels:
+        t.update_positions(renderer)
+        boxes.append(Text.get_window_extent(t, renderer))
+    frame = ax.get_window_extent(renderer)
+    walls = [ax.get_legend().get_window_extent(renderer)] + [t.get_window_extent(renderer) for t in notes]
+    points = ax.transData.transform([(p["bits"], p["delta"]) for p in pts])
+    _pyplot().close(fig)
+    for i, a in enumerate(boxes):
+        assert frame.x0 <= a.x0 and a.x1 <= frame.x1 and frame.y0 <= a.y0 and a.y1 <= frame.y1
+        assert not any(a.overlaps(b) for b in walls + boxes[i + 1:])
+        mine = next(j for j, p in enumerate(pts) if p["label"] == labels[i].get_text())
+        # no other point's centre under a label (markers a few pixels wide: their boxes are kept clear too)
+        assert not any(a.contains(*xy) for j, xy in enumerate(points) if j != mine)
