@@ -1,6 +1,7 @@
 """``kvcx calibrate``: per-layer bit widths (or per-channel weights) under a budget, written as a plan."""
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Annotated, List, Optional
 
@@ -23,13 +24,15 @@ def calibrate(
                                                          "points).")] = None,
     scheme: Annotated[Optional[str], typer.Option("--scheme", help="Base scheme: kvcx3 (default when measuring), "
                                                   "kvcx2, kvcx2w or kvcx2v (these two measure the queries' "
-                                                  "weights per key channel; the budget sets the keys' mean width), "
+                                                  "weights per key channel, then give each layer's keys a mean "
+                                                  "width: 1 to 4 bits), "
                                                   "or any --scheme of compress; with --reuse, default: "
                                                   "the first plan's.")] = None,
     group_size: GroupOpt = None,
     bits: BitsOpt = None,
     options: Annotated[Optional[str], typer.Option("--options", help="Codecs to measure, by tag, e.g. b2,b3, "
-                                                                    "b3g128 or value.b3a for one kind (default: every "
+                                                                    "b3g128 or value.b3a for one kind; widths keys: "
+                                                                    "b1w,b1hw,...,b4w (h: and a half) (default: every "
                                                                     "option the scheme's plans choose from).")] = None,
     model: Annotated[Optional[str], typer.Option(help="HF id, local dir or .gguf (default: embedded SmolLM2-135M).")] = None,
     dataset_file: Annotated[Optional[Path], typer.Option("--dataset-file", help="Calibration text (WikiText-2 raw).")] = None,
@@ -122,9 +125,13 @@ def calibrate(
                   f"estimated KLD {result.estimated_kld:.4f}; {result.tokens:,} tokens, {result.wall_time_s:.0f} s")
         return
     if cfg.key.takes_weights:
-        out.print(f"[green]plan[/] → {out_path}: keys {cfg.key.bits:g} bits per code on average, a width per channel "
-                  f"weighed by the queries of {len(cfg.key_weights)} layers; {result.bits_per_value:.3f} bits/value "
-                  f"nominal (budget {budget}); {result.tokens:,} tokens, {result.wall_time_s:.0f} s")
+        widths = [cfg.for_layer(L).key.bits for L in result.layer_indices]
+        spread = f" ({min(widths):g} to {max(widths):g} by layer)" if min(widths) != max(widths) else ""
+        kld = f", estimated KLD {result.estimated_kld:.4f}" if math.isfinite(result.estimated_kld) else ""
+        out.print(f"[green]plan[/] → {out_path}: keys {sum(widths) / len(widths):.3f} bits per code on average{spread}, "
+                  f"a width per channel weighed by the queries of {len(cfg.key_weights)} layers; "
+                  f"{result.bits_per_value:.3f} bits/value nominal (budget {budget}){kld}; {result.tokens:,} tokens, "
+                  f"{result.wall_time_s:.0f} s")
         return
     t = Table(title=f"most sensitive layers (mean KLD, nats/token, at the {cfg.key.bits}/{cfg.value.bits}-bit base)",
               header_style="bold")

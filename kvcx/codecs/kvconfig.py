@@ -29,8 +29,10 @@ codecs. A selection is a bit width (the base codec with only ``bits`` changed, o
 The presets kvcx3/kvcx2 define the variants `kvcx calibrate` chooses from (:meth:`KVConfig.options`). A tensor's layer comes from its name (``layer_3_key``, ``past_key_values.3.0``,
 ``model.layers.3.k_cache``: the number after ``layer``/``layers``/``past_key_values``); tensors without one
 get the base codecs. In a packed file each width is a codec of its own (``key.b4``, ``value.b2``), so any
-format-2 reader decodes it. Keys with a width per channel (kvcx2w, kvcx4w, kvcx2v) take no per-layer selection
-but the retrieval guard's (:meth:`KVConfig.guarded`: ``key.b8w`` in the guarded layers, the values' own codec).
+format-2 reader decodes it. Keys with a width per channel (kvcx2w, kvcx4w, kvcx2v) take per-layer selections of
+widths keys alone, the values' own codec in every layer: a calibrated plan's mean widths (``key.b1w``, ``key.b2hw``
+= 2.5 bits, ... ``key.b4w``: :mod:`kvcx.quality.width_plans`) and the retrieval guard's (:meth:`KVConfig.guarded`:
+``key.b8w`` in the guarded layers).
 
 Kept layers: ``KVConfig(..., keep_layers=(0, 1))`` leaves those layers' tensors exact (a packed file stores them as
 they are): the layers an engine keeps in the model's dtype, which :meth:`KVConfig.engine_layers` fills in for a model
@@ -196,10 +198,12 @@ def _check_variants(variants) -> tuple:
                              "b<bits> and an optional suffix (e.g. 'value.b3', 'key.b3g128')")
         if isinstance(codec, dict):
             codec = get_codec(codec)
-        widths = m.group(1) == "key" and name.endswith(_WIDTHS_SUFFIX)   # keys of a width per channel (the guard's)
-        if not isinstance(codec, WidthCodec if widths else IntCodec) or codec.bits != int(m.group(3)):
+        widths = m.group(1) == "key" and name.endswith(_WIDTHS_SUFFIX)   # keys of a width per channel
+        bits = widths_bits(m.group(2)) if widths else int(m.group(3))
+        if bits is None or not isinstance(codec, WidthCodec if widths else IntCodec) or codec.bits != bits:
             raise CodecError(f"variants: {name!r} must be {'a widths' if widths else 'an integer'} codec of "
-                             f"{m.group(3)} bits, got {getattr(codec, 'bits', codec)!r}")
+                             f"{bits if bits is not None else m.group(3)} bits (widths tags: b2w = 2 bits, b2hw = "
+                             f"2.5), got {getattr(codec, 'bits', codec)!r}")
         if name in out:
             raise CodecError(f"variants lists {name!r} twice; give each once")
         out[name] = codec
@@ -250,6 +254,21 @@ def tag_of(sel) -> str:
 GUARD_BITS = 8   # the key width the retrieval guards give the layers they guard
 DEFAULT_GUARD_GROUP = 64   # the guard's key groups (tokens) where the scheme's keys are grouped per token
 _WIDTHS_SUFFIX = "w"   # a key variant's tag ending so ('b8w'): a widths codec (WidthCodec), every channel its bits
+_WIDTHS_TAG = re.compile(r"b([1-8])(h?)w")   # b2w: 2 bits per code on average; b2hw: 2.5
+
+
+def widths_tag(bits: float) -> str:
+    """The variant tag of widths keys of ``bits`` per code on average, a whole or half number from 1 to 8: 2 ->
+    'b2w', 2.5 -> 'b2hw' (the guard's 8-bit keys: 'b8w')."""
+    if not (1 <= bits <= 8 and (2 * bits) % 1 == 0) or (bits > 4 and bits != 8):
+        raise CodecError(f"widths keys take a variant tag at 1, 1.5, ... 4 or 8 bits per code, not {bits!r}")
+    return f"b{int(bits)}{'h' if bits % 1 else ''}{_WIDTHS_SUFFIX}"
+
+
+def widths_bits(tag: str) -> Optional[float]:
+    """The mean bits per code a widths variant's tag names ('b2hw' -> 2.5), or None for another tag."""
+    m = _WIDTHS_TAG.fullmatch(tag)
+    return None if m is None else int(m.group(1)) + (0.5 if m.group(2) else 0.0)
 
 
 @dataclass(frozen=True)
@@ -277,9 +296,10 @@ class KVConfig:
         if self.value.takes_weights:
             raise CodecError("per-channel widths are for keys; give values an IntCodec")
         object.__setattr__(self, "variants", _check_variants(self.variants))
-        if not isinstance(self.key, IntCodec) and (self.layer_bits or self.variants) and not self._guard_only():
-            raise CodecError("a widths key codec (kvcx2w) takes no per-layer bits or variants but the retrieval "
-                             "guard's 8-bit keys (KVConfig.guarded); its widths are chosen per channel from the data")
+        if not isinstance(self.key, IntCodec) and (self.layer_bits or self.variants) and not self._widths_only():
+            raise CodecError("a widths key codec (kvcx2w, kvcx2v) takes per-layer selections of widths keys alone "
+                             "(variants key.b2w, key.b2hw, ...: a calibrated plan's mean widths, the retrieval guard's "
+                             "8-bit keys), its values the scheme's codec in every layer")
         names = {n for n, _ in self.variants}
         for L, kb, vb in self.layer_bits:
             for kind, sel in (("key", kb), ("value", vb)):
@@ -287,8 +307,9 @@ class KVConfig:
                     raise CodecError(f"layer_bits: layer {L} selects {kind} variant {sel!r}, which the config does not "
                                      f"define; defined: {', '.join(sorted(names)) or 'none'}")
 
-    def _guard_only(self) -> bool:
-        """Whether the per-layer selections are a guard's alone (:meth:`guarded`): key variants of a width per
+    def _widths_only(self) -> bool:
+        """Whether the per-layer selections are widths keys alone (a calibrated plan's mean widths,
+        :mod:`kvcx.quality.width_plans`; the guard's 8-bit keys, :meth:`guarded`): key variants of a width per
         channel, the values' own codec in every layer (what a config with widths keys may select)."""
         own = getattr(self.value, "bits", None)
         return all(n.startswith("key.") and n.endswith(_WIDTHS_SUFFIX) for n, _ in self.variants) and \
@@ -448,7 +469,7 @@ class KVConfig:
             raise CodecError(f"the guard gives 8-bit keys on top of kvcx's own keys (integer codes or a width per "
                              f"channel), not {self.key.describe()}: pass one of kvcx's schemes (kvcx, kvcx3, kvcx2v, "
                              "...), not an engine's format")
-        tag = f"b{bits}{_WIDTHS_SUFFIX}"
+        tag = widths_tag(bits)
         per_channel = isinstance(self.key, WidthCodec) or getattr(self.key, "axis", None) == "channel"
         group = self.key.group_size if per_channel else DEFAULT_GUARD_GROUP
         codec = WidthCodec(bits=bits, group_size=group, sinks=self.key.sinks, n_threads=self.key.n_threads)

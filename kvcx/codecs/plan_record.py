@@ -11,7 +11,8 @@ from kvcx.codecs.dtypes import is_int
 from kvcx.errors import CodecError
 
 MAX_LAYERS = 1 << 16
-TAG_RE = re.compile(r"b(2|3|4|8)[a-z0-9]*")   # a variant's tag: bN = N bits, then g128 = groups of 128, a = asymmetric
+TAG_RE = re.compile(r"b(1|2|3|4|8)[a-z0-9]*")   # a variant's tag: bN = N bits, then g128 = groups of 128, a =
+#                                               asymmetric, w = a width per channel (h: and a half, b2hw = 2.5 bits)
 
 # a plan file: the config and what calibration recorded, each field typed and bounded
 _PLAN_NUMBERS = ("budget", "bits_per_value", "wall_time_s", "estimated_kld")

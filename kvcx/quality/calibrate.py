@@ -13,10 +13,10 @@ shows can be far off (keys lose ~10x from 3 to 2 bits, values ~3.5x): the plan s
 
 The calibration text comes from windows *after* the ones ``kvcx validate`` and ``bench/bench_quality.py``
 score (``offset``, default 128 windows of 512), so a plan is never judged on the tokens that chose it.
-For ``--scheme kvcx2w`` (keys with a bit width per channel) calibration measures something else: how much
+For ``--scheme kvcx2w`` / ``kvcx2v`` (keys with a bit width per channel) calibration first measures how much
 the queries weigh each key channel (:mod:`kvcx.quality.query_weights`: the mean square of each query channel, per
-KV head), which the encoder multiplies into each channel's error when it chooses the widths; the budget then
-sets the keys' mean width.
+KV head), which the encoder multiplies into each channel's error when it chooses the widths; then each layer's
+keys alone at each mean width, and the budget goes to the layers' widths (:mod:`kvcx.quality.width_plans`).
 
 Tokens as a second axis (``--scheme kvcx+snapkv:0.5``): with a press, calibration also measures, for every
 layer, the KLD of that layer alone evicted by the press at each keep ratio of :data:`KEEPS` (and the one
@@ -45,12 +45,14 @@ from kvcx.presses import INDEX_BITS, Press, PressedSetting
 from kvcx.errors import CodecError, KvcxError
 from kvcx.quality import ranks
 from kvcx.quality.query_weights import combine_query_sums, window_query_sums
+from kvcx.quality.width_plans import UNITS as _UNITS
+from kvcx.quality.width_plans import allocate_widths, check_widths_budget, width_plan, width_tags, widths_options
+from kvcx.quality.width_plans import knapsack as _knapsack
 
 DEFAULT_WINDOWS = 4
 DEFAULT_OFFSET = 128      # windows skipped: validate scores the first 32, bench_quality the first 64
 MAX_BITS = 4              # widths a plan may give a layer (configs without variants)
 KINDS = ("key", "value")
-_UNITS = 64               # the knapsack's bit unit: 1/64 bit/value (FP16 scales of groups of 16-256 are multiples)
 KEEPS = (0.5, 0.25, 0.125)  # keep ratios a plan with a press may give a layer, besides 1 (no eviction)
 
 Sensitivity = Dict[Tuple[str, int, str], float]   # (kind, layer, option tag) -> mean KLD, nats/token
@@ -113,6 +115,8 @@ def _base_tag(config: KVConfig, kind: str) -> str:
 def plan_options(config: KVConfig, kind: str) -> List[str]:
     """The option tags a plan may give ``kind`` (:meth:`KVConfig.options`), the base codec's first."""
     opts = config.options(kind, MAX_BITS)
+    if kind == "key" and config.key.takes_weights:   # widths keys: the mean widths of the config's variants
+        return opts
     base = _base_tag(config, kind)
     return [base] + [t for t in opts if t != base]
 
@@ -128,7 +132,8 @@ def _one_layer_roundtrip(config: KVConfig, kind: str, layer: int, tag: str):
     from kvcx.quality.bridge import roundtrip_tensors
 
     codec = config.codec_at(kind, _sel(tag))
-    one = KVConfig(key=codec, value=codec, scheme=config.scheme)
+    one = KVConfig(key=codec, value=config.value, scheme=config.scheme, key_weights=config.key_weights) \
+        if codec.takes_weights else KVConfig(key=codec, value=codec, scheme=config.scheme)   # the queries' weights
 
     def rt(tensors):
         pick = {n: a for n, a in tensors.items()
@@ -153,18 +158,19 @@ def layer_sensitivity(model, ids, starts: List[int], window: int, stride: int, c
                       options: Optional[Iterable[str]] = None,
                       on_window: Optional[Callable[[int, int], None]] = None,
                       press: Optional[Press] = None,
-                      rank: ranks.Rank = ranks.ALONE) -> Optional[Tuple[Sensitivity, int]]:
+                      rank: ranks.Rank = ranks.ALONE, kinds: Sequence[str] = KINDS) -> Optional[Tuple[Sensitivity, int]]:
     """({(kind, layer, tag): mean KLD}, tokens scored), one layer's keys or values compressed at a time, with
     each of ``options`` (default: every option a plan may use) that the kind has; with a ``press``, also each
     layer alone evicted at each keep ratio of :func:`keep_ladder` (kind ``"keep"``, tag ``k0.5``). ``layers``: the
     layer indices to measure (a count n: 0..n-1). One of several ranks (:mod:`kvcx.quality.ranks`) scores its share
-    of ``starts``; rank 0 gets every window's figures, added in the windows' order, the other ranks None."""
+    of ``starts``; rank 0 gets every window's figures, added in the windows' order, the other ranks None. ``kinds``:
+    keys and values, or one of them (widths keys: their values are not planned)."""
     from kvcx.quality.eviction import PressRoundtrip
     from kvcx.quality.scoring import compare_prefix
 
     want = None if options is None else set(options)
     roundtrips = {(kind, L, t): _one_layer_roundtrip(config, kind, L, t)
-                  for L in _indices(layers) for kind in KINDS for t in plan_options(config, kind)
+                  for L in _indices(layers) for kind in kinds for t in plan_options(config, kind)
                   if want is None or t in want or f"{kind}.{t}" in want}
     if press is not None:
         for r in keep_ladder(press):
@@ -250,37 +256,6 @@ def allocate(sensitivity, config: KVConfig, layers: Layers, budget: float) -> Tu
     plan = KVConfig(key=config.key, value=config.value, scheme=config.scheme, layer_bits=layer_bits,
                     variants=config.variants)
     return plan, estimated, guessed
-
-
-def _knapsack(choices: List[List[Tuple[int, float]]], cap: int, what: str) -> Tuple[float, List[int]]:
-    """(least summed KLD, the choice per item) picking one (cost in units, KLD) per item within ``cap`` units."""
-    import numpy as np
-
-    best = np.full(cap + 1, np.inf)
-    best[0] = 0.0
-    picks = []
-    for options in choices:
-        nxt = np.full(cap + 1, np.inf)
-        pick = np.zeros(cap + 1, dtype=np.int32)
-        for j, (c, kld) in enumerate(options):
-            if c > cap:
-                continue
-            cand = np.full(cap + 1, np.inf)
-            cand[c:] = best[:cap + 1 - c] + kld
-            better = cand < nxt
-            nxt[better] = cand[better]
-            pick[better] = j
-        best = nxt
-        picks.append(pick)
-    if not np.isfinite(best).any():
-        raise KvcxError(f"no plan fits {what}; raise the budget")
-    at = int(np.argmin(best))          # the least KLD; of equal ones the fewest bits
-    total, chosen = float(best[at]), []
-    for options, pick in zip(reversed(choices), reversed(picks)):
-        j = int(pick[at])
-        chosen.append(j)
-        at -= options[j][0]
-    return total, chosen[::-1]
 
 
 def least_pressed_budget(config: KVConfig, press: Press, head_dim: int = 0) -> float:
@@ -380,21 +355,6 @@ def _saved_sensitivity(saved: dict, source: str) -> Tuple[KVConfig, Dict[Tuple[s
     return cfg, rows, n_layers
 
 
-def width_plan(config: KVConfig, budget: float, weights: Dict[int, list]) -> KVConfig:
-    """A per-channel-widths config whose keys spend ``budget`` bits/value (nominal, with the values' own),
-    the queries' ``weights`` attached."""
-    key = config.key
-    mean = 2 * budget - config.value.bits_per_value() - 16 / key.group_size
-    mean = math.floor(mean * _UNITS + 1e-6) / _UNITS
-    if not 0 < mean <= 8:
-        raise KvcxError(f"budget={budget}: the keys would get {mean:g} bits per code on average, outside (0, 8]; "
-                        f"with {config.value.bits_per_value():g}-bit values pick a budget between "
-                        f"{(config.value.bits_per_value() + 16 / key.group_size) / 2 + 1 / 128:.3f} and "
-                        f"{(config.value.bits_per_value() + 8 + 16 / key.group_size) / 2:.3f}")
-    key = type(key).from_config({**key.get_config(), "bits": mean, "n_threads": key.n_threads})
-    return KVConfig(key=key, value=config.value, scheme=config.scheme, key_weights=weights)
-
-
 def reallocate(saved, budget: float, source="<plan>", base: Optional[KVConfig] = None) -> Calibration:
     """A new plan from the sensitivities earlier calibrations measured (plan files' JSON): one measurement,
     any number of budgets. ``saved`` may be one plan or several measured on the same model and text (e.g. one
@@ -414,16 +374,23 @@ def reallocate(saved, budget: float, source="<plan>", base: Optional[KVConfig] =
         saved_cfg = KVConfig.from_config(first_cfg) if isinstance(first_cfg, dict) else None
     except CodecError as exc:
         raise KvcxError(f"{sources[0]}: {exc}") from None
-    if saved_cfg is not None and saved_cfg.key.takes_weights:   # query weights, no sensitivities
+    if saved_cfg is not None and saved_cfg.key.takes_weights:   # the queries' weights, and each layer's widths
         start = base if base is not None and base.key.takes_weights else saved_cfg
         plan = width_plan(start, budget, {L: [list(r) for r in w] for L, w in saved_cfg.key_weights})
         n_layers = int(plans[0].get("n_layers", 0))
         types = saved_layer_types(plans[0])
-        return Calibration(config=plan, sensitivity={}, budget=budget,
-                           bits_per_value=plan.bits_per_value([L for L, _ in types] or (n_layers or 1)),
+        layers = [L for L, _ in types] or list(range(n_layers or 1))
+        sens, estimated = {}, math.nan
+        rows = [r for r in plans[0].get("sensitivity", ()) if r.get("kind") == "key"]
+        if rows:   # measured per layer (plans before them: one mean width, the weights alone)
+            measuring = KVConfig(key=plan.key, value=plan.value, scheme=plan.scheme, key_weights=plan.key_weights,
+                                 variants=saved_cfg.variants)
+            sens = {("key", int(r["layer"]), str(r["option"])): float(r["kld"]) for r in rows}
+            plan, estimated = allocate_widths(sens, measuring, layers, budget)
+        return Calibration(config=plan, sensitivity=sens, budget=budget, bits_per_value=plan.bits_per_value(layers),
                            n_layers=n_layers, windows=int(plans[0].get("windows", 0)),
                            tokens=int(plans[0].get("tokens", 0)), model=str(plans[0].get("model", "")),
-                           estimated_kld=math.nan, layer_types=types)
+                           estimated_kld=estimated, layer_types=types)
     try:
         parsed = [_saved_sensitivity(p, s) for p, s in zip(plans, sources)]
     except CodecError as exc:
@@ -495,11 +462,10 @@ def run_calibration(config: KVConfig, budget: float, model: Optional[str] = None
     if config.layer_bits:
         raise KvcxError("calibrate starts from a scheme's config, without per-layer widths; pass a scheme, not a plan")
     widths = config.key.takes_weights
-    if widths:
-        if options is not None:
-            raise KvcxError(f"options={','.join(options)}: kvcx2w measures the queries, not codecs per layer; leave options "
-                            "out")
-        width_plan(config, budget, {})  # the budget checked before the model runs
+    if widths:   # the budget and the widths checked before the model runs
+        tags = width_tags(options)
+        check_widths_budget(config, budget, tags)
+        width_plan(config, budget, {})
     if windows < 1 or offset < 0:
         raise KvcxError(f"windows={windows} must be >= 1 and offset={offset} >= 0")
     check_window(window, stride, windows, context_limit=1 << 62)
@@ -545,19 +511,27 @@ def run_calibration(config: KVConfig, budget: float, model: Optional[str] = None
     rank.check_enough(windows, "window", f"give --windows {rank.size} or more")
     if widths:
         if on_phase:
-            on_phase(1, 2, f"{name}: the queries of {len(layers)} layers, {windows} windows from window {offset}")
+            on_phase(1, 3, f"{name}: the queries of {len(layers)} layers, {windows} windows from window {offset}")
         cached, shapes, parts = window_query_sums(m, ids, rank.shard(starts), window, on_window, layers)
         parts = ranks.gather_in_order(rank, parts, len(starts))
-        if not rank.leads:   # its windows' sums went to rank 0
-            return None
-        plan = width_plan(config, budget, combine_query_sums(cached, shapes, parts))
+        # every rank measures its windows with the weights of them all (rank 0 added them in the windows' order)
+        weights = ranks.broadcast(rank, combine_query_sums(cached, shapes, parts) if rank.leads else None)
+        measuring = widths_options(width_plan(config, budget, weights), tags)
         if on_phase:
-            on_phase(2, 2, f"plan: keys {plan.key.bits:g} bits per code on average, "
-                           f"{plan.bits_per_value(layers):.3f} bits/value nominal")
-        return Calibration(config=plan, sensitivity={}, budget=budget, bits_per_value=plan.bits_per_value(layers),
-                           n_layers=n_layers, windows=windows, tokens=windows * window,
-                           wall_time_s=time.perf_counter() - t0, model=name, estimated_kld=math.nan,
-                           layer_types=types)
+            on_phase(2, 3, f"{name}: each layer's keys alone at {len(tags)} mean widths ({', '.join(tags)}), weighed "
+                           f"by the queries, {windows} windows")
+        measured = layer_sensitivity(m, ids, starts, window, stride, measuring, layers, None, on_window, None, rank,
+                                     kinds=("key",))
+        if not rank.leads:   # its windows' figures went to rank 0
+            return None
+        sens, tokens = measured
+        plan, estimated = allocate_widths(sens, measuring, layers, budget)
+        if on_phase:
+            on_phase(3, 3, f"plan: keys {sum(plan.for_layer(L).key.bits for L in layers) / len(layers):.3f} bits per "
+                           f"code on average, {plan.bits_per_value(layers):.3f} bits/value nominal")
+        return Calibration(config=plan, sensitivity=sens, budget=budget, bits_per_value=plan.bits_per_value(layers),
+                           n_layers=n_layers, windows=windows, tokens=tokens, wall_time_s=time.perf_counter() - t0,
+                           model=name, estimated_kld=estimated, layer_types=types)
     if on_phase:
         n_opts = sum(len([t for t in a if options is None or t in options or f"{k}.{t}" in options])
                      for k, a in allowed.items())

@@ -134,6 +134,17 @@ def gather(rank: Rank, part):
     return parts
 
 
+def broadcast(rank: Rank, obj):
+    """Rank 0's ``obj`` (picklable) on every rank (one process: ``obj``)."""
+    if rank.size == 1:
+        return obj
+    import torch.distributed as dist
+
+    box = [obj if rank.leads else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def gather_in_order(rank: Rank, mine: Sequence, total: int):
     """Rank 0: the ``total`` items every rank worked (its :meth:`Rank.shard`), back in their order (item ``i`` is
     rank ``i % size``'s ``i // size``-th); the other ranks: None (one process: ``mine`` as a list)."""

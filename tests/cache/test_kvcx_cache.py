@@ -163,7 +163,7 @@ def checked_attention(kvcx_attention, checked):
 
 
 @pytest.mark.parametrize("scheme", ["kvcx", "reference", "kvcx3", "kvcx2", "plan:smollm2-kvcx2-3.54", "kvcx2w",
-                                    "kvcx4w", "plan:smollm2-kvcx2w-2.47"])
+                                    "kvcx4w", "plan:smollm2-kvcx2w-2.47", "plan:smollm2-kvcx2v-2.12"])
 def test_fused_attention_equals_materialised_every_layer_batch_with_left_padding(checked_attention, loaded,
                                                                                  wiki_ids, scheme):
     """A real 1,020-token context, batch 2 (row 1 left-padded by 60), 6 decode steps crossing a packing

@@ -221,7 +221,7 @@ def test_kvcx2w_preset_and_weights_round_trip_through_the_file_format(tmp_path):
         KVConfig.from_config({**KVConfig.from_scheme("kvcx2").get_config(), "key_weights": weights})
     with pytest.raises(CodecError, match="layer 1 must list"):
         KVConfig.from_config({**cfg.get_config(), "key_weights": {"1": [[1.0, -2.0]]}})
-    with pytest.raises(CodecError, match="no per-layer bits"):
+    with pytest.raises(CodecError, match="per-layer selections of widths keys alone"):
         KVConfig(key=cfg.key, value=cfg.value, layer_bits=[(0, 4, 4)])
     from kvcx.formats.chunk import ChunkCodec
 

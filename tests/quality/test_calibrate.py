@@ -109,24 +109,53 @@ def test_calibrate_measures_every_layer_and_writes_a_plan(loaded, wikitext_path,
 
 
 @pytest.mark.model
-def test_calibrate_spends_a_budget_on_kvcx2v_keys(loaded, wikitext_path, tmp_path):
-    """A plan over kvcx2v (E8P values, keys with a width per channel): the queries weigh the keys' channels, the budget
-    sets the keys' mean width beside the values' 2.25 bits, and the plan compresses and decodes a cache."""
+def test_calibrate_spends_a_budget_on_kvcx2v_keys_layer_by_layer(loaded, wikitext_path, tmp_path):
+    """A plan over kvcx2v (E8P values, keys with a width per channel): the queries weigh the keys' channels, each
+    layer's keys are measured alone at each mean width (the rest exact), and the budget goes to the layers' widths
+    beside the values' 2.25 bits: the knapsack's choice is the least summed KLD of every choice within the budget
+    (checked against the choices one layer at a time a width up or down). The plan compresses a cache, round-trips
+    through a file, and --reuse reallocates it without the model."""
     from kvcx.api import save_plan
     from kvcx.codecs import E8PCodec
+    from kvcx.codecs.kvconfig import widths_bits
     from kvcx.quality import calibrate as cal
+    from kvcx.quality.bridge import roundtrip_tensors
+    from kvcx.quality.width_plans import WIDTH_OPTIONS
 
     res = cal.run_calibration(KVConfig.from_scheme("kvcx2v"), budget=2.2, dataset_file=wikitext_path, windows=1,
                               offset=3, window=192, stride=64, loaded=loaded)
-    cfg = res.config
-    assert cfg.value == E8PCodec(sinks=1) and len(cfg.key_weights) == res.n_layers
-    assert cfg.key.bits == pytest.approx(2 * 2.2 - 2.25 - 16 / 64, abs=1 / 32) and res.bits_per_value <= 2.2 + 1e-9
+    cfg, n = res.config, res.n_layers
+    assert cfg.value == E8PCodec(sinks=1) and len(cfg.key_weights) == n and len(cfg.layer_bits) == n
+    tags = sorted({t for _, _, t in res.sensitivity}, key=widths_bits)
+    assert [widths_bits(t) for t in tags] == list(WIDTH_OPTIONS)
+    assert set(res.sensitivity) == {("key", L, t) for L in range(n) for t in tags}
+    picked = {L: kb for L, kb, vb in cfg.layer_bits if vb == 2}
+    widths = [widths_bits(picked[L]) for L in range(n)]
+    assert len(set(widths)) > 1 and res.bits_per_value <= 2.2 + 1e-9   # the layers differ; within the budget
+    assert res.bits_per_value == pytest.approx((sum(widths) / n + 16 / 64 + 2.25) / 2)
+    assert res.estimated_kld == pytest.approx(sum(res.sensitivity[("key", L, picked[L])] for L in range(n)))
+    for L in range(n):   # no single move of one layer's width within the budget lowers the summed KLD
+        for t in tags:
+            cost = (sum(widths) - widths[L] + widths_bits(t)) / n
+            if cost <= sum(widths) / n + 1e-9:
+                assert res.sensitivity[("key", L, t)] >= res.sensitivity[("key", L, picked[L])] - 1e-12, (L, t)
+    # the plan's layers compress with their own widths, weighed by the queries
+    rng = np.random.default_rng(0)
+    cache = {f"layer_{L}_{k}": rng.standard_normal((1, 3, 96, 64)).astype(np.float16) for L in (0, 1)
+             for k in ("key", "value")}
+    decoded, nbytes, stats = roundtrip_tensors(cache, cfg)
+    assert set(decoded) == set(cache) and stats.snr_db > 3
     path = tmp_path / "plan.json"
     save_plan(path, res)
     assert load_plan(path) == cfg
-    with pytest.raises(KvcxError, match="measures the queries"):
+    again = cal.reallocate(json.loads(path.read_text()), 2.5)   # the saved figures, another budget, no model
+    assert again.bits_per_value <= 2.5 + 1e-9 and again.bits_per_value > res.bits_per_value
+    assert again.sensitivity == res.sensitivity and again.config.key_weights == cfg.key_weights
+    with pytest.raises(KvcxError, match="tagged b1w, b1hw, b2w"):
         cal.run_calibration(KVConfig.from_scheme("kvcx2v"), budget=2.2, dataset_file=wikitext_path, loaded=loaded,
                             options=["b2"])
+    with pytest.raises(KvcxError, match="below the 1.750"):
+        cal.run_calibration(KVConfig.from_scheme("kvcx2v"), budget=1.6, dataset_file=wikitext_path, loaded=loaded)
 
 
 def test_calibrate_reuse_reallocates_without_a_model(tmp_path):
@@ -193,3 +222,21 @@ def test_calibrate_reuse_of_a_width_plan_changes_the_keys_mean(tmp_path):
     assert res.config.key.bits == 2.0 and res.config.key_weights == cfg.key_weights
     with pytest.raises(KvcxError, match="budget=1.0"):
         reallocate(saved, 1.0)
+
+
+def test_the_shipped_kvcx2v_plan_is_the_measured_figures_reallocated():
+    """smollm2-kvcx2v-2.12 is `kvcx calibrate --reuse bench/plans/measured/measured-kvcx2v-2.1.json --budget 2.12`:
+    the figures `kvcx calibrate --scheme kvcx2v --budget 2.1` measured (each layer's keys alone at 1 to 4 bits per
+    code, weighed by the queries) reallocated; each layer's keys a mean width, the values E8P."""
+    from pathlib import Path
+
+    from kvcx.codecs.kvconfig import widths_bits
+    from kvcx.quality.calibrate import reallocate
+
+    root = Path(__file__).resolve().parents[2]
+    measured = json.loads((root / "bench/plans/measured/measured-kvcx2v-2.1.json").read_text())
+    again = reallocate(measured, 2.12)
+    shipped = load_plan("smollm2-kvcx2v-2.12")
+    assert again.config == shipped and read_plan("smollm2-kvcx2v-2.12")["sensitivity"] == measured["sensitivity"]
+    widths = [widths_bits(kb) for _, kb, _ in shipped.layer_bits]
+    assert len(widths) == 30 and min(widths) == 1 and max(widths) > 2 and shipped.bits_per_value(30) <= 2.12

@@ -120,14 +120,29 @@ def test_a_widths_key_scheme_takes_the_guard_and_a_packed_file_keeps_it(scheme):
     assert snr["layer_2_key"] > 40 > snr["layer_0_key"], snr
 
 
-def test_widths_keys_take_no_per_layer_selection_but_the_guards():
+def test_widths_keys_take_per_layer_selections_of_widths_keys_alone():
+    """A widths config selects per layer only widths keys (a plan's mean widths, the guard's 8 bits), its values
+    the scheme's codec; a tag names its width (b2hw = 2.5 bits) and the variant must be a widths codec of it."""
+    from kvcx.codecs import WidthCodec
+    from kvcx.codecs.kvconfig import widths_bits, widths_tag
     from kvcx.errors import CodecError
 
     base = KVConfig.from_scheme("kvcx2v")
     guard = base.guarded([1]).variants
     for layer_bits, variants in (([(0, 4, 2)], ()), ([(0, "b8w", 3)], guard), ([(0, "b8w", 2), (1, 4, 2)], guard)):
-        with pytest.raises(CodecError, match="widths key codec .* but the retrieval guard's"):
+        with pytest.raises(CodecError, match="widths key codec .* selections of widths keys alone"):
             KVConfig(key=base.key, value=base.value, layer_bits=layer_bits, variants=variants)
+    assert [widths_tag(b) for b in (1, 1.5, 2.5, 4, 8)] == ["b1w", "b1hw", "b2hw", "b4w", "b8w"]
+    assert [widths_bits(t) for t in ("b1w", "b1hw", "b2hw", "b8w", "b3", "b3g128")] == [1, 1.5, 2.5, 8, None, None]
+    for bad in (0.5, 1.25, 5, 9):
+        with pytest.raises(CodecError, match="1, 1.5, ... 4 or 8 bits"):
+            widths_tag(bad)
+    half = WidthCodec(bits=2.5, group_size=64, sinks=1)
+    plan = KVConfig(key=base.key, value=base.value, variants={"key.b2hw": half}, layer_bits=[(3, "b2hw", 2)])
+    assert plan.for_layer(3).key == half and plan.for_layer(2).key == base.key
+    assert plan.bits_per_value(4) == pytest.approx((3 * base.key.bits_per_value() + 2.75 + 4 * 2.25) / 8)
+    with pytest.raises(CodecError, match=r"'key.b2hw' must be a widths codec of 2.5 bits .* got 2.0"):
+        KVConfig(key=base.key, value=base.value, variants={"key.b2hw": WidthCodec(bits=2, group_size=64)})
     assert KVConfig(key=base.key, value=base.value, scheme="kvcx2v", layer_bits=[(1, "b8w", 2)],
                     variants=guard) == base.guarded([1])
     for scheme in ("nvfp4", "q4_0", "turboquant_k8v4"):   # an engine's keys: no guard to give them
