@@ -469,8 +469,8 @@ def run_calibration(config: KVConfig, budget: float, model: Optional[str] = None
     if windows < 1 or offset < 0:
         raise KvcxError(f"windows={windows} must be >= 1 and offset={offset} >= 0")
     check_window(window, stride, windows, context_limit=1 << 62)
-    allowed = {} if widths else {k: plan_options(config, k) for k in KINDS}   # (widths: options refused above)
-    if options is not None and (not options or any(all(t not in a and t not in [f"{k}.{x}" for x in a]
+    allowed = {} if widths else {k: plan_options(config, k) for k in KINDS}   # (widths: checked above)
+    if not widths and options is not None and (not options or any(all(t not in a and t not in [f"{k}.{x}" for x in a]
                                                         for k, a in allowed.items()) for t in options)):
         raise KvcxError(f"options={','.join(options)}: a plan from {config.scheme} chooses keys from "
                         f"{','.join(allowed['key'])} and values from {','.join(allowed['value'])}; measure some of those")

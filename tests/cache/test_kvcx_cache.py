@@ -475,8 +475,9 @@ def test_kvcx2w_in_kvcx_cache_and_calibrated_query_weights(loaded, wikitext_path
 
     model, tok, _ = loaded
     n = model.config.num_hidden_layers
+    # one width to measure (each layer's keys at 2 bits): the queries' weights are what this test is about
     res = cal.run_calibration(KVConfig.from_scheme("kvcx2w"), budget=2.5, dataset_file=wikitext_path, windows=1,
-                              offset=3, window=192, stride=64, loaded=loaded)
+                              offset=3, window=192, stride=64, loaded=loaded, options=["b2w"])
     plan = res.config
     assert isinstance(plan.key, WidthCodec) and plan.key.bits == 2.0 and len(plan.key_weights) == n
     w = np.asarray(plan.key_weights[0][1])

@@ -120,14 +120,15 @@ def test_calibrate_spends_a_budget_on_kvcx2v_keys_layer_by_layer(loaded, wikitex
     from kvcx.codecs.kvconfig import widths_bits
     from kvcx.quality import calibrate as cal
     from kvcx.quality.bridge import roundtrip_tensors
-    from kvcx.quality.width_plans import WIDTH_OPTIONS
+    from kvcx.quality.width_plans import WIDTH_OPTIONS, width_tags
 
+    assert [widths_bits(t) for t in width_tags()] == list(WIDTH_OPTIONS)   # what a plan measures by default
     res = cal.run_calibration(KVConfig.from_scheme("kvcx2v"), budget=2.2, dataset_file=wikitext_path, windows=1,
-                              offset=3, window=192, stride=64, loaded=loaded)
+                              offset=3, window=192, stride=64, loaded=loaded, options=["b1w", "key.b2hw", "b3w"])
     cfg, n = res.config, res.n_layers
     assert cfg.value == E8PCodec(sinks=1) and len(cfg.key_weights) == n and len(cfg.layer_bits) == n
     tags = sorted({t for _, _, t in res.sensitivity}, key=widths_bits)
-    assert [widths_bits(t) for t in tags] == list(WIDTH_OPTIONS)
+    assert tags == ["b1w", "b2hw", "b3w"]
     assert set(res.sensitivity) == {("key", L, t) for L in range(n) for t in tags}
     picked = {L: kb for L, kb, vb in cfg.layer_bits if vb == 2}
     widths = [widths_bits(picked[L]) for L in range(n)]

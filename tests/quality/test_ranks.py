@@ -182,7 +182,8 @@ def _calibrate(tmp_path, name: str, launcher: list, *args) -> tuple:
 
 
 @pytest.mark.parametrize("args", [("--scheme", "kvcx3", "--budget", "3.2", "--windows", "3"),
-                                  ("--scheme", "kvcx2w", "--budget", "2.5", "--windows", "3")],
+                                  ("--scheme", "kvcx2w", "--budget", "2.5", "--options", "b2w,b3w", "--windows",
+                                   "3")],
                          ids=["per-layer-widths", "query-weights"])
 def test_torchrun_shards_calibration_windows_and_writes_the_one_process_plan(wikitext_path, tiny_model_dir, tmp_path,
                                                                             args):
