@@ -386,7 +386,10 @@ def reallocate(saved, budget: float, source="<plan>", base: Optional[KVConfig] =
             measuring = KVConfig(key=plan.key, value=plan.value, scheme=plan.scheme, key_weights=plan.key_weights,
                                  variants=saved_cfg.variants)
             sens = {("key", int(r["layer"]), str(r["option"])): float(r["kld"]) for r in rows}
-            plan, estimated = allocate_widths(sens, measuring, layers, budget)
+            try:
+                plan, estimated = allocate_widths(sens, measuring, layers, budget)
+            except KvcxError as exc:   # the file named: its figures do not cover every layer's widths
+                raise KvcxError(f"{sources[0]}: {exc}") from None
         return Calibration(config=plan, sensitivity=sens, budget=budget, bits_per_value=plan.bits_per_value(layers),
                            n_layers=n_layers, windows=int(plans[0].get("windows", 0)),
                            tokens=int(plans[0].get("tokens", 0)), model=str(plans[0].get("model", "")),
