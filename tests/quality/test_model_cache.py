@@ -84,3 +84,27 @@ def test_a_damaged_gguf_is_a_model_error_and_nothing_is_cached(tmp_path, monkeyp
     with pytest.raises(ModelError, match="cannot load model"):
         load_model_and_tokenizer(str(bad), cpu=True)
     assert not (tmp_path / "cache").exists()
+
+
+def test_an_engine_checkpoint_another_process_wrote_first_is_kept(loaded, tmp_path):
+    """Two processes converting the same GGUF at once (two test workers, two ranks, a bench beside a server): the one
+    that finishes second keeps the first one's verified checkpoint, which a server may be reading, instead of
+    deleting it for its own copy; a damaged one is still written again."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kvcx.quality import engine_model
+
+    torch.manual_seed(0)
+    tiny = LlamaForCausalLM(LlamaConfig(vocab_size=len(loaded[1]), hidden_size=32, intermediate_size=64,
+                                        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                        tie_word_embeddings=True))
+    entry = tmp_path / "tiny-engine-bf16"
+    engine_model._write(tiny, loaded[1], entry)                  # the first process
+    assert model_cache.verified(entry)
+    first = {p.name: p.stat().st_ino for p in entry.iterdir()}
+    engine_model._write(tiny, loaded[1], entry)                  # the second, finishing later
+    assert {p.name: p.stat().st_ino for p in entry.iterdir()} == first     # the same files, never removed
+    assert sorted(p.name for p in tmp_path.iterdir()) == [entry.name]       # its own copy cleaned up
+    (entry / "config.json").write_text("{}")                     # damaged: written again
+    engine_model._write(tiny, loaded[1], entry)
+    assert model_cache.verified(entry) and json.loads((entry / "config.json").read_text())["architectures"]
