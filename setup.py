@@ -8,6 +8,7 @@ Variants (kvcx.codecs.cpu picks the best one the CPU runs at import; ``kvcx info
   build's opt-in: fastest here, may not run on another CPU); ``KVCX_MARCH=none``: ``_generic`` only.
 OpenMP: ``-fopenmp`` is added to compile and link flags when a probe program builds and runs with it;
 ``KVCX_NO_OPENMP=1`` opts out. Without OpenMP the kernels run single-threaded.
+The variants compile side by side, one a core (``build_ext --parallel N`` or ``-j N`` sets another count).
 """
 import os
 import platform
@@ -20,6 +21,7 @@ import tempfile
 import numpy as np
 from Cython.Build import cythonize
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
 
 _PROBE = r"""
 #include <omp.h>
@@ -112,4 +114,15 @@ extensions = [
     for mod, flags in _variants()
 ]
 
-setup(ext_modules=cythonize(extensions, compiler_directives={"language_level": "3"}, include_path=[KERNELS]))
+class ParallelBuildExt(build_ext):
+    """build_ext compiling the variants side by side (a core each) unless --parallel / -j says otherwise: the same
+    objects, in half the time on two cores (an editable install, ``make build`` and the wheel all build here)."""
+
+    def finalize_options(self):
+        super().finalize_options()
+        if not self.parallel:
+            self.parallel = max(1, min(len(self.extensions), os.cpu_count() or 1))
+
+
+setup(ext_modules=cythonize(extensions, compiler_directives={"language_level": "3"}, include_path=[KERNELS]),
+      cmdclass={"build_ext": ParallelBuildExt})
