@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+from typing import Optional
 
 import numpy as np
 import torch
@@ -385,12 +386,14 @@ def _load_robust(w, keys, shape, timeout: float = OP_TIMEOUT_S) -> tuple:
 
 def engine(store: str, where, serde: str, index: int, procs: int, rounds: int, per_round: int, shape,
            pause: float = 0.0, first_round: int = 0, do_store: bool = True, do_load: bool = True,
-           load_each: bool = False) -> dict:
+           load_each: bool = False, progress: Optional[str] = None) -> dict:
     """One engine of a fleet: each round it stores its ``per_round`` chunks (the second half of each engine's
     set is the first half of the next one's: overlapping sets), then loads every engine's chunks of that round
     and checks each loaded chunk against what it must decode to. ``store``: "resp" (``where`` = port), "cluster"
     (``where`` = a Valkey cluster's nodes, "host:port,...") or "fs" (``where`` = directory); ``do_store`` / ``do_load`` run one half only (rounds ``first_round`` onwards);
-    ``load_each`` loads key by key (LMCache fails a whole load task when one of its chunks is damaged).
+    ``load_each`` loads key by key (LMCache fails a whole load task when one of its chunks is damaged);
+    ``progress``: a directory where the engine creates a file named by its index once a round has stored (a caller
+    that must see every engine serving before it acts: a slow start on a loaded machine can lag the others).
     Returns per-round records and the totals; wrong loads are counted, never returned as right."""
     l1 = make_l1(size=max(64 << 20, 4 * per_round * int(np.prod(shape)) * 2))
 
@@ -457,6 +460,8 @@ def engine(store: str, where, serde: str, index: int, procs: int, rounds: int, p
                             "store_ok": bool(ok), "bytes": nbytes, "loaded": len(got), "hits": hits,
                             "misses": len(got) - hits, "wrong": wrong, "load_failures": load_failures,
                             "rss": _rss().get("VmRSS", 0)})
+            if progress and ok and do_store:
+                open(os.path.join(progress, str(index)), "a").close()
             if pause:
                 time.sleep(pause)
     finally:

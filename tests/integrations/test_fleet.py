@@ -87,18 +87,22 @@ def cluster(tmp_path):
         c.stop()
 
 
-def test_a_cluster_shares_the_store_and_a_primary_killed_fails_over(cluster):
+def test_a_cluster_shares_the_store_and_a_primary_killed_fails_over(cluster, tmp_path):
     """Four engines on a Valkey cluster (3 primaries + 3 replicas, LMCache's valkey adapter in cluster mode, the seed
     nodes all six): the chunks spread over every primary and reach the replicas; no failed store in steady state. A
     primary killed (SIGKILL) mid-serving: its replica is promoted within the cluster's failover time (node timeout
     1 s), the round in flight may fail its store or miss, never return a wrong tensor, and every round after the
     promotion stores and loads again."""
+    serving = tmp_path / "serving"
+    serving.mkdir()
     started = ls.start_engines(4, store="cluster", where=cluster.startup_nodes, serde="kvcx", rounds=60, per_round=4,
-                               shape=SHAPE, pause=0.1)
+                               shape=SHAPE, pause=0.1, progress=str(serving))
     primaries, replicas = cluster.ports[:3], cluster.ports[3:]
     deadline = time.time() + 120
-    while sum(ls.resp(p, "DBSIZE") for p in primaries) < 40 and time.time() < deadline:   # traffic flows
+    while (len(list(serving.iterdir())) < 4 or sum(ls.resp(p, "DBSIZE") for p in primaries) < 40) and \
+            time.time() < deadline:   # every engine has stored a round, and traffic flows
         time.sleep(0.2)
+    assert len(list(serving.iterdir())) == 4, sorted(p.name for p in serving.iterdir())
     assert all(ls.resp(p, "DBSIZE") > 0 for p in primaries)        # the slots spread the chunks
     assert all(ls.resp(p, "DBSIZE") > 0 for p in replicas)         # and the replicas hold copies
     victim, heir = primaries[0], replicas[0]
