@@ -45,16 +45,17 @@ validate: build
 # starts (2 cores: test-all 1,601 s in one process, 1,278 s on two workers; the fast tier 118 s -> 85 s).
 # TEST_JOBS=1: one process at the machine's threads.
 TEST_JOBS ?= 2
-PYTEST := $(if $(filter-out 0 1,$(TEST_JOBS)),OMP_NUM_THREADS=1 $(PY) -m pytest -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder,$(PY) -m pytest)
+XDIST := $(if $(filter-out 0 1,$(TEST_JOBS)),-n $(TEST_JOBS),)
+TEST_ENV := $(if $(XDIST),OMP_NUM_THREADS=1,)
 
 # the fast tier (about a minute and a half on 2 cores): units, formats, CLI, codecs; the slow tier is what tests/conftest.py
 # marks slow (the model, the servers, Triton's interpreter, calibration)
 test: build
-	$(PYTEST) -q -m "not slow" tests
+	$(TEST_ENV) $(PY) -m pytest $(XDIST) $(if $(XDIST),--dist loadfile --no-loadscope-reorder) -q -m "not slow" tests
 
 # everything, fast and slow tiers: what CI runs (.ci/run); the 25 slowest tests are listed at the end (CI's time budget)
 test-all: build
-	$(PYTEST) -q --durations=25 tests
+	$(TEST_ENV) $(PY) -m pytest $(XDIST) $(if $(XDIST),--dist loadfile --no-loadscope-reorder) -q --durations=25 tests
 
 # every bench a CPU runs, in docs/RESULTS.md's order (its table: each page, its command and time; 7 to 8 hours on 2
 # cores, each writing its docs/results page): quality and the low-bit presets, generate(), the codec kernels, the
@@ -120,8 +121,7 @@ $(VENV_NEW)/.installed: pyproject.toml setup.py
 test-newest: build $(VENV_NEW)/.installed
 	@$(VENV_NEW)/bin/python -c "import torch, transformers; print('newest: torch', torch.__version__, \
 		'transformers', transformers.__version__)"
-	$(subst --dist loadfile --no-loadscope-reorder,--dist load,$(subst $(PY),$(VENV_NEW)/bin/python,$(PYTEST))) -q -p no:cacheprovider \
-		$(NEWEST_TESTS)
+	$(TEST_ENV) $(VENV_NEW)/bin/python -m pytest $(XDIST) $(if $(XDIST),--dist load) -q -p no:cacheprovider $(NEWEST_TESTS)
 
 # the documentation site (MkDocs, from docs/): served at http://127.0.0.1:8000; docs-check builds it strictly
 # (a broken link or a missing reference fails it), as CI does

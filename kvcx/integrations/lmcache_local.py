@@ -460,8 +460,9 @@ def engine(store: str, where, serde: str, index: int, procs: int, rounds: int, p
                             "store_ok": bool(ok), "bytes": nbytes, "loaded": len(got), "hits": hits,
                             "misses": len(got) - hits, "wrong": wrong, "load_failures": load_failures,
                             "rss": _rss().get("VmRSS", 0)})
-            if progress and ok and do_store:
+            if progress and ok and do_store:       # once, at the first round stored
                 open(os.path.join(progress, str(index)), "a").close()
+                progress = None
             if pause:
                 time.sleep(pause)
     finally:

@@ -65,16 +65,7 @@ def _write(model, tokenizer, entry: Path) -> None:
         config["dtype"] = "bfloat16"
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
         tokenizer.save_pretrained(str(tmp))
-        model_cache.write_manifest(tmp)
-        if model_cache.verified(entry):
-            return                                             # another process wrote it first: the same checkpoint
-        if entry.exists():
-            shutil.rmtree(entry, ignore_errors=True)           # a damaged copy, replaced
-        try:
-            os.rename(tmp, entry)
-        except OSError:
-            if not model_cache.verified(entry):                # not another process's complete copy: a real failure
-                raise
+        model_cache.publish(tmp, entry)          # another process's verified copy is kept, a damaged one replaced
     except OSError as exc:
         raise ModelError(f"{entry}: cannot write the engine checkpoint ({exc.strerror or exc}); pass root= a "
                          "writable directory") from None

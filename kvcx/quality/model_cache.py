@@ -80,6 +80,24 @@ def write_manifest(tmp: Path) -> None:
     os.chmod(tmp, 0o777 & ~umask)
 
 
+def publish(tmp: Path, entry: Path) -> bool:
+    """Make the finished directory ``tmp`` the entry ``entry``: its manifest written last, then one rename. False
+    where another process's verified copy is already there (kept: a server may be reading it; ``tmp`` is left for
+    the caller to remove); a damaged copy is replaced. OSError where the rename fails for another reason."""
+    write_manifest(tmp)
+    if verified(entry):
+        return False
+    if entry.exists():
+        shutil.rmtree(entry, ignore_errors=True)            # a damaged copy, replaced
+    try:
+        os.rename(tmp, entry)
+    except OSError:
+        if verified(entry):                                 # another process finished first
+            return False
+        raise
+    return True
+
+
 def save(model, tokenizer, entry: Path) -> bool:
     """Write the converted model (FP32 safetensors, config without the GGUF marker, tokenizer) as ``entry``:
     into a temporary directory beside it, the manifest last, then one rename. False where it cannot be
@@ -95,11 +113,7 @@ def save(model, tokenizer, entry: Path) -> bool:
         config.pop("quantization_config", None)                # GGUF's: the weights here are plain FP32
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
         tokenizer.save_pretrained(str(tmp))
-        write_manifest(tmp)
-        if entry.exists() and not verified(entry):
-            shutil.rmtree(entry, ignore_errors=True)            # a damaged copy, replaced
-        os.rename(tmp, entry)
-        return True
+        return publish(tmp, entry)
     except (OSError, RuntimeError, ValueError):   # a cache that cannot be written never stops the load
         return False
     finally:

@@ -98,11 +98,12 @@ def test_a_cluster_shares_the_store_and_a_primary_killed_fails_over(cluster, tmp
     started = ls.start_engines(4, store="cluster", where=cluster.startup_nodes, serde="kvcx", rounds=60, per_round=4,
                                shape=SHAPE, pause=0.1, progress=str(serving))
     primaries, replicas = cluster.ports[:3], cluster.ports[3:]
+    engines_serving = lambda: sorted(p.name for p in serving.iterdir())   # noqa: E731
     deadline = time.time() + 120
-    while (len(list(serving.iterdir())) < 4 or sum(ls.resp(p, "DBSIZE") for p in primaries) < 40) and \
+    while (len(engines_serving()) < 4 or sum(ls.resp(p, "DBSIZE") for p in primaries) < 40) and \
             time.time() < deadline:   # every engine has stored a round, and traffic flows
         time.sleep(0.2)
-    assert len(list(serving.iterdir())) == 4, sorted(p.name for p in serving.iterdir())
+    assert engines_serving() == ["0", "1", "2", "3"], engines_serving()
     assert all(ls.resp(p, "DBSIZE") > 0 for p in primaries)        # the slots spread the chunks
     assert all(ls.resp(p, "DBSIZE") > 0 for p in replicas)         # and the replicas hold copies
     victim, heir = primaries[0], replicas[0]
