@@ -100,7 +100,8 @@ class TritonE8PBackend:
             y = torch.empty((rows, D), dtype=torch.float32, device=dev)
             R = program_rows(D)
             k.e8p_scale_kernel[(-(-rows // R),)](x3, y, codes, flag, S, t0, rows, tensors.norm_of(D),
-                                                 float(_core.E8P_RMS), D=D, R=R, enable_fp_fusion=False,
+                                                 float(_core.E8P_RMS), float(_core.E8P_GAIN), D=D, R=R,
+                                                 enable_fp_fusion=False,
                                                  num_warps=CODEC_WARPS)
             nvec, V = rows * (D // 8), INTERPRETER_SEARCH_VECTORS if interpreting() else SEARCH_VECTORS
             k.e8p_search_kernel[(-(-nvec // V),)](y, codes, *_tables(dev), nvec, D=D, V=V, enable_fp_fusion=False,

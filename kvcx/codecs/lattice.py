@@ -8,6 +8,11 @@ value (2.25 at a head dim of 64), every byte counted. At the same bits a lattice
 the rotated rows fill than a per-value grid does: E8P's error on Gaussian data is about 0.09 of the variance against
 about 0.12 for the best 2-bit scalar quantizer (Lloyd-Max) and 0.19 for a min/max grid.
 
+The record's scale is the search's times 1.09 (``KVCX_E8P_GAIN``): the nearest point at the scale of least error is
+8 % short along the row, and an attention row sums many tokens' values, whose independent errors average out but
+whose common shrinkage does not; unbiased along the row, the error is 0.097 of the variance and kvcx2v's KLD on the
+held-out windows falls by a sixth (docs/results/low-bits.md).
+
 The search is exact (kernels: e8p.h): for each of the two shifts and each of the 256 sign-free patterns, every
 coordinate's sign is matched to the row's, and where that would negate an odd number of coordinates (the codebook
 holds only even ones) the coordinate that costs least goes back.

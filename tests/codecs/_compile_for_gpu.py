@@ -50,7 +50,7 @@ def _compile(job) -> str:
     name, consts, num_warps, fusion, pointers, ptx_has = job
     fn = getattr(k, name, None) or getattr(ka, name, None) or getattr(kl, name)
     types = {**POINTERS, **pointers}
-    sig = {a: "constexpr" if a in consts else "fp32" if a in ("norm", "q_scale", "rms") else types.get(a, "i32")
+    sig = {a: "constexpr" if a in consts else "fp32" if a in ("norm", "q_scale", "rms", "gain") else types.get(a, "i32")
            for a in fn.arg_names}
     try:
         compiled = triton.compile(ASTSource(fn, sig, consts), target=TARGET,

@@ -45,9 +45,9 @@ def test_codes_are_the_nearest_points_and_decode_as_the_format_says(D):
     codes, s = _rows(p, D)
     assert s[5] == 0.0 and (s >= 0).all()
     y = _rotate(x).reshape(-1, D)
-    want = (np.sqrt((y ** 2).mean(1)) / 1.03).astype(np.float16).astype(np.float32)
-    assert np.array_equal(s, want)
-    z = (y / np.where(s > 0, s, 1)[:, None]).reshape(-1, 8)[:600]
+    search = (np.sqrt((y ** 2).mean(1)) / 1.03).astype(np.float16).astype(np.float32)
+    assert np.array_equal(s, (search * np.float32(1.09)).astype(np.float16).astype(np.float32))   # the decode's
+    z = (y / np.where(search > 0, search, 1)[:, None]).reshape(-1, 8)[:600]
     got = e8p_points(codes.reshape(-1))[:600].astype(np.float64)
     d_got = ((z - got) ** 2).sum(1)
     d_best = (((z[:, None, :] - ALL[None, :, :]) ** 2).sum(2)).min(1)
@@ -61,15 +61,20 @@ def test_codes_are_the_nearest_points_and_decode_as_the_format_says(D):
 
 
 def test_error_beats_two_bit_integer_codes_on_rotated_rows():
-    """E8P at 2.25 bits a value (head dim 64): relative MSE about 0.09 on Gaussian rows, against kvcx2's values (2-bit
-    asymmetric after the same rotation, groups of 64: 2.5 bits) and symmetric 3-bit codes (3.25 bits)."""
+    """E8P at 2.25 bits a value (head dim 64): relative MSE about 0.097 on Gaussian rows (0.089 at the search's
+    scale, times 1.09 for a decode unbiased along the row), against kvcx2's values (2-bit asymmetric after the same
+    rotation, groups of 64: 2.5 bits) and symmetric 3-bit codes (3.25 bits)."""
     x = np.random.default_rng(5).standard_normal((8, 512, 64)).astype(np.float32)
 
     def rel(codec):
         return float(((codec.decode(codec.encode(x)) - x) ** 2).mean() / (x ** 2).mean())
 
     e8p = rel(E8PCodec())
-    assert 0.08 < e8p < 0.095
+    assert 0.09 < e8p < 0.1
+    # unbiased along the row: the decode's projection on x is x's energy (at the search's scale it is 8 % short),
+    # so the error an attention row sums over many tokens averages out instead of shrinking the output
+    y = E8PCodec().decode(E8PCodec().encode(x)).astype(np.float64)
+    assert abs(float((y * x).sum() / (x.astype(np.float64) ** 2).sum()) - 1.0) < 0.005
     assert e8p < 0.75 * rel(IntCodec(bits=2, scheme="asymmetric", rotate=True))
     assert e8p < rel(IntCodec(bits=3, scheme="symmetric", rotate=True)) * 2
 

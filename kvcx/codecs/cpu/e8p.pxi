@@ -4,7 +4,8 @@
 # output (tokens [0, t0) of each slab are the exact sinks, written by the codec).
 
 E8P_PATTERNS = KVCX_E8P_PATTERNS
-E8P_RMS = KVCX_E8P_RMS     # a row's scale is its RMS over this (FP32; the Triton kernels read it here)
+E8P_RMS = KVCX_E8P_RMS     # the search's scale is a row's RMS over this (FP32; the Triton kernels read it here)
+E8P_GAIN = KVCX_E8P_GAIN   # the record's scale is the search's times this (FP32, unbiased decode: e8p.h)
 kvcx_e8p_init()   # the search's tables, once, before any thread reads them
 
 

@@ -180,6 +180,7 @@ cdef extern from "e8p.h" nogil:
     enum:
         KVCX_E8P_PATTERNS
     const float KVCX_E8P_RMS
+    const float KVCX_E8P_GAIN
     const signed char kvcx_e8p_grid[256][8]
     void kvcx_e8p_init() noexcept
     int64_t kvcx_e8p_record_bytes(int64_t D) noexcept

@@ -9,8 +9,9 @@ twice; the C kernels are built ``-std=c11``, which contracts nothing):
   the CPU's order, then one product by ``1 / sqrt(D)``);
 - the row's scale: the squares summed in FP64 **in the CPU's order** (coordinate 0 first: each step adds one
   coordinate's square, picked out of the row exactly), ``sqrt(ss / D) / 1.03`` in FP64 (correctly rounded), then
-  FP32, then FP16 (round to nearest even); the values divided by it as the product with its correctly rounded
-  reciprocal;
+  FP32, then FP16 (round to nearest even): the search's scale; the values divided by it as the product with its
+  correctly rounded reciprocal; the record's scale that FP16 scale times 1.09 in FP32, then FP16 (e8p.h's
+  ``KVCX_E8P_GAIN``: an unbiased decode);
 - the search: for each shift (+1/4 first) and each of the 256 patterns ``2 <|z|, |a|> - |a|^2``, less ``4 min |z_i
   a_i|`` where the signs would negate an odd count, summed coordinate by coordinate as the CPU does; the first
   pattern of the largest score (strictly larger replaces), shift -1/4 only where its score is strictly larger; the
@@ -32,7 +33,8 @@ PATTERNS: tl.constexpr = tl.constexpr(256)
 
 
 @triton.jit
-def e8p_scale_kernel(x_ptr, y_ptr, rec_ptr, flag_ptr, S, t0, rows, norm, rms, D: tl.constexpr, R: tl.constexpr):
+def e8p_scale_kernel(x_ptr, y_ptr, rec_ptr, flag_ptr, S, t0, rows, norm, rms, gain, D: tl.constexpr,
+                     R: tl.constexpr):
     """Rows [p R, p R + R): each rotated, its FP16 scale written as its record's last two bytes and the rotated row
     over the scale into ``y`` (FP32, rows x D) for :func:`e8p_search_kernel`. ``flag_ptr[0]`` set where a value is
     NaN or Inf, ``flag_ptr[1]`` where a scale passes FP16."""
@@ -49,9 +51,9 @@ def e8p_scale_kernel(x_ptr, y_ptr, rec_ptr, flag_ptr, S, t0, rows, norm, rms, D:
     for i in range(D):   # coordinate by coordinate, as the CPU sums (a row with one term left is summed exactly)
         ss += tl.sum(tl.where(d[None, :] == i, sq, 0.0), axis=1)
     s = (tl.sqrt(ss / D) / rms).to(tl.float32)   # FP64: sqrt.rn.f64 and div.rn.f64 (the PTX test)
-    _flag_if(flag_ptr + 1, valid & ~(s <= 65504.0))
-    s16 = s.to(tl.float16)
-    sq16 = s16.to(tl.float32)
+    _flag_if(flag_ptr + 1, valid & ~(s * gain <= 65504.0))
+    sq16 = s.to(tl.float16).to(tl.float32)
+    s16 = (sq16 * gain).to(tl.float16)   # the scale the record decodes with (unbiased: e8p.h's KVCX_E8P_GAIN)
     inv = tl.where(sq16 > 0.0, tl.math.div_rn(1.0, tl.where(sq16 > 0.0, sq16, 1.0)), 0.0)
     y = x * inv[:, None]
     y = tl.where(_nonfinite(y), 0.0, y)   # a row the launcher refuses (flagged): searched as zeros, never NaN
