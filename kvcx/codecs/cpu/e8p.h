@@ -31,7 +31,7 @@
  * scale of least MSE: the reconstruction is a biased estimate of y, 8 % short along it), and that bias does not
  * average out over the tokens an attention row sums, as the points' independent errors do. Times 1.09 the row
  * decodes unbiased along y (E<y, p s g> = E|y|^2 on N(0, 1) rows: g = 1.0895 at D = 64, 1.0933 at D = 128) at 8 %
- * more MSE (0.089 -> 0.096 of the variance). Derived from the Gaussian, not fitted to a model. */
+ * more MSE (0.089 -> 0.097 of the variance). Derived from the Gaussian, not fitted to a model. */
 #define KVCX_E8P_GAIN 1.09f
 #define KVCX_E8P_PATTERNS 256
 
