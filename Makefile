@@ -40,12 +40,11 @@ validate: build
 	echo "make validate: $$(( $$(date +%s) - start )) s"; exit $$rc
 
 # The tests run on TEST_JOBS workers (pytest-xdist, a file a worker; tests/conftest.py starts the longest files
-# first), each at one thread (OMP_NUM_THREADS=1; a test that needs threads asks for them): one-thread workers keep
-# the cores busy where one two-thread run left a core idle through Triton's interpreter, imports and server starts
-# (2 cores: test-all 1,601 s in one process, 1,278 s on two workers; the fast tier 118 s -> 85 s), and a worker
-# more than the cores fills what the servers' start-ups and the tests' waits leave idle.
+# first), each at one thread (OMP_NUM_THREADS=1; a test that needs threads asks for them): two one-thread workers
+# keep both cores busy where one two-thread run left a core idle through Triton's interpreter, imports and server
+# starts (2 cores: test-all 1,601 s in one process, 1,278 s on two workers; the fast tier 118 s -> 85 s).
 # TEST_JOBS=1: one process at the machine's threads.
-TEST_JOBS ?= $(shell echo $$(( $$(nproc 2>/dev/null || echo 1) + 1 )))
+TEST_JOBS ?= 2
 XDIST := $(if $(filter-out 0 1,$(TEST_JOBS)),-n $(TEST_JOBS),)
 TEST_ENV := $(if $(XDIST),OMP_NUM_THREADS=1,)
 
