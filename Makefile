@@ -47,15 +47,16 @@ validate: build
 TEST_JOBS ?= 2
 XDIST := $(if $(filter-out 0 1,$(TEST_JOBS)),-n $(TEST_JOBS),)
 TEST_ENV := $(if $(XDIST),OMP_NUM_THREADS=1,)
+BY_FILE := $(if $(XDIST),--dist loadfile --no-loadscope-reorder)
 
 # the fast tier (about a minute and a half on 2 cores): units, formats, CLI, codecs; the slow tier is what tests/conftest.py
 # marks slow (the model, the servers, Triton's interpreter, calibration)
 test: build
-	$(TEST_ENV) $(PY) -m pytest $(XDIST) $(if $(XDIST),--dist loadfile --no-loadscope-reorder) -q -m "not slow" tests
+	$(TEST_ENV) $(PY) -m pytest $(XDIST) $(BY_FILE) -q -m "not slow" tests
 
 # everything, fast and slow tiers: what CI runs (.ci/run); the 25 slowest tests are listed at the end (CI's time budget)
 test-all: build
-	$(TEST_ENV) $(PY) -m pytest $(XDIST) $(if $(XDIST),--dist loadfile --no-loadscope-reorder) -q --durations=25 tests
+	$(TEST_ENV) $(PY) -m pytest $(XDIST) $(BY_FILE) -q --durations=25 tests
 
 # every bench a CPU runs, in docs/RESULTS.md's order (its table: each page, its command and time; 7 to 8 hours on 2
 # cores, each writing its docs/results page): quality and the low-bit presets, generate(), the codec kernels, the

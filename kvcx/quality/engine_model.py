@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Optional
 
@@ -50,9 +48,7 @@ def _write(model, tokenizer, entry: Path) -> None:
     import torch
     from safetensors.torch import save_file
 
-    entry.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=entry.parent))
-    try:
+    def fill(tmp: Path) -> None:
         state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
         if getattr(model.config, "tie_word_embeddings", False):
             emb = model.get_input_embeddings().weight.detach().to(torch.bfloat16).contiguous()
@@ -65,10 +61,9 @@ def _write(model, tokenizer, entry: Path) -> None:
         config["dtype"] = "bfloat16"
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
         tokenizer.save_pretrained(str(tmp))
-        model_cache.publish(tmp, entry)          # another process's verified copy is kept, a damaged one replaced
+
+    try:
+        model_cache.write_entry(entry, fill)     # another process's verified copy is kept, a damaged one replaced
     except OSError as exc:
         raise ModelError(f"{entry}: cannot write the engine checkpoint ({exc.strerror or exc}); pass root= a "
                          "writable directory") from None
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)

@@ -98,24 +98,34 @@ def publish(tmp: Path, entry: Path) -> bool:
     return True
 
 
+def write_entry(entry: Path, fill) -> bool:
+    """Write the entry ``entry`` whole or not at all: ``fill(tmp)`` writes its files into a temporary directory beside
+    it, then :func:`publish`; the temporary directory is removed whatever happens. :func:`publish`'s result; what
+    ``fill`` or the disk raises passes through."""
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=entry.parent))
+    try:
+        fill(tmp)
+        return publish(tmp, entry)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
 def save(model, tokenizer, entry: Path) -> bool:
     """Write the converted model (FP32 safetensors, config without the GGUF marker, tokenizer) as ``entry``:
     into a temporary directory beside it, the manifest last, then one rename. False where it cannot be
     written (read-only or full disk, another process finished first): the load goes on without the cache."""
     from safetensors.torch import save_model
 
-    tmp = None
-    try:
-        entry.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=entry.parent))
+    def fill(tmp: Path) -> None:
         save_model(model, str(tmp / "model.safetensors"))     # tied weights once
         config = model.config.to_dict()
         config.pop("quantization_config", None)                # GGUF's: the weights here are plain FP32
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
         tokenizer.save_pretrained(str(tmp))
-        return publish(tmp, entry)
+
+    try:
+        return write_entry(entry, fill)
     except (OSError, RuntimeError, ValueError):   # a cache that cannot be written never stops the load
         return False
-    finally:
-        if tmp is not None and tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
