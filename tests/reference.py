@@ -102,7 +102,7 @@ def decode_values(codes_u8, scale, zero, bits, asym):
     return (codes_u8.astype(np.float32) - np.float32(2 ** (bits - 1))) * s
 
 
-def widths_encode(x, bits, group_size, sinks, weights=None, wmax=8):
+def widths_encode(x, bits, group_size, sinks, weights=None, wmax=8, middle=False):
     """The per-channel widths codec (docs/FORMAT.md 2.4) in NumPy: (codes bytes, channel ranges F16 [N, D, 2],
     decoded float32). The widths are the ``bits * D * N`` best bits over the tensor's channels, taken one by
     one in order of gain."""
@@ -120,13 +120,6 @@ def widths_encode(x, bits, group_size, sinks, weights=None, wmax=8):
     lo16, hi16 = lo.astype(np.float16), hi.astype(np.float16)
     lo16 = np.where(lo16.astype(np.float32) > lo, np.nextafter(lo16, np.float16(-np.inf)), lo16)
     hi16 = np.where(hi16.astype(np.float32) < hi, np.nextafter(hi16, np.float16(np.inf)), hi16)
-    L, H = lo16.astype(np.float32)[:, None], hi16.astype(np.float32)[:, None]
-    span = (H - L) / np.float32(255)
-    safe = np.where(span > 0, span, np.float32(1))
-    a = np.where(span > 0, np.clip(np.floor((mn - L) / safe), 0, 255), 0)
-    b = np.where(span > 0, np.clip(np.ceil((mx - L) / safe), 0, 255), 0)
-    b = np.maximum(a, b)
-    glo, ghi = L + a.astype(np.float32) * span, L + b.astype(np.float32) * span
     rows = np.array([b_ - a_ for a_, b_ in groups], dtype=np.float64)
     spread = (((mx.astype(np.float64) - mn.astype(np.float64)) ** 2) * rows[None, :, None]).sum(1)
     if weights is not None:
@@ -138,6 +131,18 @@ def widths_encode(x, bits, group_size, sinks, weights=None, wmax=8):
     widths = np.zeros((N, D), dtype=np.int64)
     for _, n, d in gains[:int(round(bits * D)) * N]:
         widths[n, d] += 1
+    # a width-0 channel's group range brackets the group's mean (the rows summed in float, in order)
+    means = np.stack([np.cumsum(xs[:, a_:b_], axis=1, dtype=np.float32)[:, -1] / np.float32(b_ - a_)
+                      for a_, b_ in groups], 1)
+    zero = (widths == 0)[:, None, :] & (not middle)   # middle: as encoders before the mean did
+    mn, mx = np.where(zero, means, mn), np.where(zero, means, mx)
+    L, H = lo16.astype(np.float32)[:, None], hi16.astype(np.float32)[:, None]
+    span = (H - L) / np.float32(255)
+    safe = np.where(span > 0, span, np.float32(1))
+    a = np.where(span > 0, np.clip(np.floor((mn - L) / safe), 0, 255), 0)
+    b = np.where(span > 0, np.clip(np.ceil((mx - L) / safe), 0, 255), 0)
+    b = np.maximum(a, b)
+    glo, ghi = L + a.astype(np.float32) * span, L + b.astype(np.float32) * span
     top = (2.0 ** widths - 1).astype(np.float32)[:, None, :]
     step = (ghi - glo) / np.maximum(top, 1)
     inv = np.where((step > 0) & (top > 0), 1 / np.where(step > 0, step, 1), 0).astype(np.float32)

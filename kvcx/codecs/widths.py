@@ -42,10 +42,10 @@ class WidthCodec(Codec):
 
     A tensor's widths sum to ``bits * head_dim`` per slab (a KV head), spent where they cut the error most:
     a channel whose values spread widely (or that the queries weigh heavily, with ``weights``) gets more
-    bits, a flat one fewer, down to none (it decodes to the middle of its range). Groups of ``group_size``
+    bits, a flat one fewer, down to none (it decodes to its group's mean). Groups of ``group_size``
     tokens keep their channel's range as two bytes on a 255-step grid between the channel's FP16 minimum
-    and maximum over the tensor, so the ranges cost 16 / group_size bits per value instead of 32. Codes are
-    stored as bit planes. See docs/FORMAT.md 2.4.
+    and maximum over the tensor, so the ranges cost 16 / group_size bits per value instead of 32 (a channel
+    without bits: its range bytes about the group's mean). Codes are stored as bit planes. See docs/FORMAT.md 2.4.
 
     Parameters
     ----------
@@ -168,8 +168,9 @@ class WidthCodec(Codec):
             klay = self._kernel_layout(lay)
             mn = np.empty((N, G, D), dtype=np.float32)
             mx = np.empty((N, G, D), dtype=np.float32)
+            me = np.empty((N, G, D), dtype=np.float32)
             dt = kernel_dtype(x.dtype)
-            status = _core.w_minmax(raw(x), dt, klay, mn.reshape(-1), mx.reshape(-1), threads)
+            status = _core.w_minmax(raw(x), dt, klay, mn.reshape(-1), mx.reshape(-1), me.reshape(-1), threads)
             check_status(status, name, x)
             lo, hi = np.empty((N, D), dtype=np.float32), np.empty((N, D), dtype=np.float32)
             spread = np.empty((N, D), dtype=np.float64)
@@ -188,7 +189,7 @@ class WidthCodec(Codec):
             widths = self.allocate(spread, lay.budget)
             codes[:N * D] = widths.reshape(-1)
             off, slab_off, gbytes = self.plane_offsets(widths, G)
-            status = _core.w_encode(raw(x), dt, klay, mn.reshape(-1), mx.reshape(-1),
+            status = _core.w_encode(raw(x), dt, klay, mn.reshape(-1), mx.reshape(-1), me.reshape(-1),
                                     lo16.astype(np.float32).reshape(-1), hi16.astype(np.float32).reshape(-1),
                                     widths.reshape(-1), self._tops(widths), off.reshape(-1), slab_off, gbytes,
                                     codes[N * D:N * D + N * G * D * 2], codes[N * D + N * G * D * 2:], threads)

@@ -3,7 +3,7 @@ weights (:mod:`kvcx.quality.query_weights`) and a mean width per layer's keys.
 
 The widths codec already spends a tensor's bits where its channels need them; layers differ too. On the embedded
 model (``bench/plans/measured/measured-kvcx2v-2.1.json``), with the queries' weights, layer 0's keys alone at 1 bit
-per code cost 195x the KL divergence of layer 27's, and the 30 layers' keys at 2 bits span 0.00003 to 0.0014 nats. Calibration measures each layer's keys alone at each
+per code cost 204x the KL divergence of layer 27's, and the 30 layers' keys at 2 bits span 0.00003 to 0.0013 nats. Calibration measures each layer's keys alone at each
 width of :data:`WIDTH_OPTIONS` (the rest of the cache exact, as for the integer schemes' options) and
 :func:`allocate_widths` picks one width per layer within the budget: the same exact knapsack in 1/64-bit units.
 The values keep the scheme's codec in every layer (kvcx2v's E8P values have no other width).

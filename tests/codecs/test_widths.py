@@ -58,6 +58,35 @@ def test_widths_follow_the_spread_and_the_weights():
     assert ww[0].sum() > ww[1].sum() and ww.sum() == w.sum() == 2 * 128
 
 
+def test_a_channel_without_bits_decodes_to_its_groups_mean():
+    """The encoder puts a width-0 channel's range bytes about its group's mean (widths.h kvcx_w_encode_tile; the
+    decode is unchanged): it decodes within half a step of the channel's 255-step grid of the mean, one value a
+    group, nearer the group overall than the middle of its min and max (the encoders before); channels with codes
+    are as before."""
+    from kvcx.codecs import WidthCodec, decode
+
+    from reference import widths_encode
+
+    x = keys_like((1, 3, 257, 64), seed=5)
+    x[0, :, 100:110, ::3] += 6.0    # skewed groups: their mean is far from their middle
+    p = WidthCodec(bits=1.5, group_size=64, sinks=1).encode(x, name="k")
+    y = decode(p)
+    widths = p.codes[:3 * 64].reshape(3, 64)
+    lo, hi = p.scales[..., 0].astype(np.float32), p.scales[..., 1].astype(np.float32)
+    groups = [(1 + 64 * g, min(257, 65 + 64 * g)) for g in range(4)]
+    n, d = np.nonzero(widths == 0)
+    assert n.size > 20
+    *_, middle = widths_encode(x, 1.5, 64, 1, middle=True)
+    sq = lambda z, a, b: ((z[0, n, a:b, d] - x[0, n, a:b, d]).astype(np.float64) ** 2).sum(1)
+    for a, b in groups:
+        err = np.abs(y[0, n, a, d] - x[0, n, a:b, d].astype(np.float64).mean(1))
+        assert (err <= (hi[n, d] - lo[n, d]) / 255 / 2 * 1.001).all()
+        assert (y[0, n, a:b, d] == y[0, n, a:a + 1, d]).all()
+    assert sum(sq(y, a, b).sum() for a, b in groups) < 0.9 * sum(sq(middle, a, b).sum() for a, b in groups)
+    coded = widths > 0
+    np.testing.assert_array_equal(y[0][coded[:, None, :].repeat(257, 1)], middle[0][coded[:, None, :].repeat(257, 1)])
+
+
 def test_widths_codec_errors():
     from kvcx.codecs import Packed, WidthCodec, decode
 

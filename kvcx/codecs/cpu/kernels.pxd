@@ -116,12 +116,13 @@ cdef extern from "widths.h" nogil:
     enum:
         KVCX_W_MAX
     const bint KVCX_W_AVX2
+    int64_t kvcx_w_encode_floats(int64_t D) noexcept
 
-    void kvcx_w_colminmax(const float *x, int64_t rows, int64_t D, float *mn, float *mx) noexcept
+    void kvcx_w_colminmax(const float *x, int64_t rows, int64_t D, float *mn, float *mx, float *me) noexcept
     void kvcx_w_channels(const float *mn, const float *mx, int64_t G, int64_t D, int64_t gs, int64_t last_rows,
                          float *lo, float *hi, double *spread) noexcept
     void kvcx_w_encode_tile(const float *x, int64_t rows, int64_t gs, int64_t D, const float *mn,
-                            const float *mx, const float *lo, const float *hi, const uint8_t *w, const float *top,
+                            const float *mx, const float *me, const float *lo, const float *hi, const uint8_t *w, const float *top,
                             const int64_t *off, uint8_t *qt, float *row, uint8_t *stats, uint8_t *out) noexcept
     int kvcx_w_decode_tile(const uint8_t *planes, const uint8_t *stats, int64_t rows, int64_t gs, int64_t D,
                            const float *lo, const float *hi, const uint8_t *w, const float *top,

@@ -26,20 +26,26 @@
 #endif
 
 enum { KVCX_W_MAX = 8 };  /* the widest channel, bits (codes are bytes) */
+/* the floats of scratch kvcx_w_encode_tile takes for a head dim D (its row argument) */
+static inline int64_t kvcx_w_encode_floats(int64_t D) { return 6 * D; }
 
-/* Column min and max of a rows x D tile (rows >= 1). NaN is sticky (a NaN anywhere in a column makes
-   its min NaN), so the caller finds non-finite input in the results. */
-static inline void kvcx_w_colminmax(const float *x, int64_t rows, int64_t D, float *mn, float *mx) {
+/* Column min, max and mean of a rows x D tile (rows >= 1; the mean: the rows summed in float, in order, over
+   their count). NaN is sticky (a NaN anywhere in a column makes its min NaN), so the caller finds non-finite
+   input in the results. */
+static inline void kvcx_w_colminmax(const float *restrict x, int64_t rows, int64_t D, float *restrict mn,
+                                    float *restrict mx, float *restrict me) {
     int64_t r, d;
-    for (d = 0; d < D; d++) { mn[d] = x[d]; mx[d] = x[d]; }
+    for (d = 0; d < D; d++) { mn[d] = x[d]; mx[d] = x[d]; me[d] = x[d]; }
     for (r = 1; r < rows; r++) {
         const float *p = x + r * D;
         for (d = 0; d < D; d++) {
             float v = p[d];
             mn[d] = (v < mn[d] || v != v) ? v : mn[d];
             mx[d] = v > mx[d] ? v : mx[d];
+            me[d] += v;
         }
     }
+    for (d = 0; d < D; d++) me[d] /= (float)rows;
 }
 
 /* bit j of n code bytes -> n / 8 plane bytes (n a multiple of 8) */
@@ -183,19 +189,26 @@ static inline void kvcx_w_quant_row(const float *restrict x, const float *restri
     }
 }
 
-/* Encode one group: x is its rows x D tile (rows <= gs), mn / mx its column min and max, lo / hi the
+/* Encode one group: x is its rows x D tile (rows <= gs), mn / mx / me its column min, max and mean, lo / hi the
    slab's channel ranges (FP16 values), w / top / off the slab's widths, 2^w - 1 and plane offsets.
-   Writes the group's range bytes (D x 2) and its plane block. D a multiple of 8. qt: 2 * gs * D scratch
-   bytes; row: 4 * D scratch floats. */
+   Writes the group's range bytes (D x 2) and its plane block: a and b the grid steps at or below its min and at
+   or above its max, but for a width-0 channel about its mean (it decodes to the middle of its range bytes:
+   within half a step of the mean, the constant of least squared error). D a multiple of 8.
+   qt: 2 * gs * D scratch bytes; row: kvcx_w_encode_floats(D) scratch floats. */
 static inline void kvcx_w_encode_tile(const float *x, int64_t rows, int64_t gs, int64_t D, const float *mn,
-                                      const float *mx, const float *lo, const float *hi, const uint8_t *w,
+                                      const float *mx, const float *me, const float *lo, const float *hi, const uint8_t *w,
                                       const float *top, const int64_t *off, uint8_t *qt, float *row,
                                       uint8_t *stats, uint8_t *out) {
-    float *glo = row, *inv = row + D, *fa = row + 2 * D, *fb = row + 3 * D;
+    float *glo = row, *inv = row + D, *fa = row + 2 * D, *fb = row + 3 * D, *gmn = row + 4 * D,
+          *gmx = row + 5 * D;
     uint8_t *qr = qt + gs * D;   /* codes row-major (gs x D), then transposed into qt (D x gs) */
     int64_t r, d;
     int j;
-    kvcx_w_group_params(mn, mx, lo, hi, top, D, glo, inv, fa, fb);
+    for (d = 0; d < D; d++) {
+        gmn[d] = top[d] == 0.0f ? me[d] : mn[d];
+        gmx[d] = top[d] == 0.0f ? me[d] : mx[d];
+    }
+    kvcx_w_group_params(gmn, gmx, lo, hi, top, D, glo, inv, fa, fb);
     for (d = 0; d < D; d++) {
         stats[2 * d] = (uint8_t)(int32_t)fa[d];
         stats[2 * d + 1] = (uint8_t)(int32_t)fb[d];

@@ -18,8 +18,9 @@ cdef inline void _load_rows(const uint8_t *src, int dt, int64_t S, int64_t D, in
     _load(src, dt, (slab * S + t) * D, rows * D, tile)
 
 
-def w_minmax(const uint8_t[::1] src, int dt, Layout layout, float[::1] mn, float[::1] mx, int nthreads):
-    """Per (slab, group, channel) min and max of tokens [t0, S) in groups of group_size tokens ((N, G, D) each)."""
+def w_minmax(const uint8_t[::1] src, int dt, Layout layout, float[::1] mn, float[::1] mx, float[::1] me, int nthreads):
+    """Per (slab, group, channel) min, max and mean of tokens [t0, S) in groups of group_size tokens ((N, G, D)
+    each)."""
     cdef int64_t N = layout.c.N, S = layout.c.S, D = layout.c.D, t0 = layout.c.t0, gs = layout.c.group_size
     cdef int64_t G = (S - t0 + gs - 1) // gs
     cdef int64_t gpt = _w_groups_per_task(gs, D)
@@ -38,7 +39,7 @@ def w_minmax(const uint8_t[::1] src, int dt, Layout layout, float[::1] mn, float
                     g = k % G
                     rows = min(gs, S - t0 - g * gs)
                     _load_rows(&src[0], dt, S, D, n, t0 + g * gs, rows, tile)
-                    kvcx_w_colminmax(tile, rows, D, &mn[k * D], &mx[k * D])
+                    kvcx_w_colminmax(tile, rows, D, &mn[k * D], &mx[k * D], &me[k * D])
                 free(tile)
     return status
 
@@ -56,10 +57,11 @@ def w_channels(const float[::1] mn, const float[::1] mx, Layout layout, float[::
                             &spread[n * D])
 
 
-def w_encode(const uint8_t[::1] src, int dt, Layout layout, const float[::1] mn, const float[::1] mx, const float[::1] lo, const float[::1] hi,
+def w_encode(const uint8_t[::1] src, int dt, Layout layout, const float[::1] mn, const float[::1] mx, const float[::1] me,
+             const float[::1] lo, const float[::1] hi,
              const uint8_t[::1] widths, const float[::1] top, const int64_t[::1] off, const int64_t[::1] slab_off,
              const int64_t[::1] group_bytes, uint8_t[::1] stats, uint8_t[::1] planes, int nthreads):
-    """Range bytes (N, G, D, 2) and bit planes of tokens [t0, S): mn / mx (N, G, D) from w_minmax, lo / hi
+    """Range bytes (N, G, D, 2) and bit planes of tokens [t0, S): mn / mx / me (N, G, D) from w_minmax, lo / hi
     (N, D) the channels' FP16 ranges, widths / top (2^w - 1) / off (N, D); slab n's groups start at
     slab_off[n], group_bytes[n] apart."""
     cdef int64_t N = layout.c.N, S = layout.c.S, D = layout.c.D, t0 = layout.c.t0, gs = layout.c.group_size
@@ -71,7 +73,7 @@ def w_encode(const uint8_t[::1] src, int dt, Layout layout, const float[::1] mn,
     cdef int status = KVCX_OK
     with nogil:
         for task in prange(ntasks, num_threads=nthreads, schedule="static"):
-            tile = <float *>malloc((gs * D + 4 * D) * sizeof(float) + 2 * gs * D)
+            tile = <float *>malloc((gs * D + kvcx_w_encode_floats(D)) * sizeof(float) + 2 * gs * D)
             if tile == NULL:
                 status |= KVCX_ST_NOMEM
             else:
@@ -80,9 +82,9 @@ def w_encode(const uint8_t[::1] src, int dt, Layout layout, const float[::1] mn,
                     g = k % G
                     rows = min(gs, S - t0 - g * gs)
                     _load_rows(&src[0], dt, S, D, n, t0 + g * gs, rows, tile)
-                    kvcx_w_encode_tile(tile, rows, gs, D, &mn[k * D], &mx[k * D], &lo[n * D], &hi[n * D],
+                    kvcx_w_encode_tile(tile, rows, gs, D, &mn[k * D], &mx[k * D], &me[k * D], &lo[n * D], &hi[n * D],
                                        &widths[n * D], &top[n * D], &off[n * D],
-                                       <uint8_t *>(tile + gs * D + 4 * D), tile + gs * D, &stats[k * D * 2],
+                                       <uint8_t *>(tile + gs * D + kvcx_w_encode_floats(D)), tile + gs * D, &stats[k * D * 2],
                                        &planes[0] + slab_off[n] + g * group_bytes[n])
                 free(tile)
     return status
