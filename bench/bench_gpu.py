@@ -268,7 +268,9 @@ def bandwidth(torch, dev, cfg, shape, reps, out):
     from kvcx.codecs import KVConfig
 
     for label, codec in (("kvcx keys (channel, zero points)", cfg.key), ("kvcx values (token, rotated)", cfg.value),
-                         ("kvcx2v values (E8P: rotation, lattice search)", KVConfig.from_scheme("kvcx2v").value)):
+                         ("kvcx2v values (E8P: rotation, lattice search)", KVConfig.from_scheme("kvcx2v").value),
+                         ("kvcx2v keys (widths: group statistics, widths chosen on the host, bit planes)",
+                          KVConfig.from_scheme("kvcx2v").key)):
         codec = codec.with_backend("triton")
         p = codec.encode(x)
         calls.append((label, codec, p, timer(torch, dev, lambda: codec.encode(x), reps),

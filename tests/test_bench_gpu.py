@@ -21,6 +21,7 @@ def test_every_section_runs_and_writes_its_table(tmp_path):
     assert len(rows) == 4 + 2   # attention: 2 contexts x 2 batches; generate: 1 prompt x 2 batches
     assert sum(line.startswith("| kvcx ") for line in text.splitlines()) == 2   # bandwidth: keys, values
     assert sum(line.startswith("| kvcx2v values (E8P") for line in text.splitlines()) == 1   # and E8P's
+    assert sum(line.startswith("| kvcx2v keys (widths") for line in text.splitlines()) == 1   # and the widths codec's
     gen = rows[-1].split(" | ")
     assert gen[-2] == "triton" and int(gen[-1].rstrip(" |")) > 0   # generate() ran the fused Triton steps
     assert "## 4. Memory: the packed store holds" in text

@@ -22,9 +22,10 @@ KERNEL_DOOR = "kvcx.codecs."     # the only importers of the CPU kernels (kvcx.c
 # the Triton kernels (the codec's, the fused attention's: they may import each other) and their importers, the
 # codecs' GPU backend and its attention launcher (torch, triton lazily)
 TRITON_KERNELS = {"kvcx.codecs.triton_kernels.codec", "kvcx.codecs.triton_kernels.attention",
-                  "kvcx.codecs.triton_kernels.lattice",
+                  "kvcx.codecs.triton_kernels.lattice", "kvcx.codecs.triton_kernels.widths",
                   "kvcx.codecs.triton_kernels.merge", "kvcx.codecs.triton_kernels.products"}
-TRITON_DOOR = {"kvcx.codecs.gpu", "kvcx.codecs.gpu_lattice", "kvcx.codecs.gpu_attn"}   # the codecs' launches, the attention's
+TRITON_DOOR = {"kvcx.codecs.gpu", "kvcx.codecs.gpu_lattice", "kvcx.codecs.gpu_widths",   # the codecs' launches,
+               "kvcx.codecs.gpu_attn"}                                                      # the attention's
 MAX_FLOORS = 12   # two added in 2026-11: the kernels choose their variant for the CPU (kvcx.codecs.cpu), and the
 #                   CLI is split by command (kvcx.cli.app, the commands, the package that registers them); one more
 #                   when KvcxCache's layer kinds (full, windowed) got a module of their own (kvcx.cache.layers,

@@ -10,8 +10,9 @@ the kernels share with their callers: dtypes, conversions, threads and error met
 - :mod:`kvcx.codecs.widths`: :class:`WidthCodec` (a bit width per key channel);
 - :mod:`kvcx.codecs.lattice`: :class:`E8PCodec` (Hadamard rotation + QuIP#'s E8P lattice, 2 bits, no calibration);
 - :mod:`kvcx.codecs.kvconfig`: :class:`KVConfig` (a key and a value codec, the named schemes, plans' layers);
-- :mod:`kvcx.codecs.backends`, :mod:`kvcx.codecs.gpu`, :mod:`kvcx.codecs.gpu_lattice`: where torch tensors are
-  worked on (the Triton kernels of :mod:`kvcx.codecs.triton_kernels.codec` and ``.lattice`` for CUDA tensors, the
+- :mod:`kvcx.codecs.backends`, :mod:`kvcx.codecs.gpu`, :mod:`kvcx.codecs.gpu_lattice`, :mod:`kvcx.codecs.gpu_widths`:
+  where torch tensors are worked on (the Triton kernels of :mod:`kvcx.codecs.triton_kernels.codec`, ``.lattice`` and
+  ``.widths`` for CUDA tensors, the
   same bytes as the CPU kernels);
   :mod:`kvcx.codecs.tensors`: torch <-> NumPy without copies (torch imported when used);
 - :mod:`kvcx.codecs.attention`: the CPU fused attention over packed codes (for :mod:`kvcx.cache.fused`);
@@ -25,6 +26,7 @@ from kvcx.codecs.kvconfig import KVConfig
 from kvcx.codecs.lattice import E8PCodec
 from kvcx.codecs import gpu_lattice  # noqa: F401,E402  - E8P's Triton backend
 from kvcx.codecs.widths import WidthCodec
+from kvcx.codecs import gpu_widths  # noqa: F401,E402  - the widths codec's Triton backend
 
 __all__ = ["Codec", "Layout", "Packed", "IntCodec", "WidthCodec", "E8PCodec", "KVConfig", "decode", "get_codec",
            "register_codec", "registered_codecs"]

@@ -7,7 +7,7 @@ from typing import Optional
 import numpy as np
 
 from kvcx.codecs.cpu import core as _core
-from kvcx.codecs.backends import check_backend
+from kvcx.codecs.backends import backend_for, check_backend
 from kvcx.codecs.base import (
     Codec,
     Layout,
@@ -55,6 +55,8 @@ class WidthCodec(Codec):
         groups of 32 at 2 bits beat groups of 64 at 2.25, which cost the same).
     sinks: keep the first ``sinks`` tokens exact.
     n_threads: OpenMP threads (None = all).
+    backend: where torch tensors are worked on: None (by the tensor's device: CUDA with the Triton kernels of
+        :mod:`kvcx.codecs.gpu_widths`, the same bytes), ``"triton"`` or ``"cpu"``.
     """
 
     codec_id = "kvcx.widths"
@@ -71,7 +73,7 @@ class WidthCodec(Codec):
         self.group_size = check_group_size(group_size)
         self.sinks = check_sinks(sinks)
         self.n_threads = resolve_threads(n_threads) if n_threads is not None else None
-        self.backend = check_backend(backend)   # no backend but the CPU kernels is registered for it
+        self.backend = check_backend(backend)   # None: by the tensor's device (CUDA: the Triton kernels)
 
     def bits_per_value(self) -> float:
         """Nominal bits per value: codes + two range bytes per channel group (without sinks, the width table and
@@ -138,17 +140,18 @@ class WidthCodec(Codec):
                weights: Optional[np.ndarray] = None) -> Packed:
         """Quantize ``x``; ``weights`` (heads x head_dim, e.g. the queries' mean square per channel from
         ``kvcx calibrate``) weigh each channel's error when the widths are chosen. ``out``: a Packed from an
-        earlier encode of the same shape with this codec; its buffers are reused (and returned, updated)."""
+        earlier encode of the same shape with this codec; its buffers are reused (and returned, updated). A torch
+        tensor on a CUDA device (or with ``backend="triton"``) is encoded by the Triton kernels
+        (:mod:`kvcx.codecs.gpu_widths`), to the same bytes."""
+        backend = backend_for(self, x, name)
+        if backend is not None:
+            lay = self.layout(tuple(x.shape), name)
+            return backend.encode(self, lay, x, out, name, weights=self.check_weights(weights, lay, name))
         x = check_float(x, name)
         lay = self.layout(x.shape, name)
         N, S, D, t0, G = lay.N, lay.S, lay.D, lay.t0, lay.groups
         threads = resolve_threads(self.n_threads)
-        if weights is not None:
-            weights = np.asarray(weights, dtype=np.float64)
-            if weights.ndim != 2 or weights.shape[1] != D or N % weights.shape[0] or not np.isfinite(weights).all() \
-                    or (weights < 0).any():
-                raise CodecError(f"tensor {name!r}: key weights must be finite, non-negative, (heads, {D}) with the "
-                                 f"tensor's {N} slabs a multiple of heads; got shape {list(weights.shape)}")
+        weights = self.check_weights(weights, lay, name)
         if out is None:
             codes = np.empty(lay.codes_nbytes, dtype=np.uint8)
             scales = np.empty(lay.scale_shape, dtype=np.float16)
@@ -176,31 +179,17 @@ class WidthCodec(Codec):
             spread = np.empty((N, D), dtype=np.float64)
             _core.w_channels(mn.reshape(-1), mx.reshape(-1), klay, lo.reshape(-1), hi.reshape(-1), spread.reshape(-1),
                              threads)
-            if not (np.isfinite(lo).all() and np.isfinite(hi).all()):   # NaN is sticky in the minima
-                check_status(_core.STATUS_NONFINITE, name, x)
-            if max(-float(lo.min()), float(hi.max())) > _F16_MAX:
-                check_status(_core.STATUS_SCALE_OVERFLOW, name, x)
-            lo16, hi16 = lo.astype(np.float16), hi.astype(np.float16)   # rounded outwards: the range covers all
-            lo16 = np.where(lo16.astype(np.float32) > lo, np.nextafter(lo16, np.float16(-np.inf)), lo16)
-            hi16 = np.where(hi16.astype(np.float32) < hi, np.nextafter(hi16, np.float16(np.inf)), hi16)
+            lo16, hi16, widths = self.choose(lo, hi, spread, weights, lay, name, lambda: x)
             scales[..., 0], scales[..., 1] = lo16, hi16
-            if weights is not None:
-                spread = spread * np.tile(weights, (N // weights.shape[0], 1))
-            widths = self.allocate(spread, lay.budget)
             codes[:N * D] = widths.reshape(-1)
             off, slab_off, gbytes = self.plane_offsets(widths, G)
             status = _core.w_encode(raw(x), dt, klay, mn.reshape(-1), mx.reshape(-1), me.reshape(-1),
                                     lo16.astype(np.float32).reshape(-1), hi16.astype(np.float32).reshape(-1),
-                                    widths.reshape(-1), self._tops(widths), off.reshape(-1), slab_off, gbytes,
+                                    widths.reshape(-1), self.tops(widths), off.reshape(-1), slab_off, gbytes,
                                     codes[N * D:N * D + N * G * D * 2], codes[N * D + N * G * D * 2:], threads)
             check_status(status, name, x)
-        else:   # no quantized tokens (all are sinks): the widths alone are stored, spread evenly so that they
-            #     add up to the budget as the decoder checks (they describe no codes)
-            codes[:] = 0
-            scales[:] = 0
-            even = np.full(D, lay.budget // D, dtype=np.uint8)
-            even[:lay.budget % D] += 1
-            codes[:N * D] = np.tile(even, N)
+        else:
+            codes[:], scales[:] = self.no_codes(lay)
         cfg = self.get_config()
         cfg["sinks"] = t0
         fields = dict(codes=codes, scales=scales, zeros=None, sinks=write_sinks(x.reshape(N, S, D), t0, lay.shape, out),
@@ -212,7 +201,47 @@ class WidthCodec(Codec):
         return out
 
     @staticmethod
-    def _tops(widths: np.ndarray) -> np.ndarray:
+    def check_weights(weights, lay: Layout, name: str) -> Optional[np.ndarray]:
+        """``weights`` as float64 (heads, D), or None; CodecError unless finite, non-negative and fitting the
+        tensor's slabs."""
+        if weights is None:
+            return None
+        weights = np.asarray(weights, dtype=np.float64)
+        if weights.ndim != 2 or weights.shape[1] != lay.D or lay.N % weights.shape[0] or \
+                not np.isfinite(weights).all() or (weights < 0).any():
+            raise CodecError(f"tensor {name!r}: key weights must be finite, non-negative, (heads, {lay.D}) with the "
+                             f"tensor's {lay.N} slabs a multiple of heads; got shape {list(weights.shape)}")
+        return weights
+
+    def choose(self, lo: np.ndarray, hi: np.ndarray, spread: np.ndarray, weights: Optional[np.ndarray],
+               lay: Layout, name: str, host) -> tuple:
+        """(the channels' FP16 ranges lo16 / hi16 (N, D), their widths (N, D) uint8) from each channel's min, max
+        and spread over its groups (N, D; the kernels' ``w_channels``), on the host for either backend (the same
+        widths from the same spreads). ``host()``: the tensor as a NumPy array, asked for only to say what is
+        wrong with it."""
+        if not (np.isfinite(lo).all() and np.isfinite(hi).all()):   # NaN is sticky in the minima
+            check_status(_core.STATUS_NONFINITE, name, host())
+        if max(-float(lo.min()), float(hi.max())) > _F16_MAX:
+            check_status(_core.STATUS_SCALE_OVERFLOW, name, host())
+        lo16, hi16 = lo.astype(np.float16), hi.astype(np.float16)   # rounded outwards: the range covers all
+        lo16 = np.where(lo16.astype(np.float32) > lo, np.nextafter(lo16, np.float16(-np.inf)), lo16)
+        hi16 = np.where(hi16.astype(np.float32) < hi, np.nextafter(hi16, np.float16(np.inf)), hi16)
+        if weights is not None:
+            spread = spread * np.tile(weights, (lay.N // weights.shape[0], 1))
+        return lo16, hi16, self.allocate(spread, lay.budget)
+
+    @staticmethod
+    def no_codes(lay: Layout) -> tuple:
+        """(codes, ranges) of a tensor with no quantized tokens (all are sinks): the widths alone, spread evenly so
+        that they add up to the budget as the decoder checks (they describe no codes), and zero ranges."""
+        even = np.full(lay.D, lay.budget // lay.D, dtype=np.uint8)
+        even[:lay.budget % lay.D] += 1
+        codes = np.zeros(lay.codes_nbytes, dtype=np.uint8)
+        codes[:lay.N * lay.D] = np.tile(even, lay.N)
+        return codes, np.zeros(lay.scale_shape, dtype=np.float16)
+
+    @staticmethod
+    def tops(widths: np.ndarray) -> np.ndarray:
         """The largest code of each channel, 2^w - 1, as the kernels take it (float32, flat)."""
         return ((1 << widths.astype(np.int32)) - 1).astype(np.float32).reshape(-1)
 
@@ -229,31 +258,45 @@ class WidthCodec(Codec):
         lay = self.layout(tuple(packed.shape), name)
         N, D, t0, G = lay.N, lay.D, lay.t0, lay.groups
         check_recorded_sinks(packed, t0, lay.shape, name)
+        backend = backend_for(self, packed.codes, name)
+        if backend is not None:   # a record of torch tensors on a device (kvcx.codecs.gpu_widths)
+            return backend.decode(self, lay, packed, out, token_offset, name)
         out, out_S = decode_out(packed, out, token_offset, name)
         codes = np.ascontiguousarray(packed.codes, dtype=np.uint8).reshape(-1)
-        scales = np.ascontiguousarray(packed.scales, dtype=np.float16)
-        if codes.size != lay.codes_nbytes:
-            raise CodecError(f"tensor {name!r}: expected {lay.codes_nbytes} bytes of widths, ranges and codes, "
-                             f"got {codes.size}")
-        if scales.size == int(np.prod(lay.scale_shape)):
-            scales = scales.reshape(lay.scale_shape)
-        if scales.shape != lay.scale_shape or not np.isfinite(scales).all() \
-                or (scales[..., 0] > scales[..., 1]).any():
-            raise CodecError(f"tensor {name!r}: the channel ranges must be finite F16 pairs (lo <= hi) of shape "
-                             f"{list(lay.scale_shape)}; the data is damaged")
+        self.check_codes_size(codes.size, lay, name)
         check_sinks_finite(packed, t0, name)
+        scales = self.check_header(codes[:N * D], np.ascontiguousarray(packed.scales, dtype=np.float16), lay, name)
         widths = codes[:N * D].reshape(N, D)
-        if (widths > _core.W_MAX).any() or widths.sum(dtype=np.int64) != lay.budget * N:
-            raise CodecError(f"tensor {name!r}: the channel widths must be at most {_core.W_MAX} bits and sum to "
-                             f"{lay.budget * N} over its {N} slabs; the data is damaged")
         if G:
             off, slab_off, gbytes = self.plane_offsets(widths, G)
             ch = scales.astype(np.float32)
             status = _core.w_decode(codes[N * D + N * G * D * 2:], codes[N * D:N * D + N * G * D * 2],
                                     self._kernel_layout(lay), np.ascontiguousarray(ch[..., 0]).reshape(-1),
                                     np.ascontiguousarray(ch[..., 1]).reshape(-1), widths.reshape(-1),
-                                    self._tops(widths), off.reshape(-1), slab_off, gbytes, raw(out), out_S,
+                                    self.tops(widths), off.reshape(-1), slab_off, gbytes, raw(out), out_S,
                                     token_offset, DTYPE_NAMES[packed.dtype], resolve_threads(self.n_threads))
             check_status(status, name, what="decoding")
         restore_sinks(packed, out, out_S, token_offset, N, t0, D, name)
         return out
+
+    @staticmethod
+    def check_codes_size(size: int, lay: Layout, name: str) -> None:
+        if size != lay.codes_nbytes:
+            raise CodecError(f"tensor {name!r}: expected {lay.codes_nbytes} bytes of widths, ranges and codes, "
+                             f"got {size}")
+
+    @staticmethod
+    def check_header(widths: np.ndarray, scales: np.ndarray, lay: Layout, name: str) -> np.ndarray:
+        """The record's channel ranges (N, D, 2) FP16, after checking them and its widths (N * D bytes) as an
+        encoder writes them (finite ranges in order; widths of at most 8 bits summing to the budget); CodecError
+        saying the data is damaged otherwise. Both backends check a record here, on the host."""
+        if scales.size == int(np.prod(lay.scale_shape)):
+            scales = scales.reshape(lay.scale_shape)
+        if scales.shape != lay.scale_shape or not np.isfinite(scales).all() \
+                or (scales[..., 0] > scales[..., 1]).any():
+            raise CodecError(f"tensor {name!r}: the channel ranges must be finite F16 pairs (lo <= hi) of shape "
+                             f"{list(lay.scale_shape)}; the data is damaged")
+        if (widths > _core.W_MAX).any() or widths.sum(dtype=np.int64) != lay.budget * lay.N:
+            raise CodecError(f"tensor {name!r}: the channel widths must be at most {_core.W_MAX} bits and sum to "
+                             f"{lay.budget * lay.N} over its {lay.N} slabs; the data is damaged")
+        return scales

@@ -18,7 +18,8 @@ from kvcx.codecs import IntCodec, KVConfig, gpu, gpu_attn, tensors
 from kvcx.codecs.triton_kernels import codec as k
 from kvcx.codecs.triton_kernels import attention as ka
 from kvcx.codecs.triton_kernels import lattice as kl
-from kvcx.codecs import gpu_lattice
+from kvcx.codecs.triton_kernels import widths as kw
+from kvcx.codecs import gpu_lattice, gpu_widths
 
 TARGET = GPUTarget("cuda", 90, 32)
 D = 128
@@ -33,28 +34,32 @@ POINTERS = {
     "pages_ptr": "*i32", "lens_ptr": "*i32", "res_lens_ptr": "*i32", "where_ptr": "*i64", "new_ptr": "*bf16",
     "sl_ptr": "*fp32", "y_ptr": "*fp32", "rec_ptr": "*u8", "abs_ptr": "*fp32", "norm2_ptr": "*fp32",
     "negpar_ptr": "*i32", "grid_ptr": "*i8",
+    **{n: "*fp32" for n in ("mn_ptr", "mx_ptr", "me_ptr", "lo_ptr", "hi_ptr", "top_ptr")}, "spread_ptr": "*fp64",
+    "w_ptr": "*u8", "off_ptr": "*i64", "slab_off_ptr": "*i64", "gbytes_ptr": "*i64",
 }
 
 
 JOBS = []   # (kernel name, constexprs, warps, FMA fusion, pointer types), compiled by _compile in worker processes
 
 
-def compile_one(fn, consts: dict, num_warps: int = 4, fusion: bool = False, ptx_has: tuple = (), **pointers) -> None:
-    """Queue a compile of ``fn`` with these constexprs (and FMA fusion as its launcher sets it); ``pointers``
-    overrides :data:`POINTERS` by argument name; ``ptx_has``: instructions its PTX must hold."""
-    JOBS.append((fn.__name__, consts, num_warps, fusion, pointers, ptx_has))
+def compile_one(fn, consts: dict, num_warps: int = 4, fusion: bool = False, ptx_has: tuple = (), ftz: bool = True,
+                **pointers) -> None:
+    """Queue a compile of ``fn`` with these constexprs (and FMA fusion and libdevice's flush to zero as its launcher
+    sets them); ``pointers`` overrides :data:`POINTERS` by argument name; ``ptx_has``: instructions its PTX must
+    hold."""
+    JOBS.append((fn.__name__, consts, num_warps, fusion, pointers, ptx_has, ftz))
 
 
 def _compile(job) -> str:
     """"ok ..." or the compiler's own message, with the kernel and its settings."""
-    name, consts, num_warps, fusion, pointers, ptx_has = job
-    fn = getattr(k, name, None) or getattr(ka, name, None) or getattr(kl, name)
+    name, consts, num_warps, fusion, pointers, ptx_has, ftz = job
+    fn = getattr(k, name, None) or getattr(ka, name, None) or getattr(kl, name, None) or getattr(kw, name)
     types = {**POINTERS, **pointers}
     sig = {a: "constexpr" if a in consts else "fp32" if a in ("norm", "q_scale", "rms", "gain") else types.get(a, "i32")
            for a in fn.arg_names}
     try:
         compiled = triton.compile(ASTSource(fn, sig, consts), target=TARGET,
-                                  options=dict(num_warps=num_warps, enable_fp_fusion=fusion))
+                                  options=dict(num_warps=num_warps, enable_fp_fusion=fusion, enable_reflect_ftz=ftz))
     except Exception as exc:
         cause = exc.__cause__ if exc.__cause__ is not None else exc
         return f"{name} {consts} does not compile for sm_90: {type(cause).__name__}: {cause}"
@@ -88,6 +93,19 @@ def lattice_kernels() -> None:
     compile_one(kl.e8p_scale_kernel, dict(D=D, R=R), ptx_has=("sqrt.rn.f64", "div.rn.f64"))
     compile_one(kl.e8p_search_kernel, dict(D=D, V=gpu_lattice.SEARCH_VECTORS))
     compile_one(kl.e8p_decode_kernel, dict(D=D, R=R, SAT=False, BF16=True))
+
+
+def widths_kernels() -> None:
+    """The widths codec's encode (group statistics, the mean's division correctly rounded in the PTX as the CPU's;
+    the channels' ranges and FP64 spreads; the codes and planes, every division correctly rounded) and decode (to
+    BF16), kvcx2v's keys' groups of 64 tokens, at the launcher's program sizes."""
+    P, ftz = gpu_widths.row_programs(D), gpu_widths.EXACT["enable_reflect_ftz"]
+    compile_one(kw.w_stats_kernel, dict(D=D, DP=D, GS=64, P=P), ptx_has=("div.rn.f32",), ftz=ftz)
+    compile_one(kw.w_channels_kernel, dict(D=D, DP=D, GS=64, P=P), ptx_has=("mul.rn.f64", "add.rn.f64"), ftz=ftz)
+    # floor and ceil as C's: no flush of subnormals to zero (cvt.rmi.f32.f32, not cvt.rmi.ftz.f32.f32)
+    compile_one(kw.w_encode_kernel, dict(D=D, DP=D, GS=64), ptx_has=("div.rn.f32", "cvt.rmi.f32.f32 ",
+                                                                     "cvt.rpi.f32.f32 "), ftz=ftz)
+    compile_one(kw.w_decode_kernel, dict(D=D, DP=D, GS=64, SAT=False, BF16=True), ptx_has=("div.rn.f32",), ftz=ftz)
 
 
 def attention_kernels() -> None:
@@ -140,6 +158,7 @@ def attention_kernels() -> None:
 if __name__ == "__main__":
     codec_kernels()
     lattice_kernels()
+    widths_kernels()
     attention_kernels()
     # the compiles are independent and each keeps one core busy: one process a core (forked where the platform
     # forks: nothing to import again)

@@ -24,5 +24,6 @@ def test_every_kernel_compiles_for_sm90():
     assert "kernels compiled for sm_90" in run.stdout
     # 12 codec kernels (two per-channel encodes with the blocks in a loop, two a decode step's), 11 attention (three
     # paged: one with a page a row), 3 merge (one with the residual's lengths on the device); the hybrids': 2
-    # attention with a softcap, a merge with sinks and a softcap; E8P's scale, search and decode
-    assert run.stdout.count("\nok ") + run.stdout.startswith("ok ") == 32
+    # attention with a softcap, a merge with sinks and a softcap; E8P's scale, search and decode; the widths codec's
+    # statistics, channels, encode and decode
+    assert run.stdout.count("\nok ") + run.stdout.startswith("ok ") == 36
