@@ -30,6 +30,14 @@ GROWTH = 1 / 8
 _TOKEN_UNIT = 64
 
 
+def decodes_on_device(key: Codec, value: Codec, device: torch.device) -> bool:
+    """Whether a layer with these codecs keeps its packed records on ``device`` and decodes them there with the Triton
+    kernels (:class:`DeviceChunkKV`): both codecs are worked there (:func:`kvcx.codecs.backends.backend_name`: CUDA
+    and a codec with a Triton backend, E8P and widths keys included, or ``backend="triton"``) but the fused attention
+    does not read them both (:func:`runs_on_device` is false: kvcx2v, kvcx4w, the guard's 8-bit keys)."""
+    return all(backend_name(c, device.type) == BACKEND for c in (key, value)) and not runs_on_device(key, value, device)
+
+
 def runs_on_device(key: Codec, value: Codec, device: torch.device) -> bool:
     """Whether a layer with these codecs keeps its packed store on ``device`` with the Triton backend: both
     codecs are worked there on it (named, ``backend="triton"``, or chosen by the device: CUDA, 4-bit codes,
@@ -293,3 +301,83 @@ class DevicePackedKV:
         n = sum(seg.keys.nbytes + seg.values.nbytes for seg in self.segments)
         return int(n + sum(s.numel() * s.element_size() for s in self.sinks.values() if s is not None))
 
+
+
+class DeviceChunkKV:
+    """One layer's packed keys and values on the device as the Triton encoder wrote them, chunk by chunk, for codecs
+    that run on the device but that the fused attention does not read (:func:`decodes_on_device`): each step decodes
+    them there into the layer's scratch and the model's attention reads it (a materialised step). Nothing crosses
+    to the host; the same questions answered as :class:`DevicePackedKV` (tokens, chunks, bytes, why not fused)."""
+
+    def __init__(self, B: int, H: int, key_codec: Codec, value_codec: Codec, device):
+        self.B, self.H, self.device = B, H, device
+        self._describe = f"{key_codec.describe()} / {value_codec.describe()}"
+        self._chunks: List[tuple] = []     # (keys' record, values' record, their codecs) as encoded
+        self._codecs: Dict[tuple, Codec] = {}
+
+    def __len__(self) -> int:
+        return len(self._chunks)
+
+    @property
+    def tokens(self) -> int:
+        """Tokens held (sinks included)."""
+        return sum(int(pk.shape[-2]) for pk, _, _, _ in self._chunks)
+
+    def chunk_tokens(self, i: int) -> int:
+        """Tokens of chunk i (sinks included)."""
+        return int(self._chunks[i][0].shape[-2])
+
+    def _codec(self, config: dict) -> Codec:
+        """The codec of a record's config on the Triton backend (one object per config)."""
+        k = tuple(sorted((n, repr(v)) for n, v in config.items()))
+        if k not in self._codecs:
+            self._codecs[k] = get_codec(config).with_backend(BACKEND)
+        return self._codecs[k]
+
+    def append(self, pk: Packed, pv: Packed) -> None:
+        """Add the Triton encoder's records of a chunk [B, H, S, D] (only the first may hold sinks)."""
+        if tuple(pk.shape[:-1]) != tuple(pv.shape[:-1]) or tuple(pk.shape[:2]) != (self.B, self.H):
+            raise CodecError(f"packed keys {list(pk.shape)} and values {list(pv.shape)} do not fit this store "
+                             f"([{self.B}, {self.H}, *, *])")
+        if self._chunks and (pk.config.get("sinks") or pv.config.get("sinks")):
+            raise CodecError("only the first packed chunk may hold exact sink tokens")
+        self._chunks.append((pk, pv, self._codec(pk.config), self._codec(pv.config)))
+
+    def drop_chunks(self, k: int) -> int:
+        """Drop the first ``k`` chunks (a sliding window has left them; none may hold sinks). Returns the tokens
+        dropped."""
+        if k <= 0:
+            return 0
+        if k > len(self._chunks) or any(p.config.get("sinks") for p in self._chunks[0][:2]):
+            raise CodecError(f"cannot drop {k} of {len(self._chunks)} packed chunks (a store with exact sink tokens "
+                             "keeps them all)")
+        gone = sum(self.chunk_tokens(i) for i in range(k))
+        self._chunks = self._chunks[k:]
+        return gone
+
+    def unsupported(self, group: int) -> Optional[str]:
+        """Why the fused attention cannot read this store: always (its codecs' records are decoded first)."""
+        return (f"the fused attention on the device reads 4-bit integer codes; this layer's codecs ({self._describe}) "
+                "run on the device's Triton kernels, so each step decodes its packed context there")
+
+    def decode_into(self, kind: str, out: torch.Tensor) -> int:
+        """Decode every held token of ``kind`` ("key" / "value") into ``out`` [B, H, >= tokens, D] (a contiguous
+        float tensor on the store's device; the records decode to its dtype) from token 0; returns the tokens
+        written."""
+        if gpu.dtype_name_of(out) is None:
+            raise CodecError(f"decoding the store's {kind}s: out must be a float16, bfloat16 or float32 tensor, got "
+                             f"{out.dtype}")
+        off, which = 0, 0 if kind == "key" else 1
+        for chunk in self._chunks:
+            record, codec = chunk[which], chunk[2 + which]
+            if record.dtype != gpu.dtype_name_of(out):   # a record decodes to its own dtype: the scratch's
+                record = Packed(**{**record.__dict__, "dtype": gpu.dtype_name_of(out)})
+            codec.decode(record, out, name=kind, token_offset=off)
+            off += int(record.shape[-2])
+        return off
+
+    @property
+    def nbytes(self) -> int:
+        """Every tensor held: the records' codes, ranges or scales, zero points and sinks."""
+        return int(sum(a.numel() * a.element_size() for pk, pv, _, _ in self._chunks for p in (pk, pv)
+                       for a in (p.codes, p.scales, p.zeros, p.sinks) if a is not None))

@@ -28,9 +28,10 @@ decides once per step (at its first packed layer) and each layer applies with wh
   of more tokens than the kernel's rows): the layer decodes its packed store into one scratch buffer shared by
   all layers and returns ``[decoded, residual, new]`` to attention.
 
-Where the store lives: on the model's device with the Triton backend (:class:`DevicePackedKV`) when the
-codecs run there (CUDA and 4-bit integer codes, or ``backend="triton"``), else on the host
-(:class:`~kvcx.cache.store.PackedKV`, the CPU kernels).
+Where the store lives: on the model's device with the Triton backend when the codecs run there (CUDA, or
+``backend="triton"``): :class:`DevicePackedKV`, which the fused attention reads, for 4-bit integer codes;
+:class:`~kvcx.cache.device_store.DeviceChunkKV`, decoded there each step, for E8P values and widths keys (kvcx2v,
+kvcx4w, the guard's keys); else on the host (:class:`~kvcx.cache.store.PackedKV`, the CPU kernels).
 
 A step of fewer than ``residual_length`` tokens stays in full precision until the next step, so that
 ``crop()`` can drop rejected draft tokens (speculative / assisted decoding); a longer step (a prompt
@@ -91,9 +92,10 @@ class KvcxCache(Cache):
         without it a long prompt's prefill leaves the process holding GBs of freed temporaries. False: leave the
         heap to the C library.
     backend: where the packed store lives and which kernels run: None (default) by the model's device (CUDA:
-        the Triton kernels, with the store on the GPU, for 4-bit integer codecs where triton is installed;
-        CPU: the CPU kernels); ``"triton"`` forces the device store and the Triton kernels (Triton's
-        interpreter runs them on CPU tensors); ``"cpu"`` keeps the store on the host and the CPU kernels.
+        the Triton kernels, with the store on the GPU, for 4-bit integer codecs (fused), E8P values and widths
+        keys (decoded there each step) where triton is installed; CPU: the CPU kernels); ``"triton"`` forces the
+        device store and the Triton kernels (Triton's interpreter runs them on CPU tensors); ``"cpu"`` keeps the
+        store on the host and the CPU kernels.
     unsupported: "error" (default): a layer type kvcx cannot pack (DeepSeek V4's compressed attention, ...) is a
         KvcxError naming it; "keep": such layers stay in transformers' own cache layer class, the others are
         packed (``memory_report()["layers"]`` says which).
@@ -172,8 +174,9 @@ class KvcxCache(Cache):
         plan, or ``backend="triton"``; 0: no probe, the plain scheme. The guarded keys are 8 bits in every channel
         (a widths codec, which the fused CPU kernel reads). Why: on 8,192-token passkeys at 90 % depth the default
         scheme loses prompts the exact cache answers (13 of 75 over three fresh seeds), the guard none of them
-        (docs/results/retrieval-passkey-8k-90-for-model.md). On a CUDA model whose other layers run on the Triton
-        kernels (4-bit integer codes) the guarded layers keep their store on the host: a SlowPathWarning says so.
+        (docs/results/retrieval-passkey-8k-90-for-model.md). On a CUDA model (or ``backend="triton"``) whose other
+        layers run fused on the Triton kernels (4-bit integer codes) the guarded layers keep their records on the
+        device too and decode them there each step (the widths codec's Triton kernels): a SlowPathWarning says so.
         ``kwargs``: the constructor's options."""
         from kvcx.cache.induction import (check_guardable, guard_count, guarded_by_default, induction_layers,
                                           induction_scores)
@@ -187,10 +190,6 @@ class KvcxCache(Cache):
                                   or not 0 <= guard <= len(attending)):
             raise KvcxError(f"KvcxCache.for_model guard={guard!r}: how many attention layers get 8-bit keys, 0 to the "
                             f"model's {len(attending)} (None: a tenth of them)")
-        if guard and kwargs.get("backend") == "triton":
-            raise KvcxError(f"KvcxCache.for_model guard={guard} with backend='triton': the Triton kernels run 4-bit "
-                            "integer codecs, not the guard's 8-bit keys; pass guard=0, or backend=None (by device: "
-                            "the guarded layers on the host)")
         if guard:
             check_guardable(plain.kv_config, f"KvcxCache.for_model guard={guard}", "or guard=0")
         if guard == 0 or not attending or (guard is None and (not guarded_by_default(plain.kv_config)
@@ -200,11 +199,12 @@ class KvcxCache(Cache):
         layers = induction_layers(induction_scores(model), n, among=attending, option="KvcxCache.for_model guard")
         cache = cls(model.config, guard_layers=layers, **kwargs)
         device = next(iter(model.parameters())).device
-        if device.type == "cuda" and runs_on_device(plain.kv_config.key, plain.kv_config.value, device):
-            warnings.warn(f"KvcxCache.for_model: the guarded layers {sorted(layers)} keep their store on the host and "
-                          "attend with the CPU kernels (the Triton kernels read 4-bit integer codes, not the guard's "
-                          "8-bit keys): each decode step copies their queries over; guard=0 keeps every layer on "
-                          "the device", SlowPathWarning, stacklevel=2)
+        on = plain.kv_config.with_backend(kwargs["backend"]) if kwargs.get("backend") else plain.kv_config
+        if (device.type == "cuda" or kwargs.get("backend") == "triton") and runs_on_device(on.key, on.value, device):
+            warnings.warn(f"KvcxCache.for_model: the guarded layers {sorted(layers)} decode their packed context on "
+                          "the device each step and attend over it (the fused Triton attention reads 4-bit integer "
+                          "codes, not the guard's 8-bit keys); the other layers run fused. guard=0 fuses every "
+                          "layer", SlowPathWarning, stacklevel=2)
         return cache
 
     def _layer(self, spec: LayerSpec, kv: KVConfig, shared: Shared, press):

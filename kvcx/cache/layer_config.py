@@ -32,15 +32,16 @@ def pressed(kv_config, scheme: str) -> Tuple[object, Optional[Press], str]:
 
 
 def on_backend(kv, backend: str, layers: int):
-    """``kv`` with its codecs on ``backend``; KvcxError when a layer's codecs have no such backend."""
+    """``kv`` with its codecs on ``backend``; KvcxError when a layer's codecs have no such backend. (On the Triton
+    backend a layer whose codecs the fused attention does not read, E8P values or widths keys, decodes its packed
+    context on the device each step.)"""
     if backend == TRITON:
-        from kvcx.codecs import gpu_attn   # (here: this module sits below the codecs' GPU launchers in the floors)
-
         bad = sorted({c.describe() for i in range(layers) for c in (kv.for_layer(i).key, kv.for_layer(i).value)
-                      if not (backend_takes(c, TRITON) and gpu_attn.reads(c))})
+                      if not backend_takes(c, TRITON)})
         if bad:
-            raise KvcxError(f"KvcxCache(backend='triton') runs 4-bit integer codecs; this config has {', '.join(bad)}: "
-                            "pass backend=None (by device) or 'cpu', or a 4-bit scheme (kvcx, reference, kivi)")
+            raise KvcxError(f"KvcxCache(backend='triton') runs 4-bit integer, E8P and widths codecs; this config has "
+                            f"{', '.join(bad)}: pass backend=None (by device) or 'cpu', or a scheme of those "
+                            "(kvcx, reference, kivi fused; kvcx2v, kvcx4w decoded on the device)")
     return kv.with_backend(backend)
 
 

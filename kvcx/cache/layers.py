@@ -3,8 +3,9 @@
 
 Each layer keeps a short full-precision residual of at most ``residual_length`` tokens. When it fills, whole
 multiples of ``residual_length`` tokens are encoded by the codecs and appended to the layer's packed store
-(:class:`kvcx.cache.store.PackedKV` on the host, :class:`kvcx.cache.device_store.DevicePackedKV` on the device:
-codes + FP16 scales + zero points, the exact sink tokens) and dropped from the residual. Nothing is stored
+(:class:`kvcx.cache.store.PackedKV` on the host, :class:`kvcx.cache.device_store.DevicePackedKV` on the device, or
+:class:`~kvcx.cache.device_store.DeviceChunkKV` there for codecs the fused attention does not read: codes + FP16
+scales + zero points, the exact sink tokens) and dropped from the residual. Nothing is stored
 dequantized.
 
 A step runs fused (the layer posts itself for the ``"kvcx"`` attention function: :mod:`kvcx.cache.attention_fn`'s
@@ -31,7 +32,7 @@ from transformers.cache_utils import DynamicLayer
 
 from kvcx.cache.attention_fn import HANDOFF
 from kvcx.cache.buffers import FALLBACK_HINT, Shared, StepMode
-from kvcx.cache.device_store import DevicePackedKV, attend_in_dtype, runs_on_device
+from kvcx.cache.device_store import DeviceChunkKV, DevicePackedKV, attend_in_dtype, decodes_on_device, runs_on_device
 from kvcx.cache.fused import ATTN_MAX_ROWS, CAUSAL, NO_MASK, step_mask
 from kvcx.cache.layer_types import CHUNKED, LayerSpec
 from kvcx.cache.pressing import PrefillPress
@@ -66,8 +67,9 @@ class KvcxLayer(DynamicLayer):
         self._codecs_next = nxt
         self._key_weights = key_weights  # per-channel widths: how much the queries weigh each key channel
         self.n_threads = kv_config.value.n_threads
-        self.store = None                 # PackedKV (NumPy, CPU kernels) or DevicePackedKV (on the device, Triton)
-        self.on_device = False            # whether the store is the device one
+        self.store = None                 # PackedKV (NumPy, CPU kernels), or on the device (Triton): DevicePackedKV
+        #                                   (the fused attention reads it) or DeviceChunkKV (decoded there to attend)
+        self.on_device = False            # whether the store is a device one
         self.cumulative_length = 0
         self.steps = {"fused": 0, "materialised": 0, "full_precision": 0}
         self.last_step = 0   # tokens of the last step kept in full precision (crop() may drop them)
@@ -95,7 +97,8 @@ class KvcxLayer(DynamicLayer):
         codecs = self._codecs_first if not len(self.store) else self._codecs_next
         t = time.perf_counter()
         if self.on_device:   # the Triton encoder, on the tensors where they are
-            pk, pv = codecs["key"].encode(keys, name="key"), codecs["value"].encode(values, name="value")
+            pk = codecs["key"].encode(keys, name="key", weights=self._key_weights)
+            pv = codecs["value"].encode(values, name="value")
         else:
             pk = codecs["key"].encode(torch_to_numpy(keys), name="key", weights=self._key_weights)
             pv = codecs["value"].encode(torch_to_numpy(values), name="value")
@@ -173,8 +176,10 @@ class KvcxLayer(DynamicLayer):
         self.keys = key_states.new_empty((B, H, 0, D))
         self.values = value_states.new_empty((B, H, 0, Dv))
         kc, vc = self._codecs_first["key"], self._codecs_first["value"]
-        self.on_device = runs_on_device(kc, vc, self.device) and D == Dv
-        self.store = DevicePackedKV(B, H, D, self.device) if self.on_device else \
+        fused_there = runs_on_device(kc, vc, self.device) and D == Dv
+        self.on_device = fused_there or decodes_on_device(kc, vc, self.device)
+        self.store = DevicePackedKV(B, H, D, self.device) if fused_there else \
+            DeviceChunkKV(B, H, kc, vc, self.device) if self.on_device else \
             PackedKV(B * H, D, kc, vc, workspace=self._workspace, value_dim=Dv)
         self._unsupported = self._why_not_fused()
         self.is_initialized = True

@@ -7,7 +7,8 @@ write** for the same input, and it decodes a record to the CPU's values bit for 
 device unchanged (:func:`kvcx.codecs.gpu.to_host`, :func:`kvcx.codecs.gpu.to_device`).
 
 The fused attention on the GPU does not read E8P records (:func:`kvcx.codecs.gpu_attn.reads`): a ``KvcxCache`` with
-E8P values keeps its store on the host (``memory_report()`` says so). torch and triton are imported when first used.
+E8P values keeps its records on the device and decodes them there each step
+(:class:`kvcx.cache.device_store.DeviceChunkKV`; ``memory_report()`` says so). torch and triton are imported when first used.
 """
 from __future__ import annotations
 

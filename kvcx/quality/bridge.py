@@ -312,7 +312,7 @@ def enumerate_pairs(cache) -> List[Tuple[int, object, object]]:
 def backend_of(config, device_type: str, backend: Optional[str] = None) -> str:
     """Where ``validate`` encodes and decodes a setting's cache: "triton" (on the device, the Triton kernels)
     when every codec of the setting runs there (``backend="triton"`` forces it: KvcxError if one cannot; None:
-    chosen by the model's device, CUDA for 4-bit integer and E8P codecs), else "cpu" (the CPU kernels and the packed file
+    chosen by the model's device, CUDA for 4-bit integer, E8P and widths codecs), else "cpu" (the CPU kernels and the packed file
     format, on the host)."""
     check_backend(backend)
     if backend == "cpu":
@@ -321,8 +321,9 @@ def backend_of(config, device_type: str, backend: Optional[str] = None) -> str:
     if backend == "triton":
         bad = sorted({c.describe() for c in codecs if not backend_takes(c, "triton")})
         if bad:
-            raise KvcxError(f"--backend triton runs 4-bit integer and E8P codecs; this setting has {', '.join(bad)}: "
-                            "pass --backend cpu (or leave it out)")
+            raise KvcxError(f"--backend triton runs 4-bit integer, E8P and widths codecs; this setting has "
+                            f"{', '.join(bad)} (its codec or its fallback for shapes it cannot take): pass "
+                            "--backend cpu (or leave it out)")
         return "triton"
     return "triton" if all(backend_name(c, device_type) == "triton" for c in codecs) else "cpu"
 

@@ -13,7 +13,7 @@ pytest.importorskip("transformers")
 from transformers import DynamicCache, LlamaConfig  # noqa: E402
 
 import kvcx.cache  # noqa: E402,F401  (registers the "kvcx" attention implementation)
-from kvcx.cache.device_store import DevicePackedKV, runs_on_device  # noqa: E402
+from kvcx.cache.device_store import DeviceChunkKV, DevicePackedKV, decodes_on_device, runs_on_device  # noqa: E402
 from kvcx.cache.kvcx_cache import KvcxCache  # noqa: E402
 from kvcx.codecs import KVConfig, get_codec, gpu_attn  # noqa: E402
 from kvcx.errors import CodecError, KvcxError  # noqa: E402
@@ -175,14 +175,68 @@ def test_the_backend_is_chosen_by_device_and_checked():
     off = cfg.with_backend("cpu")
     assert not runs_on_device(off.key, off.value, cuda)
     small = LlamaConfig(num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, hidden_size=64)
-    with pytest.raises(KvcxError, match="runs 4-bit integer codecs.*3-bit"):
+    with pytest.raises(KvcxError, match="runs 4-bit integer, E8P and widths codecs.*3-bit"):
         KvcxCache(small, scheme="kvcx3", backend="triton")
+    # E8P values and widths keys run on the device, where the fused attention does not read them: decoded there
+    for scheme in ("kvcx2v", "kvcx4w"):
+        two = KVConfig.from_scheme(scheme)
+        assert decodes_on_device(two.key, two.value, cuda) and not runs_on_device(two.key, two.value, cuda)
+        assert not decodes_on_device(two.key, two.value, cpu)
+    assert not decodes_on_device(cfg.key, cfg.value, cuda)            # fused there instead
+    assert not decodes_on_device(low.key, low.value, cuda)            # 3-bit codes: the CPU store
     with pytest.raises(CodecError, match="backend 'gpu' is not supported"):
         KvcxCache(small, backend="gpu")
     # engine formats have no Triton kernels: "cpu" is theirs to name, "triton" is refused by name
     assert KvcxCache(small, scheme="q4_0", backend="cpu").layers[0]._codecs_next["key"].backend == "cpu"
-    with pytest.raises(KvcxError, match="runs 4-bit integer codecs.*q4_0"):
+    with pytest.raises(KvcxError, match="runs 4-bit integer, E8P and widths codecs.*q4_0"):
         KvcxCache(small, scheme="q4_0", backend="triton")
+
+
+@pytest.mark.parametrize("scheme", ["kvcx2v", "kvcx4w"])
+def test_kvcx2v_and_kvcx4w_keep_their_records_on_the_device(tiny, scheme):
+    """kvcx2v (widths keys, E8P values) and kvcx4w (widths keys, 4-bit values) on the Triton backend: the records are
+    encoded and kept on the device (DeviceChunkKV) and each step decodes them there; the Triton kernels write the
+    CPU kernels' bytes, so the logits equal the CPU store's materialised path exactly (a left-padded batch of two,
+    the residual packed several times). memory_report() says why the steps are not fused and counts the records."""
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, 256, (2, 150), generator=g).to(DEVICE)
+    mask = torch.ones_like(ids)
+    mask[1, :6] = 0
+    cpu = KvcxCache(tiny.config, scheme=scheme, backend="cpu", fused=False)
+    dev = KvcxCache(tiny.config, scheme=scheme, backend="triton")
+    a, b = _generate(tiny, cpu, ids, mask, n=8), _generate(tiny, dev, ids, mask, n=8)
+    assert torch.equal(a.sequences, b.sequences)
+    assert all(torch.equal(x, y) for x, y in zip(a.scores, b.scores))
+    rep = dev.memory_report()
+    assert dev.backend == "triton" and rep["attention_steps"] == {"fused": 0, "materialised": 2 * 7,
+                                                                  "full_precision": 2}
+    for lc, ld in zip(cpu.layers, dev.layers):
+        assert isinstance(ld.store, DeviceChunkKV) and ld.store.tokens == lc.store.tokens == 128
+        assert all(p.codes.device.type == DEVICE for chunk in ld.store._chunks for p in chunk[:2])
+        assert "decodes its packed context there" in ld.fused_unsupported
+        assert abs(ld.store.nbytes - lc.store.nbytes) <= 0.01 * lc.store.nbytes   # the host store pads its planes
+    assert rep["packed_bytes"] == sum(layer.store.nbytes for layer in dev.layers)
+
+
+def test_a_windowed_layer_drops_the_records_its_window_leaves():
+    """A sliding window of 64 over a 400-token prompt (the window passes six times) with kvcx2v on the device: the
+    windowed layers drop whole chunks of records as the window leaves them, hold at most the window and a chunk
+    packed, and the logits equal the CPU store's."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    cfg = MistralConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=128,
+                        intermediate_size=256, vocab_size=256, max_position_embeddings=1024, sliding_window=64)
+    model = MistralForCausalLM(cfg).eval().to(DEVICE)
+    model.set_attn_implementation("kvcx")
+    ids = torch.randint(0, 256, (1, 400), generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    cpu = KvcxCache(cfg, scheme="kvcx2v", backend="cpu", fused=False)
+    dev = KvcxCache(cfg, scheme="kvcx2v", backend="triton")
+    a, b = (_generate(model, c, ids, torch.ones_like(ids), n=6) for c in (cpu, dev))
+    assert torch.equal(a.sequences, b.sequences) and all(torch.equal(x, y) for x, y in zip(a.scores, b.scores))
+    for lc, ld in zip(cpu.layers, dev.layers):
+        assert isinstance(ld.store, DeviceChunkKV) and ld.store.tokens == lc.store.tokens <= 64 + 64
+        assert len(ld.store) == len(lc.store)
 
 
 def test_device_store_errors_and_what_it_cannot_fuse():

@@ -80,12 +80,43 @@ def test_no_guard_unasked_but_on_integer_keys(kwargs):
     (dict(guard=1.5), "guard=1.5"), (dict(guard=2, scheme="q4_0"), "or guard=0"),
     (dict(guard=1, kv_config=KVConfig.from_scheme("kvcx").guarded([1])), "not a plan"),
     (dict(guard_layers=[1]), "pass guard="),
-    (dict(guard=1, bits=5), "bits"), (dict(guard=1, backend="triton"), "run 4-bit integer codecs"),
+    (dict(guard=1, bits=5), "bits"),
 ])
 def test_bad_for_model_options_are_refused_before_the_probe(kwargs, message):
     model = _model("Llama")
     with pytest.raises(KvcxError, match=message):
         KvcxCache.for_model(model, **kwargs)
+
+
+def test_a_guard_on_the_triton_backend_keeps_its_records_on_the_device():
+    """backend="triton" with guard=1: the guarded layer's 8-bit widths keys are encoded and decoded on the device
+    (DeviceChunkKV, the widths codec's Triton kernels: its steps materialised, said by a SlowPathWarning), the other
+    layers run fused over DevicePackedKV; the guarded layer's records decode to the CPU store's values bit for bit,
+    so its greedy tokens are the CPU path's."""
+    from kvcx.cache.device_store import DeviceChunkKV, DevicePackedKV
+    from kvcx.errors import SlowPathWarning
+
+    model = _model("Llama")
+    model.set_attn_implementation("kvcx")
+    with pytest.warns(SlowPathWarning, match="decode their packed context on the device each step"):
+        cache = KvcxCache.for_model(model, guard=1, backend="triton")
+    (guarded,) = cache.guard_layers
+    ids, mask = prompts(1, 2 * WINDOW + 5)
+    tokens, _ = decode(model, cache, ids, mask, 4)
+    for layer in cache.layers:
+        want = DeviceChunkKV if layer.layer_idx == guarded else DevicePackedKV
+        assert isinstance(layer.store, want) and layer.on_device, (layer.layer_idx, type(layer.store))
+        assert layer.steps["materialised" if layer.layer_idx == guarded else "fused"] == 3
+    assert cache.backend == "triton" and "decodes its packed context there" in cache.layers[guarded].fused_unsupported
+    cpu = KvcxCache(model.config, guard_layers=[guarded], backend="cpu")
+    by_cpu, _ = decode(model, cpu, ids, mask, 4)
+    assert torch.equal(tokens, by_cpu)
+    out = torch.empty(1, model.config.num_key_value_heads, cpu.layers[guarded].store.tokens,
+                      model.config.head_dim, dtype=torch.float32)
+    got = torch.empty_like(out)
+    cpu.layers[guarded].store.keys.decode_into(out.numpy(), name="key")
+    cache.layers[guarded].store.decode_into("key", got)
+    assert torch.equal(out, got)
 
 
 def test_a_hybrids_linear_layers_are_not_counted():

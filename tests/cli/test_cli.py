@@ -99,7 +99,7 @@ def test_quality_failure_exit_code(cache):
     (["validate", "--mode", "beam", "--dataset-file", "{cache}"], "--mode beam must be one of 'prefix', 'generation', 'engine'"),
     (["validate", "--backend", "gpu", "--dataset-file", "{cache}"], "backend 'gpu' is not supported; use one of cpu, triton"),
     (["validate", "--backend", "triton", "--scheme", "kvcx3", "--dataset-file", "{cache}"],
-     "--backend triton runs 4-bit integer and E8P codecs; this setting has 3-bit"),
+     "--backend triton runs 4-bit integer, E8P and widths codecs; this setting has 3-bit"),
     (["validate", "--backend", "triton", "--quick-test"], "--task passkey and --quick-test do not take it"),
 ])
 def test_errors_are_one_red_line(cache, tmp_path, args, message):

@@ -153,17 +153,20 @@ def test_a_damaged_record_is_refused(value):
 
 def test_a_cache_of_e8p_values_attends_over_what_it_decodes():
     """E8P runs on the device, but the fused attention there reads 4-bit integer records only: a layer with E8P
-    values keeps its store on the host, and KvcxCache(backend='triton') says why (kvcx2v: its keys too)."""
-    assert gpu_attn.reads(IntCodec()) and not gpu_attn.reads(E8PCodec()) and not gpu_attn.reads(IntCodec(bits=2))
-    cuda = torch.device("cuda")
-    assert runs_on_device(IntCodec(), IntCodec(), cuda)
-    assert not runs_on_device(IntCodec(), E8PCodec(), cuda)
+    values (kvcx2v: widths keys too, which also run there) keeps its records on the device and decodes them there
+    (DeviceChunkKV); KvcxCache(backend='triton') takes them, and refuses a codec with no Triton kernels by name."""
+    from kvcx.cache.device_store import decodes_on_device
     from kvcx.cache.layer_config import on_backend
 
-    with pytest.raises(KvcxError, match="Hadamard \\+ E8P lattice"):
-        on_backend(KVConfig(key=IntCodec(), value=E8PCodec(), scheme="mixed"), "triton", 2)
-    with pytest.raises(KvcxError, match="a width per channel"):
-        on_backend(KVConfig.from_scheme("kvcx2v"), "triton", 2)
+    assert gpu_attn.reads(IntCodec()) and not gpu_attn.reads(E8PCodec()) and not gpu_attn.reads(IntCodec(bits=2))
+    cuda = torch.device("cuda")
+    assert runs_on_device(IntCodec(), IntCodec(), cuda) and not decodes_on_device(IntCodec(), IntCodec(), cuda)
+    assert not runs_on_device(IntCodec(), E8PCodec(), cuda) and decodes_on_device(IntCodec(), E8PCodec(), cuda)
+    mixed = on_backend(KVConfig(key=IntCodec(), value=E8PCodec(), scheme="mixed"), "triton", 2)
+    assert mixed.value.backend == "triton"
+    assert on_backend(KVConfig.from_scheme("kvcx2v"), "triton", 2).key.backend == "triton"
+    with pytest.raises(KvcxError, match="runs 4-bit integer, E8P and widths codecs.*2-bit"):
+        on_backend(KVConfig(key=IntCodec(bits=2), value=E8PCodec(), scheme="mixed"), "triton", 2)
 
 
 def test_the_device_program_size_writes_the_same_bytes(monkeypatch):

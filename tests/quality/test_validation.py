@@ -210,7 +210,7 @@ def test_validate_on_the_device_backend_equals_the_cpu_kernels(loaded, wikitext_
     assert dev.bits_per_value < cpu.bits_per_value < dev.bits_per_value + 1.0   # 32-token contexts: a large header
     # by device: CPU here (the default), Triton on CUDA
     assert run_validations(cfg, **kw)[0].backend == ("triton" if torch.cuda.is_available() else "cpu")
-    with pytest.raises(KvcxError, match="runs 4-bit integer and E8P codecs.*3-bit"):
+    with pytest.raises(KvcxError, match="runs 4-bit integer, E8P and widths codecs.*3-bit"):
         run_validations({"kvcx3": KVConfig.from_scheme("kvcx3")}, backend="triton", **kw)
 
 
