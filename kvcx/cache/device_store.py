@@ -312,7 +312,7 @@ class DeviceChunkKV:
     def __init__(self, B: int, H: int, key_codec: Codec, value_codec: Codec, device):
         self.B, self.H, self.device = B, H, device
         self._describe = f"{key_codec.describe()} / {value_codec.describe()}"
-        self._chunks: List[tuple] = []     # (keys' record, values' record, their codecs) as encoded
+        self._chunks: List[tuple] = []     # (keys' record, values' record, their decoders) as encoded
         self._codecs: Dict[tuple, Codec] = {}
 
     def __len__(self) -> int:
@@ -341,7 +341,9 @@ class DeviceChunkKV:
                              f"([{self.B}, {self.H}, *, *])")
         if self._chunks and (pk.config.get("sinks") or pv.config.get("sinks")):
             raise CodecError("only the first packed chunk may hold exact sink tokens")
-        self._chunks.append((pk, pv, self._codec(pk.config), self._codec(pv.config)))
+        # each record checked once here; a step's decode launches its kernels and reads nothing back
+        self._chunks.append((pk, pv, self._codec(pk.config).decoder(pk, "key"),
+                             self._codec(pv.config).decoder(pv, "value")))
 
     def drop_chunks(self, k: int) -> int:
         """Drop the first ``k`` chunks (a sliding window has left them; none may hold sinks). Returns the tokens
@@ -367,12 +369,14 @@ class DeviceChunkKV:
         if gpu.dtype_name_of(out) is None:
             raise CodecError(f"decoding the store's {kind}s: out must be a float16, bfloat16 or float32 tensor, got "
                              f"{out.dtype}")
-        off, which = 0, 0 if kind == "key" else 1
+        off, which, dtype = 0, 0 if kind == "key" else 1, gpu.dtype_name_of(out)
         for chunk in self._chunks:
-            record, codec = chunk[which], chunk[2 + which]
-            if record.dtype != gpu.dtype_name_of(out):   # a record decodes to its own dtype: the scratch's
-                record = Packed(**{**record.__dict__, "dtype": gpu.dtype_name_of(out)})
-            codec.decode(record, out, name=kind, token_offset=off)
+            record, run = chunk[which], chunk[2 + which]
+            if record.dtype == dtype:
+                run(out, off)
+            else:   # a record decodes to its own dtype: seen as the out's (a reference in FP32), checked again
+                self._codec(record.config).decode(Packed(**{**record.__dict__, "dtype": dtype}), out, name=kind,
+                                                  token_offset=off)
             off += int(record.shape[-2])
         return off
 

@@ -235,6 +235,23 @@ class Codec:
         is then written at ``out[..., token_offset:token_offset + S, :]`` (a KV cache assembled from chunks)."""
         raise NotImplementedError
 
+    def decoder(self, packed: Packed, name: str = "tensor"):
+        """``run(out=None, token_offset=0)``: ``packed`` decoded as :meth:`decode` does (into ``out`` at
+        ``token_offset``) at each call, for a record decoded again and again (a cache's store at every step). On a
+        device backend its checks are made once, now, and a call launches its kernels and reads nothing back to
+        the host; elsewhere each call is :meth:`decode`."""
+        from kvcx.codecs.backends import backend_for
+
+        backend = backend_for(self, packed.codes, name)
+        if backend is not None:
+            lay = self.layout(tuple(packed.shape), name)
+            check_recorded_sinks(packed, lay.t0, lay.shape, name)
+            return backend.decoder(self, lay, packed, name)
+
+        def run(out=None, token_offset: int = 0):
+            return self.decode(packed, out, name=name, token_offset=token_offset)
+        return run
+
 
 _REGISTRY: Dict[str, Type[Codec]] = {}
 

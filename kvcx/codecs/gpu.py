@@ -47,6 +47,11 @@ def dtype_name_of(x) -> Optional[str]:
     return {torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32"}.get(x.dtype)
 
 
+def torch_dtype(dt: str):
+    """The torch dtype of a record's dtype name ('F16', 'BF16', 'F32')."""
+    return getattr(_torch(), _TORCH_DTYPES[dt])
+
+
 def device_input(x, out, name: str) -> tuple:
     """(``x`` contiguous, its dtype's name) for a Triton encode; CodecError for a dtype the kernels do not take or
     an ``out=`` record (a device backend allocates its record on the tensor's device)."""
@@ -64,7 +69,7 @@ def device_output(lay, dt: str, out, token_offset: int, dev, name: str) -> tuple
     """(out, out seen as [N, tokens, D]) for a Triton decode of ``lay`` in dtype ``dt``: a new tensor on ``dev``,
     or the caller's after every check (the same shape, or longer on axis -2 with ``token_offset``)."""
     torch = _torch()
-    want = getattr(torch, _TORCH_DTYPES[dt])
+    want = torch_dtype(dt)
     if out is None:
         if token_offset:
             raise CodecError("token_offset needs an out= tensor")
@@ -165,7 +170,9 @@ class TritonIntBackend:
         return Packed(codes=codes, scales=scales, zeros=zeros, sinks=sinks, shape=lay.shape, dtype=dt, config=cfg,
                       meta={"partial_group": lay.partial_group})
 
-    def decode(self, codec, lay, packed: Packed, out, token_offset: int, name: str):
+    def _checked(self, codec, lay, packed: Packed, name: str) -> tuple:
+        """(codes, scales, zero points, sinks in the record's dtype or None) of a record, after the checks that need
+        no kernel (buffers, sizes, dtypes)."""
         self.check(codec, name)
         torch = _torch()
         codec_kernels()   # triton is installed, or a CodecError before any work
@@ -174,7 +181,7 @@ class TritonIntBackend:
         if not all(is_tensor(a) and a.device == dev for a in (scales, zeros if codec.asym else scales)):
             raise CodecError(f"tensor {name!r}: its codes, scales and zero points must be torch tensors on one device "
                              "(move the record with kvcx.codecs.gpu.to_device)")
-        N, S, D, t0 = lay.N, lay.S, lay.D, lay.t0
+        N, D, t0 = lay.N, lay.D, lay.t0
         if codes.dtype != torch.uint8 or codes.numel() != lay.codes_nbytes:
             raise CodecError(f"tensor {name!r}: expected {lay.codes_nbytes} bytes of packed codes (uint8), got "
                              f"{codes.numel()} {codes.dtype}")
@@ -186,11 +193,15 @@ class TritonIntBackend:
         sinks = packed.sinks if t0 else None
         if t0 and (sinks is None or not is_tensor(sinks) or sinks.numel() != N * t0 * D):
             raise CodecError(f"tensor {name!r}: {t0} exact sink tokens are recorded but their values are missing")
-        out, out3 = device_output(lay, packed.dtype, out, token_offset, dev, name)
-        sinks = None if sinks is None else sinks.to(dev, out.dtype).contiguous()
-        # the kernel's checks (scales negative or not finite, zero points not finite; sinks not finite), read in
-        # one copy to the host after it: ``out`` holds what was decoded even when the record is refused
-        flag = torch.zeros(2, dtype=torch.int32, device=dev)
+        return codes, scales, zeros, None if sinks is None else sinks.to(dev, torch_dtype(packed.dtype)).contiguous()
+
+    def _launch(self, codec, lay, packed: Packed, parts: tuple, out, token_offset: int, flag, name: str):
+        """The decode kernel (or the sinks' copy alone) into ``out`` (:func:`device_output`'s checks); its checks
+        into ``flag`` [damaged parameters, non-finite sinks], read by the caller or not. Returns ``out``."""
+        torch = _torch()
+        codes, scales, zeros, sinks = parts
+        N, S, D, t0 = lay.N, lay.S, lay.D, lay.t0
+        out, out3 = device_output(lay, packed.dtype, out, token_offset, codes.device, name)
         if S > t0:   # the kernel also copies the sinks and checks them
             (_, decode), args, grid, const = _programs(codec, lay, packed.dtype)
             zp = zeros if codec.asym else scales
@@ -203,14 +214,40 @@ class TritonIntBackend:
         elif t0:     # sinks alone: no kernel
             out3[:, token_offset:token_offset + t0, :] = sinks.view(N, t0, D)
             flag[1] = (~torch.isfinite(sinks)).any()
-        params_bad, sinks_bad = flag.tolist()
+        return out
+
+    @staticmethod
+    def _refuse(name: str, params_bad: bool, sinks_bad: bool) -> None:
         if params_bad:
             raise CodecError(f"tensor {name!r}: its scales or zero points hold NaN/Inf or negative scales, which "
                              "no kvcx encoder writes; the data is damaged: encode it again")
         if sinks_bad:
             raise CodecError(f"tensor {name!r}: its exact sink tokens hold NaN/Inf, which no kvcx encoder writes; "
                              "the data is damaged: encode it again")
+
+    def decode(self, codec, lay, packed: Packed, out, token_offset: int, name: str):
+        parts = self._checked(codec, lay, packed, name)
+        # the kernel's checks (scales negative or not finite, zero points not finite; sinks not finite), read in
+        # one copy to the host after it: ``out`` holds what was decoded even when the record is refused
+        flag = _torch().zeros(2, dtype=_torch().int32, device=packed.codes.device)
+        out = self._launch(codec, lay, packed, parts, out, token_offset, flag, name)
+        self._refuse(name, *flag.tolist())
         return out
+
+    def decoder(self, codec, lay, packed: Packed, name: str):
+        """``run(out, token_offset=0)`` decoding the record each call with no read back to the host: its checks
+        (the kernel's, in torch) made once, now."""
+        torch = _torch()
+        codes, scales, zeros, sinks = parts = self._checked(codec, lay, packed, name)
+        s = scales.float()
+        params_bad = bool((~(s >= 0) | (s == float("inf"))).any()) or \
+            (codec.asym and not bool(torch.isfinite(zeros).all()))
+        self._refuse(name, params_bad, sinks is not None and not bool(torch.isfinite(sinks).all()))
+        flag = torch.zeros(2, dtype=torch.int32, device=codes.device)   # written by no valid record, never read
+
+        def run(out=None, token_offset: int = 0):
+            return self._launch(codec, lay, packed, parts, out, token_offset, flag, name)
+        return run
 
 
 def encode_launch(codec, lay, dt: str = "BF16", paged: bool = False) -> tuple:

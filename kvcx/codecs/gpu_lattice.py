@@ -117,30 +117,61 @@ class TritonE8PBackend:
         return Packed(codes=codes, scales=torch.empty(0, dtype=torch.float16, device=dev), zeros=None, sinks=sinks,
                       shape=lay.shape, dtype=dt, config=cfg, meta={})
 
-    def decode(self, codec, lay, packed: Packed, out, token_offset: int, name: str):
+    @staticmethod
+    def _checked(codec, lay, packed: Packed, name: str):
+        """The record's codes, after the checks that need no kernel."""
         torch = _torch()
-        k = lattice_kernels()
-        N, S, D, t0 = lay.N, lay.S, lay.D, lay.t0
+        lattice_kernels()
+        N, D, t0 = lay.N, lay.D, lay.t0
         codes = packed.codes
-        dev = codes.device
         if codes.dtype != torch.uint8 or codes.numel() != lay.codes_nbytes:
             raise CodecError(f"tensor {name!r}: expected {lay.codes_nbytes} E8P record bytes "
                              f"({codec.record_bytes(D)} a token and head), got {codes.numel()} {codes.dtype}")
         if t0 and (packed.sinks is None or not is_tensor(packed.sinks) or packed.sinks.numel() != N * t0 * D):
             raise CodecError(f"tensor {name!r}: {t0} exact sink tokens are recorded but their values are missing")
         check_sinks_finite(packed, t0, name)
+        return codes.contiguous()
+
+    @staticmethod
+    def _launch(lay, packed: Packed, codes, out, token_offset: int, flag, name: str):
+        """The decode kernel into ``out`` (:func:`device_output`'s checks), its check into ``flag``; the sinks
+        copied. Returns ``out``."""
+        k = lattice_kernels()
+        N, S, D, t0 = lay.N, lay.S, lay.D, lay.t0
+        dev = codes.device
         out, out3 = device_output(lay, packed.dtype, out, token_offset, dev, name)
         rows = N * (S - t0)
-        flag = torch.zeros(1, dtype=torch.int32, device=dev)
         if rows:
             R = program_rows(D)
             dst = as_bits(out3, packed.dtype) if packed.dtype == "BF16" else out3
-            k.e8p_decode_kernel[(-(-rows // R),)](codes.contiguous(), dst, flag, _tables(dev)[3], rows, S - t0,
-                                                  out3.shape[1], token_offset + t0, tensors.norm_of(D), D=D, R=R,
+            k.e8p_decode_kernel[(-(-rows // R),)](codes, dst, flag, _tables(dev)[3], rows, S - t0, out3.shape[1],
+                                                  token_offset + t0, tensors.norm_of(D), D=D, R=R,
                                                   SAT=packed.dtype == "F16", BF16=packed.dtype == "BF16",
                                                   enable_fp_fusion=False, num_warps=CODEC_WARPS)
         if t0:
             out3[:, token_offset:token_offset + t0, :] = packed.sinks.to(dev, out.dtype).reshape(N, t0, D)
+        return out
+
+    def decode(self, codec, lay, packed: Packed, out, token_offset: int, name: str):
+        torch = _torch()
+        codes = self._checked(codec, lay, packed, name)
+        flag = torch.zeros(1, dtype=torch.int32, device=codes.device)
+        out = self._launch(lay, packed, codes, out, token_offset, flag, name)
         if flag.item():
             raise damaged(name)
         return out
+
+    def decoder(self, codec, lay, packed: Packed, name: str):
+        """``run(out, token_offset=0)`` decoding the record each call with no read back to the host: the kernel's
+        check of the scales (in torch) made once, now."""
+        torch = _torch()
+        codes = self._checked(codec, lay, packed, name)
+        D, rows = lay.D, lay.N * (lay.S - lay.t0)
+        s = codes.view(rows, D // 4 + 2)[:, D // 4:].contiguous().view(torch.float16).float()
+        if rows and bool((~(s >= 0) | (s == float("inf"))).any()):
+            raise damaged(name)
+        flag = torch.zeros(1, dtype=torch.int32, device=codes.device)   # written by no valid record, never read
+
+        def run(out=None, token_offset: int = 0):
+            return self._launch(lay, packed, codes, out, token_offset, flag, name)
+        return run

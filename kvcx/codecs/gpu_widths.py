@@ -8,8 +8,10 @@ unchanged (:func:`kvcx.codecs.gpu.to_host`, :func:`kvcx.codecs.gpu.to_device`).
 
 The group statistics, channel ranges, codes and planes are the device's work; the widths are chosen on the host by
 the CPU backend's own code (:meth:`~kvcx.codecs.widths.WidthCodec.choose`) from the channels' spreads, which the
-device sends back (a slab's D ranges and spreads: 16 bytes a channel, not the tensor); a decode checks the record's
-widths and ranges there too (N x D bytes and its FP16 ranges). One copy each way a call, not a graph-capturable step.
+device sends back (a slab's D ranges and spreads: 16 bytes a channel, not the tensor): one copy each way an encode,
+not a graph-capturable step. A decode checks the record's widths and ranges there too (N x D bytes and its FP16
+ranges) and turns them into the kernel's plane offsets; :meth:`~kvcx.codecs.base.Codec.decoder` does that once a
+record, and each of its calls is one launch that reads nothing back (what a cache's device store decodes every step).
 
 The fused attention on the GPU does not read widths records (:func:`kvcx.codecs.gpu_attn.reads`): a ``KvcxCache``
 with widths keys keeps its records on the device and decodes them there each step
@@ -27,7 +29,7 @@ from kvcx.codecs import tensors
 from kvcx.codecs.backends import is_tensor, register_backend
 from kvcx.codecs.base import Packed, check_sinks_finite
 from kvcx.codecs.cpu import core as _core
-from kvcx.codecs.gpu import CODEC_WARPS, as_bits, device_input, device_output
+from kvcx.codecs.gpu import CODEC_WARPS, as_bits, device_input, device_output, torch_dtype
 from kvcx.codecs.gpu_attn import interpreting
 from kvcx.codecs.runtime import check_status
 from kvcx.codecs.tensors import triton_kernels
@@ -120,6 +122,11 @@ class TritonWidthsBackend:
                       meta={"partial_group": lay.partial_group})
 
     def decode(self, codec, lay, packed: Packed, out, token_offset: int, name: str):
+        return self.decoder(codec, lay, packed, name)(out, token_offset)
+
+    def decoder(self, codec, lay, packed: Packed, name: str):
+        """``run(out, token_offset=0)`` decoding the record each call with no read back to the host: its checks
+        (widths, ranges, range bytes in order, sinks) and its plane offsets made once, now."""
         torch = _torch()
         k = widths_kernels()
         N, D, t0, G = lay.N, lay.D, lay.t0, lay.groups
@@ -134,21 +141,27 @@ class TritonWidthsBackend:
         check_sinks_finite(packed, t0, name)
         widths = np.array(codes[:N * D].cpu().numpy())
         ranges = codec.check_header(widths, scales.cpu().numpy().astype(np.float16), lay, name)
-        out, out3 = device_output(lay, packed.dtype, out, token_offset, dev, name)
-        flag = torch.zeros(1, dtype=torch.int32, device=dev)
+        stats = codes[N * D:N * D + N * G * D * 2].view(-1, 2)
+        if G and bool((stats[:, 0] > stats[:, 1]).any()):   # a group's range bytes out of order
+            check_status(_core.STATUS_CORRUPT, name, what="decoding")
+        codes = codes.contiguous()
         if G:
             widths = widths.reshape(N, D)
             off, slab_off, gbytes = codec.plane_offsets(widths, G)
             ch = ranges.astype(np.float32)
-            lo, hi, w, top, off, slab_off, gbytes = _on_device(dev, ch[..., 0], ch[..., 1], widths,
-                                                          codec.tops(widths).reshape(N, D), off, slab_off, gbytes)
-            dst = as_bits(out3, packed.dtype) if packed.dtype == "BF16" else out3
-            k.w_decode_kernel[(N * G,)](codes.contiguous(), lo, hi, w, top, off, slab_off, gbytes, dst, flag, N * D,
-                                        N * D + N * G * D * 2, lay.S, t0, G, out3.shape[1], token_offset,
-                                        D=D, DP=tensors.pow2(D), GS=codec.group_size, SAT=packed.dtype == "F16",
-                                        BF16=packed.dtype == "BF16", **EXACT)
-        if t0:
-            out3[:, token_offset:token_offset + t0, :] = packed.sinks.to(dev, out.dtype).reshape(N, t0, D)
-        if flag.item():
-            check_status(_core.STATUS_CORRUPT, name, what="decoding")
-        return out
+            args = _on_device(dev, ch[..., 0], ch[..., 1], widths, codec.tops(widths).reshape(N, D), off, slab_off,
+                              gbytes)
+        sinks = packed.sinks.to(dev, torch_dtype(packed.dtype)).reshape(N, t0, D) if t0 else None
+
+        def run(out=None, token_offset: int = 0):
+            out, out3 = device_output(lay, packed.dtype, out, token_offset, dev, name)
+            if G:
+                dst = as_bits(out3, packed.dtype) if packed.dtype == "BF16" else out3
+                k.w_decode_kernel[(N * G,)](codes, *args, dst, N * D, N * D + N * G * D * 2, lay.S, t0, G,
+                                            out3.shape[1], token_offset, D=D, DP=tensors.pow2(D),
+                                            GS=codec.group_size, SAT=packed.dtype == "F16",
+                                            BF16=packed.dtype == "BF16", **EXACT)
+            if t0:
+                out3[:, token_offset:token_offset + t0, :] = sinks
+            return out
+        return run

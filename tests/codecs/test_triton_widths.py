@@ -194,3 +194,44 @@ def test_a_damaged_record_is_refused():
     sinks.view(-1)[3] = float("nan")
     assert "exact sink tokens hold NaN/Inf" in refused(sinks=sinks)
     assert bool(torch.isfinite(codec.decode(p, name="k")).all())   # the record as written passes the same checks
+
+
+@pytest.mark.parametrize("codec", [WidthCodec(bits=2.71875, group_size=64, sinks=1), KVConfig.from_scheme("kvcx2v").value,
+                                   KVConfig.from_scheme().key, KVConfig.from_scheme().value], ids=lambda c: c.codec_id)
+def test_a_decoder_checks_once_and_reads_nothing_back(codec, monkeypatch):
+    """Codec.decoder(record): what a cache's device store calls at every step (DeviceChunkKV). On the Triton backend
+    the record's checks run once, when it is made (a damaged record refused there, with decode()'s message); each
+    call then decodes what decode() does, at any offset, and never reads the device back (no .item(), .tolist(),
+    .cpu() or .numpy() in it). A NumPy record's decoder is decode()."""
+    x = keys_like((1, 2, 100, 64), seed=4)
+    host = codec.encode(x)
+    run = codec.decoder(host, "k")
+    assert np.array_equal(run(), codec.decode(host))
+    dev = codec.with_backend("triton")
+    p = dev.encode(numpy_to_torch(x, DEVICE))
+    run = dev.decoder(p, "k")
+    want = dev.decode(p)
+    out = torch.full((1, 2, 130, 64), 7.0, device=DEVICE)
+    for n in ("item", "tolist", "cpu", "numpy"):
+        monkeypatch.setattr(torch.Tensor, n, lambda self, *a, n=n, **k: pytest.fail(f"a decode step called .{n}()"))
+    run(out, 20)
+    monkeypatch.undo()
+    assert torch.equal(out[:, :, 20:120], want) and bool((out[:, :, :20] == 7).all())
+    assert np.array_equal(torch_to_numpy(want), codec.decode(host))
+    # a damaged record is refused when its decoder is made: a scale no encoder writes
+    bad = Packed(**{**p.__dict__})
+    if codec.codec_id == "kvcx.widths":
+        bad.scales = p.scales.clone()
+        bad.scales.view(-1)[0] = float("nan")
+    elif codec.codec_id == "kvcx.e8p":
+        rec = p.codes.clone().view(-1, 64 // 4 + 2)
+        rec[3, -2:] = torch.tensor([-1.0], dtype=torch.float16).view(torch.uint8).to(rec.device)
+        bad.codes = rec.view(-1)
+    else:
+        bad.scales = p.scales.clone()
+        bad.scales.view(-1)[0] = -1.0
+    with pytest.raises(CodecError, match="'k'.*damaged") as got:
+        dev.decoder(bad, "k")
+    with pytest.raises(CodecError) as want_error:
+        dev.decode(bad, name="k")
+    assert str(got.value) == str(want_error.value)

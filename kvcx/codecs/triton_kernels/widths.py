@@ -147,11 +147,11 @@ def w_encode_kernel(x_ptr, mn_ptr, mx_ptr, me_ptr, lo_ptr, hi_ptr, w_ptr, top_pt
 
 @triton.jit
 def w_decode_kernel(codes_ptr, lo_ptr, hi_ptr, w_ptr, top_ptr, off_ptr, slab_off_ptr, gbytes_ptr, out_ptr,
-                    flag_ptr, stats_at, planes_at, S, t0, G, out_S, out_off, D: tl.constexpr, DP: tl.constexpr,
+                    stats_at, planes_at, S, t0, G, out_S, out_off, D: tl.constexpr, DP: tl.constexpr,
                     GS: tl.constexpr, SAT: tl.constexpr, BF16: tl.constexpr):
     """Group ``k = slab * G + group`` (one a program) decoded into ``out`` seen as (slabs, out_S, D) at token
-    ``out_off + t0 + group * GS`` of its slab, as ``kvcx_w_decode_tile``; ``flag_ptr[0]`` set where a range byte
-    pair is out of order (no encoder writes one)."""
+    ``out_off + t0 + group * GS`` of its slab, as ``kvcx_w_decode_tile`` (the launcher checked once that every
+    range byte pair is in order, as the encoder writes them: a decode step reads nothing back)."""
     k = tl.program_id(0).to(tl.int64)
     slab = k // G
     g = k % G
@@ -167,8 +167,6 @@ def w_decode_kernel(codes_ptr, lo_ptr, hi_ptr, w_ptr, top_ptr, off_ptr, slab_off
     st = codes_ptr + stats_at + k * D * 2 + 2 * d
     sa = tl.load(st, mask=dm, other=0).to(tl.int32)
     sb = tl.load(st + 1, mask=dm, other=0).to(tl.int32)
-    bad = dm & (sa > sb)
-    tl.store(flag_ptr + bad.to(tl.int32) * 0, bad.to(tl.int32), mask=bad)
     span = tl.math.div_rn(hi - lo, 255.0)
     glo = lo + sa.to(tl.float32) * span
     ghi = lo + sb.to(tl.float32) * span
