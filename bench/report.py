@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import os
 import platform
+import shlex
 import sys
 from pathlib import Path
 
@@ -37,7 +38,7 @@ def _invocation() -> str:
 
 def header(what: str) -> str:
     """A results file's first lines: what was measured, the command that measured it, where and when."""
-    cmd = "python " + " ".join([_invocation()] + sys.argv[1:])
+    cmd = "python " + " ".join([_invocation()] + [shlex.quote(a) for a in sys.argv[1:]])   # as a shell reads it
     day = datetime.date.today().isoformat()
     return f"<!-- written by `{cmd}`; do not edit by hand -->\n\n{what}\n\nCommand: `{cmd}`. Machine: {machine()}. " \
            f"Date: {day}.\n"
