@@ -32,8 +32,8 @@ def validate(
     cpu: Annotated[bool, typer.Option("--cpu", metavar=FLAG, help="Force CPU even when CUDA is available.")] = False,
     device: DeviceOpt = None,
     backend: Annotated[Optional[str], typer.Option("--backend", help="Where kvcx compresses the cache: triton (on "
-                                                                     "the GPU; 4-bit codecs) or cpu (default: by "
-                                                                     "the model's device).")] = None,
+                                                                     "the GPU; 4-bit integer, E8P and widths codecs) "
+                                                                     "or cpu (default: by the model's device).")] = None,
     plan: PlanOpt = None,
     threads: ThreadsOpt = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", metavar=FLAG, help="Only the verdict line.")] = False,

@@ -309,23 +309,41 @@ def enumerate_pairs(cache) -> List[Tuple[int, object, object]]:
     return [(i, k, v) for i, (k, v) in enumerate(cache_layers(cache))]
 
 
-def backend_of(config, device_type: str, backend: Optional[str] = None) -> str:
+def backend_of(config, device_type: str, backend: Optional[str] = None, dims=None) -> str:
     """Where ``validate`` encodes and decodes a setting's cache: "triton" (on the device, the Triton kernels)
     when every codec of the setting runs there (``backend="triton"`` forces it: KvcxError if one cannot; None:
-    chosen by the model's device, CUDA for 4-bit integer, E8P and widths codecs), else "cpu" (the CPU kernels and the packed file
-    format, on the host)."""
+    chosen by the model's device, CUDA for 4-bit integer, E8P and widths codecs), else "cpu" (the CPU kernels and the
+    packed file format, on the host). ``dims``: the (key width, value width) pairs of the model's packed layers once
+    it is loaded: the setting's fallback codec counts only where its codecs cannot take one of them (kvcx2v's E8P on
+    a head dim that is not a power of two); None (before the model loads): the fallback is not counted."""
     check_backend(backend)
     if backend == "cpu":
         return "cpu"
-    codecs = list(config.codecs().values())
+    named = config.codecs()
+    codecs = [c for n, c in named.items() if n != "fallback"]
+
+    def takes(name: str, codec, kd, vd) -> bool:
+        width = kd if name.startswith("key") else vd
+        return width is not None and codec.supports((1, 1, 64, int(width)))
+
+    if dims is not None and (not dims or not all(takes(n, c, kd, vd) for n, c in named.items() if n != "fallback"
+                                                 for kd, vd in dims)):
+        codecs.append(named["fallback"])   # a layer's tensors go to the fallback (or the widths are not known)
     if backend == "triton":
         bad = sorted({c.describe() for c in codecs if not backend_takes(c, "triton")})
         if bad:
             raise KvcxError(f"--backend triton runs 4-bit integer, E8P and widths codecs; this setting has "
-                            f"{', '.join(bad)} (its codec or its fallback for shapes it cannot take): pass "
-                            "--backend cpu (or leave it out)")
+                            f"{', '.join(bad)} (its codec, or its fallback for a head dim the codec cannot take): "
+                            "pass --backend cpu (or leave it out)")
         return "triton"
     return "triton" if all(backend_name(c, device_type) == "triton" for c in codecs) else "cpu"
+
+
+def model_dims(model_config) -> set:
+    """The (key width, value width) pairs of a model's packed layers (:func:`backend_of`'s ``dims``)."""
+    from kvcx.cache.layer_types import layer_specs
+
+    return {(s.key_dim, s.value_dim) for s in layer_specs(model_config) if s.packed}   # None: a width not said
 
 
 class DeviceRoundtrip:

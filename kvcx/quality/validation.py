@@ -31,7 +31,7 @@ from kvcx.codecs.kvconfig import KVConfig
 from kvcx.codecs.metrics import Thresholds, check_thresholds, json_safe, quality_level
 from kvcx.presses import PressedSetting
 from kvcx.errors import KvcxError
-from kvcx.quality.bridge import DeviceRoundtrip, backend_of
+from kvcx.quality.bridge import DeviceRoundtrip, backend_of, model_dims
 from kvcx.quality import ranks
 from kvcx.quality.models import load_dataset_text, load_model_and_tokenizer, pick_device, resolve_model
 from kvcx.quality.peers import PeerSetting, roundtrip_of
@@ -229,8 +229,8 @@ def run_validations(configs: Mapping[str, KVConfig], threshold: float = DEFAULT_
     continuation is scored once, and each setting adds one compressed pass (a setting alone costs the same
     three passes). ``loaded`` = (model, tokenizer, name) skips loading; ``roundtrips`` replace a setting's
     codec round trip (by label). ``backend``: where kvcx's settings compress the cache: None (by the model's
-    device: the Triton kernels on CUDA for 4-bit integer codecs), "triton" (forced: the interpreter runs it on
-    CPU) or "cpu"; each result says which ran.
+    device: the Triton kernels on CUDA for 4-bit integer, E8P and widths codecs), "triton" (forced: the interpreter
+    runs it on CPU) or "cpu"; each result says which ran.
 
     Every input (options, evaluation text, model path and packages) is resolved before the model loads.
 
@@ -287,8 +287,9 @@ def run_validations(configs: Mapping[str, KVConfig], threshold: float = DEFAULT_
     phase(2, f"model: {name} on {dev} ({next(m.parameters()).dtype}), {m.config.num_hidden_layers} layers")
     configs = {label: engine_setting(cfg, m.config) for label, cfg in configs.items()}
     # peers run in their library; a press and its codec on the host (the eviction is numpy's)
+    dims = model_dims(m.config)
     backends = {label: "" if isinstance(cfg, PeerSetting) else "cpu" if isinstance(cfg, PressedSetting)
-                else backend_of(cfg, dev.type, backend) for label, cfg in configs.items()}
+                else backend_of(cfg, dev.type, backend, dims) for label, cfg in configs.items()}
     ids = torch.tensor(tok(text, return_tensors=None)["input_ids"], dtype=torch.long)
     starts = window_starts(ids.numel(), window, stride, max_windows)
     rank.check_enough(len(starts), "window", f"give --max-windows {rank.size} or more")

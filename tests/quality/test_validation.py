@@ -212,6 +212,13 @@ def test_validate_on_the_device_backend_equals_the_cpu_kernels(loaded, wikitext_
     assert run_validations(cfg, **kw)[0].backend == ("triton" if torch.cuda.is_available() else "cpu")
     with pytest.raises(KvcxError, match="runs 4-bit integer, E8P and widths codecs.*3-bit"):
         run_validations({"kvcx3": KVConfig.from_scheme("kvcx3")}, backend="triton", **kw)
+    # kvcx2v: widths keys and E8P values, both on the device (its 2-bit fallback is for head dims E8P cannot take:
+    # not this model's 64), the same bytes
+    two = {"kvcx2v": KVConfig.from_scheme("kvcx2v")}
+    dev, cpu = run_validations(two, backend="triton", **kw)[0], run_validations(two, backend="cpu", **kw)[0]
+    assert (dev.backend, cpu.backend) == ("triton", "cpu")
+    assert dev.compressed_perplexity == cpu.compressed_perplexity and dev.kld == cpu.kld
+    assert dev.top1_agreement == cpu.top1_agreement and dev.max_error == cpu.max_error
 
 
 def test_perplexity_with_presses_prefix_and_generation(loaded, wikitext_path):
