@@ -120,21 +120,29 @@ def _programs(codec, lay, dtype: str = "BF16") -> tuple:
         dict(DP=dp, CB=cb, G=G, **flags)
 
 
-@register_backend("kvcx.int", "triton")
-class TritonIntBackend:
-    """:class:`~kvcx.codecs.intcodec.IntCodec`'s encode and decode in Triton (4 bits)."""
+class TritonBackend:
+    """What every codec's Triton backend answers (:mod:`kvcx.codecs.backends`): its name, whether it runs a codec's
+    settings (every one, unless a backend says otherwise) and whether triton is installed (the kvcx[gpu] extra)."""
 
     name = "triton"
 
     @staticmethod
     def takes(codec) -> bool:
-        """Whether this backend runs ``codec``'s settings (4-bit codes)."""
-        return getattr(codec, "bits", None) == 4
+        return True
 
     @staticmethod
     def available() -> bool:
-        """Whether triton is installed (the kvcx[gpu] extra)."""
         return find_spec("triton") is not None
+
+
+@register_backend("kvcx.int", "triton")
+class TritonIntBackend(TritonBackend):
+    """:class:`~kvcx.codecs.intcodec.IntCodec`'s encode and decode in Triton (4 bits)."""
+
+    @staticmethod
+    def takes(codec) -> bool:
+        """Whether this backend runs ``codec``'s settings (4-bit codes)."""
+        return getattr(codec, "bits", None) == 4
 
     def check(self, codec, name: str) -> None:
         if not self.takes(codec):

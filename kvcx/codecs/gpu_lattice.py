@@ -8,12 +8,12 @@ device unchanged (:func:`kvcx.codecs.gpu.to_host`, :func:`kvcx.codecs.gpu.to_dev
 
 The fused attention on the GPU does not read E8P records (:func:`kvcx.codecs.gpu_attn.reads`): a ``KvcxCache`` with
 E8P values keeps its records on the device and decodes them there each step
-(:class:`kvcx.cache.device_store.DeviceChunkKV`; ``memory_report()`` says so). torch and triton are imported when first used.
+(:class:`kvcx.cache.device_store.DeviceChunkKV`; ``memory_report()`` says so). torch and triton are imported when
+first used.
 """
 from __future__ import annotations
 
 import functools
-from importlib.util import find_spec
 from typing import Optional
 
 import numpy as np
@@ -22,7 +22,7 @@ from kvcx.codecs import tensors
 from kvcx.codecs.backends import is_tensor, register_backend
 from kvcx.codecs.base import Packed, check_sinks_finite
 from kvcx.codecs.cpu import core as _core
-from kvcx.codecs.gpu import CODEC_WARPS, as_bits, device_input, device_output
+from kvcx.codecs.gpu import CODEC_WARPS, TritonBackend, as_bits, device_input, device_output
 from kvcx.codecs.gpu_attn import interpreting
 from kvcx.codecs.lattice import damaged, e8p_grid, scale_overflow
 from kvcx.codecs.runtime import check_status
@@ -72,20 +72,8 @@ def program_rows(D: int) -> int:
 
 
 @register_backend("kvcx.e8p", "triton")
-class TritonE8PBackend:
+class TritonE8PBackend(TritonBackend):
     """:class:`~kvcx.codecs.lattice.E8PCodec`'s encode and decode in Triton."""
-
-    name = "triton"
-
-    @staticmethod
-    def takes(codec) -> bool:
-        """Every E8P setting (sinks) runs here."""
-        return True
-
-    @staticmethod
-    def available() -> bool:
-        """Whether triton is installed (the kvcx[gpu] extra)."""
-        return find_spec("triton") is not None
 
     def encode(self, codec, lay, x, out: Optional[Packed], name: str) -> Packed:
         torch = _torch()

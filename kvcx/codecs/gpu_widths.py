@@ -20,7 +20,6 @@ first used.
 """
 from __future__ import annotations
 
-from importlib.util import find_spec
 from typing import Optional
 
 import numpy as np
@@ -29,7 +28,7 @@ from kvcx.codecs import tensors
 from kvcx.codecs.backends import is_tensor, register_backend
 from kvcx.codecs.base import Packed, check_sinks_finite
 from kvcx.codecs.cpu import core as _core
-from kvcx.codecs.gpu import CODEC_WARPS, as_bits, device_input, device_output, torch_dtype
+from kvcx.codecs.gpu import CODEC_WARPS, TritonBackend, as_bits, device_input, device_output, torch_dtype
 from kvcx.codecs.gpu_attn import interpreting
 from kvcx.codecs.runtime import check_status
 from kvcx.codecs.tensors import triton_kernels
@@ -62,20 +61,8 @@ def _on_device(device, *arrays) -> tuple:
 
 
 @register_backend("kvcx.widths", "triton")
-class TritonWidthsBackend:
+class TritonWidthsBackend(TritonBackend):
     """:class:`~kvcx.codecs.widths.WidthCodec`'s encode and decode in Triton."""
-
-    name = "triton"
-
-    @staticmethod
-    def takes(codec) -> bool:
-        """Every widths setting (mean bits, group size, sinks) runs here."""
-        return True
-
-    @staticmethod
-    def available() -> bool:
-        """Whether triton is installed (the kvcx[gpu] extra)."""
-        return find_spec("triton") is not None
 
     def encode(self, codec, lay, x, out: Optional[Packed], name: str, weights: Optional[np.ndarray] = None) -> Packed:
         torch = _torch()

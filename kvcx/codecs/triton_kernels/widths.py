@@ -83,14 +83,9 @@ def w_channels_kernel(mn_ptr, mx_ptr, lo_ptr, hi_ptr, spread_ptr, N, G, last_row
 
 
 @triton.jit
-def w_encode_kernel(x_ptr, mn_ptr, mx_ptr, me_ptr, lo_ptr, hi_ptr, w_ptr, top_ptr, off_ptr, slab_off_ptr,
-                    gbytes_ptr, codes_ptr, stats_at, planes_at, S, t0, G, D: tl.constexpr, DP: tl.constexpr,
-                    GS: tl.constexpr):
-    """Group ``k = slab * G + group`` (one a program): its range bytes (D x 2 at ``stats_at + k * D * 2``) and its
-    block of bit planes (``planes_at + slab_off[slab] + group * gbytes[slab]``: channel d's ``w[d]`` planes of
-    ``GS / 8`` bytes at ``off[d]``, bit j of the codes of the group's tokens, token t in bit t % 8 of byte t / 8),
-    as ``kvcx_w_encode_tile``; lo / hi / w / top / off the slab's channel ranges (FP16 values as FP32), widths,
-    largest codes and plane offsets."""
+def _group(lo_ptr, hi_ptr, w_ptr, top_ptr, off_ptr, S, t0, G, D: tl.constexpr, DP: tl.constexpr, GS: tl.constexpr):
+    """This program's group ``k = slab * G + group``: (k, slab, group, its tokens, the channels 0..DP and which are
+    real, its slab's channel ranges lo / hi (FP16 values as FP32), largest codes, widths and plane offsets)."""
     k = tl.program_id(0).to(tl.int64)
     slab = k // G
     g = k % G
@@ -103,6 +98,19 @@ def w_encode_kernel(x_ptr, mn_ptr, mx_ptr, me_ptr, lo_ptr, hi_ptr, w_ptr, top_pt
     top = tl.load(top_ptr + ch, mask=dm, other=0.0)
     w = tl.load(w_ptr + ch, mask=dm, other=0).to(tl.int32)
     off = tl.load(off_ptr + ch, mask=dm, other=0)
+    return k, slab, g, rows, d, dm, lo, hi, top, w, off
+
+
+@triton.jit
+def w_encode_kernel(x_ptr, mn_ptr, mx_ptr, me_ptr, lo_ptr, hi_ptr, w_ptr, top_ptr, off_ptr, slab_off_ptr,
+                    gbytes_ptr, codes_ptr, stats_at, planes_at, S, t0, G, D: tl.constexpr, DP: tl.constexpr,
+                    GS: tl.constexpr):
+    """Group ``k = slab * G + group`` (one a program): its range bytes (D x 2 at ``stats_at + k * D * 2``) and its
+    block of bit planes (``planes_at + slab_off[slab] + group * gbytes[slab]``: channel d's ``w[d]`` planes of
+    ``GS / 8`` bytes at ``off[d]``, bit j of the codes of the group's tokens, token t in bit t % 8 of byte t / 8),
+    as ``kvcx_w_encode_tile``; lo / hi / w / top / off the slab's channel ranges (FP16 values as FP32), widths,
+    largest codes and plane offsets."""
+    k, slab, g, rows, d, dm, lo, hi, top, w, off = _group(lo_ptr, hi_ptr, w_ptr, top_ptr, off_ptr, S, t0, G, D, DP, GS)
     mean = tl.load(me_ptr + k * D + d, mask=dm, other=0.0)
     gmn = tl.where(top == 0.0, mean, tl.load(mn_ptr + k * D + d, mask=dm, other=0.0))
     gmx = tl.where(top == 0.0, mean, tl.load(mx_ptr + k * D + d, mask=dm, other=0.0))
@@ -152,18 +160,7 @@ def w_decode_kernel(codes_ptr, lo_ptr, hi_ptr, w_ptr, top_ptr, off_ptr, slab_off
     """Group ``k = slab * G + group`` (one a program) decoded into ``out`` seen as (slabs, out_S, D) at token
     ``out_off + t0 + group * GS`` of its slab, as ``kvcx_w_decode_tile`` (the launcher checked once that every
     range byte pair is in order, as the encoder writes them: a decode step reads nothing back)."""
-    k = tl.program_id(0).to(tl.int64)
-    slab = k // G
-    g = k % G
-    rows = tl.minimum(GS, S - t0 - g * GS)
-    d = tl.arange(0, DP)
-    dm = d < D
-    ch = slab * D + d
-    lo = tl.load(lo_ptr + ch, mask=dm, other=0.0)
-    hi = tl.load(hi_ptr + ch, mask=dm, other=0.0)
-    top = tl.load(top_ptr + ch, mask=dm, other=0.0)
-    w = tl.load(w_ptr + ch, mask=dm, other=0).to(tl.int32)
-    off = tl.load(off_ptr + ch, mask=dm, other=0)
+    k, slab, g, rows, d, dm, lo, hi, top, w, off = _group(lo_ptr, hi_ptr, w_ptr, top_ptr, off_ptr, S, t0, G, D, DP, GS)
     st = codes_ptr + stats_at + k * D * 2 + 2 * d
     sa = tl.load(st, mask=dm, other=0).to(tl.int32)
     sb = tl.load(st + 1, mask=dm, other=0).to(tl.int32)
