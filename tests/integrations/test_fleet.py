@@ -107,6 +107,10 @@ def test_a_cluster_shares_the_store_and_a_primary_killed_fails_over(cluster, tmp
     assert all(ls.resp(p, "DBSIZE") > 0 for p in primaries)        # the slots spread the chunks
     assert all(ls.resp(p, "DBSIZE") > 0 for p in replicas)         # and the replicas hold copies
     victim, heir = primaries[0], replicas[0]
+    # a second of steady state for the last engine to start too: its first round began before it said it serves,
+    # so each engine has rounds from before the kill's margin (an engine that had started 0.3 s before the kill,
+    # under load, once had none: an empty steady state)
+    time.sleep(1.0)
     killed = time.time()
     os.kill(cluster.procs[victim].pid, signal.SIGKILL)
     cluster.procs[victim].wait()
