@@ -65,6 +65,32 @@ def small_cache():
             "positions": np.arange(8, dtype=np.int64)}
 
 
+def bits_of(a):
+    """An array's bits as unsigned integers of its item size (values compared bit for bit: NaN, -0.0)."""
+    a = np.ascontiguousarray(a)
+    return a.view(np.uint8) if a.dtype.itemsize == 1 else a.view(f"u{a.dtype.itemsize}")
+
+
+def same_records_both_ways(cpu_codec, tri_codec, cpu, gpu, device):
+    """A codec's CPU record ``cpu`` and Triton record ``gpu`` of the same tensor: the same bytes (codes, scales or
+    ranges, sinks, config), and each backend decodes either record to the same bits. Returns the decoded values."""
+    from kvcx.codecs.gpu import to_device, to_host
+    from kvcx.codecs.tensors import torch_to_numpy
+
+    host = to_host(gpu)
+    assert host.shape == cpu.shape and host.dtype == cpu.dtype and host.config == cpu.config
+    assert np.array_equal(cpu.codes, host.codes), f"{np.count_nonzero(cpu.codes != host.codes)} record bytes differ"
+    assert np.array_equal(bits_of(cpu.scales), bits_of(host.scales))
+    assert (cpu.sinks is None) == (host.sinks is None)
+    if cpu.sinks is not None:
+        assert np.array_equal(bits_of(cpu.sinks), bits_of(host.sinks))
+    y = cpu_codec.decode(cpu)
+    assert np.array_equal(bits_of(y), bits_of(torch_to_numpy(tri_codec.decode(gpu))))
+    assert np.array_equal(bits_of(y), bits_of(torch_to_numpy(tri_codec.decode(to_device(cpu, device)))))
+    assert np.array_equal(bits_of(y), bits_of(cpu_codec.decode(host)))
+    return y
+
+
 def keys_like(shape, seed=0, dtype=np.float32):
     """Key-like data: every channel its own offset and spread (some nearly flat)."""
     rng = np.random.default_rng(seed)

@@ -14,7 +14,7 @@ a step runs the kernel once per segment (two in practice) and one merge kernel o
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, NamedTuple, Optional
 
 import torch
 
@@ -44,6 +44,14 @@ def runs_on_device(key: Codec, value: Codec, device: torch.device) -> bool:
     triton installed; :func:`kvcx.codecs.backends.backend_name`) and the fused attention reads their records there
     (:func:`kvcx.codecs.gpu_attn.reads`). Otherwise the store is the CPU one."""
     return all(backend_name(c, device.type) == BACKEND and gpu_attn.reads(c) for c in (key, value))
+
+
+def _on_backend(held: Dict[tuple, Codec], config: dict) -> Codec:
+    """The codec of ``config`` on the Triton backend, made once per config and kept in ``held``."""
+    k = tuple(sorted((n, repr(v)) for n, v in config.items()))
+    if k not in held:
+        held[k] = get_codec(config).with_backend(BACKEND)
+    return held[k]
 
 
 def attend_in_dtype(query: torch.Tensor, attend: Callable[[Optional[torch.Tensor]], torch.Tensor]) -> torch.Tensor:
@@ -181,10 +189,7 @@ class DevicePackedKV:
 
     def _codec(self, config: dict) -> Codec:
         """The codec of a chunk's config, without sinks, on the Triton backend (one object per config)."""
-        k = tuple(sorted((n, repr(v)) for n, v in config.items() if n != "sinks"))
-        if k not in self._codecs:
-            self._codecs[k] = get_codec({**config, "sinks": 0}).with_backend(BACKEND)
-        return self._codecs[k]
+        return _on_backend(self._codecs, {**config, "sinks": 0})
 
     def append(self, pk: Packed, pv: Packed) -> None:
         """Add the Triton encoder's records of a chunk [B, H, S, D] (only the first may hold sinks)."""
@@ -303,6 +308,14 @@ class DevicePackedKV:
 
 
 
+class _Chunk(NamedTuple):
+    """A chunk's records as the encoder wrote them and their decoders (:meth:`Codec.decoder`)."""
+    key: Packed
+    value: Packed
+    decode_key: Callable
+    decode_value: Callable
+
+
 class DeviceChunkKV:
     """One layer's packed keys and values on the device as the Triton encoder wrote them, chunk by chunk, for codecs
     that run on the device but that the fused attention does not read (:func:`decodes_on_device`): each step decodes
@@ -312,7 +325,7 @@ class DeviceChunkKV:
     def __init__(self, B: int, H: int, key_codec: Codec, value_codec: Codec, device):
         self.B, self.H, self.device = B, H, device
         self._describe = f"{key_codec.describe()} / {value_codec.describe()}"
-        self._chunks: List[tuple] = []     # (keys' record, values' record, their decoders) as encoded
+        self._chunks: List[_Chunk] = []
         self._codecs: Dict[tuple, Codec] = {}
 
     def __len__(self) -> int:
@@ -321,18 +334,15 @@ class DeviceChunkKV:
     @property
     def tokens(self) -> int:
         """Tokens held (sinks included)."""
-        return sum(int(pk.shape[-2]) for pk, _, _, _ in self._chunks)
+        return sum(int(c.key.shape[-2]) for c in self._chunks)
 
     def chunk_tokens(self, i: int) -> int:
         """Tokens of chunk i (sinks included)."""
-        return int(self._chunks[i][0].shape[-2])
+        return int(self._chunks[i].key.shape[-2])
 
     def _codec(self, config: dict) -> Codec:
         """The codec of a record's config on the Triton backend (one object per config)."""
-        k = tuple(sorted((n, repr(v)) for n, v in config.items()))
-        if k not in self._codecs:
-            self._codecs[k] = get_codec(config).with_backend(BACKEND)
-        return self._codecs[k]
+        return _on_backend(self._codecs, config)
 
     def append(self, pk: Packed, pv: Packed) -> None:
         """Add the Triton encoder's records of a chunk [B, H, S, D] (only the first may hold sinks)."""
@@ -342,15 +352,15 @@ class DeviceChunkKV:
         if self._chunks and (pk.config.get("sinks") or pv.config.get("sinks")):
             raise CodecError("only the first packed chunk may hold exact sink tokens")
         # each record checked once here; a step's decode launches its kernels and reads nothing back
-        self._chunks.append((pk, pv, self._codec(pk.config).decoder(pk, "key"),
-                             self._codec(pv.config).decoder(pv, "value")))
+        self._chunks.append(_Chunk(pk, pv, self._codec(pk.config).decoder(pk, "key"),
+                                   self._codec(pv.config).decoder(pv, "value")))
 
     def drop_chunks(self, k: int) -> int:
         """Drop the first ``k`` chunks (a sliding window has left them; none may hold sinks). Returns the tokens
         dropped."""
         if k <= 0:
             return 0
-        if k > len(self._chunks) or any(p.config.get("sinks") for p in self._chunks[0][:2]):
+        if k > len(self._chunks) or any(p.config.get("sinks") for p in (self._chunks[0].key, self._chunks[0].value)):
             raise CodecError(f"cannot drop {k} of {len(self._chunks)} packed chunks (a store with exact sink tokens "
                              "keeps them all)")
         gone = sum(self.chunk_tokens(i) for i in range(k))
@@ -366,12 +376,13 @@ class DeviceChunkKV:
         """Decode every held token of ``kind`` ("key" / "value") into ``out`` [B, H, >= tokens, D] (a contiguous
         float tensor on the store's device; the records decode to its dtype) from token 0; returns the tokens
         written."""
-        if gpu.dtype_name_of(out) is None:
+        dtype = gpu.dtype_name_of(out)
+        if dtype is None:
             raise CodecError(f"decoding the store's {kind}s: out must be a float16, bfloat16 or float32 tensor, got "
                              f"{out.dtype}")
-        off, which, dtype = 0, 0 if kind == "key" else 1, gpu.dtype_name_of(out)
+        off = 0
         for chunk in self._chunks:
-            record, run = chunk[which], chunk[2 + which]
+            record, run = (chunk.key, chunk.decode_key) if kind == "key" else (chunk.value, chunk.decode_value)
             if record.dtype == dtype:
                 run(out, off)
             else:   # a record decodes to its own dtype: seen as the out's (a reference in FP32), checked again
@@ -383,5 +394,5 @@ class DeviceChunkKV:
     @property
     def nbytes(self) -> int:
         """Every tensor held: the records' codes, ranges or scales, zero points and sinks."""
-        return int(sum(a.numel() * a.element_size() for pk, pv, _, _ in self._chunks for p in (pk, pv)
+        return int(sum(a.numel() * a.element_size() for c in self._chunks for p in (c.key, c.value)
                        for a in (p.codes, p.scales, p.zeros, p.sinks) if a is not None))

@@ -212,7 +212,7 @@ def test_kvcx2v_and_kvcx4w_keep_their_records_on_the_device(tiny, scheme):
                                                                   "full_precision": 2}
     for lc, ld in zip(cpu.layers, dev.layers):
         assert isinstance(ld.store, DeviceChunkKV) and ld.store.tokens == lc.store.tokens == 128
-        assert all(p.codes.device.type == DEVICE for chunk in ld.store._chunks for p in chunk[:2])
+        assert all(p.codes.device.type == DEVICE for chunk in ld.store._chunks for p in (chunk.key, chunk.value))
         assert "decodes its packed context there" in ld.fused_unsupported
         assert abs(ld.store.nbytes - lc.store.nbytes) <= 0.01 * lc.store.nbytes   # the host store pads its planes
     assert rep["packed_bytes"] == sum(layer.store.nbytes for layer in dev.layers)

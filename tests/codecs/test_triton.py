@@ -16,7 +16,7 @@ from kvcx.codecs.tensors import numpy_to_torch, torch_to_numpy
 from kvcx.codecs.triton_kernels.attention import _codes16
 from kvcx.errors import CodecError
 
-from helpers import keys_like, random_array
+from helpers import bits_of, keys_like, random_array
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SETTINGS = [
@@ -34,21 +34,16 @@ SHAPES = [(2, 3, 37, 64), (1, 2, 100, 32), (3, 130, 64), (1, 1, 1, 64)]
 DTYPES = [np.float32, np.float16, "bfloat16"]
 
 
-def _bits(a):
-    a = np.ascontiguousarray(a)
-    return a.view(np.uint8) if a.dtype.itemsize == 1 else a.view(f"u{a.dtype.itemsize}")
-
-
 def _same_record(cpu, gpu):
     host = to_host(gpu)
     assert host.shape == cpu.shape and host.dtype == cpu.dtype and host.config == cpu.config
     assert np.array_equal(cpu.codes, host.codes)
-    assert np.array_equal(_bits(cpu.scales), _bits(host.scales))
+    assert np.array_equal(bits_of(cpu.scales), bits_of(host.scales))
     assert (cpu.zeros is None) == (host.zeros is None)
     if cpu.zeros is not None:
-        assert np.array_equal(_bits(cpu.zeros), _bits(host.zeros))
+        assert np.array_equal(bits_of(cpu.zeros), bits_of(host.zeros))
     if cpu.sinks is not None:
-        assert np.array_equal(_bits(cpu.sinks), _bits(host.sinks))
+        assert np.array_equal(bits_of(cpu.sinks), bits_of(host.sinks))
 
 
 def _check(settings, x):
@@ -59,9 +54,9 @@ def _check(settings, x):
     gpu = tri_codec.encode(_as_tensor(x))
     _same_record(cpu, gpu)
     y = cpu_codec.decode(cpu)
-    assert np.array_equal(_bits(y), _bits(torch_to_numpy(tri_codec.decode(gpu))))
-    assert np.array_equal(_bits(y), _bits(torch_to_numpy(tri_codec.decode(to_device(cpu, DEVICE)))))
-    assert np.array_equal(_bits(y), _bits(cpu_codec.decode(to_host(gpu))))
+    assert np.array_equal(bits_of(y), bits_of(torch_to_numpy(tri_codec.decode(gpu))))
+    assert np.array_equal(bits_of(y), bits_of(torch_to_numpy(tri_codec.decode(to_device(cpu, DEVICE)))))
+    assert np.array_equal(bits_of(y), bits_of(cpu_codec.decode(to_host(gpu))))
 
 
 def _as_tensor(x):
@@ -553,7 +548,7 @@ def test_fp16_products_where_the_keys_scales_fold_into_the_query(key_axis, D, do
                                              asm=True)["ASM"]
 
 
-def test_fp16_codes_are_exact_and_the_ptx_gives_the_same_bits():
+def test_fp16_codes_are_exact_and_the_ptx_gives_the_samebits_of():
     """Every byte's two nibbles become their centred codes (-8..7) exactly in FP16 by the magic-number conversion:
     the element-wise Triton form (what the interpreter runs) against NumPy, and on a GPU the PTX form (a byte
     permute, lop3 and FP16x2 arithmetic on four bytes at a time) against the element-wise one, bit for bit."""

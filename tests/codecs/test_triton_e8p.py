@@ -11,18 +11,13 @@ import torch
 
 from kvcx.cache.device_store import runs_on_device
 from kvcx.codecs import E8PCodec, IntCodec, KVConfig, gpu_attn
-from kvcx.codecs.gpu import to_device, to_host
-from kvcx.codecs.tensors import numpy_to_torch, torch_to_numpy
+from kvcx.codecs.gpu import to_host
+from kvcx.codecs.tensors import numpy_to_torch
 from kvcx.errors import CodecError, KvcxError
 
-from helpers import keys_like, random_array
+from helpers import keys_like, random_array, same_records_both_ways
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _bits(a):
-    a = np.ascontiguousarray(a)
-    return a.view(f"u{a.dtype.itemsize}")
 
 
 def _check(x, sinks=0):
@@ -31,17 +26,7 @@ def _check(x, sinks=0):
     cpu_codec, tri_codec = E8PCodec(sinks=sinks), E8PCodec(sinks=sinks, backend="triton")
     cpu = cpu_codec.encode(x)
     gpu = tri_codec.encode(numpy_to_torch(x, DEVICE))
-    host = to_host(gpu)
-    assert host.shape == cpu.shape and host.dtype == cpu.dtype and host.config == cpu.config
-    assert np.array_equal(cpu.codes, host.codes), f"{np.count_nonzero(cpu.codes != host.codes)} record bytes differ"
-    assert (cpu.sinks is None) == (host.sinks is None)
-    if cpu.sinks is not None:
-        assert np.array_equal(_bits(cpu.sinks), _bits(host.sinks))
-    y = cpu_codec.decode(cpu)
-    assert np.array_equal(_bits(y), _bits(torch_to_numpy(tri_codec.decode(gpu))))
-    assert np.array_equal(_bits(y), _bits(torch_to_numpy(tri_codec.decode(to_device(cpu, DEVICE)))))
-    assert np.array_equal(_bits(y), _bits(cpu_codec.decode(host)))
-    return y
+    return same_records_both_ways(cpu_codec, tri_codec, cpu, gpu, DEVICE)
 
 
 # odd lengths, every head dim from 8 to 256, sinks more than tokens, one token

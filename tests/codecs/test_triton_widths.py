@@ -11,18 +11,13 @@ import pytest
 import torch
 
 from kvcx.codecs import KVConfig, Packed, WidthCodec
-from kvcx.codecs.gpu import to_device, to_host
+from kvcx.codecs.gpu import to_host
 from kvcx.codecs.tensors import numpy_to_torch, torch_to_numpy
 from kvcx.errors import CodecError
 
-from helpers import keys_like, random_array
+from helpers import keys_like, random_array, same_records_both_ways
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _bits(a):
-    a = np.ascontiguousarray(a)
-    return a.view(f"u{a.dtype.itemsize}")
 
 
 def _check(x, weights=None, **settings):
@@ -33,18 +28,8 @@ def _check(x, weights=None, **settings):
     cpu = cpu_codec.encode(x, weights=weights)
     gpu = tri_codec.encode(numpy_to_torch(x, DEVICE), weights=weights)
     assert gpu.codes.device.type == DEVICE and gpu.scales.device.type == DEVICE
-    host = to_host(gpu)
-    assert host.shape == cpu.shape and host.dtype == cpu.dtype and host.config == cpu.config
-    assert host.meta == cpu.meta
-    assert np.array_equal(cpu.codes, host.codes), f"{np.count_nonzero(cpu.codes != host.codes)} record bytes differ"
-    assert np.array_equal(_bits(cpu.scales), _bits(host.scales))
-    assert (cpu.sinks is None) == (host.sinks is None)
-    if cpu.sinks is not None:
-        assert np.array_equal(_bits(cpu.sinks), _bits(host.sinks))
-    y = cpu_codec.decode(cpu)
-    assert np.array_equal(_bits(y), _bits(torch_to_numpy(tri_codec.decode(gpu))))
-    assert np.array_equal(_bits(y), _bits(torch_to_numpy(tri_codec.decode(to_device(cpu, DEVICE)))))
-    assert np.array_equal(_bits(y), _bits(cpu_codec.decode(host)))
+    assert to_host(gpu).meta == cpu.meta
+    same_records_both_ways(cpu_codec, tri_codec, cpu, gpu, DEVICE)
     return cpu
 
 
