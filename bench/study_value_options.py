@@ -50,15 +50,19 @@ def _values_of(layers, codec):
 
 def joint_roundtrip(plan, upgraded: dict):
     """The plan's round trip with the values of ``upgraded`` layers ({layer: codec}) through their own codec."""
+    from kvcx.codecs import KVConfig
     from kvcx.codecs.kvconfig import is_key_tensor, layer_of
     from kvcx.quality.bridge import roundtrip_tensors
 
+    own = {L: KVConfig(key=c, value=c, scheme="study") for L, c in upgraded.items()}
+
     def rt(tensors):
-        rest = {n: a for n, a in tensors.items() if is_key_tensor(n) or layer_of(n) not in upgraded}
-        decoded, nbytes, stats = roundtrip_tensors(rest, plan)
-        for L, codec in upgraded.items():
-            d, nb, st = _values_of({L}, codec)({n: a for n, a in tensors.items()
-                                                 if layer_of(n) == L and not is_key_tensor(n)})
+        parts = {}   # None: the plan's; L: that layer's values, through its own codec
+        for n, a in tensors.items():
+            parts.setdefault(None if is_key_tensor(n) or layer_of(n) not in own else layer_of(n), {})[n] = a
+        decoded, nbytes, stats = roundtrip_tensors(parts.pop(None, {}), plan)
+        for L, part in parts.items():
+            d, nb, st = roundtrip_tensors(part, own[L])
             decoded.update(d)
             nbytes += nb
             stats += st
@@ -76,7 +80,7 @@ def main(argv=None):
 
     import torch
 
-    from kvcx.api import load_plan
+    from kvcx.api import load_plan, read_plan
     from kvcx.quality.calibrate import DEFAULT_OFFSET, DEFAULT_WINDOWS
     from kvcx.quality.models import load_dataset_text, load_model_and_tokenizer, resolve_model
     from kvcx.quality.scoring import compare_prefix, window_starts
@@ -101,7 +105,7 @@ def main(argv=None):
     keys = {n.split(".", 1)[1]: c for n, c in shipped.variants if n.startswith("key.")}
     tags = sorted(keys, key=lambda t: keys[t].bits)
     vtags = list(codecs)
-    budget = json.loads((Path(__file__).resolve().parents[1] / "kvcx/plans" / f"{SHIPPED}.json").read_text())["budget"]
+    budget = read_plan(SHIPPED)["budget"]
     cap = int(round(budget * 2 * n_layers * UNITS))
     kch = [[(int(round(keys[t].bits_per_value() * UNITS)), ksens[(L, t)]) for t in tags] for L in range(n_layers)]
     vch = [[(int(round(codecs[t].bits_per_value() * UNITS)), vsens[(t, L)]) for t in vtags] for L in range(n_layers)]
@@ -142,4 +146,9 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    from kvcx.errors import KvcxError
+
+    try:
+        main()
+    except KvcxError as exc:   # a missing text or plan file: one line, not a traceback
+        raise SystemExit(f"study_value_options: {exc}") from None
