@@ -20,6 +20,7 @@ import numpy as np
 from kvcx.codecs.dtypes import dtype_name
 from kvcx.codecs.kvconfig import DEFAULT_SCHEME, SCHEME_NAMES, KVConfig, layer_of, tensor_kind
 from kvcx.codecs.plan_record import check_plan_record
+from kvcx.codecs.rope import MODEL
 from kvcx.codecs.metrics import (  # noqa: F401
     COSINE_THRESHOLD,
     RMSE_THRESHOLD,
@@ -120,7 +121,7 @@ def open_plain(input_path) -> st.SafeFile:
 
 def measure(tensors, chosen: Dict[str, Choice], n_threads: Optional[int] = None) -> Dict[str, ErrorStats]:
     """Each compressed tensor's :class:`ErrorStats`: the original against the decode of what was chosen."""
-    return {name: error_stats(tensors[name], c.codec.decode(c.packed, name=name), name=name, n_threads=n_threads)
+    return {name: error_stats(tensors[name], c.decoded(name), name=name, n_threads=n_threads)
             for name, c in chosen.items()}
 
 
@@ -309,13 +310,14 @@ def load_plan(plan, n_threads: Optional[int] = None):
 
 def validation_settings(scheme: str, plan=None, gate: Optional[str] = None, group_size: Optional[int] = None,
                         bits: Optional[int] = None, sinks: Optional[int] = None, rotate: Optional[bool] = None,
-                        n_threads: Optional[int] = None, peers: Optional[dict] = None):
+                        n_threads: Optional[int] = None, peers: Optional[dict] = None, keys_before_rope: bool = False):
     """The settings ``kvcx validate`` compares, label -> KVConfig, and the labels that gate its verdict.
 
     ``scheme``: one scheme or several, comma-separated (``"kvcx,q4_0-rot,fp8_e4m3"``); a ``plan`` replaces a
     single scheme and joins a list of them (labelled by the plan's name or path). ``gate``: comma-separated
     labels that must pass (default: all). ``peers``: settings by name that are not kvcx's (another library's
-    quantizer, built by the caller), taken as they are."""
+    quantizer, built by the caller), taken as they are. ``keys_before_rope``: kvcx's settings code their keys in the
+    frame before the model's RoPE (``key_rope="model"``, :mod:`kvcx.codecs.rope`)."""
     labels = [x.strip() for x in str(scheme).split(",") if x.strip()]
     if not labels or len(set(labels)) != len(labels):
         raise CodecError(f"scheme={scheme!r}: name each setting once, comma-separated (e.g. kvcx,q4_0,fp8_e4m3)")
@@ -346,6 +348,12 @@ def validation_settings(scheme: str, plan=None, gate: Optional[str] = None, grou
                for x, (press, c) in split.items()}
     if plan is not None:
         configs[str(plan)] = load_plan(plan, n_threads=n_threads)
+    if keys_before_rope:
+        other = [x for x, c in configs.items() if not isinstance(c, KVConfig)]
+        if other:
+            raise CodecError(f"--keys-before-rope codes kvcx's own keys before RoPE; {other[0]!r} is another "
+                             "library's setting or a press: validate it without the option")
+        configs = {x: c if c.key_rope is not None else c.with_key_rope(MODEL) for x, c in configs.items()}
     gated = [x.strip() for x in gate.split(",") if x.strip()] if gate is not None else list(configs)
     unknown = [g for g in gated if g not in configs]
     if unknown or not gated:

@@ -47,15 +47,16 @@ def check_roundtrip(codec, x):
     return p, y
 
 
-def tinyllama_cache(seq=128, dtype=np.float16, seed=0, outlier=1.0):
-    """22 layers x K, V [1, 4, seq, 64]; `outlier` scales two key channels (real keys have such channels)."""
+def tinyllama_cache(seq=128, dtype=np.float16, seed=0, outlier=1.0, layers=22, heads=4):
+    """`layers` x K, V [1, heads, seq, 64] (TinyLlama's 22 x 4 by default, SmolLM2's 30 x 3 for its plans);
+    `outlier` scales two key channels (real keys have such channels)."""
     rng = np.random.default_rng(seed)
     t = {}
-    for i in range(22):
-        k = rng.standard_normal((1, 4, seq, 64)).astype(np.float32)
+    for i in range(layers):
+        k = rng.standard_normal((1, heads, seq, 64)).astype(np.float32)
         k[..., [3, 17]] *= outlier
         t[f"layer_{i}_key"] = (0.5 * k).astype(dtype)
-        t[f"layer_{i}_value"] = (0.5 * rng.standard_normal((1, 4, seq, 64))).astype(dtype)
+        t[f"layer_{i}_value"] = (0.5 * rng.standard_normal((1, heads, seq, 64))).astype(dtype)
     return t
 
 

@@ -118,6 +118,10 @@ class KvcxCache(Cache):
                                                n_threads=n_threads)
         if kv_config is not None and n_threads is not None:  # n_threads applies to a ready config too
             kv = kv.with_threads(n_threads)
+        if kv.key_rope is not None:
+            raise KvcxError(f"kv_config {kv.scheme!r} codes keys before RoPE (key_rope), which KvcxCache's fused kernels "
+                            "do not read yet (they take keys after RoPE): use the config without key_rope "
+                            "(config.with_key_rope(None)); the gate and packed files take it")
         specs = layer_specs(config)
         if guard_layers:
             kv = guarded_config(kv, guard_layers, [s.index for s in specs if s.packed])

@@ -24,9 +24,10 @@ from kvcx.codecs.base import Codec, Layout, Packed, decode, get_codec, register_
 from kvcx.codecs.intcodec import IntCodec
 from kvcx.codecs.kvconfig import KVConfig
 from kvcx.codecs.lattice import E8PCodec
+from kvcx.codecs.rope import KeyRope
 from kvcx.codecs import gpu_lattice  # noqa: F401,E402  - E8P's Triton backend
 from kvcx.codecs.widths import WidthCodec
 from kvcx.codecs import gpu_widths  # noqa: F401,E402  - the widths codec's Triton backend
 
-__all__ = ["Codec", "Layout", "Packed", "IntCodec", "WidthCodec", "E8PCodec", "KVConfig", "decode", "get_codec",
-           "register_codec", "registered_codecs"]
+__all__ = ["Codec", "Layout", "Packed", "IntCodec", "WidthCodec", "E8PCodec", "KVConfig", "KeyRope", "decode",
+           "get_codec", "register_codec", "registered_codecs"]

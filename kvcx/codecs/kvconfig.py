@@ -44,6 +44,7 @@ grouped per token, without rotation or sinks. The packed file records which code
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from typing import Optional, Tuple
@@ -55,6 +56,7 @@ from kvcx.codecs.base import Codec, get_codec
 from kvcx.codecs.dtypes import is_int
 from kvcx.codecs.intcodec import BITS, IntCodec
 from kvcx.codecs.plan_record import MAX_LAYERS, TAG_RE
+from kvcx.codecs.rope import MODEL, check_key_rope
 from kvcx.codecs.widths import WidthCodec
 from kvcx.errors import CodecError
 
@@ -282,6 +284,8 @@ class KVConfig:
     #                          weigh a key channel's error (``kvcx calibrate --key-weights``); WidthCodec keys only
     keep_layers: tuple = ()  # layers whose keys and values stay exact (an engine's layers in the model's dtype:
     #                          vLLM's TurboQuant keeps a dense model's first and last two, see engine_layers)
+    key_rope: object = None  # keys coded before RoPE (kvcx.codecs.rope): None (as the model hands them), "model"
+    #                          (the model's own frequencies, filled in where it loads) or a KeyRope
 
     def __post_init__(self):
         object.__setattr__(self, "layer_bits", _check_layer_bits(self.layer_bits))
@@ -290,6 +294,7 @@ class KVConfig:
             raise CodecError(f"keep_layers must be a list of layer indices in [0, {MAX_LAYERS}), got {kept!r}")
         object.__setattr__(self, "keep_layers", tuple(sorted({int(L) for L in kept})))
         object.__setattr__(self, "key_weights", _check_key_weights(self.key_weights))
+        object.__setattr__(self, "key_rope", check_key_rope(self.key_rope))
         if self.key_weights and not self.key.takes_weights:
             raise CodecError("key_weights choose per-channel widths; they need a widths key codec "
                              "(--scheme kvcx2w), not " + repr(self.key))
@@ -352,7 +357,7 @@ class KVConfig:
     def base(self) -> "KVConfig":
         """This config without its per-layer selections (its variants kept)."""
         return KVConfig(key=self.key, value=self.value, scheme=self.scheme, variants=self.variants,
-                        keep_layers=self.keep_layers)
+                        keep_layers=self.keep_layers, key_rope=self.key_rope)
 
     def engine_layers(self, n_layers: int, hybrid: bool) -> "KVConfig":
         """This config as its engine runs it on a model of ``n_layers`` layers (``hybrid``: with linear-attention
@@ -362,7 +367,8 @@ class KVConfig:
         if self.scheme not in _turboquant.PRESETS or self.keep_layers:
             return self
         kept = () if hybrid else _turboquant.boundary_layers(n_layers)
-        return KVConfig(key=self.key, value=self.value, scheme=self.scheme, keep_layers=kept) if kept else self
+        return KVConfig(key=self.key, value=self.value, scheme=self.scheme, keep_layers=kept,
+                        key_rope=self.key_rope) if kept else self
 
     @classmethod
     def from_scheme(cls, scheme: str = DEFAULT_SCHEME, group_size: Optional[int] = None, bits: Optional[int] = None,
@@ -432,10 +438,11 @@ class KVConfig:
         if not isinstance(config, dict) or not {"key", "value"} <= set(config):
             raise CodecError("a kvcx config must be an object with 'key' and 'value' codecs "
                              "(and optionally 'scheme' and 'layer_bits'), as `kvcx calibrate` writes")
-        unknown = set(config) - {"scheme", "key", "value", "layer_bits", "variants", "key_weights", "keep_layers"}
+        unknown = set(config) - {"scheme", "key", "value", "layer_bits", "variants", "key_weights", "keep_layers",
+                                 "key_rope"}
         if unknown:
             raise CodecError(f"unknown kvcx config fields {sorted(unknown)}; known: scheme, key, value, layer_bits, "
-                             "variants, key_weights, keep_layers")
+                             "variants, key_weights, keep_layers, key_rope")
         for k in ("key", "value"):
             if not isinstance(config[k], dict):
                 raise CodecError(f"a kvcx config's {k} codec must be an object, got {config[k]!r}")
@@ -450,7 +457,7 @@ class KVConfig:
         variants = {k: get_codec(v, n_threads) if isinstance(v, dict) else v for k, v in variants.items()}
         return cls(key=codecs[0], value=codecs[1], scheme=scheme, layer_bits=config.get("layer_bits", ()),
                    variants=variants, key_weights=config.get("key_weights", ()),
-                   keep_layers=config.get("keep_layers", ()))
+                   keep_layers=config.get("keep_layers", ()), key_rope=config.get("key_rope"))
 
     def guarded(self, layers, bits: int = GUARD_BITS) -> "KVConfig":
         """This config (a scheme's, no per-layer widths; keys of integer codes or of a width per channel) with
@@ -476,29 +483,30 @@ class KVConfig:
         variants = tuple(v for v in self.variants if v[0] != f"key.{tag}") + ((f"key.{tag}", codec),)
         return KVConfig(key=self.key, value=self.value, scheme=self.scheme, variants=variants,
                         layer_bits=tuple((int(L), tag, self.value.bits) for L in sorted(layers)),
-                        key_weights=self.key_weights, keep_layers=self.keep_layers)
+                        key_weights=self.key_weights, keep_layers=self.keep_layers, key_rope=self.key_rope)
 
     def with_threads(self, n_threads: Optional[int]) -> "KVConfig":
         return KVConfig(key=self.key.with_threads(n_threads), value=self.value.with_threads(n_threads),
                         scheme=self.scheme, layer_bits=self.layer_bits,
                         variants=tuple((n, c.with_threads(n_threads)) for n, c in self.variants),
-                        key_weights=self.key_weights, keep_layers=self.keep_layers)
+                        key_weights=self.key_weights, keep_layers=self.keep_layers, key_rope=self.key_rope)
 
     def with_backend(self, backend: Optional[str]) -> "KVConfig":
         """This config with its codecs working torch tensors on ``backend`` (see kvcx.codecs.backends)."""
         return KVConfig(key=self.key.with_backend(backend), value=self.value.with_backend(backend),
                         scheme=self.scheme, layer_bits=self.layer_bits,
                         variants=tuple((n, c.with_backend(backend)) for n, c in self.variants),
-                        key_weights=self.key_weights, keep_layers=self.keep_layers)
+                        key_weights=self.key_weights, keep_layers=self.keep_layers, key_rope=self.key_rope)
 
     def for_layer(self, layer: Optional[int]) -> "KVConfig":
         """This config with the key and value bits of ``layer`` (no per-layer widths left)."""
         for L, kb, vb in self.layer_bits:
             if L == layer:
-                return KVConfig(key=self.codec_at("key", kb), value=self.codec_at("value", vb), scheme=self.scheme)
+                return KVConfig(key=self.codec_at("key", kb), value=self.codec_at("value", vb), scheme=self.scheme,
+                                key_rope=self.key_rope)
         if not self.layer_bits:
             return self
-        return KVConfig(key=self.key, value=self.value, scheme=self.scheme)
+        return KVConfig(key=self.key, value=self.value, scheme=self.scheme, key_rope=self.key_rope)
 
     def bits_per_value(self, layers) -> float:
         """Nominal bits per value over ``layers`` (a count: layers 0..n-1; or the layer indices, a hybrid model's
@@ -556,6 +564,8 @@ class KVConfig:
             cfg["key_weights"] = {str(L): [list(r) for r in w] for L, w in self.key_weights}
         if self.keep_layers:
             cfg["keep_layers"] = list(self.keep_layers)
+        if self.key_rope is not None:
+            cfg["key_rope"] = self.key_rope if self.key_rope == MODEL else self.key_rope.get_config()
         return cfg
 
     def describe(self) -> str:
@@ -569,7 +579,13 @@ class KVConfig:
                 text += " (" + ", ".join(f"{n} = {one(c)}" for n, c in sorted(used.items())) + ")"
         if self.keep_layers:
             text += "; layers " + ", ".join(map(str, self.keep_layers)) + " kept exact"
+        if self.key_rope is not None:
+            text += "; keys coded before RoPE"
         return text
+
+    def with_key_rope(self, key_rope) -> "KVConfig":
+        """This config with its keys coded in ``key_rope``'s frame (None: as the model hands them)."""
+        return dataclasses.replace(self, key_rope=key_rope)
 
 
 def _with_bits(codec: IntCodec, bits: int) -> IntCodec:

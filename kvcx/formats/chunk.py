@@ -137,6 +137,10 @@ class ChunkCodec:
             raise CodecError(f"plane_layout must be a single-plane chunk layout (kvcx.formats.layouts), "
                              f"got {plane_layout!r}")
         self.config = config or KVConfig.from_scheme()
+        if self.config.key_rope is not None:
+            raise CodecError("a KV chunk's keys are the engine's, after RoPE, at positions the chunk does not record; "
+                             "keys coded before RoPE (key_rope) are for packed files and the gate: use the config "
+                             "without key_rope")
         if self.config.layer_bits:
             raise CodecError("a KV chunk holds every layer in one code stream with one width for keys and one for "
                              "values; per-layer widths (a --plan / layer_bits) are not supported here: use a scheme")

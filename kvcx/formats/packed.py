@@ -25,6 +25,7 @@ import numpy as np
 
 from kvcx.codecs.base import Codec, Packed, decode, get_codec
 from kvcx.codecs.dtypes import dtype_name, is_int, numpy_dtype
+from kvcx.codecs.rope import KeyRope
 from kvcx.errors import CodecError, FormatError
 from kvcx.formats.jsonio import check_text, loads_strict
 
@@ -34,12 +35,14 @@ FORMAT_VERSION = "2"
 # a file is written as version 2, or as the higher version one of its codecs needs (Codec.format_version):
 # 3 with the per-channel widths codec (kvcx.widths, docs/FORMAT.md 2.4), 4 with an engine format's codec
 # (llama.cpp, vllm.fp8: docs/FORMAT.md 2.5), 5 with an FP4 codec (fp4: docs/FORMAT.md 2.6), 6 with vLLM's TurboQuant
-# records (vllm.turboquant: docs/FORMAT.md 2.7), 7 with E8P lattice records (kvcx.e8p: docs/FORMAT.md 2.8)
-READABLE_VERSIONS = ("1", "2", "3", "4", "5", "6", "7")
+# records (vllm.turboquant: docs/FORMAT.md 2.7), 7 with E8P lattice records (kvcx.e8p: docs/FORMAT.md 2.8), 8 with
+# keys coded before RoPE (kvcx.key_rope: docs/FORMAT.md 2.9; a reader that does not turn them back must refuse them)
+READABLE_VERSIONS = ("1", "2", "3", "4", "5", "6", "7", "8")
+KEY_ROPE_VERSION = "8"
 SUFFIXES = (".kvcx.codes", ".kvcx.scales", ".kvcx.zeros", ".kvcx.sinks")
 PARTS = ("codes", "scales", "zeros", "sinks")
 _KNOWN_KEYS = {FORMAT_KEY, "kvcx.format_version", "kvcx.config", "kvcx.codecs", "kvcx.tensors",
-               "kvcx.passthrough", "kvcx.source_metadata", "kvcx.sidecar", "kvcx.crc32"}
+               "kvcx.passthrough", "kvcx.source_metadata", "kvcx.sidecar", "kvcx.crc32", "kvcx.key_rope"}
 _LZ4_MAGIC = b"\x04\x22\x4d\x18"
 
 
@@ -119,6 +122,12 @@ class Choice(NamedTuple):
     kind: str
     codec: Codec
     packed: Packed
+    frame: Optional[KeyRope] = None   # keys coded before RoPE: the frame they are turned back from
+
+    def decoded(self, name: str = "tensor") -> np.ndarray:
+        """The tensor as a reader of the file restores it (keys coded before RoPE turned back)."""
+        y = self.codec.decode(self.packed, name=name)
+        return y if self.frame is None else self.frame.from_frame(y, name)
 
 
 class Compressed(NamedTuple):
@@ -144,6 +153,12 @@ def compress_tensors(tensors: Dict[str, np.ndarray], config, sparsity: float = 0
     info: Dict[str, dict] = {}
     chosen: Dict[str, Choice] = {}
     passthrough = []
+    rope = getattr(config, "key_rope", None)
+    if rope is not None and not isinstance(rope, KeyRope):
+        raise CodecError("this config codes keys before RoPE with the model's own frequencies (key_rope='model'), "
+                         "which only a loaded model knows: give it the model's KeyRope "
+                         "(config.with_key_rope(kvcx.codecs.rope.model_key_rope(model))) before writing a file")
+    turned = []
     for name in tensors:
         if name.endswith(SUFFIXES):
             raise FormatError(f"tensor name {name!r} ends with a kvcx-reserved suffix; rename it")
@@ -157,8 +172,11 @@ def compress_tensors(tensors: Dict[str, np.ndarray], config, sparsity: float = 0
                 progress(name)
             continue
         src = sparsify(arr, sparsity, name).astype(arr.dtype) if sparsity else arr
+        if rope is not None and kind.split(".")[0] == "key":   # the keys' codec: coded before RoPE (FORMAT.md 2.9)
+            src = rope.to_frame(src, name)
+            turned.append(name)
         packed = codec.encode(src, name=name, weights=config.weights_for(name))
-        chosen[name] = Choice(kind, codec, packed)
+        chosen[name] = Choice(kind, codec, packed, rope if turned and turned[-1] == name else None)
         out[f"{name}.kvcx.codes"] = lz4_compress(packed.codes) if lz4 else packed.codes
         out[f"{name}.kvcx.scales"] = packed.scales
         if packed.zeros is not None:
@@ -171,12 +189,15 @@ def compress_tensors(tensors: Dict[str, np.ndarray], config, sparsity: float = 0
     codecs = config.codecs()
     meta = {
         FORMAT_KEY: FORMAT_NAME,
-        "kvcx.format_version": max([FORMAT_VERSION] + [c.format_version for c in codecs.values()], key=int),
+        "kvcx.format_version": max([FORMAT_VERSION] + [c.format_version for c in codecs.values()]
+                                   + ([KEY_ROPE_VERSION] if turned else []), key=int),
         "kvcx.config": _dumps({"scheme": config.scheme, "sparsity": float(sparsity), "lz4": bool(lz4)}),
         "kvcx.codecs": _dumps({k: c.get_config() for k, c in codecs.items()}),
         "kvcx.tensors": _dumps(info),
         "kvcx.passthrough": json.dumps(passthrough, separators=(",", ":")),
     }
+    if turned:
+        meta["kvcx.key_rope"] = _dumps({**rope.get_config(), "tensors": turned})
     if source_metadata:
         meta["kvcx.source_metadata"] = _dumps(source_metadata)
     if sidecar is not None:
@@ -267,13 +288,31 @@ def read_settings(metadata: Dict[str, str], source: str = "<packed>") -> dict:
         _expect(not n.endswith(SUFFIXES), source, f"pass-through tensor {n!r} has a kvcx-reserved suffix")
         _expect(n not in info, source, f"tensor {n!r} is listed both as packed and as pass-through")
 
+    rope = parse_json_field(metadata, "kvcx.key_rope", source, required=False)
+    turned = {}
+    if rope is not None:
+        _expect(int(version) >= int(KEY_ROPE_VERSION), source,
+                f"'kvcx.key_rope' needs format version {KEY_ROPE_VERSION}, the file says {version}")
+        _expect(isinstance(rope, dict) and isinstance(rope.get("tensors"), list) and rope["tensors"], source,
+                "'kvcx.key_rope' must be an object with inv_freq, offset and a non-empty list of tensors")
+        try:
+            frame = KeyRope.from_config({k: v for k, v in rope.items() if k != "tensors"})
+        except CodecError as exc:
+            raise FormatError(f"{source}: 'kvcx.key_rope': {exc}") from None
+        for n in rope["tensors"]:
+            _expect(isinstance(n, str) and n in info, source,
+                    f"'kvcx.key_rope' names tensor {str(n)[:60]!r}, which is not a packed tensor")
+            _expect(len(info[n]["shape"]) >= 2 and info[n]["shape"][-1] >= frame.rotary_dims, source,
+                    f"'kvcx.key_rope' turns {frame.rotary_dims} dims of tensor {n!r} of shape {info[n]['shape']}")
+            turned[n] = frame
     return {"version": version, "config": settings, "codecs": codecs, "tensors": info,
-            "passthrough": passthrough, "crc32": metadata.get("kvcx.crc32")}
+            "passthrough": passthrough, "crc32": metadata.get("kvcx.crc32"), "key_rope": turned}
 
 
 def packed_tensors(tensors: Dict[str, np.ndarray], metadata: Dict[str, str],
                    source: str = "<packed>") -> Dict[str, Packed]:
-    """The :class:`Packed` records of a packed file (codes LZ4-decompressed), every stored tensor checked."""
+    """The :class:`Packed` records of a packed file (codes LZ4-decompressed), every stored tensor checked; the
+    records of keys coded before RoPE decode to that frame (:func:`decompress_tensors` turns them back)."""
     return _read_packed(tensors, metadata, source)[1]
 
 
@@ -341,7 +380,8 @@ def _read_packed(tensors, metadata, source) -> Tuple[dict, Dict[str, Packed]]:
 def decompress_tensors(tensors: Dict[str, np.ndarray], metadata: Dict[str, str], source: str = "<packed>",
                        n_threads: Optional[int] = None,
                        progress: Optional[Callable[[str], None]] = None) -> Dict[str, np.ndarray]:
-    """Restore every tensor (names, shapes, dtypes) of a packed file."""
+    """Restore every tensor (names, shapes, dtypes) of a packed file (keys coded before RoPE turned back to
+    their positions)."""
     settings, packed = _read_packed(tensors, metadata, source)
     out: Dict[str, np.ndarray] = {}
     for name in settings["passthrough"]:
@@ -351,6 +391,8 @@ def decompress_tensors(tensors: Dict[str, np.ndarray], metadata: Dict[str, str],
             out[name] = decode(p, name=name, n_threads=n_threads)
         except CodecError as exc:
             raise FormatError(f"{source}: {exc}") from None
+        if name in settings["key_rope"]:
+            out[name] = settings["key_rope"][name].from_frame(out[name], name)
         if progress:
             progress(name)
     return out
