@@ -184,6 +184,9 @@ GroupOpt = Annotated[Optional[int], typer.Option("--group-size", "-g", help="Val
 BitsOpt = Annotated[Optional[int], typer.Option("--bits", help="Code width: 4 (default), 3, 2 or 8.")]
 SinksOpt = Annotated[Optional[int], typer.Option("--sinks", help="Leading tokens kept exact (scheme default if unset).")]
 RotateOpt = Annotated[Optional[bool], typer.Option("--rotate/--no-rotate", metavar=FLAG, help="Hadamard-rotate head_dim first.")]
+KeysBeforeRopeOpt = Annotated[bool, typer.Option("--keys-before-rope", metavar=FLAG,
+                                                 help="Code kvcx's keys in the frame before the model's RoPE (turned "
+                                                      "back after decoding; prefix and engine modes, retrieval).")]
 ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", help="OpenMP threads (default: all cores).")]
 DeviceOpt = Annotated[Optional[str], typer.Option("--device", help="Where the model runs: cpu, cuda, cuda:N, or auto "
                                                                    "(one model spread over this machine's GPUs, for "

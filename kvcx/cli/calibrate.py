@@ -8,8 +8,8 @@ from typing import Annotated, List, Optional
 import typer
 from rich.table import Table
 
-from kvcx.cli.app import (FLAG, BitsOpt, DeviceOpt, GroupOpt, JsonOpt, ThreadsOpt, app, check_files_first, cli_errors,
-                          kv_config_from)
+from kvcx.cli.app import (FLAG, BitsOpt, DeviceOpt, GroupOpt, JsonOpt, KeysBeforeRopeOpt, ThreadsOpt, app,
+                          check_files_first, cli_errors, kv_config_from)
 from kvcx.cli.render import emit_json, out, print_phase, window_bar
 from kvcx.errors import KvcxError
 from kvcx.quality.calibrate import DEFAULT_OFFSET, DEFAULT_WINDOWS
@@ -55,6 +55,7 @@ def calibrate(
                                                 "must carry to get 8 bits.")] = PROTECT,
     cpu: Annotated[bool, typer.Option("--cpu", metavar=FLAG, help="Force CPU even when CUDA is available.")] = False,
     device: DeviceOpt = None,
+    keys_before_rope: KeysBeforeRopeOpt = False,
     threads: ThreadsOpt = None,
     json_out: JsonOpt = False,
 ):
@@ -64,11 +65,13 @@ def calibrate(
     if guard_induction is not None:
         unused = {"--budget": budget, "--reuse": reuse, "--options": options, "--dataset-file": dataset_file,
                   "--windows": windows != DEFAULT_WINDOWS, "--offset": offset != DEFAULT_OFFSET, "--device": device,
-                  "--guard-retrieval": guard_retrieval, "--prompts": prompts != 8, "--protect": protect != PROTECT}
+                  "--guard-retrieval": guard_retrieval, "--prompts": prompts != 8, "--protect": protect != PROTECT,
+                  "--keys-before-rope": keys_before_rope}
         return _induction(out_path, guard_induction, scheme, group_size, bits, unused, model, cpu, threads, json_out)
     if guard_retrieval is not None:
         unused = {"--budget": budget, "--reuse": reuse, "--options": options, "--dataset-file": dataset_file,
-                  "--windows": windows != DEFAULT_WINDOWS, "--offset": offset != DEFAULT_OFFSET, "--device": device}
+                  "--windows": windows != DEFAULT_WINDOWS, "--offset": offset != DEFAULT_OFFSET, "--device": device,
+                  "--keys-before-rope": keys_before_rope}
         return _guard(out_path, guard_retrieval, prompts, protect, scheme, group_size, bits, unused, model, cpu,
                       threads, json_out)
     with cli_errors("calibrate"):
@@ -87,6 +90,13 @@ def calibrate(
                             f"press with a scheme, e.g. --scheme kvcx+{press.spec}")
         base = None if scheme is None and reuse else kv_config_from(codec or "kvcx3", group_size, bits, None, None,
                                                                  threads)
+        if keys_before_rope:
+            if reuse:
+                raise KvcxError("--keys-before-rope measures the keys coded before RoPE; a plan from --reuse codes them "
+                                "as its measured file did: leave the option out, or measure again without --reuse")
+            if press is not None:
+                raise KvcxError(f"--keys-before-rope: --scheme {scheme} composes a press; calibrate the codec alone")
+            base = base.with_key_rope("model")
         from kvcx.quality import ranks
 
         follows = ranks.follows()   # under torchrun / accelerate launch: rank 0 reports and writes the plan

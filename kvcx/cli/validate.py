@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from kvcx.cli.app import (EXIT_QUALITY, FLAG, BitsOpt, DeviceOpt, GroupOpt, JsonOpt, PlanOpt,
+from kvcx.cli.app import (EXIT_QUALITY, FLAG, BitsOpt, DeviceOpt, GroupOpt, JsonOpt, KeysBeforeRopeOpt, PlanOpt,
                           RotateOpt, SchemeOpt, SinksOpt, ThreadsOpt, check_files_first,
                           cli_errors, app)
 from kvcx.cli.render import (emit_json, out, print_phase, print_retrieval, print_validation, print_validations,
@@ -35,6 +35,7 @@ def validate(
                                                                      "the GPU; 4-bit integer, E8P and widths codecs) "
                                                                      "or cpu (default: by the model's device).")] = None,
     plan: PlanOpt = None,
+    keys_before_rope: KeysBeforeRopeOpt = False,
     threads: ThreadsOpt = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", metavar=FLAG, help="Only the verdict line.")] = False,
     quick_test: Annotated[bool, typer.Option("--quick-test", metavar=FLAG, help="No model: a synthetic TinyLlama-shaped cache, "
@@ -78,7 +79,8 @@ def validate(
 
         from kvcx.quality.peers import PEERS
 
-        configs, gated = validation_settings(scheme, plan, gate, group_size, bits, sinks, rotate, threads, peers=PEERS)
+        configs, gated = validation_settings(scheme, plan, gate, group_size, bits, sinks, rotate, threads, peers=PEERS,
+                                             keys_before_rope=keys_before_rope)
         on_phase = None if (json_out or quiet) else print_phase
         from kvcx.presses import PressedSetting
         from kvcx.quality import ranks

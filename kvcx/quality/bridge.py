@@ -319,6 +319,11 @@ def backend_of(config, device_type: str, backend: Optional[str] = None, dims=Non
     check_backend(backend)
     if backend == "cpu":
         return "cpu"
+    if getattr(config, "key_rope", None) is not None:   # the frame change is the host's (kvcx.codecs.rope)
+        if backend == "triton":
+            raise KvcxError("--backend triton: keys coded before RoPE are turned on the host; pass --backend cpu "
+                            "(or leave it out)")
+        return "cpu"
     named = config.codecs()
     codecs = [c for n, c in named.items() if n != "fallback"]
 
@@ -337,6 +342,19 @@ def backend_of(config, device_type: str, backend: Optional[str] = None, dims=Non
                             "pass --backend cpu (or leave it out)")
         return "triton"
     return "triton" if all(backend_name(c, device_type) == "triton" for c in codecs) else "cpu"
+
+
+def model_frame(setting, model):
+    """A setting that codes keys before RoPE with the model's own frequencies (``key_rope="model"``) given them
+    (:func:`kvcx.codecs.rope.model_key_rope`); any other setting as it is."""
+    from kvcx.codecs.rope import MODEL, model_key_rope
+
+    if getattr(setting, "key_rope", None) == MODEL:
+        try:
+            return setting.with_key_rope(model_key_rope(model))
+        except ValueError as exc:
+            raise KvcxError(str(exc)) from None
+    return setting
 
 
 def model_dims(model_config) -> set:

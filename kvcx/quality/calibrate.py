@@ -132,8 +132,9 @@ def _one_layer_roundtrip(config: KVConfig, kind: str, layer: int, tag: str):
     from kvcx.quality.bridge import roundtrip_tensors
 
     codec = config.codec_at(kind, _sel(tag))
-    one = KVConfig(key=codec, value=config.value, scheme=config.scheme, key_weights=config.key_weights) \
-        if codec.takes_weights else KVConfig(key=codec, value=codec, scheme=config.scheme)   # the queries' weights
+    one = KVConfig(key=codec, value=config.value, scheme=config.scheme, key_weights=config.key_weights,
+                   key_rope=config.key_rope) if codec.takes_weights else \
+        KVConfig(key=codec, value=codec, scheme=config.scheme, key_rope=config.key_rope)   # the queries' weights
 
     def rt(tensors):
         pick = {n: a for n, a in tensors.items()
@@ -254,7 +255,7 @@ def allocate(sensitivity, config: KVConfig, layers: Layers, budget: float) -> Tu
     layer_bits = [(L, chosen[("key", L)], chosen[("value", L)]) for L in layers
                   if (config.codec_at("key", chosen[("key", L)]), config.codec_at("value", chosen[("value", L)])) != base]
     plan = KVConfig(key=config.key, value=config.value, scheme=config.scheme, layer_bits=layer_bits,
-                    variants=config.variants)
+                    variants=config.variants, key_rope=config.key_rope)
     return plan, estimated, guessed
 
 
@@ -319,7 +320,7 @@ def allocate_pressed(sensitivity, config: KVConfig, press: Press, layers: Layers
     layer_bits = [(L, _sel(tk), _sel(tv)) for L, (_, tk, tv, _, _) in zip(layers, chosen)
                   if (config.codec_at("key", _sel(tk)), config.codec_at("value", _sel(tv))) != base]
     plan = KVConfig(key=config.key, value=config.value, scheme=config.scheme, layer_bits=layer_bits,
-                    variants=config.variants)
+                    variants=config.variants, key_rope=config.key_rope)
     layer_keep = tuple(r for r, *_ in chosen)
     pressed = Press(press.name, sum(layer_keep) / n_layers, dict(press.options), layer_keep)
     return (plan, pressed, estimated, sum(g for *_, g, _ in chosen),
@@ -384,7 +385,7 @@ def reallocate(saved, budget: float, source="<plan>", base: Optional[KVConfig] =
         rows = [r for r in plans[0].get("sensitivity", ()) if r.get("kind") == "key"]
         if rows:   # measured per layer (plans before them: one mean width, the weights alone)
             measuring = KVConfig(key=plan.key, value=plan.value, scheme=plan.scheme, key_weights=plan.key_weights,
-                                 variants=saved_cfg.variants)
+                                 variants=saved_cfg.variants, key_rope=plan.key_rope)
             sens = {("key", int(r["layer"]), str(r["option"])): float(r["kld"]) for r in rows}
             try:
                 plan, estimated = allocate_widths(sens, measuring, layers, budget)
@@ -498,6 +499,9 @@ def run_calibration(config: KVConfig, budget: float, model: Optional[str] = None
     if not rank.leads:   # rank 0 reports
         on_phase = on_window = None
     m, tok, name = loaded if loaded is not None else load_model_and_tokenizer(source, device=device, cpu=cpu)
+    from kvcx.quality.bridge import model_frame
+
+    config = model_frame(config, m)   # keys coded before RoPE: the model's own frequencies, written in the plan
     n_layers = int(m.config.num_hidden_layers)
     types = cached_layers(m.config)
     layers = [L for L, _ in types]

@@ -183,7 +183,9 @@ def run_retrieval(configs: Mapping[str, object], tasks: Sequence[str], lengths: 
     haystack = None
     if text is not None:
         haystack = ruler.haystack_from(encode, text[HAYSTACK_OFFSET:HAYSTACK_OFFSET + 400_000] or text)
-    roundtrips = {label: setting_roundtrip(cfg) for label, cfg in configs.items()}
+    from kvcx.quality.bridge import model_frame
+
+    roundtrips = {label: setting_roundtrip(model_frame(cfg, m)) for label, cfg in configs.items()}
     window = max((cfg.press.window for cfg in configs.values()
                   if isinstance(cfg, PressedSetting) and cfg.press.needs_queries), default=0)
     depth_of = {t: [float(d) for d in depths] if ruler.TASKS[t].uses_depth else [0.5] for t in tasks}

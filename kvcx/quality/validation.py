@@ -31,7 +31,7 @@ from kvcx.codecs.kvconfig import KVConfig
 from kvcx.codecs.metrics import Thresholds, check_thresholds, json_safe, quality_level
 from kvcx.presses import PressedSetting
 from kvcx.errors import KvcxError
-from kvcx.quality.bridge import DeviceRoundtrip, backend_of, model_dims
+from kvcx.quality.bridge import DeviceRoundtrip, backend_of, model_dims, model_frame
 from kvcx.quality import ranks
 from kvcx.quality.models import load_dataset_text, load_model_and_tokenizer, pick_device, resolve_model
 from kvcx.quality.peers import PeerSetting, roundtrip_of
@@ -173,6 +173,8 @@ def perplexity_engine(model, ids, starts: List[int], window: int, stride: int, c
     class _WrittenThroughCodec(DynamicCache):
         def update(self, key_states, value_states, layer_idx, *args, **kwargs):
             cfg = config.for_layer(layer_idx)
+            # keys coded before RoPE: this chunk's tokens follow the layer's cached ones
+            frame = config.key_rope.at(self.get_seq_length(layer_idx)) if config.key_rope is not None else None
             out = []
             for codec, t in ((cfg.key, key_states), (cfg.value, value_states)):
                 if not codec.supports(tuple(t.shape)):
@@ -183,9 +185,11 @@ def perplexity_engine(model, ids, starts: List[int], window: int, stride: int, c
                     out.append(codec.with_backend("triton").decode(p))
                     continue
                 x = torch_to_numpy(t)
-                p = codec.encode(x)
+                turn = frame is not None and t is key_states
+                p = codec.encode(frame.to_frame(x, f"layer_{layer_idx}_key") if turn else x)
                 sizes[0], sizes[1], sizes[2] = sizes[0] + x.nbytes, sizes[1] + p.nbytes, sizes[2] + x.size
-                out.append(numpy_to_torch(codec.decode(p), t.device))
+                y = codec.decode(p)
+                out.append(numpy_to_torch(frame.from_frame(y, f"layer_{layer_idx}_key") if turn else y, t.device))
             return super().update(out[0], out[1], layer_idx, *args, **kwargs)
 
     dev = next(model.parameters()).device
@@ -260,6 +264,10 @@ def run_validations(configs: Mapping[str, KVConfig], threshold: float = DEFAULT_
                         "token through the codec as it comes: use --mode prefix or --mode generation")
     for label in outside + pressed:
         configs[label].check_installed()
+    turned = [label for label, cfg in configs.items() if getattr(cfg, "key_rope", None) is not None]
+    if turned and mode == "generation":
+        raise KvcxError(f"setting {turned[0]!r} codes keys before RoPE, which KvcxCache (generation mode) does not "
+                        "yet: validate it with --mode prefix or --mode engine")
     # the context limit is checked again once the model is known
     check_window(DEFAULT_WINDOW if window is None else window, stride, max_windows, context_limit=1 << 62)
     if backend is not None:   # a bad or impossible --backend fails here, not after the model loads
@@ -285,7 +293,7 @@ def run_validations(configs: Mapping[str, KVConfig], threshold: float = DEFAULT_
     window = min(DEFAULT_WINDOW, ctx_limit) if window is None else window
     check_window(window, stride, max_windows, ctx_limit)
     phase(2, f"model: {name} on {dev} ({next(m.parameters()).dtype}), {m.config.num_hidden_layers} layers")
-    configs = {label: engine_setting(cfg, m.config) for label, cfg in configs.items()}
+    configs = {label: model_frame(engine_setting(cfg, m.config), m) for label, cfg in configs.items()}
     # peers run in their library; a press and its codec on the host (the eviction is numpy's)
     dims = model_dims(m.config)
     backends = {label: "" if isinstance(cfg, PeerSetting) else "cpu" if isinstance(cfg, PressedSetting)

@@ -35,7 +35,7 @@ def width_plan(config: KVConfig, budget: float, weights: Dict[int, list]) -> KVC
                         f"{(config.value.bits_per_value() + 16 / key.group_size) / 2 + 1 / 128:.3f} and "
                         f"{(config.value.bits_per_value() + 8 + 16 / key.group_size) / 2:.3f}")
     key = type(key).from_config({**key.get_config(), "bits": mean, "n_threads": key.n_threads})
-    return KVConfig(key=key, value=config.value, scheme=config.scheme, key_weights=weights)
+    return KVConfig(key=key, value=config.value, scheme=config.scheme, key_weights=weights, key_rope=config.key_rope)
 
 
 def width_tags(options: Optional[Sequence[str]] = None) -> List[str]:
@@ -59,7 +59,7 @@ def widths_options(config: KVConfig, tags: Sequence[str]) -> KVConfig:
     variants = tuple((f"key.{t}", type(key).from_config({**key.get_config(), "bits": widths_bits(t),
                                                          "n_threads": key.n_threads})) for t in tags)
     return KVConfig(key=key, value=config.value, scheme=config.scheme, variants=variants,
-                    key_weights=config.key_weights, keep_layers=config.keep_layers)
+                    key_weights=config.key_weights, keep_layers=config.keep_layers, key_rope=config.key_rope)
 
 
 def _key_costs(config: KVConfig) -> Dict[str, float]:
@@ -92,7 +92,7 @@ def allocate_widths(sensitivity, config: KVConfig, layers: Sequence[int], budget
                                   for t in tags] for L in layers], cap, f"budget={budget} bits/value")
     plan = KVConfig(key=config.key, value=config.value, scheme=config.scheme, variants=config.variants,
                     layer_bits=tuple((int(L), tags[j], config.value.bits) for L, j in zip(layers, picks)),
-                    key_weights=config.key_weights, keep_layers=config.keep_layers)
+                    key_weights=config.key_weights, keep_layers=config.keep_layers, key_rope=config.key_rope)
     return plan, estimated
 
 

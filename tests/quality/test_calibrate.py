@@ -241,3 +241,30 @@ def test_the_shipped_kvcx2v_plan_is_the_measured_figures_reallocated():
     assert again.config == shipped and read_plan("smollm2-kvcx2v-2.12")["sensitivity"] == measured["sensitivity"]
     widths = [widths_bits(kb) for _, kb, _ in shipped.layer_bits]
     assert len(widths) == 30 and min(widths) == 1 and max(widths) > 2 and shipped.bits_per_value(30) <= 2.12
+
+
+def test_the_shipped_prerope_plan_is_its_measured_figures_reallocated(tmp_path):
+    """smollm2-kvcx2v-prerope-2.12 is `kvcx calibrate --reuse bench/plans/measured/measured-kvcx2v-prerope-2.1.json
+    --budget 2.12`: the figures `kvcx calibrate --scheme kvcx2v --keys-before-rope --budget 2.1` measured, each layer's
+    keys coded in the frame before the model's RoPE (its frequencies written in the plan, so a packed file of the
+    model's cache needs no model); --keys-before-rope with --reuse or a press is refused by name."""
+    from pathlib import Path
+
+    from kvcx.codecs import KeyRope
+    from kvcx.quality.calibrate import reallocate
+
+    root = Path(__file__).resolve().parents[2]
+    measured = json.loads((root / "bench/plans/measured/measured-kvcx2v-prerope-2.1.json").read_text())
+    again = reallocate(measured, 2.12)
+    shipped = load_plan("smollm2-kvcx2v-prerope-2.12")
+    assert again.config == shipped and isinstance(shipped.key_rope, KeyRope)
+    assert shipped.key_rope.rotary_dims == 64 and shipped.key_rope.offset == 0
+    assert shipped.key_rope.inv_freq[0] == 1.0 and shipped.key_rope.inv_freq[1] == pytest.approx(1e5 ** (-2 / 64))
+    assert shipped.bits_per_value(30) <= 2.12 and load_plan("smollm2-kvcx2v-2.12").key_rope is None
+    src = root / "bench/plans/measured/measured-kvcx2v-prerope-2.1.json"
+    r = run("calibrate", "--reuse", src, "--budget", 2.12, "--keys-before-rope", "--out", tmp_path / "p.json")
+    assert r.exit_code == 1 and "--keys-before-rope measures" in r.output and "Traceback" not in r.output, r.output
+    r = run("calibrate", "--scheme", "kvcx2v+snapkv:0.5", "--budget", 2, "--keys-before-rope", "--out",
+            tmp_path / "p.json")
+    assert r.exit_code == 1 and "calibrate the codec alone" in r.output, r.output
+    assert not (tmp_path / "p.json").exists()

@@ -245,3 +245,30 @@ def test_perplexity_with_presses_prefix_and_generation(loaded, wikitext_path):
     assert 0 < gen["kvcx+knorm:0.5"].bits_per_value < 16
     assert gen["kvcx+knorm:0.5"].kld > gen["kvcx"].kld and math.isfinite(gen["kvcx+knorm:0.5"].compressed_perplexity)
     assert loaded[0].config._attn_implementation != "kvcx"    # the run's attention setting was restored
+
+
+def test_keys_before_rope_in_the_gate(loaded, wikitext_path, monkeypatch):
+    """--keys-before-rope: kvcx's keys coded in the frame before the model's RoPE and turned back after decoding, in
+    prefix mode (the context's cache through the packed file) and engine mode (each chunk at its own positions);
+    generation mode (KvcxCache) and peers refuse it by name."""
+    import functools
+
+    from kvcx.codecs import IntCodec, WidthCodec
+    from kvcx.quality import scoring, validation
+    from kvcx.quality.validation import run_validations
+
+    kw = dict(dataset_file=wikitext_path, window=256, stride=128, max_windows=1, loaded=loaded)
+    post = KVConfig.from_scheme("kvcx2v")
+    a, b = run_validations({"post": post, "pre": post.with_key_rope("model")}, **kw)
+    assert a.baseline_perplexity == b.baseline_perplexity and a.compressed_perplexity != b.compressed_perplexity
+    assert b.bits_per_value == pytest.approx(a.bits_per_value, abs=0.05) and b.kld < 2 * a.kld
+    # engine mode in chunks of 64 tokens: 8-bit keys before RoPE move the model as little as after RoPE, which a
+    # chunk turned at the wrong positions would not
+    monkeypatch.setattr(validation, "forward_hidden", functools.partial(scoring.forward_hidden, chunk=64))
+    eight = KVConfig(key=WidthCodec(bits=8, group_size=32), value=IntCodec(bits=8, group_size=64), scheme="eight")
+    e_post, e_pre = run_validations({"post": eight, "pre": eight.with_key_rope("model")}, mode="engine", **kw)
+    assert e_pre.mode == "engine" and 0 < e_pre.kld < 2 * e_post.kld + 1e-5, (e_pre.kld, e_post.kld)
+    with pytest.raises(KvcxError, match="codes keys before RoPE, which KvcxCache.*--mode prefix or --mode engine"):
+        run_validations({"pre": post.with_key_rope("model")}, mode="generation", **kw)
+    r = CliRunner().invoke(app, ["validate", "--scheme", "kvcx2v,quanto-int4", "--keys-before-rope", "--max-windows", "1"])
+    assert r.exit_code == 1 and "'quanto-int4' is another library's setting" in r.output, r.output
