@@ -13,7 +13,10 @@ with the guard measured on its 8k needle (``bench/plans/measured/kvcx2v-guard-81
 docs/results/retrieval-loss-8k-kvcx2v.md); two calibrated plans: ``smollm2-kvcx2w-2.47`` (the queries' weights, one
 mean width) and ``smollm2-kvcx2v-2.12`` (kvcx2v with a mean width per layer's keys, reallocated from
 ``bench/plans/measured/measured-kvcx2v-2.1.json``); NexusQuant K3V2 and K2V2 through its own package (the
-``peers`` extra), its bits counted from the codes it emits, fixed-length. Bits per value are validate's: the whole
+``peers`` extra), its bits counted from the codes it emits, fixed-length. kvcx2v, its 2-bit-key form and the plans
+also run with their keys coded before RoPE (``kvcx validate --keys-before-rope``, :mod:`kvcx.codecs.rope`), and the
+plan measured so: ``smollm2-kvcx2v-prerope-2.12`` (``kvcx calibrate --scheme kvcx2v --keys-before-rope --budget
+2.1``, reallocated at 2.12 from ``bench/plans/measured/measured-kvcx2v-prerope-2.1.json``). Bits per value are validate's: the whole
 packed file of each window's context cache (codes, scales, ranges, widths, sinks, the header) over its values.
 The issue's targets (issue 68): kvcx2v at <= 2.75 bits, delta <= +0.334 and KLD <= 0.0270 (NexusQuant K3V2's on 16
 windows); both are also compared with NexusQuant in this run.
@@ -33,6 +36,9 @@ PLANS = Path(__file__).resolve().parent / "plans/measured"   # the probe's plans
 GUARDED = "layers 17, 18, 20 keys 8-bit"
 # issue 68's calibrated target: <= 2.25 bits counted whole at the delta the 2.47-bit plan reaches (the same windows)
 CALIBRATED_BEFORE, CALIBRATED, CALIBRATED_BITS = "smollm2-kvcx2w-2.47", "smollm2-kvcx2v-2.12", 2.25
+# kvcx2v's keys coded before RoPE (kvcx.codecs.rope), its plan measured so (`kvcx calibrate --keys-before-rope`)
+CALIBRATED_PRE = "smollm2-kvcx2v-prerope-2.12"
+PRE = "keys before RoPE"
 
 
 def settings(peers: bool):
@@ -42,9 +48,12 @@ def settings(peers: bool):
 
     from kvcx.api import load_plan
 
-    rows = {"kvcx (default)": KVConfig.from_scheme("kvcx"), "kvcx2v": KVConfig.from_scheme("kvcx2v"),
-            "kvcx2v with 2-bit keys": KVConfig(key=WidthCodec(bits=2.0, group_size=128, sinks=1),
-                                               value=E8PCodec(sinks=1), scheme="kvcx2v-k2")}
+    k2 = KVConfig(key=WidthCodec(bits=2.0, group_size=128, sinks=1), value=E8PCodec(sinks=1), scheme="kvcx2v-k2")
+    rows = {"kvcx (default)": KVConfig.from_scheme("kvcx"),
+            f"kvcx (default), {PRE}": KVConfig.from_scheme("kvcx").with_key_rope("model"),
+            "kvcx2v": KVConfig.from_scheme("kvcx2v"),
+            f"kvcx2v, {PRE}": KVConfig.from_scheme("kvcx2v").with_key_rope("model"),
+            "kvcx2v with 2-bit keys": k2, f"kvcx2v with 2-bit keys, {PRE}": k2.with_key_rope("model")}
     for scheme in ("kvcx", "kvcx2v"):   # KvcxCache.for_model's guard: 8-bit keys in the probe's 3 of 30 layers
         rows[f"{scheme}, for_model's guard ({GUARDED})"] = load_plan(PLANS / f"{scheme}-induction3.json")
     # the measured guard (bench_retrieval_loss --write-plan on kvcx2v's 8k needle figures): 8-bit keys in 7 layers
@@ -53,6 +62,9 @@ def settings(peers: bool):
     # calibrated: the shipped kvcx2w plan (the queries' weights, one mean width) and kvcx2v's (a mean width a layer)
     rows[f"kvcx2w + plan {CALIBRATED_BEFORE}"] = load_plan(CALIBRATED_BEFORE)
     rows[f"kvcx2v + plan {CALIBRATED}"] = load_plan(CALIBRATED)
+    rows[f"kvcx2v + plan {CALIBRATED}, {PRE} (its widths as measured after RoPE)"] = \
+        load_plan(CALIBRATED).with_key_rope("model")
+    rows[f"kvcx2v + plan {CALIBRATED_PRE} ({PRE}, measured so)"] = load_plan(CALIBRATED_PRE)
     if peers:
         from kvcx.quality.peers import PEERS
 
@@ -137,10 +149,22 @@ def _verdicts(out, by) -> None:
         f"delta of {CALIBRATED_BEFORE} in this run ({before.bits_per_value:.3f} bits, {before.delta:+.4f}, KLD "
         f"{before.kld:.5f}): {'met' if met else 'missed'} (KLD {c.kld / before.kld:.2f}x the 2.47 plan's, at "
         f"{before.bits_per_value - c.bits_per_value:.2f} fewer bits).")
+    pre, plain = by[f"kvcx2v + plan {CALIBRATED_PRE} ({PRE}, measured so)"], c
+    met = pre.bits_per_value <= CALIBRATED_BITS and pre.delta <= before.delta
+    out(f"Calibrated, {PRE}: kvcx2v + plan {CALIBRATED_PRE} (`kvcx calibrate --scheme kvcx2v --keys-before-rope`) "
+        f"{pre.bits_per_value:.3f} bits, delta {pre.delta:+.4f}, KLD {pre.kld:.5f} (after RoPE: {plain.delta:+.4f}, "
+        f"KLD {plain.kld:.5f}); target <= {CALIBRATED_BITS} bits at the delta of {CALIBRATED_BEFORE} in this run "
+        f"({before.delta:+.4f}): {'met' if met else 'missed'} (KLD {pre.kld / before.kld:.2f}x the 2.47 plan's).")
+    v2, d, d2 = by[f"kvcx2v, {PRE}"], by["kvcx (default)"], by[f"kvcx (default), {PRE}"]
+    out(f"Keys coded before RoPE, the same bits: kvcx2v delta {v.delta:+.4f} -> {v2.delta:+.4f}, KLD {v.kld:.5f} -> "
+        f"{v2.kld:.5f} ({v2.bits_per_value:.3f} bits); the default {d.delta:+.4f} -> {d2.delta:+.4f}, KLD "
+        f"{d.kld:.5f} -> {d2.kld:.5f}.")
     k2, n2 = by["kvcx2v with 2-bit keys"], by.get("NexusQuant K2V2")
     if n2 is not None:
         out(f"At about 2.25 bits: kvcx2v with 2-bit keys {k2.bits_per_value:.3f} bits, delta {k2.delta:+.4f}, KLD "
-            f"{k2.kld:.5f}; NexusQuant K2V2 {n2.bits_per_value:.3f} bits, delta {n2.delta:+.4f}, KLD {n2.kld:.5f}.")
+            f"{k2.kld:.5f} ({PRE}: delta {by[f'kvcx2v with 2-bit keys, {PRE}'].delta:+.4f}, KLD "
+            f"{by[f'kvcx2v with 2-bit keys, {PRE}'].kld:.5f}); NexusQuant K2V2 {n2.bits_per_value:.3f} bits, delta "
+            f"{n2.delta:+.4f}, KLD {n2.kld:.5f}.")
 
 
 if __name__ == "__main__":

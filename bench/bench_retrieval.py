@@ -30,6 +30,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--scheme", default="kvcx", help="settings, comma-separated (any `kvcx validate --scheme`)")
     ap.add_argument("--plans", default="", help="plan files, comma-separated (labelled by file name)")
+    ap.add_argument("--keys-before-rope", default="", help="kvcx schemes also run with their keys coded before RoPE, "
+                    "comma-separated (rows '<scheme>, keys before RoPE'; `kvcx validate --keys-before-rope`)")
     ap.add_argument("--tasks", default="passkey", help="tasks, comma-separated, or ruler (all but passkey)")
     ap.add_argument("--lengths", default="4096,8192", help="context lengths, comma-separated")
     ap.add_argument("--depths", default="0.1,0.3,0.5,0.7,0.9", help="needle depths, comma-separated")
@@ -57,6 +59,9 @@ def main(argv=None):
     from kvcx.quality.retrieval import run_retrieval
 
     configs, _ = validation_settings(args.scheme, peers=PEERS)
+    if args.keys_before_rope:
+        turned, _ = validation_settings(args.keys_before_rope, keys_before_rope=True)
+        configs.update({f"{label}, keys before RoPE": cfg for label, cfg in turned.items()})
     for p in filter(None, args.plans.split(",")):
         name = Path(p).name
         configs[name[:-len(".json")] if name.endswith(".json") else name] = load_plan(p)

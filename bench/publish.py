@@ -75,6 +75,8 @@ def headline() -> str:
     fam = families()
     low = find(table(RESULTS / "low-bits.md"), "kvcx2v")   # setting, bits, delta, KLD, top-1, codec s
     nq = find(table(RESULTS / "low-bits.md"), "NexusQuant K3V2")
+    pre = find(table(RESULTS / "low-bits.md"), "kvcx2v + plan smollm2-kvcx2v-prerope-2.12")
+    w247 = find(table(RESULTS / "low-bits.md"), "kvcx2w + plan smollm2-kvcx2w-2.47")
     lines = [
         "| what | measured | report |",
         "|---|---|---|",
@@ -84,6 +86,10 @@ def headline() -> str:
         f"| `kvcx2v`, no calibration (E8P lattice values) vs NexusQuant K3V2 | {low[2]} perplexity at {low[1]} "
         f"bits/value, KLD {low[3]}, top-1 {low[4]}; NexusQuant {nq[2]} at {nq[1]} bits, KLD {nq[3]} (the same "
         "held-out windows) "
+        "| [low bits](docs/results/low-bits.md) |",
+        f"| calibrated: kvcx2v + plan `smollm2-kvcx2v-prerope-2.12` (keys coded before RoPE) vs "
+        f"`smollm2-kvcx2w-2.47` | {pre[2]} perplexity at {pre[1]} bits/value, KLD {pre[3]}, top-1 {pre[4]}; the 2.47 "
+        f"plan {w247[2]} at {w247[1]} bits, KLD {w247[3]} (the same held-out windows) "
         "| [low bits](docs/results/low-bits.md) |",
         f"| engines' 4-bit KV formats as kvcx emulates them byte for byte: `nvfp4` (TensorRT-LLM), `mxfp4` (ggml), "
         f"`turboquant_4bit_nc` (vLLM) | {engine_formats(q)} | {q_rel} |",
