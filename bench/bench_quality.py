@@ -148,9 +148,10 @@ def _short(label: str) -> str:
         if label.startswith(prefix):
             return ("(dropped) " if "dropped" in prefix else "") + label[len(prefix):].split(" (")[0].split(":")[0]
     for how in (" + per-layer plan ", " + query weights "):  # "kvcx2 + per-layer plan smollm2-kvcx2-3.54"
-        if how in label:                                     # -> "kvcx2 + plan 3.54"
-            head, plan = label.split(how)
-            return f"{head} + {'plan' if 'plan' in how else 'q-weights'} {plan.rsplit('-', 1)[-1]}"
+        if how in label:                                     # -> "kvcx2 + plan 3.54"; "...-kvcx2v-prerope-2.12"
+            head, plan = label.split(how)                    # -> "kvcx2v + q-weights prerope-2.12"
+            tail = plan.split(f"-{head}-", 1)[1] if f"-{head}-" in plan else plan.rsplit("-", 1)[-1]
+            return f"{head} + {'plan' if 'plan' in how else 'q-weights'} {tail}"
     return label.split(":")[0].split(" (")[0]
 
 
