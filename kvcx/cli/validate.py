@@ -88,7 +88,7 @@ def validate(
 
         request = ValidateRequest(task=task, tasks=tasks, lengths=lengths, depths=depths, query_aware=query_aware,
                                   alpha=alpha, mode=mode, backend=backend, quick_test=quick_test, tolerance=tolerance,
-                                  device=device,
+                                  device=device, keys_before_rope=keys_before_rope,
                                   pressed=tuple(label for label, c in configs.items() if isinstance(c, PressedSetting)))
         request.check()
         if ranks.follows():   # rank 0 reports; the other ranks score their windows quietly

@@ -481,22 +481,17 @@ class KVConfig:
         group = self.key.group_size if per_channel else DEFAULT_GUARD_GROUP
         codec = WidthCodec(bits=bits, group_size=group, sinks=self.key.sinks, n_threads=self.key.n_threads)
         variants = tuple(v for v in self.variants if v[0] != f"key.{tag}") + ((f"key.{tag}", codec),)
-        return KVConfig(key=self.key, value=self.value, scheme=self.scheme, variants=variants,
-                        layer_bits=tuple((int(L), tag, self.value.bits) for L in sorted(layers)),
-                        key_weights=self.key_weights, keep_layers=self.keep_layers, key_rope=self.key_rope)
+        return dataclasses.replace(self, variants=variants,
+                                   layer_bits=tuple((int(L), tag, self.value.bits) for L in sorted(layers)))
 
     def with_threads(self, n_threads: Optional[int]) -> "KVConfig":
-        return KVConfig(key=self.key.with_threads(n_threads), value=self.value.with_threads(n_threads),
-                        scheme=self.scheme, layer_bits=self.layer_bits,
-                        variants=tuple((n, c.with_threads(n_threads)) for n, c in self.variants),
-                        key_weights=self.key_weights, keep_layers=self.keep_layers, key_rope=self.key_rope)
+        return dataclasses.replace(self, key=self.key.with_threads(n_threads), value=self.value.with_threads(n_threads),
+                                   variants=tuple((n, c.with_threads(n_threads)) for n, c in self.variants))
 
     def with_backend(self, backend: Optional[str]) -> "KVConfig":
         """This config with its codecs working torch tensors on ``backend`` (see kvcx.codecs.backends)."""
-        return KVConfig(key=self.key.with_backend(backend), value=self.value.with_backend(backend),
-                        scheme=self.scheme, layer_bits=self.layer_bits,
-                        variants=tuple((n, c.with_backend(backend)) for n, c in self.variants),
-                        key_weights=self.key_weights, keep_layers=self.keep_layers, key_rope=self.key_rope)
+        return dataclasses.replace(self, key=self.key.with_backend(backend), value=self.value.with_backend(backend),
+                                   variants=tuple((n, c.with_backend(backend)) for n, c in self.variants))
 
     def for_layer(self, layer: Optional[int]) -> "KVConfig":
         """This config with the key and value bits of ``layer`` (no per-layer widths left)."""

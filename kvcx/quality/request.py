@@ -32,6 +32,7 @@ class ValidateRequest:
     tolerance: Optional[int] = None
     pressed: Tuple[str, ...] = ()
     device: Optional[str] = None
+    keys_before_rope: bool = False
 
     @property
     def retrieval(self) -> bool:
@@ -61,6 +62,9 @@ class ValidateRequest:
         if self.pressed and self.quick_test:
             raise KvcxError(f"--scheme {self.pressed[0]}: a press reads a model's cache (and SnapKV its queries); "
                             "--quick-test has no model: leave it out")
+        if self.keys_before_rope and self.quick_test:
+            raise KvcxError("--keys-before-rope turns keys with a model's own RoPE frequencies; --quick-test has no "
+                            "model: leave it out")
         if self.device is not None and self.quick_test:
             raise KvcxError("--device places a model; --quick-test has none: leave it out")
         if self.device == SPREAD and self.mode != "prefix":

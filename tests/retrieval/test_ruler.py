@@ -112,6 +112,8 @@ def test_too_short_for_the_prompt():
     (["--tasks", "vt"], "add --task ruler"),
     (["--scheme", "kvcx+snapkv:0.5", "--mode", "engine"], "use --mode prefix or --mode generation"),
     (["--scheme", "kvcx+snapkv:0.5", "--quick-test"], "--quick-test has no model"),
+    (["--keys-before-rope", "--quick-test"], "--quick-test has no model"),
+    (["--scheme", "kvcx2v", "--keys-before-rope", "--mode", "generation"], "validate it with --mode prefix or --mode engine"),
     (["--task", "bleu"], "must be perplexity, ruler or passkey"),
     (["--task", "ruler", "--tasks", "niah_single", "--dataset-file", "/nonexistent/wiki.test.raw"],
      "dataset file not found")])
