@@ -43,6 +43,8 @@ validate: build
 # first), each at one thread (OMP_NUM_THREADS=1; a test that needs threads asks for them): two one-thread workers
 # keep both cores busy where one two-thread run left a core idle through Triton's interpreter, imports and server
 # starts (2 cores: test-all 1,601 s in one process, 1,278 s on two workers; the fast tier 118 s -> 85 s).
+# Three workers are slower (2026-12-03: test-all 2,153 s on three in a fresh clone's .ci/run, 1,946 s on two in the
+# workspace; /proc/stat had both cores 99.98 % busy through the three-worker run): no idle core is left to take back.
 # TEST_JOBS=1: one process at the machine's threads.
 TEST_JOBS ?= 2
 XDIST := $(if $(filter-out 0 1,$(TEST_JOBS)),-n $(TEST_JOBS),)
