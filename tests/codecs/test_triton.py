@@ -623,8 +623,8 @@ def test_fused_attention_refuses_what_it_cannot_read():
 @pytest.mark.parametrize("dot", ["", "tf32x2", "int8x3", "fp16"])
 def test_fused_attention_passes_a_nan_in_the_query_on(dot):
     """A NaN in a query row gives NaN in that row's output in every product mode; the other rows are unaffected.
-    (On a GPU, tl.max skips NaN: the integer products' row maximum must not, or they would round the NaN's bits
-    to a finite, wrong result; the interpreter's maximum propagates NaN either way.)"""
+    (tl.max of floats skips NaN, on a GPU and in Triton's interpreter alike: the integer products' row maximum
+    must not, or they would round the NaN's bits to a finite, wrong result; it is taken on the bits, _absmax.)"""
     from kvcx.codecs import gpu_attn
     from kvcx.codecs.gpu_attn import attend
 

@@ -152,8 +152,10 @@ def _tile(kb, vb, tb, tm, tt, j, g, he, ho, qe, qo, q_unit, ksr, kzr, vsr, vzr, 
             cz = cz * alpha + tl.sum(p * zr, axis=1)
         # the scales after one power of two (the largest read so far at most 2**15, so that the weights p s
         # fit FP16); the accumulators move to a new unit (a power of two, never smaller: exact, no overflow)
-        # with the softmax's own rescaling
-        v_top = _max_nan(v_top, tl.reduce(tl.reshape(sc, (NG * BT,)), 0, _max_nan))
+        # with the softmax's own rescaling. tl.max skips a NaN scale: its tokens' weights p s are NaN, and so is
+        # the output (a reduction that kept NaN would take a combine function of its own, which Triton's
+        # interpreter runs element by element)
+        v_top = _max_nan(v_top, tl.max(tl.reshape(sc, (NG * BT,)), 0))
         inv, unit = _unit(v_top, 15)
         w = p * tl.reshape(tl.broadcast_to((sc * inv)[:, None, :], (NG, RP, BT)), (RP * NG, BT))
         f = (alpha * (u_acc / unit))[:, None]
@@ -224,7 +226,7 @@ def _tile_t(kb, vb, tb, tm, tt, j, heT, hoT, q_unit, ksr, kzr, vsr, vzr, vcol_of
     if V_ASYM:
         zc = tl.reshape(tl.broadcast_to(zc[:, :, None], (BT, NG, RP)), (BT, NT))
         cz = cz * alpha + tl.sum(p * zc, axis=0)
-    v_top = _max_nan(v_top, tl.reduce(tl.reshape(sc, (BT * NT,)), 0, _max_nan))
+    v_top = _max_nan(v_top, tl.max(tl.reshape(sc, (BT * NT,)), 0))
     inv, unit = _unit(v_top, 15)
     w = (p * (sc * inv)).to(tl.float16)
     f = (alpha * (u_acc / unit))[None, :]
@@ -357,7 +359,7 @@ def attend_packed_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, 
         q_col = q_ptr + (n.to(tl.int64) * R + (cn % RP)[None, :]) * D + 2 * j[:, None]
         qe = tl.load(q_col, mask=(cn % RP < R)[None, :], other=0.0).to(tl.float32) * q_scale
         qo = tl.load(q_col + 1, mask=(cn % RP < R)[None, :], other=0.0).to(tl.float32) * q_scale
-        q_inv, q_unit = _unit(_max_nan(tl.reduce(tl.abs(qe), 0, _max_nan), tl.reduce(tl.abs(qo), 0, _max_nan)), -1)
+        q_inv, q_unit = _unit(_max_nan(_absmax(qe, 0), _absmax(qo, 0)), -1)
         heT, hoT = qe * q_inv[None, :], qo * q_inv[None, :]
         q_unit = q_unit * LOG2E
         m_i = tl.full([RP * NG], float("-inf"), tl.float32)
