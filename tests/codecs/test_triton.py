@@ -14,6 +14,7 @@ from kvcx.codecs import IntCodec, KVConfig, get_codec
 from kvcx.codecs.gpu import to_device, to_host
 from kvcx.codecs.tensors import numpy_to_torch, torch_to_numpy
 from kvcx.codecs.triton_kernels.attention import _codes16
+from kvcx.codecs.triton_kernels.products import _absmax
 from kvcx.errors import CodecError
 
 from helpers import bits_of, keys_like, random_array
@@ -618,6 +619,33 @@ def test_fused_attention_refuses_what_it_cannot_read():
         attend(torch.randn(1, 2, 64, device=DEVICE), cpu, pk, kc, kc)
     with pytest.raises(CodecError, match="mask must be"):
         attend(torch.randn(1, 2, 64, device=DEVICE), pk, pk, kc, kc, mask=torch.zeros(1, 5, device=DEVICE))
+
+
+@triton.jit
+def _row_and_column_maxima(x_ptr, rows_ptr, cols_ptr):
+    """The attention kernel's _absmax of a block [16, 32], along each row and each column."""
+    x = tl.load(x_ptr + tl.arange(0, 16)[:, None] * 32 + tl.arange(0, 32)[None, :])
+    tl.store(rows_ptr + tl.arange(0, 16), _absmax(x))
+    tl.store(cols_ptr + tl.arange(0, 32), _absmax(x, 0))
+
+
+def test_the_kernels_largest_magnitudes_keep_nan():
+    """_absmax, what the int8x3 products and the fast mode's query rows scale by: torch's largest |x| of each row
+    and column, NaN where one holds a NaN of either sign (tl.max of floats skips NaN, on a GPU and in Triton's
+    interpreter alike), +inf where one holds an infinity of either sign and no NaN; -0.0 and subnormals as any
+    other value."""
+    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(3)) * 1e3
+    x[1, 4], x[2, 9], x[3, 0] = float("nan"), -float("nan"), -float("inf")
+    x[4, 31], x[5] = float("inf"), -0.0
+    x[6, :3] = torch.tensor([1e-40, -3e-39, 0.0])
+    x[6, 3:] = 0.0
+    rows, cols = torch.empty(16, device=DEVICE), torch.empty(32, device=DEVICE)
+    _row_and_column_maxima[(1,)](x.to(DEVICE), rows, cols)
+    for got, axis in ((rows, 1), (cols, 0)):
+        want = torch.where(x.isnan().any(axis), float("nan"), x.abs().nan_to_num(0.0, float("inf")).amax(axis))
+        assert torch.equal(got.cpu().isnan(), want.isnan()), (got, want)
+        assert torch.equal(got.cpu().nan_to_num(-1.0), want.nan_to_num(-1.0)), (got, want)
+    assert rows[6].item() == -x[6, 1].item() > 0 and rows[5].item() == 0.0 and rows[3].item() == float("inf")
 
 
 @pytest.mark.parametrize("dot", ["", "tf32x2", "int8x3", "fp16"])
