@@ -55,8 +55,10 @@ class Servers:
     def __init__(self, checkpoint, adapters, logs, tag):
         self.lm = el.start_lmcache_server(adapters, log=logs / f"lmcache-{tag}.log")
         try:
+            # vLLM's CPU worker inside its engine core's process: one process fewer to start a pair, the same
+            # vLLM code serving and the same connector storing and loading through the serde
             self.vl = el.start_vllm(checkpoint, log=logs / f"vllm-{tag}.log", lmcache_port=self.lm.port,
-                                    max_model_len=2048)
+                                    max_model_len=2048, executor="uni")
         except BaseException:
             self.lm.stop()
             raise
