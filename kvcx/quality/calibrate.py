@@ -488,6 +488,8 @@ def run_calibration(config: KVConfig, budget: float, model: Optional[str] = None
                             f"the tokens at the cheapest codecs of {config.scheme}, plus their positions; raise it")
     elif not widths:
         check_budget(config, budget)   # before the model runs, not after
+    planned = ranks.planned()   # fewer windows than ranks: refused before the model loads
+    planned.check_enough(windows, "window", f"give --windows {planned.size} or more")
     text = load_dataset_text(dataset_file)
     source = resolve_model(model) if loaded is None else None
     device = ranks.local_device(device, cpu)   # under a launcher on GPUs: the one LOCAL_RANK names

@@ -78,6 +78,12 @@ def join(device_type: str) -> Rank:
     return Rank(index, size)
 
 
+def planned() -> Rank:
+    """The rank a launcher started this process as, read from its environment before torch.distributed is joined:
+    for the checks that refuse a request before a model loads (:data:`ALONE` without a launcher)."""
+    return Rank(_env_int("RANK", 0), _env_int("WORLD_SIZE", 1)) if launched() else ALONE
+
+
 def local_device(device, cpu: bool):
     """The device a rank's model goes to: as asked, else the GPU ``LOCAL_RANK`` names when CUDA is there.
     ``"auto"`` (one model spread over the machine's GPUs) is refused under a launcher: every rank would take them all."""

@@ -134,6 +134,14 @@ def setting_roundtrip(setting) -> Callable:
     return lambda tensors, _queries: rt(tensors)[:2]
 
 
+def _prompts_in_order(tasks, lengths, depths, prompts: int) -> list:
+    """(length, task, depth index, depth, prompt) of every prompt, in the order rank 0 reports them (a task that
+    places nothing at a depth: one depth, 0.5)."""
+    depth_of = {t: [float(d) for d in depths] if ruler.TASKS[t].uses_depth else [0.5] for t in tasks}
+    return [(length, task, j, depth, p) for length in lengths for task in tasks
+            for j, depth in enumerate(depth_of[task]) for p in range(prompts)]
+
+
 def run_retrieval(configs: Mapping[str, object], tasks: Sequence[str], lengths: Optional[Sequence[int]] = None,
                   depths: Sequence[float] = DEPTHS, prompts: int = 2, seed: int = 0, model: Optional[str] = None,
                   dataset_file=None, cpu: bool = False, device=None, alpha: float = stats.ALPHA, on_phase=None,
@@ -157,6 +165,9 @@ def run_retrieval(configs: Mapping[str, object], tasks: Sequence[str], lengths: 
     # the haystack's text read (or its error raised) before the model loads: the needle tasks hide in it
     text = load_dataset_text(dataset_file) if any(ruler.TASKS[t].uses_haystack for t in tasks) else None
     device = ranks.local_device(device, cpu)   # under a launcher on GPUs: the one LOCAL_RANK names
+    if lengths:   # fewer prompts than ranks: refused before the model loads (its context gives the default lengths)
+        ranks.planned().check_enough(len(_prompts_in_order(tasks, lengths, depths, prompts)), "prompt",
+                                     "give more --prompts")
     m, tok, name = loaded if loaded is not None else load_model_and_tokenizer(resolve_model(model), device=device,
                                                                              cpu=cpu)
     import torch
@@ -188,9 +199,7 @@ def run_retrieval(configs: Mapping[str, object], tasks: Sequence[str], lengths: 
     roundtrips = {label: setting_roundtrip(model_frame(cfg, m)) for label, cfg in configs.items()}
     window = max((cfg.press.window for cfg in configs.values()
                   if isinstance(cfg, PressedSetting) and cfg.press.needs_queries), default=0)
-    depth_of = {t: [float(d) for d in depths] if ruler.TASKS[t].uses_depth else [0.5] for t in tasks}
-    every = [(length, task, j, depth, p) for length in lengths for task in tasks
-             for j, depth in enumerate(depth_of[task]) for p in range(prompts)]   # the prompts, in order
+    every = _prompts_in_order(tasks, lengths, depths, prompts)
     rank.check_enough(len(every), "prompt", "give more --prompts")
     mine = rank.shard(list(enumerate(every)))
     total = len(mine)

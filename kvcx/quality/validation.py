@@ -270,6 +270,9 @@ def run_validations(configs: Mapping[str, KVConfig], threshold: float = DEFAULT_
                         "yet: validate it with --mode prefix or --mode engine")
     # the context limit is checked again once the model is known
     check_window(DEFAULT_WINDOW if window is None else window, stride, max_windows, context_limit=1 << 62)
+    if max_windows:   # fewer windows than ranks: refused before the model loads (the text's own count, below)
+        planned = ranks.planned()
+        planned.check_enough(max_windows, "window", f"give --max-windows {planned.size} or more")
     if backend is not None:   # a bad or impossible --backend fails here, not after the model loads
         for cfg in configs.values():
             if not isinstance(cfg, (PeerSetting, PressedSetting)):

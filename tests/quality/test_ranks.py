@@ -17,6 +17,7 @@ from kvcx.quality import ranks  # noqa: E402
 from kvcx.quality.scoring import PerplexityRun  # noqa: E402
 
 TIMING = ("wall_time_s", "codec_time_s")   # what differs between any two runs, one process or several
+LOADING = "Loading weights"   # what transformers writes to stderr as a model loads
 
 
 def _free_port() -> int:
@@ -129,6 +130,7 @@ def test_torchrun_and_accelerate_with_two_ranks_give_the_one_process_json(wikite
 
     few = _validate(wikitext_path, "--max-windows", "1", launcher=torchrun[:-1] + [str(_free_port())])
     assert few.returncode != 0 and "2 ranks and 1 windows: every rank needs a window" in few.stderr
+    assert LOADING in one.stderr and LOADING not in few.stderr      # refused before the model loads
 
 
 def test_torchrun_shards_retrieval_prompts_and_gives_the_one_process_json(wikitext_path):
@@ -154,6 +156,7 @@ def test_torchrun_shards_retrieval_prompts_and_gives_the_one_process_json(wikite
     few = subprocess.run([*torchrun[:-1], str(_free_port()), *alone], capture_output=True, text=True, timeout=600,
                          env=env)
     assert few.returncode != 0 and "2 ranks and 1 prompts: every rank needs a prompt" in few.stderr
+    assert LOADING in one.stderr and LOADING not in few.stderr      # refused before the model loads
 
 
 @pytest.fixture(scope="module")
@@ -208,6 +211,7 @@ def test_torchrun_shards_calibration_windows_and_writes_the_one_process_plan(wik
         return
     few, _ = _calibrate(tmp_path, "few.json", torchrun[:-1] + [str(_free_port())], *args[:-1], "1", *data)
     assert few.returncode != 0 and "2 ranks and 1 windows: every rank needs a window" in few.stderr
+    assert LOADING in one.stderr and LOADING not in few.stderr      # refused before the model loads
     assert not (tmp_path / "few.json").exists()
 
 
