@@ -1,6 +1,7 @@
 """The float dtypes the kernels handle: NumPy dtypes, safetensors names and kernel codes."""
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional
 
 import numpy as np
@@ -8,12 +9,22 @@ import numpy as np
 from kvcx.codecs.cpu import core as _core
 from kvcx.errors import CodecError
 
-try:  # bfloat16 as a NumPy dtype
-    import ml_dtypes
 
-    BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
-except ImportError:  # pragma: no cover - ml_dtypes is a dependency
-    BFLOAT16 = None
+@functools.lru_cache(maxsize=None)
+def bfloat16() -> Optional[np.dtype]:
+    """bfloat16 as a NumPy dtype (ml_dtypes'), imported where a bfloat16 array is first made or read: ml_dtypes'
+    import takes about half a second, which every ``kvcx`` command paid at start. None without ml_dtypes."""
+    try:
+        import ml_dtypes
+    except ImportError:  # pragma: no cover - ml_dtypes is a dependency
+        return None
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+def __getattr__(name: str):
+    if name == "BFLOAT16":   # the constant it was (``from kvcx.codecs.dtypes import BFLOAT16``), resolved on first use
+        return bfloat16()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 # safetensors dtype name -> kernel dtype code (the codes are defined once, in kvcx/codecs/cpu/base.h)
 DTYPE_NAMES = {"F32": _core.DT_F32, "F16": _core.DT_F16, "BF16": _core.DT_BF16}
@@ -31,14 +42,14 @@ def dtype_name(dtype: np.dtype) -> Optional[str]:
         return "F16"
     if dtype == np.float32:
         return "F32"
-    if BFLOAT16 is not None and dtype == BFLOAT16:
+    if dtype.name == "bfloat16" and dtype == bfloat16():   # only a bfloat16 array imports ml_dtypes here
         return "BF16"
     return None
 
 
 def numpy_dtype(name: str) -> np.dtype:
     """The NumPy dtype of 'F16' / 'BF16' / 'F32'."""
-    return {"F16": np.dtype(np.float16), "F32": np.dtype(np.float32), "BF16": BFLOAT16}[name]
+    return bfloat16() if name == "BF16" else {"F16": np.dtype(np.float16), "F32": np.dtype(np.float32)}[name]
 
 
 def kernel_dtype(dtype: np.dtype) -> int:

@@ -12,7 +12,7 @@ import importlib
 import numpy as np
 
 from kvcx.codecs.backends import is_tensor
-from kvcx.codecs.dtypes import BFLOAT16
+from kvcx.codecs.dtypes import bfloat16
 from kvcx.deps import import_torch
 from kvcx.errors import CodecError
 
@@ -37,7 +37,7 @@ def torch_to_numpy(t) -> np.ndarray:
         t = t.cpu()
     t = t.contiguous()
     if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(BFLOAT16)
+        return t.view(torch.int16).numpy().view(bfloat16())
     return t.numpy()
 
 
@@ -47,7 +47,7 @@ def numpy_to_torch(a: np.ndarray, device=None):
     a = np.ascontiguousarray(a)
     if not a.flags.writeable:  # torch tensors must own writable memory
         a = a.copy()
-    if BFLOAT16 is not None and a.dtype == BFLOAT16:
+    if a.dtype.name == "bfloat16" and a.dtype == bfloat16():
         t = torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
     else:
         t = torch.from_numpy(a)

@@ -21,7 +21,7 @@ from typing import Dict, Iterator, Optional
 
 import numpy as np
 
-from kvcx.codecs.dtypes import BFLOAT16
+from kvcx.codecs.dtypes import bfloat16
 from kvcx.errors import FormatError
 from kvcx.formats.atomic import OutputSet, open_regular, write_bytes_to
 from kvcx.formats.jsonio import check_text, no_duplicate_keys
@@ -32,7 +32,7 @@ _TYPES = {
     "F64": np.dtype("<f8"),
     "F32": np.dtype("<f4"),
     "F16": np.dtype("<f2"),
-    "BF16": BFLOAT16,
+    "BF16": None,   # ml_dtypes' bfloat16, imported where a file holds one (_numpy_dtype)
     "I64": np.dtype("<i8"),
     "I32": np.dtype("<i4"),
     "I16": np.dtype("<i2"),
@@ -49,10 +49,17 @@ _RANK = {name: i for i, name in enumerate(
     ["BOOL", "U8", "I8", "I16", "U16", "F16", "BF16", "I32", "U32", "F32", "F64", "I64", "U64"])}
 
 
+def _numpy_dtype(name: str) -> Optional[np.dtype]:
+    """The NumPy dtype of a safetensors dtype name (None: BF16 without ml_dtypes)."""
+    return bfloat16() if name == "BF16" else _TYPES[name]
+
+
 def dtype_to_name(dtype: np.dtype, key: str = "tensor") -> str:
     dtype = np.dtype(dtype)
     if dtype.byteorder == ">":
         dtype = dtype.newbyteorder("<")
+    if dtype.name == "bfloat16" and dtype == bfloat16():
+        return "BF16"
     for name, dt in _TYPES.items():
         if dt is not None and dt == dtype:
             return name
@@ -104,7 +111,7 @@ def parse_header(prefix: bytes, file_size: int, source: str = "<bytes>"):
             raise FormatError(f"{source}: key {key!r} is invalid, expected an object with exactly dtype, shape "
                               f"and data_offsets, got {str(info)[:80]}")
         dtype = info["dtype"]
-        if not isinstance(dtype, str) or dtype not in _TYPES or _TYPES[dtype] is None:
+        if not isinstance(dtype, str) or dtype not in _TYPES or _numpy_dtype(dtype) is None:
             raise FormatError(f"{source}: key {key!r} has unknown dtype {dtype!r}; supported: {', '.join(_TYPES)}")
         shape = info["shape"]
         if not isinstance(shape, list) or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0
@@ -120,7 +127,7 @@ def parse_header(prefix: bytes, file_size: int, source: str = "<bytes>"):
         numel = 1
         for s in shape:
             numel *= s  # Python ints: no overflow
-        nbytes = numel * _TYPES[dtype].itemsize
+        nbytes = numel * _numpy_dtype(dtype).itemsize
         if offs[1] - offs[0] != nbytes:
             raise FormatError(f"{source}: key {key!r} is invalid: shape {shape} of {dtype} needs {nbytes} bytes "
                               f"but data_offsets span {offs[1] - offs[0]}")
@@ -138,7 +145,7 @@ def parse_header(prefix: bytes, file_size: int, source: str = "<bytes>"):
 
 
 def _as_array(buf, dtype: str, shape: tuple, begin: int, end: int, start: int) -> np.ndarray:
-    dt = _TYPES[dtype]
+    dt = _numpy_dtype(dtype)
     count = (end - begin) // dt.itemsize
     return np.frombuffer(buf, dtype=dt, count=count, offset=start + begin).reshape(shape)
 
@@ -199,14 +206,14 @@ class SafeFile:
                                   "truncated it?); run again once it is complete")
             done += got
         self._check_unchanged()
-        arr = out.view(_TYPES[dtype]).reshape(shape)
+        arr = out.view(_numpy_dtype(dtype)).reshape(shape)
         arr.setflags(write=False)
         return arr
 
     def shape_and_dtype(self, key: str) -> tuple:
         """(shape, NumPy dtype) of tensor ``key``, from the header (nothing read)."""
         dtype, shape, _, _ = self.entries[key]
-        return shape, _TYPES[dtype]
+        return shape, _numpy_dtype(dtype)
 
     def tensors(self) -> "Tensors":
         """Every tensor, each read when it is looked up (a Mapping: memory holds one tensor at a time)."""
