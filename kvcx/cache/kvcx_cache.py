@@ -379,13 +379,15 @@ def transformers_layer_class(spec_or_type, which: str = "DYNAMIC"):
 
 def layer_kwargs(config, spec: LayerSpec) -> dict:
     """What transformers gives the cache layer class of ``spec`` (its window, its states, its config): the
-    arguments ``get_layer_types_and_kwargs`` yields for the layer."""
+    arguments ``get_layer_types_and_kwargs`` yields for the layer (a list of them a layer from 5.19; before, one
+    dict that every layer class is given whole)."""
     import transformers.cache_utils as cu
 
     get = getattr(cu, "get_layer_types_and_kwargs", None)
     if get is None:
         return {"number_of_states": getattr(config, "number_of_conv_states", 1) or 1} if spec.kind == STATE else {}
-    return get(config)[1][spec.index]
+    kwargs = get(config)[1]
+    return dict(kwargs) if isinstance(kwargs, dict) else kwargs[spec.index]
 
 
 def layer_bytes(layer) -> int:

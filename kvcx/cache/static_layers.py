@@ -256,8 +256,11 @@ class StaticKvcxLayer(CacheLayerMixin):
         return plan.where, plan.packed, plan.live, None
 
     def _fused(self, query, attention_mask, scaling, softcap, sinks) -> torch.Tensor:
-        """The decode step's attention through :func:`kvcx.codecs.paged.attend`, as :meth:`attend` says."""
-        if attention_mask is not None:
+        """The decode step's attention through :func:`kvcx.codecs.paged.attend`, as :meth:`attend` says. A mask
+        given while the step is being captured in a CUDA graph is not read: transformers before 5.19 builds SDPA's
+        mask whenever it traces (it cannot look at the padding then), and a padded batch's mask is refused by the
+        steps from Python before any capture (the warm-up's)."""
+        if attention_mask is not None and not (query.is_cuda and torch.cuda.is_current_stream_capturing()):
             raise KvcxError("StaticKvcxCache decodes rows of equal length: this step has an attention mask (left "
                             "padding, or a mask the model builds for another reason); use KvcxCache for padded "
                             "batches")

@@ -13,6 +13,7 @@ from transformers.cache_utils import DynamicSlidingWindowLayer, LinearAttentionL
 
 from bench.families import family_configs, unsupported_config  # noqa: E402
 from kvcx.cache import KvcxCache  # noqa: E402
+from kvcx.cache.kvcx_cache import layer_kwargs  # noqa: E402
 from kvcx.cache.layer_types import CHUNKED, FULL, SLIDING, STATE, UNSUPPORTED, layer_specs  # noqa: E402
 from kvcx.cache.layers import KvcxLayer, KvcxWindowLayer  # noqa: E402
 from kvcx.errors import KvcxError  # noqa: E402
@@ -168,3 +169,25 @@ def test_the_layers_an_engine_keeps_exact_are_transformers_own():
     assert [r["kvcx"] for r in rows] == ["kept"] * 2 + ["packed"] * 2 + ["kept"] * 2
     assert "vLLM's TurboQuant" in rows[0]["kept_because"] and rows[2]["tokens_held"] == 43
     assert report["kept_bytes"] == sum(r["bytes"] for r in rows if r["kvcx"] == "kept") > 0
+
+
+@pytest.mark.parametrize("name", [n for n in FAMILIES if "Qwen 3.5" in n or "Gemma 3" in n])
+def test_layer_kwargs_as_transformers_before_5_19_gives_them(name, monkeypatch):
+    """transformers before 5.19 returns one dict of cache-layer kwargs that every layer class is given (5.19: a list,
+    a dict a layer): the layers kvcx leaves to transformers are built from either (5.17 on the H200 raised a KeyError
+    on every hybrid model before this)."""
+    import transformers.cache_utils as cu
+
+    cfg = FAMILIES[name]()
+    real = cu.get_layer_types_and_kwargs
+    merged = {k: v for d in real(cfg)[1] for k, v in d.items()}
+
+    def one_dict(config):   # 5.17's shape: the layers' kwargs merged into one
+        types, kwargs = real(config)
+        return types, {k: v for d in kwargs for k, v in d.items()}
+
+    before = [type(layer) for layer in KvcxCache(cfg).layers]
+    monkeypatch.setattr(cu, "get_layer_types_and_kwargs", one_dict)
+    after = KvcxCache(cfg)
+    assert [type(layer) for layer in after.layers] == before
+    assert all(layer_kwargs(cfg, s) == merged for s in layer_specs(cfg))
