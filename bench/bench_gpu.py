@@ -3,6 +3,7 @@
     python -m bench.bench_gpu --markdown docs/results/gpu.md          # on a CUDA machine, < 10 minutes
     python -m bench.bench_gpu --smoke                                 # tiny shapes, any device (the interpreter)
     python -m bench.bench_gpu --skip attention bandwidth generate --variants   # the attention kernel's settings
+    python -m bench.bench_gpu --skip attention bandwidth --prompts 4096 32768 131072 --longest-batch-1 --fit 131072
 
 Llama-3-8B's attention shapes (32 query heads, 8 KV heads, head dim 128), random data, BF16, the default
 scheme (keys per channel with zero points, values rotated per token; one exact sink token):
@@ -17,9 +18,13 @@ scheme (keys per channel with zero points, values rotated per token; one exact s
 2. Encode and decode bandwidth of the Triton codecs on [8, 8, 32k, 128] BF16 keys and values vs a
    device-to-device copy of the same tensor (bytes of the BF16 tensor / time, both).
 3. Greedy decoding (one forward per token, as ``generate()`` steps) with a random-weight model of Llama-3-8B's
-   shape (BF16): KvcxCache (fused, Triton) vs DynamicCache (SDPA), tokens/s after a 4k and a 32k prompt, and
-   the cache bytes each holds.
+   shape (BF16): KvcxCache (fused, Triton) vs DynamicCache (SDPA) from Python, StaticKvcxCache vs transformers'
+   StaticCache from Python and with each step replayed from a CUDA graph; tokens/s after each ``--prompts``
+   length (4k and 32k by default; ``--longest-batch-1`` times the longest at batch 1 only), and the cache bytes
+   each holds. A cache that fails (not out of memory) is a "failed" cell, its traceback on stderr.
 4. Memory held by the packed store vs BF16 keys and values at 32k (section 1's store).
+6. With ``--fit [TOKENS ...]`` (CUDA): the most sequences of each length StaticCache and StaticKvcxCache hold
+   beside the model, in the device's memory and in 80 GB (an H100's), run first.
 5. With ``--variants``: the attention kernel's launch settings (block tokens, warps, FP32 sums or ``tl.dot``)
    timed on one store, to choose its defaults on the GPU at hand; ``--tune`` runs it first and the other
    sections with the fastest setting (named in the table).
@@ -354,15 +359,14 @@ def static_kvcx_rates(torch, dev, model, ids, new_tokens: int, chunk: int = PREF
 
 
 def generation(torch, dev, prompts, batches, new_tokens, out, layers, hidden, inter, vocab, hq, hkv,
-               chunk: int = PREFILL_CHUNK, launch=None):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from kvcx.cache import kvcx_cache  # noqa: F401  (registers the "kvcx" attention implementation)
-
+               chunk: int = PREFILL_CHUNK, launch=None, model=None, longest_batch_1: bool = False):
+    """Section 3's table, with ``model`` (one of these shapes) or a new one; ``longest_batch_1``: the longest
+    prompt's row at batch 1 only."""
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     out(f"## 3. Greedy decoding, a random-weight model of Llama-3-8B's shape ({layers} layers, hidden {hidden}, "
         f"{hq}/{hkv} heads), {str(dtype).replace('torch.', '')}, greedy, {new_tokens} new tokens timed after one "
-        f"untimed step (tokens/s: every row's, a batch of {' and '.join(map(str, batches))}; the prompt prefilled "
+        f"untimed step and an untimed row at the first shape (tokens/s: every row's, a batch of "
+        f"{' and '.join(map(str, batches))}; the prompt prefilled "
         f"{chunk:,} tokens a forward); DynamicCache "
         "concatenates its whole cache at every step (a copy of all its keys and values a layer and token: why it "
         "is slow); StaticCache preallocates them and attends over all of its length "
@@ -377,8 +381,27 @@ def generation(torch, dev, prompts, batches, new_tokens, out, layers, hidden, in
         "DynamicCache MiB | StaticCache MiB | KvcxCache MiB | StaticKvcxCache MiB | StaticKvcxCache / StaticCache | "
         "StaticCache kernels a step | StaticKvcxCache kernels a step | kvcx backend | fused steps |")
     out("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|")
+    model = model or llama_model(torch, dev, layers, hidden, inter, vocab, hq, hkv, max(prompts))
+    # an untimed row at the first shape: each cache's kernels compiled and the libraries' first calls made at every
+    # step a row reaches (the residual filled and packed), which the H200's run of 2026-12-04 timed inside its first
+    # row (DynamicCache and KvcxCache both slower at 4k, batch 1 than at 32k)
+    generation_row(torch, dev, model, prompts[0], batches[0], new_tokens, vocab, chunk, launch)
+    for n, batch in itertools.product(prompts, batches):
+        if longest_batch_1 and n == max(prompts) and batch != 1 and len(prompts) > 1:
+            continue
+        out(generation_row(torch, dev, model, n, batch, new_tokens, vocab, chunk, launch))
+    out("")
+
+
+def llama_model(torch, dev, layers, hidden, inter, vocab, hq, hkv, longest: int):
+    """A random-weight Llama of these shapes on ``dev`` (BF16 on CUDA, FP32 elsewhere), attention "kvcx"."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kvcx.cache import kvcx_cache  # noqa: F401  (registers the "kvcx" attention implementation)
+
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     cfg = LlamaConfig(num_hidden_layers=layers, hidden_size=hidden, intermediate_size=inter, vocab_size=vocab,
-                      num_attention_heads=hq, num_key_value_heads=hkv, max_position_embeddings=max(prompts) * 2)
+                      num_attention_heads=hq, num_key_value_heads=hkv, max_position_embeddings=longest * 2)
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -388,9 +411,7 @@ def generation(torch, dev, prompts, batches, new_tokens, out, layers, hidden, in
         torch.set_default_dtype(default)
     model.eval()
     model.set_attn_implementation("kvcx")
-    for n, batch in itertools.product(prompts, batches):
-        out(generation_row(torch, dev, model, n, batch, new_tokens, vocab, chunk, launch))
-    out("")
+    return model
 
 
 def eager_rate(torch, dev, model, ids, cache, new_tokens: int, chunk: int = PREFILL_CHUNK) -> tuple:
@@ -415,56 +436,135 @@ def eager_rate(torch, dev, model, ids, cache, new_tokens: int, chunk: int = PREF
     return rate, dynamic_cache_bytes(cache), None
 
 
+FAILED = "failed"   # a cache whose row raised something other than running out of memory (traceback on stderr)
+
+
 def generation_row(torch, dev, model, n: int, batch: int, new_tokens: int, vocab: int,
                    chunk: int = PREFILL_CHUNK, launch=None) -> str:
     """Section 3's row for a prompt of ``n`` random tokens in each of ``batch`` rows; a cache that runs out of
-    device memory (batch 8 at a long prompt) is a cell that says so, the others are measured; kvcx's caches launch
-    with ``launch`` (a LaunchSettings, or None: the package's defaults)."""
+    device memory (batch 8 at a long prompt) is a cell that says so, one that fails otherwise a cell that says
+    "failed" (its traceback on stderr: one cache's failure does not cost the others' figures); the others are
+    measured; kvcx's caches launch with ``launch`` (a LaunchSettings, or None: the package's defaults)."""
+    import traceback
+
     from transformers import DynamicCache
 
     from kvcx.cache.kvcx_cache import KvcxCache
 
     ids = torch.randint(0, vocab, (batch, n), device=dev)
 
-    def measured(fn):
+    def measured(name, fn):
         try:
             return fn()
         except torch.cuda.OutOfMemoryError:
             return None
+        except Exception:   # reported; the row goes on
+            print(f"{name} at {n:,} tokens, batch {batch}: failed", file=sys.stderr)
+            traceback.print_exc()
+            return FAILED
         finally:
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
 
-    dyn = measured(lambda: eager_rate(torch, dev, model, ids, DynamicCache(), new_tokens, chunk))
-    kv = measured(lambda: eager_rate(torch, dev, model, ids, KvcxCache(model.config, backend="triton", launch=launch),
-                                     new_tokens, chunk))
-    st = measured(lambda: static_rates(torch, dev, model, ids, new_tokens, chunk))
-    sk = measured(lambda: static_kvcx_rates(torch, dev, model, ids, new_tokens, chunk, launch))
+    dyn = measured("DynamicCache", lambda: eager_rate(torch, dev, model, ids, DynamicCache(), new_tokens, chunk))
+    kv = measured("KvcxCache", lambda: eager_rate(
+        torch, dev, model, ids, KvcxCache(model.config, backend="triton", launch=launch), new_tokens, chunk))
+    st = measured("StaticCache", lambda: static_rates(torch, dev, model, ids, new_tokens, chunk))
+    sk = measured("StaticKvcxCache", lambda: static_kvcx_rates(torch, dev, model, ids, new_tokens, chunk, launch))
 
-    def rates(r):   # (tokens/s from Python, from a graph or None) over the batch's rows
-        return (batch * r[0], r[1] and batch * r[1]) if r else (None, None)
+    def pick(r, i, scale=1.0):   # a measured field, or the row's None (out of memory) / FAILED as it is
+        if not isinstance(r, tuple):
+            return r
+        return None if r[i] is None else r[i] * scale
 
-    (static, static_graph), (skv, skv_graph) = rates(st), rates(sk)
-
-    def cell(v, f="{:.1f}"):
-        return "out of memory" if v is None else f.format(v)
-
-    def graph_cell(r, v):
-        return rate(v) if r else cell(None)
+    def cell(v, f="{:.1f}", missing="out of memory"):
+        return missing if v is None else v if v == FAILED else f.format(v)
 
     def ratio(a, b):
-        return f"{a / b:.2f}x" if a and b else "n/a"
+        return f"{a / b:.2f}x" if isinstance(a, float) and isinstance(b, float) and b else "n/a"
+
+    # tokens/s over the batch's rows: from Python, and from a graph (None there: the step could not be captured)
+    static, skv = pick(st, 0, batch), pick(sk, 0, batch)
+    static_graph, skv_graph = pick(st, 1, batch), pick(sk, 1, batch)
+
+    def graph_cell(r, v):
+        return cell(v, missing="n/a") if isinstance(r, tuple) else cell(r)
 
     def launch_cell(r):
-        return cell(None) if r is None else "n/a" if r[3] is None else f"{r[3]:.0f}"
+        return cell(pick(r, 3), "{:.0f}", missing="n/a") if isinstance(r, tuple) else cell(r)
 
-    return (f"| {n:,} | {batch} | {cell(dyn and dyn[0])} | {cell(static)} | {graph_cell(st, static_graph)} | "
-            f"{cell(kv and kv[0])} | {cell(skv)} | {graph_cell(sk, skv_graph)} | {ratio(skv_graph, static_graph)} | "
-            f"{ratio(kv and kv[0], dyn and dyn[0])} | "
-            f"{cell(dyn and dyn[1] / 2**20)} | {cell(st and st[2] / 2**20)} | {cell(kv and kv[1] / 2**20)} | "
-            f"{cell(sk and sk[2] / 2**20)} | {f'{sk[2] / st[2]:.3f}x' if sk and st else 'n/a'} | "
-            f"{launch_cell(st)} | {launch_cell(sk)} | "
-            f"{kv[2]['backend'] if kv else 'n/a'} | {kv[2]['attention_steps']['fused'] if kv else 'n/a'} |")
+    bytes_ratio = f"{sk[2] / st[2]:.3f}x" if isinstance(sk, tuple) and isinstance(st, tuple) else "n/a"
+    report = kv[2] if isinstance(kv, tuple) else None
+    return (f"| {n:,} | {batch} | {cell(pick(dyn, 0))} | {cell(static)} | {graph_cell(st, static_graph)} | "
+            f"{cell(pick(kv, 0))} | {cell(skv)} | {graph_cell(sk, skv_graph)} | {ratio(skv_graph, static_graph)} | "
+            f"{ratio(pick(kv, 0), pick(dyn, 0))} | "
+            f"{cell(pick(dyn, 1, 2**-20))} | {cell(pick(st, 2, 2**-20))} | {cell(pick(kv, 1, 2**-20))} | "
+            f"{cell(pick(sk, 2, 2**-20))} | {bytes_ratio} | {launch_cell(st)} | {launch_cell(sk)} | "
+            f"{report['backend'] if report else 'n/a'} | {report['attention_steps']['fused'] if report else 'n/a'} |")
+
+
+def fits(torch, dev, model, make_cache, batch: int) -> bool:
+    """Whether ``batch`` rows fit: the cache made by ``make_cache(batch)`` allocated (StaticCache and
+    StaticKvcxCache allocate their whole capacity at the first step) and one step of ``batch`` tokens run through
+    the model with it; out of device memory -> False."""
+    cache = None
+    try:
+        cache = make_cache(batch)
+        with torch.inference_mode():
+            ids = torch.zeros((batch, 1), dtype=torch.long, device=dev)
+            model(ids, past_key_values=cache, cache_position=torch.arange(1, device=dev), logits_to_keep=1)
+        torch.cuda.synchronize()
+        return True
+    except torch.cuda.OutOfMemoryError:
+        return False
+    except RuntimeError as exc:   # an allocation outside torch's allocator (Triton's) says it in its message
+        if "out of memory" not in str(exc).lower():
+            raise
+        return False
+    finally:
+        del cache
+        torch.cuda.empty_cache()
+
+
+def most_rows(torch, dev, model, make_cache, limit: int = 256) -> int:
+    """The largest batch that :func:`fits` (doubling, then bisecting; 0 where one row does not fit)."""
+    lo, hi = 0, 1
+    while hi <= limit and fits(torch, dev, model, make_cache, hi):
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(torch, dev, model, make_cache, mid) else (lo, mid)
+    return lo
+
+
+def capacity(torch, dev, model, contexts, budgets_gb, out) -> None:
+    """Section 6: the most sequences of each length that StaticCache and StaticKvcxCache hold beside the model
+    (its BF16 weights) within each memory budget (the device's whole memory, and 80 GB: an H100's, set with
+    torch.cuda.set_per_process_memory_fraction)."""
+    from transformers import StaticCache
+
+    from kvcx.cache.static_cache import StaticKvcxCache
+
+    total = torch.cuda.get_device_properties(dev).total_memory
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    out(f"## 6. Sequences that fit: the largest batch whose cache (allocated whole for the length, as StaticCache "
+        f"and StaticKvcxCache allocate it) and one decode step fit beside the model's weights ({weights / 1e9:.1f} "
+        f"GB, BF16) within the memory budget (the device's {total / 1e9:.0f} GB, or a smaller budget set with "
+        f"torch.cuda.set_per_process_memory_fraction); doubling, then bisecting")
+    out("")
+    out("| tokens a sequence | memory budget (GB) | StaticCache sequences | StaticKvcxCache sequences | "
+        "kvcx / Static |")
+    out("|---:|---:|---:|---:|---:|")
+    for n, budget in itertools.product(contexts, budgets_gb):
+        cap = min(budget * 1e9, total)
+        torch.cuda.set_per_process_memory_fraction(cap / total, torch.cuda.current_device())
+        try:
+            s = most_rows(torch, dev, model, lambda b: StaticCache(config=model.config, max_cache_len=n))
+            k = most_rows(torch, dev, model, lambda b: StaticKvcxCache(model.config, max_cache_len=n))
+        finally:
+            torch.cuda.set_per_process_memory_fraction(1.0, torch.cuda.current_device())
+        out(f"| {n:,} | {cap / 1e9:.0f} | {s} | {k} | {f'{k / s:.2f}x' if s else 'n/a'} |")
+    out("")
 
 
 def main(argv=None):
@@ -476,6 +576,14 @@ def main(argv=None):
                     help="also time the attention kernel's launch settings (section 5; for choosing its defaults)")
     ap.add_argument("--tune", action="store_true",
                     help="time the launch settings first (section 5) and run the other sections with the fastest")
+    ap.add_argument("--prompts", type=int, nargs="+", default=None,
+                    help="section 3's prompt lengths (default 4096 32768; 131072 the issue's longest)")
+    ap.add_argument("--gen-batches", type=int, nargs="+", default=None, help="section 3's batches (default 1 8)")
+    ap.add_argument("--longest-batch-1", action="store_true",
+                    help="section 3's longest prompt at batch 1 only (a batch of 8 at 128k: minutes of prefill)")
+    ap.add_argument("--fit", type=int, nargs="*", default=None, metavar="TOKENS",
+                    help="section 6: the most sequences of these lengths (default 131072) StaticCache and "
+                         "StaticKvcxCache hold beside the model, in the device's memory and in 80 GB")
     ap.add_argument("--markdown", default=None, help="also write the tables to this file")
     args = ap.parse_args(argv)
     if args.reps is not None and args.reps < 1:
@@ -499,6 +607,8 @@ def main(argv=None):
         shapes = dict(contexts=CONTEXTS, batches=BATCHES, reps=args.reps or 50, hq=HQ, hkv=HKV, d=D,
                       bw=(8, 8, 32768, 128), prompts=(4096, 32768), gen_batches=(1, 8), new=32, chunk=PREFILL_CHUNK,
                       model=(32, 4096, 14336, 128256, 32, 8))
+    shapes["prompts"] = tuple(args.prompts or shapes["prompts"])
+    shapes["gen_batches"] = tuple(args.gen_batches or shapes["gen_batches"])
     memory = {}
     # the cases --tune and --variants time: batch 1 at 32k and 128k tokens, batch 8 at 32k (the targets'), and batch 1
     # at 4k, where a step is mostly its fixed part (the H100's profile of the merge launched early: 14.0 us replayed
@@ -515,9 +625,14 @@ def main(argv=None):
                            shapes["hq"], shapes["hkv"], shapes["d"], launch)
     if "bandwidth" not in args.skip:
         bandwidth(torch, dev, cfg, shapes["bw"], shapes["reps"], out)
+    model = None
+    if args.fit is not None and dev.type == "cuda":   # first: a few seconds, where section 3 takes minutes
+        model = llama_model(torch, dev, *shapes["model"], max(shapes["prompts"] + tuple(args.fit or [131072])))
+        capacity(torch, dev, model, args.fit or [131072], [torch.cuda.get_device_properties(dev).total_memory
+                                                           / 1e9, 80], out)
     if "generate" not in args.skip:
         generation(torch, dev, shapes["prompts"], shapes["gen_batches"], shapes["new"], out, *shapes["model"],
-                   chunk=shapes["chunk"], launch=launch)
+                   chunk=shapes["chunk"], launch=launch, model=model, longest_batch_1=args.longest_batch_1)
     if memory:
         S = 32768 if (32768, 1) in memory else shapes["contexts"][-1]
         out(f"## 4. Memory: the packed store holds {memory[(S, 1)]:.3f}x the BF16 keys and values at {S:,} tokens "

@@ -3,7 +3,7 @@
 # Triton tests on the GPU, then bench_gpu.py with its table under $OUT. Steps as arguments, in order:
 #     bash bench/gpu_session.sh tests bench profile variants   (each bounded: TESTS_T, BENCH_T, PROFILE_T, VARIANTS_T s)
 # A built extension carried in .dev/so/ (from an earlier call's $OUT) skips the build. BENCH_ARGS: more arguments
-# for bench_gpu.py (e.g. --tune); PROFILE_ARGS: profile_gpu.py's (default --codecs; e.g. "--codecs --set
+# for bench_gpu.py (e.g. --tune); BENCH_MD: the page it writes (default docs/results/gpu.md); PROFILE_ARGS: profile_gpu.py's (default --codecs; e.g. "--codecs --set
 # CODEC_CHANNELS=32"); TEST_FILES: the tests to run (default: the eight Triton test files); TEST_K: a pytest -k
 # expression to choose among them.
 set -u
@@ -35,8 +35,9 @@ for step in "$@"; do
              ${TEST_FILES:-tests/cache/test_static_cache.py tests/codecs/test_triton.py tests/codecs/test_paged.py \
              tests/codecs/test_triton_compile.py tests/cache/test_device_cache.py tests/test_bench_gpu.py \
              tests/codecs/test_triton_widths.py tests/codecs/test_triton_e8p.py} 2>&1 | tee "$OUT"/tests.log | tail -30 ;;
-    bench) log bench; timeout "${BENCH_T:-540}" python3 -m bench.bench_gpu ${BENCH_ARGS:-} --markdown docs/results/gpu.md \
-             2>&1 | tee "$OUT"/bench.log | tail -60; cp docs/results/gpu.md "$OUT"/ ;;
+    bench) log bench; md=${BENCH_MD:-docs/results/gpu.md}
+           timeout "${BENCH_T:-540}" python3 -m bench.bench_gpu ${BENCH_ARGS:-} --markdown "$md" \
+             2>&1 | tee "$OUT"/bench.log | tail -60; cp "$md" "$OUT"/ ;;
     profile) log profile; timeout "${PROFILE_T:-180}" python3 -m bench.profile_gpu ${PROFILE_ARGS:---codecs} --markdown docs/results/gpu-profile.md \
              2>&1 | tee "$OUT"/profile.log | tail -40; cp docs/results/gpu-profile.md "$OUT"/ ;;
     variants) log variants; timeout "${VARIANTS_T:-240}" python3 -m bench.bench_gpu --skip attention bandwidth \
