@@ -53,12 +53,19 @@ def test_the_shipped_plan_is_the_rule_applied_to_the_recorded_measurement(tmp_pa
 
 def test_kvcx2vs_measured_guard_is_the_rule_applied_to_its_recorded_measurement(tmp_path):
     """bench/plans/measured/kvcx2v-guard-8192.json (docs/results/retrieval-passkey-8k-90-kvcx2v-measured-guard.md) is
-    what --write-plan gives from kvcx2v's recorded 8k needle figures: 8-bit widths keys in 7 layers, E8P values."""
+    what --write-plan gives from kvcx2v's 8k needle figures as recorded on 2026-11-30 (the older widths keys and E8P
+    values, kept under docs/results/history/): 8-bit widths keys in 7 layers, E8P values. The current codec's figures
+    (docs/results/retrieval-loss-8k-kvcx2v.json, 2026-12-04) show no loss over the 25 prompts, and the rule guards
+    no layer."""
     from kvcx.codecs.kvconfig import KVConfig
 
-    saved = json.loads((ROOT / "docs/results/retrieval-loss-8k-kvcx2v.json").read_text())
+    saved = json.loads((ROOT / "docs/results/history/retrieval-loss-8k-kvcx2v-2026-11-30.json").read_text())
     out = tmp_path / "plan.json"
     layers = guard_plan(saved["args"]["scheme"], saved["forced"], 0.15, out, "m")
     assert layers == [2, 7, 15, 18, 20, 21, 23]
     shipped = load_plan(ROOT / "bench/plans/measured/kvcx2v-guard-8192.json")
     assert load_plan(out) == shipped == KVConfig.from_scheme("kvcx2v").guarded(layers)
+    now = json.loads((ROOT / "docs/results/retrieval-loss-8k-kvcx2v.json").read_text())
+    whole = (np.array(now["forced"]["exact"]) - np.array(now["forced"]["kvcx2v"])).mean()
+    assert whole <= 0
+    assert guard_plan(now["args"]["scheme"], now["forced"], 0.15, tmp_path / "now.json", "m") == []
