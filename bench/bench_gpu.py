@@ -504,12 +504,12 @@ def generation_row(torch, dev, model, n: int, batch: int, new_tokens: int, vocab
 
 
 def fits(torch, dev, model, make_cache, batch: int) -> bool:
-    """Whether ``batch`` rows fit: the cache made by ``make_cache(batch)`` allocated (StaticCache and
+    """Whether ``batch`` rows fit: the cache made by ``make_cache()`` allocated (StaticCache and
     StaticKvcxCache allocate their whole capacity at the first step) and one step of ``batch`` tokens run through
     the model with it; out of device memory -> False."""
     cache = None
     try:
-        cache = make_cache(batch)
+        cache = make_cache()
         with torch.inference_mode():
             ids = torch.zeros((batch, 1), dtype=torch.long, device=dev)
             model(ids, past_key_values=cache, cache_position=torch.arange(1, device=dev), logits_to_keep=1)
@@ -559,8 +559,8 @@ def capacity(torch, dev, model, contexts, budgets_gb, out) -> None:
         cap = min(budget * 1e9, total)
         torch.cuda.set_per_process_memory_fraction(cap / total, torch.cuda.current_device())
         try:
-            s = most_rows(torch, dev, model, lambda b: StaticCache(config=model.config, max_cache_len=n))
-            k = most_rows(torch, dev, model, lambda b: StaticKvcxCache(model.config, max_cache_len=n))
+            s = most_rows(torch, dev, model, lambda: StaticCache(config=model.config, max_cache_len=n))
+            k = most_rows(torch, dev, model, lambda: StaticKvcxCache(model.config, max_cache_len=n))
         finally:
             torch.cuda.set_per_process_memory_fraction(1.0, torch.cuda.current_device())
         out(f"| {n:,} | {cap / 1e9:.0f} | {s} | {k} | {f'{k / s:.2f}x' if s else 'n/a'} |")

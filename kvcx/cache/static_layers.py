@@ -23,6 +23,12 @@ from kvcx.codecs import gpu, paged, gpu_attn
 from kvcx.codecs.base import Codec, Packed
 from kvcx.errors import KvcxError
 
+
+def capturing(t: torch.Tensor) -> bool:
+    """Whether a step on ``t``'s device is being captured in a CUDA graph (nothing may be read back to the host)."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 class StepPlan:
     """Where a step's tokens go, shared by a cache's layers: the tokens held (a device counter, the truth), the
     residual slot and page of a decode step's token, the packed tokens and residual tokens each row reads; advanced
@@ -47,8 +53,7 @@ class StepPlan:
         """A decode step of one token a row, on the device only: its slot and page from the counter (the page
         clamped to the last one; a step past the capacity flagged), then the counter advanced. Run from Python
         (not captured), a step past the capacity raises first."""
-        capturing = self.pos.is_cuda and torch.cuda.is_current_stream_capturing()
-        if not capturing:
+        if not capturing(self.pos):
             if self.host_len + self.pending >= self.max_len:
                 raise KvcxError(f"StaticKvcxCache holds max_cache_len={self.max_len} tokens: a step of one more "
                                 "does not fit; build the cache with a larger max_cache_len")
@@ -260,7 +265,7 @@ class StaticKvcxLayer(CacheLayerMixin):
         given while the step is being captured in a CUDA graph is not read: transformers before 5.19 builds SDPA's
         mask whenever it traces (it cannot look at the padding then), and a padded batch's mask is refused by the
         steps from Python before any capture (the warm-up's)."""
-        if attention_mask is not None and not (query.is_cuda and torch.cuda.is_current_stream_capturing()):
+        if attention_mask is not None and not capturing(query):
             raise KvcxError("StaticKvcxCache decodes rows of equal length: this step has an attention mask (left "
                             "padding, or a mask the model builds for another reason); use KvcxCache for padded "
                             "batches")
