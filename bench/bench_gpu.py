@@ -588,6 +588,9 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.reps is not None and args.reps < 1:
         ap.error(f"--reps must be 1 or more, got {args.reps}")
+    for opt, values in (("--prompts", args.prompts), ("--gen-batches", args.gen_batches), ("--fit", args.fit)):
+        if values and min(values) < 1:
+            ap.error(f"{opt} takes lengths or batches of 1 or more, got {min(values)}")
     torch, dev = setup_device(args.smoke)
     from bench.report import Report
 
