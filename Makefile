@@ -82,6 +82,7 @@ bench: build
 	$(PY) -m bench.bench_generate --markdown docs/results/generate.md
 	$(PY) -m bench.bench_generate --presets kvcx3 kvcx2 kvcx2w --contexts 512 8000 --skip rss --no-quanto --markdown docs/results/generate-presets.md
 	$(PY) -m bench.bench_families --markdown docs/results/families.md
+	$(PY) -m bench.bench_mla --markdown docs/results/mla.md
 	$(PY) -m bench.bench_lmcache --markdown docs/results/lmcache.md
 	$(PY) -m bench.bench_fleet --rounds 24 --markdown docs/results/fleet.md
 	$(PY) -m bench.bench_engines --all --at 1024:512:32 --at 8192:4096:4 --markdown docs/results/engines.md

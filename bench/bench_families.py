@@ -2,16 +2,21 @@
 DynamicCache at 8x the window, and how close its tokens stay (tiny random-weight models from transformers' own
 config classes: bench/families.py; they prove code paths and memory, not quality).
 
-    python -m bench.bench_families [--window 256] [--steps 16] [--markdown docs/results/families.md]
+    python -m bench.bench_families [--window 256] [--steps 16] [--prompts 8] [--markdown docs/results/families.md]
 
-Per family, batch 1, a prompt of 8x the window (random tokens), then ``--steps`` greedy tokens:
+Per family, batch 1, ``--prompts`` prompts of 8x the window (random tokens, seeds 1..N), each then ``--steps``
+greedy tokens:
 - FP32, the model's eager attention with DynamicCache(config=...) (the reference) against KvcxCache (the default
   scheme, the ``"kvcx"`` attention): the greedy tokens equal to the reference's (free running: a random model's
   near-tie flips every token after it), the top-1 teacher-forced on the reference's tokens, the mean KL of the
-  next-token distributions (nats), and the decode steps of the packed layers that ran fused;
-- BF16 (both caches in the model's dtype, so that DynamicCache's bytes are its FP16-equivalent bytes): the bytes
-  KvcxCache holds after the 16 tokens (memory_report()'s total: packed, residual, kept layers' states, scratch,
-  workspace) against the bytes DynamicCache(config=...) holds (its sliding layers bounded too: like with like).
+  next-token distributions (nats), counted over all the prompts; the same for KvcxCache with 8-bit codes and for
+  vLLM's FP8 cache (a peer, emulated byte-exact); the decode steps of the packed layers that ran fused (the first
+  prompt);
+- BF16: the model in BF16 with DynamicCache against the FP32 reference's tokens (what the deployment dtype alone
+  keeps), and, on the first prompt with both caches in BF16 (so that DynamicCache's bytes are its FP16-equivalent
+  bytes), the bytes KvcxCache holds after the 16 tokens (memory_report()'s total: packed, residual, kept layers'
+  states, scratch, workspace) against the bytes DynamicCache(config=...) holds (its sliding layers bounded too:
+  like with like).
 """
 from __future__ import annotations
 
@@ -24,6 +29,8 @@ from bench.report import Report
 
 TARGET_MEMORY = 0.45   # the issue's bound for the families with 3 sliding (or chunked) layers to 1 full
 TARGET_TOKENS = 0.9
+PROMPTS = 8          # prompts a family's token columns count over (random tokens, seeds 1..PROMPTS)
+PEER = "fp8_e4m3"    # the peer cache in the same run: vLLM's --kv-cache-dtype fp8 (e4m3, scale 1.0), 8 bits a value
 
 
 def _layer_types(cache) -> str:
@@ -75,7 +82,8 @@ def layer_shares(model, ids, mask, steps: int, ref_tokens, ref_logits, opts: dic
     return out
 
 
-def run_family(name: str, cfg_fn, window: int, steps: int, tempered: bool = True, keep: bool = False) -> dict:
+def run_family(name: str, cfg_fn, window: int, steps: int, tempered: bool = True, keep: bool = False,
+               n_prompts: int = PROMPTS) -> dict:
     import torch
     from transformers import DynamicCache
 
@@ -84,47 +92,69 @@ def run_family(name: str, cfg_fn, window: int, steps: int, tempered: bool = True
 
     prompt = 8 * window
     opts = {"unsupported": "keep"} if keep else {}
-    ids, mask = prompts(1, prompt)
     cfg = cfg_fn()
     cfg.eos_token_id = None
     model = build(cfg)
     if tempered:
         temper(model, name)
     t = time.perf_counter()
-    model.set_attn_implementation("eager")
-    ref_tokens, ref_logits = decode(model, DynamicCache(config=model.config), ids, mask, steps)
-    model.set_attn_implementation("kvcx")
-    free, _ = decode(model, KvcxCache(model.config, **opts), ids, mask, steps)
-    free8, _ = decode(model, KvcxCache(model.config, bits=8, **opts), ids, mask, steps)
-    cache = KvcxCache(model.config, **opts)
-    _, logits = decode(model, cache, ids, mask, steps, forced=ref_tokens)
-    top2 = torch.softmax(ref_logits, -1).topk(2, -1).values
-    rep = cache.memory_report()
+    tally = dict(greedy=0, forced=0, greedy8=0, peer=0, bf_greedy=0, bf_forced=0)
+    kls, peer_kls, leads, refs = [], [], [], []
+    rep = first = None
+    for seed in range(1, n_prompts + 1):   # prompt 1 is the one the memory, fused counts and layer shares read
+        ids, mask = prompts(1, prompt, seed=seed)
+        model.set_attn_implementation("eager")
+        ref_tokens, ref_logits = decode(model, DynamicCache(config=model.config), ids, mask, steps)
+        model.set_attn_implementation("kvcx")
+        free, _ = decode(model, KvcxCache(model.config, **opts), ids, mask, steps)
+        free8, _ = decode(model, KvcxCache(model.config, bits=8, **opts), ids, mask, steps)
+        peer, _ = decode(model, KvcxCache(model.config, scheme=PEER, **opts), ids, mask, steps)
+        _, peer_logits = decode(model, KvcxCache(model.config, scheme=PEER, **opts), ids, mask, steps,
+                                forced=ref_tokens)
+        cache = KvcxCache(model.config, **opts)
+        _, logits = decode(model, cache, ids, mask, steps, forced=ref_tokens)
+        top2 = torch.softmax(ref_logits, -1).topk(2, -1).values
+        leads.append(top2[..., 0] - top2[..., 1])
+        tally["greedy"] += int((free == ref_tokens).sum())
+        tally["forced"] += int((logits.argmax(-1) == ref_tokens).sum())
+        tally["greedy8"] += int((free8 == ref_tokens).sum())
+        tally["peer"] += int((peer == ref_tokens).sum())
+        kls.append(kl(ref_logits, logits))
+        peer_kls.append(kl(ref_logits, peer_logits))
+        refs.append((ids, mask, ref_tokens))
+        if first is None:
+            rep, first = cache.memory_report(), (ids, mask, ref_tokens, ref_logits)
     packed = [s for s in cache.specs if s.packed]
     shared = getattr(model.config.get_text_config(), "num_kv_shared_layers", 0) or 0   # KV-shared layers attend too
     decode_steps = (steps - 1) * (len(packed) + shared)
     why = sorted({r["fused_unsupported"] for r in rep["layers"] if r.get("fused_unsupported")})
+    absorbed = sum(r.get("steps", {}).get("absorbed", 0) for r in rep["layers"])   # MLA: over the latent
     row = dict(name=name, types=_layer_types(cache), packs=_packs(cache), fused=rep["attention_steps"]["fused"],
-               decode_steps=decode_steps, why=why, greedy=int((free == ref_tokens).sum()),
-               forced=int((logits.argmax(-1) == ref_tokens).sum()), kl=kl(ref_logits, logits),
-               greedy8=int((free8 == ref_tokens).sum()), lead=float((top2[..., 0] - top2[..., 1]).median()),
+               absorbed=absorbed,
+               decode_steps=decode_steps, why=why, tokens=n_prompts * steps, kl=sum(kls) / len(kls),
+               peer_kl=sum(peer_kls) / len(peer_kls), lead=float(torch.cat(leads).median()),
                mixed=any(s.kind in ("sliding", "chunked") for s in cache.specs))
-    if row["greedy"] < TARGET_TOKENS * steps:   # below the target: which layer's codes move the distribution
+    if tally["greedy"] < TARGET_TOKENS * row["tokens"]:   # below the target: which layer's codes move the distribution
+        ids, mask, ref_tokens, ref_logits = first
         row["layers"] = layer_shares(model, ids, mask, steps, ref_tokens, ref_logits, opts)
-    # memory: both caches in BF16
+    # the model in BF16: its tokens against the FP32 reference's, and the memory (both caches in BF16)
     bf = model.to(torch.bfloat16)
     bf.set_attn_implementation("eager")
-    dyn = DynamicCache(config=bf.config)
-    bf_tokens, _ = decode(bf, dyn, ids, mask, steps)
-    _, bf_logits = decode(bf, DynamicCache(config=bf.config), ids, mask, steps, forced=ref_tokens)
-    bf.set_attn_implementation("kvcx")
-    kc = KvcxCache(bf.config, **opts)
-    decode(bf, kc, ids, mask, steps)
-    held = kc.memory_report()
-    row.update(kvcx_bytes=held["total_bytes"], dynamic_bytes=dynamic_cache_bytes(dyn),
+    for i, (ids, mask, ref_tokens) in enumerate(refs):
+        dyn = DynamicCache(config=bf.config)
+        bf_tokens, _ = decode(bf, dyn, ids, mask, steps)
+        _, bf_logits = decode(bf, DynamicCache(config=bf.config), ids, mask, steps, forced=ref_tokens)
+        tally["bf_greedy"] += int((bf_tokens == ref_tokens).sum())
+        tally["bf_forced"] += int((bf_logits.argmax(-1) == ref_tokens).sum())
+        if i == 0:
+            dynamic_bytes = dynamic_cache_bytes(dyn)
+            bf.set_attn_implementation("kvcx")
+            kc = KvcxCache(bf.config, **opts)
+            decode(bf, kc, ids, mask, steps)
+            held = kc.memory_report()
+            bf.set_attn_implementation("eager")
+    row.update(tally, kvcx_bytes=held["total_bytes"], dynamic_bytes=dynamic_bytes,
                windows=[r["tokens_held"] for r, s in zip(held["layers"], kc.specs) if s.window],
-               bf_greedy=int((bf_tokens == ref_tokens).sum()),
-               bf_forced=int((bf_logits.argmax(-1) == ref_tokens).sum()),
                seconds=time.perf_counter() - t)
     return row
 
@@ -133,12 +163,14 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--window", type=int, default=256, help="the sliding window / chunk in tokens (prompt: 8x)")
     ap.add_argument("--steps", type=int, default=16, help="greedy tokens after the prompt")
+    ap.add_argument("--prompts", type=int, default=PROMPTS,
+                    help="prompts (random tokens, seeds 1..N) the token columns count over")
     ap.add_argument("--families", nargs="*", default=None, help="only these (substrings of the names)")
     ap.add_argument("--markdown", type=Path, default=None, help="also write the tables to this file")
     args = ap.parse_args(argv)
-    if args.window < 16 or args.steps < 2:
-        ap.error(f"--window {args.window} / --steps {args.steps}: a window of 16 tokens or more (the prompt is 8 of "
-                 "them) and 2 steps or more")
+    if args.window < 16 or args.steps < 2 or args.prompts < 1:
+        ap.error(f"--window {args.window} / --steps {args.steps} / --prompts {args.prompts}: a window of 16 tokens "
+                 "or more (the prompt is 8 of them), 2 steps or more and 1 prompt or more")
     out = Report()
     fams = list(family_configs(args.window, 8 * args.window).items())
     runs = [(n, f, True, False) for n, f in fams]
@@ -153,23 +185,34 @@ def main(argv=None):
                      + ", ".join(n for n, _ in fams))
     rows = []
     for name, fn, tempered, keep in runs:
-        row = run_family(name.replace(" (random q_norm)", ""), fn, args.window, args.steps, tempered, keep)
+        row = run_family(name.replace(" (random q_norm)", ""), fn, args.window, args.steps, tempered, keep,
+                         args.prompts)
         row["name"] = name
         rows.append(row)
         print(f"  {name}: {row['seconds']:.1f} s", flush=True)
-    n = args.steps
-    out(f"## Every family, batch 1: a {8 * args.window}-token prompt (8x a {args.window}-token window), then {n} "
-        "greedy tokens\n")
+    n, k = args.steps, args.prompts
+    total = n * k
+
+    def share(r, col):
+        return f"{r[col] / total:.1%} ({r[col]})"
+
+    out(f"## Every family, batch 1: {k} prompts of {8 * args.window} tokens (8x a {args.window}-token window), "
+        f"each then {n} greedy tokens\n")
+    out(f"Token columns: the share of the {total} tokens ({k} prompts x {n}) equal to DynamicCache's. Greedy: free "
+        "running, each cache on its own tokens; teacher-forced: the top-1 fed DynamicCache's tokens. Memory and the "
+        "fused steps: the first prompt.\n")
     out("| family | layer types | what kvcx packs | decode steps fused (CPU) | memory vs DynamicCache (BF16) "
-        f"| greedy tokens = DynamicCache's (of {n}) | teacher-forced top-1 (of {n}) | KL (nats) "
-        f"| 8-bit codes: greedy (of {n}) | DynamicCache in BF16: greedy / teacher-forced (of {n}) "
-        "| the reference's median top-1 lead (probability) |")
-    out("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+        "| greedy, default scheme | teacher-forced top-1, default | KL (nats), default "
+        f"| greedy, 8-bit codes | greedy, {PEER} (vLLM) | KL (nats), {PEER} "
+        "| greedy / teacher-forced, DynamicCache in BF16 | the reference's median top-1 lead (probability) |")
+    out("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        fused = f"{r['fused']} / {r['decode_steps']}" + (" (materialised: MLA)" if r["fused"] == 0 and r["why"]
-                                                         else "")
+        fused = f"{r['fused']} / {r['decode_steps']}" + (
+            f" (MLA: the latent decoded, {r['absorbed']} attended with kv_b_proj absorbed)" if r["absorbed"] else
+            " (materialised: MLA)" if r["fused"] == 0 and r["why"] else "")
         out(f"| {r['name']} | {r['types']} | {r['packs']} | {fused} | {r['kvcx_bytes'] / r['dynamic_bytes']:.3f}x "
-            f"| {r['greedy']} | {r['forced']} | {r['kl']:.5f} | {r['greedy8']} | {r['bf_greedy']} / {r['bf_forced']} "
+            f"| {share(r, 'greedy')} | {share(r, 'forced')} | {r['kl']:.6f} | {share(r, 'greedy8')} "
+            f"| {share(r, 'peer')} | {r['peer_kl']:.6f} | {share(r, 'bf_greedy')} / {share(r, 'bf_forced')} "
             f"| {r['lead']:.4f} |")
     mixed = [r for r in rows if r["mixed"] and "kept" not in r["name"]]
     worst = max(mixed, key=lambda r: r["kvcx_bytes"] / r["dynamic_bytes"]) if mixed else None
@@ -180,21 +223,25 @@ def main(argv=None):
             f"bytes ({worst['name']}); target <= {TARGET_MEMORY}x: {'met' if ratio <= TARGET_MEMORY else 'missed'}. "
             f"Tokens a windowed layer holds after the prompt and {n} tokens: at most "
             f"{max(max(r['windows']) for r in mixed)} (window {args.window}, a packed chunk of 64 and the residual).")
-    low = [r for r in rows if r["greedy"] < TARGET_TOKENS * n]
-    below = ", ".join(f"{r['name']} {r['greedy']} (8-bit codes {r['greedy8']}, the model in BF16 {r['bf_greedy']}; "
-                      f"the reference's top-1 leads by {r['lead']:.4f} in probability, the median)" for r in low)
-    out(f"Greedy tokens equal to DynamicCache's, target >= {TARGET_TOKENS:.0%} of {n} on the default scheme: met by "
-        f"{len(rows) - len(low)} of {len(rows)} rows" + (
-            f"; below it: {below}. A random model's next-token distribution is flat (its top-1 leads the second by "
-            "a fraction of a percent): free running, one near-tie the 4-bit codes' error flips changes every later "
-            "token; the teacher-forced column and the KL say how far the distributions are, and the 8-bit column "
-            "that the code path itself keeps the tokens"
-            if low else "") + ".")
+
+    def meets(col):
+        return [r for r in rows if r[col] >= TARGET_TOKENS * total]
+
+    low = [r for r in rows if r["greedy"] < TARGET_TOKENS * total]
+    below = ", ".join(f"{r['name']} {r['greedy'] / total:.1%}" for r in low)
+    out(f"\nGreedy tokens equal to DynamicCache's, target >= {TARGET_TOKENS:.0%} on the default scheme: met by "
+        f"{len(rows) - len(low)} of {len(rows)} rows" + (f"; below it: {below}" if low else "") + ". The same "
+        f"target, the other caches of the table: 8-bit codes meet it in {len(meets('greedy8'))} of {len(rows)} "
+        f"rows, {PEER} in {len(meets('peer'))}, the model in BF16 in {len(meets('bf_greedy'))}. A random "
+        "model's next-token distribution is flat (its top-1 leads the second by a fraction of a percent of "
+        "probability): free running, one near-tie any cache's rounding flips changes every later token, so the "
+        "greedy share measures the model's ties as much as the cache; the teacher-forced column and the KL say how "
+        "far the distributions are.")
     shares = [r for r in low if r.get("layers")]
     if shares:
         out("\n## Where the default scheme's error enters, in the rows below the greedy target\n")
         out("Each packed layer alone on the default scheme, every other packed layer on 8-bit codes (teacher-forced "
-            "on the reference's tokens, as the KL column above); beside it, over the prompt's last 64 tokens in FP32, "
+            "on the first prompt's reference tokens); beside it, over that prompt's last 64 tokens in FP32, "
             "the rms of the residual stream entering the layer and of what its attention adds to it (Gemma: its "
             "post_attention_layernorm's output).\n")
         out("| family | layer | type | KL (nats), this layer alone at the default scheme | residual entering (rms) "
@@ -221,9 +268,10 @@ def main(argv=None):
                   "They prove code paths and memory, not quality: quality is measured on the embedded model "
                   "([quality](quality.md)). KvcxCache's default scheme (`kvcx`), residual 64; the reference is "
                   "DynamicCache(config=...) with the model's eager attention, in FP32. Beside the default scheme's "
-                  "columns: KvcxCache with 8-bit codes (the code path without the 4-bit error), the same model in "
-                  "BF16 with DynamicCache against the FP32 reference (what the model's deployment dtype alone "
-                  "keeps), and how far the reference's top-1 leads its second token. Gemma 4 attends with scaling 1.0: its "
+                  "columns: KvcxCache with 8-bit codes (the code path without the 4-bit error), vLLM's FP8 cache "
+                  f"({PEER}, emulated byte-exact: a peer in the same run), the same model in BF16 with "
+                  "DynamicCache against the FP32 reference (what the model's deployment dtype alone keeps), and how "
+                  "far the reference's top-1 leads its second token. Gemma 4 attends with scaling 1.0: its "
                   "rows are built with q_norm at head_dim^-0.5 (a trained model's temperature; the row marked "
                   "'random q_norm' keeps the random init, a hard argmax over scores of deviation sqrt(head_dim)).")
 

@@ -170,7 +170,9 @@ def attention_branch(model, ids, mask, tail: int = 64) -> dict:
     for i, layer in enumerate(model.model.layers):
         hooks.append(layer.register_forward_pre_hook(entering(i), with_kwargs=True))
         normed = hasattr(layer, "pre_feedforward_layernorm") and hasattr(layer, "post_attention_layernorm")
-        hooks.append((layer.post_attention_layernorm if normed else layer.self_attn).register_forward_hook(adds(i)))
+        attn = layer.post_attention_layernorm if normed else getattr(layer, "self_attn", None)
+        if attn is not None:   # (a linear-attention layer has none: no branch of its keys and values)
+            hooks.append(attn.register_forward_hook(adds(i)))
     try:
         with torch.no_grad():
             model(input_ids=ids, attention_mask=mask)

@@ -111,6 +111,7 @@ def headline() -> str:
         "[engine](docs/results/engine.md) |",
         long_ctx,
         fam,
+        mla(),
         f"| LMCache chunk, kvcx serde vs LMCache fp8 | {kv[2]} vs {fp8[2]} smaller than BF16; serialize "
         f"{kv[7]} vs {fp8[7]} GB/s, deserialize {kv[9]} vs {fp8[9]} GB/s (2 threads) | "
         "[lmcache](docs/results/lmcache.md) |",
@@ -137,13 +138,27 @@ def families() -> str:
         raise SystemExit("publish: no family rows in docs/results/families.md; run bench.bench_families")
     fused = [r for r in rows if r[3].split(" ")[0] == r[3].split(" ")[2]]
     windowed = [float(r[4].rstrip("x")) for r in rows if ("sliding" in r[1] or "chunked" in r[1]) and "kept" not in r[1]]
-    title = re.search(r"prompt \(8x a ([\d,]+)-token window\)", path.read_text())
+    title = re.search(r"\(8x a ([\d,]+)-token window\)", path.read_text())
     window = title.group(1) if title else "?"
     return (f"| every model family of 2026, `KvcxCache` (tiny models from transformers' configs) | {len(rows)} "
             f"rows run (13 families, Gemma 4 untempered, DeepSeek V4 with layers kept); every decode step fused "
-            f"on the CPU in {len(fused)} (MLA materialises its latent, "
+            f"on the CPU in {len(fused)} (MLA decodes its latent and attends over it with kv_b_proj absorbed, "
             f"stated); sliding/chunked hybrids hold {min(windowed):.3f}x-{max(windowed):.3f}x DynamicCache's bytes at "
             f"8x a {window}-token window | [families](docs/results/families.md) |")
+
+
+def mla() -> str:
+    """The headline row of docs/results/mla.md: the longest context's decode step, KvcxCache (kv_b_proj absorbed)
+    against DynamicCache, and the bytes held."""
+    rows = [v for k, v in table(RESULTS / "mla.md").items() if isinstance(k, tuple) and k[0] != "context"]
+    if not rows:
+        raise SystemExit("publish: no rows in docs/results/mla.md; run bench.bench_mla")
+    longest = max({r[0] for r in rows}, key=lambda c: int(c.replace(",", "")))
+    dyn = next(r for r in rows if r[0] == longest and r[1].startswith("DynamicCache"))
+    ours = next(r for r in rows if r[0] == longest and "absorbed" in r[1])
+    return (f"| MLA decode (a DeepSeek-V3-shaped attention), `KvcxCache` vs `DynamicCache` | a step after {longest} "
+            f"tokens {ours[2]} vs {dyn[2]} ms ({ours[3]}): the latent attended with kv_b_proj absorbed, never expanded; "
+            f"the cache {ours[6]} DynamicCache's bytes | [MLA](docs/results/mla.md) |")
 
 
 def long_context(name: str) -> str:

@@ -26,12 +26,16 @@ TRITON_KERNELS = {"kvcx.codecs.triton_kernels.codec", "kvcx.codecs.triton_kernel
                   "kvcx.codecs.triton_kernels.merge", "kvcx.codecs.triton_kernels.products"}
 TRITON_DOOR = {"kvcx.codecs.gpu", "kvcx.codecs.gpu_lattice", "kvcx.codecs.gpu_widths",   # the codecs' launches,
                "kvcx.codecs.gpu_attn"}                                                      # the attention's
-MAX_FLOORS = 12   # two added in 2026-11: the kernels choose their variant for the CPU (kvcx.codecs.cpu), and the
+MAX_FLOORS = 13   # two added in 2026-11: the kernels choose their variant for the CPU (kvcx.codecs.cpu), and the
 #                   CLI is split by command (kvcx.cli.app, the commands, the package that registers them); one more
 #                   when KvcxCache's layer kinds (full, windowed) got a module of their own (kvcx.cache.layers,
-#                   between the cache and its stores), to keep every module under MAX_LINES
+#                   between the cache and its stores), to keep every module under MAX_LINES; one more in 2026-12
+#                   when the windowed layer left it for its own (kvcx.cache.window_layer, on the full layer it
+#                   extends) as MLA's latent steps took kvcx.cache.layers past MAX_LINES
 MAX_LINES = 600
-TORCH_AT_MODULE_LEVEL = {"kvcx.cache.kvcx_cache", "kvcx.cache.layers", "kvcx.cache.attention_fn", "kvcx.cache.buffers",
+TORCH_AT_MODULE_LEVEL = {"kvcx.cache.kvcx_cache", "kvcx.cache.layers", "kvcx.cache.window_layer", "kvcx.cache.latent",
+                         "kvcx.cache.kept",
+                         "kvcx.cache.attention_fn", "kvcx.cache.buffers",
                          "kvcx.cache.device_store", "kvcx.cache.pressing", "kvcx.cache.static_cache",
                          "kvcx.cache.static_layers"}
 RICH_MODULES = {"kvcx.cli", "kvcx.cli.app", "kvcx.cli.render", "kvcx.cli.files", "kvcx.cli.validate",

@@ -16,9 +16,16 @@ the static cache's):
 A fused step stays posted until its layer posts its next one, so that layers sharing another layer's keys and
 values (Gemma 4's KV-shared layers hand the owner's returned tensors to their own attention) attend over the
 owner's packed store with their own queries. A press's prefill and an evicted layer's step (``"press"``,
-``"tail"``) are taken once. Steps the fused kernel cannot run (a layer that decodes its store: MLA's unequal
-widths, 8-bit codes, ``fused=False``) never post: ``update()`` returns the materialised context, as transformers'
-layers do, and the attention is the reference one below.
+``"tail"``) are taken once. Steps the fused kernel cannot run (a layer that decodes its store: 8-bit codes,
+``fused=False``) never post: ``update()`` returns the materialised context, as transformers' layers do, and the
+attention is the reference one below.
+
+MLA (``"latent"``, taken once): transformers expands what the cache returns (the latent and the RoPE key) into
+keys and values before it calls the attention function, so the key tensor that arrives is not the one the layer
+returned. A latent layer's decode step returns the step's own latent (the model expands that token alone) and is
+found by the attention module's ``layer_idx``; the attention runs over the layer's decoded latent with the model's
+``kv_b_proj`` absorbed (:mod:`kvcx.cache.latent`: the context is never expanded), or, for a module it does not
+fit, over the latent expanded by the module's own ``expand_kv``.
 
 The reference attention (steps with no posted layer) is SDPA, except where the model asks for what SDPA does not
 do, logit softcapping and per-head sinks: those run in :func:`eager_attention` (FP32 softmax), as the models' own
@@ -37,6 +44,7 @@ from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_f
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
+from kvcx.cache import latent
 from kvcx.errors import KvcxError
 
 # the attention implementation this module registers with transformers
@@ -46,7 +54,7 @@ _NOT_FUSED = frozenset(("position_bias",))
 # attention arguments SDPA does not implement (transformers' sdpa_attention_forward ignores them)
 _EAGER = ("softcap", "s_aux")
 
-FUSED, PRESS, TAIL = "fused", "press", "tail"
+FUSED, PRESS, TAIL, LATENT = "fused", "press", "tail", "latent"
 
 
 class FusedStep(Protocol):
@@ -69,6 +77,16 @@ class FusedStep(Protocol):
         """Called after the attention of a materialised step."""
 
 
+class LatentStep(Protocol):
+    """What an MLA cache layer posts for a decode step (kind ``"latent"``)."""
+
+    def latent_states(self):
+        """(latent [B, 1, T, rank], RoPE key [B, 1, T, rope]) of every token the step attends to, decoded."""
+
+    def after_latent(self, absorbed: bool) -> None:
+        """Called after the step's attention (``absorbed``: over the latent, else over the module's expansion)."""
+
+
 class Handoff(threading.local):
     """The steps kvcx cache layers have posted for the attention function (one set per thread), keyed by the layer
     index they posted at; the most recent first when matching a key tensor. A layer is held weakly: a cache the
@@ -79,9 +97,10 @@ class Handoff(threading.local):
 
     def post(self, key, layer, kind: str = FUSED) -> None:
         """``kind``: "fused" (the layer attends over its packed store: :class:`FusedStep`), "press" (a press's
-        prefill: attention over the step's states, then the layer keeps what its press keeps) or "tail" (a pressed
-        layer's step: attention over the states given, with the layer's own causal mask). Replaces what the same
-        layer index posted before (and moves it last: the most recent)."""
+        prefill: attention over the step's states, then the layer keeps what its press keeps), "tail" (a pressed
+        layer's step: attention over the states given, with the layer's own causal mask) or "latent" (an MLA
+        layer's step: :class:`LatentStep`, found by :meth:`take_latent`). Replaces what the same layer index
+        posted before (and moves it last: the most recent)."""
         idx = getattr(layer, "layer_idx", None)
         self._steps.pop(idx, None)
         self._steps[idx] = (key, weakref.ref(layer), kind)
@@ -105,6 +124,23 @@ class Handoff(threading.local):
         if layer is not None and kind != FUSED:
             del self._steps[idx]
         return layer, kind
+
+    def take_latent(self, module):
+        """The MLA layer posted at the attention ``module``'s ``layer_idx`` (kind "latent"), forgotten once taken;
+        None if none."""
+        idx = getattr(module, "layer_idx", None)
+        entry = self._steps.get(idx) if idx is not None else None
+        if entry is None or entry[2] != LATENT:
+            return None
+        del self._steps[idx]
+        return entry[1]()
+
+    def drop_latent(self, idx) -> None:
+        """Forget a "latent" step layer ``idx`` posted and no attention took (an MLA layer's step that does not
+        post one: the module of that index must not find an earlier step's)."""
+        entry = self._steps.get(idx)
+        if entry is not None and entry[2] == LATENT:
+            del self._steps[idx]
 
     def clear(self) -> None:
         """Forget every posted step (a cache being reset)."""
@@ -173,6 +209,10 @@ def kvcx_attention_forward(module, query, key, value, attention_mask, dropout: f
     steps, where the layer posted with ``key`` attends over what it holds (the module's docstring)."""
     layer, kind = HANDOFF.take(key)
     if layer is None:
+        latent_layer = HANDOFF.take_latent(module)
+        if latent_layer is not None:
+            return latent_attention(module, latent_layer, query, attention_mask, dropout=dropout, scaling=scaling,
+                                    is_causal=is_causal, **kwargs)
         return reference_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                    is_causal=is_causal, **kwargs)
     if kind == PRESS:   # the prefill, attended whole; then the layer keeps what its press keeps
@@ -198,6 +238,29 @@ def kvcx_attention_forward(module, query, key, value, attention_mask, dropout: f
                         "one sink logit per query head")
     return layer.attend(query, attention_mask, scaling, softcap=kwargs.get("softcap"), sinks=sinks,
                         sliding_window=kwargs.get("sliding_window")), None
+
+
+def latent_attention(module, layer, query, attention_mask, dropout: float = 0.0, scaling: Optional[float] = None,
+                     is_causal=None, **kwargs):
+    """An MLA layer's decode step (kind "latent"): attention over the layer's decoded latent with the module's
+    ``kv_b_proj`` absorbed (:func:`kvcx.cache.latent.absorbed_attention`), or, where that does not fit the module
+    (:func:`~kvcx.cache.latent.unabsorbable`) or the call asks for what it does not do, the reference attention over
+    the latent expanded by the module's own ``expand_kv``."""
+    latent_states, rope = layer.latent_states()
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    plain = not needs_materialising(kwargs, dropout, module) and all(kwargs.get(k) is None for k in _EAGER)
+    if plain and latent.unabsorbable(module, query, latent_states, rope) is None:
+        if attention_mask is None and query.shape[-2] > 1:   # the step's own tokens causal among them
+            attention_mask = tail_mask(query.shape[-2], latent_states.shape[-2], query.device)
+        out = latent.absorbed_attention(module, query, latent_states, rope, attention_mask, scaling)
+        layer.after_latent(absorbed=True)
+        return out, None
+    key, value = module.expand_kv(latent_states, rope)
+    out = reference_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                              is_causal=is_causal, **kwargs)
+    layer.after_latent(absorbed=False)
+    return out
 
 
 @contextlib.contextmanager

@@ -9,7 +9,7 @@ models people run (full, sliding-window and chunked attention; linear-attention 
 
 One layer per cache layer of the model's config, as transformers' ``DynamicCache(config=...)`` builds them
 (:mod:`kvcx.cache.layer_types` reads the config): a :class:`~kvcx.cache.layers.KvcxLayer` for full attention,
-a :class:`~kvcx.cache.layers.KvcxWindowLayer` for sliding and chunked attention (the window's tokens packed, older
+a :class:`~kvcx.cache.window_layer.KvcxWindowLayer` for sliding and chunked attention (the window's tokens packed, older
 blocks dropped), transformers' own layer class for layers with no per-token keys and values (linear attention,
 convolution, recurrent state) and, with ``unsupported="keep"``, for a layer type kvcx cannot pack.
 
@@ -55,9 +55,11 @@ from kvcx.cache.buffers import HeapRelease, KernelTimer, MaskConverter, Scratch,
 from kvcx.cache.device_store import runs_on_device
 from kvcx.cache.fused import Workspace
 from kvcx.cache.induction import guarded_config
+from kvcx.cache.kept import dynamic_cache_bytes, layer_bytes, layer_kwargs, transformers_layer_class
 from kvcx.cache.layer_config import fitted as _fitted, on_backend as _on_backend, pressed as _pressed
 from kvcx.cache.layer_types import FULL, STATE, UNSUPPORTED, WINDOWED, LayerSpec, check_unsupported, layer_specs
-from kvcx.cache.layers import KvcxLayer, KvcxWindowLayer
+from kvcx.cache.layers import KvcxLayer
+from kvcx.cache.window_layer import KvcxWindowLayer
 from kvcx.codecs import gpu_attn
 from kvcx.codecs.backends import check_backend
 from kvcx.codecs.dtypes import is_int
@@ -357,53 +359,3 @@ class KvcxCache(Cache):
         ("cpu+triton": a plan whose layers differ), or "" before the first step."""
         return "+".join(sorted({"triton" if layer.on_device else "cpu" for layer in self.packed_layers
                                 if layer.is_initialized}))
-
-
-def transformers_layer_class(spec_or_type, which: str = "DYNAMIC"):
-    """The cache layer class transformers' ``DynamicCache`` (``which="DYNAMIC"``) or ``StaticCache`` ("STATIC")
-    builds for a layer type (a :class:`LayerSpec`'s, or a name), or None where this transformers maps none; a
-    KvcxError where it has no layer type mapping at all (before hybrid caches: older than kvcx supports hybrids
-    on)."""
-    import transformers.cache_utils as cu
-
-    mapping = getattr(cu, f"{which}_LAYER_TYPE_MAPPING", None)
-    name = getattr(spec_or_type, "type", spec_or_type)
-    if mapping is None:
-        raise KvcxError(f"transformers {transformers.__version__} has no cache layer classes by layer type; layer "
-                        f"type {name!r} needs a transformers whose caches build hybrid models' layers: pip install "
-                        "-U transformers")
-    if getattr(spec_or_type, "kind", None) == STATE:   # no keys and values: whatever placeholder this release has
-        return mapping.get(name) or mapping.get("dummy") or mapping.get("linear_attention")
-    return mapping.get(name)
-
-
-def layer_kwargs(config, spec: LayerSpec) -> dict:
-    """What transformers gives the cache layer class of ``spec`` (its window, its states, its config): the
-    arguments ``get_layer_types_and_kwargs`` yields for the layer (a list of them a layer from 5.19; before, one
-    dict that every layer class is given whole)."""
-    import transformers.cache_utils as cu
-
-    get = getattr(cu, "get_layer_types_and_kwargs", None)
-    if get is None:
-        return {"number_of_states": getattr(config, "number_of_conv_states", 1) or 1} if spec.kind == STATE else {}
-    kwargs = get(config)[1]
-    return dict(kwargs) if isinstance(kwargs, dict) else kwargs[spec.index]
-
-
-def layer_bytes(layer) -> int:
-    """Bytes of every tensor a cache layer holds as an attribute (or in a dict attribute): what transformers' own
-    layer classes keep (keys and values; linear attention's conv and recurrent states; a compressed layer's
-    buffers), counted the same way whatever the class."""
-    seen, n = set(), 0
-    for v in vars(layer).values():
-        for t in (v.values() if isinstance(v, dict) else (v,)):
-            if isinstance(t, torch.Tensor) and t.numel() and id(t) not in seen:
-                seen.add(id(t))
-                n += t.numel() * t.element_size()
-    return n
-
-
-def dynamic_cache_bytes(cache) -> int:
-    """Bytes held by a transformers cache's layers (DynamicCache: keys + values of every layer; linear attention's
-    states where it has such layers)."""
-    return int(sum(layer_bytes(layer) for layer in cache.layers))

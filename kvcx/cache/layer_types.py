@@ -17,10 +17,11 @@ reads the same things into one :class:`LayerSpec` a layer, which says what kvcx 
   whatever comes next): an error naming it, or transformers' own class with ``unsupported="keep"``.
 
 Multi-head latent attention (MLA: DeepSeek V2/V3, Kimi K2.5, Kimi Linear's full layers) is a ``full`` layer whose
-``latent`` is set: transformers caches the compressed latent and the shared RoPE key (one "head", of two widths)
-and expands them into keys and values after the cache (``kv_b_proj``), so attention never reads what the cache
-returns: kvcx packs both (a codec per width) and returns them decoded (such steps materialise; no kernel can read
-codes the model multiplies before attending). Nothing here imports torch.
+``latent`` is set: transformers caches the compressed latent and the shared RoPE key (one "head", of two widths:
+``latent_widths``) and expands them into keys and values after the cache (``kv_b_proj``), so attention never reads
+what the cache returns: kvcx packs both (a codec per width) and its steps decode them (no kernel can read codes the
+model multiplies before attending); under the ``"kvcx"`` attention a decode step attends over the decoded latent
+with ``kv_b_proj`` absorbed (:mod:`kvcx.cache.latent`), the context never expanded. Nothing here imports torch.
 """
 from __future__ import annotations
 
@@ -62,6 +63,7 @@ class LayerSpec:
     key_dim: Optional[int] = None
     value_dim: Optional[int] = None
     latent: bool = False   # MLA: the model expands what the cache holds before attending (never fused)
+    latent_widths: Optional[tuple] = None   # MLA: (the latent's rank, the RoPE key's width) as the config gives them
     shared: bool = False   # later layers attend over what this layer's update() returns (Gemma 4's KV sharing)
 
     @property
@@ -178,8 +180,10 @@ def layer_specs(config) -> List[LayerSpec]:
                             f"{'sliding_window' if kind == SLIDING else 'attention_chunk_size'}; set it in the "
                             "model's config")
         heads, kv, kd, vd = _dims(cfg) if kind in (FULL, SLIDING, CHUNKED) else (None,) * 4
-        specs.append(LayerSpec(i, t, kind, window, heads, kv, kd, vd, latent=kind == FULL and is_latent(cfg),
-                               shared=i in owners))
+        latent = kind == FULL and is_latent(cfg)
+        specs.append(LayerSpec(i, t, kind, window, heads, kv, kd, vd, latent=latent, shared=i in owners,
+                               latent_widths=(_attr(cfg, "kv_lora_rank"), _attr(cfg, "qk_rope_head_dim"))
+                               if latent else None))
     return specs
 
 

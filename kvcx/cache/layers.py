@@ -1,5 +1,6 @@
-"""A :class:`~kvcx.cache.KvcxCache`'s layers: :class:`KvcxLayer` (full attention: every token packed) and
-:class:`KvcxWindowLayer` (sliding and chunked attention: the window's tokens packed, older blocks dropped).
+"""A :class:`~kvcx.cache.KvcxCache`'s full-attention layer, :class:`KvcxLayer` (every token packed): the base of
+:class:`~kvcx.cache.window_layer.KvcxWindowLayer` (sliding and chunked attention: the window's tokens packed, older
+blocks dropped).
 
 Each layer keeps a short full-precision residual of at most ``residual_length`` tokens. When it fills, whole
 multiples of ``residual_length`` tokens are encoded by the codecs and appended to the layer's packed store
@@ -12,11 +13,9 @@ A step runs fused (the layer posts itself for the ``"kvcx"`` attention function:
 contract) or materialises (the layer decodes its store into one scratch buffer shared by all layers and returns
 ``[decoded, residual, new]`` from ``update()``, as transformers' layers return the context).
 
-A windowed layer (``window`` tokens: a query at position p sees (p - window, p], or, chunked, the tokens of its
-chunk) holds the tokens from ``start`` on: the packed chunks a window has left are dropped as the next chunk is
-packed, so a layer holds at most the window, one chunk and the residual, at any length. Its steps read the
-window's first token on (the kernel's ``skip``), and transformers' mask for the layer (over the window, as
-``get_mask_sizes`` tells it) lines up with the tokens read.
+An MLA layer's decode step under the ``"kvcx"`` attention returns the step's own latent and posts itself as a
+"latent" step (:mod:`kvcx.cache.attention_fn`): the attention reads the layer's decoded latent with the model's
+``kv_b_proj`` absorbed (:mod:`kvcx.cache.latent`), so the model expands one token, not the context.
 
 Control runs one way: the cache builds its layers with everything they share (scratch, the fused kernel's
 workspace, the mask converter, the kernel timer) and calls them; a layer never reaches back.
@@ -30,11 +29,11 @@ import numpy as np
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from kvcx.cache.attention_fn import HANDOFF
+from kvcx.cache.attention_fn import HANDOFF, LATENT
 from kvcx.cache.buffers import FALLBACK_HINT, Shared, StepMode
 from kvcx.cache.device_store import DeviceChunkKV, DevicePackedKV, attend_in_dtype, decodes_on_device, runs_on_device
 from kvcx.cache.fused import ATTN_MAX_ROWS, CAUSAL, NO_MASK, step_mask
-from kvcx.cache.layer_types import CHUNKED, LayerSpec
+from kvcx.cache.layer_types import LayerSpec
 from kvcx.cache.pressing import PrefillPress
 from kvcx.cache.store import PackedKV
 from kvcx.codecs.runtime import resolve_threads
@@ -72,6 +71,9 @@ class KvcxLayer(DynamicLayer):
         self.on_device = False            # whether the store is a device one
         self.cumulative_length = 0
         self.steps = {"fused": 0, "materialised": 0, "full_precision": 0}
+        if spec.latent:   # MLA: of the steps that decoded the latent, those attended with kv_b_proj absorbed
+            self.steps["absorbed"] = 0
+        self._latent_form = False   # MLA: the model hands this layer its latent and RoPE key (transformers >= 5.17)
         self.last_step = 0   # tokens of the last step kept in full precision (crop() may drop them)
         self._step = 0       # tokens of the step being run (its own are the residual's last)
         self._unsupported: Optional[str] = None
@@ -110,7 +112,10 @@ class KvcxLayer(DynamicLayer):
         """Why this layer's steps cannot run fused (None when they can)."""
         if self.spec.latent:
             return ("MLA: the model expands the cached latent into keys and values after the cache (kv_b_proj), so "
-                    "no kernel can attend over the packed codes: this layer's steps decode its packed latent")
+                    "no kernel can attend over the packed codes: this layer's steps decode its packed latent"
+                    + (", and under the 'kvcx' attention (unless fused=False) a decode step attends over it with kv_b_proj "
+                       "absorbed into the query and the output (the context is never expanded)"
+                       if self._latent_form else ""))
         if self.on_device:
             return self.store.unsupported(self._query_group)
         if self.device.type != "cpu":
@@ -126,7 +131,7 @@ class KvcxLayer(DynamicLayer):
         if n_res >= self.residual_length:
             n_flush = (n_res // self.residual_length) * self.residual_length
             self._encode(self.keys[:, :, :n_flush], self.values[:, :, :n_flush])
-            self.keys, self.values = _owned(self.keys[:, :, n_flush:]), _owned(self.values[:, :, n_flush:])
+            self.keys, self.values = owned(self.keys[:, :, n_flush:]), owned(self.values[:, :, n_flush:])
             if self.device.type == "cpu":   # the model's prefill temporaries are on the C heap
                 self._heap.after_pack(n_flush)
 
@@ -176,6 +181,7 @@ class KvcxLayer(DynamicLayer):
         self.keys = key_states.new_empty((B, H, 0, D))
         self.values = value_states.new_empty((B, H, 0, Dv))
         kc, vc = self._codecs_first["key"], self._codecs_first["value"]
+        self._latent_form = self.spec.latent and H == 1 and self.spec.latent_widths == (D, Dv)
         fused_there = runs_on_device(kc, vc, self.device) and D == Dv
         self.on_device = fused_there or decodes_on_device(kc, vc, self.device)
         self.store = DevicePackedKV(B, H, D, self.device) if fused_there else \
@@ -238,6 +244,12 @@ class KvcxLayer(DynamicLayer):
             self._extend(key_states, value_states)
             HANDOFF.post(key_states, self)
             return key_states, value_states
+        if self._latent_form:   # MLA: the step's own latent, the attention reading the rest; or no latent step
+            if self._absorbs(Q, mode):
+                self._extend(key_states, value_states)
+                HANDOFF.post(key_states, self, LATENT)
+                return key_states, value_states
+            HANDOFF.drop_latent(self.layer_idx)
         packed = len(self.store) > 0
         if packed:
             keys_out, values_out = self._materialize(key_states, value_states)
@@ -278,6 +290,14 @@ class KvcxLayer(DynamicLayer):
         if self.on_device:   # the Triton kernel runs single-token steps; longer ones decode into device scratch
             return Q == 1
         return Q == 1 or (len(self.store) > 0 and 0 < Q * self._query_group <= ATTN_MAX_ROWS)
+
+    def _absorbs(self, Q: int, mode: StepMode) -> bool:
+        """Whether an MLA step of Q tokens attends over the latent (:meth:`latent_states`) in the ``"kvcx"``
+        attention: one token, or fewer than the residual over a packed history (draft tokens), the model's
+        attention "kvcx", nothing asking for the materialising path (``fused=False``) and no press (its mask is the
+        layer's own); the model then expands the step's own tokens alone."""
+        return (mode.kvcx_attention and not mode.reason and self._press is None
+                and (Q == 1 or (len(self.store) > 0 and Q < self.residual_length)))
 
     def _takes_fused_step(self, mode: StepMode) -> bool:
         if mode.reason or self._unsupported:
@@ -400,6 +420,23 @@ class KvcxLayer(DynamicLayer):
         self.pack_residual(self.last_step)
         return out
 
+    def latent_states(self):
+        """An MLA step posted as "latent" (:class:`~kvcx.cache.attention_fn.LatentStep`): the latent and the RoPE
+        key of every token the step attends to (the packed ones decoded into the scratch, the residual, the step's
+        own last)."""
+        if not len(self.store):   # nothing packed yet: the residual holds the context
+            self.steps["full_precision"] += 1
+            return self.keys, self.values
+        self.steps["materialised"] += 1
+        return self._materialize(None, None)
+
+    def after_latent(self, absorbed: bool) -> None:
+        """After a latent step's attention (``absorbed``: over the latent with kv_b_proj absorbed; else over the
+        module's expansion of it): the residual's whole groups packed."""
+        if absorbed:
+            self.steps["absorbed"] += 1
+        self.pack_residual(self.last_step)
+
     def materialised_step(self):
         """Keys and values of every token a posted step attends to, for a step the fused kernel cannot run
         (counted as such)."""
@@ -448,7 +485,7 @@ class KvcxLayer(DynamicLayer):
                             f"{'; a window keeps no more than the last step' if self.is_sliding else ''}); "
                             f"speculative decoding with residual_length={self.residual_length} draft tokens or "
                             "more needs a larger residual_length")
-        self.keys, self.values = _owned(self.keys[:, :, :n_res - n]), _owned(self.values[:, :, :n_res - n])
+        self.keys, self.values = owned(self.keys[:, :, :n_res - n]), owned(self.values[:, :, :n_res - n])
         self.cumulative_length -= n
         self.last_step = max(0, self.last_step - n)
 
@@ -484,112 +521,7 @@ class KvcxLayer(DynamicLayer):
         return B * H * self.get_seq_length() * (self.keys.shape[-1] + self.values.shape[-1])
 
 
-class KvcxWindowLayer(KvcxLayer):
-    """One sliding-window or chunked layer of a :class:`KvcxCache`: the window's tokens, packed (the module's
-    docstring). It answers transformers' questions as ``DynamicSlidingWindowLayer`` does: ``get_mask_sizes``
-    covers the last ``window - 1`` tokens and the step's, ``get_max_length`` is the window."""
-
-    is_sliding = True
-    keeps_sinks = False
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.window = self.spec.window
-        self.chunked = self.spec.kind == CHUNKED
-        self.start = 0   # the position of the first token held (packed or in the residual)
-
-    def _first_seen(self, Q: int) -> int:
-        """The first position transformers' mask covers for this step of Q tokens (its kv_offset)."""
-        return max(self.cumulative_length - Q - self.window + 1, 0)
-
-    def get_mask_sizes(self, query_length: int) -> tuple:
-        cum = self.cumulative_length
-        if cum >= self.window:
-            return self.window - 1 + query_length, cum - self.window + 1
-        return cum + query_length, 0
-
-    def get_max_length(self) -> int:
-        return self.window
-
-    def _mask_length(self, Q: int) -> int:
-        return self.cumulative_length - self._first_seen(Q)
-
-    def _visible(self, keys: torch.Tensor, values: torch.Tensor):
-        skip = self._first_seen(self._step) - self.start
-        return (keys[:, :, skip:], values[:, :, skip:]) if skip > 0 else (keys, values)
-
-    def _check_window(self, sliding_window: Optional[int]) -> None:
-        """The window the model's attention names (sliding layers: transformers passes it) is the config's."""
-        if sliding_window and not self.chunked and int(sliding_window) != self.window:
-            raise KvcxError(f"KvcxCache {self.spec.describe()}: the model attends over a window of {sliding_window} "
-                            "tokens: build the cache from the model's own config (model.config)")
-
-    def _window(self, Q: int, attention_mask: Optional[torch.Tensor]):
-        """The step reads from the first position transformers' mask covers (so the mask lines up), or, with no
-        mask, from the first token its first query sees; a band mask where the step's tokens see from different
-        first tokens (several tokens, or a chunk boundary among them)."""
-        end = self.cumulative_length             # after the step's own tokens
-        pos0 = end - Q                            # the step's first token
-        first = self._first_seen(Q)
-        band = None
-        if attention_mask is None:
-            lo = self._first_visible(np.arange(pos0, end))   # each token's first visible position
-            first = int(lo[0])
-            if Q > 1 or lo[-1] != first:
-                cols = np.arange(first, end)[None, :]
-                band = ((cols >= lo[:, None]) & (cols <= np.arange(pos0, end)[:, None]))[None]
-        packed_end = self.start + self.store.tokens
-        skip = min(max(first - self.start, 0), self.store.tokens)
-        rskip = max(first - packed_end, 0)
-        return skip, rskip, band
-
-    def _first_visible(self, pos: np.ndarray) -> np.ndarray:
-        """The first position a query at each position of ``pos`` sees: its window's or its chunk's."""
-        if self.chunked:
-            return (pos // self.window) * self.window
-        return np.maximum(pos - self.window + 1, 0)
-
-    def pack_residual(self, keep: int = 0) -> None:
-        """The tokens no later step can see dropped first (whole packed chunks, or the residual's oldest), then
-        the residual's whole multiples of residual_length tokens packed as a full layer packs them."""
-        self._forget()
-        super().pack_residual(keep)
-
-    def _forget(self) -> None:
-        """Drop what no later step reads: tokens before the next step's window (less the last step's tokens,
-        which crop() may take back, moving the window back by as many)."""
-        lo = self.cumulative_length - self.window + 1 - self.last_step
-        if lo <= self.start or self.store is None:
-            return
-        k, end = 0, self.start
-        while k < len(self.store) and end + self.store.chunk_tokens(k) <= lo:
-            end += self.store.chunk_tokens(k)
-            k += 1
-        if k:
-            self.start += self.store.drop_chunks(k)
-        if self.store.tokens == 0 and self.start < lo:   # nothing packed: the residual's oldest tokens go
-            n = min(lo - self.start, self.keys.shape[-2])
-            self.keys, self.values = _owned(self.keys[:, :, n:]), _owned(self.values[:, :, n:])
-            self.start += n
-
-    def reset(self) -> None:
-        super().reset()
-        self.start = 0
-
-    def _croppable(self) -> int:
-        """The last step's tokens at most: the window keeps those before it only as far back as they need."""
-        return min(self.keys.shape[-2], self.last_step)
-
-    def equivalent_values(self) -> int:
-        """Values DynamicSlidingWindowLayer holds for this context: the last ``window - 1`` tokens' keys and
-        values."""
-        if not self.is_initialized:
-            return 0
-        B, H = self.keys.shape[:2]
-        return B * H * min(self.cumulative_length, self.window - 1) * (self.keys.shape[-1] + self.values.shape[-1])
-
-
-def _owned(t: torch.Tensor) -> torch.Tensor:
+def owned(t: torch.Tensor) -> torch.Tensor:
     """A contiguous copy of a slice of the residual that holds only its own elements. ``.contiguous()`` would
     return the slice itself where it already is contiguous (every packed token dropped, or one KV head), and
     keep the whole step's storage alive: an 8,000-token prompt packed whole kept 12 MB a layer in FP32."""

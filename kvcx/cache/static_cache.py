@@ -51,7 +51,7 @@ import transformers
 from transformers.cache_utils import Cache
 
 from kvcx.cache.attention_fn import ATTN_IMPLEMENTATION
-from kvcx.cache.kvcx_cache import layer_bytes, layer_kwargs, transformers_layer_class
+from kvcx.cache.kept import layer_bytes, layer_kwargs, transformers_layer_class
 from kvcx.cache.layer_types import CHUNKED, FULL, STATE, WINDOWED, check_unsupported, layer_specs
 from kvcx.cache.static_layers import PlanHolder, StaticKvcxLayer, StaticKvcxWindowLayer
 from kvcx.codecs import gpu_attn

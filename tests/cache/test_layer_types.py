@@ -13,9 +13,10 @@ from transformers.cache_utils import DynamicSlidingWindowLayer, LinearAttentionL
 
 from bench.families import family_configs, unsupported_config  # noqa: E402
 from kvcx.cache import KvcxCache  # noqa: E402
-from kvcx.cache.kvcx_cache import layer_kwargs  # noqa: E402
+from kvcx.cache.kept import layer_kwargs  # noqa: E402
 from kvcx.cache.layer_types import CHUNKED, FULL, SLIDING, STATE, UNSUPPORTED, layer_specs  # noqa: E402
-from kvcx.cache.layers import KvcxLayer, KvcxWindowLayer  # noqa: E402
+from kvcx.cache.layers import KvcxLayer  # noqa: E402
+from kvcx.cache.window_layer import KvcxWindowLayer  # noqa: E402
 from kvcx.errors import KvcxError  # noqa: E402
 
 FAMILIES = family_configs(window=64, prompt=512)

@@ -1,0 +1,240 @@
+"""MLA (DeepSeek V3) in KvcxCache: a decode step attends over the decoded latent with the model's kv_b_proj absorbed
+(kvcx.cache.latent), and the model expands the step's own token alone, never the context.
+
+What is asserted:
+- the absorbed attention equals transformers' own (the latent expanded by the module's expand_kv, then attention)
+  within FP32 rounding, for one token and for draft tokens, unpadded and left-padded; in BF16 its error against the
+  FP32 attention is no larger than the BF16 reference's;
+- in a model: every decode step of every MLA layer attends over the latent (the layers' "absorbed" counts), the
+  module's expand_kv sees one token a decode step, 8-bit codes give DynamicCache's greedy tokens, and the logits
+  equal those of the materialising path (fused=False: decoded, then expanded) within FP32 rounding;
+- a module the absorption does not fit (a kv_b_proj that is not a plain linear layer: a quantized checkpoint's)
+  gets the module's own expansion of the decoded latent, with the same tokens; states of another form (an older
+  transformers that hands the cache expanded keys and values) are materialised as before.
+"""
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from transformers import DynamicCache  # noqa: E402
+
+from bench.families import build, decode, family_configs, prompts  # noqa: E402
+from kvcx.cache import KvcxCache  # noqa: E402
+from kvcx.cache.attention_fn import eager_attention  # noqa: E402
+from kvcx.cache.latent import absorbed_attention, unabsorbable  # noqa: E402
+
+MLA = "DeepSeek V3 (MLA)"
+PROMPT, STEPS = 256, 8
+
+
+def _model(dtype=None):
+    cfg = family_configs(64, PROMPT)[MLA]()
+    cfg.eos_token_id = None
+    return build(cfg, dtype=dtype)
+
+
+def _states(attn, B, Q, T, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    H, nope, rope = attn.num_heads, attn.qk_nope_head_dim, attn.qk_rope_head_dim
+    rank = attn.kv_b_proj.weight.shape[1]
+    q = torch.randn(B, H, Q, nope + rope, generator=g)
+    c = torch.randn(B, 1, T, rank, generator=g)
+    r = torch.randn(B, 1, T, rope, generator=g)
+    return q.to(dtype), c.to(dtype), r.to(dtype)
+
+
+def _expanded(attn, q, c, r, mask):
+    """transformers' own: the latent expanded by the module, then attention (FP32 softmax)."""
+    k, v = attn.expand_kv(c, r)
+    return eager_attention(attn, q, k, v, mask, scaling=attn.scaling)[0]
+
+
+@pytest.mark.parametrize("Q", [1, 3])
+@pytest.mark.parametrize("padded", [False, True])
+def test_the_absorbed_attention_is_the_expanded_attention(Q, padded):
+    attn = _model().model.layers[0].self_attn
+    B, T = 2, 200
+    q, c, r = _states(attn, B, Q, T, torch.float32)
+    mask = None
+    if padded or Q > 1:   # row 1 left-padded by 5 tokens; the step's own tokens causal among them
+        i, j = torch.arange(Q)[:, None], torch.arange(T)[None, :]
+        mask = (j <= T - Q + i)[None, None].expand(B, 1, Q, T).clone()
+        if padded:
+            mask[1, :, :, :5] = False
+    assert unabsorbable(attn, q, c, r) is None
+    with torch.no_grad():
+        got = absorbed_attention(attn, q, c, r, mask, attn.scaling)
+        want = _expanded(attn, q, c, r, mask)
+    assert got.shape == want.shape == (B, Q, attn.num_heads, attn.v_head_dim)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+
+
+def test_in_bf16_the_absorbed_attention_rounds_no_worse_than_the_reference():
+    model = _model()
+    attn32 = model.model.layers[0].self_attn
+    q, c, r = _states(attn32, 1, 1, 300, torch.float32, seed=3)
+    with torch.no_grad():
+        exact = _expanded(attn32, q, c, r, None)
+        attn16 = model.to(torch.bfloat16).model.layers[0].self_attn
+        q16, c16, r16 = q.bfloat16(), c.bfloat16(), r.bfloat16()
+        ours = absorbed_attention(attn16, q16, c16, r16, None, attn16.scaling)
+        ref = _expanded(attn16, q16, c16, r16, None)
+    assert ours.dtype == torch.bfloat16
+    err_ours = float((ours.float() - exact).abs().max())
+    err_ref = float((ref.float() - exact).abs().max())
+    assert err_ours <= err_ref, (err_ours, err_ref)
+
+
+def _counting_expansions(model, monkeypatch):
+    """The tokens each call of the MLA modules' expand_kv expanded."""
+    seen = []
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        real = attn.expand_kv
+
+        def counted(c, r, real=real):
+            seen.append(c.shape[-2])
+            return real(c, r)
+
+        monkeypatch.setattr(attn, "expand_kv", counted)
+    return seen
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_decode_steps_attend_over_the_latent_and_expand_one_token(batch, monkeypatch):
+    model = _model()
+    ids, mask = prompts(batch, PROMPT)
+    model.set_attn_implementation("eager")
+    ref_tokens, _ = decode(model, DynamicCache(config=model.config), ids, mask, STEPS)
+    model.set_attn_implementation("kvcx")
+    seen = _counting_expansions(model, monkeypatch)
+    cache = KvcxCache(model.config, bits=8)
+    tokens, logits = decode(model, cache, ids, mask, STEPS)
+    layers = len(model.model.layers)
+    assert seen == [PROMPT] * layers + [1] * (STEPS - 1) * layers   # the prompt once; then each step's own token
+    report = cache.memory_report()
+    assert all(r["steps"]["absorbed"] == STEPS - 1 for r in report["layers"]), report["layers"]
+    assert "absorbed" in report["layers"][0]["fused_unsupported"]
+    assert torch.equal(tokens, ref_tokens)
+
+    # the materialising path (decoded, then expanded by the model): the same logits within FP32 rounding
+    seen.clear()
+    cache = KvcxCache(model.config, bits=8, fused=False)
+    _, logits_mat = decode(model, cache, ids, mask, STEPS, forced=tokens)
+    assert seen[layers:] == [PROMPT + i + 1 for i in range(STEPS - 1) for _ in range(layers)]
+    assert all(r["steps"]["absorbed"] == 0 for r in cache.memory_report()["layers"])
+    torch.testing.assert_close(logits, logits_mat, rtol=1e-4, atol=1e-4)
+
+
+def test_a_kv_b_proj_the_absorption_does_not_fit_is_expanded_by_the_model(monkeypatch):
+    model = _model()
+    ids, mask = prompts(1, PROMPT)
+    model.set_attn_implementation("kvcx")
+    _, want = decode(model, KvcxCache(model.config), ids, mask, STEPS)
+
+    class QuantizedLinear(torch.nn.Linear):   # a checkpoint's own linear class: its weight may not be what it applies
+        pass
+
+    for layer in model.model.layers:
+        old = layer.self_attn.kv_b_proj
+        new = QuantizedLinear(old.in_features, old.out_features, bias=False)
+        new.weight = old.weight
+        layer.self_attn.kv_b_proj = new
+    attn = model.model.layers[0].self_attn
+    q, c, r = _states(attn, 1, 1, 10, torch.float32)
+    assert "QuantizedLinear" in unabsorbable(attn, q, c, r)
+    seen = _counting_expansions(model, monkeypatch)
+    cache = KvcxCache(model.config)
+    _, got = decode(model, cache, ids, mask, STEPS)
+    assert seen[-1] == PROMPT + STEPS - 1   # the whole context, decoded and expanded
+    assert all(r["steps"]["absorbed"] == 0 and r["steps"]["materialised"] == STEPS - 1
+               for r in cache.memory_report()["layers"])
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_states_of_another_form_are_materialised_as_before():
+    """An older transformers hands an MLA layer expanded keys (nope + rope a head) and values, one per query head:
+    not the latent the absorption reads, so the layer materialises them (and says why)."""
+    cfg = family_configs(64, PROMPT)[MLA]()
+    cfg._attn_implementation = "kvcx"   # the fused steps' attention: what the absorbed steps need too
+    cache = KvcxCache(cfg)
+    H = cfg.num_attention_heads
+    k = torch.randn(1, H, 128, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+    v = torch.randn(1, H, 128, cfg.v_head_dim)
+    cache.update(k, v, 0)
+    keys, values = cache.update(k[:, :, :1], v[:, :, :1], 0)
+    assert keys.shape[-2] == 129 and values.shape[-2] == 129   # the context, materialised
+    layer = cache.memory_report()["layers"][0]
+    assert layer["steps"]["materialised"] == 1 and layer["steps"]["absorbed"] == 0
+    assert "absorbed" not in layer["fused_unsupported"]
+
+
+def test_a_module_that_is_not_mla_attention_is_named():
+    model = build(family_configs(64, PROMPT)["Llama"]())
+    attn = model.model.layers[0].self_attn
+    x = torch.zeros(1, 1, 4, 8)
+    assert "no kv_b_proj" in unabsorbable(attn, x, x, x)
+
+
+def test_draft_tokens_over_a_packed_latent_attend_causally():
+    """A step of 3 tokens after the prompt (speculative decoding's drafts): absorbed, each draft token sees the
+    context and the drafts before it, as DynamicCache's step does."""
+    model = _model()
+    ids = prompts(1, PROMPT)[0]
+    drafts = torch.tensor([[5, 17, 42]])
+    outs = []
+    for attn, cache in (("eager", DynamicCache(config=model.config)), ("kvcx", KvcxCache(model.config, bits=8))):
+        model.set_attn_implementation(attn)
+        with torch.no_grad():
+            model(input_ids=ids, past_key_values=cache, use_cache=True)
+            outs.append(model(input_ids=drafts, past_key_values=cache, use_cache=True).logits)
+    assert all(r["steps"]["absorbed"] == 1 for r in cache.memory_report()["layers"])
+    torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=2e-3 * float(outs[0].abs().max()))
+
+
+def test_a_step_of_several_tokens_without_a_mask_is_causal_among_them():
+    """The "kvcx" attention handed no mask for a latent step of several tokens (a model that leaves causality to the
+    attention function): the step's own tokens causal among them, every earlier one visible."""
+    from kvcx.cache.attention_fn import latent_attention, tail_mask
+
+    attn = _model().model.layers[0].self_attn
+    q, c, r = _states(attn, 1, 4, 150, torch.float32)
+
+    class Held:   # what a KvcxLayer posts for a latent step (attention_fn.LatentStep)
+        absorbed = None
+
+        def latent_states(self):
+            return c, r
+
+        def after_latent(self, absorbed):
+            self.absorbed = absorbed
+
+    held = Held()
+    with torch.no_grad():
+        got, _ = latent_attention(attn, held, q, None, scaling=attn.scaling)
+        want = _expanded(attn, q, c, r, tail_mask(4, 150, q.device))
+    assert held.absorbed is True
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+
+
+def test_a_latent_step_no_attention_took_is_not_found_by_the_next_steps_attention():
+    """An MLA layer's latent step whose attention never ran (the forward stopped) is dropped when the layer's next
+    step takes another path (a prompt chunk, materialised): the module of that index gets the reference attention
+    over what the layer returned, not the old step."""
+    from kvcx.cache.attention_fn import HANDOFF
+
+    model = _model()
+    model.set_attn_implementation("kvcx")
+    cache = KvcxCache(model.config)
+    ids = prompts(1, PROMPT)[0]
+    with torch.no_grad():
+        model(input_ids=ids, past_key_values=cache, use_cache=True)
+        attn = model.model.layers[0].self_attn
+        c = torch.randn(1, 1, 1, cache.layers[0].keys.shape[-1])
+        r = torch.randn(1, 1, 1, cache.layers[0].values.shape[-1])
+        cache.update(c, r, 0)                  # a decode step posted; its attention never runs
+        assert HANDOFF.take_latent(attn) is cache.layers[0]
+        cache.update(c, r, 0)                  # posted again, then the next step is a chunk of 64 tokens
+        cache.update(c.expand(1, 1, 64, -1).contiguous(), r.expand(1, 1, 64, -1).contiguous(), 0)
+        assert HANDOFF.take_latent(attn) is None
