@@ -98,9 +98,10 @@ bench: build
 
 # kvcx on the newest transformers PyPI serves (a second venv; torch's CPU build, which is what this machine has):
 # KvcxCache generating through the fused path, masks, crop, and validate, every model family's layers as that
-# release's DynamicCache builds them (its placeholders for KV-shared layers included) and the gate on hybrids, StaticKvcxCache's decode step (nothing read
-# back to the host, the same work at every length: what a CUDA graph needs), where kvcx reaches into transformers'
-# internals (CI runs it, so an upstream release that breaks kvcx fails CI before it fails a user)
+# release's DynamicCache builds them (its placeholders for KV-shared layers included) and the gate on hybrids, MLA's
+# absorbed steps (its modules' expand_kv and kv_b_proj), StaticKvcxCache's decode step (nothing read back to the
+# host, the same work at every length: what a CUDA graph needs), where kvcx reaches into transformers' internals
+# (CI runs it, so an upstream release that breaks kvcx fails CI before it fails a user)
 VENV_NEW ?= .venv-newest
 NEWEST_TESTS := tests/test_deps.py \
 	tests/cache/test_kvcx_cache.py::test_generate_uses_the_fused_path \
@@ -110,7 +111,7 @@ NEWEST_TESTS := tests/test_deps.py \
 	tests/quality/test_validation.py::test_cli_validate_end_to_end_json \
 	tests/cache/test_static_cache.py::test_a_decode_step_is_the_same_work_at_every_length \
 	tests/cache/test_static_cache.py::test_generate_runs_its_decode_steps_on_the_device_in_buffers_allocated_once \
-	tests/cache/test_layer_types.py tests/cache/test_families.py tests/quality/test_hybrid_gate.py
+	tests/cache/test_layer_types.py tests/cache/test_families.py tests/cache/test_latent.py tests/quality/test_hybrid_gate.py
 
 $(VENV_NEW)/.installed: pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV_NEW)

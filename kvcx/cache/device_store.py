@@ -30,12 +30,14 @@ GROWTH = 1 / 8
 _TOKEN_UNIT = 64
 
 
-def decodes_on_device(key: Codec, value: Codec, device: torch.device) -> bool:
+def decodes_on_device(key: Codec, value: Codec, device: torch.device, same_width: bool = True) -> bool:
     """Whether a layer with these codecs keeps its packed records on ``device`` and decodes them there with the Triton
     kernels (:class:`DeviceChunkKV`): both codecs are worked there (:func:`kvcx.codecs.backends.backend_name`: CUDA
     and a codec with a Triton backend, E8P and widths keys included, or ``backend="triton"``) but the fused attention
-    does not read them both (:func:`runs_on_device` is false: kvcx2v, kvcx4w, the guard's 8-bit keys)."""
-    return all(backend_name(c, device.type) == BACKEND for c in (key, value)) and not runs_on_device(key, value, device)
+    does not read them both (:func:`runs_on_device` is false: kvcx2v, kvcx4w, the guard's 8-bit keys) or not at
+    their widths (``same_width`` false: keys and values of different widths, MLA's latent and RoPE key)."""
+    return all(backend_name(c, device.type) == BACKEND for c in (key, value)) and (
+        not same_width or not runs_on_device(key, value, device))
 
 
 def runs_on_device(key: Codec, value: Codec, device: torch.device) -> bool:

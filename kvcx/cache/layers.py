@@ -183,7 +183,7 @@ class KvcxLayer(DynamicLayer):
         kc, vc = self._codecs_first["key"], self._codecs_first["value"]
         self._latent_form = self.spec.latent and H == 1 and self.spec.latent_widths == (D, Dv)
         fused_there = runs_on_device(kc, vc, self.device) and D == Dv
-        self.on_device = fused_there or decodes_on_device(kc, vc, self.device)
+        self.on_device = fused_there or decodes_on_device(kc, vc, self.device, same_width=D == Dv)
         self.store = DevicePackedKV(B, H, D, self.device) if fused_there else \
             DeviceChunkKV(B, H, kc, vc, self.device) if self.on_device else \
             PackedKV(B * H, D, kc, vc, workspace=self._workspace, value_dim=Dv)

@@ -10,7 +10,8 @@ What is asserted:
   equal those of the materialising path (fused=False: decoded, then expanded) within FP32 rounding;
 - a module the absorption does not fit (a kv_b_proj that is not a plain linear layer: a quantized checkpoint's)
   gets the module's own expansion of the decoded latent, with the same tokens; states of another form (an older
-  transformers that hands the cache expanded keys and values) are materialised as before.
+  transformers that hands the cache expanded keys and values) are materialised as before;
+- on the Triton backend (a CUDA model's) the latent is kept and decoded on the device, its steps the CPU store's.
 """
 import pytest
 
@@ -238,3 +239,21 @@ def test_a_latent_step_no_attention_took_is_not_found_by_the_next_steps_attentio
         cache.update(c, r, 0)                  # posted again, then the next step is a chunk of 64 tokens
         cache.update(c.expand(1, 1, 64, -1).contiguous(), r.expand(1, 1, 64, -1).contiguous(), 0)
         assert HANDOFF.take_latent(attn) is None
+
+
+@pytest.mark.slow   # Triton's interpreter
+def test_on_the_triton_backend_the_latent_is_kept_and_decoded_on_the_device():
+    """backend="triton" (a CUDA model's store; Triton's interpreter on a CPU): the latent and the RoPE key, of two
+    widths, are kept where the model runs and decoded there by the Triton codecs (bit for bit the CPU kernels'), so
+    the steps equal the CPU store's; nothing is held on the host."""
+    model = _model()
+    ids, mask = prompts(1, 128)
+    model.set_attn_implementation("kvcx")
+    got = {}
+    for backend in ("cpu", "triton"):
+        cache = KvcxCache(model.config, backend=backend)
+        got[backend] = decode(model, cache, ids, mask, 3)[1]
+        report = cache.memory_report()
+        assert report["backend"] == backend
+        assert all(r["steps"]["absorbed"] == 2 for r in report["layers"])
+    torch.testing.assert_close(got["triton"], got["cpu"], rtol=1e-5, atol=1e-5)
