@@ -250,12 +250,19 @@ def latent_attention(module, layer, query, attention_mask, dropout: float = 0.0,
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     plain = not needs_materialising(kwargs, dropout, module) and all(kwargs.get(k) is None for k in _EAGER)
-    if plain and latent.unabsorbable(module, query, latent_states, rope) is None:
+    why = latent.unabsorbable(module, query, latent_states, rope) if plain else \
+        "the model's attention asks for what the absorbed attention does not do (softcap, sinks, biases, dropout)"
+    if why is None:
         if attention_mask is None and query.shape[-2] > 1:   # the step's own tokens causal among them
             attention_mask = tail_mask(query.shape[-2], latent_states.shape[-2], query.device)
         out = latent.absorbed_attention(module, query, latent_states, rope, attention_mask, scaling)
         layer.after_latent(absorbed=True)
         return out, None
+    if not callable(getattr(module, "expand_kv", None)):
+        raise KvcxError(f"KvcxCache layer {getattr(module, 'layer_idx', '?')}: the model's MLA attention "
+                        f"({type(module).__name__}) cannot be absorbed ({why}) and has no expand_kv to expand the "
+                        "cached latent with; build the cache with KvcxCache(..., fused=False) (every step returns "
+                        "the decoded context for the model to expand)")
     key, value = module.expand_kv(latent_states, rope)
     out = reference_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                               is_causal=is_causal, **kwargs)

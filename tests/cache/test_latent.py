@@ -257,3 +257,26 @@ def test_on_the_triton_backend_the_latent_is_kept_and_decoded_on_the_device():
         assert report["backend"] == backend
         assert all(r["steps"]["absorbed"] == 2 for r in report["layers"])
     torch.testing.assert_close(got["triton"], got["cpu"], rtol=1e-5, atol=1e-5)
+
+
+def test_a_latent_module_with_nothing_to_expand_with_is_a_clear_error(monkeypatch):
+    """An MLA attention module that neither fits the absorption nor has transformers' expand_kv (a model's own code):
+    one KvcxError naming the layer and the fix (fused=False), not an AttributeError."""
+    from kvcx.cache.attention_fn import latent_attention
+    from kvcx.errors import KvcxError
+
+    attn = _model().model.layers[0].self_attn
+    q, c, r = _states(attn, 1, 1, 20, torch.float32)
+
+    class Held:
+        def latent_states(self):
+            return c, r
+
+        def after_latent(self, absorbed):
+            raise AssertionError("no attention ran")
+
+    class OwnAttention(torch.nn.Module):   # its own MLA code: a latent of the same widths, no expand_kv
+        layer_idx, num_heads = 0, attn.num_heads
+
+    with pytest.raises(KvcxError, match=r"layer 0: .*OwnAttention.*no expand_kv.*fused=False"):
+        latent_attention(OwnAttention(), Held(), q, None, scaling=1.0)
