@@ -69,9 +69,11 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch's and kvcx's threads (default: torch's)")
     ap.add_argument("--markdown", type=Path, default=None, help="also write the table to this file")
     args = ap.parse_args(argv)
-    if min(args.contexts) < 128 or args.heads < 1 or args.steps < 1:
-        ap.error(f"--contexts {args.contexts} / --heads {args.heads} / --steps {args.steps}: contexts of 128 tokens "
-                 "or more (the packed latent needs whole groups), 1 head or more, 1 step or more")
+    bad_threads = args.threads is not None and args.threads < 1
+    if min(args.contexts) < 128 or args.heads < 1 or args.steps < 1 or bad_threads:
+        ap.error(f"--contexts {args.contexts} / --heads {args.heads} / --steps {args.steps} / --threads "
+                 f"{args.threads}: contexts of 128 tokens or more (the packed latent needs whole groups), 1 head or "
+                 "more, 1 step or more, 1 thread or more")
     import torch
     from transformers import AutoModelForCausalLM, DynamicCache
 

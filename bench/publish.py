@@ -157,8 +157,8 @@ def mla() -> str:
     dyn = next(r for r in rows if r[0] == longest and r[1].startswith("DynamicCache"))
     ours = next(r for r in rows if r[0] == longest and "absorbed" in r[1])
     return (f"| MLA decode (a DeepSeek-V3-shaped attention), `KvcxCache` vs `DynamicCache` | a step after {longest} "
-            f"tokens {ours[2]} vs {dyn[2]} ms ({ours[3]}): the latent attended with kv_b_proj absorbed, never expanded; "
-            f"the cache {ours[6]} DynamicCache's bytes | [MLA](docs/results/mla.md) |")
+            f"tokens {ours[2]} vs {dyn[2]} ms ({ours[3]}): the latent attended with kv_b_proj absorbed, never "
+            f"expanded; the cache {ours[6]} DynamicCache's bytes | [MLA](docs/results/mla.md) |")
 
 
 def long_context(name: str) -> str:

@@ -29,7 +29,9 @@ def test_the_mla_bench_writes_its_table_and_the_headline_reads_it(tmp_path, monk
     assert "after 512 tokens" in row and f"{rows[5][2].strip()} vs {rows[3][2].strip()} ms" in row
 
 
-def test_bad_arguments_are_one_line(capsys):
-    with pytest.raises(SystemExit):
-        bench_mla.main(["--contexts", "64"])
-    assert "--contexts [64]" in capsys.readouterr().err
+@pytest.mark.parametrize("args", [["--contexts", "64"], ["--threads", "0"], ["--heads", "0"], ["--steps", "-1"]])
+def test_bad_arguments_are_one_line(args, capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench_mla.main(args)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "Traceback" not in err and "1 thread or more" in err

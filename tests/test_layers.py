@@ -34,7 +34,7 @@ MAX_FLOORS = 13   # two added in 2026-11: the kernels choose their variant for t
 #                   extends) as MLA's latent steps took kvcx.cache.layers past MAX_LINES
 MAX_LINES = 600
 TORCH_AT_MODULE_LEVEL = {"kvcx.cache.kvcx_cache", "kvcx.cache.layers", "kvcx.cache.window_layer", "kvcx.cache.latent",
-                         "kvcx.cache.kept",
+                         "kvcx.cache.scores", "kvcx.cache.kept",
                          "kvcx.cache.attention_fn", "kvcx.cache.buffers",
                          "kvcx.cache.device_store", "kvcx.cache.pressing", "kvcx.cache.static_cache",
                          "kvcx.cache.static_layers"}

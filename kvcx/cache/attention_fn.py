@@ -45,6 +45,7 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_
 from transformers.modeling_utils import AttentionInterface
 
 from kvcx.cache import latent
+from kvcx.cache.scores import attention_weights, tail_mask
 from kvcx.errors import KvcxError
 
 # the attention implementation this module registers with transformers
@@ -128,19 +129,17 @@ class Handoff(threading.local):
     def take_latent(self, module):
         """The MLA layer posted at the attention ``module``'s ``layer_idx`` (kind "latent"), forgotten once taken;
         None if none."""
-        idx = getattr(module, "layer_idx", None)
+        return self.drop_latent(getattr(module, "layer_idx", None))
+
+    def drop_latent(self, idx):
+        """Forget the "latent" step layer ``idx`` posted, if any, and return its layer (None if none). A layer calls
+        it on its steps that post none, so that the module of that index never finds an earlier step's that no
+        attention took."""
         entry = self._steps.get(idx) if idx is not None else None
         if entry is None or entry[2] != LATENT:
             return None
         del self._steps[idx]
         return entry[1]()
-
-    def drop_latent(self, idx) -> None:
-        """Forget a "latent" step layer ``idx`` posted and no attention took (an MLA layer's step that does not
-        post one: the module of that index must not find an earlier step's)."""
-        entry = self._steps.get(idx)
-        if entry is not None and entry[2] == LATENT:
-            del self._steps[idx]
 
     def clear(self) -> None:
         """Forget every posted step (a cache being reset)."""
@@ -155,37 +154,19 @@ def needs_materialising(kwargs: dict, dropout: float, module) -> bool:
     return any(kwargs.get(k) is not None for k in _NOT_FUSED) or bool(dropout and module.training)
 
 
-def tail_mask(query_length: int, held: int, device) -> torch.Tensor:
-    """Causal mask [1, 1, Q, held] of a step's Q tokens over a layer's ``held`` tokens, the step's own the last
-    (every kept context token visible)."""
-    q = torch.arange(query_length, device=device)[:, None]
-    k = torch.arange(held, device=device)[None, :]
-    return (k <= (held - query_length + q))[None, None]
-
-
 def eager_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: Optional[float] = None,
                     softcap: Optional[float] = None, s_aux: Optional[torch.Tensor] = None, **kwargs):
     """Attention with logit softcapping (Gemma 2: scores s -> softcap tanh(s / softcap) before the mask) and
     per-head sinks (GPT-OSS's ``s_aux``: a logit per query head in the softmax's sum, attending to nothing), in
     FP32 as the models' eager attention computes its softmax: what SDPA does not do. Keys may be wider than the
     values (MLA). Returns ([B, Q, Hq, Dv] in the query's dtype, None)."""
-    B, Hq, Q, D = query.shape
+    Hq, D = query.shape[1], query.shape[-1]
     groups = Hq // key.shape[1]
     k, v = repeat_kv(key, groups), repeat_kv(value, groups)
     scores = torch.matmul(query.float(), k.float().transpose(2, 3)) * (D ** -0.5 if scaling is None else scaling)
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap
-    if attention_mask is not None:
-        m = attention_mask[:, :, :, :k.shape[-2]]
-        scores = scores.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else scores + m.float()
-    elif Q > 1:
-        scores = scores.masked_fill(~tail_mask(Q, k.shape[-2], scores.device), float("-inf"))
-    if s_aux is not None:
-        sink = s_aux.float().reshape(1, Hq, 1, 1).expand(B, Hq, Q, 1)
-        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
-    else:
-        probs = torch.softmax(scores, dim=-1)
-    probs = torch.nan_to_num(probs, nan=0.0)   # a row that sees nothing: no output, as SDPA's masked rows
+    probs = attention_weights(scores, attention_mask, s_aux)
     if dropout and module.training:
         probs = torch.nn.functional.dropout(probs, p=dropout)
     out = torch.matmul(probs, v.float()).to(query.dtype)
@@ -253,8 +234,6 @@ def latent_attention(module, layer, query, attention_mask, dropout: float = 0.0,
     why = latent.unabsorbable(module, query, latent_states, rope) if plain else \
         "the model's attention asks for what the absorbed attention does not do (softcap, sinks, biases, dropout)"
     if why is None:
-        if attention_mask is None and query.shape[-2] > 1:   # the step's own tokens causal among them
-            attention_mask = tail_mask(query.shape[-2], latent_states.shape[-2], query.device)
         out = latent.absorbed_attention(module, query, latent_states, rope, attention_mask, scaling)
         layer.after_latent(absorbed=True)
         return out, None

@@ -24,6 +24,8 @@ from typing import Optional
 
 import torch
 
+from kvcx.cache.scores import attention_weights
+
 # what a module must have for the absorbed attention (transformers' MLA attention classes from 5.17 on)
 _ATTRS = ("kv_b_proj", "qk_nope_head_dim", "v_head_dim", "num_heads", "expand_kv")
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -54,10 +56,10 @@ def absorbed_attention(module, query: torch.Tensor, latent: torch.Tensor, rope: 
     """The attention output [B, Q, H, v] (in the query's dtype, as transformers' attention functions return it) of
     ``query`` [B, H, Q, nope + rope] over the latent ``latent`` [B, 1, T, rank] and RoPE key ``rope``
     [B, 1, T, rope] (every token the step attends to, its own last), with ``module.kv_b_proj`` absorbed (the
-    module docstring); ``attention_mask`` [B, 1, Q, >= T] boolean (True attends) or additive, or None (every token
-    visible: the caller gives a step of several tokens its causal mask). The caller checked :func:`unabsorbable`."""
+    module docstring); ``attention_mask`` [B, 1, Q, >= T] boolean (True attends) or additive, or None (the step's own
+    tokens causal among them: :func:`kvcx.cache.scores.attention_weights`). The caller checked :func:`unabsorbable`."""
     H, nope, dv = int(module.num_heads), int(module.qk_nope_head_dim), int(module.v_head_dim)
-    T, rank = latent.shape[-2], latent.shape[-1]
+    rank = latent.shape[-1]
     weight = module.kv_b_proj.weight.view(H, nope + dv, rank)
     w_uk, w_uv = weight[:, :nope], weight[:, nope:]
     q_nope, q_rope = query[..., :nope], query[..., nope:]
@@ -65,11 +67,7 @@ def absorbed_attention(module, query: torch.Tensor, latent: torch.Tensor, rope: 
     c, r = latent[:, 0].float(), rope[:, 0].float()                            # [B, T, rank], [B, T, rope]
     scores = torch.matmul(q_lat, c.transpose(1, 2)[:, None]) \
         + torch.matmul(q_rope.float(), r.transpose(1, 2)[:, None])            # [B, H, Q, T]
-    scores = scores * scaling
-    if attention_mask is not None:
-        m = attention_mask[:, :, :, :T]
-        scores = scores.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else scores + m.float()
-    probs = torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0)   # a row that sees nothing: no output
+    probs = attention_weights(scores * scaling, attention_mask)
     out_lat = torch.matmul(probs, c[:, None])                                  # [B, H, Q, rank]
     out = torch.matmul(out_lat, w_uv.float().transpose(1, 2))                  # [B, H, Q, v]
     return out.to(query.dtype).transpose(1, 2).contiguous()

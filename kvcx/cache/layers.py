@@ -113,8 +113,8 @@ class KvcxLayer(DynamicLayer):
         if self.spec.latent:
             return ("MLA: the model expands the cached latent into keys and values after the cache (kv_b_proj), so "
                     "no kernel can attend over the packed codes: this layer's steps decode its packed latent"
-                    + (", and under the 'kvcx' attention (unless fused=False) a decode step attends over it with kv_b_proj "
-                       "absorbed into the query and the output (the context is never expanded)"
+                    + (", and under the 'kvcx' attention (unless fused=False) a decode step attends over it with "
+                       "kv_b_proj absorbed into the query and the output (the context is never expanded)"
                        if self._latent_form else ""))
         if self.on_device:
             return self.store.unsupported(self._query_group)

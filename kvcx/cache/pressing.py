@@ -7,7 +7,7 @@ prunes after each layer's forward); SnapKV scores the prompt's tokens with the p
 it stands for: it keeps counting the context's length (``get_seq_length``, so generate() places the tokens that
 follow at their own rotary positions) and tells transformers' masks where its held tokens sit
 (``get_mask_sizes``: the evicted tokens are an offset); steps of several tokens get a causal mask from the layer
-itself (:func:`kvcx.cache.attention_fn.tail_mask`), since layers with their own keep ratios hold different counts.
+itself (:func:`kvcx.cache.scores.tail_mask`), since layers with their own keep ratios hold different counts.
 
 One sequence per cache (batch 1): a press keeps different tokens in each sequence. :class:`EvictedCache` is the
 same idea for a transformers cache built from evicted tensors (``validate``'s prefix mode with a keep ratio per
