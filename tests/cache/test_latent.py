@@ -280,3 +280,28 @@ def test_a_latent_module_with_nothing_to_expand_with_is_a_clear_error(monkeypatc
 
     with pytest.raises(KvcxError, match=r"layer 0: .*OwnAttention.*no expand_kv.*fused=False"):
         latent_attention(OwnAttention(), Held(), q, None, scaling=1.0)
+
+
+def test_the_packed_latent_holds_a_third_of_dynamic_caches_bytes_and_one_layer_of_scratch():
+    """In BF16 (DynamicCache's bytes its FP16-equivalent ones), a 2,048-token prompt and 4 decode steps: the packed
+    latent and RoPE key with the residual hold at most a third of what DynamicCache(config=...) holds for the same
+    latent; the scratch the absorbed steps decode into is one layer's latent and RoPE key (shared by the layers,
+    grown by half at most), so its share falls with the layer count (2 of 61 in DeepSeek V3's)."""
+    from kvcx.cache.kvcx_cache import dynamic_cache_bytes
+
+    cfg = family_configs(64, 2048)[MLA]()
+    cfg.eos_token_id = None
+    model = build(cfg, dtype=torch.bfloat16)
+    ids, mask = prompts(1, 2048)
+    model.set_attn_implementation("eager")
+    dynamic = DynamicCache(config=model.config)
+    decode(model, dynamic, ids, mask, 4)
+    model.set_attn_implementation("kvcx")
+    cache = KvcxCache(model.config)
+    decode(model, cache, ids, mask, 4)
+    report = cache.memory_report()
+    assert all(r["steps"]["absorbed"] == 3 for r in report["layers"])
+    dyn = dynamic_cache_bytes(dynamic)
+    assert report["packed_bytes"] + report["residual_bytes"] <= dyn / 3, (report, dyn)
+    one_layer = dyn // len(cache.layers)
+    assert one_layer <= report["scratch_bytes"] <= 1.5 * one_layer + 4096, (report["scratch_bytes"], one_layer)
