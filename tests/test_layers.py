@@ -37,7 +37,7 @@ TORCH_AT_MODULE_LEVEL = {"kvcx.cache.kvcx_cache", "kvcx.cache.layers", "kvcx.cac
                          "kvcx.cache.scores", "kvcx.cache.kept",
                          "kvcx.cache.attention_fn", "kvcx.cache.buffers",
                          "kvcx.cache.device_store", "kvcx.cache.pressing", "kvcx.cache.static_cache",
-                         "kvcx.cache.static_layers"}
+                         "kvcx.cache.static_layers", "kvcx.cache.static_latent"}
 RICH_MODULES = {"kvcx.cli", "kvcx.cli.app", "kvcx.cli.render", "kvcx.cli.files", "kvcx.cli.validate",
                 "kvcx.cli.calibrate", "kvcx.cli.serve"}    # the CLI package: its app, renderers and commands
 

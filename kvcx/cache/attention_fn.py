@@ -81,8 +81,10 @@ class FusedStep(Protocol):
 class LatentStep(Protocol):
     """What an MLA cache layer posts for a decode step (kind ``"latent"``)."""
 
-    def latent_states(self):
-        """(latent [B, 1, T, rank], RoPE key [B, 1, T, rope]) of every token the step attends to, decoded."""
+    def latent_states(self, attention_mask):
+        """(latent [B, 1, T, rank], RoPE key [B, 1, T, rope], mask) of every token the step attends to, decoded;
+        the mask the attention applies: transformers' ``attention_mask`` as given, or the layer's own where its
+        tokens are not in transformers' order (StaticKvcxCache's rows: :mod:`kvcx.cache.static_latent`)."""
 
     def after_latent(self, absorbed: bool) -> None:
         """Called after the step's attention (``absorbed``: over the latent, else over the module's expansion)."""
@@ -227,7 +229,7 @@ def latent_attention(module, layer, query, attention_mask, dropout: float = 0.0,
     ``kv_b_proj`` absorbed (:func:`kvcx.cache.latent.absorbed_attention`), or, where that does not fit the module
     (:func:`~kvcx.cache.latent.unabsorbable`) or the call asks for what it does not do, the reference attention over
     the latent expanded by the module's own ``expand_kv``."""
-    latent_states, rope = layer.latent_states()
+    latent_states, rope, attention_mask = layer.latent_states(attention_mask)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     plain = not needs_materialising(kwargs, dropout, module) and all(kwargs.get(k) is None for k in _EAGER)

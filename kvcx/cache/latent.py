@@ -63,11 +63,15 @@ def absorbed_attention(module, query: torch.Tensor, latent: torch.Tensor, rope: 
     weight = module.kv_b_proj.weight.view(H, nope + dv, rank)
     w_uk, w_uv = weight[:, :nope], weight[:, nope:]
     q_nope, q_rope = query[..., :nope], query[..., nope:]
+    B, _, Q, _ = query.shape
+    T = latent.shape[2]
     q_lat = torch.matmul(q_nope.float(), w_uk.float())                        # [B, H, Q, rank]: the query absorbed
     c, r = latent[:, 0].float(), rope[:, 0].float()                            # [B, T, rank], [B, T, rope]
-    scores = torch.matmul(q_lat, c.transpose(1, 2)[:, None]) \
-        + torch.matmul(q_rope.float(), r.transpose(1, 2)[:, None])            # [B, H, Q, T]
-    probs = attention_weights(scores * scaling, attention_mask)
-    out_lat = torch.matmul(probs, c[:, None])                                  # [B, H, Q, rank]
+    # every head's rows against the one latent head as one [H Q, rank] x [rank, T] product per batch row (a head
+    # axis broadcast over the latent would run H products, each reading the whole context)
+    scores = torch.baddbmm(torch.bmm(q_lat.reshape(B, H * Q, rank), c.transpose(1, 2)),
+                           q_rope.float().reshape(B, H * Q, -1), r.transpose(1, 2))    # [B, H Q, T]
+    probs = attention_weights((scores * scaling).view(B, H, Q, T), attention_mask)
+    out_lat = torch.bmm(probs.reshape(B, H * Q, T), c).view(B, H, Q, rank)
     out = torch.matmul(out_lat, w_uv.float().transpose(1, 2))                  # [B, H, Q, v]
     return out.to(query.dtype).transpose(1, 2).contiguous()

@@ -420,15 +420,15 @@ class KvcxLayer(DynamicLayer):
         self.pack_residual(self.last_step)
         return out
 
-    def latent_states(self):
+    def latent_states(self, attention_mask):
         """An MLA step posted as "latent" (:class:`~kvcx.cache.attention_fn.LatentStep`): the latent and the RoPE
         key of every token the step attends to (the packed ones decoded into the scratch, the residual, the step's
-        own last)."""
+        own last), and transformers' mask as given (its tokens are in that order)."""
         if not len(self.store):   # nothing packed yet: the residual holds the context
             self.steps["full_precision"] += 1
-            return self.keys, self.values
+            return self.keys, self.values, attention_mask
         self.steps["materialised"] += 1
-        return self._materialize(None, None)
+        return (*self._materialize(None, None), attention_mask)
 
     def after_latent(self, absorbed: bool) -> None:
         """After a latent step's attention (``absorbed``: over the latent with kv_b_proj absorbed; else over the

@@ -31,6 +31,8 @@ layers are packed as above; sliding and chunked layers are packed into a ring of
 (:class:`~kvcx.cache.static_layers.StaticKvcxWindowLayer`: the same four launches a step, the window's first token
 a mask computed on the device, so their steps replay from a graph too; a window smaller than a page, or chunks of
 part pages, are held as transformers' ``StaticSlidingWindowLayer`` holds them, and ``memory_report()`` says why);
+MLA layers (DeepSeek V2/V3, Kimi K2.5) pack the latent and the RoPE key and attend over them with ``kv_b_proj``
+absorbed (:mod:`kvcx.cache.static_latent`: the same encode launches, then the rows decoded on the device);
 linear-attention and recurrent layers keep transformers' own layer class; ``memory_report()["layers"]`` says which
 layers are packed; a layer type kvcx cannot pack is an error naming it, or kept with ``unsupported="keep"``.
 
@@ -53,6 +55,7 @@ from transformers.cache_utils import Cache
 from kvcx.cache.attention_fn import ATTN_IMPLEMENTATION
 from kvcx.cache.kept import layer_bytes, layer_kwargs, transformers_layer_class
 from kvcx.cache.layer_types import CHUNKED, FULL, STATE, WINDOWED, check_unsupported, layer_specs
+from kvcx.cache.static_latent import LatentContext, StaticKvcxLatentLayer
 from kvcx.cache.static_layers import PlanHolder, StaticKvcxLayer, StaticKvcxWindowLayer
 from kvcx.codecs import gpu_attn
 from kvcx.codecs.dtypes import is_int
@@ -92,10 +95,6 @@ class StaticKvcxCache(Cache):
         text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         specs = layer_specs(config)
         check_unsupported(specs, unsupported, "StaticKvcxCache")
-        latent = [s.index for s in specs if s.latent]
-        if latent:
-            raise KvcxError(f"StaticKvcxCache layer {latent[0]}: MLA (the model expands the cached latent after the "
-                            "cache) has no decode step the Triton kernels can replay; use KvcxCache")
         self._why_kept = {s.index: _why_kept(s, residual_length) for s in specs if s.kind in WINDOWED}
         packed = [s.index for s in specs if s.kind == FULL or s.kind in WINDOWED and not self._why_kept[s.index]]
         if not packed:
@@ -130,6 +129,7 @@ class StaticKvcxCache(Cache):
         self._max_len = max_cache_len
         self._device_step = False   # the current step's kind (decided at its first packed layer)
         self._first = packed[0]
+        self._latent_context = LatentContext()   # the decoded context the MLA layers share
         self.specs = specs
         super().__init__(layers=[self._layer(s, codecs, max_cache_len) for s in specs])
 
@@ -137,6 +137,9 @@ class StaticKvcxCache(Cache):
         """A layer of the cache: packed (full, or windowed in a ring) or kept in transformers' own class."""
         if spec.index not in codecs:
             return self._kept(spec, max_cache_len)
+        if spec.latent:
+            return StaticKvcxLatentLayer(*codecs[spec.index], self._holder, self.residual_length, max_cache_len,
+                                         spec, self._latent_context)
         if spec.kind == FULL:
             return StaticKvcxLayer(*codecs[spec.index], self._holder, self.residual_length, max_cache_len, spec.index)
         return StaticKvcxWindowLayer(*codecs[spec.index], self._holder, self.residual_length, max_cache_len, spec)
@@ -221,10 +224,10 @@ class StaticKvcxCache(Cache):
         layers: List[StaticKvcxLayer] = [layer for layer in self.packed_layers if layer.is_initialized]
         packed = sum(layer.packed_bytes() for layer in layers)
         exact = sum(layer.exact_bytes() for layer in layers)
-        scratch = sum(layer.scratch_bytes() for layer in layers)
+        scratch = sum(layer.scratch_bytes() for layer in layers) + self._latent_context.nbytes
         # like with like: StaticCache holds a windowed layer's window only (StaticSlidingWindowLayer)
-        static = sum(2 * 2 * layer.batch_size * layer.num_heads * layer.get_max_cache_shape() * layer.head_dim
-                     for layer in layers)
+        static = sum(2 * layer.batch_size * layer.num_heads * layer.get_max_cache_shape()
+                     * (layer.head_dim + layer.value_dim) for layer in layers)
         steps = {k: sum(layer.steps[k] for layer in self.packed_layers) for k in ("device", "prompt")}
         kept = sum(layer_bytes(layer) for layer in self.layers if not isinstance(layer, StaticKvcxLayer))
         return {"packed_bytes": packed, "residual_bytes": exact, "scratch_bytes": scratch, "kept_bytes": kept,

@@ -120,21 +120,22 @@ class StaticKvcxLayer(CacheLayerMixin):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         B, H, _, D = key_states.shape
+        Dv = value_states.shape[-1]
         if not gpu.TritonIntBackend.available() or key_states.device.type != "cuda" and not gpu_attn.interpreting():
             raise KvcxError(f"StaticKvcxCache runs the Triton kernels: it needs triton (pip install 'kvcx[gpu]') and "
                             f"a CUDA model, not one on {key_states.device.type} (Triton's interpreter, "
                             "TRITON_INTERPRET=1, runs them on the CPU for tests); on the CPU use KvcxCache")
         self.dtype, self.device = key_states.dtype, key_states.device
-        self.batch_size, self.num_heads, self.head_dim = B, H, D
+        self.batch_size, self.num_heads, self.head_dim, self.value_dim = B, H, D, Dv
         P = self.residual_length
         capacity = self._capacity()
         kc, vc = self._codecs
         # one page a batch row, as long as the capacity: the contiguous store read by the paged kernel
-        self.pool = paged.allocate(kc, vc, B, H, D, capacity, self.device)
+        self.pool = paged.allocate(kc, vc, B, H, D, capacity, self.device, value_dim=Dv)
         self.table = torch.arange(B, dtype=torch.int32, device=self.device)[:, None]
-        self.res_k, self.res_v = (torch.zeros(B, H, P, D, dtype=self.dtype, device=self.device) for _ in "kv")
-        self.sink_k, self.sink_v = (torch.zeros(B, H, self.t0, D, dtype=self.dtype, device=self.device)
-                                    for _ in "kv") if self.t0 else (None, None)
+        self.res_k, self.res_v = (torch.zeros(B, H, P, d, dtype=self.dtype, device=self.device) for d in (D, Dv))
+        self.sink_k, self.sink_v = (torch.zeros(B, H, self.t0, d, dtype=self.dtype, device=self.device)
+                                    for d in (D, Dv)) if self.t0 else (None, None)
         self.flag = torch.zeros(2, dtype=torch.int32, device=self.device)
         self.keys = self.values = None   # nothing of the context is held in the model's dtype but the residual
         self.is_initialized = True
@@ -169,7 +170,8 @@ class StaticKvcxLayer(CacheLayerMixin):
         """The packed tokens of the rows' pages ``parts`` (whole pages, in that order) of the keys (0) or values (1)
         as a record (copies)."""
         codec = self._codecs[kind]
-        B, H, D, P = self.batch_size, self.num_heads, self.head_dim, self.residual_length
+        B, H, P = self.batch_size, self.num_heads, self.residual_length
+        D = (self.head_dim, self.value_dim)[kind]
         tokens = len(parts) * P
         lay = codec.layout((B, H, tokens, D), "history")
         at = torch.tensor(parts, dtype=torch.int64, device=self.device)
@@ -188,24 +190,29 @@ class StaticKvcxLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if tuple(key_states.shape[:2]) != (self.batch_size, self.num_heads) or key_states.shape[-1] != self.head_dim \
-                or key_states.shape != value_states.shape:
+                or key_states.shape[:-1] != value_states.shape[:-1] or value_states.shape[-1] != self.value_dim:
             raise KvcxError(f"StaticKvcxCache layer {self.layer_idx}: keys {list(key_states.shape)} and values "
                             f"{list(value_states.shape)} do not fit its buffers ([{self.batch_size}, "
-                            f"{self.num_heads}, *, {self.head_dim}]); build a new cache for another batch")
+                            f"{self.num_heads}, *, {self.head_dim}] and [..., {self.value_dim}]); build a new cache "
+                            "for another batch")
         if device_step:
             return self._decode(key_states, value_states)
         return self._prompt(key_states, value_states)
 
     def _decode(self, key_states, value_states):
         """One launch a kind: the token written into the residual's slot and, when that fills it, the residual
-        encoded into its page of the rows (:func:`kvcx.codecs.paged.encode_step`)."""
+        encoded into its page of the rows (:func:`kvcx.codecs.paged.encode_step`); the layer posted for the
+        attention."""
+        self._encode_step(key_states, value_states)
+        HANDOFF.post(key_states, self)
+        return key_states, value_states
+
+    def _encode_step(self, key_states, value_states) -> None:
         where = self._step()[0]
         for kind, (res, new) in enumerate(((self.res_k, key_states), (self.res_v, value_states))):
             paged.encode_step(self._codecs[kind], res, *self._bufs(kind), self.flag, new.to(self.dtype).contiguous(),
                               where)
         self.steps["device"] += 1
-        HANDOFF.post(key_states, self)
-        return key_states, value_states
 
     def _prompt(self, key_states, value_states):
         plan = self._plan.plan

@@ -31,7 +31,8 @@ from kvcx.errors import CodecError
 class PagedKV:
     """A pool of pages of packed keys and values: codes uint8 [pages, Hkv, page_tokens x D / 2]; scales (and zero
     points, or None) FP16 [pages, Hkv, page_tokens / G, D] for per-channel groups of G tokens or [pages, Hkv,
-    page_tokens x D / G] for per-token groups of G values."""
+    page_tokens x D / G] for per-token groups of G values. Values may be of another width than keys (``value_dim``:
+    MLA's latent and RoPE key, :mod:`kvcx.cache.static_latent`); :func:`attend` reads keys and values of one."""
 
     key_codes: object
     key_scales: object
@@ -54,6 +55,10 @@ class PagedKV:
     @property
     def head_dim(self) -> int:
         return self.key_codes.shape[2] * 2 // self.page_tokens
+
+    @property
+    def value_dim(self) -> int:
+        return self.value_codes.shape[2] * 2 // self.page_tokens
 
     @property
     def nbytes(self) -> int:
@@ -84,29 +89,31 @@ def _params_shape(codec, pages: int, H: int, P: int, D: int) -> tuple:
 
 
 def allocate(key_codec: Codec, value_codec: Codec, num_pages: int, kv_heads: int, head_dim: int, page_tokens: int,
-             device) -> PagedKV:
-    """An empty pool of ``num_pages`` pages of ``page_tokens`` tokens for ``kv_heads`` heads of ``head_dim``, on
-    ``device``. Pages hold whole groups of both codecs and at least 16 tokens (the products' tiles): a power of two,
-    or a multiple of the kernel's tiles (a page a row as long as a sequence: :mod:`kvcx.cache.static_cache`)."""
+             device, value_dim: Optional[int] = None) -> PagedKV:
+    """An empty pool of ``num_pages`` pages of ``page_tokens`` tokens for ``kv_heads`` heads of ``head_dim``
+    (values of ``value_dim``: None, the same), on ``device``. Pages hold whole groups of both codecs and at least 16
+    tokens (the products' tiles): a power of two, or a multiple of the kernel's tiles (a page a row as long as a
+    sequence: :mod:`kvcx.cache.static_cache`)."""
     torch = _torch()
     if not is_int(page_tokens) or page_tokens < 16 or (page_tokens & (page_tokens - 1) and
                                                       page_tokens % gpu_attn.TILE_TOKENS):
         raise CodecError(f"paged store: page_tokens must be a power of two from 16 or a multiple of "
                          f"{gpu_attn.TILE_TOKENS} (the kernel's tiles lie within a page), got {page_tokens!r}")
-    if num_pages < 1 or kv_heads < 1 or head_dim < 16 or head_dim % 16:
-        raise CodecError(f"paged store: need num_pages >= 1, kv_heads >= 1 and a head dim that is a multiple of 16; "
-                         f"got {num_pages}, {kv_heads}, {head_dim}")
-    for codec, what in ((key_codec, "keys"), (value_codec, "values")):
-        _check_codec(codec, what, page_tokens, head_dim)
-    P, H, D = page_tokens, kv_heads, head_dim
+    Dv = head_dim if value_dim is None else value_dim
+    if num_pages < 1 or kv_heads < 1 or min(head_dim, Dv) < 16 or head_dim % 16 or Dv % 16:
+        raise CodecError(f"paged store: need num_pages >= 1, kv_heads >= 1 and head dims that are multiples of 16; "
+                         f"got {num_pages}, {kv_heads}, keys {head_dim}, values {Dv}")
+    for codec, what, d in ((key_codec, "keys", head_dim), (value_codec, "values", Dv)):
+        _check_codec(codec, what, page_tokens, d)
+    P, H = page_tokens, kv_heads
 
-    def params(codec):
+    def params(codec, D):
         shape = _params_shape(codec, num_pages, H, P, D)
         return (torch.zeros(shape, dtype=torch.float16, device=device),
                 torch.zeros(shape, dtype=torch.float16, device=device) if codec.asym else None)
 
-    (ks, kz), (vs, vz) = params(key_codec), params(value_codec)
-    codes = (torch.zeros((num_pages, H, P * D // 2), dtype=torch.uint8, device=device) for _ in "kv")
+    (ks, kz), (vs, vz) = params(key_codec, head_dim), params(value_codec, Dv)
+    codes = (torch.zeros((num_pages, H, P * D // 2), dtype=torch.uint8, device=device) for D in (head_dim, Dv))
     return PagedKV(next(codes), ks, kz, next(codes), vs, vz, key_codec.with_backend("triton"),
                    value_codec.with_backend("triton"), P)
 
@@ -117,8 +124,9 @@ def write(pool: PagedKV, pages: Sequence[int], keys: Packed, values: Packed) -> 
     ``pages[j]`` gets tokens [j P, (j + 1) P). A partial last page holds its tokens first; write it again, whole,
     once it fills (its groups re-encoded then, as the sequence encoded whole would have them)."""
     torch = _torch()
-    P, H, D = pool.page_tokens, pool.kv_heads, pool.head_dim
-    for rec, codec, what in ((keys, pool.key_codec, "keys"), (values, pool.value_codec, "values")):
+    P, H = pool.page_tokens, pool.kv_heads
+    for rec, codec, what, D in ((keys, pool.key_codec, "keys", pool.head_dim),
+                                (values, pool.value_codec, "values", pool.value_dim)):
         shape = tuple(rec.shape)
         if len(shape) not in (3, 4) or shape[-3] != H or shape[-1] != D or (len(shape) == 4 and shape[0] != 1):
             raise CodecError(f"paged store: {what} of shape {list(shape)} do not fit pages of {H} KV heads x head dim "
@@ -136,9 +144,10 @@ def write(pool: PagedKV, pages: Sequence[int], keys: Packed, values: Packed) -> 
         raise CodecError(f"paged store: page {bad[0]} is not in the pool of {pool.num_pages} pages")
     whole = S // P   # pages filled: one copy a buffer for all of them; a partial last page after them
     index = torch.as_tensor([int(p) for p in pages[:whole]], dtype=torch.long, device=pool.key_codes.device)
-    for rec, codec, codes, scales, zeros in ((keys, pool.key_codec, pool.key_codes, pool.key_scales, pool.key_zeros),
-                                             (values, pool.value_codec, pool.value_codes, pool.value_scales,
-                                              pool.value_zeros)):
+    for rec, codec, codes, scales, zeros, D in ((keys, pool.key_codec, pool.key_codes, pool.key_scales,
+                                                 pool.key_zeros, pool.head_dim),
+                                                (values, pool.value_codec, pool.value_codes, pool.value_scales,
+                                                 pool.value_zeros, pool.value_dim)):
         span = gpu_attn.span_of(rec, codec.with_backend("triton"))
         G = codec.group_size
         per = P // G if codec.axis == "channel" else P * D // G     # a page's scale columns (blocks)
@@ -209,9 +218,9 @@ def attend(q, pool: PagedKV, block_table, seq_lens, scaling: Optional[float] = N
     B, Hq, D = q.shape
     H, P = pool.kv_heads, pool.page_tokens
     dev = pool.key_codes.device
-    if D != pool.head_dim or Hq % H:
+    if D != pool.head_dim or D != pool.value_dim or Hq % H:
         raise CodecError(f"paged attention: q {list(q.shape)} does not fit pages of {H} KV heads x head dim "
-                         f"{pool.head_dim}")
+                         f"{pool.head_dim} (values {pool.value_dim}: the kernel reads keys and values of one width)")
     for t, name, dims in ((block_table, "block_table", 2), (seq_lens, "seq_lens", 1)):
         if not is_tensor(t) or t.dtype != torch.int32 or t.dim() != dims or t.shape[0] != B or t.device != dev \
                 or q.device != dev:

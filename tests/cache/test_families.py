@@ -79,16 +79,17 @@ def test_family_generates_fused_within_its_window_and_close_to_dynamic_cache(nam
     assert float(decided.float().mean()) >= 0.9, int((~decided).sum())   # near-ties: at most 10 % of the tokens
 
 
-STATIC_FAMILIES = [n for n in FAMILIES if "MLA" not in n and n not in ("Qwen3", "Qwen3-MoE", "Phi-3")]
+STATIC_FAMILIES = [n for n in FAMILIES if n not in ("Qwen3", "Qwen3-MoE", "Phi-3")]
 
 
 @pytest.mark.parametrize("name", STATIC_FAMILIES)
 def test_static_cache_packs_every_family_with_its_decode_steps_on_the_device(name):
-    """StaticKvcxCache (the Triton kernels; their interpreter on a CPU) on each family but MLA (refused by name:
-    tests/cache/test_static_cache.py; of the full-attention families Llama alone: the others' layers are of the
-    same kind, tested further there), batch 1 (it takes rows of equal length): the prompt of 8x the window, then
-    4 steps teacher-forced on DynamicCache's tokens. Every full, sliding and chunked layer is packed (linear ones
-    kept in transformers' class) and runs its decode steps on the device; a windowed layer holds a ring of its
+    """StaticKvcxCache (the Triton kernels; their interpreter on a CPU) on each family (of the full-attention
+    families Llama alone: the others' layers are of the same kind, tested further in
+    tests/cache/test_static_cache.py), batch 1 (it takes rows of equal length): the prompt of 8x the window, then
+    4 steps teacher-forced on DynamicCache's tokens. Every full, sliding, chunked and MLA layer is packed (linear
+    ones kept in transformers' class) and runs its decode steps on the device (MLA: its rows decoded there, attended
+    with kv_b_proj absorbed); a windowed layer holds a ring of its
     window (64 tokens: whole tiles of the kernel), not the context; the next-token distributions are within the
     default scheme's KL bound of DynamicCache's."""
     model = _model(name)

@@ -205,8 +205,8 @@ def test_a_step_of_several_tokens_without_a_mask_is_causal_among_them():
     class Held:   # what a KvcxLayer posts for a latent step (attention_fn.LatentStep)
         absorbed = None
 
-        def latent_states(self):
-            return c, r
+        def latent_states(self, attention_mask):
+            return c, r, attention_mask
 
         def after_latent(self, absorbed):
             self.absorbed = absorbed
@@ -269,8 +269,8 @@ def test_a_latent_module_with_nothing_to_expand_with_is_a_clear_error(monkeypatc
     q, c, r = _states(attn, 1, 1, 20, torch.float32)
 
     class Held:
-        def latent_states(self):
-            return c, r
+        def latent_states(self, attention_mask):
+            return c, r, attention_mask
 
         def after_latent(self, absorbed):
             raise AssertionError("no attention ran")

@@ -188,14 +188,15 @@ def _record_launches(monkeypatch, launches):
             monkeypatch.setattr(module, name, Recorded(kernel, params, name))
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "gemma3", "deepseek_v3"])
 def test_a_decode_step_is_the_same_work_at_every_length(tiny, monkeypatch, family):
     """What replaying one captured step needs: a whole step (the model, the argmax, the position's increment, as
     bench_gpu's section 3 captures it) reads nothing back to the host (no .item(), int(), bool(), .tolist() of a
     tensor) and runs the same torch operations on the same shapes and the same Triton launches (grids, integers,
     constexprs) at every length: here six steps, the fourth filling a page; Gemma 3's sliding layer (a window of
-    16) in its ring, which the prompt has wrapped. On a GPU the step is also captured in a CUDA graph and replayed:
-    the tokens equal the eager steps'."""
+    16) in its ring, which the prompt has wrapped; DeepSeek V3's MLA layers, whose steps decode their whole rows
+    (the latent and the RoPE key) and attend with kv_b_proj absorbed. On a GPU the step is also captured in a CUDA
+    graph and replayed: the tokens equal the eager steps'."""
     if family != "llama":
         tiny = _hybrid(family, 16)
     ids = torch.randint(0, 256, (2, 42), generator=torch.Generator().manual_seed(2)).to(DEVICE)
@@ -237,7 +238,9 @@ def test_a_decode_step_is_the_same_work_at_every_length(tiny, monkeypatch, famil
     # four launches a layer (the keys' and the values' encode step, the attention, its merge) and no torch copy of
     # the cache's: the token goes into the residual and a full residual into its page inside the encode launch
     per_layer = [name for name, *_ in launches[:4]]
-    assert per_layer == ["encode_channel_kernel", "encode_token_kernel", "attend_packed_kernel", "merge_kernel"]
+    attention = ["attend_packed_kernel", "merge_kernel"] if family != "deepseek_v3" else \
+        ["decode_channel_kernel", "decode_token_kernel"]   # MLA: the rows decoded for the absorbed attention
+    assert per_layer == ["encode_channel_kernel", "encode_token_kernel", *attention]
     assert len(launches) == 4 * tiny.config.num_hidden_layers
     assert not any(op.startswith(("aten.index_copy", "aten.index_put", "aten.slice_scatter")) for op, _ in ops)
     for step_ops, step_launches in seen[1:]:
@@ -359,6 +362,10 @@ def _hybrid(family: str, window: int = 24):
                   num_key_value_heads=2, head_dim=32, max_position_embeddings=256)
     if family == "gemma3":
         cfg = T.Gemma3TextConfig(**common, sliding_window=window, layer_types=["sliding_attention", "full_attention"])
+    elif family == "deepseek_v3":   # MLA: a latent of 64 and a RoPE key of 32, both layers
+        cfg = T.DeepseekV3Config(**{**common, "num_key_value_heads": 4}, q_lora_rank=None, kv_lora_rank=64,
+                                 qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=32, first_k_dense_replace=2,
+                                 n_routed_experts=2, num_experts_per_tok=1, n_group=1, topk_group=1)
     elif family == "llama4":
         cfg = T.Llama4TextConfig(**common, intermediate_size_mlp=128, attention_chunk_size=window,
                                  layer_types=["chunked_attention", "full_attention"], no_rope_layers=[1, 0])
@@ -452,13 +459,72 @@ def test_a_windowed_layer_attends_over_its_window_in_the_ring(chunked):
     assert layer.steps == {"device": N - S0, "prompt": 2}
 
 
+@pytest.mark.parametrize("batch", [1, 3])
+def test_mla_layers_pack_the_latent_and_attend_with_kv_b_proj_absorbed(batch):
+    """DeepSeek V3 (MLA; transformers' StaticCache takes it): the latent and the RoPE key packed in rows of the
+    capacity, a decode step the two encode launches and the rows decoded on the device for the absorbed attention;
+    a 40-token prompt then 8 greedy tokens (across two pages' ends) at batch 1 and 3 equal KvcxCache's on the same
+    codecs (its logits within 1e-2 of them: the two pack the prompt's tail at different steps), every decode step
+    on the device, and the packed rows and residual hold under half of what a BF16 StaticCache of the capacity
+    holds for the same latent, with one layer's decoded context of scratch the layers share."""
+    model = _hybrid("deepseek_v3")
+    ids = torch.randint(3, 256, (batch, 40), generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    static = StaticKvcxCache(model.config, max_cache_len=256, **OPTS)
+    ref = KvcxCache(model.config, backend="triton", **OPTS)
+    a, b = _generate(model, static, ids, 8), _generate(model, ref, ids, 8)
+    assert torch.equal(a.sequences, b.sequences)
+    assert max(float((x - y).abs().max()) for x, y in zip(a.scores, b.scores)) < 1e-2
+    assert all(r["steps"]["absorbed"] == 7 for r in ref.memory_report()["layers"])
+    rep = static.memory_report()
+    assert [type(layer).__name__ for layer in static.layers] == ["StaticKvcxLatentLayer"] * 2
+    assert rep["attention_steps"] == {"device": 2 * 7, "prompt": 2} and rep["tokens"] == 47
+    held = rep["packed_bytes"] + rep["residual_bytes"]
+    assert held < 0.5 * rep["bf16_static_bytes"], rep
+    cap = static.layers[0]._capacity()
+    assert rep["scratch_bytes"] == batch * (static.layers[0].t0 + cap + 16) * (64 + 32) * 4   # one layer's, FP32
+
+
+def test_an_mla_layer_decodes_what_its_pages_hold_under_the_plans_mask():
+    """One MLA layer's decode steps, 40 after a 37-token prompt (pages of 16 filled on the device): the context a
+    step reads, under its mask, is the sinks exact, every page encoded alone and decoded, then the residual exact,
+    to the bit, in transformers' order; what the mask hides is never a held token. A mask given from Python (a
+    padded batch) and expanded states (transformers before 5.17) are refused naming the fix."""
+    model = _hybrid("deepseek_v3")
+    cache = StaticKvcxCache(model.config, max_cache_len=128, **OPTS)
+    layer = cache.layers[0]
+    g = torch.Generator().manual_seed(0)
+    N, S0 = 77, 37
+    C, R = torch.randn(1, 1, N, 64, generator=g).to(DEVICE), torch.randn(1, 1, N, 32, generator=g).to(DEVICE)
+    for i in (0, 1):
+        cache.update(C[:, :, :S0], R[:, :, :S0], i)
+    kc, vc = layer._codecs
+    t0, P = layer.t0, 16
+
+    def held(x, codec, p):   # tokens to p as a step reads them: sinks exact, the pages before p's packed alone, then
+        c = t0 + (p - t0) // P * P   # p's page exact (the residual: read exact at the step that fills it too)
+        pages = [codec.decode(codec.encode(x[:, :, s:s + P].contiguous())) for s in range(t0, c, P)]
+        return torch.cat([x[:, :, :t0], *pages, x[:, :, c:p + 1]], 2)
+
+    for p in range(S0, N):
+        cache.update(C[:, :, p:p + 1].contiguous(), R[:, :, p:p + 1].contiguous(), 0)
+        assert HANDOFF.take_latent(model.model.layers[0].self_attn) is layer
+        lat, rope, mask = layer.latent_states(None)
+        keep = mask[0, 0, 0]
+        assert int(keep.sum()) == p + 1
+        assert torch.equal(lat[0, 0][keep], held(C, kc, p)[0, 0])
+        assert torch.equal(rope[0, 0][keep], held(R, vc, p)[0, 0])
+    with pytest.raises(KvcxError, match="rows of equal length"):
+        layer.latent_states(torch.ones(1, 1, 1, N + 1, dtype=torch.bool))
+    fresh = StaticKvcxCache(model.config, max_cache_len=64, **OPTS)
+    with pytest.raises(KvcxError, match=r"layer 0 .*MLA.* not its latent and RoPE key.*5\.17"):
+        fresh.update(torch.randn(1, 4, 8, 64).to(DEVICE), torch.randn(1, 4, 8, 32).to(DEVICE), 0)
+
+
 def test_hybrid_refusals_name_the_layer(tiny):
     import transformers as T
 
-    from bench.families import family_configs, unsupported_config
+    from bench.families import unsupported_config
 
-    with pytest.raises(KvcxError, match="MLA .* use KvcxCache"):
-        StaticKvcxCache(family_configs()["DeepSeek V3 (MLA)"](), max_cache_len=64)
     with pytest.raises(KvcxError, match="StaticKvcxCache: layers 1 .* unsupported='keep'"):
         StaticKvcxCache(unsupported_config(), max_cache_len=64)
     no_full = T.Gemma3TextConfig(num_hidden_layers=1, layer_types=["sliding_attention"], head_dim=32,
