@@ -439,14 +439,30 @@ def eager_rate(torch, dev, model, ids, cache, new_tokens: int, chunk: int = PREF
 FAILED = "failed"   # a cache whose row raised something other than running out of memory (traceback on stderr)
 
 
+def measure(torch, dev, what: str, fn):
+    """``fn()``'s result; None where it ran out of device memory; :data:`FAILED` where it raised something else (its
+    traceback on stderr, named by ``what``: one cache's failure does not cost a row's other figures)."""
+    import traceback
+
+    try:
+        return fn()
+    except torch.cuda.OutOfMemoryError:
+        return None
+    except Exception:   # reported; the row goes on
+        print(f"{what}: failed", file=sys.stderr)
+        traceback.print_exc()
+        return FAILED
+    finally:
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+
+
 def generation_row(torch, dev, model, n: int, batch: int, new_tokens: int, vocab: int,
                    chunk: int = PREFILL_CHUNK, launch=None) -> str:
     """Section 3's row for a prompt of ``n`` random tokens in each of ``batch`` rows; a cache that runs out of
     device memory (batch 8 at a long prompt) is a cell that says so, one that fails otherwise a cell that says
     "failed" (its traceback on stderr: one cache's failure does not cost the others' figures); the others are
     measured; kvcx's caches launch with ``launch`` (a LaunchSettings, or None: the package's defaults)."""
-    import traceback
-
     from transformers import DynamicCache
 
     from kvcx.cache.kvcx_cache import KvcxCache
@@ -454,17 +470,7 @@ def generation_row(torch, dev, model, n: int, batch: int, new_tokens: int, vocab
     ids = torch.randint(0, vocab, (batch, n), device=dev)
 
     def measured(name, fn):
-        try:
-            return fn()
-        except torch.cuda.OutOfMemoryError:
-            return None
-        except Exception:   # reported; the row goes on
-            print(f"{name} at {n:,} tokens, batch {batch}: failed", file=sys.stderr)
-            traceback.print_exc()
-            return FAILED
-        finally:
-            if dev.type == "cuda":
-                torch.cuda.empty_cache()
+        return measure(torch, dev, f"{name} at {n:,} tokens, batch {batch}", fn)
 
     dyn = measured("DynamicCache", lambda: eager_rate(torch, dev, model, ids, DynamicCache(), new_tokens, chunk))
     kv = measured("KvcxCache", lambda: eager_rate(

@@ -1,10 +1,11 @@
 #!/bin/bash
 # One call on a lent CUDA machine (the device tool; see the note on issue 25): build the extension, run the
 # Triton tests on the GPU, then bench_gpu.py with its table under $OUT. Steps as arguments, in order:
-#     bash bench/gpu_session.sh tests bench profile variants   (each bounded: TESTS_T, BENCH_T, PROFILE_T, VARIANTS_T s)
+#     bash bench/gpu_session.sh tests bench profile families variants   (each bounded: TESTS_T, BENCH_T, PROFILE_T,
+#                                                                         FAMILIES_T, VARIANTS_T s)
 # A built extension carried in .dev/so/ (from an earlier call's $OUT) skips the build. BENCH_ARGS: more arguments
 # for bench_gpu.py (e.g. --tune); BENCH_MD: the page it writes (default docs/results/gpu.md); PROFILE_ARGS: profile_gpu.py's (default --codecs; e.g. "--codecs --set
-# CODEC_CHANNELS=32"); TEST_FILES: the tests to run (default: the eight Triton test files); TEST_K: a pytest -k
+# CODEC_CHANNELS=32"); FAMILIES_ARGS: bench_gpu_families.py's (e.g. "--prompts 4096 --families DeepSeek"); TEST_FILES: the tests to run (default: the eight Triton test files); TEST_K: a pytest -k
 # expression to choose among them.
 set -u
 export PYTHONUNBUFFERED=1
@@ -40,9 +41,12 @@ for step in "$@"; do
              2>&1 | tee "$OUT"/bench.log | tail -60; cp "$md" "$OUT"/ ;;
     profile) log profile; timeout "${PROFILE_T:-180}" python3 -m bench.profile_gpu ${PROFILE_ARGS:---codecs} --markdown docs/results/gpu-profile.md \
              2>&1 | tee "$OUT"/profile.log | tail -40; cp docs/results/gpu-profile.md "$OUT"/ ;;
+    families) log families; timeout "${FAMILIES_T:-240}" python3 -m bench.bench_gpu_families ${FAMILIES_ARGS:-} \
+             --markdown docs/results/gpu-families.md 2>&1 | tee "$OUT"/families.log | tail -20
+             cp docs/results/gpu-families.md "$OUT"/ ;;
     variants) log variants; timeout "${VARIANTS_T:-240}" python3 -m bench.bench_gpu --skip attention bandwidth \
              generate --variants --markdown "$OUT"/variants.md 2>&1 | tee "$OUT"/variants.log | tail -30 ;;
-    *) echo "unknown step $step (tests, bench, profile, variants)"; exit 2 ;;
+    *) echo "unknown step $step (tests, bench, profile, families, variants)"; exit 2 ;;
   esac
 done
 log done

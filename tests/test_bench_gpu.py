@@ -151,3 +151,20 @@ def test_the_occupancy_rules_take_the_scarcest_resource():
     assert sass.resident(32, 100_000, 4) == 2       # shared memory: 2 x (100,000 + 1,024) of 233,472
     assert sass.resident(16, 0, 1) == 32            # the program limit
     assert sass.resident(16, 0, 4) == 16            # the warp limit: 64 warps
+
+
+def test_the_hybrid_families_bench_runs_each_family_with_both_static_caches(tmp_path):
+    """bench.bench_gpu_families (--smoke): a row for each family (sliding, sliding with sinks, chunked, MLA), each
+    with both static caches measured (no failed or out-of-memory cell) and the packed cache's bytes beside
+    StaticCache's."""
+    from bench import bench_gpu_families
+
+    out = tmp_path / "families.md"
+    bench_gpu_families.main(["--smoke", "--markdown", str(out)])
+    text = out.read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith(("| family", "|--"))]
+    assert [r.split(" | ")[0][2:] for r in rows] == ["Gemma 3", "GPT-OSS", "Llama 4 (chunked)", "DeepSeek V3 (MLA)"]
+    for r in rows:
+        cells = r.strip("| ").split(" | ")
+        assert "failed" not in cells and "out of memory" not in cells, r
+        assert float(cells[2]) > 0 and float(cells[3]) > 0 and cells[9].endswith("x")
