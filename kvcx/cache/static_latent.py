@@ -53,6 +53,8 @@ class StaticKvcxLatentLayer(StaticKvcxLayer):
     """One MLA layer of a :class:`~kvcx.cache.static_cache.StaticKvcxCache` (the module's docstring); ``context``:
     the decoded context buffers the cache's MLA layers share."""
 
+    widths_may_differ = True   # the latent and the RoPE key
+
     def __init__(self, key_codec: Codec, value_codec: Codec, plan_holder, residual_length: int, max_cache_len: int,
                  spec, context: LatentContext):
         super().__init__(key_codec, value_codec, plan_holder, residual_length, max_cache_len, spec.index)

@@ -107,6 +107,7 @@ class StaticKvcxLayer(CacheLayerMixin):
 
     is_compileable = False   # its steps are captured as CUDA graphs of Triton launches, not traced by dynamo
     is_sliding = False
+    widths_may_differ = False   # keys and values of one width: the paged kernel reads them so (MLA's layer: True)
 
     def __init__(self, key_codec: Codec, value_codec: Codec, plan_holder: "PlanHolder", residual_length: int,
                  max_cache_len: int, layer_idx: int):
@@ -125,6 +126,9 @@ class StaticKvcxLayer(CacheLayerMixin):
             raise KvcxError(f"StaticKvcxCache runs the Triton kernels: it needs triton (pip install 'kvcx[gpu]') and "
                             f"a CUDA model, not one on {key_states.device.type} (Triton's interpreter, "
                             "TRITON_INTERPRET=1, runs them on the CPU for tests); on the CPU use KvcxCache")
+        if Dv != D and not self.widths_may_differ:
+            raise KvcxError(f"StaticKvcxCache layer {self.layer_idx}: keys of {D} channels and values of {Dv}; its "
+                            "decode kernel reads keys and values of one width: use KvcxCache")
         self.dtype, self.device = key_states.dtype, key_states.device
         self.batch_size, self.num_heads, self.head_dim, self.value_dim = B, H, D, Dv
         P = self.residual_length

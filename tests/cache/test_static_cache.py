@@ -518,6 +518,10 @@ def test_an_mla_layer_decodes_what_its_pages_hold_under_the_plans_mask():
     fresh = StaticKvcxCache(model.config, max_cache_len=64, **OPTS)
     with pytest.raises(KvcxError, match=r"layer 0 .*MLA.* not its latent and RoPE key.*5\.17"):
         fresh.update(torch.randn(1, 4, 8, 64).to(DEVICE), torch.randn(1, 4, 8, 32).to(DEVICE), 0)
+    # a full layer handed keys and values of two widths (its kernel reads one): refused, not read wrong
+    llama = StaticKvcxCache(_hybrid("gemma3", 16).config, max_cache_len=64, **OPTS)
+    with pytest.raises(KvcxError, match="layer 1: keys of 32 channels and values of 16.*use KvcxCache"):
+        llama.update(torch.randn(1, 2, 8, 32).to(DEVICE), torch.randn(1, 2, 8, 16).to(DEVICE), 1)
 
 
 def test_hybrid_refusals_name_the_layer(tiny):
