@@ -110,6 +110,33 @@ def test_a_page_written_alone_has_the_bytes_of_the_sequence_encoded_whole():
     assert whole.value_zeros is None and whole.nbytes == pages.nbytes > 0
 
 
+def test_a_pool_of_two_widths_holds_each_at_its_own_and_attention_refuses_it():
+    """``value_dim`` (MLA's latent and RoPE key: kvcx.cache.static_latent): keys of 64 channels and values of 32, a
+    page written alone holding the bytes of the sequence encoded whole for each width; the paged attention, which
+    reads keys and values of one width, refuses the pool by name; a width that is not a multiple of 16 is refused
+    at allocation."""
+    kc, vc = _codecs()
+    g = torch.Generator().manual_seed(6)
+    K, V = torch.randn(2, 256, 64, generator=g).to(DEVICE), torch.randn(2, 256, 32, generator=g).to(DEVICE)
+    whole = paged.allocate(kc, vc, 4, 2, 64, 128, DEVICE, value_dim=32)
+    assert (whole.head_dim, whole.value_dim) == (64, 32)
+    paged.write(whole, [2, 0], kc.encode(K), vc.encode(V))
+    pages = paged.allocate(kc, vc, 4, 2, 64, 128, DEVICE, value_dim=32)
+    for page, (a, b) in ((2, (0, 128)), (0, (128, 256))):
+        paged.write(pages, [page], kc.encode(K[:, a:b].contiguous()), vc.encode(V[:, a:b].contiguous()))
+    for name in ("key_codes", "key_scales", "key_zeros", "value_codes", "value_scales"):
+        assert torch.equal(getattr(whole, name), getattr(pages, name)), name
+    assert whole.value_codes.shape[-1] * 2 == whole.key_codes.shape[-1]
+    with pytest.raises(CodecError, match=r"values of shape \[2, 256, 64\] do not fit .* head dim 32"):
+        paged.write(whole, [2, 0], kc.encode(K), vc.encode(K))
+    lens = torch.tensor([100], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(CodecError, match="values 32: the kernel reads keys and values of one width"):
+        paged.attend(torch.randn(1, 4, 64, device=DEVICE), whole, torch.zeros(1, 2, dtype=torch.int32,
+                                                                               device=DEVICE), lens)
+    with pytest.raises(CodecError, match="multiples of 16.*keys 64, values 24"):
+        paged.allocate(kc, vc, 4, 2, 64, 128, DEVICE, value_dim=24)
+
+
 def test_the_paged_store_refuses_what_it_cannot_hold_by_name():
     kc, vc = _codecs()
     cfg = KVConfig.from_scheme("kvcx")
