@@ -136,6 +136,22 @@ def decode(model, cache, ids, mask, steps: int, forced=None):
     return torch.stack(toks, 1), torch.stack(logits, 1)
 
 
+def decoded_caches(model, ids, mask, steps: int, **kvcx):
+    """(DynamicCache(config=...) after the prompt and ``steps`` greedy tokens with the model's eager attention,
+    KvcxCache(config, **kvcx) after the same with the "kvcx" attention): what the memory checks compare."""
+    from transformers import DynamicCache
+
+    from kvcx.cache import KvcxCache
+
+    model.set_attn_implementation("eager")
+    dynamic = DynamicCache(config=model.config)
+    decode(model, dynamic, ids, mask, steps)
+    model.set_attn_implementation("kvcx")
+    cache = KvcxCache(model.config, **kvcx)
+    decode(model, cache, ids, mask, steps)
+    return dynamic, cache
+
+
 def kl(ref_logits, logits) -> float:
     """Mean KL(ref || kvcx) of the next-token distributions, over rows and steps."""
     import torch

@@ -59,12 +59,11 @@ def absorbed_attention(module, query: torch.Tensor, latent: torch.Tensor, rope: 
     module docstring); ``attention_mask`` [B, 1, Q, >= T] boolean (True attends) or additive, or None (the step's own
     tokens causal among them: :func:`kvcx.cache.scores.attention_weights`). The caller checked :func:`unabsorbable`."""
     H, nope, dv = int(module.num_heads), int(module.qk_nope_head_dim), int(module.v_head_dim)
-    rank = latent.shape[-1]
+    B, _, Q, _ = query.shape
+    T, rank = latent.shape[-2:]
     weight = module.kv_b_proj.weight.view(H, nope + dv, rank)
     w_uk, w_uv = weight[:, :nope], weight[:, nope:]
     q_nope, q_rope = query[..., :nope], query[..., nope:]
-    B, _, Q, _ = query.shape
-    T = latent.shape[2]
     q_lat = torch.matmul(q_nope.float(), w_uk.float())                        # [B, H, Q, rank]: the query absorbed
     c, r = latent[:, 0].float(), rope[:, 0].float()                            # [B, T, rank], [B, T, rope]
     # every head's rows against the one latent head as one [H Q, rank] x [rank, T] product per batch row (a head

@@ -23,7 +23,7 @@ pytest.importorskip("transformers")
 
 from transformers import DynamicCache  # noqa: E402
 
-from bench.families import build, decode, family_configs, kl, prompts, temper  # noqa: E402
+from bench.families import build, decode, decoded_caches, family_configs, kl, prompts, temper  # noqa: E402
 from kvcx.cache import KvcxCache, StaticKvcxCache  # noqa: E402
 
 WINDOW, STEPS = 64, 16
@@ -196,12 +196,7 @@ def test_memory_held_at_8x_the_window_against_dynamic_cache(name):
     cfg.eos_token_id = None
     model = temper(build(cfg, dtype=torch.bfloat16), name)
     ids, mask = prompts(1, 8 * MEMORY_WINDOW)
-    model.set_attn_implementation("eager")
-    dynamic = DynamicCache(config=model.config)
-    decode(model, dynamic, ids, mask, 4)
-    model.set_attn_implementation("kvcx")
-    cache = KvcxCache(model.config)
-    decode(model, cache, ids, mask, 4)
+    dynamic, cache = decoded_caches(model, ids, mask, 4)
     held = cache.memory_report()["total_bytes"]
     assert held <= 0.45 * dynamic_cache_bytes(dynamic), (held, dynamic_cache_bytes(dynamic))
 

@@ -20,7 +20,7 @@ pytest.importorskip("transformers")
 
 from transformers import DynamicCache  # noqa: E402
 
-from bench.families import build, decode, family_configs, prompts  # noqa: E402
+from bench.families import build, decode, decoded_caches, family_configs, prompts  # noqa: E402
 from kvcx.cache import KvcxCache  # noqa: E402
 from kvcx.cache.attention_fn import eager_attention  # noqa: E402
 from kvcx.cache.latent import absorbed_attention, unabsorbable  # noqa: E402
@@ -293,12 +293,7 @@ def test_the_packed_latent_holds_a_third_of_dynamic_caches_bytes_and_one_layer_o
     cfg.eos_token_id = None
     model = build(cfg, dtype=torch.bfloat16)
     ids, mask = prompts(1, 2048)
-    model.set_attn_implementation("eager")
-    dynamic = DynamicCache(config=model.config)
-    decode(model, dynamic, ids, mask, 4)
-    model.set_attn_implementation("kvcx")
-    cache = KvcxCache(model.config)
-    decode(model, cache, ids, mask, 4)
+    dynamic, cache = decoded_caches(model, ids, mask, 4)
     report = cache.memory_report()
     assert all(r["steps"]["absorbed"] == 3 for r in report["layers"])
     dyn = dynamic_cache_bytes(dynamic)
