@@ -129,9 +129,9 @@ def main(argv=None) -> None:
     ap.add_argument("--families", nargs="*", default=None, help="the families to run (default all), by name prefix")
     ap.add_argument("--markdown", default=None, help="also write the table to this file")
     args = ap.parse_args(argv)
-    prompts = args.prompts or ([160] if args.smoke else [4096, 32768])
-    new = args.new or (3 if args.smoke else 32)
-    if min(prompts) < 1 or new < 1:
+    prompts = args.prompts if args.prompts is not None else [160] if args.smoke else [4096, 32768]
+    new = args.new if args.new is not None else 3 if args.smoke else 32
+    if not prompts or min(prompts) < 1 or new < 1:
         ap.error(f"--prompts {prompts} / --new {new}: lengths and steps of 1 or more")
     torch, dev = setup_device(args.smoke)
     from bench.report import Report

@@ -168,3 +168,6 @@ def test_the_hybrid_families_bench_runs_each_family_with_both_static_caches(tmp_
         cells = r.strip("| ").split(" | ")
         assert "failed" not in cells and "out of memory" not in cells, r
         assert float(cells[2]) > 0 and float(cells[3]) > 0 and cells[9].endswith("x")
+    for bad in (["--new", "0"], ["--prompts", "0"], ["--families", "Nope"]):   # one usage line each, before any work
+        with pytest.raises(SystemExit):
+            bench_gpu_families.main(["--smoke", *bad])
