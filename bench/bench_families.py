@@ -24,7 +24,8 @@ import argparse
 import time
 from pathlib import Path
 
-from bench.families import attention_branch, build, decode, family_configs, kl, prompts, temper, unsupported_config
+from bench.families import (DEFAULT_TEXT, TRAIN_SHARE, attention_branch, build, decode, family_configs, kl, prompts,
+                            temper, text_bytes, text_prompts, train, unsupported_config)
 from bench.report import Report
 
 TARGET_MEMORY = 0.45   # the issue's bound for the families with 3 sliding (or chunked) layers to 1 full
@@ -159,6 +160,158 @@ def run_family(name: str, cfg_fn, window: int, steps: int, tempered: bool = True
     return row
 
 
+def run_trained(name: str, cfg_fn, window: int, steps: int, keep: bool, n_prompts: int, train_steps: int,
+                text) -> dict:
+    """The family's model trained ``train_steps`` steps on the text's bytes (bench.families.train), then on
+    ``n_prompts`` held-out prompts of 8x the window: the greedy tokens of each cache against DynamicCache's (FP32, the
+    model's eager attention), and, fed the text's own next bytes (teacher-forced on the text, which a greedy loop
+    cannot inflate), the top-1 equal to the reference's and the KL."""
+    import torch
+    from transformers import DynamicCache
+
+    from kvcx.cache import KvcxCache
+
+    train_text, held = text
+    opts = {"unsupported": "keep"} if keep else {}
+    cfg = cfg_fn()
+    cfg.eos_token_id = None
+    model = temper(build(cfg), name)
+    t = time.perf_counter()
+    losses = train(model, train_text, train_steps)
+    trained_s = time.perf_counter() - t
+    tally = dict(greedy=0, greedy8=0, peer=0, bf_greedy=0, text_top1=0, peer_text_top1=0)
+    kls, peer_kls, leads, refs, sample = [], [], [], [], None
+    caches = {"greedy": {}, "greedy8": {"bits": 8}, "peer": {"scheme": PEER}}
+    items = text_prompts(held, 8 * window, steps, n_prompts)
+    for ids, mask, nxt in items:
+        model.set_attn_implementation("eager")
+        ref, ref_logits = decode(model, DynamicCache(config=model.config), ids, mask, steps)
+        _, ref_text = decode(model, DynamicCache(config=model.config), ids, mask, steps, forced=nxt)
+        top2 = torch.softmax(ref_logits, -1).topk(2, -1).values
+        leads.append(top2[..., 0] - top2[..., 1])
+        refs.append(ref)
+        if sample is None:
+            first_text = ref_text
+            sample = (bytes(ids[0, -24:].tolist()), bytes(ref[0].tolist()))
+        model.set_attn_implementation("kvcx")
+        for col, kw in caches.items():
+            free, _ = decode(model, KvcxCache(model.config, **kw, **opts), ids, mask, steps)
+            tally[col] += int((free == ref).sum())
+        for col, kw, out in (("text_top1", {}, kls), ("peer_text_top1", {"scheme": PEER}, peer_kls)):
+            _, logits = decode(model, KvcxCache(model.config, **kw, **opts), ids, mask, steps, forced=nxt)
+            tally[col] += int((logits.argmax(-1) == ref_text.argmax(-1)).sum())
+            out.append(kl(ref_text, logits))
+    shares = None
+    if tally["greedy"] < TARGET_TOKENS * n_prompts * steps:   # below the target: which layer's codes move it
+        ids, mask, nxt = items[0]
+        shares = layer_shares(model, ids, mask, steps, nxt, first_text, opts)
+    bf = model.to(torch.bfloat16)   # what the deployment dtype alone keeps, against the FP32 reference's tokens
+    bf.set_attn_implementation("eager")
+    for (ids, mask, _), ref in zip(items, refs):
+        bf_tokens, _ = decode(bf, DynamicCache(config=bf.config), ids, mask, steps)
+        tally["bf_greedy"] += int((bf_tokens == ref).sum())
+    return dict(name=name, tokens=n_prompts * steps, loss0=losses[0], loss=sum(losses[-10:]) / len(losses[-10:]),
+                trained_s=trained_s, kl=sum(kls) / len(kls), peer_kl=sum(peer_kls) / len(peer_kls),
+                lead=float(torch.cat(leads).median()), sample=sample, seconds=time.perf_counter() - t, layers=shares,
+                **tally)
+
+
+def shares_section(out, rows: list, forced: str) -> None:
+    """The section on where the default scheme's error enters (``rows``: those below the greedy target, each with
+    layer_shares' list), each layer alone teacher-forced on ``forced``."""
+    if not rows:
+        return
+    out("\n## Where the default scheme's error enters, in the rows below the greedy target\n")
+    out(f"Each packed layer alone on the default scheme, every other packed layer on 8-bit codes (teacher-forced on "
+        f"{forced}); beside it, over that prompt's last 64 tokens in FP32, the rms of the residual stream entering "
+        "the layer and of what its attention adds to it (Gemma: its post_attention_layernorm's output).\n")
+    out("| family | layer | type | KL (nats), this layer alone at the default scheme | residual entering (rms) "
+        "| its attention adds (rms) |")
+    out("|---|---:|---|---:|---:|---:|")
+    for r in rows:
+        for x in r["layers"]:
+            out(f"| {r['name']} | {x['layer']} | {x['kind']} | {x['kl']:.6f} | {x.get('residual', float('nan')):.3f} "
+                f"| {x.get('branch', float('nan')):.3f} |")
+    out("")
+    for r in rows:
+        top = max(r["layers"], key=lambda x: x["kl"])
+        total = sum(x["kl"] for x in r["layers"])
+        out(f"{r['name']}: layer {top['layer']} ({top['kind']}) alone gives {top['kl']:.6f} nats of the "
+            f"{total:.6f} the layers give one at a time ({top['kl'] / total:.0%}); its attention adds "
+            f"{top.get('branch', float('nan')):.3f} rms to a residual stream of {top.get('residual', float('nan')):.3f}.")
+
+
+def greedy_verdict(rows: list, total: int) -> str:
+    """The sentence on the greedy target: the rows the default scheme meets it in, those below it, and how many
+    rows the other caches of the table meet it in."""
+    def meets(col):
+        return sum(r[col] >= TARGET_TOKENS * total for r in rows)
+
+    low = [r for r in rows if r["greedy"] < TARGET_TOKENS * total]
+    below = ", ".join(f"{r['name']} {r['greedy'] / total:.1%}" for r in low)
+    return (f"Greedy tokens equal to DynamicCache's, target >= {TARGET_TOKENS:.0%} on the default scheme: met by "
+            f"{len(rows) - len(low)} of {len(rows)} rows" + (f"; below it: {below}" if low else "") + ". The same "
+            f"target, the other caches of the table: 8-bit codes meet it in {meets('greedy8')} of {len(rows)} rows, "
+            f"{PEER} in {meets('peer')}, the model in BF16 in {meets('bf_greedy')}.")
+
+
+def trained_page(args, runs, text) -> None:
+    """The page of --train-steps: every family trained on the text's bytes, then its caches' tokens."""
+    out = Report()
+    rows = []
+    for name, fn, _, keep in runs:
+        row = run_trained(name, fn, args.window, args.steps, keep, args.prompts, args.train_steps, text)
+        rows.append(row)
+        print(f"  {name}: trained {row['trained_s']:.0f} s, {row['seconds']:.0f} s in all", flush=True)
+    n, k = args.steps, args.prompts
+    total = n * k
+
+    def share(r, col):
+        return f"{r[col] / total:.1%} ({r[col]})"
+
+    def sample(r):
+        def show(b):
+            return "".join(chr(c) if 32 <= c < 127 and chr(c) not in "|`\\" else "·" for c in b)
+        return f"`{show(r['sample'][0])}` -> `{show(r['sample'][1])}`"
+
+    out(f"## Every family trained {args.train_steps} steps, batch 1: {k} held-out prompts of {8 * args.window} bytes "
+        f"(8x a {args.window}-byte window), each then {n} greedy tokens\n")
+    out(f"Token columns: the share of the {total} tokens ({k} prompts x {n}) equal to DynamicCache's. Greedy: free "
+        "running, each cache on its own tokens. Fed the text: each cache fed the text's own next bytes (teacher-forced "
+        "on the text, where a greedy loop cannot inflate the count), its top-1 against the reference's, and the KL.\n")
+    out("| family | training loss, first step -> last 10 (nats a byte) | greedy, default scheme "
+        f"| greedy, 8-bit codes | greedy, {PEER} (vLLM) | greedy, the model in BF16 | fed the text: top-1, default "
+        f"| KL (nats), default | fed the text: top-1, {PEER} | KL (nats), {PEER} "
+        "| the reference's median top-1 lead (probability) | the first prompt's last 24 bytes, then the reference's "
+        "greedy bytes |")
+    out("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    for r in rows:
+        out(f"| {r['name']} | {r['loss0']:.2f} -> {r['loss']:.2f} | {share(r, 'greedy')} | {share(r, 'greedy8')} "
+            f"| {share(r, 'peer')} | {share(r, 'bf_greedy')} | {share(r, 'text_top1')} | {r['kl']:.6f} "
+            f"| {share(r, 'peer_text_top1')} | {r['peer_kl']:.6f} | {r['lead']:.4f} | {sample(r)} |")
+
+    out("\n" + greedy_verdict(rows, total) + " Fed the text, the default scheme's "
+        f"top-1 equals the reference's on {sum(r['text_top1'] for r in rows) / (total * len(rows)):.1%} of the "
+        f"tokens of every row together ({PEER}: {sum(r['peer_text_top1'] for r in rows) / (total * len(rows)):.1%}).")
+    shares_section(out, [r for r in rows if r.get("layers")], "the first prompt's text")
+    if args.markdown:
+        trained = sum(r["trained_s"] for r in rows) / len(rows)
+        out.write(args.markdown, "# Model families, trained: KvcxCache's tokens on models with confident next tokens\n\n"
+                  "The tiny models of [model families](families.md) (bench/families.py: 4 layers, 4 query heads over "
+                  "2 KV heads of 64 channels, a vocabulary of 256: bytes), each trained as a byte-level language "
+                  f"model for {args.train_steps} AdamW steps of 16 windows of 256 bytes on the first "
+                  f"{TRAIN_SHARE:.0%} of {args.text.name} (bench.families.train, seeded; {trained:.0f} s a family "
+                  "on this machine), then prompted with the held-out rest. A random model's next-token distribution "
+                  "is flat (families.md: its top-1 leads the second by a fraction of a percent of probability), so "
+                  "that a near-tie any rounding flips changes every later token; trained, the top-1 leads by the "
+                  "lead column's figure and the attention has something to attend to. Still tiny and briefly "
+                  "trained: a weak model that falls into loops (the last column), so beside the greedy columns the "
+                  "caches are also fed the text. They measure the cache on each family's layer kinds, not the "
+                  "family's quality (quality: the embedded model, [quality](quality.md)). KvcxCache's default scheme "
+                  "(`kvcx`), residual 64, the `kvcx` attention; the reference DynamicCache(config=...) with the "
+                  "model's eager attention, in FP32.")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--window", type=int, default=256, help="the sliding window / chunk in tokens (prompt: 8x)")
@@ -167,15 +320,32 @@ def main(argv=None):
                     help="prompts (random tokens, seeds 1..N) the token columns count over")
     ap.add_argument("--families", nargs="*", default=None, help="only these (substrings of the names)")
     ap.add_argument("--markdown", type=Path, default=None, help="also write the tables to this file")
+    ap.add_argument("--train-steps", type=int, default=0,
+                    help="train each family's model this many steps on the text's bytes first (0: random weights); "
+                         "prompts then come from the held-out text")
+    ap.add_argument("--text", type=Path, default=DEFAULT_TEXT,
+                    help=f"the text --train-steps trains on (its first {TRAIN_SHARE:.0%}) and prompts from")
     args = ap.parse_args(argv)
-    if args.window < 16 or args.steps < 2 or args.prompts < 1:
-        ap.error(f"--window {args.window} / --steps {args.steps} / --prompts {args.prompts}: a window of 16 tokens "
-                 "or more (the prompt is 8 of them), 2 steps or more and 1 prompt or more")
+    if args.window < 16 or args.steps < 2 or args.prompts < 1 or args.train_steps < 0:
+        ap.error(f"--window {args.window} / --steps {args.steps} / --prompts {args.prompts} / --train-steps "
+                 f"{args.train_steps}: a window of 16 tokens or more (the prompt is 8 of them), 2 steps or more, 1 "
+                 "prompt or more and 0 training steps or more")
+    text = None
+    if args.train_steps:
+        if not args.text.is_file():
+            ap.error(f"--text {args.text}: no such file; pass WikiText-2's wiki.test.raw (or any text of 1 KiB or "
+                     "more)")
+        text = text_bytes(args.text)
+        need = args.prompts * (8 * args.window + args.steps)
+        if need > len(text[1]):
+            ap.error(f"--prompts {args.prompts}: {need} held-out bytes needed, {args.text} holds {len(text[1])}; "
+                     "ask for fewer prompts or a shorter window")
     out = Report()
     fams = list(family_configs(args.window, 8 * args.window).items())
     runs = [(n, f, True, False) for n, f in fams]
-    runs.insert([n for n, _ in fams].index("GPT-OSS"), ("Gemma 4 (random q_norm)", fams[
-        [n for n, _ in fams].index("Gemma 4")][1], False, False))
+    if not args.train_steps:   # (training sets q_norm's scale: the untempered row is the random model's)
+        runs.insert([n for n, _ in fams].index("GPT-OSS"), ("Gemma 4 (random q_norm)", fams[
+            [n for n, _ in fams].index("Gemma 4")][1], False, False))
     runs.append(("DeepSeek V4 (compressed layers kept)",
                  lambda: unsupported_config(args.window, 8 * args.window), True, True))
     if args.families:
@@ -183,6 +353,8 @@ def main(argv=None):
         if not runs:
             ap.error(f"--families {' '.join(args.families)}: no family's name holds these; the families: "
                      + ", ".join(n for n, _ in fams))
+    if args.train_steps:
+        return trained_page(args, runs, text)
     rows = []
     for name, fn, tempered, keep in runs:
         row = run_family(name.replace(" (random q_norm)", ""), fn, args.window, args.steps, tempered, keep,
@@ -224,40 +396,13 @@ def main(argv=None):
             f"Tokens a windowed layer holds after the prompt and {n} tokens: at most "
             f"{max(max(r['windows']) for r in mixed)} (window {args.window}, a packed chunk of 64 and the residual).")
 
-    def meets(col):
-        return [r for r in rows if r[col] >= TARGET_TOKENS * total]
-
     low = [r for r in rows if r["greedy"] < TARGET_TOKENS * total]
-    below = ", ".join(f"{r['name']} {r['greedy'] / total:.1%}" for r in low)
-    out(f"\nGreedy tokens equal to DynamicCache's, target >= {TARGET_TOKENS:.0%} on the default scheme: met by "
-        f"{len(rows) - len(low)} of {len(rows)} rows" + (f"; below it: {below}" if low else "") + ". The same "
-        f"target, the other caches of the table: 8-bit codes meet it in {len(meets('greedy8'))} of {len(rows)} "
-        f"rows, {PEER} in {len(meets('peer'))}, the model in BF16 in {len(meets('bf_greedy'))}. A random "
+    out("\n" + greedy_verdict(rows, total) + " A random "
         "model's next-token distribution is flat (its top-1 leads the second by a fraction of a percent of "
         "probability): free running, one near-tie any cache's rounding flips changes every later token, so the "
         "greedy share measures the model's ties as much as the cache; the teacher-forced column and the KL say how "
         "far the distributions are.")
-    shares = [r for r in low if r.get("layers")]
-    if shares:
-        out("\n## Where the default scheme's error enters, in the rows below the greedy target\n")
-        out("Each packed layer alone on the default scheme, every other packed layer on 8-bit codes (teacher-forced "
-            "on the first prompt's reference tokens); beside it, over that prompt's last 64 tokens in FP32, "
-            "the rms of the residual stream entering the layer and of what its attention adds to it (Gemma: its "
-            "post_attention_layernorm's output).\n")
-        out("| family | layer | type | KL (nats), this layer alone at the default scheme | residual entering (rms) "
-            "| its attention adds (rms) |")
-        out("|---|---:|---|---:|---:|---:|")
-        for r in shares:
-            for x in r["layers"]:
-                out(f"| {r['name']} | {x['layer']} | {x['kind']} | {x['kl']:.6f} | {x.get('residual', float('nan')):.3f} "
-                    f"| {x.get('branch', float('nan')):.3f} |")
-        out("")
-        for r in shares:
-            top = max(r["layers"], key=lambda x: x["kl"])
-            total = sum(x["kl"] for x in r["layers"])
-            out(f"{r['name']}: layer {top['layer']} ({top['kind']}) alone gives {top['kl']:.6f} nats of the "
-                f"{total:.6f} the layers give one at a time ({top['kl'] / total:.0%}); its attention adds "
-                f"{top.get('branch', float('nan')):.3f} rms to a residual stream of {top.get('residual', float('nan')):.3f}.")
+    shares_section(out, [r for r in low if r.get("layers")], "the first prompt's reference tokens")
     reasons = sorted({w for r in rows for w in r["why"]})
     if reasons:
         out("\nWhy steps materialise where they do: " + "; ".join(reasons) + ".")

@@ -8,9 +8,12 @@ use, so that the default scheme's per-token value groups hold whole tokens), a w
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Tuple
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, LAYERS, VOCAB = 128, 4, 2, 64, 4, 256
+DEFAULT_TEXT = Path(__file__).resolve().parents[2] / "shared/data/wikitext-2-raw/wiki.test.raw"
+TRAIN_SHARE = 0.9   # the text's first 90 % trains the byte-level models; prompts come from the rest
 
 
 def _common(window: int, prompt: int) -> dict:
@@ -96,6 +99,71 @@ def temper(model, name: str):
             for layer in model.model.layers:
                 layer.self_attn.q_norm.weight.mul_(layer.self_attn.head_dim ** -0.5)
     return model
+
+
+def text_bytes(path=DEFAULT_TEXT) -> Tuple[object, object]:
+    """(train, held out): a text file's bytes as two int64 tensors, its first ``TRAIN_SHARE`` and the rest. The
+    families' vocabulary is 256, so a byte is a token: the tiny models can learn real text with no tokenizer."""
+    import torch
+
+    data = Path(path).read_bytes()
+    if len(data) < 1024:
+        raise ValueError(f"{path}: {len(data)} bytes; the byte-level training needs a text of 1 KiB or more "
+                         "(WikiText-2's wiki.test.raw)")
+    t = torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+    cut = int(len(t) * TRAIN_SHARE)
+    return t[:cut], t[cut:]
+
+
+def train(model, text, steps: int, seq: int = 256, batch: int = 16, lr: float = 3e-3, seed: int = 0) -> List[float]:
+    """Train ``model`` in place as a byte-level language model on ``text`` (int64 bytes): ``steps`` AdamW steps on
+    ``batch`` windows of ``seq`` bytes at seeded random offsets (warm-up 20 steps, then linear decay to 0.1 lr).
+    A random model's next-token distribution is flat; a few hundred steps give it the confident next tokens of a
+    trained model (and its attention something to attend to), so that token agreement measures the cache rather than
+    the model's near-ties. Returns the loss (nats a byte) at each step. Leaves the model in eval mode, FP32, with
+    its eager attention."""
+    import torch
+
+    if len(text) <= seq + 1:
+        raise ValueError(f"train: a text of {len(text)} bytes holds no window of {seq} + 1; pass a longer text")
+    g = torch.Generator().manual_seed(seed)
+    try:
+        model.set_attn_implementation("sdpa")
+    except ValueError:   # (GPT-OSS's sinks: eager only)
+        model.set_attn_implementation("eager")
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    losses = []
+    for step in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = lr * min(1.0, (step + 1) / 20) * (0.1 + 0.9 * (1 - step / steps))
+        offsets = torch.randint(0, len(text) - seq - 1, (batch,), generator=g)
+        x = torch.stack([text[o:o + seq] for o in offsets.tolist()])
+        loss = model(input_ids=x, labels=x).loss
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())
+    model.eval()
+    model.set_attn_implementation("eager")
+    return losses
+
+
+def text_prompts(held, tokens: int, steps: int, n: int):
+    """``n`` prompts of ``tokens`` bytes from the held-out text, each at its own offset (the i-th at i (tokens +
+    steps)): a list of (ids [1, tokens], mask, the text's own next ``steps`` bytes [1, steps])."""
+    import torch
+
+    span = tokens + steps
+    if n * span > len(held):
+        raise ValueError(f"text_prompts: {n} prompts of {tokens} + {steps} bytes need {n * span} held-out bytes; "
+                         f"the text holds {len(held)}: ask for fewer prompts or a shorter window")
+    out = []
+    for i in range(n):
+        chunk = held[i * span:(i + 1) * span][None]
+        out.append((chunk[:, :tokens], torch.ones(1, tokens, dtype=torch.long), chunk[:, tokens:]))
+    return out
 
 
 def prompts(batch: int, tokens: int, pad: int = 0, seed: int = 1):

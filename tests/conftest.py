@@ -25,7 +25,7 @@ WIKITEXT = Path(os.environ.get("KVCX_WIKITEXT", ROOT.parent / "shared/data/wikit
 # when it is marked model or engine, uses the `loaded` model, or lives in one of these files.
 SLOW_FILES = ("cache/test_kvcx_cache.py", "cache/test_families.py", "cache/test_device_cache.py", "cache/test_static_cache.py", "codecs/test_triton.py",
               "codecs/test_triton_compile.py", "codecs/test_triton_e8p.py", "integrations/test_fleet.py", "integrations/test_vllm_engine.py",
-              "cli/test_first_run.py", "test_bench_gpu.py", "test_bench_mla.py", "quality/")
+              "cli/test_first_run.py", "test_bench_gpu.py", "test_bench_mla.py", "test_bench_families.py", "quality/")
 TESTS = Path(__file__).resolve().parent
 
 

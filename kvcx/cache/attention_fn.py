@@ -79,7 +79,10 @@ class FusedStep(Protocol):
 
 
 class LatentStep(Protocol):
-    """What an MLA cache layer posts for a decode step (kind ``"latent"``)."""
+    """What an MLA cache layer posts for a decode step (kind ``"latent"``); ``unexpandable_fix``: what to build
+    instead when the model's MLA module can neither be absorbed nor expand the latent (the error's advice)."""
+
+    unexpandable_fix: str
 
     def latent_states(self, attention_mask):
         """(latent [B, 1, T, rank], RoPE key [B, 1, T, rope], mask) of every token the step attends to, decoded;
@@ -242,8 +245,7 @@ def latent_attention(module, layer, query, attention_mask, dropout: float = 0.0,
     if not callable(getattr(module, "expand_kv", None)):
         raise KvcxError(f"KvcxCache layer {getattr(module, 'layer_idx', '?')}: the model's MLA attention "
                         f"({type(module).__name__}) cannot be absorbed ({why}) and has no expand_kv to expand the "
-                        "cached latent with; build the cache with KvcxCache(..., fused=False) (every step returns "
-                        "the decoded context for the model to expand)")
+                        f"cached latent with; {layer.unexpandable_fix}")
     key, value = module.expand_kv(latent_states, rope)
     out = reference_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                               is_causal=is_causal, **kwargs)

@@ -45,6 +45,9 @@ class KvcxLayer(DynamicLayer):
     """One full-attention layer of a :class:`KvcxCache`: every token, packed."""
 
     is_compileable = False
+    # an MLA layer's LatentStep advice, where the model's module can neither be absorbed nor expand the latent
+    unexpandable_fix = ("build the cache with KvcxCache(..., fused=False) (every step returns the decoded context "
+                        "for the model to expand)")
 
     def __init__(self, kv_config, residual_length: int, shared: Shared, spec: LayerSpec,
                  key_weights: Optional[np.ndarray] = None, press=None):

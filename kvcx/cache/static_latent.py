@@ -54,6 +54,9 @@ class StaticKvcxLatentLayer(StaticKvcxLayer):
     the decoded context buffers the cache's MLA layers share."""
 
     widths_may_differ = True   # the latent and the RoPE key
+    unexpandable_fix = ("use KvcxCache(model.config, fused=False) for this model instead of StaticKvcxCache (its "
+                        "steps return the decoded context for the model to expand; a static cache's MLA steps attend "
+                        "in the cache)")
 
     def __init__(self, key_codec: Codec, value_codec: Codec, plan_holder, residual_length: int, max_cache_len: int,
                  spec, context: LatentContext):

@@ -261,14 +261,19 @@ def test_on_the_triton_backend_the_latent_is_kept_and_decoded_on_the_device():
 
 def test_a_latent_module_with_nothing_to_expand_with_is_a_clear_error(monkeypatch):
     """An MLA attention module that neither fits the absorption nor has transformers' expand_kv (a model's own code):
-    one KvcxError naming the layer and the fix (fused=False), not an AttributeError."""
+    one KvcxError naming the layer and the fix (KvcxCache's layer: fused=False; StaticKvcxCache's: KvcxCache with
+    fused=False instead), not an AttributeError."""
     from kvcx.cache.attention_fn import latent_attention
+    from kvcx.cache.layers import KvcxLayer
+    from kvcx.cache.static_latent import StaticKvcxLatentLayer
     from kvcx.errors import KvcxError
 
     attn = _model().model.layers[0].self_attn
     q, c, r = _states(attn, 1, 1, 20, torch.float32)
 
     class Held:
+        unexpandable_fix = KvcxLayer.unexpandable_fix
+
         def latent_states(self, attention_mask):
             return c, r, attention_mask
 
@@ -279,6 +284,10 @@ def test_a_latent_module_with_nothing_to_expand_with_is_a_clear_error(monkeypatc
         layer_idx, num_heads = 0, attn.num_heads
 
     with pytest.raises(KvcxError, match=r"layer 0: .*OwnAttention.*no expand_kv.*fused=False"):
+        latent_attention(OwnAttention(), Held(), q, None, scaling=1.0)
+    Held.unexpandable_fix = StaticKvcxLatentLayer.unexpandable_fix   # a static cache's layer: KvcxCache instead
+    with pytest.raises(KvcxError, match=r"layer 0: .*no expand_kv.*KvcxCache\(model.config, fused=False\) .*instead "
+                                        r"of StaticKvcxCache"):
         latent_attention(OwnAttention(), Held(), q, None, scaling=1.0)
 
 

@@ -1,0 +1,92 @@
+"""bench/bench_families.py's trained page (a run at a small scale) and the helpers it trains and prompts with
+(bench/families.py): the tiny models, trained as byte-level language models on the text's first 90 %, learn it;
+the prompts are the held-out rest with the text's own next bytes; the page's row counts what its columns say and the
+README's headline row reads it; bad arguments are one line."""
+import re
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from bench import bench_families, publish  # noqa: E402
+from bench.families import TRAIN_SHARE, build, family_configs, text_bytes, text_prompts, train  # noqa: E402
+
+
+def test_text_bytes_splits_the_text_and_refuses_a_text_too_short(tmp_path):
+    path = tmp_path / "t.txt"
+    path.write_bytes(bytes(range(32, 127)) * 20)
+    head, rest = text_bytes(path)
+    data = path.read_bytes()
+    assert len(head) == int(len(data) * TRAIN_SHARE) and len(head) + len(rest) == len(data)
+    assert bytes(head.tolist()) + bytes(rest.tolist()) == data and head.dtype == torch.int64
+    path.write_bytes(b"short")
+    with pytest.raises(ValueError, match=r"t.txt: 5 bytes.*1 KiB or more"):
+        text_bytes(path)
+
+
+def test_the_prompts_are_the_held_out_text_and_its_own_next_bytes():
+    held = torch.arange(1000) % 251
+    items = text_prompts(held, 64, 4, 3)
+    assert len(items) == 3
+    for i, (ids, mask, nxt) in enumerate(items):
+        o = i * 68
+        assert torch.equal(ids[0], held[o:o + 64]) and torch.equal(nxt[0], held[o + 64:o + 68])
+        assert mask.shape == (1, 64) and bool(mask.all())
+    with pytest.raises(ValueError, match=r"15 prompts of 64 \+ 4 bytes need 1020 held-out bytes; the text holds 1000"):
+        text_prompts(held, 64, 4, 15)
+
+
+def test_training_lowers_a_family_models_loss_on_the_text(wikitext_path):
+    """30 steps on WikiText-2's bytes: a random model's loss (about ln 256 = 5.5 nats a byte) falls by more than one
+    nat; seeded, the same steps give the same losses; the model is left in eval mode with its eager attention."""
+    head, _ = text_bytes(wikitext_path)
+    losses = []
+    for _ in range(2):
+        model = build(family_configs(16, 128)["Llama"]())
+        losses.append(train(model, head, 30, seq=64, batch=4))
+    first, last = losses[0][0], sum(losses[0][-5:]) / 5
+    assert abs(first - 5.55) < 0.3 and last < first - 1.0, losses[0]
+    assert losses[0] == pytest.approx(losses[1], rel=1e-3)
+    assert not model.training and model.config._attn_implementation == "eager"
+    with pytest.raises(ValueError, match="holds no window of 64"):
+        train(model, head[:40], 1, seq=64)
+
+
+def test_the_trained_page_counts_its_tokens_and_the_headline_reads_it(tmp_path, wikitext_path, monkeypatch):
+    page = tmp_path / "families-trained.md"
+    monkeypatch.setattr(bench_families, "TARGET_TOKENS", 1.01)   # every row below it: the layer shares run too
+    bench_families.main(["--train-steps", "20", "--window", "16", "--steps", "3", "--prompts", "2",
+                         "--families", "Mistral", "--text", str(wikitext_path), "--markdown", str(page)])
+    text = page.read_text()
+    assert "trained 20 steps" in text and "2 held-out prompts of 128 bytes" in text
+    row = next(line.split(" | ") for line in text.splitlines() if line.startswith("| Mistral (sliding) |"))
+    first, last = (float(x) for x in re.match(r"([\d.]+) -> ([\d.]+)", row[1]).groups())
+    assert last < first
+    shares = [re.match(r"([\d.]+)% \((\d+)\)", cell) for cell in row[2:7] + [row[8]]]
+    for m in shares:   # each share: its count of the 6 tokens (2 prompts x 3)
+        assert m and 0 <= int(m.group(2)) <= 6 and float(m.group(1)) == pytest.approx(int(m.group(2)) / 6 * 100, abs=0.06)
+    assert float(row[7]) >= -1e-6 and 0 <= float(row[10]) <= 1   # the KL, the reference's top-1 lead
+    met = re.search(r"target >= 101% on the default scheme: met by ([01]) of 1 rows", text)
+    assert met and met.group(1) == "0"
+    layers = [line.split(" | ") for line in text.split("error enters")[1].splitlines()
+              if line.startswith("| Mistral (sliding) |")]
+    assert [int(x[1]) for x in layers] == [0, 1, 2, 3] and all(float(x[3]) >= -1e-6 for x in layers)
+    (tmp_path / "families.md").write_text((publish.RESULTS / "families.md").read_text())
+    monkeypatch.setattr(publish, "RESULTS", tmp_path)
+    assert f"greedy tokens in {int(float(shares[0].group(1)) >= 90)} of 1 rows ([trained](docs/results/families-trained.md))" in \
+        publish.families()
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--train-steps", "-1"], "0 training steps or more"),
+    (["--train-steps", "5", "--text", "/nonexistent/wiki.test.raw"], "no such file"),
+    (["--train-steps", "5", "--prompts", "1000"], "held-out bytes needed"),
+])
+def test_bad_arguments_are_one_line(args, says, capsys, wikitext_path):
+    if "--text" not in args:
+        args = args + ["--text", str(wikitext_path)]
+    with pytest.raises(SystemExit) as exc:
+        bench_families.main(args)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "Traceback" not in err and says in err
