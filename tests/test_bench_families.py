@@ -90,3 +90,21 @@ def test_bad_arguments_are_one_line(args, says, capsys, wikitext_path):
         bench_families.main(args)
     err = capsys.readouterr().err
     assert exc.value.code == 2 and "Traceback" not in err and says in err
+
+
+def test_the_layer_study_reads_each_rows_most_sensitive_layer_from_the_page(tmp_path):
+    """bench.study_family_layers takes, for each family of the page's layer table, the layer whose KL alone is the
+    largest, and the page's training steps and window; a page without them is one line naming the fix."""
+    from bench import study_family_layers
+
+    page = tmp_path / "families-trained.md"
+    page.write_text("## Every family trained 120 steps, batch 1: 8 held-out prompts of 512 bytes (8x a 64-byte "
+                    "window), each then 16 greedy tokens\n\n| Llama | 5.6 -> 2.2 | 79.7% (102) |\n\n"
+                    "## Where the default scheme's error enters, in the rows below the greedy target\n\n"
+                    "| family | layer | type | KL | residual | adds |\n|---|---:|---|---:|---:|---:|\n"
+                    "| Llama | 0 | full | 0.000327 | 0.032 | 1.771 |\n| Llama | 3 | full | 0.000493 | 3.019 | 1.006 |\n"
+                    "| Gemma 3 | 0 | sliding | 0.000258 | 0.685 | 0.986 |\n| Gemma 3 | 1 | sliding | 0.000008 | 1.4 | 0.9 |\n")
+    assert study_family_layers.sensitive_layers(page) == (120, 64, {"Llama": (3, 0.000493), "Gemma 3": (0, 0.000258)})
+    page.write_text("# nothing measured\n")
+    with pytest.raises(SystemExit, match="no trained families table with a layer table; run bench.bench_families"):
+        study_family_layers.sensitive_layers(page)
