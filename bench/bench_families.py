@@ -335,11 +335,11 @@ def main(argv=None):
         if not args.text.is_file():
             ap.error(f"--text {args.text}: no such file; pass WikiText-2's wiki.test.raw (or any text of 1 KiB or "
                      "more)")
-        text = text_bytes(args.text)
-        need = args.prompts * (8 * args.window + args.steps)
-        if need > len(text[1]):
-            ap.error(f"--prompts {args.prompts}: {need} held-out bytes needed, {args.text} holds {len(text[1])}; "
-                     "ask for fewer prompts or a shorter window")
+        try:   # the text's and the prompts' own checks, before any family trains
+            text = text_bytes(args.text)
+            text_prompts(text[1], 8 * args.window, args.steps, args.prompts)
+        except ValueError as e:
+            ap.error(f"--text {args.text} / --prompts {args.prompts}: {e}")
     out = Report()
     fams = list(family_configs(args.window, 8 * args.window).items())
     runs = [(n, f, True, False) for n, f in fams]

@@ -47,15 +47,20 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=16, help="greedy tokens after each prompt")
     ap.add_argument("--markdown", type=Path, default=None, help="also write the table to this file")
     args = ap.parse_args(argv)
-    if not args.page.is_file() or not args.text.is_file():
-        ap.error(f"--page {args.page} / --text {args.text}: both files are needed")
+    if not args.page.is_file() or not args.text.is_file() or args.steps < 1:
+        ap.error(f"--page {args.page} / --text {args.text} / --steps {args.steps}: both files are needed, and 1 "
+                 "greedy token or more")
+    train_steps, window, worst = sensitive_layers(args.page)
+    try:   # the text's and the prompts' own checks, before any model trains
+        head, held = text_bytes(args.text)
+        text_prompts(held, 8 * window, args.steps, PROMPTS)
+    except ValueError as e:
+        ap.error(f"--text {args.text}: {e}")
     from transformers import DynamicCache
 
     from kvcx.cache import KvcxCache
     from kvcx.codecs import KVConfig
 
-    train_steps, window, worst = sensitive_layers(args.page)
-    head, held = text_bytes(args.text)
     configs = family_configs(window, 8 * window)
     base = KVConfig.from_scheme("kvcx")
     total = PROMPTS * args.steps

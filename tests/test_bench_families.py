@@ -81,11 +81,15 @@ def test_the_trained_page_counts_its_tokens_and_the_headline_reads_it(tmp_path, 
 @pytest.mark.parametrize("args, says", [
     (["--train-steps", "-1"], "0 training steps or more"),
     (["--train-steps", "5", "--text", "/nonexistent/wiki.test.raw"], "no such file"),
-    (["--train-steps", "5", "--prompts", "1000"], "held-out bytes needed"),
+    (["--train-steps", "5", "--prompts", "1000"], "need 2064000 held-out bytes"),
+    (["--train-steps", "5", "--text", "TINY"], "1 KiB or more"),
 ])
-def test_bad_arguments_are_one_line(args, says, capsys, wikitext_path):
+def test_bad_arguments_are_one_line(args, says, capsys, wikitext_path, tmp_path):
     if "--text" not in args:
         args = args + ["--text", str(wikitext_path)]
+    if "TINY" in args:
+        (tmp_path / "tiny.txt").write_bytes(b"too short")
+        args = [str(tmp_path / "tiny.txt") if a == "TINY" else a for a in args]
     with pytest.raises(SystemExit) as exc:
         bench_families.main(args)
     err = capsys.readouterr().err
@@ -108,3 +112,17 @@ def test_the_layer_study_reads_each_rows_most_sensitive_layer_from_the_page(tmp_
     page.write_text("# nothing measured\n")
     with pytest.raises(SystemExit, match="no trained families table with a layer table; run bench.bench_families"):
         study_family_layers.sensitive_layers(page)
+
+
+@pytest.mark.parametrize("args, says", [(["--steps", "0"], "1 greedy token or more"),
+                                        (["--text", "TINY"], "1 KiB or more")])
+def test_the_layer_studys_bad_arguments_are_one_line(args, says, capsys, tmp_path):
+    """Before any model trains: a usage line, never a traceback."""
+    from bench import study_family_layers
+
+    (tmp_path / "tiny.txt").write_bytes(b"too short")
+    args = [str(tmp_path / "tiny.txt") if a == "TINY" else a for a in args]
+    with pytest.raises(SystemExit) as exc:
+        study_family_layers.main(args)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "Traceback" not in err and says in err
