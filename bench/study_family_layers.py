@@ -1,7 +1,10 @@
 """The trained family models below the greedy target (docs/results/families-trained.md), each with the one layer
 that page's layer table names (the largest KL alone at the default scheme) on 8-bit codes and the others on the
 default: does one sensitive layer hold the shortfall? (What a per-layer plan, ``kvcx calibrate``, would spend bits
-on; here the layer is the page's, not a calibration's.)
+on; here the layer is the page's, not a calibration's.) And what the misses are made of: where each prompt's greedy
+tokens first leave the reference's, the reference's top-1 lead (probability) at that step, beside the same for the
+model in BF16; every layer's keys alone on 8-bit codes, then its values alone (greedy and, fed the text, KL): which
+half of the default's codes the shortfall comes from.
 
     python -m bench.study_family_layers [--page docs/results/families-trained.md] [--markdown docs/results/families-layer-plan.md]
 
@@ -16,7 +19,7 @@ import time
 from pathlib import Path
 
 from bench.bench_families import PROMPTS, TARGET_TOKENS
-from bench.families import DEFAULT_TEXT, build, decode, family_configs, temper, text_bytes, text_prompts, train
+from bench.families import DEFAULT_TEXT, build, decode, family_configs, kl, temper, text_bytes, text_prompts, train
 from bench.report import Report
 
 PAGE = Path(__file__).resolve().parents[1] / "docs/results/families-trained.md"
@@ -40,6 +43,32 @@ def sensitive_layers(page: Path) -> tuple:
     return int(title.group(1)), int(title.group(2)), worst
 
 
+def first_divergence(tokens, ref, ref_logits):
+    """(the step at which ``tokens`` [1, steps] first differs from the reference's greedy ``ref``, the reference's
+    top-1 lead in probability at that step), or None where every token is the reference's."""
+    import torch
+
+    diff = (tokens[0] != ref[0]).nonzero()
+    if not len(diff):
+        return None
+    step = int(diff[0])
+    top2 = torch.softmax(ref_logits[0, step], -1).topk(2).values
+    return step, float(top2[0] - top2[1])
+
+
+def with_bits(kv, kind: str, bits: int):
+    """``kv`` with its ``kind`` ("key" or "value") codec at ``bits`` bits (the same layout), the other as it is."""
+    from kvcx.codecs import IntCodec, KVConfig
+
+    codecs = {"key": kv.key, "value": kv.value}
+    codecs[kind] = IntCodec.from_config({**codecs[kind].get_config(), "bits": bits})
+    return KVConfig(key=codecs["key"], value=codecs["value"], scheme=f"{kv.scheme}, {kind}s {bits}-bit")
+
+
+def _leads(divs: list) -> str:
+    return ", ".join(f"{lead:.4f}" for _, lead in sorted(d for d in divs if d is not None)) or "-"
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--page", type=Path, default=PAGE, help="the trained families page to read the layers from")
@@ -56,15 +85,22 @@ def main(argv=None):
         text_prompts(held, 8 * window, args.steps, PROMPTS)
     except ValueError as e:
         ap.error(f"--text {args.text}: {e}")
+    unknown = sorted(set(worst) - set(family_configs()))
+    if unknown:
+        ap.error(f"--page {args.page}: its layer table names {', '.join(unknown)}, not a family of "
+                 "bench.families.family_configs; write the page with bench.bench_families --train-steps N")
     from transformers import DynamicCache
 
     from kvcx.cache import KvcxCache
     from kvcx.codecs import KVConfig
 
+    import torch
+
     configs = family_configs(window, 8 * window)
     base = KVConfig.from_scheme("kvcx")
+    halves = {"keys": with_bits(base, "key", 8), "values": with_bits(base, "value", 8)}
     total = PROMPTS * args.steps
-    out, rows = Report(), []
+    out, rows, parts = Report(), [], []
     for name, (layer, layer_kl) in worst.items():
         t = time.perf_counter()
         cfg = configs[name]()
@@ -73,15 +109,36 @@ def main(argv=None):
         train(model, head, train_steps)
         kv = KVConfig(key=base.key, value=base.value, scheme=base.scheme, layer_bits=((layer, 8, 8),))
         default = promoted = 0
-        for ids, mask, _ in text_prompts(held, 8 * window, args.steps, PROMPTS):
+        part = dict(name=name, divs=[], bf_divs=[], kl=[], **{h: 0 for h in halves}, **{h + "_kl": [] for h in halves})
+        items, refs = text_prompts(held, 8 * window, args.steps, PROMPTS), []
+        for ids, mask, nxt in items:
             model.set_attn_implementation("eager")
-            ref, _ = decode(model, DynamicCache(config=model.config), ids, mask, args.steps)
+            ref, ref_logits = decode(model, DynamicCache(config=model.config), ids, mask, args.steps)
+            refs.append((ref, ref_logits))
+            _, ref_text = decode(model, DynamicCache(config=model.config), ids, mask, args.steps, forced=nxt)
             model.set_attn_implementation("kvcx")
-            default += int((decode(model, KvcxCache(model.config), ids, mask, args.steps)[0] == ref).sum())
+            tokens = decode(model, KvcxCache(model.config), ids, mask, args.steps)[0]
+            default += int((tokens == ref).sum())
+            part["divs"].append(first_divergence(tokens, ref, ref_logits))
+            part["kl"].append(kl(ref_text, decode(model, KvcxCache(model.config), ids, mask, args.steps, forced=nxt)[1]))
             promoted += int((decode(model, KvcxCache(model.config, kv_config=kv), ids, mask, args.steps)[0]
                              == ref).sum())
-        n_packed = sum(s.packed for s in KvcxCache(model.config).specs)
+            for half, hkv in halves.items():
+                part[half] += int((decode(model, KvcxCache(model.config, kv_config=hkv), ids, mask, args.steps)[0]
+                                   == ref).sum())
+                part[half + "_kl"].append(kl(ref_text, decode(model, KvcxCache(model.config, kv_config=hkv), ids, mask,
+                                                              args.steps, forced=nxt)[1]))
+        model.to(torch.bfloat16)   # the model's own BF16 (eager, DynamicCache): where it leaves the reference
+        model.set_attn_implementation("eager")
+        for (ids, mask, _), (ref, ref_logits) in zip(items, refs):
+            part["bf_divs"].append(first_divergence(decode(model, DynamicCache(config=model.config), ids, mask,
+                                                           args.steps)[0], ref, ref_logits))
+        model.to(torch.float32)
+        specs = KvcxCache(model.config).specs
+        n_packed = sum(s.packed for s in specs)
+        part["latent"] = any(s.latent for s in specs)   # MLA: the cache's keys are the latent, its values the RoPE key
         rows.append((name, layer, layer_kl, n_packed, default, promoted))
+        parts.append(part)
         print(f"  {name}: {time.perf_counter() - t:.0f} s", flush=True)
     out(f"## The trained rows below the greedy target, one layer on 8-bit codes ({PROMPTS} prompts x {args.steps} "
         f"greedy tokens = {total})\n")
@@ -95,12 +152,57 @@ def main(argv=None):
     out(f"\nWith that one layer on 8-bit codes, {met} of {len(rows)} rows meet the target. One layer of these "
         "models' 4 is a quarter of the cache (about 5 bits a value on average); one layer of a 32-layer model "
         "would add 0.125 bits a value.")
+    misses_section(out, parts, total)
     if args.markdown:
         out.write(args.markdown, "# Model families, trained: one sensitive layer on 8-bit codes\n\n"
                   f"The rows of [trained families](families-trained.md) below the greedy target, with the layer its "
                   "layer table names (the largest KL alone at the default scheme) on 8-bit codes and the others "
                   "on the default: how much of the shortfall one layer holds, what a per-layer plan "
-                  "(`kvcx calibrate`) spends bits on. The layer is the page's, not a calibration's.")
+                  "(`kvcx calibrate`) spends bits on. The layer is the page's, not a calibration's. Then what the "
+                  "misses are made of: the reference's top-1 lead where each prompt's greedy tokens first leave "
+                  "it (the default scheme beside the model's own BF16), and which half of the default's codes, "
+                  "keys or values, holds the KL.")
+
+
+def misses_section(out, parts: list, total: int) -> None:
+    """The section on what the misses are made of (``parts``: a dict a row from main's loop)."""
+    def mean(xs):
+        return sum(xs) / len(xs)
+
+    out("\n## What the misses are made of\n")
+    out("Where each prompt's greedy tokens first leave the reference's, and the reference's top-1 lead (probability: "
+        "its first token's minus its second's) at that step, for the default scheme and for the model in BF16 "
+        "(eager, DynamicCache: no kvcx in it); then every packed layer's keys alone on 8-bit codes, the values on "
+        "the default's, and the other way round: greedy tokens, and KL fed the text's own next bytes.\n")
+    out("| family | prompts left, default | the reference's lead at each, default | prompts left, the model in BF16 "
+        "| the reference's lead at each, BF16 | KL (nats), default | greedy, keys on 8-bit codes | KL | greedy, "
+        "values on 8-bit codes | KL |")
+    out("|---|---:|---|---:|---|---:|---:|---:|---:|---:|")
+    for p in parts:
+        left = sum(d is not None for d in p["divs"])
+        bf_left = sum(d is not None for d in p["bf_divs"])
+        out(f"| {p['name']} | {left} of {len(p['divs'])} | {_leads(p['divs'])} | {bf_left} of {len(p['bf_divs'])} "
+            f"| {_leads(p['bf_divs'])} | {mean(p['kl']):.6f} | {p['keys'] / total:.1%} ({p['keys']}) "
+            f"| {mean(p['keys_kl']):.6f} | {p['values'] / total:.1%} ({p['values']}) | {mean(p['values_kl']):.6f} |")
+    leads = sorted(d[1] for p in parts for d in p["divs"] if d is not None)
+    bf_leads = sorted(d[1] for p in parts for d in p["bf_divs"] if d is not None)
+    if leads:
+        out(f"\nThe default scheme leaves the reference in {len(leads)} of {sum(len(p['divs']) for p in parts)} "
+            f"prompts, at a step where the reference's top-1 led by {leads[0]:.4f} to {leads[-1]:.4f} of probability "
+            f"(median {leads[len(leads) // 2]:.4f}); the model in BF16 leaves it in {len(bf_leads)}"
+            + (f", at leads of {bf_leads[0]:.4f} to {bf_leads[-1]:.4f} (median {bf_leads[len(bf_leads) // 2]:.4f})"
+               if bf_leads else "") + ".")
+    latent = [p["name"] for p in parts if p.get("latent")]
+    if latent:
+        out(f"In {', '.join(latent)} transformers hands the MLA layer's cache the compressed latent as its keys and the "
+            "shared RoPE key as its values: there the keys columns are the latent on 8-bit codes, the values columns "
+            "the RoPE key on 8-bit codes.")
+    halves = sorted(parts, key=lambda p: mean(p["keys_kl"]) - mean(p["values_kl"]))
+    keys_first = [p["name"] for p in halves if mean(p["keys_kl"]) < mean(p["values_kl"])]
+    values_first = [p["name"] for p in halves if mean(p["keys_kl"]) > mean(p["values_kl"])]
+    out(("" if leads else "\n") + "Which half of the default's codes holds more of the KL: the keys (8-bit keys "
+        "leave less KL than 8-bit values) in " + (", ".join(keys_first) or "no row") + "; the values in "
+        + (", ".join(values_first) or "no row") + ".")
 
 
 if __name__ == "__main__":

@@ -115,14 +115,69 @@ def test_the_layer_study_reads_each_rows_most_sensitive_layer_from_the_page(tmp_
 
 
 @pytest.mark.parametrize("args, says", [(["--steps", "0"], "1 greedy token or more"),
-                                        (["--text", "TINY"], "1 KiB or more")])
+                                        (["--text", "TINY"], "1 KiB or more"),
+                                        (["--page", "STRANGER"], "names Falcon 9, not a family of")])
 def test_the_layer_studys_bad_arguments_are_one_line(args, says, capsys, tmp_path):
     """Before any model trains: a usage line, never a traceback."""
     from bench import study_family_layers
 
     (tmp_path / "tiny.txt").write_bytes(b"too short")
-    args = [str(tmp_path / "tiny.txt") if a == "TINY" else a for a in args]
+    (tmp_path / "stranger.md").write_text("## Every family trained 10 steps, batch 1: 8 held-out prompts of 256 bytes "
+                                          "(8x a 32-byte window)\n\n## Where the default scheme's error enters\n\n"
+                                          "| Falcon 9 | 0 | full | 0.0001 | 1.0 | 1.0 |\n")
+    args = [{"TINY": str(tmp_path / "tiny.txt"), "STRANGER": str(tmp_path / "stranger.md")}.get(a, a) for a in args]
     with pytest.raises(SystemExit) as exc:
         study_family_layers.main(args)
     err = capsys.readouterr().err
     assert exc.value.code == 2 and "Traceback" not in err and says in err
+
+
+def test_first_divergence_names_the_step_and_the_references_lead_there():
+    """The first step where the tokens leave the reference's, and the reference's top-1 minus its second
+    probability at that step; None where none does."""
+    import torch
+
+    from bench.study_family_layers import first_divergence
+
+    ref = torch.tensor([[5, 6, 7, 8]])
+    logits = torch.zeros(1, 4, 10)
+    logits[0, 2, 7], logits[0, 2, 3] = 2.0, 1.0
+    p = torch.softmax(logits[0, 2], -1).topk(2).values
+    step, lead = first_divergence(torch.tensor([[5, 6, 3, 3]]), ref, logits)
+    assert step == 2 and lead == pytest.approx(float(p[0] - p[1])) and lead > 0.1
+    assert first_divergence(ref.clone(), ref, logits) is None
+
+
+def test_with_bits_changes_one_half_of_the_default():
+    from bench.study_family_layers import with_bits
+    from kvcx.codecs import KVConfig
+
+    base = KVConfig.from_scheme("kvcx")
+    keys8 = with_bits(base, "key", 8)
+    assert keys8.key.bits == 8 and keys8.key.axis == base.key.axis and keys8.key.sinks == base.key.sinks
+    assert keys8.value.get_config() == base.value.get_config()
+    values8 = with_bits(base, "value", 8)
+    assert values8.value.bits == 8 and values8.value.rotate and values8.key.get_config() == base.key.get_config()
+
+
+def test_the_layer_study_runs_end_to_end_on_a_briefly_trained_model(tmp_path):
+    """The whole study on one family trained 10 steps (a 32-byte window, 4 greedy tokens): both tables, a row
+    each, every count out of the 8 prompts x 4 tokens, and the sentence on which half holds the KL."""
+    import re
+
+    from bench import study_family_layers
+
+    page = tmp_path / "families-trained.md"
+    page.write_text("## Every family trained 10 steps, batch 1: 8 held-out prompts of 256 bytes (8x a 32-byte "
+                    "window), each then 16 greedy tokens\n\n## Where the default scheme's error enters\n\n"
+                    "| Llama | 3 | full | 0.000493 | 3.019 | 1.006 |\n")
+    out = tmp_path / "plan.md"
+    study_family_layers.main(["--page", str(page), "--steps", "4", "--markdown", str(out)])
+    text = out.read_text()
+    plan = re.search(r"\| Llama \| 3 \(0\.000493\) \| 4 \| [\d.]+% \((\d+)\) \| [\d.]+% \((\d+)\) \| (met|missed) \|", text)
+    assert plan and all(0 <= int(n) <= 32 for n in plan.groups()[:2])
+    misses = re.search(r"\| Llama \| (\d) of 8 \| [^|]+ \| (\d) of 8 \| [^|]+ \| -?[\d.]+ \| [\d.]+% \((\d+)\) "
+                       r"\| -?[\d.]+ \| [\d.]+% \((\d+)\) \| -?[\d.]+ \|", text)
+    assert misses and all(0 <= int(n) <= 32 for n in misses.groups()[2:])
+    assert "Which half of the default's codes holds more of the KL" in text
+    assert "the RoPE key on 8-bit codes" not in text   # (said for an MLA family only)
