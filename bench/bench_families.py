@@ -56,8 +56,11 @@ def _packs(cache) -> str:
         out.append("linear layers' states kept (transformers' class)")
     if "unsupported" in kinds:
         out.append("compressed layers kept (unsupported='keep')")
-    if any(s.latent for s in cache.specs):
-        out = ["MLA latent + RoPE key, a codec per width"]
+    if any(s.latent for s in cache.specs):   # (its codecs: what KvcxCache._layer gives an MLA layer)
+        from kvcx.cache.layer_config import latent_rope_codec
+
+        out = [f"MLA latent ({cache.kv_config.key.describe()}) + RoPE key "
+               f"({latent_rope_codec(cache.kv_config, cache.residual_length).describe()})"]
     return "; ".join(out)
 
 

@@ -56,7 +56,8 @@ from kvcx.cache.device_store import runs_on_device
 from kvcx.cache.fused import Workspace
 from kvcx.cache.induction import guarded_config
 from kvcx.cache.kept import dynamic_cache_bytes, layer_bytes, layer_kwargs, transformers_layer_class
-from kvcx.cache.layer_config import fitted as _fitted, on_backend as _on_backend, pressed as _pressed
+from kvcx.cache.layer_config import (fitted as _fitted, latent_rope_codec as _latent_rope_codec,
+                                     on_backend as _on_backend, pressed as _pressed)
 from kvcx.cache.layer_types import FULL, STATE, UNSUPPORTED, WINDOWED, LayerSpec, check_unsupported, layer_specs
 from kvcx.cache.layers import KvcxLayer
 from kvcx.cache.window_layer import KvcxWindowLayer
@@ -132,6 +133,8 @@ class KvcxCache(Cache):
             residual_length = math.lcm(DEFAULT_RESIDUAL, *(c.token_block for c in every))
         if isinstance(residual_length, bool) or not isinstance(residual_length, int) or residual_length < 1:
             raise KvcxError(f"residual_length must be a positive integer, got {residual_length!r}")
+        if any(s.latent for s in specs):   # MLA: the shared RoPE key's own codec (latent_rope_codec)
+            every += (_latent_rope_codec(kv, residual_length),)
         for c in every:
             if residual_length % c.token_block:
                 raise KvcxError(f"residual_length ({residual_length}) must be a multiple of the group size "
@@ -226,7 +229,8 @@ class KvcxCache(Cache):
         codecs = _fitted(kv.for_layer(spec.index), spec.kv_heads, self.residual_length, spec.key_dim, spec.value_dim)
         cls = KvcxWindowLayer if spec.kind in WINDOWED else KvcxLayer
         return cls(codecs, self.residual_length, shared, spec, kv.weights_for(f"layer_{spec.index}_key"),
-                   press=press if spec.kind == FULL else None)
+                   press=press if spec.kind == FULL else None,
+                   rope_codec=_latent_rope_codec(codecs, self.residual_length) if spec.latent else None)
 
     def _registered(self, layer_type: str):
         """The cache layer class transformers maps ``layer_type`` to once the model's modeling module is imported
@@ -339,6 +343,7 @@ class KvcxCache(Cache):
         entry = {"index": spec.index, "type": spec.type, "kvcx": "packed" if spec.packed else "kept",
                  "window": spec.window}
         if isinstance(layer, KvcxLayer):
+            entry["codecs"] = layer.codecs_described()
             held = (layer.quantized_length + layer.keys.shape[-2]) if layer.is_initialized else 0
             entry.update(tokens_held=held, bytes=layer.packed_bytes() + layer.residual_bytes(),
                          fused_unsupported=layer.fused_unsupported, steps=dict(layer.steps))

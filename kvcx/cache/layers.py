@@ -50,9 +50,11 @@ class KvcxLayer(DynamicLayer):
                         "for the model to expand)")
 
     def __init__(self, kv_config, residual_length: int, shared: Shared, spec: LayerSpec,
-                 key_weights: Optional[np.ndarray] = None, press=None):
+                 key_weights: Optional[np.ndarray] = None, press=None, rope_codec=None):
         """``kv_config``: the layer's :class:`~kvcx.codecs.KVConfig`; ``press``: a
-        :class:`~kvcx.presses.Press` run at the prefill (full layers), or None."""
+        :class:`~kvcx.presses.Press` run at the prefill (full layers), or None; ``rope_codec``: an MLA layer's
+        codec for its shared RoPE key (the values transformers hands it), in place of the config's value codec
+        (:func:`kvcx.cache.layer_config.latent_rope_codec`)."""
         super().__init__()
         self.spec = spec
         self.layer_idx = spec.index
@@ -62,7 +64,7 @@ class KvcxLayer(DynamicLayer):
         self._scratch, self._workspace, self._masks = shared.scratch, shared.workspace, shared.masks
         self._timer, self._heap = shared.timer, shared.heap
         self._query_group = spec.query_group
-        first = {"key": kv_config.key, "value": kv_config.value}
+        first = {"key": kv_config.key, "value": kv_config.value if rope_codec is None else rope_codec}
         # later chunks: the same codecs without sinks, and with the same threads
         nxt = {k: c.replace(**({"sinks": 0} if "sinks" in c.settings else {})) for k, c in first.items()}
         self._codecs_first = first if self.keeps_sinks else nxt
@@ -86,6 +88,12 @@ class KvcxLayer(DynamicLayer):
 
     # a full layer keeps the codecs' exact sink tokens (a window leaves them behind: a windowed layer does not)
     keeps_sinks = True
+
+    def codecs_described(self) -> dict:
+        """The codecs this layer packs with, described: {"keys", "values"}, or for an MLA layer {"latent",
+        "rope_key"} (what transformers hands its cache as keys and as values)."""
+        names = ("latent", "rope_key") if self.spec.latent else ("keys", "values")
+        return {n: self._codecs_first[k].describe() for n, k in zip(names, ("key", "value"))}
 
     @property
     def fused_unsupported(self) -> Optional[str]:
@@ -123,7 +131,7 @@ class KvcxLayer(DynamicLayer):
             return self.store.unsupported(self._query_group)
         if self.device.type != "cpu":
             return (f"fused attention over a CPU store runs on CPU tensors (this layer's codecs, "
-                    f"{self.kv_config.key.describe()} / {self.kv_config.value.describe()}, have no {self.device.type} "
+                    f"{' / '.join(self.codecs_described().values())}, have no {self.device.type} "
                     "backend)")
         return self.store.unsupported(self.store.keys.D, self._query_group)
 

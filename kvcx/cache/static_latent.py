@@ -5,6 +5,8 @@ transformers (from 5.17) hands an MLA layer's cache the latent ``c`` [B, 1, S, r
 ``r`` [B, 1, S, rope] as its values, and expands the context into per-head keys and values after the cache
 (:mod:`kvcx.cache.latent`). This layer packs ``c`` with the keys' codec and ``r`` with the values' (the same 4-bit
 ``kvcx.int`` codecs, rows and residual as :class:`~kvcx.cache.static_layers.StaticKvcxLayer`, each of its width).
+KvcxCache gives ``r`` a width per channel at 8 bits instead (:func:`kvcx.cache.layer_config.latent_rope_codec`); the
+static layer's graph-capturable encode runs 4-bit ``kvcx.int`` codes, so here ``r`` keeps the values' 4 bits.
 
 A decode step is, for each of the two, the full layer's encode launch (the token into the residual's slot, a full
 residual into its page of the row); then, under the ``"kvcx"`` attention, the layer posts a "latent" step and
