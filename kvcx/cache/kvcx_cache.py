@@ -126,6 +126,11 @@ class KvcxCache(Cache):
                             "do not read yet (they take keys after RoPE): use the config without key_rope "
                             "(config.with_key_rope(None)); the gate and packed files take it")
         specs = layer_specs(config)
+        latent = [s.index for s in specs if s.latent]
+        if kv.latent_layers and list(kv.latent_layers) != latent:
+            raise KvcxError(f"kv_config names MLA layers {list(kv.latent_layers)} (latent_layers: their values coded "
+                            f"as a RoPE key); this model's MLA layers are {latent or 'none'}: use the config on the "
+                            f"model it was made for, or config.with_latent_layers({latent})")
         if guard_layers:
             kv = guarded_config(kv, guard_layers, [s.index for s in specs if s.packed])
         every = (kv.key, kv.value, *(c for _, c in kv.variants))   # the codecs a layer may get

@@ -8,9 +8,6 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 from kvcx.codecs.backends import TRITON, backend_takes
-from kvcx.codecs.intcodec import IntCodec
-from kvcx.codecs.lattice import E8PCodec
-from kvcx.codecs.widths import WidthCodec
 from kvcx.presses import Press, PressedSetting, split_scheme
 from kvcx.errors import KvcxError
 
@@ -34,25 +31,12 @@ def pressed(kv_config, scheme: str) -> Tuple[object, Optional[Press], str]:
     return None, press, codec or scheme
 
 
-ROPE_KEY_BITS = 8   # an MLA layer's shared RoPE key: a width per channel at 8 bits (latent_rope_codec)
-
-
 def latent_rope_codec(kv, residual_length: int):
-    """The codec of an MLA layer's shared RoPE key: what transformers hands the layer's cache as its values (the
-    compressed latent is its keys). It is a key: one head every query head reads, which carries the position part of
-    every score. At the values' 4-bit codes it held most of a trained DeepSeek-V3-shaped model's error
-    (docs/results/families-layer-plan.md: on 8-bit codes its KL 0.0041 -> 0.00012 nats, the latent's on 8 bits none
-    of it); FlashMLA's FP8 cache keeps this part in BF16 for the same reason. kvcx's own schemes give it the
-    retrieval guard's key codec: a width per channel at 8 bits (:class:`~kvcx.codecs.widths.WidthCodec`: groups of
-    the keys' tokens, or of the residual where keys are grouped per token; the values' sinks), which the Triton
-    codecs decode on the device. A value codec of 8 bits or more, or an engine's format (fp8, q4_0, TurboQuant:
-    as the engine writes it), is left as it is."""
-    v = kv.value
-    if not isinstance(v, (IntCodec, E8PCodec)) or getattr(v, "bits", ROPE_KEY_BITS) >= ROPE_KEY_BITS:
-        return v
-    group = kv.key.token_block if kv.key.token_block > 1 else residual_length
-    return WidthCodec(bits=ROPE_KEY_BITS, group_size=group, sinks=v.sinks, n_threads=v.n_threads,
-                      backend=getattr(v, "backend", None))
+    """The codec of an MLA layer's shared RoPE key in a KvcxCache: :meth:`KVConfig.rope_key_codec
+    <kvcx.codecs.KVConfig.rope_key_codec>` (a width per channel at 8 bits where the values' codes are fewer; the
+    residual's tokens a group where the keys are grouped per token), so the cache and ``kvcx validate`` code it
+    alike."""
+    return kv.rope_key_codec(residual_length)
 
 
 def on_backend(kv, backend: str, layers: int):

@@ -100,6 +100,7 @@ class StaticKvcxCache(Cache):
         if not packed:
             raise KvcxError("StaticKvcxCache packs full-attention, sliding and chunked layers and this model has none "
                             "it can pack; use KvcxCache")
+        kv = kv.with_latent_layers(())   # an MLA layer's RoPE key keeps the values' 4-bit codes here (static_latent)
         codecs = {i: (kv.for_layer(i).key, kv.for_layer(i).value) for i in packed}
         for i, (kc, vc) in codecs.items():
             for codec, what in ((kc, "keys"), (vc, "values")):

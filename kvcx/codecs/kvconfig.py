@@ -34,6 +34,12 @@ widths keys alone, the values' own codec in every layer: a calibrated plan's mea
 = 2.5 bits, ... ``key.b4w``: :mod:`kvcx.quality.width_plans`) and the retrieval guard's (:meth:`KVConfig.guarded`:
 ``key.b8w`` in the guarded layers).
 
+MLA layers: ``KVConfig(..., latent_layers=(0, 1))`` names the layers of multi-head latent attention (DeepSeek V2/V3,
+Kimi K2.5), whose cache transformers fills with the compressed latent as keys and the shared RoPE key as values. The
+latent takes the layer's key codec; the RoPE key, a key every query head reads, takes :meth:`KVConfig.rope_key_codec`
+(a width per channel at 8 bits, the codec name ``value.rope``) where the values' own codec has fewer bits.
+``kvcx validate`` fills them in from the model's config (the gate codes what :class:`~kvcx.cache.KvcxCache` codes).
+
 Kept layers: ``KVConfig(..., keep_layers=(0, 1))`` leaves those layers' tensors exact (a packed file stores them as
 they are): the layers an engine keeps in the model's dtype, which :meth:`KVConfig.engine_layers` fills in for a model
 (vLLM's TurboQuant schemes: a dense model's first and last two).
@@ -53,9 +59,17 @@ from kvcx.codecs import engine as _engine  # noqa: F401  (registers the engine f
 from kvcx.codecs import lattice as _lattice  # noqa: F401  (registers the E8P lattice codec)
 from kvcx.codecs import turboquant as _turboquant
 from kvcx.codecs.base import Codec, get_codec
-from kvcx.codecs.dtypes import is_int
+from kvcx.codecs.config_fields import (  # noqa: F401  (tag_of, widths_tag, widths_bits: imported from here too)
+    WIDTHS_SUFFIX,
+    check_key_weights,
+    check_layer_bits,
+    check_layers,
+    check_variants,
+    tag_of,
+    widths_bits,
+    widths_tag,
+)
 from kvcx.codecs.intcodec import BITS, IntCodec
-from kvcx.codecs.plan_record import MAX_LAYERS, TAG_RE
 from kvcx.codecs.rope import MODEL, check_key_rope
 from kvcx.codecs.widths import WidthCodec
 from kvcx.errors import CodecError
@@ -156,123 +170,10 @@ def tensor_kind(name: str) -> Optional[str]:
     return None
 
 
-def _check_layer_bits(layer_bits) -> tuple:
-    """((layer, key_bits, value_bits), ...) sorted by layer, each checked; the error says how to fix it."""
-    if isinstance(layer_bits, dict):
-        layer_bits = [(k, *v) if isinstance(v, (list, tuple)) else (k, v) for k, v in layer_bits.items()]
-    try:
-        rows = [tuple(r) for r in layer_bits]
-    except TypeError:
-        raise CodecError(f"layer_bits must be a list of [layer, key_bits, value_bits], got {layer_bits!r}") from None
-    out, seen = [], set()
-    for r in rows:
-        if len(r) != 3:
-            raise CodecError(f"layer_bits entry {list(r)} must be [layer, key_bits, value_bits]")
-        layer, kb, vb = (int(x) if is_int(x) else x for x in r)
-        if not is_int(layer) or not 0 <= layer < MAX_LAYERS:
-            raise CodecError(f"layer_bits: layer {layer!r} must be an integer in [0, {MAX_LAYERS})")
-        for what, b in (("key", kb), ("value", vb)):
-            if isinstance(b, str) and TAG_RE.fullmatch(b):
-                continue
-            if not is_int(b) or b not in BITS:
-                raise CodecError(f"layer_bits: layer {layer} {what} bits {b!r} is not one of {', '.join(map(str, BITS))} "
-                                 "or the tag of one of the config's variants (e.g. 'b3g128')")
-        if layer in seen:
-            raise CodecError(f"layer_bits lists layer {layer} twice; give each layer once")
-        seen.add(layer)
-        out.append((layer, kb, vb))
-    return tuple(sorted(out))
-
-
-def _check_variants(variants) -> tuple:
-    """(("key.b3g128" | "value.b3a" ..., IntCodec), ...) sorted by name; each codec's bits match its tag."""
-    if isinstance(variants, dict):
-        variants = list(variants.items())
-    out = {}
-    for row in variants:
-        try:
-            name, codec = row
-        except (TypeError, ValueError):
-            raise CodecError(f"variants must map 'key.TAG' / 'value.TAG' to a codec, got {row!r}") from None
-        m = re.fullmatch(r"(key|value)\.(" + TAG_RE.pattern + ")", name) if isinstance(name, str) else None
-        if m is None:
-            raise CodecError(f"variants: {name!r} is not a variant name; use 'key.TAG' or 'value.TAG' with TAG = "
-                             "b<bits> and an optional suffix (e.g. 'value.b3', 'key.b3g128')")
-        if isinstance(codec, dict):
-            codec = get_codec(codec)
-        widths = m.group(1) == "key" and name.endswith(_WIDTHS_SUFFIX)   # keys of a width per channel
-        bits = widths_bits(m.group(2)) if widths else int(m.group(3))
-        if bits is None or not isinstance(codec, WidthCodec if widths else IntCodec) or codec.bits != bits:
-            raise CodecError(f"variants: {name!r} must be {'a widths' if widths else 'an integer'} codec of "
-                             f"{bits if bits is not None else m.group(3)} bits (widths tags: b2w = 2 bits, b2hw = "
-                             f"2.5), got {getattr(codec, 'bits', codec)!r}")
-        if name in out:
-            raise CodecError(f"variants lists {name!r} twice; give each once")
-        out[name] = codec
-    return tuple(sorted(out.items()))
-
-
-def _check_key_weights(key_weights) -> tuple:
-    """((layer, ((w, ...), ...)), ...) sorted by layer: finite non-negative floats, heads x channels per layer."""
-    import math
-
-    if not isinstance(key_weights, (dict, list, tuple)):
-        raise CodecError(f"key_weights must map layers to [[weight per channel] per KV head], got "
-                         f"{type(key_weights).__name__}")
-    if isinstance(key_weights, dict):
-        items = []
-        for k, v in key_weights.items():
-            if not (isinstance(k, str) and k.isdigit()) and not is_int(k):
-                raise CodecError(f"key_weights: {k!r} is not a layer number")
-            items.append((int(k), v))
-    else:
-        items = list(key_weights)
-    out, seen = [], set()
-    for row in items:
-        try:
-            layer, w = row
-            w = tuple(tuple(float(x) for x in head) for head in w)
-            if any(isinstance(x, bool) or not isinstance(x, (int, float)) for head in row[1] for x in head):
-                raise TypeError
-        except (TypeError, ValueError, OverflowError):
-            raise CodecError(f"key_weights: each entry must be layer -> [[weight per channel] per KV head], got "
-                             f"{str(row)[:60]}") from None
-        if not is_int(layer) or not 0 <= int(layer) < MAX_LAYERS or int(layer) in seen:
-            raise CodecError(f"key_weights: layer {layer!r} must be an integer in [0, {MAX_LAYERS}), given once")
-        if not w or len({len(h) for h in w}) != 1 or not w[0] \
-                or not all(math.isfinite(x) and x >= 0 for h in w for x in h):
-            raise CodecError(f"key_weights: layer {layer} must list, per KV head, the same number of finite "
-                             "non-negative weights (one per channel)")
-        seen.add(int(layer))
-        out.append((int(layer), w))
-    return tuple(sorted(out))
-
-
-def tag_of(sel) -> str:
-    """A layer's selection as a tag: 3 -> 'b3', 'b3g128' stays."""
-    return sel if isinstance(sel, str) else f"b{sel}"
-
-
 GUARD_BITS = 8   # the key width the retrieval guards give the layers they guard
+ROPE_KEY_BITS = 8   # an MLA layer's shared RoPE key: a width per channel at 8 bits (KVConfig.rope_key_codec)
+ROPE_NAME = "value.rope"   # the codec name a packed file records for an MLA layer's RoPE key
 DEFAULT_GUARD_GROUP = 64   # the guard's key groups (tokens) where the scheme's keys are grouped per token
-_WIDTHS_SUFFIX = "w"   # a key variant's tag ending so ('b8w'): a widths codec (WidthCodec), every channel its bits
-_WIDTHS_TAG = re.compile(r"b([1-8])(h?)w")   # b2w: 2 bits per code on average; b2hw: 2.5
-
-
-def widths_tag(bits: float) -> str:
-    """The variant tag of widths keys of ``bits`` per code on average, a whole or half number from 1 to 8: 2 ->
-    'b2w', 2.5 -> 'b2hw' (the guard's 8-bit keys: 'b8w')."""
-    if not (1 <= bits <= 8 and (2 * bits) % 1 == 0) or (bits > 4 and bits != 8):
-        raise CodecError(f"widths keys take a variant tag at 1, 1.5, ... 4 or 8 bits per code, not {bits!r}")
-    return f"b{int(bits)}{'h' if bits % 1 else ''}{_WIDTHS_SUFFIX}"
-
-
-def widths_bits(tag: str) -> Optional[float]:
-    """The mean bits per code a widths variant's tag names ('b2hw' -> 2.5), or None for another tag."""
-    m = _WIDTHS_TAG.fullmatch(tag)
-    return None if m is None else int(m.group(1)) + (0.5 if m.group(2) else 0.0)
-
-
 @dataclass(frozen=True)
 class KVConfig:
     key: Codec
@@ -286,21 +187,23 @@ class KVConfig:
     #                          vLLM's TurboQuant keeps a dense model's first and last two, see engine_layers)
     key_rope: object = None  # keys coded before RoPE (kvcx.codecs.rope): None (as the model hands them), "model"
     #                          (the model's own frequencies, filled in where it loads) or a KeyRope
+    latent_layers: tuple = ()  # MLA layers: their keys are the compressed latent, their values the shared RoPE key,
+    #                            coded by rope_key_codec() (with_latent_layers; kvcx validate fills them in)
 
     def __post_init__(self):
-        object.__setattr__(self, "layer_bits", _check_layer_bits(self.layer_bits))
-        kept = self.keep_layers
-        if not (isinstance(kept, (tuple, list)) and all(is_int(L) and 0 <= L < MAX_LAYERS for L in kept)):
-            raise CodecError(f"keep_layers must be a list of layer indices in [0, {MAX_LAYERS}), got {kept!r}")
-        object.__setattr__(self, "keep_layers", tuple(sorted({int(L) for L in kept})))
-        object.__setattr__(self, "key_weights", _check_key_weights(self.key_weights))
+        object.__setattr__(self, "layer_bits", check_layer_bits(self.layer_bits))
+        object.__setattr__(self, "keep_layers", check_layers(self.keep_layers, "keep_layers", "kept exact"))
+        object.__setattr__(self, "latent_layers", check_layers(self.latent_layers, "latent_layers",
+                                                               "a model's MLA layers"))
+        object.__setattr__(self, "key_weights", check_key_weights(self.key_weights))
         object.__setattr__(self, "key_rope", check_key_rope(self.key_rope))
         if self.key_weights and not self.key.takes_weights:
             raise CodecError("key_weights choose per-channel widths; they need a widths key codec "
                              "(--scheme kvcx2w), not " + repr(self.key))
-        if self.value.takes_weights:
-            raise CodecError("per-channel widths are for keys; give values an IntCodec")
-        object.__setattr__(self, "variants", _check_variants(self.variants))
+        if self.value.takes_weights and not self.latent_layers:   # an MLA layer's view (for_layer): its RoPE key
+            raise CodecError("per-channel widths are for keys (and an MLA layer's RoPE key: latent_layers); give "
+                             "values an IntCodec")
+        object.__setattr__(self, "variants", check_variants(self.variants))
         if not isinstance(self.key, IntCodec) and (self.layer_bits or self.variants) and not self._widths_only():
             raise CodecError("a widths key codec (kvcx2w, kvcx2v) takes per-layer selections of widths keys alone "
                              "(variants key.b2w, key.b2hw, ...: a calibrated plan's mean widths, the retrieval guard's "
@@ -317,8 +220,8 @@ class KVConfig:
         :mod:`kvcx.quality.width_plans`; the guard's 8-bit keys, :meth:`guarded`): key variants of a width per
         channel, the values' own codec in every layer (what a config with widths keys may select)."""
         own = getattr(self.value, "bits", None)
-        return all(n.startswith("key.") and n.endswith(_WIDTHS_SUFFIX) for n, _ in self.variants) and \
-            all(isinstance(kb, str) and kb.endswith(_WIDTHS_SUFFIX) and vb == own for _, kb, vb in self.layer_bits)
+        return all(n.startswith("key.") and n.endswith(WIDTHS_SUFFIX) for n, _ in self.variants) and \
+            all(isinstance(kb, str) and kb.endswith(WIDTHS_SUFFIX) and vb == own for _, kb, vb in self.layer_bits)
 
     def codec_at(self, kind: str, sel) -> IntCodec:
         """The codec keys (``kind='key'``) or values get for a selection: a variant's tag (``'b3g128'``), or a
@@ -357,7 +260,7 @@ class KVConfig:
     def base(self) -> "KVConfig":
         """This config without its per-layer selections (its variants kept)."""
         return KVConfig(key=self.key, value=self.value, scheme=self.scheme, variants=self.variants,
-                        keep_layers=self.keep_layers, key_rope=self.key_rope)
+                        keep_layers=self.keep_layers, key_rope=self.key_rope, latent_layers=self.latent_layers)
 
     def engine_layers(self, n_layers: int, hybrid: bool) -> "KVConfig":
         """This config as its engine runs it on a model of ``n_layers`` layers (``hybrid``: with linear-attention
@@ -367,8 +270,7 @@ class KVConfig:
         if self.scheme not in _turboquant.PRESETS or self.keep_layers:
             return self
         kept = () if hybrid else _turboquant.boundary_layers(n_layers)
-        return KVConfig(key=self.key, value=self.value, scheme=self.scheme, keep_layers=kept,
-                        key_rope=self.key_rope) if kept else self
+        return dataclasses.replace(self, keep_layers=kept) if kept else self
 
     @classmethod
     def from_scheme(cls, scheme: str = DEFAULT_SCHEME, group_size: Optional[int] = None, bits: Optional[int] = None,
@@ -439,10 +341,10 @@ class KVConfig:
             raise CodecError("a kvcx config must be an object with 'key' and 'value' codecs "
                              "(and optionally 'scheme' and 'layer_bits'), as `kvcx calibrate` writes")
         unknown = set(config) - {"scheme", "key", "value", "layer_bits", "variants", "key_weights", "keep_layers",
-                                 "key_rope"}
+                                 "key_rope", "latent_layers"}
         if unknown:
             raise CodecError(f"unknown kvcx config fields {sorted(unknown)}; known: scheme, key, value, layer_bits, "
-                             "variants, key_weights, keep_layers, key_rope")
+                             "variants, key_weights, keep_layers, key_rope, latent_layers")
         for k in ("key", "value"):
             if not isinstance(config[k], dict):
                 raise CodecError(f"a kvcx config's {k} codec must be an object, got {config[k]!r}")
@@ -457,7 +359,8 @@ class KVConfig:
         variants = {k: get_codec(v, n_threads) if isinstance(v, dict) else v for k, v in variants.items()}
         return cls(key=codecs[0], value=codecs[1], scheme=scheme, layer_bits=config.get("layer_bits", ()),
                    variants=variants, key_weights=config.get("key_weights", ()),
-                   keep_layers=config.get("keep_layers", ()), key_rope=config.get("key_rope"))
+                   keep_layers=config.get("keep_layers", ()), key_rope=config.get("key_rope"),
+                   latent_layers=config.get("latent_layers", ()))
 
     def guarded(self, layers, bits: int = GUARD_BITS) -> "KVConfig":
         """This config (a scheme's, no per-layer widths; keys of integer codes or of a width per channel) with
@@ -484,6 +387,35 @@ class KVConfig:
         return dataclasses.replace(self, variants=variants,
                                    layer_bits=tuple((int(L), tag, self.value.bits) for L in sorted(layers)))
 
+    def with_latent_layers(self, layers) -> "KVConfig":
+        """This config on a model whose ``layers`` are multi-head latent attention (their values: the shared RoPE key,
+        coded by :meth:`rope_key_codec`); ``()``: none."""
+        return dataclasses.replace(self, latent_layers=tuple(layers))
+
+    def rope_key_codec(self, tokens: int = DEFAULT_GUARD_GROUP) -> Codec:
+        """The codec of an MLA layer's shared RoPE key: what transformers hands the layer's cache as its values (the
+        compressed latent is its keys). It is a key, one head every query head reads, which carries the position part
+        of every score: at the values' 4-bit codes it held most of a trained DeepSeek-V3-shaped model's error
+        (docs/results/families-layer-plan.md: on 8-bit codes its KL 0.0041 -> 0.00012 nats, the latent's on 8 bits
+        none of it), and FlashMLA's FP8 cache keeps this part in BF16 for the same reason. kvcx's own schemes give it
+        the retrieval guard's key codec: a width per channel at :data:`ROPE_KEY_BITS` bits
+        (:class:`~kvcx.codecs.widths.WidthCodec`: groups of the keys' tokens, or of ``tokens`` where the keys are
+        grouped per token: KvcxCache passes its residual length; the values' sinks, threads and backend), which the
+        fused CPU kernels and the Triton codecs read. Values of 8 bits or more, or an engine's format (fp8, q4_0,
+        TurboQuant: as the engine writes it), are returned as they are."""
+        v = self.value
+        if not isinstance(v, (IntCodec, _lattice.E8PCodec)) or getattr(v, "bits", ROPE_KEY_BITS) >= ROPE_KEY_BITS:
+            return v
+        group = self.key.token_block if self.key.token_block > 1 else tokens
+        return WidthCodec(bits=ROPE_KEY_BITS, group_size=group, sinks=v.sinks, n_threads=v.n_threads,
+                          backend=getattr(v, "backend", None))
+
+    def _latent_value(self, codec) -> Codec:
+        """An MLA layer's values codec: :meth:`rope_key_codec` where the layer's own (``codec``) has fewer bits."""
+        if not isinstance(codec, (IntCodec, _lattice.E8PCodec)) or getattr(codec, "bits", 0) >= ROPE_KEY_BITS:
+            return codec
+        return self.rope_key_codec()
+
     def with_threads(self, n_threads: Optional[int]) -> "KVConfig":
         return dataclasses.replace(self, key=self.key.with_threads(n_threads), value=self.value.with_threads(n_threads),
                                    variants=tuple((n, c.with_threads(n_threads)) for n, c in self.variants))
@@ -494,22 +426,28 @@ class KVConfig:
                                    variants=tuple((n, c.with_backend(backend)) for n, c in self.variants))
 
     def for_layer(self, layer: Optional[int]) -> "KVConfig":
-        """This config with the key and value bits of ``layer`` (no per-layer widths left)."""
+        """This config with the key and value codecs of ``layer`` (no per-layer widths left; an MLA layer's values:
+        its RoPE key's codec, :meth:`rope_key_codec`)."""
+        key, value = self.key, self.value
         for L, kb, vb in self.layer_bits:
             if L == layer:
-                return KVConfig(key=self.codec_at("key", kb), value=self.codec_at("value", vb), scheme=self.scheme,
-                                key_rope=self.key_rope)
-        if not self.layer_bits:
+                key, value = self.codec_at("key", kb), self.codec_at("value", vb)
+        if not (self.layer_bits or self.latent_layers):
             return self
-        return KVConfig(key=self.key, value=self.value, scheme=self.scheme, key_rope=self.key_rope)
+        latent = layer in self.latent_layers
+        return KVConfig(key=key, value=self._latent_value(value) if latent else value, scheme=self.scheme,
+                        key_rope=self.key_rope, latent_layers=(layer,) if latent else ())
 
     def bits_per_value(self, layers) -> float:
         """Nominal bits per value over ``layers`` (a count: layers 0..n-1; or the layer indices, a hybrid model's
-        attention layers) of equal size (codes, scales, zero points)."""
+        attention layers) of equal size (codes, scales, zero points). An MLA layer's RoPE key is narrower than its
+        latent (64 channels of 576 in DeepSeek V3): its values count at the layer's own selection here; the bytes
+        a run measures count it as written."""
         layers = range(layers) if isinstance(layers, int) else list(layers)
+        plain = dataclasses.replace(self, latent_layers=()) if self.latent_layers else self
         total = 0.0
         for L in layers:
-            c = self.for_layer(L)
+            c = plain.for_layer(L)
             total += 32.0 if L in self.keep_layers else c.key.bits_per_value() + c.value.bits_per_value()
         return total / (2 * len(layers))
 
@@ -531,6 +469,10 @@ class KVConfig:
             for kind, sel in (("key", kb), ("value", vb)):
                 name, codec = self._name(kind, sel)
                 out[name] = codec
+        for L in self.latent_layers:
+            label, codec = self.codec_for(f"layer_{L}_value")
+            if label == ROPE_NAME:
+                out[ROPE_NAME] = codec
         return out
 
     def codec_for(self, name: str, shape=None) -> Tuple[str, Optional[Codec]]:
@@ -541,10 +483,14 @@ class KVConfig:
         kind = "key" if is_key_tensor(name) else "value"
         base = self.key if kind == "key" else self.value
         label, codec = kind, base
-        layer = layer_of(name) if self.layer_bits else None
+        layer = layer_of(name) if self.layer_bits or self.latent_layers else None
         for L, kb, vb in self.layer_bits:
             if L == layer:
                 label, codec = self._name(kind, kb if kind == "key" else vb)
+        if kind == "value" and layer in self.latent_layers:
+            rope = self._latent_value(codec)
+            if rope is not codec:
+                label, codec = ROPE_NAME, rope
         if shape is not None and not codec.supports(shape):
             return "fallback", self.fallback
         return label, codec
@@ -561,6 +507,8 @@ class KVConfig:
             cfg["keep_layers"] = list(self.keep_layers)
         if self.key_rope is not None:
             cfg["key_rope"] = self.key_rope if self.key_rope == MODEL else self.key_rope.get_config()
+        if self.latent_layers:
+            cfg["latent_layers"] = list(self.latent_layers)
         return cfg
 
     def describe(self) -> str:
@@ -576,6 +524,10 @@ class KVConfig:
             text += "; layers " + ", ".join(map(str, self.keep_layers)) + " kept exact"
         if self.key_rope is not None:
             text += "; keys coded before RoPE"
+        if self.latent_layers:
+            rope = self.codecs().get(ROPE_NAME)
+            text += (f"; MLA layers {', '.join(map(str, self.latent_layers))}: K the latent, V the RoPE key"
+                     + (f" ({rope.describe()})" if rope is not None else ""))
         return text
 
     def with_key_rope(self, key_rope) -> "KVConfig":

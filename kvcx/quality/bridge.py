@@ -151,9 +151,10 @@ def tensors_to_layers(tensors: Dict[str, np.ndarray], device=None):
                 raise KvcxError(f"KV cache tensor {name!r} has shape {list(np.shape(a))}; expected "
                                 "[batch, kv_heads, seq_len, head_dim] with no empty dimension")
             pair.append(a)
-        if pair[0].shape != pair[1].shape:
+        if pair[0].shape[:-1] != pair[1].shape[:-1]:   # widths may differ (MLA: the latent and the RoPE key)
             raise KvcxError(f"KV cache layer {i}: key {list(pair[0].shape)} and value {list(pair[1].shape)} "
-                            "shapes differ")
+                            "differ in batch, heads or tokens; a layer's keys and values must agree in all but "
+                            "their last dimension")
         devs = [_device_of(device, f"layer_{i}_{kind}") for kind in ("key", "value")]
         layers.append(tuple(a.to(d) if is_tensor(a) else numpy_to_torch(a, d) for a, d in zip(pair, devs)))
     return layers
@@ -345,10 +346,19 @@ def backend_of(config, device_type: str, backend: Optional[str] = None, dims=Non
 
 
 def model_frame(setting, model):
-    """A setting that codes keys before RoPE with the model's own frequencies (``key_rope="model"``) given them
-    (:func:`kvcx.codecs.rope.model_key_rope`); any other setting as it is."""
+    """A kvcx setting as it runs on ``model``: its MLA layers named (:meth:`KVConfig.with_latent_layers
+    <kvcx.codecs.KVConfig.with_latent_layers>`: their RoPE key coded as :class:`~kvcx.cache.KvcxCache` codes it, so
+    every mode of the gate, calibrate and retrieval code what the cache holds), and keys coded before RoPE with the
+    model's own frequencies (``key_rope="model"``) given them (:func:`kvcx.codecs.rope.model_key_rope`); any other
+    setting (a peer's, a press) as it is."""
     from kvcx.codecs.rope import MODEL, model_key_rope
 
+    if hasattr(setting, "with_latent_layers") and not setting.latent_layers:
+        from kvcx.cache.layer_types import layer_specs
+
+        latent = [s.index for s in layer_specs(model.config) if s.latent]
+        if latent:
+            setting = setting.with_latent_layers(latent)
     if getattr(setting, "key_rope", None) == MODEL:
         try:
             return setting.with_key_rope(model_key_rope(model))

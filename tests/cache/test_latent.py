@@ -365,3 +365,27 @@ def test_the_rope_key_on_the_device_store_decodes_as_on_the_cpu():
     assert all(isinstance(layer.store, DeviceChunkKV) for layer in cache.layers)
     assert torch.equal(runs["cpu"][0], runs["triton"][0])
     torch.testing.assert_close(runs["cpu"][1], runs["triton"][1], rtol=0, atol=1e-5)
+
+
+def test_a_config_naming_the_mla_layers_codes_them_as_the_cache_does():
+    """The gate names a model's MLA layers in its setting (KVConfig.latent_layers) and hands that setting to
+    KvcxCache in generation mode: the cache's codecs are then the ones it chooses alone, and StaticKvcxCache keeps
+    its 4-bit RoPE key; a config naming other layers than the model's MLA layers is a KvcxError saying which."""
+    import re
+
+    from kvcx.cache import StaticKvcxCache
+    from kvcx.codecs import KVConfig
+    from kvcx.errors import KvcxError
+
+    cfg = family_configs(64, PROMPT)[MLA]()
+    layers = list(range(cfg.num_hidden_layers))
+    alone = KvcxCache(cfg)
+    named = KvcxCache(cfg, kv_config=KVConfig.from_scheme().with_latent_layers(layers))
+    assert [L.codecs_described() for L in named.layers] == [L.codecs_described() for L in alone.layers]
+    assert named.layers[0].codecs_described()["rope_key"].startswith("8-bit")
+    static = StaticKvcxCache(cfg, max_cache_len=512, kv_config=KVConfig.from_scheme().with_latent_layers(layers))
+    assert static.kv_config.latent_layers == ()
+    for wrong, theirs in ((layers[:1], layers), (layers, [])):
+        model_cfg = cfg if theirs else family_configs(64, PROMPT)["Llama"]()
+        with pytest.raises(KvcxError, match=re.escape(f"this model's MLA layers are {theirs or 'none'}")):
+            KvcxCache(model_cfg, kv_config=KVConfig.from_scheme().with_latent_layers(wrong))

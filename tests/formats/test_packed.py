@@ -227,3 +227,28 @@ def test_kvcx2w_preset_and_weights_round_trip_through_the_file_format(tmp_path):
 
     with pytest.raises(CodecError, match="kvcx2w.*not supported"):
         ChunkCodec(cfg)
+
+
+def test_an_mla_layers_rope_key_is_packed_as_value_rope():
+    """An MLA model's cache as a file (a latent of 64 and a RoPE key of 32 a layer): with latent_layers the RoPE key
+    is written with its own codec (value.rope: a width per channel at 8 bits), any reader decodes it from the file's
+    own codecs, and its error is an 8-bit one; without them, the scheme's 4-bit values."""
+    from kvcx.codecs.kvconfig import ROPE_NAME
+
+    rng = np.random.default_rng(0)
+    tensors = {}
+    for L in range(2):
+        tensors[f"layer_{L}_key"] = rng.standard_normal((1, 1, 200, 64)).astype(np.float16)
+        tensors[f"layer_{L}_value"] = (rng.standard_normal((1, 1, 200, 32)) * np.linspace(0.1, 4, 32)).astype(np.float16)
+    base = KVConfig.from_scheme()
+    cfg = base.with_latent_layers([1])
+    packed, meta, _ = compress_tensors(tensors, cfg)
+    info, codecs = json.loads(meta["kvcx.tensors"]), json.loads(meta["kvcx.codecs"])
+    assert info["layer_1_value"]["codec"] == ROPE_NAME and info["layer_0_value"]["codec"] == "value"
+    assert info["layer_1_key"]["codec"] == "key" and codecs[ROPE_NAME] == cfg.rope_key_codec().get_config()
+    out = decompress_tensors(*kst.load_with_metadata(kst.save(packed, meta)))
+    plain = decompress_tensors(*compress_tensors(tensors, base)[:2])
+    np.testing.assert_array_equal(out["layer_1_key"], plain["layer_1_key"])   # the latent: the keys' codec
+    np.testing.assert_array_equal(out["layer_0_value"], plain["layer_0_value"])
+    eight, four = (error_stats(tensors["layer_1_value"], o["layer_1_value"]).snr_db for o in (out, plain))
+    assert eight > four + 15, (eight, four)

@@ -1,7 +1,8 @@
-"""The gate on hybrid models: prefix, generation and engine modes run on models with sliding-window and linear-attention
-layers (tiny random-weight models from transformers' config classes, with the embedded model's tokenizer), compress
-what an engine compresses (every attention layer's keys and values, the sliding layers' window included; linear
-attention's states kept) and score the same tokens as the exact cache."""
+"""The gate on hybrid models: prefix, generation and engine modes run on models with sliding-window, linear-attention
+and latent (MLA) layers (tiny random-weight models from transformers' config classes, with the embedded model's
+tokenizer), compress what an engine compresses (every attention layer's keys and values, the sliding layers' window
+included; linear attention's states kept; MLA's latent with the keys' codec, its RoPE key as KvcxCache codes it) and
+score the same tokens as the exact cache."""
 import math
 
 import pytest
@@ -20,6 +21,11 @@ def _hybrid(kind, vocab):
     if kind == "sliding":
         cfg = transformers.Gemma3TextConfig(**common, sliding_window=128,
                                             layer_types=["sliding_attention"] * 3 + ["full_attention"])
+    elif kind == "mla":   # DeepSeek V3's latent attention: a latent of 64 and a RoPE key of 32 a layer
+        mla = {k: v for k, v in common.items() if k != "head_dim"}   # its RoPE runs over qk_rope_head_dim
+        cfg = transformers.DeepseekV3Config(**{**mla, "num_key_value_heads": 4}, q_lora_rank=None, kv_lora_rank=64,
+                                            qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=32,
+                                            first_k_dense_replace=4, n_routed_experts=2, num_experts_per_tok=1)
     else:
         cfg = transformers.Qwen3_5TextConfig(**common, layer_types=["linear_attention"] * 3 + ["full_attention"],
                                              linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=16,
@@ -28,7 +34,7 @@ def _hybrid(kind, vocab):
     return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
 
 
-@pytest.mark.parametrize("kind", ["sliding", "linear"])
+@pytest.mark.parametrize("kind", ["sliding", "linear", "mla"])
 def test_every_mode_gates_a_hybrid_model(loaded, wikitext_path, kind):
     _, tok, _ = loaded
     model = _hybrid(kind, len(tok))
@@ -43,6 +49,27 @@ def test_every_mode_gates_a_hybrid_model(loaded, wikitext_path, kind):
         assert math.isfinite(r.compressed_perplexity) and r.compressed_perplexity != r.baseline_perplexity, mode
         # a random model's next-token distribution is near uniform: its top-1 flips on noise, the KLD does not
         assert 0.0 < r.kld < 0.01 and r.top1_agreement > 0.5, (mode, r.kld, r.top1_agreement)
+        if kind == "mla":   # the RoPE key (the cache's values) coded as KvcxCache codes it, in every mode
+            assert r.config["latent_layers"] == [0, 1, 2, 3], mode
+            if mode != "generation":   # (generation mode counts the cache whole: its residual in FP32 too)
+                # the latent's 64 channels at the default's 4.375 bits, the RoPE key's 32 at 8.25, and the sinks
+                assert 5.6 < r.bits_per_value < 6.6, (mode, r.bits_per_value)
+
+
+def test_an_mla_models_cache_rebuilt_from_tensors_of_two_widths():
+    """The prefix mode's compressed copy of an MLA cache: keys (the latent) and values (the RoPE key) of different
+    widths make a layer; batch, heads or tokens that differ are refused with the layer named."""
+    import numpy as np
+
+    from kvcx.errors import KvcxError
+    from kvcx.quality.bridge import tensors_to_layers
+
+    t = {"layer_0_key": np.zeros((1, 1, 8, 64), np.float32), "layer_0_value": np.ones((1, 1, 8, 32), np.float32)}
+    (k, v), = tensors_to_layers(t)
+    assert tuple(k.shape) == (1, 1, 8, 64) and tuple(v.shape) == (1, 1, 8, 32) and float(v.sum()) == 256.0
+    t["layer_0_value"] = np.ones((1, 1, 7, 32), np.float32)
+    with pytest.raises(KvcxError, match="layer 0: key .* differ in batch, heads or tokens"):
+        tensors_to_layers(t)
 
 
 @pytest.mark.parametrize("kind", ["sliding", "linear"])
@@ -95,14 +122,18 @@ def test_calibrate_plans_a_hybrids_attention_layers_by_type(loaded, wikitext_pat
 
 def test_ruler_prompts_run_over_a_hybrids_refilled_cache(loaded, wikitext_path):
     """--task ruler on a hybrid: each prompt's compressed replies decode over the model's own cache with its
-    attention layers' keys and values replaced (sliding windows and linear states kept), the bits counted over
-    those layers; a random model answers nothing, so the task is dropped, with the reason."""
+    attention layers' keys and values replaced (sliding windows and linear states kept; MLA's latent and RoPE key,
+    two widths), the bits counted over those layers; a random model answers nothing, so the task is dropped, with
+    the reason."""
     from kvcx.quality.retrieval import run_retrieval
 
     _, tok, _ = loaded
-    for kind in ("sliding", "linear"):
+    for kind in ("sliding", "linear", "mla"):
         r = run_retrieval({"kvcx": KVConfig.from_scheme()}, ["niah_single"], lengths=[512], depths=[0.5], prompts=2,
                           dataset_file=wikitext_path, loaded=(_hybrid(kind, len(tok)), tok, kind))[0]
         assert [(c.task, c.length) for c in r.cells] == [("niah_single", 512)]
         assert "cannot do it" in r.dropped["niah_single"] and not r.passed
-        assert 4.4 < r.bits_per_value < 4.8, r.bits_per_value   # the default's 4.46 and a short context's sinks
+        if kind == "mla":   # the latent's 64 channels at the default's bits, the RoPE key's 32 at 8 (KvcxCache's)
+            assert 5.6 < r.bits_per_value < 6.6, r.bits_per_value
+        else:
+            assert 4.4 < r.bits_per_value < 4.8, r.bits_per_value   # the default's 4.46 and a short context's sinks
