@@ -107,7 +107,7 @@ def main(argv=None):
     import torch
 
     from bench.report import Report
-    from kvcx.deps import cache_keyword
+    from kvcx.deps import cache_keyword, decoder_of
     from kvcx.quality import ruler
     from kvcx.quality.bridge import cache_to_tensors, make_dynamic_cache
     from kvcx.quality.models import load_model_and_tokenizer
@@ -121,7 +121,7 @@ def main(argv=None):
     recents = [int(x) for x in args.recent.split(",") if x]
     base = setting_roundtrip(codec_setting(args.scheme))
     others = {spec: setting_roundtrip(codec_setting(spec)) for spec in args.codecs.split(";") if spec}
-    decoder = m.get_decoder()
+    decoder = decoder_of(m)
     kw = cache_keyword(decoder.forward)
     eos = getattr(tok, "eos_token_id", None)
 

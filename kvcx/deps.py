@@ -62,6 +62,16 @@ def cache_keyword(fn) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
+def decoder_of(model):
+    """A causal LM's decoder, the module that returns hidden states (its ``last_hidden_state``): transformers'
+    ``get_decoder()``, except where that lookup returns the causal LM itself (Llama 4's text model, whose
+    ``base_model_prefix`` names no attribute of it), then the LM's ``model``."""
+    decoder = model.get_decoder()
+    if decoder is model and getattr(model, "model", None) is not None:
+        return model.model
+    return decoder
+
+
 def output_cache(output):
     """The cache a transformers model output carries (``.cache`` in newer releases, ``.past_key_values`` before)."""
     cache = getattr(output, "cache", None)

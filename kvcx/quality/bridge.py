@@ -17,7 +17,7 @@ import numpy as np
 from kvcx.codecs.backends import backend_name, backend_takes, check_backend, is_tensor
 from kvcx.codecs.tensors import numpy_to_torch, torch_to_numpy
 from kvcx.codecs.metrics import ErrorStats, error_stats
-from kvcx.deps import import_torch, output_cache
+from kvcx.deps import decoder_of, import_torch, output_cache
 from kvcx.errors import KvcxError
 from kvcx.formats import safetensors as st
 
@@ -181,7 +181,7 @@ def extract_kv_cache(model, tokenizer, prompt: str, max_length: Optional[int] = 
     device = device if device is not None else next(model.parameters()).device
     with torch.no_grad():
         # the decoder alone: the cache is what is wanted, not [T, vocabulary] logits (786 MB at 4,000 tokens)
-        cache = output_cache(model.get_decoder()(input_ids=ids.to(device), use_cache=True))
+        cache = output_cache(decoder_of(model)(input_ids=ids.to(device), use_cache=True))
     layers = cache_layers(cache)
     if not layers or layers[0][0] is None or layers[0][0].numel() == 0:
         raise KvcxError("the model returned an empty KV cache")

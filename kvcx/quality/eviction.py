@@ -15,6 +15,7 @@ from typing import Callable, Dict, List, Optional
 import numpy as np
 
 from kvcx.codecs.metrics import ErrorStats
+from kvcx.deps import decoder_of
 from kvcx.presses import PressedSetting, index_bytes
 from kvcx.errors import KvcxError
 
@@ -26,7 +27,7 @@ class QueryCapture:
 
     def __init__(self, model, window: int):
         self.window, self.queries, self._hooks = window, {}, []
-        self._layers = list(model.get_decoder().layers)
+        self._layers = list(decoder_of(model).layers)
 
     def __enter__(self):
         import sys

@@ -96,7 +96,7 @@ def _reply_logp(decoder, model, layers, question: List[int], reply: List[int], s
     """The summed log-probability of ``reply`` after ``question`` over a cache of ``layers`` [(key, value)]."""
     import torch
 
-    from kvcx.deps import cache_keyword
+    from kvcx.deps import cache_keyword, decoder_of
     from kvcx.quality.bridge import make_dynamic_cache
     from kvcx.quality.scoring import output_logits
 
@@ -129,7 +129,7 @@ def measure_guard(config: KVConfig, length: int = 8192, prompts: int = 8, depths
     from kvcx.quality.scoring import forward_hidden, greedy_reply
 
     n_layers = int(m.config.num_hidden_layers)
-    decoder = m.get_decoder()
+    decoder = decoder_of(m)
     roundtrip = roundtrip_of(config)
     eos = getattr(tok, "eos_token_id", None)
     lost_whole, lost = [], [[] for _ in range(n_layers)]

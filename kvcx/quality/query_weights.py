@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from kvcx.cache.layer_types import cached_layers, layer_specs
+from kvcx.deps import decoder_of
 from kvcx.errors import KvcxError
 
 def window_query_sums(model, ids, starts: List[int], window: int,
@@ -55,7 +56,7 @@ def window_query_sums(model, ids, starts: List[int], window: int,
         with torch.inference_mode():
             for w, a in enumerate(starts):
                 parts.append([[None] * len(layers), 0])
-                model.get_decoder()(input_ids=ids[a:a + window][None].to(dev), use_cache=False)   # no logits
+                decoder_of(model)(input_ids=ids[a:a + window][None].to(dev), use_cache=False)   # no logits
                 if on_window:
                     on_window(w + 1, len(starts))
     finally:

@@ -89,9 +89,9 @@ def forward_hidden(model, ids, cache=None, chunk: int = FORWARD_CHUNK, start: Op
         from transformers import DynamicCache
 
         cache = DynamicCache(config=model.config)
-    from kvcx.deps import cache_keyword
+    from kvcx.deps import cache_keyword, decoder_of
 
-    decoder = model.get_decoder()
+    decoder = decoder_of(model)
     kw = cache_keyword(decoder.forward)
     def positions(c):
         if start is None:
@@ -288,9 +288,9 @@ def greedy_reply(model, question, cache, n_tokens: int, start: int, eos: Optiona
     verdict)."""
     import torch
 
-    from kvcx.deps import cache_keyword
+    from kvcx.deps import cache_keyword, decoder_of
 
-    decoder = model.get_decoder()
+    decoder = decoder_of(model)
     kw = cache_keyword(decoder.forward)
     tokens, step, pos = [], question, start
     for _ in range(n_tokens):

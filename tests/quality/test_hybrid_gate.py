@@ -1,5 +1,5 @@
-"""The gate on hybrid models: prefix, generation and engine modes run on models with sliding-window, linear-attention
-and latent (MLA) layers (tiny random-weight models from transformers' config classes, with the embedded model's
+"""The gate on hybrid models: prefix, generation and engine modes run on models with sliding-window, chunked,
+linear-attention and latent (MLA) layers (tiny random-weight models from transformers' config classes, with the embedded model's
 tokenizer), compress what an engine compresses (every attention layer's keys and values, the sliding layers' window
 included; linear attention's states kept; MLA's latent with the keys' codec, its RoPE key as KvcxCache codes it) and
 score the same tokens as the exact cache."""
@@ -21,6 +21,10 @@ def _hybrid(kind, vocab):
     if kind == "sliding":
         cfg = transformers.Gemma3TextConfig(**common, sliding_window=128,
                                             layer_types=["sliding_attention"] * 3 + ["full_attention"])
+    elif kind == "chunked":   # Llama 4's text model: chunked attention (its get_decoder() is the LM itself)
+        cfg = transformers.Llama4TextConfig(**common, attention_chunk_size=128, num_local_experts=2,
+                                            intermediate_size_mlp=96, no_rope_layers=[1, 1, 1, 0],
+                                            layer_types=["chunked_attention"] * 3 + ["full_attention"])
     elif kind == "mla":   # DeepSeek V3's latent attention: a latent of 64 and a RoPE key of 32 a layer
         mla = {k: v for k, v in common.items() if k != "head_dim"}   # its RoPE runs over qk_rope_head_dim
         cfg = transformers.DeepseekV3Config(**{**mla, "num_key_value_heads": 4}, q_lora_rank=None, kv_lora_rank=64,
@@ -34,7 +38,7 @@ def _hybrid(kind, vocab):
     return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
 
 
-@pytest.mark.parametrize("kind", ["sliding", "linear", "mla"])
+@pytest.mark.parametrize("kind", ["sliding", "linear", "chunked", "mla"])
 def test_every_mode_gates_a_hybrid_model(loaded, wikitext_path, kind):
     _, tok, _ = loaded
     model = _hybrid(kind, len(tok))
