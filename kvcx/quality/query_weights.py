@@ -13,9 +13,10 @@ def window_query_sums(model, ids, starts: List[int], window: int,
                       on_window: Optional[Callable[[int, int], None]] = None,
                       layers: Optional[Sequence[int]] = None) -> Tuple[list, list, list]:
     """(layers, [(heads, kv_heads, head_dim) per layer], [([sum of q^2 per KV head and channel, per layer], tokens)
-    per window]): each layer's queries (``self_attn.q_proj`` outputs), a window at a time, their query heads summed
-    onto the KV head they read (grouped-query attention), so that windows measured apart (the ranks of
-    :mod:`kvcx.quality.ranks`) add up in the windows' order (:func:`combine_query_sums`) to the same weights.
+    per window]): each layer's queries (``self_attn.q_proj`` outputs, or the query rows of a fused ``qkv_proj``), a
+    window at a time, their query heads summed onto the KV head they read (grouped-query attention), so that windows
+    measured apart (the ranks of :mod:`kvcx.quality.ranks`) add up in the windows' order
+    (:func:`combine_query_sums`) to the same weights.
     ``layers``: the layers to weigh (default: the layers the cache holds keys and values for, :func:`cached_layers`),
     each with its own heads and head_dim."""
     import torch
@@ -23,11 +24,19 @@ def window_query_sums(model, ids, starts: List[int], window: int,
     specs = {s.index: s for s in layer_specs(model.config)}
     layers = [L for L, _ in cached_layers(model.config)] if layers is None else list(layers)
     cfg = model.config
-    try:
-        projs = [model.model.layers[L].self_attn.q_proj for L in layers]
+    latent = [L for L in layers if specs[L].latent]
+    if latent:
+        raise KvcxError(f"query weights: layer {latent[0]} is multi-head latent attention (MLA): its keys are the "
+                        "compressed latent, which the queries read only through kv_b_proj, so they are not weighed "
+                        "per channel here; use --scheme kvcx2w without a plan (the widths then weigh every channel "
+                        "alike), or a kvcx3 / kvcx2 plan")
+    try:   # the queries' projection, or a fused one whose first outputs are the queries (Phi-3's qkv_proj)
+        attns = [decoder_of(model).layers[L].self_attn for L in layers]
+        projs = [a.q_proj if hasattr(a, "q_proj") else a.qkv_proj for a in attns]
     except (AttributeError, IndexError, TypeError):
-        raise KvcxError("query weights need a Llama-style model (model.model.layers[i].self_attn.q_proj); use "
-                        "--scheme kvcx2w without a plan (the widths then weigh every channel alike)") from None
+        raise KvcxError("query weights need a Llama-style model (model.model.layers[i].self_attn.q_proj, or a fused "
+                        "qkv_proj); use --scheme kvcx2w without a plan (the widths then weigh every channel "
+                        "alike)") from None
     shapes = []
     for L in layers:
         spec = specs[L]
@@ -44,7 +53,7 @@ def window_query_sums(model, ids, starts: List[int], window: int,
         heads, kv_heads, head_dim = shapes[i]
 
         def f(_module, _inputs, out):
-            q = out.detach().double().reshape(-1, kv_heads, heads // kv_heads, head_dim)
+            q = out[..., :heads * head_dim].detach().double().reshape(-1, kv_heads, heads // kv_heads, head_dim)
             parts[-1][0][i] = (q * q).sum(dim=(0, 2)).cpu()
             if i == 0:
                 parts[-1][1] += q.shape[0]

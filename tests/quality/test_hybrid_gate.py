@@ -141,3 +141,43 @@ def test_ruler_prompts_run_over_a_hybrids_refilled_cache(loaded, wikitext_path):
             assert 5.6 < r.bits_per_value < 6.6, r.bits_per_value
         else:
             assert 4.4 < r.bits_per_value < 4.8, r.bits_per_value   # the default's 4.46 and a short context's sinks
+
+
+def test_calibrate_plans_an_mla_model_and_refuses_query_weights_over_its_latent(loaded, wikitext_path):
+    """kvcx calibrate on DeepSeek V3's latent attention: a kvcx3 plan over its layers (the latent with the keys'
+    selections; the RoPE key, the cache's values, coded at 8 bits whatever a value selection says) that gates the
+    model; query weights (kvcx2w), which weigh key channels the queries read directly, are refused with the layer
+    named: the latent is read through kv_b_proj."""
+    from kvcx.errors import KvcxError
+    from kvcx.quality.calibrate import run_calibration
+
+    _, tok, _ = loaded
+    hybrid = (_hybrid("mla", len(tok)), tok, "tiny mla")
+    kw = dict(dataset_file=wikitext_path, windows=1, offset=0, window=256, stride=128, loaded=hybrid)
+    cal = run_calibration(KVConfig.from_scheme("kvcx3"), 3.0, **kw)
+    assert cal.n_layers == 4 and {L for _, L, _ in cal.sensitivity} == {0, 1, 2, 3} and cal.bits_per_value <= 3.0
+    r = run_validation(cal.config, dataset_file=wikitext_path, max_windows=1, loaded=hybrid, window=256, stride=128)
+    assert r.config["latent_layers"] == [0, 1, 2, 3] and 0.0 < r.kld < 0.01
+    with pytest.raises(KvcxError, match="layer 0 is multi-head latent attention"):
+        run_calibration(KVConfig.from_scheme("kvcx2w"), 2.6, **kw)
+
+
+def test_query_weights_read_a_fused_qkv_projections_query_rows():
+    """Phi-3 projects queries, keys and values in one qkv_proj: the query weights are its first heads x head_dim
+    outputs. A Llama given Phi-3's embeddings, first norm and query rows weighs layer 0's key channels the same."""
+    from kvcx.quality.query_weights import window_query_sums
+
+    common = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=512, pad_token_id=0, rms_norm_eps=1e-6)
+    torch.manual_seed(0)
+    phi = transformers.AutoModelForCausalLM.from_config(transformers.Phi3Config(**common)).eval()
+    llama = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**common)).eval()
+    with torch.no_grad():
+        llama.model.embed_tokens.weight.copy_(phi.model.embed_tokens.weight)
+        llama.model.layers[0].input_layernorm.weight.copy_(phi.model.layers[0].input_layernorm.weight)
+        llama.model.layers[0].self_attn.q_proj.weight.copy_(phi.model.layers[0].self_attn.qkv_proj.weight[:64])
+    ids = torch.randint(0, 128, (200,), generator=torch.Generator().manual_seed(1))
+    sums = [window_query_sums(m, ids, [0, 64], 128, layers=[0]) for m in (phi, llama)]
+    assert sums[0][1] == sums[1][1] == [(4, 2, 16)]
+    for (a, n), (b, m) in zip(sums[0][2], sums[1][2]):
+        assert n == m == 128 and torch.allclose(a[0], b[0], rtol=1e-5)
