@@ -181,3 +181,25 @@ def test_the_layer_study_runs_end_to_end_on_a_briefly_trained_model(tmp_path):
     assert misses and all(0 <= int(n) <= 32 for n in misses.groups()[2:])
     assert "Which half of the default's codes holds more of the KL" in text
     assert "the RoPE key on 8-bit codes" not in text   # (said for an MLA family only)
+
+
+def test_the_gate_page_runs_every_part_of_the_gate_on_a_family(tmp_path, wikitext_path, loaded):
+    """bench_families_gate on DeepSeek V3's MLA: every mode, both plans (kvcx2w refused, with its reason) and the
+    ruler task give one row; the page names the MLA layers the setting coded at 8 bits; bad arguments are usage
+    lines."""
+    from bench import bench_families_gate
+
+    page = tmp_path / "gate.md"
+    bench_families_gate.main(["--families", "DeepSeek V3 (MLA)", "--window", "256", "--text", str(wikitext_path),
+                              "--markdown", str(page)])
+    row = [line for line in page.read_text().splitlines() if line.startswith("| DeepSeek V3 (MLA) |")]
+    assert len(row) == 1
+    cells = [c.strip() for c in row[0].strip("|").split("|")]
+    assert cells[1] == "4 full" and cells[5] == "0, 1, 2, 3"
+    kld, top1, bits = (float(x) for x in cells[2].split(" / "))
+    assert 0 < kld < 0.01 and 0.5 < top1 <= 1 and 5.6 < bits < 7.2   # the RoPE key's 8 bits beside the latent's 4
+    assert cells[6].startswith("3.00 over 4 layers") and cells[7].startswith("refused: layer 0 is multi-head latent")
+    for args in (["--families", "Falcon 9"], ["--window", "100"], ["--text", str(tmp_path / "none.raw")]):
+        with pytest.raises(SystemExit) as exc:
+            bench_families_gate.main(args)
+        assert exc.value.code == 2
