@@ -96,7 +96,7 @@ def _reply_logp(decoder, model, layers, question: List[int], reply: List[int], s
     """The summed log-probability of ``reply`` after ``question`` over a cache of ``layers`` [(key, value)]."""
     import torch
 
-    from kvcx.deps import cache_keyword, decoder_of
+    from kvcx.deps import cache_keyword
     from kvcx.quality.bridge import make_dynamic_cache
     from kvcx.quality.scoring import output_logits
 
@@ -124,6 +124,7 @@ def measure_guard(config: KVConfig, length: int = 8192, prompts: int = 8, depths
     import numpy as np
     import torch
 
+    from kvcx.deps import decoder_of
     from kvcx.quality.bridge import cache_to_tensors
     from kvcx.quality.peers import roundtrip_of
     from kvcx.quality.scoring import forward_hidden, greedy_reply
