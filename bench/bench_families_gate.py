@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections import Counter
 from pathlib import Path
 
-from bench.families import DEFAULT_TEXT, build, family_configs, temper
+from bench.families import DEFAULT_TEXT, build, family_configs, temper, use_sdpa
 from bench.report import Report
 
 MODES = ("prefix", "generation", "engine")
@@ -28,12 +29,7 @@ def family_model(name: str, vocab: int, window: int):
     cfg.vocab_size = vocab
     if getattr(cfg, "vocab_size_per_layer_input", None):   # Gemma 4's per-layer embeddings read the same ids
         cfg.vocab_size_per_layer_input = vocab
-    model = temper(build(cfg), name)
-    try:
-        model.set_attn_implementation("sdpa")
-    except ValueError:
-        model.set_attn_implementation("eager")
-    return model
+    return use_sdpa(temper(build(cfg), name))
 
 
 def gate_row(name: str, model, tok, text: Path, window: int) -> dict:
@@ -97,9 +93,7 @@ def main(argv=None) -> None:
     for name in args.families or names:
         t = time.perf_counter()
         model = family_model(name, len(tok), args.window // 4)
-        kinds = {}
-        for s in layer_specs(model.config):
-            kinds[s.type.replace("_attention", "")] = kinds.get(s.type.replace("_attention", ""), 0) + 1
+        kinds = Counter(s.type.replace("_attention", "") for s in layer_specs(model.config))
         row = gate_row(name, model, tok, args.text, args.window)
         p, g, e = (row[m] for m in MODES)
         out(f"| {name} | {' + '.join(f'{n} {k}' for k, n in kinds.items())} | {p[0]:.2e} / {p[1]:.3f} / {p[2]:.2f} | "

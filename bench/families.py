@@ -86,6 +86,15 @@ def build(name_or_config, seed: int = 0, dtype=None, attn: Optional[str] = None)
     return model.eval()
 
 
+def use_sdpa(model):
+    """``model`` in SDPA attention where its family takes it, else eager (GPT-OSS's sinks: eager only)."""
+    try:
+        model.set_attn_implementation("sdpa")
+    except ValueError:
+        model.set_attn_implementation("eager")
+    return model
+
+
 def temper(model, name: str):
     """Gemma 4 attends with scaling 1.0 (``query_pre_attn_scalar`` gone): a trained model's ``q_norm`` weights
     set its softmax's temperature; at random init they are 1 and the scores of RMS-normed queries and keys have a
@@ -127,10 +136,7 @@ def train(model, text, steps: int, seq: int = 256, batch: int = 16, lr: float = 
     if len(text) <= seq + 1:
         raise ValueError(f"train: a text of {len(text)} bytes holds no window of {seq} + 1; pass a longer text")
     g = torch.Generator().manual_seed(seed)
-    try:
-        model.set_attn_implementation("sdpa")
-    except ValueError:   # (GPT-OSS's sinks: eager only)
-        model.set_attn_implementation("eager")
+    use_sdpa(model)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     losses = []

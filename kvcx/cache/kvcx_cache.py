@@ -138,7 +138,7 @@ class KvcxCache(Cache):
             residual_length = math.lcm(DEFAULT_RESIDUAL, *(c.token_block for c in every))
         if isinstance(residual_length, bool) or not isinstance(residual_length, int) or residual_length < 1:
             raise KvcxError(f"residual_length must be a positive integer, got {residual_length!r}")
-        if any(s.latent for s in specs):   # MLA: the shared RoPE key's own codec (latent_rope_codec)
+        if latent:   # MLA: the shared RoPE key's own codec (latent_rope_codec)
             every += (_latent_rope_codec(kv, residual_length),)
         for c in every:
             if residual_length % c.token_block:

@@ -404,7 +404,7 @@ class KVConfig:
         fused CPU kernels and the Triton codecs read. Values of 8 bits or more, or an engine's format (fp8, q4_0,
         TurboQuant: as the engine writes it), are returned as they are."""
         v = self.value
-        if not isinstance(v, (IntCodec, _lattice.E8PCodec)) or getattr(v, "bits", ROPE_KEY_BITS) >= ROPE_KEY_BITS:
+        if not _below_rope_bits(v):
             return v
         group = self.key.token_block if self.key.token_block > 1 else tokens
         return WidthCodec(bits=ROPE_KEY_BITS, group_size=group, sinks=v.sinks, n_threads=v.n_threads,
@@ -412,9 +412,7 @@ class KVConfig:
 
     def _latent_value(self, codec) -> Codec:
         """An MLA layer's values codec: :meth:`rope_key_codec` where the layer's own (``codec``) has fewer bits."""
-        if not isinstance(codec, (IntCodec, _lattice.E8PCodec)) or getattr(codec, "bits", 0) >= ROPE_KEY_BITS:
-            return codec
-        return self.rope_key_codec()
+        return self.rope_key_codec() if _below_rope_bits(codec) else codec
 
     def with_threads(self, n_threads: Optional[int]) -> "KVConfig":
         return dataclasses.replace(self, key=self.key.with_threads(n_threads), value=self.value.with_threads(n_threads),
@@ -533,6 +531,12 @@ class KVConfig:
     def with_key_rope(self, key_rope) -> "KVConfig":
         """This config with its keys coded in ``key_rope``'s frame (None: as the model hands them)."""
         return dataclasses.replace(self, key_rope=key_rope)
+
+
+def _below_rope_bits(codec) -> bool:
+    """Whether kvcx's own codes (integer or E8P) give ``codec`` fewer bits than an MLA RoPE key gets; an engine's
+    format is coded as the engine writes it."""
+    return isinstance(codec, (IntCodec, _lattice.E8PCodec)) and codec.bits < ROPE_KEY_BITS
 
 
 def _with_bits(codec: IntCodec, bits: int) -> IntCodec:

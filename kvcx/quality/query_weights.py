@@ -30,8 +30,9 @@ def window_query_sums(model, ids, starts: List[int], window: int,
                         "compressed latent, which the queries read only through kv_b_proj, so they are not weighed "
                         "per channel here; use --scheme kvcx2w without a plan (the widths then weigh every channel "
                         "alike), or a kvcx3 / kvcx2 plan")
+    decoder = decoder_of(model)
     try:   # the queries' projection, or a fused one whose first outputs are the queries (Phi-3's qkv_proj)
-        attns = [decoder_of(model).layers[L].self_attn for L in layers]
+        attns = [decoder.layers[L].self_attn for L in layers]
         projs = [a.q_proj if hasattr(a, "q_proj") else a.qkv_proj for a in attns]
     except (AttributeError, IndexError, TypeError):
         raise KvcxError("query weights need a Llama-style model (model.model.layers[i].self_attn.q_proj, or a fused "
@@ -65,7 +66,7 @@ def window_query_sums(model, ids, starts: List[int], window: int,
         with torch.inference_mode():
             for w, a in enumerate(starts):
                 parts.append([[None] * len(layers), 0])
-                decoder_of(model)(input_ids=ids[a:a + window][None].to(dev), use_cache=False)   # no logits
+                decoder(input_ids=ids[a:a + window][None].to(dev), use_cache=False)   # no logits
                 if on_window:
                     on_window(w + 1, len(starts))
     finally:
