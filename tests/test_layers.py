@@ -35,7 +35,7 @@ MAX_FLOORS = 13   # two added in 2026-11: the kernels choose their variant for t
 MAX_LINES = 600
 TORCH_AT_MODULE_LEVEL = {"kvcx.cache.kvcx_cache", "kvcx.cache.layers", "kvcx.cache.window_layer", "kvcx.cache.latent",
                          "kvcx.cache.scores", "kvcx.cache.kept",
-                         "kvcx.cache.attention_fn", "kvcx.cache.buffers",
+                         "kvcx.cache.attention_fn", "kvcx.cache.query_tap", "kvcx.cache.buffers",
                          "kvcx.cache.device_store", "kvcx.cache.pressing", "kvcx.cache.static_cache",
                          "kvcx.cache.static_layers", "kvcx.cache.static_latent"}
 RICH_MODULES = {"kvcx.cli", "kvcx.cli.app", "kvcx.cli.render", "kvcx.cli.files", "kvcx.cli.validate",

@@ -21,48 +21,40 @@ from kvcx.errors import KvcxError
 
 
 class QueryCapture:
-    """The last ``window`` queries of every layer during a prefill, after their rotary embedding (what SnapKV
-    scores with): forward pre-hooks on the Llama-family attention modules (``q_proj``, ``head_dim``, the
-    rotary ``position_embeddings`` they are called with), removed on exit."""
+    """The last ``window`` queries of every attention layer during a prefill, as the layer's attention reads them
+    (after the family's q_norm and rotary embedding: :func:`kvcx.cache.query_tap.tapping_queries`), what SnapKV
+    scores with; the tap is removed on exit."""
 
     def __init__(self, model, window: int):
-        self.window, self.queries, self._hooks = window, {}, []
-        self._layers = list(decoder_of(model).layers)
+        self.window, self.queries, self._model, self._block = window, {}, model, None
+        self._layers = len(decoder_of(model).layers)
 
     def __enter__(self):
-        import sys
+        from kvcx.cache.query_tap import tapping_queries
 
-        for i, layer in enumerate(self._layers):
-            attn = layer.self_attn
-            if not hasattr(attn, "q_proj") or not hasattr(attn, "head_dim"):
-                raise KvcxError(f"layer {i}'s attention has no q_proj/head_dim: SnapKV's queries are read from "
-                                "Llama-family attention modules; use streaming or knorm with this model")
-            rotary = getattr(sys.modules[type(attn).__module__], "apply_rotary_pos_emb", None)
-            self._hooks.append(attn.register_forward_pre_hook(self._hook(i, attn, rotary), with_kwargs=True))
+        self._block = tapping_queries(self._model, self._tap)
+        self._block.__enter__()
         return self
 
-    def _hook(self, i, attn, rotary):
+    def _tap(self, module, query, key):
         import torch
 
-        def hook(_module, args, kwargs):
-            hidden = kwargs.get("hidden_states", args[0] if args else None)
-            cos, sin = kwargs["position_embeddings"]
-            w = min(self.window, hidden.shape[1])
-            q = attn.q_proj(hidden[:, -w:]).view(hidden.shape[0], w, -1, attn.head_dim).transpose(1, 2)
-            if rotary is not None:
-                q, _ = rotary(q, q, cos[:, -w:], sin[:, -w:])
-            prev = self.queries.get(i)
-            q = q[0].float()
-            self.queries[i] = q if prev is None else torch.cat([prev, q], dim=1)[:, -self.window:]
-        return hook
+        i = getattr(module, "layer_idx", None)
+        if i is None:
+            raise KvcxError(f"{type(module).__name__} has no layer_idx: SnapKV's queries are read per layer from "
+                            "transformers' attention modules; use streaming or knorm with this model")
+        q = query[0, :, -self.window:].detach().float()
+        prev = self.queries.get(i)
+        self.queries[i] = q if prev is None else torch.cat([prev, q], dim=1)[:, -self.window:]
 
     def __exit__(self, *exc):
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
+        block, self._block = self._block, None
+        return block.__exit__(*exc) if block is not None else False
 
-    def numpy(self) -> List[np.ndarray]:
-        return [self.queries[i].cpu().numpy() for i in range(len(self._layers))]
+    def numpy(self) -> List[Optional[np.ndarray]]:
+        """Per decoder layer, its queries ``[query heads, tokens, head_dim]``; None for a layer whose attention did
+        not run (a linear-attention layer)."""
+        return [self.queries[i].cpu().numpy() if i in self.queries else None for i in range(self._layers)]
 
 
 def evict(tensors: Dict[str, np.ndarray], press, queries: Optional[List[np.ndarray]], layers=None):

@@ -13,13 +13,15 @@ def window_query_sums(model, ids, starts: List[int], window: int,
                       on_window: Optional[Callable[[int, int], None]] = None,
                       layers: Optional[Sequence[int]] = None) -> Tuple[list, list, list]:
     """(layers, [(heads, kv_heads, head_dim) per layer], [([sum of q^2 per KV head and channel, per layer], tokens)
-    per window]): each layer's queries (``self_attn.q_proj`` outputs, or the query rows of a fused ``qkv_proj``), a
-    window at a time, their query heads summed onto the KV head they read (grouped-query attention), so that windows
-    measured apart (the ranks of :mod:`kvcx.quality.ranks`) add up in the windows' order
-    (:func:`combine_query_sums`) to the same weights.
+    per window]): each layer's queries as its attention reads them (:func:`kvcx.cache.query_tap.tapping_queries`:
+    after the family's q_norm, Qwen 3.5's gate split and the rotary embedding), a window at a time, their query heads
+    summed onto the KV head they read (grouped-query attention), so that windows measured apart (the ranks of
+    :mod:`kvcx.quality.ranks`) add up in the windows' order (:func:`combine_query_sums`) to the same weights.
     ``layers``: the layers to weigh (default: the layers the cache holds keys and values for, :func:`cached_layers`),
     each with its own heads and head_dim."""
     import torch
+
+    from kvcx.cache.query_tap import tapping_queries
 
     specs = {s.index: s for s in layer_specs(model.config)}
     layers = [L for L, _ in cached_layers(model.config)] if layers is None else list(layers)
@@ -30,14 +32,6 @@ def window_query_sums(model, ids, starts: List[int], window: int,
                         "compressed latent, which the queries read only through kv_b_proj, so they are not weighed "
                         "per channel here; use --scheme kvcx2w without a plan (the widths then weigh every channel "
                         "alike), or a kvcx3 / kvcx2 plan")
-    decoder = decoder_of(model)
-    try:   # the queries' projection, or a fused one whose first outputs are the queries (Phi-3's qkv_proj)
-        attns = [decoder.layers[L].self_attn for L in layers]
-        projs = [a.q_proj if hasattr(a, "q_proj") else a.qkv_proj for a in attns]
-    except (AttributeError, IndexError, TypeError):
-        raise KvcxError("query weights need a Llama-style model (model.model.layers[i].self_attn.q_proj, or a fused "
-                        "qkv_proj); use --scheme kvcx2w without a plan (the widths then weigh every channel "
-                        "alike)") from None
     shapes = []
     for L in layers:
         spec = specs[L]
@@ -48,30 +42,37 @@ def window_query_sums(model, ids, starts: List[int], window: int,
             raise KvcxError(f"query weights: layer {L}'s {heads} query heads do not group onto {kv_heads} KV heads "
                             "of even head_dim")
         shapes.append((heads, kv_heads, head_dim))
+    slot = {L: i for i, L in enumerate(layers)}
     parts = []   # per window of this rank's: ([sum of q^2 per layer], tokens)
 
-    def hook(i):
+    def tap(module, query, key):
+        i = slot.get(getattr(module, "layer_idx", None))
+        if i is None:
+            return
         heads, kv_heads, head_dim = shapes[i]
+        if query.shape[1] != heads or key.shape[1] != kv_heads or query.shape[-1] != head_dim:
+            raise KvcxError(f"query weights: layer {layers[i]}'s attention read queries of {query.shape[1]} heads x "
+                            f"{query.shape[-1]} over {key.shape[1]} KV heads, its config says {heads} x {head_dim} "
+                            f"over {kv_heads}; fix the model's config (layer_types, head_dim, num_key_value_heads)")
+        b, _, n, _ = query.shape
+        q = query.detach().double().reshape(b, kv_heads, heads // kv_heads, n, head_dim)
+        parts[-1][0][i] = (q * q).sum(dim=(0, 2, 3)).cpu()
+        if i == 0:
+            parts[-1][1] += b * n
 
-        def f(_module, _inputs, out):
-            q = out[..., :heads * head_dim].detach().double().reshape(-1, kv_heads, heads // kv_heads, head_dim)
-            parts[-1][0][i] = (q * q).sum(dim=(0, 2)).cpu()
-            if i == 0:
-                parts[-1][1] += q.shape[0]
-        return f
-
-    handles = [m.register_forward_hook(hook(i)) for i, m in enumerate(projs)]
     dev = next(model.parameters()).device
-    try:
-        with torch.inference_mode():
-            for w, a in enumerate(starts):
-                parts.append([[None] * len(layers), 0])
-                decoder(input_ids=ids[a:a + window][None].to(dev), use_cache=False)   # no logits
-                if on_window:
-                    on_window(w + 1, len(starts))
-    finally:
-        for h in handles:
-            h.remove()
+    decoder = decoder_of(model)
+    with torch.inference_mode(), tapping_queries(model, tap):
+        for w, a in enumerate(starts):
+            parts.append([[None] * len(layers), 0])
+            decoder(input_ids=ids[a:a + window][None].to(dev), use_cache=False)   # no logits
+            missed = [L for L, s in zip(layers, parts[-1][0]) if s is None]
+            if missed:
+                raise KvcxError(f"query weights: layer {missed[0]}'s attention never called transformers' attention "
+                                "function, so its queries were not read; weigh only attention layers (layers=...) "
+                                "or use --scheme kvcx2w without a plan")
+            if on_window:
+                on_window(w + 1, len(starts))
     return layers, shapes, parts
 
 

@@ -181,3 +181,47 @@ def test_query_weights_read_a_fused_qkv_projections_query_rows():
     assert sums[0][1] == sums[1][1] == [(4, 2, 16)]
     for (a, n), (b, m) in zip(sums[0][2], sums[1][2]):
         assert n == m == 128 and torch.allclose(a[0], b[0], rtol=1e-5)
+
+
+def test_queries_are_read_as_the_attention_reads_them():
+    """Qwen 3.5's attention splits an output gate off each head of q_proj, normalises the query per head (q_norm, its
+    weights not 1 here) and rotates part of it: the query weights of ``calibrate --scheme kvcx2w`` and SnapKV's
+    captured queries are those queries, computed here by hand from the module's own parts; the first heads x head_dim
+    outputs of q_proj (what a Llama's queries are) are not. The linear-attention layers have no queries."""
+    import sys
+
+    from kvcx.quality.eviction import QueryCapture
+    from kvcx.quality.query_weights import window_query_sums
+
+    model = _hybrid("linear", 128)
+    attn = model.model.layers[3].self_attn
+    with torch.no_grad():
+        attn.q_norm.weight.copy_(torch.linspace(-0.9, 2.0, attn.q_norm.weight.numel()))   # Qwen's norm: x (1 + w)
+    rotary = sys.modules[type(attn).__module__].apply_rotary_pos_emb
+    seen = {}
+
+    def by_hand(_module, args, kwargs):
+        h = kwargs["hidden_states"]
+        cos, sin = kwargs["position_embeddings"]
+        q, _gate = torch.chunk(attn.q_proj(h).view(*h.shape[:-1], -1, 2 * attn.head_dim), 2, dim=-1)
+        q = attn.q_norm(q).transpose(1, 2)
+        seen["q"] = rotary(q, q, cos, sin)[0].double()
+        seen["raw"] = attn.q_proj(h)[..., :4 * attn.head_dim].double()
+
+    ids = torch.randint(0, 128, (200,), generator=torch.Generator().manual_seed(1))
+    handle = attn.register_forward_pre_hook(by_hand, with_kwargs=True)
+    try:
+        layers, shapes, parts = window_query_sums(model, ids, [0], 160, layers=[3])
+    finally:
+        handle.remove()
+    assert layers == [3] and shapes == [(4, 2, 64)] and parts[0][1] == 160
+    want = seen["q"].reshape(2, 2, 160, 64).pow(2).sum(dim=(1, 2))
+    torch.testing.assert_close(parts[0][0][0], want, rtol=1e-6, atol=1e-9)
+    raw = seen["raw"].reshape(160, 2, 2, 64).pow(2).sum(dim=(0, 2))
+    assert not torch.allclose(raw, want, rtol=0.1)
+    with torch.no_grad(), QueryCapture(model, 32) as capture:
+        model(input_ids=ids[None, :160])
+    got = capture.numpy()
+    assert [q is None for q in got] == [True, True, True, False]
+    assert model.config._attn_implementation == "sdpa"   # the tap's block restored it
+    torch.testing.assert_close(torch.from_numpy(got[3]).double(), seen["q"][0, :, -32:], rtol=1e-5, atol=1e-6)
