@@ -58,7 +58,8 @@ from kvcx.cache.induction import guarded_config
 from kvcx.cache.kept import dynamic_cache_bytes, layer_bytes, layer_kwargs, transformers_layer_class
 from kvcx.cache.layer_config import (fitted as _fitted, latent_rope_codec as _latent_rope_codec,
                                      on_backend as _on_backend, pressed as _pressed)
-from kvcx.cache.layer_types import FULL, STATE, UNSUPPORTED, WINDOWED, LayerSpec, check_unsupported, layer_specs
+from kvcx.cache.layer_types import (FULL, STATE, UNSUPPORTED, WINDOWED, LayerSpec, check_unsupported, layer_specs,
+                                    refuse_press)
 from kvcx.cache.layers import KvcxLayer
 from kvcx.cache.window_layer import KvcxWindowLayer
 from kvcx.codecs import gpu_attn
@@ -108,7 +109,8 @@ class KvcxCache(Cache):
         :meth:`for_model` finds them with the induction probe); their values stay as the scheme gives them.
 
     A press (token eviction, ``scheme="kvcx+snapkv:0.5"``) runs on the full-attention layers; sliding and chunked
-    layers hold their window anyway.
+    layers hold their window anyway. A model with MLA layers refuses a press (its latent has no per-head keys to
+    score and evict).
     """
 
     def __init__(self, config, group_size: Optional[int] = None, scheme: str = DEFAULT_SCHEME,
@@ -127,6 +129,11 @@ class KvcxCache(Cache):
                             "(config.with_key_rope(None)); the gate and packed files take it")
         specs = layer_specs(config)
         latent = [s.index for s in specs if s.latent]
+        if press is not None:
+            try:
+                refuse_press(config, whole_model=False)
+            except KvcxError as exc:
+                raise KvcxError(f"KvcxCache press {press.spec!r}: {exc}") from None
         if kv.latent_layers and list(kv.latent_layers) != latent:
             raise KvcxError(f"kv_config names MLA layers {list(kv.latent_layers)} (latent_layers: their values coded "
                             f"as a RoPE key); this model's MLA layers are {latent or 'none'}: use the config on the "

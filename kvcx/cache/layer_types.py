@@ -213,3 +213,23 @@ def cached_layers(config) -> tuple:
         raise KvcxError("the model's config gives no layer with keys and values (its layer_types have no full, "
                         "sliding or chunked attention layer): there is no cache to compress or plan")
     return out
+
+
+def refuse_press(config, whole_model: bool) -> None:
+    """KvcxError where a press (token eviction: scheme ``kvcx+snapkv:0.5`` and the like) cannot run on this model:
+    an MLA layer anywhere (its cache holds one latent a token that every head reads through ``kv_b_proj``, not keys
+    per KV head, which the presses score and evict); and, where the press evicts from every layer
+    (``whole_model``: the gate's prefix and retrieval copies of the cache, ``kvcx calibrate``), a hybrid's sliding,
+    chunked or linear-attention layers. KvcxCache presses its full-attention layers only; its windows hold theirs."""
+    specs = layer_specs(config)
+    latent = [s for s in specs if s.latent]
+    if latent:
+        raise KvcxError(f"a press scores and evicts each KV head's keys, and layer {latent[0].index} is multi-head "
+                        "latent attention (MLA: one latent a token, read by every head through kv_b_proj): compress "
+                        "its cache without a press (scheme 'kvcx', or a plan without one)")
+    other = [s for s in specs if s.type != "full_attention"]
+    if whole_model and other:
+        named = ", ".join(f"{s.index} {s.type}" for s in other[:8]) + (", ..." if len(other) > 8 else "")
+        raise KvcxError(f"a press evicts tokens from every layer's keys and values here, and this is a hybrid model "
+                        f"({named}; sliding windows and linear states are not evicted): run it without a press, or "
+                        "in KvcxCache (kvcx validate --mode generation), which presses the full-attention layers only")

@@ -38,7 +38,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
-from kvcx.cache.layer_types import cached_layers
+from kvcx.cache.layer_types import cached_layers, refuse_press
 from kvcx.codecs.kvconfig import KVConfig, layer_of, tag_of
 from kvcx.codecs.plan_record import check_plan_record
 from kvcx.presses import INDEX_BITS, Press, PressedSetting
@@ -505,12 +505,12 @@ def run_calibration(config: KVConfig, budget: float, model: Optional[str] = None
 
     config = model_frame(config, m)   # keys coded before RoPE: the model's own frequencies, written in the plan
     n_layers = int(m.config.num_hidden_layers)
+    if press is not None:
+        refuse_press(m.config, whole_model=True)   # a hybrid or MLA model: before any window is scored
     types = cached_layers(m.config)
     layers = [L for L, _ in types]
     if layers == list(range(n_layers)) and all(t == "full_attention" for _, t in types):
         types = ()   # a dense model: every layer, as plans have always said
-    elif press is not None:
-        refuse_press_on_hybrid(types)   # before any window is scored
     ids = torch.tensor(tok(text, return_tensors=None)["input_ids"], dtype=torch.long)
     starts = window_starts(ids.numel(), window, stride, 0)
     if len(starts) < offset + windows:

@@ -194,8 +194,11 @@ def run_retrieval(configs: Mapping[str, object], tasks: Sequence[str], lengths: 
     haystack = None
     if text is not None:
         haystack = ruler.haystack_from(encode, text[HAYSTACK_OFFSET:HAYSTACK_OFFSET + 400_000] or text)
+    from kvcx.cache.layer_types import refuse_press
     from kvcx.quality.bridge import model_frame
 
+    if any(isinstance(cfg, PressedSetting) for cfg in configs.values()):   # every layer's copy evicted
+        refuse_press(m.config, whole_model=True)
     roundtrips = {label: setting_roundtrip(model_frame(cfg, m)) for label, cfg in configs.items()}
     window = max((cfg.press.window for cfg in configs.values()
                   if isinstance(cfg, PressedSetting) and cfg.press.needs_queries), default=0)

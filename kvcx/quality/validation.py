@@ -27,6 +27,7 @@ from typing import Callable, List, Mapping, Optional
 
 import numpy as np
 
+from kvcx.cache.layer_types import refuse_press
 from kvcx.codecs.kvconfig import KVConfig
 from kvcx.codecs.metrics import Thresholds, check_thresholds, json_safe, quality_level
 from kvcx.presses import PressedSetting
@@ -296,6 +297,8 @@ def run_validations(configs: Mapping[str, KVConfig], threshold: float = DEFAULT_
     window = min(DEFAULT_WINDOW, ctx_limit) if window is None else window
     check_window(window, stride, max_windows, ctx_limit)
     phase(2, f"model: {name} on {dev} ({next(m.parameters()).dtype}), {m.config.num_hidden_layers} layers")
+    if pressed and mode == "prefix":   # every layer's copy evicted (generation: KvcxCache refuses what it cannot)
+        refuse_press(m.config, whole_model=True)
     configs = {label: model_frame(engine_setting(cfg, m.config), m) for label, cfg in configs.items()}
     # peers run in their library; a press and its codec on the host (the eviction is numpy's)
     dims = model_dims(m.config)

@@ -143,6 +143,35 @@ def test_ruler_prompts_run_over_a_hybrids_refilled_cache(loaded, wikitext_path):
             assert 4.4 < r.bits_per_value < 4.8, r.bits_per_value   # the default's 4.46 and a short context's sinks
 
 
+def test_a_press_runs_where_it_can_and_is_refused_where_it_cannot(loaded, wikitext_path):
+    """Token eviction on the families: KvcxCache presses a sliding hybrid's full-attention layers (generation mode);
+    the gate's prefix and retrieval copies evict every layer, so they refuse a hybrid before any window is scored;
+    an MLA model's cache holds a latent every head reads (no per-head keys to score and evict): refused in every
+    path, KvcxCache's included (before this it ran and counted 0 bits a value)."""
+    from kvcx.cache import KvcxCache
+    from kvcx.errors import KvcxError
+    from kvcx.presses import PressedSetting, parse_press
+    from kvcx.quality.retrieval import run_retrieval
+
+    _, tok, _ = loaded
+    pressed = PressedSetting(parse_press("snapkv:0.5"), KVConfig.from_scheme())
+    kw = dict(dataset_file=wikitext_path, max_windows=1, window=256, stride=128)
+    sliding = (_hybrid("sliding", len(tok)), tok, "sliding")
+    r = run_validation(pressed, loaded=sliding, mode="generation", **kw)
+    assert 0.0 < r.kld < 0.05 and math.isfinite(r.compressed_perplexity)
+    for kind, why in (("linear", "hybrid model .0 linear_attention"), ("mla", "layer 0 is multi-head latent")):
+        model = _hybrid(kind, len(tok))
+        with pytest.raises(KvcxError, match=why):
+            run_validation(pressed, loaded=(model, tok, kind), mode="prefix", **kw)
+        with pytest.raises(KvcxError, match=why):
+            run_retrieval({"snapkv": pressed}, ["niah_single"], lengths=[256], depths=[0.5], prompts=1,
+                          dataset_file=wikitext_path, loaded=(model, tok, kind))
+    with pytest.raises(KvcxError, match="KvcxCache press 'knorm:0.5': .*layer 0 is multi-head latent"):
+        KvcxCache(model.config, scheme="kvcx+knorm:0.5")
+    with pytest.raises(KvcxError, match="layer 0 is multi-head latent"):
+        run_validation(pressed, loaded=(model, tok, "mla"), mode="generation", **kw)
+
+
 def test_calibrate_plans_an_mla_model_and_refuses_query_weights_over_its_latent(loaded, wikitext_path):
     """kvcx calibrate on DeepSeek V3's latent attention: a kvcx3 plan over its layers (the latent with the keys'
     selections; the RoPE key, the cache's values, coded at 8 bits whatever a value selection says) that gates the
