@@ -228,7 +228,10 @@ def load_kv_cache(path, device=None):
 
 
 def expected_kv_shape(config) -> Tuple[int, int, int]:
-    """(layers, kv heads, head_dim) from a transformers config."""
+    """(layers, kv heads, head_dim) from a transformers config (a multimodal one: its decoder's)."""
+    from kvcx.cache.layer_types import text_config
+
+    config = text_config(config)
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return int(config.num_hidden_layers), int(heads), int(head_dim)

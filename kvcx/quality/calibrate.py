@@ -38,7 +38,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
-from kvcx.cache.layer_types import cached_layers, refuse_press
+from kvcx.cache.layer_types import cached_layers, refuse_press, text_config
 from kvcx.codecs.kvconfig import KVConfig, layer_of, tag_of
 from kvcx.codecs.plan_record import check_plan_record
 from kvcx.presses import INDEX_BITS, Press, PressedSetting
@@ -504,7 +504,7 @@ def run_calibration(config: KVConfig, budget: float, model: Optional[str] = None
     from kvcx.quality.bridge import model_frame
 
     config = model_frame(config, m)   # keys coded before RoPE: the model's own frequencies, written in the plan
-    n_layers = int(m.config.num_hidden_layers)
+    n_layers = int(text_config(m.config).num_hidden_layers)   # a multimodal class: its decoder's
     if press is not None:
         refuse_press(m.config, whole_model=True)   # a hybrid or MLA model: before any window is scored
     types = cached_layers(m.config)
@@ -552,8 +552,9 @@ def run_calibration(config: KVConfig, budget: float, model: Optional[str] = None
         return None
     sens, tokens = measured
     if press is not None:
-        heads = int(m.config.num_attention_heads)
-        head_dim = int(getattr(m.config, "head_dim", None) or m.config.hidden_size // heads)
+        text_cfg = text_config(m.config)
+        heads = int(text_cfg.num_attention_heads)
+        head_dim = int(getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // heads)
         plan, pressed, estimated, guessed, bpv = allocate_pressed(sens, config, press, layers, head_dim, budget)
         if on_phase:
             on_phase(2, 2, f"plan: {bpv:.3f} bits/value counted whole, keep {pressed.keep:.3f} of the tokens on "

@@ -118,7 +118,10 @@ def measure_guard(config: KVConfig, length: int = 8192, prompts: int = 8, depths
     from kvcx.quality.models import load_model_and_tokenizer, resolve_model
 
     m, tok, name = loaded if loaded is not None else load_model_and_tokenizer(resolve_model(model), cpu=cpu)
-    limit = int(getattr(m.config, "max_position_embeddings", 0) or 0)
+    from kvcx.cache.layer_types import text_config
+
+    text_cfg = text_config(m.config)   # a multimodal class (Gemma 3/4): its decoder's
+    limit = int(getattr(text_cfg, "max_position_embeddings", 0) or 0)
     if limit and length > limit:
         raise KvcxError(f"--guard-retrieval {length} exceeds the model's context of {limit} tokens; pick up to {limit}")
     import numpy as np
@@ -129,7 +132,7 @@ def measure_guard(config: KVConfig, length: int = 8192, prompts: int = 8, depths
     from kvcx.quality.peers import roundtrip_of
     from kvcx.quality.scoring import forward_hidden, greedy_reply
 
-    n_layers = int(m.config.num_hidden_layers)
+    n_layers = int(text_cfg.num_hidden_layers)
     decoder = decoder_of(m)
     roundtrip = roundtrip_of(config)
     eos = getattr(tok, "eos_token_id", None)

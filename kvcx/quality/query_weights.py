@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from kvcx.cache.layer_types import cached_layers, layer_specs
+from kvcx.cache.layer_types import cached_layers, layer_specs, text_config
 from kvcx.deps import decoder_of
 from kvcx.errors import KvcxError
 
@@ -25,7 +25,7 @@ def window_query_sums(model, ids, starts: List[int], window: int,
 
     specs = {s.index: s for s in layer_specs(model.config)}
     layers = [L for L, _ in cached_layers(model.config)] if layers is None else list(layers)
-    cfg = model.config
+    cfg = text_config(model.config)
     latent = [L for L in layers if specs[L].latent]
     if latent:
         raise KvcxError(f"query weights: layer {latent[0]} is multi-head latent attention (MLA): its keys are the "

@@ -178,7 +178,9 @@ def run_retrieval(configs: Mapping[str, object], tasks: Sequence[str], lengths: 
     from kvcx.quality.scoring import forward_hidden
 
     dev = next(m.parameters()).device
-    limit = int(getattr(m.config, "max_position_embeddings", 0) or 0) or max(lengths or [1024])
+    from kvcx.cache.layer_types import text_config
+
+    limit = int(getattr(text_config(m.config), "max_position_embeddings", 0) or 0) or max(lengths or [1024])
     lengths = list(lengths) if lengths else ruler.default_lengths(limit)
     check_retrieval(tasks, lengths, depths, prompts, limit)
     rank = ranks.join(dev.type)   # under a launcher: rank r answers prompts r, r + N, ... (rank 0 gathers)

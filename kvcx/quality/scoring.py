@@ -109,7 +109,9 @@ def output_logits(model, hidden):
     import torch
 
     logits = model.get_output_embeddings()(hidden)
-    cap = getattr(model.config, "final_logit_softcapping", None)
+    from kvcx.cache.layer_types import text_config
+
+    cap = getattr(text_config(model.config), "final_logit_softcapping", None)   # Gemma 3/4's multimodal class: its text
     return torch.tanh(logits / cap) * cap if cap else logits
 
 def exact_side(model, base_hidden, targets, slice_rows: int = HEAD_SLICE) -> Optional[tuple]:

@@ -27,7 +27,7 @@ from typing import Callable, List, Mapping, Optional
 
 import numpy as np
 
-from kvcx.cache.layer_types import refuse_press
+from kvcx.cache.layer_types import refuse_press, text_config
 from kvcx.codecs.kvconfig import KVConfig
 from kvcx.codecs.metrics import Thresholds, check_thresholds, json_safe, quality_level
 from kvcx.presses import PressedSetting
@@ -293,10 +293,11 @@ def run_validations(configs: Mapping[str, KVConfig], threshold: float = DEFAULT_
     import torch
 
     dev = next(m.parameters()).device
-    ctx_limit = int(getattr(m.config, "max_position_embeddings", DEFAULT_WINDOW) or DEFAULT_WINDOW)
+    text_cfg = text_config(m.config)   # a multimodal class (Gemma 3/4 as AutoModelForCausalLM loads them): its decoder's
+    ctx_limit = int(getattr(text_cfg, "max_position_embeddings", DEFAULT_WINDOW) or DEFAULT_WINDOW)
     window = min(DEFAULT_WINDOW, ctx_limit) if window is None else window
     check_window(window, stride, max_windows, ctx_limit)
-    phase(2, f"model: {name} on {dev} ({next(m.parameters()).dtype}), {m.config.num_hidden_layers} layers")
+    phase(2, f"model: {name} on {dev} ({next(m.parameters()).dtype}), {text_cfg.num_hidden_layers} layers")
     if pressed and mode == "prefix":   # every layer's copy evicted (generation: KvcxCache refuses what it cannot)
         refuse_press(m.config, whole_model=True)
     configs = {label: model_frame(engine_setting(cfg, m.config), m) for label, cfg in configs.items()}

@@ -172,6 +172,43 @@ def test_a_press_runs_where_it_can_and_is_refused_where_it_cannot(loaded, wikite
         run_validation(pressed, loaded=(model, tok, "mla"), mode="generation", **kw)
 
 
+def test_a_multimodal_class_is_gated_as_its_decoder(loaded, wikitext_path):
+    """Gemma 4 (and Gemma 3) checkpoints load through AutoModelForCausalLM as their multimodal class, whose config keeps
+    the decoder's attributes in its text_config: every mode and calibrate raised AttributeError on
+    ``num_hidden_layers``, and the scores left out the final logit soft cap Gemma4ForConditionalGeneration applies
+    from the text config. The scoring's logits are the model's own, and every part of the gate runs on the
+    decoder's layers."""
+    from kvcx.quality.calibrate import run_calibration
+    from kvcx.quality.scoring import forward_hidden, output_logits
+
+    _, tok, _ = loaded
+    v = len(tok)
+    text = transformers.Gemma4TextConfig(vocab_size=v, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, global_head_dim=128,
+                                         num_global_key_value_heads=1, attention_k_eq_v=True,
+                                         max_position_embeddings=2048, sliding_window=64, final_logit_softcapping=3.0,
+                                         hidden_size_per_layer_input=16, vocab_size_per_layer_input=v,
+                                         layer_types=["sliding_attention"] * 3 + ["full_attention"])
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.Gemma4Config(text_config=text.to_dict()),
+                                                          attn_implementation="sdpa").eval()
+    assert type(model).__name__ == "Gemma4ForConditionalGeneration" and not hasattr(model.config, "num_hidden_layers")
+    ids = torch.randint(0, v, (1, 40), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = model(input_ids=ids).logits[0]
+        got = output_logits(model, forward_hidden(model, ids)[0])
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert float(got.abs().max()) <= 3.0    # the soft cap's bound
+    mm = (model, tok, "tiny Gemma 4, multimodal class")
+    kw = dict(dataset_file=wikitext_path, max_windows=1, window=256, stride=128)
+    for mode in ("prefix", "generation", "engine"):
+        r = run_validation(KVConfig.from_scheme(), loaded=mm, mode=mode, **kw)
+        assert r.tokens_scored == 127 and 0.0 < r.kld < 0.01, (mode, r.kld)
+    cal = run_calibration(KVConfig.from_scheme("kvcx3"), 3.0, dataset_file=wikitext_path, windows=1, offset=0,
+                          window=256, stride=128, loaded=mm)
+    assert cal.n_layers == 4 and [t for _, t in cal.layer_types] == ["sliding_attention"] * 3 + ["full_attention"]
+
+
 def test_calibrate_plans_an_mla_model_and_refuses_query_weights_over_its_latent(loaded, wikitext_path):
     """kvcx calibrate on DeepSeek V3's latent attention: a kvcx3 plan over its layers (the latent with the keys'
     selections; the RoPE key, the cache's values, coded at 8 bits whatever a value selection says) that gates the
