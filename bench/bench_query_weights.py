@@ -29,15 +29,14 @@ from bench.report import Report
 CAL_OFFSET = 400_000   # characters into the text where the weights' windows start (the scored windows: its start)
 
 
-def projection_query_sums(model, ids, starts, window, layers):
+def projection_query_sums(model, ids, starts, window, layers, shapes):
     """The previous reading (the baseline): each layer's ``q_proj`` outputs (or a fused ``qkv_proj``'s first
-    heads x head_dim), summed as :func:`kvcx.quality.query_weights.window_query_sums` sums the queries."""
+    heads x head_dim; ``shapes``: each layer's (heads, KV heads, head_dim) as window_query_sums gave them), summed
+    as :func:`kvcx.quality.query_weights.window_query_sums` sums the queries."""
     import torch
 
     from kvcx.deps import decoder_of
-    from kvcx.quality.query_weights import window_query_sums
 
-    _, shapes, _ = window_query_sums(model, ids, starts[:1], window, layers=layers)   # the shapes it reads
     decoder = decoder_of(model)
     attns = [decoder.layers[L].self_attn for L in layers]
     projs = [a.q_proj if hasattr(a, "q_proj") else a.qkv_proj for a in attns]
@@ -110,7 +109,7 @@ def family_row(name: str, tok, text: Path, window: int, cal_windows: int, eval_w
     starts = [i * window for i in range(cal_windows)]
     layers, shapes, parts = window_query_sums(model, ids, starts, window)
     weights = {"now": combine_query_sums(layers, shapes, parts)}
-    weights["before"] = combine_query_sums(*projection_query_sums(model, ids, starts, window, layers))
+    weights["before"] = combine_query_sums(*projection_query_sums(model, ids, starts, window, layers, shapes))
     a, b = (torch.cat([torch.tensor(weights[k][L]).flatten() for L in layers]) for k in ("before", "now"))
     corr = float(torch.corrcoef(torch.stack([a, b]))[0, 1])
     base = KVConfig.from_scheme("kvcx2w")

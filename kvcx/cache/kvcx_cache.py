@@ -59,7 +59,7 @@ from kvcx.cache.kept import dynamic_cache_bytes, layer_bytes, layer_kwargs, tran
 from kvcx.cache.layer_config import (fitted as _fitted, latent_rope_codec as _latent_rope_codec,
                                      on_backend as _on_backend, pressed as _pressed)
 from kvcx.cache.layer_types import (FULL, STATE, UNSUPPORTED, WINDOWED, LayerSpec, check_unsupported, layer_specs,
-                                    refuse_press)
+                                    refuse_press, text_config)
 from kvcx.cache.layers import KvcxLayer
 from kvcx.cache.window_layer import KvcxWindowLayer
 from kvcx.codecs import gpu_attn
@@ -167,7 +167,7 @@ class KvcxCache(Cache):
         self.specs = specs
         packed = [s for s in specs if s.packed and s.index not in kv.keep_layers]
         self.query_group = packed[0].query_group if packed else 0
-        self._config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        self._config = text_config(config)
         self._timer = KernelTimer()
         self._scratch = Scratch()
         self._masks = MaskConverter()

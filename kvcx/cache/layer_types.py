@@ -227,9 +227,16 @@ def refuse_press(config, whole_model: bool) -> None:
         raise KvcxError(f"a press scores and evicts each KV head's keys, and layer {latent[0].index} is multi-head "
                         "latent attention (MLA: one latent a token, read by every head through kv_b_proj): compress "
                         "its cache without a press (scheme 'kvcx', or a plan without one)")
-    other = [s for s in specs if s.type != "full_attention"]
-    if whole_model and other:
-        named = ", ".join(f"{s.index} {s.type}" for s in other[:8]) + (", ..." if len(other) > 8 else "")
+    if whole_model:
+        refuse_press_on_hybrid([(s.index, s.type) for s in specs if s.type != "full_attention"])
+
+
+def refuse_press_on_hybrid(layer_types) -> None:
+    """KvcxError for a press that evicts from every layer (the gate's copies of the cache, ``kvcx calibrate``, a
+    plan's press) on a hybrid model; ``layer_types``: its (layer, type) pairs that are not full attention (empty for
+    a dense model: no error)."""
+    if layer_types:
+        named = ", ".join(f"{L} {t}" for L, t in list(layer_types)[:8]) + (", ..." if len(layer_types) > 8 else "")
         raise KvcxError(f"a press evicts tokens from every layer's keys and values here, and this is a hybrid model "
                         f"({named}; sliding windows and linear states are not evicted): run it without a press, or "
                         "in KvcxCache (kvcx validate --mode generation), which presses the full-attention layers only")

@@ -54,7 +54,7 @@ from transformers.cache_utils import Cache
 
 from kvcx.cache.attention_fn import ATTN_IMPLEMENTATION
 from kvcx.cache.kept import layer_bytes, layer_kwargs, transformers_layer_class
-from kvcx.cache.layer_types import CHUNKED, FULL, STATE, WINDOWED, check_unsupported, layer_specs
+from kvcx.cache.layer_types import CHUNKED, FULL, STATE, WINDOWED, check_unsupported, layer_specs, text_config
 from kvcx.cache.static_latent import LatentContext, StaticKvcxLatentLayer
 from kvcx.cache.static_layers import PlanHolder, StaticKvcxLayer, StaticKvcxWindowLayer
 from kvcx.codecs import gpu_attn
@@ -92,7 +92,7 @@ class StaticKvcxCache(Cache):
             raise KvcxError(f"residual_length must be a power of two from 16 (a page of the packed rows), got "
                             f"{residual_length!r}")
         kv = kv_config or KVConfig.from_scheme(scheme, group_size=group_size, bits=bits, sinks=sinks, rotate=rotate)
-        text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        text = text_config(config)
         specs = layer_specs(config)
         check_unsupported(specs, unsupported, "StaticKvcxCache")
         self._why_kept = {s.index: _why_kept(s, residual_length) for s in specs if s.kind in WINDOWED}

@@ -38,7 +38,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
-from kvcx.cache.layer_types import cached_layers, refuse_press, text_config
+from kvcx.cache.layer_types import cached_layers, refuse_press, refuse_press_on_hybrid, text_config
 from kvcx.codecs.kvconfig import KVConfig, layer_of, tag_of
 from kvcx.codecs.plan_record import check_plan_record
 from kvcx.presses import INDEX_BITS, Press, PressedSetting
@@ -266,16 +266,6 @@ def least_pressed_budget(config: KVConfig, press: Press, head_dim: int = 0) -> f
     r = min(keep_ladder(press) or [1.0])
     codec = sum(min(c for (k, _), c in cost.items() if k == kind) for kind in KINDS) / 2
     return r * codec + (INDEX_BITS * r / (2 * head_dim) if head_dim else 0.0)
-
-
-def refuse_press_on_hybrid(layer_types) -> None:
-    """KvcxError for a press (token eviction, planned per layer) on a hybrid model (``layer_types``: its
-    (layer, type) pairs whose keys and values the cache holds; empty for a dense model)."""
-    if layer_types:
-        named = ", ".join(f"{L} {t}" for L, t in list(layer_types)[:8]) + (", ..." if len(layer_types) > 8 else "")
-        raise KvcxError(f"a press evicts tokens from every layer's keys and values, and this is a hybrid model (its "
-                        f"cached layers: {named}; sliding windows and linear states are not evicted): calibrate its "
-                        "codecs without a press (--scheme kvcx, kvcx3)")
 
 
 def allocate_pressed(sensitivity, config: KVConfig, press: Press, layers: Layers, head_dim: int,
