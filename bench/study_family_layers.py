@@ -18,7 +18,7 @@ import re
 import time
 from pathlib import Path
 
-from bench.bench_families import PROMPTS, TARGET_TOKENS
+from bench.bench_families import TARGET_TOKENS
 from bench.families import DEFAULT_TEXT, build, decode, family_configs, kl, temper, text_bytes, text_prompts, train
 from bench.report import Report
 
@@ -26,9 +26,9 @@ PAGE = Path(__file__).resolve().parents[1] / "docs/results/families-trained.md"
 
 
 def sensitive_layers(page: Path) -> tuple:
-    """(train steps, window, {family: (layer, its KL alone)}) from the page's title and layer table."""
+    """(train steps, window, prompts, {family: (layer, its KL alone)}) from the page's title and layer table."""
     text = page.read_text()
-    title = re.search(r"trained (\d+) steps, batch 1: \d+ held-out prompts of \d+ bytes \(8x a (\d+)-byte window\)",
+    title = re.search(r"trained (\d+) steps, batch 1: (\d+) held-out prompts of \d+ bytes \(8x a (\d+)-byte window\)",
                       text)
     if title is None or "error enters" not in text:
         raise SystemExit(f"{page}: no trained families table with a layer table; run bench.bench_families "
@@ -40,7 +40,7 @@ def sensitive_layers(page: Path) -> tuple:
             kl = float(cells[3])
             if cells[0] not in worst or kl > worst[cells[0]][1]:
                 worst[cells[0]] = (int(cells[1]), kl)
-    return int(title.group(1)), int(title.group(2)), worst
+    return int(title.group(1)), int(title.group(3)), int(title.group(2)), worst
 
 
 def first_divergence(tokens, ref, ref_logits):
@@ -79,10 +79,10 @@ def main(argv=None):
     if not args.page.is_file() or not args.text.is_file() or args.steps < 1:
         ap.error(f"--page {args.page} / --text {args.text} / --steps {args.steps}: both files are needed, and 1 "
                  "greedy token or more")
-    train_steps, window, worst = sensitive_layers(args.page)
+    train_steps, window, n_prompts, worst = sensitive_layers(args.page)
     try:   # the text's and the prompts' own checks, before any model trains
         head, held = text_bytes(args.text)
-        text_prompts(held, 8 * window, args.steps, PROMPTS)
+        text_prompts(held, 8 * window, args.steps, n_prompts)
     except ValueError as e:
         ap.error(f"--text {args.text}: {e}")
     unknown = sorted(set(worst) - set(family_configs()))
@@ -99,7 +99,7 @@ def main(argv=None):
     configs = family_configs(window, 8 * window)
     base = KVConfig.from_scheme("kvcx")
     halves = {"keys": with_bits(base, "key", 8), "values": with_bits(base, "value", 8)}
-    total = PROMPTS * args.steps
+    total = n_prompts * args.steps
     out, rows, parts = Report(), [], []
     for name, (layer, layer_kl) in worst.items():
         t = time.perf_counter()
@@ -110,7 +110,7 @@ def main(argv=None):
         kv = KVConfig(key=base.key, value=base.value, scheme=base.scheme, layer_bits=((layer, 8, 8),))
         default = promoted = 0
         part = dict(name=name, divs=[], bf_divs=[], kl=[], **{h: 0 for h in halves}, **{h + "_kl": [] for h in halves})
-        items, refs = text_prompts(held, 8 * window, args.steps, PROMPTS), []
+        items, refs = text_prompts(held, 8 * window, args.steps, n_prompts), []
         for ids, mask, nxt in items:
             model.set_attn_implementation("eager")
             ref, ref_logits = decode(model, DynamicCache(config=model.config), ids, mask, args.steps)
@@ -140,7 +140,7 @@ def main(argv=None):
         rows.append((name, layer, layer_kl, n_packed, default, promoted))
         parts.append(part)
         print(f"  {name}: {time.perf_counter() - t:.0f} s", flush=True)
-    out(f"## The trained rows below the greedy target, one layer on 8-bit codes ({PROMPTS} prompts x {args.steps} "
+    out(f"## The trained rows below the greedy target, one layer on 8-bit codes ({n_prompts} prompts x {args.steps} "
         f"greedy tokens = {total})\n")
     out("| family | the page's layer (its KL alone) | packed layers | greedy, default scheme "
         "| greedy, that layer on 8-bit codes | target >= 90 % |")

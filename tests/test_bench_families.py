@@ -67,8 +67,11 @@ def test_the_trained_page_counts_its_tokens_and_the_headline_reads_it(tmp_path, 
     for m in shares:   # each share: its count of the 6 tokens (2 prompts x 3)
         assert m and 0 <= int(m.group(2)) <= 6 and float(m.group(1)) == pytest.approx(int(m.group(2)) / 6 * 100, abs=0.06)
     assert float(row[7]) >= -1e-6 and 0 <= float(row[10]) <= 1   # the KL, the reference's top-1 lead
-    met = re.search(r"target >= 101% on the default scheme: met by ([01]) of 1 rows", text)
-    assert met and met.group(1) == "0"
+    lo, hi = (float(x) for x in re.fullmatch(r"([\d.]+)%-([\d.]+)%", row[11]).groups())   # its interval over prompts
+    assert lo <= float(shares[0].group(1)) <= hi
+    met = re.search(r"target >= 101% on the default scheme: met by ([01]) of 1 rows; below it \(in brackets: the 95 % "
+                    r"interval over prompts, a bootstrap\): Mistral \(sliding\) [\d.]+% \(([\d.]+)%-([\d.]+)%\)", text)
+    assert met and met.group(1) == "0" and (float(met.group(2)), float(met.group(3))) == (lo, hi)
     layers = [line.split(" | ") for line in text.split("error enters")[1].splitlines()
               if line.startswith("| Mistral (sliding) |")]
     assert [int(x[1]) for x in layers] == [0, 1, 2, 3] and all(float(x[3]) >= -1e-6 for x in layers)
@@ -76,6 +79,19 @@ def test_the_trained_page_counts_its_tokens_and_the_headline_reads_it(tmp_path, 
     monkeypatch.setattr(publish, "RESULTS", tmp_path)
     assert f"greedy tokens in {int(float(shares[0].group(1)) >= 90)} of 1 rows ([trained](docs/results/families-trained.md))" in \
         publish.families()
+
+
+def test_the_interval_over_prompts_holds_the_share_and_narrows_with_more_prompts():
+    """The bootstrap resamples prompts: all prompts alike give no width; the same spread of counts over 3x the
+    prompts gives a narrower interval around the same share; the seed makes it repeatable."""
+    assert bench_families.prompt_interval([16] * 8, 16) == (1.0, 1.0)
+    few = [16, 16, 4, 16, 9, 16, 16, 11]
+    lo, hi = bench_families.prompt_interval(few, 16)
+    share = sum(few) / (len(few) * 16)
+    assert lo < share < hi <= 1.0
+    lo3, hi3 = bench_families.prompt_interval(few * 3, 16)
+    assert lo < lo3 < share < hi3 < hi
+    assert bench_families.prompt_interval(few, 16) == (lo, hi)
 
 
 @pytest.mark.parametrize("args, says", [
@@ -108,7 +124,7 @@ def test_the_layer_study_reads_each_rows_most_sensitive_layer_from_the_page(tmp_
                     "| family | layer | type | KL | residual | adds |\n|---|---:|---|---:|---:|---:|\n"
                     "| Llama | 0 | full | 0.000327 | 0.032 | 1.771 |\n| Llama | 3 | full | 0.000493 | 3.019 | 1.006 |\n"
                     "| Gemma 3 | 0 | sliding | 0.000258 | 0.685 | 0.986 |\n| Gemma 3 | 1 | sliding | 0.000008 | 1.4 | 0.9 |\n")
-    assert study_family_layers.sensitive_layers(page) == (120, 64, {"Llama": (3, 0.000493), "Gemma 3": (0, 0.000258)})
+    assert study_family_layers.sensitive_layers(page) == (120, 64, 8, {"Llama": (3, 0.000493), "Gemma 3": (0, 0.000258)})
     page.write_text("# nothing measured\n")
     with pytest.raises(SystemExit, match="no trained families table with a layer table; run bench.bench_families"):
         study_family_layers.sensitive_layers(page)
