@@ -155,7 +155,7 @@ def main(argv=None):
     misses_section(out, parts, total)
     if args.markdown:
         out.write(args.markdown, "# Model families, trained: one sensitive layer on 8-bit codes\n\n"
-                  f"The rows of [trained families](families-trained.md) below the greedy target, with the layer its "
+                  "The rows of [trained families](families-trained.md) below the greedy target, with the layer its "
                   "layer table names (the largest KL alone at the default scheme) on 8-bit codes and the others "
                   "on the default: how much of the shortfall one layer holds, what a per-layer plan "
                   "(`kvcx calibrate`) spends bits on. The layer is the page's, not a calibration's. Then what the "
