@@ -20,6 +20,7 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 
+from kvcx.cache.layer_types import text_config
 from kvcx.codecs.intcodec import IntCodec
 from kvcx.codecs.widths import WidthCodec
 from kvcx.errors import KvcxError
@@ -36,7 +37,7 @@ def induction_scores(model, tokens: int = PROBE_TOKENS, trials: int = PROBE_TRIA
     layer). Random token ids from the middle of the vocabulary (no special tokens)."""
     import torch
 
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    cfg = text_config(model.config)
     vocab, heads, layers = int(cfg.vocab_size), int(cfg.num_attention_heads), int(cfg.num_hidden_layers)
     if tokens < 2 or trials < 1 or vocab < 16:
         raise KvcxError(f"induction probe: tokens={tokens} (at least 2), trials={trials} (at least 1) on a vocabulary "

@@ -26,14 +26,13 @@ class QueryCapture:
     scores with; the tap is removed on exit."""
 
     def __init__(self, model, window: int):
-        self.window, self.queries, self._model, self._block = window, {}, model, None
+        self.window, self.queries, self._model, self._stack = window, {}, model, contextlib.ExitStack()
         self._layers = len(decoder_of(model).layers)
 
     def __enter__(self):
         from kvcx.cache.query_tap import tapping_queries
 
-        self._block = tapping_queries(self._model, self._tap)
-        self._block.__enter__()
+        self._stack.enter_context(tapping_queries(self._model, self._tap))
         return self
 
     def _tap(self, module, query, key):
@@ -48,8 +47,7 @@ class QueryCapture:
         self.queries[i] = q if prev is None else torch.cat([prev, q], dim=1)[:, -self.window:]
 
     def __exit__(self, *exc):
-        block, self._block = self._block, None
-        return block.__exit__(*exc) if block is not None else False
+        return self._stack.__exit__(*exc)
 
     def numpy(self) -> List[Optional[np.ndarray]]:
         """Per decoder layer, its queries ``[query heads, tokens, head_dim]``; None for a layer whose attention did
