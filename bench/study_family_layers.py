@@ -4,12 +4,14 @@ default: does one sensitive layer hold the shortfall? (What a per-layer plan, ``
 on; here the layer is the page's, not a calibration's.) And what the misses are made of: where each prompt's greedy
 tokens first leave the reference's, the reference's top-1 lead (probability) at that step, beside the same for the
 model in BF16; every layer's keys alone on 8-bit codes, then its values alone (greedy and, fed the text, KL): which
-half of the default's codes the shortfall comes from.
+half of the default's codes the shortfall comes from; in mixture-of-experts rows, the steps where a router picks other
+experts with the default scheme's cache than with the reference's, and the share of the KL they hold.
 
     python -m bench.study_family_layers [--page docs/results/families-trained.md] [--markdown docs/results/families-layer-plan.md]
 
 The models are trained as the page's were (bench.families.train, the same seed and steps: the page's title), and
-prompted with the same 8 held-out windows, 16 greedy tokens each, against DynamicCache (FP32, eager attention).
+prompted with the same held-out windows (as many as the page's title names), 16 greedy tokens each, against
+DynamicCache (FP32, eager attention).
 """
 from __future__ import annotations
 
@@ -65,6 +67,46 @@ def with_bits(kv, kind: str, bits: int):
     return KVConfig(key=codecs["key"], value=codecs["value"], scheme=f"{kv.scheme}, {kind}s {bits}-bit")
 
 
+class RouteRecorder:
+    """The experts a mixture-of-experts model's routers pick for each forward's last token: a context manager that
+    hooks every router (a module with an integer ``top_k`` whose class name says Router) and appends, per forward,
+    one tuple of each router's picked experts (a frozenset a router); :attr:`routers` 0 for a dense model."""
+
+    def __init__(self, model):
+        self.forwards, self._hooks, self._step = [], [], []
+        self._mods = [m for m in model.modules() if "router" in type(m).__name__.lower()
+                      and isinstance(getattr(m, "top_k", None), int)]
+        self.routers = len(self._mods)
+
+    def _hook(self, mod, inp, out):
+        import torch
+
+        outs = out if isinstance(out, tuple) else (out,)
+        picked = [t for t in outs if isinstance(t, torch.Tensor) and not t.is_floating_point()]
+        rows = picked[-1] if picked else outs[0].topk(mod.top_k, -1).indices   # indices, else the logits' top-k
+        self._step.append(frozenset(rows.reshape(-1, rows.shape[-1])[-1].tolist()))
+        if len(self._step) == self.routers:
+            self.forwards.append(tuple(self._step))
+            self._step = []
+
+    def __enter__(self):
+        self._hooks = [m.register_forward_hook(self._hook) for m in self._mods]
+        return self
+
+    def __exit__(self, *exc):
+        for h in self._hooks:
+            h.remove()
+        return False
+
+
+def step_kl(ref_logits, logits) -> list:
+    """KL(ref || other) of each step's next-token distribution (rows [1, steps, vocab])."""
+    import torch
+
+    lp, lq = torch.log_softmax(ref_logits[0], -1), torch.log_softmax(logits[0], -1)
+    return (lp.exp() * (lp - lq)).sum(-1).tolist()
+
+
 def _leads(divs: list) -> str:
     return ", ".join(f"{lead:.4f}" for _, lead in sorted(d for d in divs if d is not None)) or "-"
 
@@ -109,18 +151,25 @@ def main(argv=None):
         train(model, head, train_steps)
         kv = KVConfig(key=base.key, value=base.value, scheme=base.scheme, layer_bits=((layer, 8, 8),))
         default = promoted = 0
-        part = dict(name=name, divs=[], bf_divs=[], kl=[], **{h: 0 for h in halves}, **{h + "_kl": [] for h in halves})
+        part = dict(name=name, divs=[], bf_divs=[], kl=[], routes=[], **{h: 0 for h in halves},
+                    **{h + "_kl": [] for h in halves})
         items, refs = text_prompts(held, 8 * window, args.steps, n_prompts), []
         for ids, mask, nxt in items:
             model.set_attn_implementation("eager")
             ref, ref_logits = decode(model, DynamicCache(config=model.config), ids, mask, args.steps)
             refs.append((ref, ref_logits))
-            _, ref_text = decode(model, DynamicCache(config=model.config), ids, mask, args.steps, forced=nxt)
+            with RouteRecorder(model) as ref_routes:
+                _, ref_text = decode(model, DynamicCache(config=model.config), ids, mask, args.steps, forced=nxt)
             model.set_attn_implementation("kvcx")
             tokens = decode(model, KvcxCache(model.config), ids, mask, args.steps)[0]
             default += int((tokens == ref).sum())
             part["divs"].append(first_divergence(tokens, ref, ref_logits))
-            part["kl"].append(kl(ref_text, decode(model, KvcxCache(model.config), ids, mask, args.steps, forced=nxt)[1]))
+            with RouteRecorder(model) as routes:
+                text_logits = decode(model, KvcxCache(model.config), ids, mask, args.steps, forced=nxt)[1]
+            part["kl"].append(kl(ref_text, text_logits))
+            if routes.routers:   # each step after the prompt: whether any router picked other experts, and its KL
+                part["routes"] += [(a != b, x) for a, b, x in zip(ref_routes.forwards[1:], routes.forwards[1:],
+                                                                 step_kl(ref_text, text_logits)[1:])]
             promoted += int((decode(model, KvcxCache(model.config, kv_config=kv), ids, mask, args.steps)[0]
                              == ref).sum())
             for half, hkv in halves.items():
@@ -153,6 +202,7 @@ def main(argv=None):
         "models' 4 is a quarter of the cache (about 5 bits a value on average); one layer of a 32-layer model "
         "would add 0.125 bits a value.")
     misses_section(out, parts, total)
+    routing_section(out, parts)
     if args.markdown:
         out.write(args.markdown, "# Model families, trained: one sensitive layer on 8-bit codes\n\n"
                   "The rows of [trained families](families-trained.md) below the greedy target, with the layer its "
@@ -160,8 +210,9 @@ def main(argv=None):
                   "on the default: how much of the shortfall one layer holds, what a per-layer plan "
                   "(`kvcx calibrate`) spends bits on. The layer is the page's, not a calibration's. Then what the "
                   "misses are made of: the reference's top-1 lead where each prompt's greedy tokens first leave "
-                  "it (the default scheme beside the model's own BF16), and which half of the default's codes, "
-                  "keys or values, holds the KL.")
+                  "it (the default scheme beside the model's own BF16), which half of the default's codes, "
+                  "keys or values, holds the KL, and in mixture-of-experts rows how much of it the steps hold "
+                  "where a router picks other experts.")
 
 
 def misses_section(out, parts: list, total: int) -> None:
@@ -203,6 +254,30 @@ def misses_section(out, parts: list, total: int) -> None:
     out(("" if leads else "\n") + "Which half of the default's codes holds more of the KL: the keys (8-bit keys "
         "leave less KL than 8-bit values) in " + (", ".join(keys_first) or "no row") + "; the values in "
         + (", ".join(values_first) or "no row") + ".")
+
+
+def routing_section(out, parts: list) -> None:
+    """Mixture-of-experts rows: the teacher-forced steps where the default scheme's cache makes a router pick other
+    experts than the reference's, and the share of the KL those steps hold."""
+    moe = [p for p in parts if p["routes"]]
+    if not moe:
+        return
+    out("\n## Mixture-of-experts rows: routing\n")
+    out("Fed the text's own next bytes, each step after the prompt: whether any layer's router picks other experts "
+        "for the token with the default scheme's cache than with the reference's, and the KL at those steps against "
+        "the others'. A router's top-k is a discontinuity: a small change in the hidden state that flips it changes "
+        "the layer's output by a whole expert.\n")
+    out("| family | steps | steps a router picks other experts | mean KL there (nats) | mean KL elsewhere | their "
+        "share of the KL |")
+    out("|---|---:|---:|---:|---:|---:|")
+    for p in moe:
+        flip = [x for f, x in p["routes"] if f]
+        same = [x for f, x in p["routes"] if not f]
+        total = sum(flip) + sum(same)
+        out(f"| {p['name']} | {len(p['routes'])} | {len(flip)} | "
+            + (f"{sum(flip) / len(flip):.6f}" if flip else "-") + " | "
+            + (f"{sum(same) / len(same):.6f}" if same else "-")
+            + f" | {sum(flip) / total if total > 0 else 0.0:.0%} |")
 
 
 if __name__ == "__main__":

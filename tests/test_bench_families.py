@@ -219,3 +219,49 @@ def test_the_gate_page_runs_every_part_of_the_gate_on_a_family(tmp_path, wikitex
         with pytest.raises(SystemExit) as exc:
             bench_families_gate.main(args)
         assert exc.value.code == 2
+
+
+def test_the_route_recorder_reads_each_routers_experts_for_each_forward():
+    """On a tiny Qwen3-MoE: one entry a forward (the prompt, then each step), one set of top_k experts a router; the
+    same cache twice picks the same experts; a dense model has no routers."""
+    import torch
+    from transformers import DynamicCache
+
+    from bench.families import build, decode, family_configs, prompts, temper
+    from bench.study_family_layers import RouteRecorder, step_kl
+
+    configs = family_configs(16, 128)
+    cfg = configs["Qwen3-MoE"]()
+    torch.manual_seed(0)
+    model = temper(build(cfg), "Qwen3-MoE")
+    model.set_attn_implementation("eager")
+    ids, mask = prompts(1, 32)
+    runs = []
+    for _ in range(2):
+        with RouteRecorder(model) as rec:
+            _, logits = decode(model, DynamicCache(config=model.config), ids, mask, 3)
+        runs.append((rec, logits))
+    rec = runs[0][0]
+    assert rec.routers == cfg.num_hidden_layers and len(rec.forwards) == 3
+    assert all(len(f) == rec.routers and all(len(e) == cfg.num_experts_per_tok for e in f) for f in rec.forwards)
+    assert rec.forwards == runs[1][0].forwards
+    assert step_kl(runs[0][1], runs[1][1]) == pytest.approx([0.0] * 3, abs=1e-6)
+    dense = temper(build(configs["Llama"]()), "Llama")
+    with RouteRecorder(dense) as none:
+        decode(dense, DynamicCache(config=dense.config), ids, mask, 2)
+    assert none.routers == 0 and none.forwards == []
+
+
+def test_the_routing_section_says_how_much_of_the_kl_the_flipped_steps_hold():
+    from bench.report import Report
+    from bench.study_family_layers import routing_section
+
+    out = Report()
+    routing_section(out, [{"name": "Llama", "routes": []},
+                          {"name": "Qwen3-MoE", "routes": [(True, 0.03), (False, 0.001), (False, 0.002), (True, 0.01)]}])
+    row = next(line for line in out.lines if line.startswith("| Qwen3-MoE |"))
+    assert row == "| Qwen3-MoE | 4 | 2 | 0.020000 | 0.001500 | 93% |"
+    assert not any(line.startswith("| Llama |") for line in out.lines)
+    empty = Report()
+    routing_section(empty, [{"name": "Llama", "routes": []}])
+    assert empty.lines == []
