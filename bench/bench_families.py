@@ -199,9 +199,10 @@ def run_trained(name: str, cfg_fn, window: int, steps: int, keep: bool, n_prompt
         model.set_attn_implementation("kvcx")
         for col, kw in caches.items():
             free, _ = decode(model, KvcxCache(model.config, **kw, **opts), ids, mask, steps)
-            tally[col] += int((free == ref).sum())
+            hits = int((free == ref).sum())
+            tally[col] += hits
             if col == "greedy":
-                per_prompt.append(int((free == ref).sum()))
+                per_prompt.append(hits)
         for col, kw, out in (("text_top1", {}, kls), ("peer_text_top1", {"scheme": PEER}, peer_kls)):
             _, logits = decode(model, KvcxCache(model.config, **kw, **opts), ids, mask, steps, forced=nxt)
             tally[col] += int((logits.argmax(-1) == ref_text.argmax(-1)).sum())

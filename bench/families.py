@@ -226,12 +226,18 @@ def decoded_caches(model, ids, mask, steps: int, **kvcx):
     return dynamic, cache
 
 
-def kl(ref_logits, logits) -> float:
-    """Mean KL(ref || kvcx) of the next-token distributions, over rows and steps."""
+def step_kl(ref_logits, logits):
+    """KL(ref || kvcx) of each row's and step's next-token distribution: [rows, steps] from logits [rows, steps,
+    vocab]."""
     import torch
 
     lp, lq = torch.log_softmax(ref_logits, -1), torch.log_softmax(logits, -1)
-    return float((lp.exp() * (lp - lq)).sum(-1).mean())
+    return (lp.exp() * (lp - lq)).sum(-1)
+
+
+def kl(ref_logits, logits) -> float:
+    """Mean KL(ref || kvcx) of the next-token distributions, over rows and steps."""
+    return float(step_kl(ref_logits, logits).mean())
 
 
 def attention_branch(model, ids, mask, tail: int = 64) -> dict:

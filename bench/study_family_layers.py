@@ -21,7 +21,8 @@ import time
 from pathlib import Path
 
 from bench.bench_families import TARGET_TOKENS
-from bench.families import DEFAULT_TEXT, build, decode, family_configs, kl, temper, text_bytes, text_prompts, train
+from bench.families import (DEFAULT_TEXT, build, decode, family_configs, kl, step_kl, temper, text_bytes, text_prompts,
+                            train)
 from bench.report import Report
 
 PAGE = Path(__file__).resolve().parents[1] / "docs/results/families-trained.md"
@@ -99,14 +100,6 @@ class RouteRecorder:
         return False
 
 
-def step_kl(ref_logits, logits) -> list:
-    """KL(ref || other) of each step's next-token distribution (rows [1, steps, vocab])."""
-    import torch
-
-    lp, lq = torch.log_softmax(ref_logits[0], -1), torch.log_softmax(logits[0], -1)
-    return (lp.exp() * (lp - lq)).sum(-1).tolist()
-
-
 def _leads(divs: list) -> str:
     return ", ".join(f"{lead:.4f}" for _, lead in sorted(d for d in divs if d is not None)) or "-"
 
@@ -169,7 +162,7 @@ def main(argv=None):
             part["kl"].append(kl(ref_text, text_logits))
             if routes.routers:   # each step after the prompt: whether any router picked other experts, and its KL
                 part["routes"] += [(a != b, x) for a, b, x in zip(ref_routes.forwards[1:], routes.forwards[1:],
-                                                                 step_kl(ref_text, text_logits)[1:])]
+                                                                 step_kl(ref_text, text_logits)[0, 1:].tolist())]
             promoted += int((decode(model, KvcxCache(model.config, kv_config=kv), ids, mask, args.steps)[0]
                              == ref).sum())
             for half, hkv in halves.items():
