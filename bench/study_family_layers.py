@@ -5,9 +5,16 @@ on; here the layer is the page's, not a calibration's.) And what the misses are 
 tokens first leave the reference's, the reference's top-1 lead (probability) at that step, beside the same for the
 model in BF16; every layer's keys alone on 8-bit codes, then its values alone (greedy and, fed the text, KL): which
 half of the default's codes the shortfall comes from; in mixture-of-experts rows, the steps where a router picks other
-experts with the default scheme's cache than with the reference's, and the share of the KL they hold.
+experts with the default scheme's cache than with the reference's, and the share of the KL they hold; beside the
+default, the peer a transformers user reaches for, transformers' own QuantizedCache (quanto int4, groups of 64), on
+the same prompts where it takes the family (it refuses sliding layers: then its message).
 
     python -m bench.study_family_layers [--page docs/results/families-trained.md] [--markdown docs/results/families-layer-plan.md]
+        [--other-machine docs/results/history/families-trained-avx512.md]
+
+``--other-machine``: a trained page the same command wrote on another machine; a section sets its greedy columns
+beside the page's, every family (the same seeds, steps, text and prompts; the training's float rounding differs with
+the CPU's instruction set, so the weights do).
 
 The models are trained as the page's were (bench.families.train, the same seed and steps: the page's title), and
 prompted with the same held-out windows (as many as the page's title names), 16 greedy tokens each, against
@@ -100,6 +107,30 @@ class RouteRecorder:
         return False
 
 
+QUANTO = "QuantizedCache (quanto int4 g64, residual 64)"
+
+
+def quanto_cache(model):
+    """A factory of transformers' QuantizedCache for ``model`` (optimum-quanto's int4 codes in groups of 64, a scale
+    and a shift each: 4.5 bits a value counted in FP16 as a GPU holds them; a residual of 64 full-precision tokens,
+    KvcxCache's), or, where there is none, the reason (a string): optimum-quanto missing, or transformers' own
+    refusal (QuantizedCache takes full-attention models only)."""
+    try:
+        import optimum.quanto  # noqa: F401
+        from transformers import QuantizedCache
+    except ImportError:
+        return "optimum-quanto not installed (pip install kvcx[peers])"
+
+    def make():
+        return QuantizedCache("quanto", model.config, nbits=4, q_group_size=64, residual_length=64)
+
+    try:
+        make()
+    except ValueError as e:
+        return f"refused: {str(e).splitlines()[0]}"
+    return make
+
+
 def _leads(divs: list) -> str:
     return ", ".join(f"{lead:.4f}" for _, lead in sorted(d for d in divs if d is not None)) or "-"
 
@@ -110,7 +141,12 @@ def main(argv=None):
     ap.add_argument("--text", type=Path, default=DEFAULT_TEXT, help="the text the page's models trained on")
     ap.add_argument("--steps", type=int, default=16, help="greedy tokens after each prompt")
     ap.add_argument("--markdown", type=Path, default=None, help="also write the table to this file")
+    ap.add_argument("--other-machine", type=Path, default=None,
+                    help="a trained families page written on another machine, set beside --page's")
     args = ap.parse_args(argv)
+    if args.other_machine is not None and not args.other_machine.is_file():
+        ap.error(f"--other-machine {args.other_machine}: no such file; give a page bench.bench_families "
+                 "--train-steps N --markdown wrote")
     if not args.page.is_file() or not args.text.is_file() or args.steps < 1:
         ap.error(f"--page {args.page} / --text {args.text} / --steps {args.steps}: both files are needed, and 1 "
                  "greedy token or more")
@@ -146,6 +182,8 @@ def main(argv=None):
         default = promoted = 0
         part = dict(name=name, divs=[], bf_divs=[], kl=[], routes=[], **{h: 0 for h in halves},
                     **{h + "_kl": [] for h in halves})
+        peer = quanto_cache(model)
+        part.update(quanto=0, quanto_kl=[], quanto_why=peer if isinstance(peer, str) else "")
         items, refs = text_prompts(held, 8 * window, args.steps, n_prompts), []
         for ids, mask, nxt in items:
             model.set_attn_implementation("eager")
@@ -153,6 +191,9 @@ def main(argv=None):
             refs.append((ref, ref_logits))
             with RouteRecorder(model) as ref_routes:
                 _, ref_text = decode(model, DynamicCache(config=model.config), ids, mask, args.steps, forced=nxt)
+            if callable(peer):   # the peer on the reference's own attention (eager), as a transformers user runs it
+                part["quanto"] += int((decode(model, peer(), ids, mask, args.steps)[0] == ref).sum())
+                part["quanto_kl"].append(kl(ref_text, decode(model, peer(), ids, mask, args.steps, forced=nxt)[1]))
             model.set_attn_implementation("kvcx")
             tokens = decode(model, KvcxCache(model.config), ids, mask, args.steps)[0]
             default += int((tokens == ref).sum())
@@ -179,6 +220,7 @@ def main(argv=None):
         specs = KvcxCache(model.config).specs
         n_packed = sum(s.packed for s in specs)
         part["latent"] = any(s.latent for s in specs)   # MLA: the cache's keys are the latent, its values the RoPE key
+        part["default"] = default
         rows.append((name, layer, layer_kl, n_packed, default, promoted))
         parts.append(part)
         print(f"  {name}: {time.perf_counter() - t:.0f} s", flush=True)
@@ -194,8 +236,11 @@ def main(argv=None):
     out(f"\nWith that one layer on 8-bit codes, {met} of {len(rows)} rows meet the target. One layer of these "
         "models' 4 is a quarter of the cache (about 5 bits a value on average); one layer of a 32-layer model "
         "would add 0.125 bits a value.")
+    peer_section(out, parts, total)
     misses_section(out, parts, total)
     routing_section(out, parts)
+    if args.other_machine is not None:
+        machines_section(out, args.page, args.other_machine)
     if args.markdown:
         out.write(args.markdown, "# Model families, trained: one sensitive layer on 8-bit codes\n\n"
                   "The rows of [trained families](families-trained.md) below the greedy target, with the layer its "
@@ -205,7 +250,37 @@ def main(argv=None):
                   "misses are made of: the reference's top-1 lead where each prompt's greedy tokens first leave "
                   "it (the default scheme beside the model's own BF16), which half of the default's codes, "
                   "keys or values, holds the KL, and in mixture-of-experts rows how much of it the steps hold "
-                  "where a router picks other experts.")
+                  "where a router picks other experts. Beside the default, transformers' own QuantizedCache on the "
+                  "same prompts" + ("; and every family's greedy columns beside the same training run on another "
+                                    "machine." if args.other_machine is not None else "."))
+
+
+def peer_section(out, parts: list, total: int) -> None:
+    """The rows beside transformers' own quantized cache on the same prompts (``parts``: a dict a row from main's
+    loop, its ``quanto`` count and KLs, or ``quanto_why`` where the peer did not run)."""
+    def mean(xs):
+        return sum(xs) / len(xs)
+
+    out("\n## Beside transformers' QuantizedCache\n")
+    out(f"The same prompts with the peer a transformers user reaches for: {QUANTO} (optimum-quanto's asymmetric int4 "
+        "codes in groups of 64 along the head dim, a scale and a shift each: 4.5 bits a value with them in FP16, "
+        "against the default scheme's 4.43), on the reference's own eager attention. Greedy against DynamicCache's "
+        "tokens; KL fed the text's own next bytes.\n")
+    out(f"| family | greedy, default scheme | KL (nats), default | greedy, {QUANTO} | KL (nats), {QUANTO} |")
+    out("|---|---:|---:|---:|---:|")
+    for p in parts:
+        peer = ((f"{p['quanto'] / total:.1%} ({p['quanto']})", f"{mean(p['quanto_kl']):.6f}") if not p["quanto_why"]
+                else (p["quanto_why"].replace("|", "/"), "-"))
+        out(f"| {p['name']} | {p['default'] / total:.1%} ({p['default']}) | {mean(p['kl']):.6f} | {peer[0]} "
+            f"| {peer[1]} |")
+    ran = [p for p in parts if not p["quanto_why"]]
+    if ran:
+        below = [p["name"] for p in ran if p["quanto"] < TARGET_TOKENS * total]
+        out(f"\n{QUANTO} meets the greedy target in {len(ran) - len(below)} of the {len(ran)} rows it takes"
+            + (f" (below it: {', '.join(below)})" if below else "") + "; its tokens equal DynamicCache's "
+            + ("more" if sum(p["quanto"] for p in ran) > sum(p["default"] for p in ran) else "no more")
+            + " often than the default scheme's in those rows together ("
+            + f"{sum(p['quanto'] for p in ran)} against {sum(p['default'] for p in ran)} of {len(ran) * total}).")
 
 
 def misses_section(out, parts: list, total: int) -> None:
@@ -271,6 +346,50 @@ def routing_section(out, parts: list) -> None:
             + (f"{sum(flip) / len(flip):.6f}" if flip else "-") + " | "
             + (f"{sum(same) / len(same):.6f}" if same else "-")
             + f" | {sum(flip) / total if total > 0 else 0.0:.0%} |")
+
+
+def trained_table(page: Path) -> tuple:
+    """(the Machine line, {family: its cells}) of a trained families page's main table (bench_families's columns:
+    family, training loss, greedy default, 8-bit, fp8_e4m3, BF16, ...)."""
+    from bench.publish import table
+
+    machine = re.search(r"Machine: (.*?)\. Date", page.read_text())
+    rows = {k: v for k, v in table(page, "Every family trained").items() if isinstance(k, str) and k != "family"}
+    if machine is None or not rows:
+        raise SystemExit(f"{page}: no trained families table with a Machine line; write it with bench.bench_families "
+                         "--train-steps N --markdown")
+    return machine.group(1), rows
+
+
+def machines_section(out, page: Path, other: Path) -> None:
+    """Every family's greedy columns on ``page`` beside ``other``'s, the same run written on another machine."""
+    def share(cell):
+        return float(cell.split("%")[0])
+
+    here_m, here = trained_table(page)
+    there_m, there = trained_table(other)
+    both = [f for f in here if f in there]
+    out("\n## The same seeded training on another machine\n")
+    out(f"`{page.name}` (Machine: {here_m}) beside `{other.as_posix().split('docs/', 1)[-1]}`, the same command on "
+        f"another machine (Machine: {there_m}): the same seeds, steps, text and prompts. The training's float "
+        "rounding follows the CPU's instruction set (torch picks its kernels by it), so 200 steps end on other "
+        "weights: another draw of each tiny model, not another cache. Greedy against DynamicCache's tokens; "
+        "training loss: the mean of its last 10 steps (nats a byte).\n")
+    out("| family | training loss, here | there | greedy, default scheme, here | there | greedy, 8-bit codes, here "
+        "| there | greedy, the model in BF16, here | there |")
+    out("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for f in both:
+        a, b = here[f], there[f]
+        out(f"| {f} | {a[1].split('-> ')[-1]} | {b[1].split('-> ')[-1]} | {a[2]} | {b[2]} | {a[3]} | {b[3]} "
+            f"| {a[5]} | {b[5]} |")
+    met = [f for f in both if share(here[f][2]) >= 100 * TARGET_TOKENS]
+    met_there = [f for f in both if share(there[f][2]) >= 100 * TARGET_TOKENS]
+    below_both = [f for f in both if f not in met and f not in met_there]
+    moved = max(both, key=lambda f: abs(share(here[f][2]) - share(there[f][2])))
+    out(f"\nThe default scheme meets the greedy target (>= 90 %) in {len(met)} of {len(both)} rows here and in "
+        f"{len(met_there)} there; below it on both machines: {', '.join(below_both) or 'no row'}. The largest "
+        f"move between the two draws: {moved}, {share(there[moved][2]):.1f} % there, {share(here[moved][2]):.1f} % "
+        "here.")
 
 
 if __name__ == "__main__":

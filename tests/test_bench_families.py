@@ -197,6 +197,24 @@ def test_the_layer_study_runs_end_to_end_on_a_briefly_trained_model(tmp_path):
     assert misses and all(0 <= int(n) <= 32 for n in misses.groups()[2:])
     assert "Which half of the default's codes holds more of the KL" in text
     assert "the RoPE key on 8-bit codes" not in text   # (said for an MLA family only)
+    # transformers' QuantizedCache takes Llama (full attention only): its count out of the same 32 tokens, the default
+    # scheme's count the same as the first table's
+    peer = re.search(r"\| Llama \| [\d.]+% \((\d+)\) \| [\d.]+ \| [\d.]+% \((\d+)\) \| [\d.]+ \|", text)
+    assert peer and peer.group(1) == plan.group(1) and 0 <= int(peer.group(2)) <= 32
+    assert re.search(r"meets the greedy target in [01] of the 1 rows it takes", text)
+
+
+def test_the_peer_is_transformers_quantized_cache_or_its_own_refusal():
+    """quanto_cache: a factory of transformers' QuantizedCache for a full-attention family; for a family with
+    sliding layers transformers' own refusal, said, not a cache."""
+    from bench.families import build, family_configs
+    from bench.study_family_layers import quanto_cache
+
+    configs = family_configs(32, 256)
+    make = quanto_cache(build(configs["Llama"]()))
+    assert callable(make) and type(make()).__name__ == "QuantizedCache"
+    why = quanto_cache(build(configs["Gemma 4"]()))
+    assert isinstance(why, str) and why.startswith("refused:") and "full attention" in why
 
 
 def test_the_gate_page_runs_every_part_of_the_gate_on_a_family(tmp_path, wikitext_path, loaded):
@@ -266,3 +284,38 @@ def test_the_routing_section_says_how_much_of_the_kl_the_flipped_steps_hold():
     empty = Report()
     routing_section(empty, [{"name": "Llama", "routes": []}])
     assert empty.lines == []
+
+
+def _trained_page(path, machine, rows):
+    """A trained families page as bench_families writes it: the Machine line and the main table's first columns."""
+    path.write_text(f"Command: x. Machine: {machine}. Date: 2026-12-07.\n\n## Every family trained 200 steps, batch 1: "
+                    "24 held-out prompts\n\n| family | training loss | greedy, default scheme | greedy, 8-bit codes "
+                    "| greedy, fp8_e4m3 (vLLM) | greedy, the model in BF16 |\n|---|---:|---:|---:|---:|---:|\n"
+                    + "".join(f"| {f} | 5.6 -> {loss} | {d} | 100.0% (384) | 90.0% (346) | {bf} |\n"
+                              for f, loss, d, bf in rows))
+    return path
+
+
+def test_the_machines_section_sets_two_runs_greedy_columns_side_by_side(tmp_path):
+    """Two machines' trained pages: a row per family in both, each side's cells as its page has them, the target's
+    count on each side, the rows below it on both and the largest move."""
+    from bench.report import Report
+    from bench.study_family_layers import machines_section
+
+    here = _trained_page(tmp_path / "families-trained.md", "AVX2 box", [
+        ("Llama", "2.27", "88.3% (339)", "60.0% (230)"), ("Qwen3", "2.08", "95.6% (367)", "92.2% (354)"),
+        ("Gemma 4", "1.91", "80.0% (307)", "72.4% (278)")])
+    (tmp_path / "history").mkdir()
+    there = _trained_page(tmp_path / "history" / "families-trained-avx512.md", "AVX-512 box", [
+        ("Llama", "2.25", "75.5% (290)", "58.1% (223)"), ("Qwen3", "2.09", "96.0% (369)", "93.0% (357)"),
+        ("Gemma 4", "1.90", "87.8% (337)", "70.0% (269)")])
+    out = Report()
+    machines_section(out, here, there)
+    page = tmp_path / "out.md"
+    out.write(page, "# t\n\n")
+    text = page.read_text()
+    assert "(Machine: AVX2 box)" in text and "(Machine: AVX-512 box)" in text
+    assert "| Llama | 2.27 | 2.25 | 88.3% (339) | 75.5% (290) | 100.0% (384) | 100.0% (384) | 60.0% (230) | 58.1% (223) |" \
+        in text
+    assert "in 1 of 3 rows here and in 1 there; below it on both machines: Llama, Gemma 4" in text
+    assert "The largest move between the two draws: Llama, 75.5 % there, 88.3 % here." in text
