@@ -131,6 +131,10 @@ def quanto_cache(model):
     return make
 
 
+def _mean(xs) -> float:
+    return sum(xs) / len(xs)
+
+
 def _leads(divs: list) -> str:
     return ", ".join(f"{lead:.4f}" for _, lead in sorted(d for d in divs if d is not None)) or "-"
 
@@ -150,6 +154,8 @@ def main(argv=None):
     if not args.page.is_file() or not args.text.is_file() or args.steps < 1:
         ap.error(f"--page {args.page} / --text {args.text} / --steps {args.steps}: both files are needed, and 1 "
                  "greedy token or more")
+    if args.other_machine is not None:
+        trained_table(args.other_machine)   # its table and Machine line, or one line, before any model trains
     train_steps, window, n_prompts, worst = sensitive_layers(args.page)
     try:   # the text's and the prompts' own checks, before any model trains
         head, held = text_bytes(args.text)
@@ -258,9 +264,6 @@ def main(argv=None):
 def peer_section(out, parts: list, total: int) -> None:
     """The rows beside transformers' own quantized cache on the same prompts (``parts``: a dict a row from main's
     loop, its ``quanto`` count and KLs, or ``quanto_why`` where the peer did not run)."""
-    def mean(xs):
-        return sum(xs) / len(xs)
-
     out("\n## Beside transformers' QuantizedCache\n")
     out(f"The same prompts with the peer a transformers user reaches for: {QUANTO} (optimum-quanto's asymmetric int4 "
         "codes in groups of 64 along the head dim, a scale and a shift each: 4.5 bits a value with them in FP16, "
@@ -269,9 +272,9 @@ def peer_section(out, parts: list, total: int) -> None:
     out(f"| family | greedy, default scheme | KL (nats), default | greedy, {QUANTO} | KL (nats), {QUANTO} |")
     out("|---|---:|---:|---:|---:|")
     for p in parts:
-        peer = ((f"{p['quanto'] / total:.1%} ({p['quanto']})", f"{mean(p['quanto_kl']):.6f}") if not p["quanto_why"]
+        peer = ((f"{p['quanto'] / total:.1%} ({p['quanto']})", f"{_mean(p['quanto_kl']):.6f}") if not p["quanto_why"]
                 else (p["quanto_why"].replace("|", "/"), "-"))
-        out(f"| {p['name']} | {p['default'] / total:.1%} ({p['default']}) | {mean(p['kl']):.6f} | {peer[0]} "
+        out(f"| {p['name']} | {p['default'] / total:.1%} ({p['default']}) | {_mean(p['kl']):.6f} | {peer[0]} "
             f"| {peer[1]} |")
     ran = [p for p in parts if not p["quanto_why"]]
     if ran:
@@ -285,9 +288,6 @@ def peer_section(out, parts: list, total: int) -> None:
 
 def misses_section(out, parts: list, total: int) -> None:
     """The section on what the misses are made of (``parts``: a dict a row from main's loop)."""
-    def mean(xs):
-        return sum(xs) / len(xs)
-
     out("\n## What the misses are made of\n")
     out("Where each prompt's greedy tokens first leave the reference's, and the reference's top-1 lead (probability: "
         "its first token's minus its second's) at that step, for the default scheme and for the model in BF16 "
@@ -301,8 +301,8 @@ def misses_section(out, parts: list, total: int) -> None:
         left = sum(d is not None for d in p["divs"])
         bf_left = sum(d is not None for d in p["bf_divs"])
         out(f"| {p['name']} | {left} of {len(p['divs'])} | {_leads(p['divs'])} | {bf_left} of {len(p['bf_divs'])} "
-            f"| {_leads(p['bf_divs'])} | {mean(p['kl']):.6f} | {p['keys'] / total:.1%} ({p['keys']}) "
-            f"| {mean(p['keys_kl']):.6f} | {p['values'] / total:.1%} ({p['values']}) | {mean(p['values_kl']):.6f} |")
+            f"| {_leads(p['bf_divs'])} | {_mean(p['kl']):.6f} | {p['keys'] / total:.1%} ({p['keys']}) "
+            f"| {_mean(p['keys_kl']):.6f} | {p['values'] / total:.1%} ({p['values']}) | {_mean(p['values_kl']):.6f} |")
     leads = sorted(d[1] for p in parts for d in p["divs"] if d is not None)
     bf_leads = sorted(d[1] for p in parts for d in p["bf_divs"] if d is not None)
     if leads:
@@ -316,9 +316,9 @@ def misses_section(out, parts: list, total: int) -> None:
         out(f"In {', '.join(latent)} transformers hands the MLA layer's cache the compressed latent as its keys and the "
             "shared RoPE key as its values: there the keys columns are the latent on 8-bit codes, the values columns "
             "the RoPE key on 8-bit codes.")
-    halves = sorted(parts, key=lambda p: mean(p["keys_kl"]) - mean(p["values_kl"]))
-    keys_first = [p["name"] for p in halves if mean(p["keys_kl"]) < mean(p["values_kl"])]
-    values_first = [p["name"] for p in halves if mean(p["keys_kl"]) > mean(p["values_kl"])]
+    halves = sorted(parts, key=lambda p: _mean(p["keys_kl"]) - _mean(p["values_kl"]))
+    keys_first = [p["name"] for p in halves if _mean(p["keys_kl"]) < _mean(p["values_kl"])]
+    values_first = [p["name"] for p in halves if _mean(p["keys_kl"]) > _mean(p["values_kl"])]
     out(("" if leads else "\n") + "Which half of the default's codes holds more of the KL: the keys (8-bit keys "
         "leave less KL than 8-bit values) in " + (", ".join(keys_first) or "no row") + "; the values in "
         + (", ".join(values_first) or "no row") + ".")

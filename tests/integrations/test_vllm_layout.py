@@ -19,6 +19,7 @@ else:
 from kvcx.codecs.dtypes import BFLOAT16  # noqa: E402
 from kvcx.formats.chunk import ChunkCodec  # noqa: E402
 from kvcx.formats.layouts import VllmCpu  # noqa: E402
+from kvcx.integrations.lmcache import host_has_amx  # noqa: E402
 
 from helpers import codec_roundtrip  # noqa: E402
 
@@ -64,8 +65,6 @@ def _np(t):
 # The amx cases run where vLLM itself would pick amx, a CPU with AMX tiles (its cpu_attn asks torch the same): vLLM's
 # amx kernel raises "Unsupported CPU attention configuration" on any other CPU, so there is nothing of vLLM's to
 # read there (the vec layouts are this CPU's)
-from kvcx.integrations.lmcache import host_has_amx  # noqa: E402
-
 CASES = [(isa, bs, d, dt) for isa, bs, d in [("vec", 128, 64), ("vec", 32, 128), ("vec16", 32, 80)]
          for dt in ("bfloat16", "float16")] + ([("amx", 32, 64, "bfloat16"), ("amx", 64, 128, "bfloat16")]
                                                if host_has_amx() else [])
