@@ -19,20 +19,3 @@ def on_page_markdown(markdown, page, config, files):
     docs = typer.cli.get_docs_for_click(obj=command, ctx=ctx, name="kvcx", title="Commands")
     return markdown.replace(PLACEHOLDER, docs.strip().replace("\n# ", "\n## "))
 
-
-def on_config(config):
-    """The kernel variants this CPU cannot run (kvcx.codecs.cpu.VARIANTS, e.g. x86-64-v4 on a CPU without AVX-512)
-    are built beside the others, and the API reference's loader (griffe) imports every submodule it finds: importing
-    one runs its module init, compiled for the other instruction set, and the build dies of SIGILL. They are private
-    (the reference filters ``_`` names out), so the build sees each of them as an empty module instead; kvcx itself
-    never imports them on such a CPU (``kvcx.codecs.cpu.choose``)."""
-    import sys
-    import types
-
-    from kvcx.codecs import cpu
-
-    for name, (mod, _) in cpu.VARIANTS.items():
-        full = f"{cpu.__name__}.{mod}"
-        if cpu.missing(name) and full not in sys.modules:
-            sys.modules[full] = types.ModuleType(full, f"kvcx's {name} kernels: not importable on this CPU")
-    return config

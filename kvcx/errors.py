@@ -13,6 +13,11 @@ class CodecError(KvcxError):
     """A tensor or codec setting the INT4 codec cannot handle."""
 
 
+class KernelImportError(CodecError, ImportError):
+    """A kernel variant module this CPU cannot run, imported by name (an ``ImportError`` too, so tools that walk a
+    package's modules and skip what cannot be imported skip it)."""
+
+
 class FormatError(KvcxError):
     """A file that is not valid safetensors, or not a valid kvcx packed file."""
 

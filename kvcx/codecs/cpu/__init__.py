@@ -15,15 +15,24 @@ The variants a build holds (``setup.py``): ``x86-64-v3`` (AVX2, FMA, F16C: the b
 another ``KVCX_MARCH``) only when a source build asks for it. At import the best variant this CPU can run is
 chosen (a built ``native`` first: it was built here); ``$KVCX_KERNELS`` forces one by name. :data:`core` is the
 chosen module: the only place the rest of :mod:`kvcx.codecs` reaches the kernels through.
+
+A variant this CPU cannot run is refused by name too: importing it (``import kvcx.codecs.cpu._v4`` on a CPU without
+AVX-512, as a tool that walks the package's modules does) raises :class:`~kvcx.errors.KernelImportError`, an
+``ImportError``, where running its module init, compiled for the other instruction set, would kill the process with
+SIGILL (:class:`VariantGuard`, first on ``sys.meta_path`` once this package is imported, as it is before any of its
+modules).
 """
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.machinery
 import importlib.util
 import os
+import sys
 from typing import Dict, Optional, Tuple
 
-from kvcx.errors import CodecError
+from kvcx.errors import CodecError, KernelImportError
 
 ENV = "KVCX_KERNELS"
 # variant -> (module, CPU features it needs, as NumPy's runtime dispatch names them), in order of preference
@@ -80,7 +89,49 @@ def choose(forced: Optional[str] = None, features: Optional[Dict[str, bool]] = N
                      f"{have[-1]}); build them here from source: KVCX_MARCH=native pip install --no-binary kvcx kvcx")
 
 
+class _Refused(importlib.abc.Loader):
+    """The loader of a variant this CPU cannot run: it raises before the module's own code runs."""
+
+    def __init__(self, name: str, lacking: list):
+        self.name, self.lacking = name, lacking
+
+    def create_module(self, spec):
+        have = [v for v in built() if not missing(v)]
+        raise KernelImportError(f"{spec.name}: kvcx's {self.name} kernels need CPU features this CPU lacks "
+                                f"({', '.join(self.lacking)}), and running its code here would kill the process; "
+                                f"use {__name__}.core (the variant this CPU runs: {', '.join(have) or 'none built'})")
+
+    def exec_module(self, module):   # never reached: create_module raises
+        raise AssertionError(module.__name__)
+
+
+class VariantGuard(importlib.abc.MetaPathFinder):
+    """Finds the variant modules this CPU cannot run (``features``: the CPU's, :func:`cpu_features` by default) and
+    hands the import system a loader that refuses them; every other name goes on to the usual finders. Specs are
+    still found (:func:`built` and ``importlib.util.find_spec`` see what is installed); only loading is refused."""
+
+    def __init__(self, features: Optional[Dict[str, bool]] = None):
+        self.features = features
+        self.modules = {f"{__name__}.{mod}": name for name, (mod, _) in VARIANTS.items()}
+
+    def find_spec(self, fullname, path=None, target=None):
+        name = self.modules.get(fullname)
+        if name is None:
+            return None
+        lacking = missing(name, self.features)
+        if not lacking:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, __path__ if path is None else path)
+        if spec is not None:
+            spec.loader = _Refused(name, lacking)
+        return spec
+
+
+# one guard however often this module runs (a reload makes a new class: matched by name)
+sys.meta_path[:] = [f for f in sys.meta_path if type(f).__qualname__ != "VariantGuard" or type(f).__module__ != __name__]
+sys.meta_path.insert(0, VariantGuard())
+
 variant = choose(os.environ.get(ENV) or None)
 core = importlib.import_module(f"{__name__}.{VARIANTS[variant][0]}")
 
-__all__ = ["core", "variant", "VARIANTS", "ENV", "built", "choose", "cpu_features", "missing"]
+__all__ = ["core", "variant", "VARIANTS", "ENV", "VariantGuard", "built", "choose", "cpu_features", "missing"]
