@@ -9,6 +9,7 @@ Exit codes: 0 success, 1 error (bad input; one red line, no traceback),
 """
 from __future__ import annotations
 
+import logging
 import re
 from contextlib import contextmanager
 from pathlib import Path
@@ -43,10 +44,23 @@ def _version(value: bool):
         raise typer.Exit()
 
 
+# What transformers imports whenever it is installed, talking at import: torchao on a CPU build of torch logs
+# "Failed to load ..." for each of its CUDA extensions, and torch's pytree a deprecation for each of torchao's enums.
+# Nothing a kvcx command does or can mend (it uses neither), and on a first `kvcx validate` it reads as a failure;
+# the command line quiets these loggers below ERROR. The library leaves logging alone.
+QUIET_LOGGERS = ("torchao", "torch.utils._pytree")
+
+
+def quiet_imports() -> None:
+    """Raise :data:`QUIET_LOGGERS` to ERROR: each command runs this first (the application's callback)."""
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
 @app.callback()
 def _main(version: Annotated[Optional[bool], typer.Option("--version", metavar=FLAG, callback=_version, is_eager=True,
                                                           help="Print the version and exit.")] = None):
-    pass
+    quiet_imports()
 
 
 _PARAM = re.compile(r"\b([a-z][a-z_]*)=('[^']*'|\S+?)(?=[\s,;:)]|$)")

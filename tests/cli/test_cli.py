@@ -54,6 +54,24 @@ def test_info_json():
     assert isinstance(i["openmp"], bool) and i["max_threads"] >= 1
 
 
+def test_a_command_quiets_what_transformers_imports_say_at_import():
+    """torchao, which transformers imports wherever it is installed (the test extra installs it), logs "Failed to
+    load" for its CUDA extensions on a CPU build of torch, and torch's pytree a deprecation for its enums: after any
+    command starts (here info) those loggers are at ERROR, and importing them prints nothing."""
+    pytest.importorskip("transformers")
+    code = ("import logging\n"
+            "from typer.testing import CliRunner\n"
+            "from kvcx.cli import app\n"
+            "assert CliRunner().invoke(app, ['info', '--json']).exit_code == 0\n"
+            "import transformers.quantizers.auto  # torchao, where it is installed\n"
+            "from kvcx.cli.app import QUIET_LOGGERS\n"
+            "print([logging.getLogger(n).getEffectiveLevel() for n in QUIET_LOGGERS])\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.strip().splitlines()[-1] == "[40, 40]", p.stdout
+    assert "Failed to load" not in p.stderr and "Enum subclass" not in p.stderr, p.stderr[-2000:]
+
+
 def test_compress_decompress_metrics_json(cache, tmp_path):
     out = tmp_path / "p.safetensors"
     r = run("compress", cache, out, "--group-size", "128", "--scheme", "reference", "--json")
