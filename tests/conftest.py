@@ -1,5 +1,6 @@
 import os
 import sys
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
@@ -46,6 +47,25 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
         rank[item.nodeid] = LONGEST_FIRST.index(rel) if rel in LONGEST_FIRST else len(LONGEST_FIRST)
     items.sort(key=lambda item: rank[item.nodeid])   # stable: the rest keep their order
+
+
+# Seconds each test file held a worker (setup, call and teardown of its tests, its module fixtures included), added
+# from the reports the workers send: with --durations (test-all, CI) the longest files are listed after the slowest
+# tests, the figures LONGEST_FIRST is ordered by and CI's time budget is cut from.
+_FILE_SECONDS = defaultdict(float)
+
+
+def pytest_runtest_logreport(report):
+    _FILE_SECONDS[report.nodeid.split("::")[0]] += report.duration
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if config.getoption("durations", None) is None or not _FILE_SECONDS:
+        return
+    total = sum(_FILE_SECONDS.values())
+    terminalreporter.write_sep("=", f"longest 15 files ({total:.0f} worker-seconds in all)")
+    for name, seconds in sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1])[:15]:
+        terminalreporter.write_line(f"{seconds:8.1f}s {100 * seconds / total:5.1f}%  {name}")
 
 
 @pytest.fixture(scope="session")
