@@ -121,10 +121,10 @@ class VariantGuard(importlib.abc.MetaPathFinder):
         lacking = missing(name, self.features)
         if not lacking:
             return None
-        spec = importlib.machinery.PathFinder.find_spec(fullname, __path__ if path is None else path)
-        if spec is not None:
-            spec.loader = _Refused(name, lacking)
-        return spec
+        found = importlib.machinery.PathFinder.find_spec(fullname, __path__ if path is None else path)
+        if found is None:
+            return None
+        return importlib.machinery.ModuleSpec(fullname, _Refused(name, lacking), origin=found.origin)
 
 
 # one guard however often this module runs (a reload makes a new class: matched by name)
